@@ -1,0 +1,25 @@
+"""Declarative pipeline schedules: load, compile, validate, simulate, run on DeepSpeed."""
+from .compiler import compile_schedule, resolve_params
+from .ir import CompiledSchedule, Op, OpKind
+from .spec import ScheduleError, ScheduleSpec, available, load_spec
+
+
+def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True, **params) -> CompiledSchedule:
+    """Load and compile a schedule for every stage; validate it unless told not to."""
+    spec = load_spec(name_or_path)
+    compiled = compile_schedule(spec, stages, micro_batches, params, source=str(name_or_path))
+    if validate:
+        from .validator import validate as _validate
+        _validate(compiled)
+    return compiled
+
+
+def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True, **params):
+    """A DeepSpeed ``PipeSchedule`` for one stage of the named (or file) schedule."""
+    from .deepspeed_schedule import DeclaredSchedule
+    compiled = compile(name_or_path, stages, micro_batches, validate=validate, **params)
+    return DeclaredSchedule(compiled, stage_id)
+
+
+__all__ = ["available", "build", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
+           "Op", "OpKind", "ScheduleError", "ScheduleSpec"]

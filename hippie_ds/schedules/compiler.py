@@ -1,0 +1,253 @@
+"""Lower a schedule declaration to per-stage streams of ops (the IR). Pure Python.
+
+Passes, in order:
+1. resolve parameters and check the schedule's requirements;
+2. place every stage's compute ops at their declared steps;
+3. add the loads (first and last stage, before each forward), receives (in the op's step) and
+   sends (in the next step, or the same one), ordered as DeepSpeed's TrainSchedule orders them:
+   in a step whose op consumes an activation, send the previous result first, then receive;
+   in a backward step, receive first, then send (this pairs neighbours in 1F1B without
+   deadlock under blocking p2p);
+4. add prologue / epilogue ops and WAIT_SENDS after a stage's last non-blocking send;
+5. allocate pipeline buffer slots from micro-batch lifetimes (cyclic ``mb % n`` when it is
+   conflict-free, as DeepSpeed does, else interval colouring), n >= 2 like DeepSpeed.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+from .expr import ExpressionError
+from .ir import CompiledSchedule, Op, OpKind, SEND_KINDS
+from .spec import ComputeRule, ScheduleError, ScheduleSpec
+
+_FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
+
+
+def _check_counts(stages: Any, micro_batches: Any) -> None:
+    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} = {value!r}: must be an integer >= 1")
+
+
+def resolve_params(spec: ScheduleSpec, stages: int, micro_batches: int, given: Mapping[str, Any]) -> dict:
+    """Declared defaults overlaid with ``given``, type- and range-checked; 'auto' lists resolved
+    with the declaration's no-cost rule (cost-based choice: ``simulator.resolve_auto_params``)."""
+    unknown = set(given) - set(spec.params)
+    if unknown:
+        allowed = ", ".join(sorted(spec.params)) or "none"
+        raise ScheduleError(f"schedule {spec.name!r} has no parameter {', '.join(sorted(unknown))}; "
+                            f"its parameters: {allowed}")
+    env = {"stages": stages, "micro_batches": micro_batches}
+    out: dict[str, Any] = {}
+    for name, p in spec.params.items():
+        value = given.get(name, p.default)
+        if value is None:
+            value = p.default
+        if p.kind == "stage_list":
+            if value == "auto":
+                if p.auto is None:
+                    raise ScheduleError(f"parameter {name}: 'auto' is not supported by schedule {spec.name!r}")
+                value = _eval(p.auto, env, f"params.{name}.auto")
+            if isinstance(value, str):  # "0,1" from a command line
+                try:
+                    value = [int(v) for v in value.split(",") if v.strip()]
+                except ValueError:
+                    raise ScheduleError(f"parameter {name} = {value!r}: expected 'auto' or a list of stage "
+                                        f"indices in 0..{stages - 1}") from None
+            try:
+                value = sorted({int(v) for v in value})
+            except (TypeError, ValueError):
+                raise ScheduleError(f"parameter {name} = {value!r}: expected 'auto' or a list of stage "
+                                    f"indices in 0..{stages - 1}") from None
+            bad = [v for v in value if not 0 <= v < stages]
+            if bad:
+                raise ScheduleError(f"parameter {name} = {value}: stage(s) {bad} out of range; "
+                                    f"allowed 0..{stages - 1} for {stages} stages")
+        elif p.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ScheduleError(f"parameter {name} = {value!r}: expected an integer")
+        elif p.kind == "bool":
+            if not isinstance(value, bool):
+                raise ScheduleError(f"parameter {name} = {value!r}: expected true or false")
+        out[name] = value
+    return out
+
+
+def _eval(expr, env: Mapping[str, Any], where: str):
+    try:
+        return expr.evaluate(env)
+    except ExpressionError as exc:
+        raise ScheduleError(f"{where}: {exc}") from None
+    except TypeError as exc:
+        raise ScheduleError(f"{where}: expression {expr.source!r} failed: {exc}") from None
+
+
+def _int(expr, env, where) -> int:
+    value = _eval(expr, env, where)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScheduleError(f"{where}: expression {expr.source!r} gave {value!r}, expected an integer")
+    return value
+
+
+def _place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[Op, ComputeRule]]:
+    placed: dict[int, tuple[Op, ComputeRule]] = {}
+    for i, rule in enumerate(spec.compute):
+        where = f"schedule {spec.name!r} compute[{i}] ({rule.op})"
+        for mb in range(env["micro_batches"]):
+            local = dict(env, stage=stage, mb=mb)
+            if not _eval(rule.when, local, where + " when"):
+                continue
+            step = _int(rule.at, local, where + " at")
+            if step < 0:
+                raise ScheduleError(f"{where}: stage {stage} micro-batch {mb} placed at step {step} < 0")
+            if step in placed:
+                other = placed[step][0]
+                raise ScheduleError(f"{where}: stage {stage} step {step}: {rule.op}(mb={mb}) collides with "
+                                    f"{other.kind.value}(mb={other.micro_batch}); one compute op per step")
+            placed[step] = (Op(OpKind(rule.op), stage, step, mb), rule)
+    return placed
+
+
+def _sends_of(op: Op, rule: ComputeRule, stages: int, step: int) -> list[Op]:
+    """The send carrying ``op``'s result to its neighbour, if it has one."""
+    s = op.stage
+    if op.kind == OpKind.FORWARD and s < stages - 1:
+        kind = OpKind.SEND_ACTIVATION
+    elif op.kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD) and s > 0:
+        kind = OpKind.SEND_GRAD
+    else:
+        return []
+    return [Op(kind, s, step, op.micro_batch, blocking=rule.send.blocking)]
+
+
+def _recvs_of(op: Op, stages: int) -> list[Op]:
+    s = op.stage
+    if op.kind in _FORWARD_LIKE and s > 0:
+        return [Op(OpKind.RECV_ACTIVATION, s, op.step, op.micro_batch)]
+    if op.kind == OpKind.BACKWARD and s < stages - 1:
+        return [Op(OpKind.RECV_GRAD, s, op.step, op.micro_batch)]
+    return []
+
+
+def _lower_stage(placed: dict[int, tuple[Op, ComputeRule]], stages: int) -> dict[int, list[Op]]:
+    """Steps (sparse) of compute with loads, receives and sends added."""
+    steps: dict[int, list[Op]] = {}
+    last = max(placed)
+    for t in range(last + 2):
+        cur = placed.get(t)
+        prev = placed.get(t - 1)
+        prev_sends = _sends_of(prev[0], prev[1], stages, t) if prev and prev[1].send.when == "next_step" else []
+        ops: list[Op] = []
+        if cur:
+            op, rule = cur
+            recvs = _recvs_of(op, stages)
+            ops += prev_sends + recvs if op.kind in _FORWARD_LIKE else recvs + prev_sends
+            if op.kind in _FORWARD_LIKE and op.stage in (0, stages - 1):
+                ops.append(Op(OpKind.LOAD, op.stage, t, op.micro_batch))
+            ops.append(op)
+            if rule.send.when == "same_step":
+                ops += _sends_of(op, rule, stages, t)
+        else:
+            ops += prev_sends
+        if ops:
+            steps[t] = ops
+    return steps
+
+
+def _allocate_buffers(ops: list[Op]) -> tuple[dict[int, int], int]:
+    """Map micro-batch -> buffer slot. A micro-batch occupies its slot from its first buffer op
+    to its last one; a non-blocking send releases it at issue (the engine keeps the tensor)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.micro_batch is None:
+            continue
+        first.setdefault(op.micro_batch, i)
+        last[op.micro_batch] = i
+    order = sorted(first, key=first.get)
+    events = sorted([(first[m], 1) for m in order] + [(last[m], -1) for m in order], key=lambda e: (e[0], -e[1]))
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    n = max(2, peak)
+
+    def conflicts(assign: dict[int, int]) -> bool:
+        holder: dict[int, int] = {}
+        for m in order:
+            b = assign[m]
+            if b in holder and last[holder[b]] >= first[m]:
+                return True
+            holder[b] = m
+        return False
+
+    cyclic = {m: m % n for m in order}
+    if not conflicts(cyclic):
+        return cyclic, n
+    # Interval-graph colouring by start time is optimal: uses exactly `peak` slots.
+    free_at: list[int] = []  # slot -> index after which it is free
+    assign: dict[int, int] = {}
+    for m in order:
+        slot = next((b for b, t in enumerate(free_at) if t < first[m]), None)
+        if slot is None:
+            slot = len(free_at)
+            free_at.append(-1)
+        assign[m] = slot
+        free_at[slot] = last[m]
+    return assign, n
+
+
+def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params: Mapping[str, Any] | None = None,
+                     source: str = "") -> CompiledSchedule:
+    """Compile ``spec`` for ``stages`` x ``micro_batches``; raises ScheduleError naming the problem."""
+    _check_counts(stages, micro_batches)
+    resolved = resolve_params(spec, stages, micro_batches, params or {})
+    env = {"stages": stages, "micro_batches": micro_batches, **resolved}
+    for req in spec.requires:
+        if not _eval(req.check, env, f"schedule {spec.name!r} requires"):
+            raise ScheduleError(f"schedule {spec.name!r} cannot run {stages} stages x {micro_batches} micro-batches "
+                                f"with {resolved}: {req.message} ({req.check.source})")
+
+    sparse = []
+    for s in range(stages):
+        placed = _place_compute(spec, s, env)
+        if not placed:
+            raise ScheduleError(f"schedule {spec.name!r}: stage {s} has no compute ops for "
+                                f"{stages} stages x {micro_batches} micro-batches")
+        sparse.append(_lower_stage(placed, stages))
+
+    needed = max(max(steps) + 1 for steps in sparse)
+    if spec.steps is not None:
+        num_steps = _int(spec.steps, env, f"schedule {spec.name!r} steps")
+        if num_steps < needed:
+            raise ScheduleError(f"schedule {spec.name!r}: steps = {num_steps} but ops are placed up to step "
+                                f"{needed - 1}; steps must be at least {needed}")
+    else:
+        num_steps = needed
+
+    streams: list[list[list[Op]]] = []
+    num_buffers: list[int] = []
+    for s in range(stages):
+        steps = [list(sparse[s].get(t, [])) for t in range(num_steps)]
+        stage_env = dict(env, stage=s)
+        stage_end = max(sparse[s])
+        has_isend = any(op.kind in SEND_KINDS and not op.blocking for step in steps for op in step)
+        if has_isend:
+            steps[stage_end].append(Op(OpKind.WAIT_SENDS, s, stage_end))
+        steps[0][:0] = [Op(p.kind, s, 0, target=p.target) for i, p in enumerate(spec.prologue)
+                        if _eval(p.when, stage_env, f"schedule {spec.name!r} prologue[{i}] when")]
+        for i, placed_op in enumerate(spec.epilogue):
+            if _eval(placed_op.when, stage_env, f"schedule {spec.name!r} epilogue[{i}] when"):
+                t = num_steps - 1 if placed_op.at == "end" else stage_end
+                steps[t].append(Op(placed_op.kind, s, t, target=placed_op.target))
+        flat = [op for step in steps for op in step]
+        assign, n = _allocate_buffers(flat)
+        steps = [[replace(op, buffer=assign[op.micro_batch]) if op.micro_batch is not None else op for op in step]
+                 for step in steps]
+        streams.append(steps)
+        num_buffers.append(n)
+
+    return CompiledSchedule(name=spec.name, stages=stages, micro_batches=micro_batches, params=resolved,
+                            streams=streams, num_buffers=num_buffers, source=source, description=spec.description,
+                            uses_tied_reduction=any(p.kind == OpKind.REDUCE_TIED_GRADS for p in spec.epilogue))

@@ -1,0 +1,108 @@
+"""A compiled schedule as a DeepSpeed ``PipeSchedule``: DeepSpeed's own instruction classes
+where they exist, new ``PipeInstruction`` subclasses for the rest. Imports DeepSpeed."""
+from __future__ import annotations
+
+from deepspeed.runtime.pipe import schedule as ds
+
+from .ir import CompiledSchedule, Op, OpKind
+
+
+class ForwardBackwardPass(ds.BufferOpInstruction):
+    """Forward and backward of one micro-batch back to back (the loss stage); frees its
+    activations before the next micro-batch arrives."""
+
+
+class ISendActivation(ds.BufferOpInstruction):
+    """Non-blocking send of a buffer's activations; completed by :class:`WaitSends`."""
+
+
+class ISendGrad(ds.BufferOpInstruction):
+    """Non-blocking send of a buffer's input gradients; completed by :class:`WaitSends`."""
+
+
+class WaitSends(ds.PipeInstruction):
+    """Wait until every non-blocking send this stage issued has completed."""
+
+
+class StartAllReduce(ds.PipeInstruction):
+    """Start an asynchronous all-reduce (average) over this stage's data-parallel group, of the
+    parameters' gradients (``target='grads'``) or of the gradient buffer (``target='buffer'``).
+    The handle outlives ``train_batch`` when the schedule waits for it in the next call."""
+
+
+class WaitAllReduce(ds.PipeInstruction):
+    """Wait for the all-reduce started by :class:`StartAllReduce` with the same target."""
+
+
+class CopyGradsToBuffer(ds.PipeInstruction):
+    """Move this stage's accumulated gradients into its gradient buffer and zero them."""
+
+
+class ApplyBufferedUpdate(ds.PipeInstruction):
+    """Take an optimizer step with the (reduced) gradient buffer; skipped while it is empty."""
+
+
+class StageOptimizerStep(ds.PipeInstruction):
+    """Optimizer step of this stage alone: no pipeline-wide gradient-norm reduction."""
+
+
+_BUFFER_OPS = {
+    OpKind.LOAD: ds.LoadMicroBatch,
+    OpKind.FORWARD: ds.ForwardPass,
+    OpKind.BACKWARD: ds.BackwardPass,
+    OpKind.FORWARD_BACKWARD: ForwardBackwardPass,
+    OpKind.RECV_ACTIVATION: ds.RecvActivation,
+    OpKind.RECV_GRAD: ds.RecvGrad,
+}
+_SENDS = {
+    (OpKind.SEND_ACTIVATION, True): ds.SendActivation,
+    (OpKind.SEND_ACTIVATION, False): ISendActivation,
+    (OpKind.SEND_GRAD, True): ds.SendGrad,
+    (OpKind.SEND_GRAD, False): ISendGrad,
+}
+_PLAIN_OPS = {
+    OpKind.REDUCE_TIED_GRADS: ds.ReduceTiedGrads,
+    OpKind.REDUCE_GRADS: ds.ReduceGrads,
+    OpKind.OPTIMIZER_STEP: ds.OptimizerStep,
+    OpKind.STAGE_OPTIMIZER_STEP: StageOptimizerStep,
+    OpKind.COPY_GRADS_TO_BUFFER: CopyGradsToBuffer,
+    OpKind.APPLY_BUFFERED_UPDATE: ApplyBufferedUpdate,
+    OpKind.WAIT_SENDS: WaitSends,
+}
+
+NEW_INSTRUCTIONS = (ForwardBackwardPass, ISendActivation, ISendGrad, WaitSends, StartAllReduce, WaitAllReduce,
+                    CopyGradsToBuffer, ApplyBufferedUpdate, StageOptimizerStep)
+
+
+def to_instruction(op: Op) -> ds.PipeInstruction:
+    if op.kind in _BUFFER_OPS:
+        return _BUFFER_OPS[op.kind](op.buffer)
+    if (op.kind, op.blocking) in _SENDS:
+        return _SENDS[(op.kind, op.blocking)](op.buffer)
+    if op.kind == OpKind.START_ALLREDUCE:
+        return StartAllReduce(target=op.target)
+    if op.kind == OpKind.WAIT_ALLREDUCE:
+        return WaitAllReduce(target=op.target)
+    return _PLAIN_OPS[op.kind]()
+
+
+class DeclaredSchedule(ds.PipeSchedule):
+    """One stage's view of a compiled schedule, as DeepSpeed's engine consumes it."""
+
+    def __init__(self, compiled: CompiledSchedule, stage_id: int):
+        if not 0 <= stage_id < compiled.stages:
+            raise ValueError(f"stage_id = {stage_id}: allowed 0..{compiled.stages - 1}")
+        super().__init__(compiled.micro_batches, compiled.stages, stage_id)
+        self.compiled = compiled
+        self._steps = [[to_instruction(op) for op in step] for step in compiled.streams[stage_id]]
+
+    def steps(self):
+        for step in self._steps:
+            yield list(step)
+
+    def num_pipe_buffers(self) -> int:
+        return self.compiled.num_buffers[self.stage_id]
+
+    def __repr__(self) -> str:
+        return f"DeclaredSchedule({self.compiled.name!r}, stages={self.stages}, micro_batches={self.micro_batches}, " \
+               f"stage_id={self.stage_id})"

@@ -1,0 +1,2 @@
+def validate(compiled):
+    return compiled
