@@ -1,2 +1,517 @@
-def validate(compiled):
+"""Static validation of a compiled schedule. Pure Python, no torch.
+
+Two analyses, both over ``iterations`` consecutive runs of the schedule (consecutive
+``train_batch`` calls: deferred stages leave a filled gradient buffer and an in-flight
+all-reduce behind, so one run alone cannot show whether the next one consumes them):
+
+* a simulation of every stage's stream together, with p2p modelled as the engine runs it
+  (blocking sends are rendezvous, non-blocking ones are queued until WAIT_SENDS, FIFO channels,
+  pipeline collectives matched by count), to find deadlocks and mis-matched messages;
+* a per-stage pass over the stream for data flow (every micro-batch loaded / received /
+  computed / sent in a valid order), pipeline buffer slots and the gradient state machine.
+
+Problems are collected, not raised one by one: :func:`check` returns them all, :func:`validate`
+raises :class:`ScheduleValidationError` listing them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from .ir import ALLREDUCE_TARGETS, BUFFER_KINDS, PIPELINE_COLLECTIVE_KINDS, CompiledSchedule, Op, OpKind
+from .spec import ScheduleError
+
+_MAX_LISTED = 20
+
+_FORWARD_LIKE = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+_BACKWARD_LIKE = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD})
+_MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
+_UPDATE_KINDS = frozenset({OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP, OpKind.COPY_GRADS_TO_BUFFER})
+# send kind -> the recv it pairs with on the peer, and back; which way each goes (+1: to s+1).
+_MATCHING_RECV = {OpKind.SEND_ACTIVATION: OpKind.RECV_ACTIVATION, OpKind.SEND_GRAD: OpKind.RECV_GRAD}
+_MATCHING_SEND = {v: k for k, v in _MATCHING_RECV.items()}
+_DIRECTION = {OpKind.SEND_ACTIVATION: +1, OpKind.SEND_GRAD: -1,
+              OpKind.RECV_ACTIVATION: -1, OpKind.RECV_GRAD: +1}
+
+
+@dataclass(frozen=True)
+class Problem:
+    stage: int
+    step: int | None
+    op: str | None  # str(op) of the offending Op
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"stage {self.stage}"
+        if self.step is not None:
+            where += f" step {self.step}"
+        if self.op is not None:
+            where += f" {self.op}"
+        return f"{where}: {self.reason}"
+
+
+class ScheduleValidationError(ScheduleError):
+    """A compiled schedule that would deadlock, compute wrong results or lose gradients."""
+
+    def __init__(self, compiled: CompiledSchedule, problems: list[Problem]):
+        self.compiled = compiled
+        self.problems = list(problems)
+        lines = [str(p) for p in self.problems[:_MAX_LISTED]]
+        if len(self.problems) > _MAX_LISTED:
+            lines.append(f"... and {len(self.problems) - _MAX_LISTED} more")
+        super().__init__(f"schedule {compiled.name} ({compiled.stages} stages x {compiled.micro_batches} "
+                         f"micro-batches, params {compiled.params}): {len(self.problems)} problem(s):\n  "
+                         + "\n  ".join(lines))
+
+
+def check(compiled: CompiledSchedule, iterations: int = 2) -> list[Problem]:
+    """Every problem found in ``compiled`` run ``iterations`` times in a row (deduplicated:
+    a fault repeated in each iteration is reported once)."""
+    if iterations < 1:
+        raise ValueError(f"iterations = {iterations}: must be >= 1")
+    problems = _check_shape(compiled)
+    if not problems:  # the analyses index streams and buffers by stage
+        problems += _Simulation(compiled, iterations).run()
+        for s in range(compiled.stages):
+            problems += _StageChecker(compiled, s).run(iterations)
+    return _unique(problems)
+
+
+def validate(compiled: CompiledSchedule) -> CompiledSchedule:
+    """``compiled`` itself if :func:`check` finds nothing, else raise ScheduleValidationError."""
+    problems = check(compiled)
+    if problems:
+        raise ScheduleValidationError(compiled, problems)
     return compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+def _unique(problems: Iterable[Problem]) -> list[Problem]:
+    return list(dict.fromkeys(problems))
+
+
+def _problem(op: Op, reason: str, stage: int | None = None) -> Problem:
+    return Problem(op.stage if stage is None else stage, op.step, str(op), reason)
+
+
+def _short(op: Op) -> str:
+    """``recv_grad(mb=3)``: the op as the reasons name it (slot and flags omitted)."""
+    return f"{op.kind.value}(mb={op.micro_batch})" if op.micro_batch is not None else op.kind.value
+
+
+def _check_shape(compiled: CompiledSchedule) -> list[Problem]:
+    """The stream layout the analyses rely on: one stream and one slot count per stage, ops
+    that say which stage and step they are in, the fields each kind needs."""
+    problems = []
+    K = compiled.stages
+    if len(compiled.streams) != K or len(compiled.num_buffers) != K:
+        return [Problem(0, None, None, f"{K} stages but {len(compiled.streams)} streams and "
+                                       f"{len(compiled.num_buffers)} buffer counts")]
+    for s, stream in enumerate(compiled.streams):
+        for t, step in enumerate(stream):
+            for op in step:
+                if op.stage != s or op.step != t:
+                    problems.append(_problem(op, f"op says stage {op.stage} step {op.step} but is in stage "
+                                                 f"{s}'s stream at step {t}", stage=s))
+                if op.kind in _MB_KINDS and op.micro_batch is None:
+                    problems.append(_problem(op, f"{op.kind.value} without a micro-batch"))
+                if op.kind in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE) and op.target not in ALLREDUCE_TARGETS:
+                    problems.append(_problem(op, f"{op.kind.value} needs target one of {', '.join(ALLREDUCE_TARGETS)}"))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication: all stages together
+
+class _Message:
+    __slots__ = ("op", "iteration", "received")
+
+    def __init__(self, op: Op, iteration: int):
+        self.op = op
+        self.iteration = iteration
+        self.received = False
+
+
+class _Simulation:
+    """Runs the K streams round-robin, each as far as it can go, until all finish or none can
+    move. Only p2p, WAIT_SENDS and pipeline collectives can block; every other op is local."""
+
+    def __init__(self, compiled: CompiledSchedule, iterations: int):
+        self.K = compiled.stages
+        self.iterations = iterations
+        # stage -> [(iteration, op)] in execution order
+        self.flat = [[(i, op) for i in range(iterations) for op in compiled.ops(s)] for s in range(self.K)]
+        self.pc = [0] * self.K
+        self.channels: dict[tuple[int, int], deque[_Message]] = {}
+        self.blocked_send: list[_Message | None] = [None] * self.K  # blocking send issued, not yet received
+        self.isends: list[list[_Message]] = [[] for _ in range(self.K)]  # non-blocking, not yet waited for
+        self.collectives_done = [0] * self.K
+        self.arrivals: list[dict[int, Op]] = []  # k-th pipeline collective: stage -> its op
+        self.problems: list[Problem] = []
+
+    def run(self) -> list[Problem]:
+        progress = True
+        while progress:
+            progress = False
+            for s in range(self.K):
+                while self._advance(s):
+                    progress = True
+        if all(self._finished(s) for s in range(self.K)):
+            for channel in self.channels.values():
+                for msg in channel:
+                    peer = msg.op.stage + _DIRECTION[msg.op.kind]
+                    self.problems.append(_problem(msg.op, f"unmatched: {_short(msg.op)} to stage {peer} "
+                                                          "is never received"))
+        else:
+            for s in range(self.K):
+                if not self._finished(s):
+                    self.problems.append(self._stuck(s))
+        return self.problems
+
+    def _finished(self, s: int) -> bool:
+        return self.pc[s] >= len(self.flat[s])
+
+    def _advance(self, s: int) -> bool:
+        """Run stage s's next op if it can; True if anything changed."""
+        if self._finished(s):
+            return False
+        iteration, op = self.flat[s][self.pc[s]]
+        kind = op.kind
+        if kind in _MATCHING_RECV:  # a send
+            return self._send(s, iteration, op)
+        if kind in _MATCHING_SEND:  # a recv
+            return self._recv(s, iteration, op)
+        if kind == OpKind.WAIT_SENDS:
+            self.isends[s] = [m for m in self.isends[s] if not m.received]
+            if self.isends[s]:
+                return False
+        elif kind in PIPELINE_COLLECTIVE_KINDS:
+            return self._collective(s, op)
+        self.pc[s] += 1
+        return True
+
+    def _send(self, s: int, iteration: int, op: Op) -> bool:
+        peer = s + _DIRECTION[op.kind]
+        if not 0 <= peer < self.K:
+            self.problems.append(_problem(op, f"unmatched: {_short(op)} to stage {peer}, which does not exist"))
+            self.pc[s] += 1
+            return True
+        if op.blocking:
+            msg = self.blocked_send[s]
+            if msg is None:  # issue it; the peer's recv may now complete
+                msg = self.blocked_send[s] = _Message(op, iteration)
+                self.channels.setdefault((s, peer), deque()).append(msg)
+                return True
+            if not msg.received:
+                return False
+            self.blocked_send[s] = None
+        else:
+            msg = _Message(op, iteration)
+            self.channels.setdefault((s, peer), deque()).append(msg)
+            self.isends[s].append(msg)
+        self.pc[s] += 1
+        return True
+
+    def _recv(self, s: int, iteration: int, op: Op) -> bool:
+        peer = s + _DIRECTION[op.kind]
+        if not 0 <= peer < self.K:
+            self.problems.append(_problem(op, f"unmatched: {_short(op)} from stage {peer}, which does not exist"))
+            self.pc[s] += 1
+            return True
+        channel = self.channels.get((peer, s))
+        if not channel:
+            return False
+        msg = channel.popleft()
+        msg.received = True
+        if msg.op.micro_batch != op.micro_batch or msg.iteration != iteration:
+            later = "" if msg.iteration == iteration else \
+                f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
+            self.problems.append(_problem(op, f"mis-ordered: stage {s} {_short(op)} received "
+                                              f"mb={msg.op.micro_batch} from stage {peer}{later}"))
+        self.pc[s] += 1
+        return True
+
+    def _collective(self, s: int, op: Op) -> bool:
+        k = self.collectives_done[s]
+        while len(self.arrivals) <= k:
+            self.arrivals.append({})
+        arrived = self.arrivals[k]
+        new = s not in arrived
+        arrived[s] = op
+        if len(arrived) < self.K:
+            return new
+        if s == 0:  # every stage has arrived: check the kinds once, against stage 0's
+            first = arrived[0]
+            for other, other_op in sorted(arrived.items()):
+                if other_op.kind != first.kind:
+                    self.problems.append(_problem(other_op, f"pipeline collective #{k + 1} mismatched: stage {other} "
+                                                            f"runs {other_op.kind.value} while stage {s} runs "
+                                                            f"{first.kind.value}"))
+        self.collectives_done[s] += 1
+        self.pc[s] += 1
+        return True
+
+    # -- reporting a stuck pipeline --
+
+    def _at(self, s: int) -> str:
+        """Where stage s is, for a reason naming it as a peer."""
+        if self._finished(s):
+            return f"stage {s} has finished its stream"
+        iteration, op = self.flat[s][self.pc[s]]
+        return f"stage {s} is blocked at step {op.step}{self._call(iteration)} on {self._doing(s, op)}"
+
+    def _call(self, iteration: int) -> str:
+        return f" of train_batch call {iteration + 1}" if iteration else ""
+
+    def _doing(self, s: int, op: Op) -> str:
+        if op.kind in _MATCHING_RECV:
+            return f"{_short(op)} to stage {s + _DIRECTION[op.kind]}"
+        if op.kind in _MATCHING_SEND:
+            return f"{_short(op)} from stage {s + _DIRECTION[op.kind]}"
+        if op.kind in PIPELINE_COLLECTIVE_KINDS:
+            return f"{op.kind.value} (pipeline collective #{self.collectives_done[s] + 1})"
+        return _short(op)
+
+    def _stuck(self, s: int) -> Problem:
+        iteration, op = self.flat[s][self.pc[s]]
+        call = self._call(iteration)
+        if op.kind in _MATCHING_RECV:
+            peer = s + _DIRECTION[op.kind]
+            if self._finished(peer):
+                reason = f"unmatched: blocking {_short(op)} to stage {peer} is never received ({self._at(peer)})"
+            else:
+                reason = (f"deadlock: blocking {_short(op)} to stage {peer} waits for a matching "
+                          f"{_MATCHING_RECV[op.kind].value}, but {self._at(peer)}")
+        elif op.kind in _MATCHING_SEND:
+            peer = s + _DIRECTION[op.kind]
+            if self._finished(peer):
+                reason = f"unmatched: {_short(op)} from stage {peer} is never sent ({self._at(peer)})"
+            else:
+                reason = (f"deadlock: {_short(op)} waits for a {_MATCHING_SEND[op.kind].value} from stage {peer}, "
+                          f"but {self._at(peer)}")
+        elif op.kind == OpKind.WAIT_SENDS:
+            peers = [m.op.stage + _DIRECTION[m.op.kind] for m in self.isends[s]]
+            waits = "; ".join(f"{_short(m.op)} to stage {p} ({self._at(p)})" for m, p in zip(self.isends[s], peers))
+            if all(self._finished(p) for p in peers):
+                reason = f"unmatched: wait_sends waits for sends that are never received: {waits}"
+            else:
+                reason = f"deadlock: wait_sends waits for sends to be received: {waits}"
+        else:  # pipeline collective
+            k = self.collectives_done[s]
+            missing = [p for p in range(self.K) if p not in self.arrivals[k]]
+            reason = (f"deadlock: {op.kind.value} is pipeline collective #{k + 1} and waits for every stage, but "
+                      + "; ".join(self._at(p) for p in missing))
+        return _problem(op, reason + (f" (in train_batch call {iteration + 1})" if call else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data flow, buffer slots and gradients: one stage at a time
+
+class _StageChecker:
+    """One stage's stream, run ``iterations`` times. Gradient and gradient-buffer state carry
+    over between iterations; everything about micro-batches is per iteration."""
+
+    def __init__(self, compiled: CompiledSchedule, stage: int):
+        self.s = stage
+        self.K = compiled.stages
+        self.M = compiled.micro_batches
+        self.num_buffers = compiled.num_buffers[stage]
+        self.ops = list(compiled.ops(stage))
+        self.problems: list[Problem] = []
+        # Parameter gradients: "empty" | "accumulating" | "reduced", plus an async all-reduce flag.
+        self.grads = "empty"
+        self.grads_reducing = False
+        # Gradient buffer: "empty" | "filled" | "reducing" | "reduced".
+        self.buffer = "empty"
+
+    def run(self, iterations: int) -> list[Problem]:
+        self._check_slots()  # the same in every iteration
+        for _ in range(iterations):
+            self._iteration()
+        return self.problems
+
+    def _add(self, op: Op, reason: str) -> None:
+        self.problems.append(_problem(op, reason, stage=self.s))
+
+    def _iteration(self) -> None:
+        s, K, M = self.s, self.K, self.M
+        loaded, recv_act, recv_grad, fwd, bwd = set(), set(), set(), set(), set()
+        self.bwd = bwd
+        self.update: Op | None = None  # this iteration's optimizer step / copy
+        self.weights_changed: Op | None = None  # an update that changed this stage's weights
+        for op in self.ops:
+            kind, mb = op.kind, op.micro_batch
+            if kind in _MB_KINDS and mb is not None and not 0 <= mb < M:
+                self._add(op, f"micro-batch {mb} outside 0..{M - 1}")
+                continue
+            if kind == OpKind.LOAD:
+                if mb in loaded:
+                    self._add(op, f"micro-batch {mb} loaded twice (the data iterator advances on each load)")
+                loaded.add(mb)
+            elif kind == OpKind.RECV_ACTIVATION:
+                recv_act.add(mb)
+            elif kind == OpKind.RECV_GRAD:
+                recv_grad.add(mb)
+            elif kind == OpKind.SEND_ACTIVATION and mb not in fwd:
+                self._add(op, f"sends micro-batch {mb}'s activation before its forward")
+            elif kind == OpKind.SEND_GRAD and mb not in bwd:
+                self._add(op, f"sends micro-batch {mb}'s gradient before its backward")
+            if kind in _FORWARD_LIKE:
+                if mb in fwd:
+                    self._add(op, f"micro-batch {mb} forwarded twice")
+                if s > 0 and mb not in recv_act:
+                    self._add(op, f"forward of micro-batch {mb} before its activation is received (recv_activation)")
+                if s in (0, K - 1) and mb not in loaded:
+                    what = "inputs" if s == 0 else "labels"
+                    self._add(op, f"forward of micro-batch {mb} before its {what} are loaded (load_micro_batch)")
+                if self.weights_changed is not None and kind == OpKind.FORWARD:
+                    self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
+                                  f"{self.weights_changed.step}: runs on weights already updated")
+                fwd.add(mb)
+            if kind in _BACKWARD_LIKE:
+                self._backward(op, fwd, recv_grad)
+            elif kind not in _MB_KINDS:
+                self._gradient_op(op)
+        for mb in range(M):
+            if mb not in fwd:
+                self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never forwarded"))
+            if mb not in bwd:
+                self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never backwarded"))
+        self._end_of_iteration()
+
+    def _backward(self, op: Op, fwd: set, recv_grad: set) -> None:
+        mb = op.micro_batch
+        if op.kind == OpKind.BACKWARD and mb not in fwd:
+            self._add(op, f"backward of micro-batch {mb} before its forward")
+        if mb in self.bwd:
+            self._add(op, f"micro-batch {mb} backwarded twice")
+        if self.s < self.K - 1 and mb not in recv_grad:
+            self._add(op, f"backward of micro-batch {mb} before its output gradient is received (recv_grad)")
+        if self.update is not None:
+            self._add(op, f"backward after this iteration's {self.update.kind.value} at step {self.update.step}: "
+                          "its gradient is lost or applied in the wrong step")
+        elif self.weights_changed is not None:
+            self._add(op, f"backward after this iteration's {self.weights_changed.kind.value} at step "
+                          f"{self.weights_changed.step}: weights changed between forward and backward")
+        if self.grads_reducing:
+            self._add(op, "backward while the gradients' all-reduce is in flight")
+        self.bwd.add(mb)
+        self.grads = "accumulating"
+
+    def _all_backwards_done(self, op: Op) -> bool:
+        missing = [m for m in range(self.M) if m not in self.bwd]
+        if missing:
+            self._add(op, f"{op.kind.value} before all {self.M} backwards of this iteration "
+                          f"(micro-batch(es) {', '.join(map(str, missing))} not yet backwarded)")
+        return not missing
+
+    def _gradient_op(self, op: Op) -> None:
+        kind = op.kind
+        if kind in _UPDATE_KINDS:
+            if self.update is not None:
+                self._add(op, f"second update in one iteration (already {self.update.kind.value} at step "
+                              f"{self.update.step}); a stage applies or buffers its gradients exactly once")
+            self.update = self.update or op
+        if kind == OpKind.REDUCE_GRADS:
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, "reduce_grads while an async all-reduce of the gradients is in flight")
+            if self.grads != "empty":
+                self.grads = "reduced"
+        elif kind == OpKind.START_ALLREDUCE and op.target == "grads":
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, "start_allreduce(grads) while the previous one is still in flight")
+            self.grads_reducing = True
+        elif kind == OpKind.WAIT_ALLREDUCE and op.target == "grads":
+            if not self.grads_reducing:
+                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+            elif self.grads == "accumulating":
+                self.grads = "reduced"
+            self.grads_reducing = False
+        elif kind in (OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP):
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, f"{kind.value} before the gradients it applies are reduced "
+                              "(their all-reduce is still in flight: wait_allreduce(grads) comes later)")
+            elif self.grads != "reduced":
+                self._add(op, f"{kind.value} before the gradients it applies are reduced (gradients {self.grads})")
+            self.grads = "empty"
+            self.weights_changed = self.weights_changed or op
+        elif kind == OpKind.COPY_GRADS_TO_BUFFER:
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, "copy_grads_to_buffer while the gradients' all-reduce is in flight")
+            if self.buffer != "empty":
+                self._add(op, f"gradient buffer overwritten while live (state {self.buffer})")
+            self.buffer = "filled"
+            self.grads = "empty"
+        elif kind == OpKind.START_ALLREDUCE and op.target == "buffer":
+            if self.buffer == "reducing":
+                self._add(op, "start_allreduce(buffer) while the previous one is still in flight")
+            elif self.buffer != "empty":  # empty: the first step, nothing buffered yet
+                self.buffer = "reducing"
+        elif kind == OpKind.WAIT_ALLREDUCE and op.target == "buffer":
+            if self.buffer == "reducing":
+                self.buffer = "reduced"
+            elif self.buffer != "empty":
+                self._add(op, f"wait_allreduce(buffer) with no all-reduce of the gradient buffer in flight "
+                              f"(buffer {self.buffer})")
+        elif kind == OpKind.APPLY_BUFFERED_UPDATE:
+            if self.buffer in ("filled", "reducing"):
+                self._add(op, f"buffered gradient read before its all-reduce was waited for (buffer {self.buffer})")
+            if self.buffer != "empty":  # empty: the first step, the update is skipped
+                self.weights_changed = self.weights_changed or op
+            self.buffer = "empty"
+
+    def _end_of_iteration(self) -> None:
+        s = self.s
+        if self.update is None:
+            self.problems.append(Problem(s, None, None, f"stage {s} never applies or buffers its gradients "
+                                                        "(no optimizer_step, stage_optimizer_step or "
+                                                        "copy_grads_to_buffer)"))
+        elif self.grads != "empty":
+            self.problems.append(Problem(s, None, None, f"gradients {self.grads} after this iteration's "
+                                                        f"{self.update.kind.value}: never applied or buffered"))
+        if self.grads_reducing:
+            self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end of "
+                                                        "the iteration (no wait_allreduce(grads))"))
+        if self.buffer == "reduced":
+            self.problems.append(Problem(s, None, None, "gradient buffer all-reduced but never applied "
+                                                        "(apply_buffered_update missing)"))
+
+    def _check_slots(self) -> None:
+        """Slot range, one slot per micro-batch, and no slot rewritten while its micro-batch
+        still has ops to run. A micro-batch holds its slot from its first buffer op to its last
+        (a non-blocking send, when last, frees it at issue: the engine keeps the tensor)."""
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        slot_of: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
+                first.setdefault(op.micro_batch, i)
+                last[op.micro_batch] = i
+        holder: dict[int, int] = {}  # slot -> micro-batch that last started in it
+        for i, op in enumerate(self.ops):
+            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
+                continue
+            mb, b = op.micro_batch, op.buffer
+            if b is None:
+                self._add(op, "no pipeline buffer slot")
+                continue
+            if not 0 <= b < self.num_buffers:
+                self._add(op, f"buffer {b} outside 0..{self.num_buffers - 1} ({self.num_buffers} slots)")
+                continue
+            if mb not in slot_of:
+                slot_of[mb] = b
+                other = holder.get(b)
+                if other is not None and last[other] > i:
+                    later = self.ops[last[other]]
+                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other} "
+                                  f"(used again at step {later.step} by {_short(later)})")
+                holder[b] = mb
+            elif b != slot_of[mb]:
+                self._add(op, f"micro-batch {mb} in slot {b}, but its first op put it in slot {slot_of[mb]}")

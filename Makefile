@@ -1,0 +1,53 @@
+# hippie-ds. On a fresh machine `make test` and `make demo` are the only commands needed:
+# every target sets up what it uses (the virtual environment in .venv) by itself.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+HIPPIE := $(VENV)/bin/hippie-ds
+# Installed before the package, pinned: an unpinned torch resolves to the CUDA build (gigabytes);
+# torch==2.13.0 is the CPU wheel on these machines.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+# What `make test` runs; e.g. `make test TESTS="tests tests/slow"` or PYTEST_FLAGS="-q -x".
+TESTS ?= tests
+PYTEST_FLAGS ?= -q
+
+OUT ?= out
+# The schedule demo: K stages, M micro-batches, 2 data-parallel replicas, a slow all-reduce link.
+DEMO_SHAPE ?= --stages 4 --micro-batches 8
+DEMO_COSTS ?= --forward 1 --backward 2 --param-bytes 100e6 --data-parallel 2 --allreduce-bandwidth 125e6
+
+.PHONY: venv test demo schedule-demo clean distclean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[test]'
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
+
+# For now the demo is the schedule demo; the training demo replaces it.
+demo: schedule-demo
+
+schedule-demo: $(STAMP)
+	mkdir -p $(OUT)
+	$(HIPPIE) schedule list
+	for s in 1f1b gpipe hippie hippie-1f1b; do $(HIPPIE) schedule validate $$s $(DEMO_SHAPE) || exit 1; done
+	$(HIPPIE) schedule simulate 1f1b gpipe hippie $(DEMO_SHAPE) $(DEMO_COSTS)
+	$(HIPPIE) schedule trace hippie $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/hippie.json
+	$(HIPPIE) schedule trace 1f1b $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/1f1b.json
+	@echo "Chrome traces (open in chrome://tracing or ui.perfetto.dev) and timelines: $(OUT)/{hippie,1f1b}.{json,png}"
+
+clean:
+	rm -rf $(OUT) build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

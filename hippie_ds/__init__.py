@@ -1,0 +1,21 @@
+"""hippie-ds: declarative pipeline schedules (Hippie, GPipe, 1F1B, ...) for DeepSpeed.
+
+``hippie_ds.initialize`` is a drop-in for ``deepspeed.initialize``; the schedule is chosen by
+name in the DeepSpeed config (``"pipeline": {"schedule": "hippie"}``).
+"""
+__version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """Drop-in for ``deepspeed.initialize`` (see :func:`hippie_ds.integration.initialize`)."""
+    from .integration import initialize as _initialize
+    return _initialize(*args, **kwargs)
+
+
+def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_in_node"):
+    """Process topology for a ``PipelineModule`` (see :func:`hippie_ds.integration.make_topology`)."""
+    from .integration import make_topology as _make_topology
+    return _make_topology(num_stages, world_size, placement)
+
+
+__all__ = ["__version__", "initialize", "make_topology"]

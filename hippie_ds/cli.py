@@ -1,0 +1,646 @@
+"""The ``hippie-ds`` command line.
+
+``hippie-ds schedule list|show|validate|simulate|trace`` works on schedule files (built-in names or
+paths) without torch or DeepSpeed. Each top-level command registers itself in :data:`COMMANDS`
+(``schedule`` now; ``profile`` and ``plan`` are to come). ``main(argv)`` returns the exit code:
+0 success, 1 a schedule that ``validate`` found invalid, 2 a usage error (bad option, unknown
+schedule or parameter, a schedule that cannot be compiled), reported in one message on stderr (set HIPPIE_DS_DEBUG=1
+for the traceback instead).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+PROG = "hippie-ds"
+
+
+def _version() -> str:
+    try:
+        from . import __version__
+        return __version__
+    except ImportError:
+        from importlib.metadata import version
+        return version("hippie-ds")
+
+
+class UsageError(Exception):
+    """A command line that cannot be carried out; the message says which option and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Command registry: name -> function(subparsers) that adds the command's parser. Each parser sets
+# ``func`` (args -> exit code) through set_defaults.
+
+COMMANDS: dict[str, Callable[[Any], None]] = {}
+
+
+def command(name: str):
+    def register(fn):
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' paragraphs and examples as written."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Option values
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {value})")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {value})")
+    return value
+
+
+_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
+               "ti": 2 ** 40}
+_NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+
+
+def _quantity(text: str, kind: str, option: str) -> float:
+    """A non-negative number, with an optional unit: time (s, ms, us, ns), bytes (1e6, 64MB, 2GiB)
+    or bytes per second (same, optionally ending in /s)."""
+    text = text.strip()
+    if kind == "rate" and text.lower() in ("inf", "infinity"):
+        return math.inf
+    if kind == "time":
+        m = re.fullmatch(_NUMBER + r"\s*(s|ms|us|ns)?", text)
+        value = float(m.group(1)) * _TIME_UNITS[m.group(2) or ""] if m else None
+        unit_help = "seconds, or a number with s, ms, us or ns"
+    else:
+        tail = r"\s*([kKmMgGtT]i?)?B?" + (r"(?:/s)?" if kind == "rate" else "")
+        m = re.fullmatch(_NUMBER + tail, text)
+        value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()] if m else None
+        unit_help = ("bytes" if kind == "bytes" else "bytes per second") + \
+            ", e.g. 1e6, 64MB or 2GiB (k/M/G/T powers of 1000, Ki/Mi/Gi/Ti powers of 1024)"
+    if value is None or not math.isfinite(value):
+        raise UsageError(f"{option} {text!r}: not a number; expected {unit_help}")
+    if value < 0:
+        raise UsageError(f"{option} {text!r}: must not be negative")
+    return value
+
+
+def _per_stage(text: str, kind: str, option: str, stages: int) -> list[float]:
+    """One value for every stage, or a comma-separated list of one value per stage."""
+    values = [_quantity(v, kind, option) for v in text.split(",")]
+    if len(values) == 1:
+        return values * stages
+    if len(values) != stages:
+        raise UsageError(f"{option} {text!r}: gave {len(values)} values for {stages} stages; give one value for "
+                         "all stages or one per stage")
+    return values
+
+
+def _param_value(raw: str, kind: str | None, key: str) -> Any:
+    """A --param value, converted according to the declared kind of the parameter (if declared)."""
+    text = raw.strip()
+    low = text.lower()
+    if low == "auto":
+        return "auto"
+    if kind == "bool" or (kind is None and low in ("true", "false")):
+        if low in ("true", "yes", "1", "on"):
+            return True
+        if low in ("false", "no", "0", "off"):
+            return False
+        raise UsageError(f"--param {key}={raw}: expected true or false")
+    if kind == "stage_list" or (kind is None and "," in text):
+        inner = text.strip("[]").strip()
+        if low in ("none", "") or not inner:
+            return []
+        try:
+            return [int(v) for v in inner.split(",") if v.strip()]
+        except ValueError:
+            raise UsageError(f"--param {key}={raw}: expected 'auto', 'none' or a comma-separated list of stage "
+                             "indices such as 0,1") from None
+    try:
+        return int(text)
+    except ValueError:
+        if kind == "int":
+            raise UsageError(f"--param {key}={raw}: expected an integer") from None
+        return text  # let the schedule's parameter check explain what it expected
+
+
+def _parse_params(items: list[str] | None, spec) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--param {item!r}: expected key=value, e.g. --param deferred_stages=0,1")
+        declared = spec.params.get(key) if spec is not None else None
+        params[key] = _param_value(raw, declared.kind if declared else None, key)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+def _add_shape(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", "-K", type=_positive_int, required=True, metavar="K",
+                   help="number of pipeline stages")
+    p.add_argument("--micro-batches", "-M", type=_positive_int, required=True, metavar="M",
+                   help="micro-batches per training step")
+
+
+def _add_params(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--param", "-p", action="append", metavar="KEY=VALUE",
+                   help="set a schedule parameter (repeatable): integers, true/false, 'auto', or stage lists "
+                        "such as deferred_stages=0,1 (deferred_stages=none for no stage)")
+
+
+# Without --costs, a stage costs this unless told otherwise (the other fields default to 0 and the
+# network to hippie_ds.schedules.costs.CommCost's defaults).
+DEFAULT_STAGE_COST = {"forward": 1.0, "backward": 2.0}
+
+_STAGE_COST_OPTIONS = [  # option, StageCost field, kind, help
+    ("--forward", "forward", "time", "forward time of one micro-batch (s; default 1)"),
+    ("--backward", "backward", "time", "backward time of one micro-batch (s; default 2)"),
+    ("--recompute", "recompute", "time", "re-computation (activation checkpointing) time per micro-batch (s)"),
+    ("--activation-bytes", "activation_bytes", "bytes", "bytes of activations sent to the next stage per micro-batch"),
+    ("--saved-bytes", "saved_bytes", "bytes", "activation bytes a stage keeps per in-flight micro-batch"),
+    ("--param-bytes", "param_bytes", "bytes", "bytes of the stage's parameters (= its gradients)"),
+    ("--optimizer-time", "optimizer_time", "time", "time of the stage's optimizer step (s)"),
+]
+_COMM_COST_OPTIONS = [  # option, CommCost field, kind, help
+    ("--p2p-bandwidth", "p2p_bandwidth", "rate", "bandwidth between neighbouring stages (bytes/s; inf = free; "
+                                                 "default 10e9)"),
+    ("--p2p-latency", "p2p_latency", "time", "latency of one point-to-point transfer (s)"),
+    ("--allreduce-bandwidth", "allreduce_bandwidth", "rate", "bandwidth of the inter-node link the data-parallel "
+                                                             "all-reduce uses (bytes/s; default 1.25e8 = 1 Gbit/s)"),
+    ("--allreduce-latency", "allreduce_latency", "time", "latency of one all-reduce (s)"),
+]
+
+COSTS_HELP = """\
+per-stage options take one value for every stage or a comma-separated list with one value
+per stage (--forward 1,1,1,2). Times are seconds (or 2ms, 300us); sizes are bytes (or 64MB,
+2GiB); bandwidths bytes per second (or 125MB/s). --costs FILE reads a YAML/JSON cost file first;
+options given beside it override its values."""
+
+
+def _add_costs(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("costs", COSTS_HELP)
+    g.add_argument("--costs", metavar="FILE", help="cost file (YAML or JSON), see hippie_ds.schedules.costs")
+    for option, _, kind, text in _STAGE_COST_OPTIONS:
+        g.add_argument(option, metavar="V[,V...]", help=text + "; one value or one per stage")
+    for option, _, kind, text in _COMM_COST_OPTIONS:
+        g.add_argument(option, metavar="V", help=text)
+    g.add_argument("--data-parallel", "-r", type=_positive_int, metavar="R",
+                   help="data-parallel replicas of every stage (the all-reduce group size; default 1: no "
+                        "all-reduce)")
+    g.add_argument("--no-shared-link", action="store_true",
+                   help="stages' all-reduces do not share one inter-node link (default: they do)")
+
+
+def _build_costs(args, stages: int):
+    """Costs from --costs FILE and/or the cost options."""
+    from .schedules import costs as costs_mod
+
+    stage_given = {field: _per_stage(getattr(args, field), kind, option, stages)
+                   for option, field, kind, _ in _STAGE_COST_OPTIONS if getattr(args, field) is not None}
+    comm_given = {field: _quantity(getattr(args, field), kind, option)
+                  for option, field, kind, _ in _COMM_COST_OPTIONS if getattr(args, field) is not None}
+    if args.data_parallel is not None:
+        comm_given["data_parallel"] = args.data_parallel
+    if args.no_shared_link:
+        comm_given["shared_link"] = False
+
+    if args.costs:
+        if not Path(args.costs).is_file():
+            raise UsageError(f"--costs {args.costs!r}: no such file")
+        base = costs_mod.Costs.from_file(args.costs, num_stages=stages)
+        if len(base.stages) != stages:
+            raise UsageError(f"--costs {args.costs}: describes {len(base.stages)} stages, but --stages is {stages}")
+        if not stage_given and not comm_given:
+            return base
+        stage_list = [_replace(base.stages[s], **{k: v[s] for k, v in stage_given.items()}) for s in range(stages)]
+        return costs_mod.Costs(stages=stage_list, comm=_replace(base.comm, **comm_given))
+    defaults = dict(DEFAULT_STAGE_COST)
+    stage_list = [costs_mod.StageCost(**{**defaults, **{k: v[s] for k, v in stage_given.items()}})
+                  for s in range(stages)]
+    return costs_mod.Costs(stages=stage_list, comm=costs_mod.CommCost(**comm_given))
+
+
+def _replace(obj, **changes):
+    """A copy of a dataclass or pydantic model with some fields changed (and re-validated)."""
+    if not changes:
+        return obj
+    if hasattr(obj, "model_dump"):  # pydantic: rebuild so the new values are validated
+        return type(obj)(**{**obj.model_dump(), **changes})
+    import dataclasses
+    return dataclasses.replace(obj, **changes)
+
+
+def _load(name_or_path: str):
+    from .schedules import load_spec
+    return load_spec(name_or_path)
+
+
+def _compile(name_or_path: str, args, validate: bool, params: dict | None = None):
+    from .schedules import compile as compile_schedule
+    if params is None:
+        params = _parse_params(args.param, _load(name_or_path))
+    return compile_schedule(name_or_path, args.stages, args.micro_batches, validate=validate, **params)
+
+
+def _table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """Aligned columns: the first ``left`` columns left-aligned, the rest (numbers) right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def line(cells) -> str:
+        return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers)] + [line(row) for row in rows])
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds == 0:
+        return "0"
+    if abs(seconds) >= 1:
+        return f"{seconds:.3f}s"
+    if abs(seconds) >= 1e-3:
+        return f"{seconds * 1e3:.3f}ms"
+    return f"{seconds * 1e6:.1f}us"
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}B"
+
+
+def _summary(description: str, width: int = 90) -> str:
+    """A description on one line (schedule descriptions are folded), cut at a word to ``width``."""
+    text = " ".join(description.split())
+    if len(text) <= width:
+        return text
+    return text[:width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# hippie-ds schedule ...
+
+SCHEDULE_HELP = """\
+Pipeline schedules are YAML files: a built-in name (see `hippie-ds schedule list`) or a path to
+a .yaml file. These commands compile a schedule for K stages and M micro-batches and show,
+check, simulate or trace it; none of them needs torch, DeepSpeed or a GPU."""
+
+
+@command("schedule")
+def _schedule_parser(subparsers) -> None:
+    p = subparsers.add_parser("schedule", help="list, show, validate, simulate and trace pipeline schedules",
+                              description=SCHEDULE_HELP, formatter_class=_Formatter)
+    sub = p.add_subparsers(dest="schedule_command", metavar="SUBCOMMAND", required=True)
+
+    q = sub.add_parser("list", help="list the built-in schedules", formatter_class=_Formatter,
+                       description="List the built-in schedules: name, parameters and the first sentence of "
+                                   "the description.\n\nexample:\n  hippie-ds schedule list --long")
+    q.add_argument("--long", "-l", action="store_true", help="print each full description and parameter help")
+    q.set_defaults(func=_cmd_list)
+
+    q = sub.add_parser("show", help="print a compiled schedule, step by step", formatter_class=_Formatter,
+                       description="Compile a schedule and print every stage's stream: one line per step with "
+                                   "its operations (micro-batch, pipeline buffer, send mode, all-reduce "
+                                   "target). The schedule is not validated first, so a broken one can be "
+                                   "inspected; problems are summarised on stderr.\n\nexample:\n"
+                                   "  hippie-ds schedule show hippie --stages 4 --micro-batches 8 --stage 0")
+    q.add_argument("schedule", metavar="NAME|PATH", help="built-in schedule name or path to a schedule file")
+    _add_shape(q)
+    q.add_argument("--stage", "-s", type=_non_negative_int, metavar="S", help="only this stage (default: all)")
+    _add_params(q)
+    q.set_defaults(func=_cmd_show)
+
+    q = sub.add_parser("validate", help="check a schedule for deadlocks and data-flow errors",
+                       formatter_class=_Formatter,
+                       description="Load, compile and check a schedule for K stages and M micro-batches: "
+                                   "matching sends and receives, no deadlock under blocking point-to-point "
+                                   "communication, every micro-batch's forward before its backward, buffers, "
+                                   "gradient reduction and updates. Prints OK and a summary (exit 0), or every "
+                                   "problem found (exit 1).\n\nexample:\n"
+                                   "  hippie-ds schedule validate my-schedule.yaml -K 4 -M 8 --param deferred_stages=0")
+    q.add_argument("schedule", metavar="NAME|PATH", help="built-in schedule name or path to a schedule file")
+    _add_shape(q)
+    _add_params(q)
+    q.set_defaults(func=_cmd_validate)
+
+    q = sub.add_parser("simulate", help="simulate schedules with a cost model: step time, bubble, memory",
+                       formatter_class=_Formatter,
+                       description="Simulate one or more schedules with a cost model (per-stage compute times "
+                                   "and sizes, point-to-point and all-reduce links) over several steps and "
+                                   "report the steady-state step time, bubble fraction, throughput and, per "
+                                   "stage, busy / idle / exposed communication time, peak activations and "
+                                   "gradient-buffer memory. With several schedules the step times are compared "
+                                   "to the first's. Parameters set to 'auto' are chosen from the costs; a "
+                                   "--param is given to every schedule that declares it.\n\nexamples:\n"
+                                   "  hippie-ds schedule simulate 1f1b gpipe hippie -K 4 -M 8 --forward 1 "
+                                   "--backward 2\n"
+                                   "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml --json")
+    q.add_argument("schedule", nargs="+", metavar="NAME|PATH", help="built-in schedule names or schedule files")
+    _add_shape(q)
+    _add_params(q)
+    _add_costs(q)
+    q.add_argument("--iterations", "-n", type=_positive_int, default=3, metavar="N",
+                   help="training steps to simulate (the last gives the steady state; default 3)")
+    q.add_argument("--json", action="store_true", help="print the results as JSON (without the event list)")
+    q.set_defaults(func=_cmd_simulate)
+
+    q = sub.add_parser("trace", help="simulate a schedule and write a Chrome trace and a PNG timeline",
+                       formatter_class=_Formatter,
+                       description="Simulate a schedule with a cost model (as `simulate` does) and write its "
+                                   "events as a Chrome trace (open in chrome://tracing or ui.perfetto.dev) and "
+                                   "as a PNG timeline.\n\nexample:\n"
+                                   "  hippie-ds schedule trace hippie -K 4 -M 8 --forward 1 --backward 2 "
+                                   "--out out/hippie.json")
+    q.add_argument("schedule", metavar="NAME|PATH", help="built-in schedule name or path to a schedule file")
+    _add_shape(q)
+    _add_params(q)
+    _add_costs(q)
+    q.add_argument("--iterations", "-n", type=_positive_int, default=3, metavar="N",
+                   help="training steps to simulate (default 3)")
+    q.add_argument("--out", "-o", required=True, metavar="FILE.json", help="Chrome trace to write")
+    q.add_argument("--png", metavar="FILE.png", help="timeline picture to write (default: FILE.png beside --out)")
+    q.set_defaults(func=_cmd_trace)
+
+
+def _cmd_list(args) -> int:
+    from .schedules import available
+    names = available()
+    if not names:
+        raise UsageError("no built-in schedules found (is the package installed with its schedule files?)")
+    rows = []
+    for name in names:
+        try:
+            spec = _load(name)
+        except Exception as exc:  # a broken built-in should not hide the others
+            rows.append((name, "", f"(cannot be loaded: {str(exc).splitlines()[0]})", ""))
+            continue
+        params = ", ".join(f"{k}={_show_value(p.default)}" for k, p in spec.params.items())
+        rows.append((name, params, spec.description, spec))
+    if args.long:
+        for name, params, description, spec in rows:
+            print(name)
+            print("  " + " ".join(description.split()))
+            if spec:
+                for key, p in spec.params.items():
+                    print(f"  param {key} ({p.kind}, default {_show_value(p.default)}): {p.help}")
+            print()
+    else:
+        print(_table(["schedule", "params", "description"], [[n, p or "-", _summary(d)] for n, p, d, _ in rows], left=3))
+    return 0
+
+
+def _show_value(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _check(compiled) -> list:
+    from .schedules import validator
+    return list(validator.check(compiled))
+
+
+def _cmd_show(args) -> int:
+    if args.stage is not None and args.stage >= args.stages:
+        raise UsageError(f"--stage {args.stage}: allowed 0..{args.stages - 1} for {args.stages} stages")
+    compiled = _compile(args.schedule, args, validate=False)
+    print(compiled.describe(args.stage))
+    problems = _check(compiled)
+    if problems:
+        print(f"warning: schedule {compiled.name!r} has {len(problems)} problem(s); see `{PROG} schedule validate`",
+              file=sys.stderr)
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    from .schedules import compile_schedule, resolve_params
+    from .schedules.spec import ScheduleError, resolve_path
+    resolve_path(args.schedule)  # an unknown name or missing file is a usage error (exit 2)
+    try:
+        spec = _load(args.schedule)
+    except ScheduleError as exc:
+        print(f"INVALID: {exc}")
+        return 1
+    params = _parse_params(args.param, spec)
+    resolve_params(spec, args.stages, args.micro_batches, params)  # unknown / bad parameter: usage error
+    try:
+        compiled = compile_schedule(spec, args.stages, args.micro_batches, params, source=str(args.schedule))
+    except ScheduleError as exc:
+        print(f"INVALID: {exc}")
+        return 1
+    problems = _check(compiled)
+    shape = f"{compiled.stages} stages x {compiled.micro_batches} micro-batches"
+    if problems:
+        print(f"INVALID: schedule {compiled.name!r} ({shape}): {len(problems)} problem(s):")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    ops = sum(1 for s in range(compiled.stages) for _ in compiled.ops(s))
+    params_text = ", ".join(f"{k}={_show_value(v)}" for k, v in compiled.params.items()) or "none"
+    print(f"OK: schedule {compiled.name!r} ({shape}): {compiled.num_steps} steps, {ops} ops, "
+          f"pipeline buffers per stage {compiled.num_buffers}, params {params_text}")
+    return 0
+
+
+def _simulate_one(name: str, args, costs, explicit: dict | None):
+    """Compile ``name`` with --param (restricted to its declared parameters when ``explicit`` is
+    None, i.e. when several schedules are compared), 'auto' resolved from the costs, and simulate."""
+    from .schedules import simulator
+    spec = _load(name)
+    given = _parse_params(args.param, spec)
+    if explicit is None:
+        given = {k: v for k, v in given.items() if k in spec.params}
+    auto_keys = [k for k, p in spec.params.items() if given.get(k, p.default) == "auto"]
+    params = dict(given)
+    if auto_keys:
+        resolved = simulator.resolve_auto_params(name, args.stages, args.micro_batches, costs) or {}
+        params.update({k: resolved[k] for k in auto_keys if k in resolved})
+    compiled = _compile(name, args, validate=True, params=params)
+    return compiled, simulator.simulate(compiled, costs, iterations=args.iterations)
+
+
+def _result_dict(result) -> dict:
+    data = dict(result.to_dict())
+    data.pop("events", None)
+    return data
+
+
+def _cmd_simulate(args) -> int:
+    costs = _build_costs(args, args.stages)
+    names = args.schedule
+    if len(names) > 1 and args.param:  # every --param must belong to at least one schedule
+        specs = [_load(n) for n in names]
+        for key in _parse_params(args.param, None):
+            if not any(key in s.params for s in specs):
+                raise UsageError(f"--param {key}: none of the schedules {', '.join(names)} has this parameter")
+    results = []
+    for name in names:
+        compiled, result = _simulate_one(name, args, costs, explicit={} if len(names) == 1 else None)
+        results.append((name, compiled, result))
+    if args.json:
+        data = [_result_dict(r) for _, _, r in results]
+        print(json.dumps(data[0] if len(data) == 1 else data, indent=2, default=_json_default))
+        return 0
+    for i, (name, compiled, result) in enumerate(results):
+        if i:
+            print()
+        print(_report(name, compiled, _result_dict(result)))
+    if len(results) > 1:
+        print()
+        print(_comparison(results))
+    return 0
+
+
+def _json_default(obj):
+    if hasattr(obj, "value"):  # enums
+        return obj.value
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return str(obj)
+
+
+_STAGE_COLUMNS = [  # header, per-stage key(s), formatter
+    ("busy", ("busy",), _fmt_time),
+    ("idle", ("idle",), _fmt_time),
+    ("exposed comm", ("exposed_comm",), _fmt_time),
+    ("peak act (mb)", ("peak_activation_micro_batches", "peak_activations"), lambda v: "-" if v is None else f"{v:g}"),
+    ("peak act bytes", ("peak_activation_bytes",), _fmt_bytes),
+    ("grad buffer", ("gradient_buffer_bytes", "grad_buffer_bytes"), _fmt_bytes),
+]
+
+
+def _pick(row: dict, keys: tuple):
+    for key in keys:
+        if key in row:
+            return row[key]
+    return None
+
+
+def _report(name: str, compiled, data: dict) -> str:
+    params = ", ".join(f"{k}={_show_value(v)}" for k, v in compiled.params.items())
+    head = f"{data.get('schedule', compiled.name)} ({name})" if name != compiled.name else compiled.name
+    lines = [f"{head}: {compiled.stages} stages x {compiled.micro_batches} micro-batches"
+             + (f", {params}" if params else "")]
+    rows = []
+    for i, row in enumerate(data.get("per_stage", [])):
+        stage = row.get("stage", i)
+        rows.append([str(stage)] + [fmt(_pick(row, keys)) for _, keys, fmt in _STAGE_COLUMNS])
+    if rows:
+        lines.append(_table(["stage"] + [h for h, _, _ in _STAGE_COLUMNS], rows))
+    bubble = data.get("bubble_fraction")
+    throughput = data.get("throughput")
+    lines.append(f"step time {_fmt_time(data.get('step_time'))}"
+                 + (f", bubble {bubble:.1%}" if bubble is not None else "")
+                 + (f", throughput {throughput:.4g} micro-batches/s" if throughput is not None else ""))
+    return "\n".join(lines)
+
+
+def _comparison(results) -> str:
+    base = results[0][2].to_dict().get("step_time")
+    rows = []
+    for name, _, result in results:
+        data = result.to_dict()
+        step = data.get("step_time")
+        rel = f"{step / base:.3f}x" if base and step is not None else "-"
+        bubble = data.get("bubble_fraction")
+        rows.append([name, _fmt_time(step), rel, "-" if bubble is None else f"{bubble:.1%}"])
+    return _table(["schedule", "step time", f"vs {results[0][0]}", "bubble"], rows)
+
+
+def _cmd_trace(args) -> int:
+    from .schedules import trace
+    out = Path(args.out)
+    png = Path(args.png) if args.png else out.with_suffix(".png")
+    costs = _build_costs(args, args.stages)
+    compiled, result = _simulate_one(args.schedule, args, costs, explicit={})
+    for path in (out, png):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    trace.chrome_trace(result.events, out)
+    title = (f"{compiled.name}: {compiled.stages} stages x {compiled.micro_batches} micro-batches, "
+             f"step {_fmt_time(result.to_dict().get('step_time'))}")
+    trace.timeline_png(result.events, png, title)
+    print(f"wrote {out} (Chrome trace) and {png} (timeline)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=_Formatter,
+        description="hippie-ds: declarative pipeline-parallel schedules (Hippie, 1F1B, GPipe) for DeepSpeed.",
+        epilog=f"Run `{PROG} COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS.values():
+        add(subparsers)
+    return parser
+
+
+def _user_error_types() -> tuple:
+    from pydantic import ValidationError
+    from .schedules.spec import ScheduleError
+    return (UsageError, ScheduleError, ValidationError, ValueError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or an argparse usage error (already printed)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return args.func(args)
+    except _user_error_types() as exc:
+        if os.environ.get("HIPPIE_DS_DEBUG"):
+            raise
+        print(f"{PROG}: error: {_error_text(exc)}", file=sys.stderr)
+        return 2
+
+
+def _error_text(exc: BaseException) -> str:
+    from pydantic import ValidationError
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or exc.title
+            parts.append(f"{field}: {err['msg']}")
+        return f"invalid {exc.title}: " + "; ".join(parts)
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""``HippiePipelineEngine``: DeepSpeed's ``PipelineEngine`` running any declared schedule.
+
+The only module that touches DeepSpeed internals. What it changes, and why:
+- ``_train_schedule`` returns the compiled, validated declaration instead of ``TrainSchedule``;
+- the loss and the received gradient live in per-buffer slots (the stock engine keeps one of
+  each, so any order but strict F(m)->B(m) breaks: DeepSpeed issue #3900);
+- handlers for the new instructions (fused forward+backward, non-blocking sends, async
+  per-stage all-reduce, gradient buffer, deferred update, per-stage optimizer step);
+- the gradient buffer of deferred stages is saved in checkpoints and restored;
+- optional per-rank timeline of executed instructions (Chrome trace).
+
+Per-stage update semantics (``StageOptimizerStep`` / ``ApplyBufferedUpdate``): the gradient
+norm used for clipping (and bf16's overflow check) is this stage's own norm, reduced over the
+stage's tensor-slice group only, not over the pipeline: a stage that updates early cannot wait
+for the others, and a deferred stage applies last step's gradient. DeepSpeed's ``OptimizerStep``
+(1f1b, gpipe) keeps the stock pipeline-wide norm.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import MethodType
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ._compat import check_deepspeed_version
+from .schedules import deepspeed_schedule as hs
+from .schedules.ir import CompiledSchedule, OpKind
+
+check_deepspeed_version()
+
+GRAD_BUFFER_KEY = "hippie_ds_grad_buffer"
+
+
+def _needs_grad_slots(compiled: CompiledSchedule, stage: int) -> bool:
+    """True when a stage receives another gradient before consuming the one it holds."""
+    holding = None
+    for op in compiled.ops(stage):
+        if op.kind == OpKind.RECV_GRAD:
+            if holding is not None:
+                return True
+            holding = op.micro_batch
+        elif op.kind == OpKind.BACKWARD and op.micro_batch == holding:
+            holding = None
+    return False
+
+
+class _StageLocalMPU:
+    """Proxy mpu whose model-parallel group is this stage's tensor-slice group: gradient norms
+    (clipping, bf16 overflow) of a per-stage step reduce over the stage, not the pipeline."""
+
+    def __init__(self, mpu, grid):
+        self._mpu, self._grid = mpu, grid
+
+    def get_model_parallel_group(self):
+        return self._grid.get_slice_parallel_group()
+
+    def get_model_parallel_world_size(self):
+        return self._grid.get_slice_parallel_world_size()
+
+    def get_model_parallel_rank(self):
+        return self._grid.get_slice_parallel_rank()
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def __getattr__(self, name):
+        return getattr(self._mpu, name)
+
+
+class HippiePipelineEngine(PipelineEngine):
+    """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
+
+    def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None, **kwargs):
+        self.compiled_schedule = compiled_schedule
+        super().__init__(*args, **kwargs)
+        if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
+            raise ValueError(f"schedule compiled for {compiled_schedule.stages} stages x "
+                             f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
+                             f"{self.micro_batches}")
+        self._declared = hs.DeclaredSchedule(compiled_schedule, self.stage_id)
+        self._grad_slots = _needs_grad_slots(compiled_schedule, self.stage_id)
+        self._losses: dict[int, object] = {}
+        self._grad_layers: dict[int, object] = {}
+        self._grad_layer_bufs: dict[int, list] = {}
+        self._pending_sends: list = []
+        self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
+        self._grad_buffer: torch.Tensor | None = None
+        self._grad_buffer_state = "empty"  # empty | filled | reducing | reduced
+        self._timeline_dir = timeline_dir
+        self._timeline: list[dict] = []
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ schedule
+    def _train_schedule(self):
+        return self._declared
+
+    def _exec_schedule(self, pipe_schedule):
+        # DeepSpeed's loop, plus an optional timeline of every executed instruction.
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        record = self._timeline_dir is not None
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
+                start = time.perf_counter()
+                MethodType(handler, self)(**cmd.kwargs)
+                if record:
+                    self._timeline.append({"name": repr(cmd), "kind": type(cmd).__name__, "start": start - self._t0,
+                                           "end": time.perf_counter() - self._t0, "step": self.global_steps,
+                                           "buffer": cmd.kwargs.get("buffer_id")})
+
+    def write_timeline(self, path: str | None = None) -> str | None:
+        """Write this rank's executed-instruction timeline (JSON); returns the path."""
+        if self._timeline_dir is None and path is None:
+            return None
+        path = path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"rank": self.global_rank, "stage": self.stage_id, "data_parallel_id": self.grid.data_parallel_id,
+                       "schedule": self.compiled_schedule.name, "events": self._timeline}, f)
+        return path
+
+    # ------------------------------------------------------------------ per-buffer slots
+    def _exec_forward_pass(self, buffer_id):
+        super()._exec_forward_pass(buffer_id)
+        if self.is_last_stage():
+            self._losses[buffer_id] = self.loss
+
+    def _exec_backward_pass(self, buffer_id):
+        if self.is_last_stage():
+            self.loss = self._losses.pop(buffer_id)
+        elif self._grad_slots:
+            self.grad_layer = self._grad_layers.pop(buffer_id)
+        super()._exec_backward_pass(buffer_id)
+
+    def _exec_recv_grads(self, buffer_id):
+        if not self._grad_slots:
+            return super()._exec_recv_grads(buffer_id)
+        # Receive into this buffer's own tensors (allocated on first use, reused after).
+        self._grad_layer_buf = self._grad_layer_bufs.setdefault(buffer_id, [])
+        self.grad_layer = None
+        super()._exec_recv_grads(buffer_id)
+        self._grad_layers[buffer_id] = self.grad_layer
+
+    def _exec_forward_backward_pass(self, buffer_id):
+        self._exec_forward_pass(buffer_id)
+        self._exec_backward_pass(buffer_id)
+        # The loss stage is done with this micro-batch: drop its output before the next one.
+        self.pipe_buffers["outputs"][buffer_id] = None
+
+    # ------------------------------------------------------------------ non-blocking sends
+    def _isend(self, tensor, stage):
+        # Keep the tensor with its work handle: the buffer slot may be reused before completion.
+        work = dist.isend(tensor, self.grid.stage_to_global(stage))
+        self._pending_sends.append((work, tensor))
+
+    def _exec_isend_activations(self, buffer_id):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.has_attention_mask or self.has_bool_tensors:
+            outputs = tuple(outputs[:-1]) + (outputs[-1].half(), )
+        if self.dynamic_shape or self.first_output_send:
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        for tensor in (outputs, ) if torch.is_tensor(outputs) else outputs:
+            self._isend(tensor, self.next_stage)
+
+    def _exec_isend_grads(self, buffer_id):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        if self.has_attention_mask or self.has_bool_tensors:
+            inputs = tuple(inputs[:-1])
+        for tensor in (inputs, ) if torch.is_tensor(inputs) else inputs:
+            if tensor.is_floating_point():
+                assert tensor.grad is not None
+                self._isend(tensor.grad, self.prev_stage)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_wait_sends(self):
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends = []
+
+    # ------------------------------------------------------------------ gradients
+    def _stage_grads(self) -> list[torch.Tensor]:
+        """This stage's accumulated (fp32) gradients, materialised as zeros where missing."""
+        if self.using_bf16_optimizer:
+            grads, _ = self.optimizer.get_grads_for_reduction()
+            return list(grads)
+        grads = []
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        return grads
+
+    def _start_allreduce(self, flat: torch.Tensor):
+        flat.div_(self.dp_world_size)
+        return dist.all_reduce(flat, group=self.grid.get_data_parallel_group(), async_op=True)
+
+    def _exec_start_allreduce(self, target):
+        if target == "grads":
+            grads = self._stage_grads()
+            flat = _flatten_dense_tensors(grads)
+            work = self._start_allreduce(flat) if self.is_data_parallel else None
+            self._allreduce["grads"] = (work, flat, grads)
+        elif self._grad_buffer_state == "filled":
+            if self.is_data_parallel:
+                self._allreduce["buffer"] = (self._start_allreduce(self._grad_buffer), None, None)
+                self._grad_buffer_state = "reducing"
+            else:
+                self._grad_buffer_state = "reduced"
+
+    def _exec_wait_allreduce(self, target):
+        if target == "grads":
+            work, flat, grads = self._allreduce["grads"]
+            if work is not None:
+                work.wait()
+                for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    grad.copy_(reduced)
+            self._allreduce["grads"] = None
+        else:
+            self._wait_buffer()
+
+    def _wait_buffer(self):
+        if self._grad_buffer_state == "reducing":
+            self._allreduce["buffer"][0].wait()
+            self._allreduce["buffer"] = None
+            self._grad_buffer_state = "reduced"
+
+    def _exec_copy_grads_to_buffer(self):
+        grads = self._stage_grads()
+        flat = _flatten_dense_tensors(grads)
+        if self._grad_buffer is None:
+            self._grad_buffer = flat
+        else:
+            self._grad_buffer.copy_(flat)
+        for g in grads:
+            g.zero_()
+        self._grad_buffer_state = "filled"
+
+    def _exec_apply_buffered_update(self):
+        if self._grad_buffer_state != "reduced":
+            # First step: nothing buffered yet. Keep step counters and the LR schedule in
+            # lock-step with the other stages (checkpoint tags use global_steps).
+            self._stage_step(apply=False)
+            return
+        grads = self._stage_grads()
+        current = _flatten_dense_tensors(grads)  # this step's gradient, buffered right after
+        for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
+            g.copy_(buffered)
+        self._stage_step(apply=True)
+        self._grad_buffer_state = "empty"
+        for g, cur in zip(self._stage_grads(), _unflatten_dense_tensors(current, grads)):
+            g.copy_(cur)
+
+    def _exec_stage_optimizer_step(self):
+        self._stage_step(apply=True)
+
+    def _stage_step(self, apply: bool):
+        """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only."""
+        if not apply:
+            self._step_bookkeeping()
+            return
+        saved = getattr(self.optimizer, "mpu", None)
+        local = _StageLocalMPU(self.mpu, self.grid)
+        mpu = self.mpu
+        try:
+            self.mpu = local
+            if hasattr(self.optimizer, "mpu"):
+                self.optimizer.mpu = local
+            self._force_grad_boundary = True
+            self._take_model_step(None)
+        finally:
+            self._force_grad_boundary = False
+            self.mpu = mpu
+            if hasattr(self.optimizer, "mpu"):
+                self.optimizer.mpu = saved
+
+    def _step_bookkeeping(self):
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    # ------------------------------------------------------------------ deferred state
+    def has_pending_update(self) -> bool:
+        """True when this stage holds a buffered gradient not yet applied."""
+        return self._grad_buffer_state != "empty"
+
+    def flush_deferred_update(self):
+        """Apply the buffered gradient of the last step now (call once at the end of training
+        on every rank: its all-reduce is a collective of the stage's data-parallel group).
+        Step counters and the LR schedule do not advance."""
+        if self._grad_buffer_state == "empty":
+            return False
+        if self._grad_buffer_state == "filled":
+            self._exec_start_allreduce("buffer")
+        self._wait_buffer()
+        grads = self._stage_grads()
+        for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
+            g.copy_(buffered)
+        lr_scheduler, steps, samples = self.lr_scheduler, self.global_steps, self.global_samples
+        self.lr_scheduler = None
+        try:
+            self._stage_step(apply=True)
+        finally:
+            self.lr_scheduler, self.global_steps, self.global_samples = lr_scheduler, steps, samples
+        self._grad_buffer_state = "empty"
+        return True
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        # The pending gradient is part of the training state: finish its all-reduce (identical on
+        # every replica afterwards) and save it with this stage's model states.
+        self._exec_wait_sends()
+        self._wait_buffer()
+        state = dict(client_state)
+        state[GRAD_BUFFER_KEY] = {"state": self._grad_buffer_state,
+                                  "buffer": None if self._grad_buffer is None else self._grad_buffer.clone()}
+        return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        self._wait_buffer()
+        path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        if client_state is not None and GRAD_BUFFER_KEY in client_state:
+            saved = client_state.pop(GRAD_BUFFER_KEY)
+            self._grad_buffer_state = saved["state"]
+            self._grad_buffer = None if saved["buffer"] is None else saved["buffer"].to(self.device)
+        return path, client_state
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.ForwardPass: _exec_forward_pass,
+        ds_schedule.BackwardPass: _exec_backward_pass,
+        ds_schedule.RecvGrad: _exec_recv_grads,
+        hs.ForwardBackwardPass: _exec_forward_backward_pass,
+        hs.ISendActivation: _exec_isend_activations,
+        hs.ISendGrad: _exec_isend_grads,
+        hs.WaitSends: _exec_wait_sends,
+        hs.StartAllReduce: _exec_start_allreduce,
+        hs.WaitAllReduce: _exec_wait_allreduce,
+        hs.CopyGradsToBuffer: _exec_copy_grads_to_buffer,
+        hs.ApplyBufferedUpdate: _exec_apply_buffered_update,
+        hs.StageOptimizerStep: _exec_stage_optimizer_step,
+    }

@@ -1,0 +1,134 @@
+"""``hippie_ds.initialize``: a drop-in for ``deepspeed.initialize``.
+
+Mirrors DeepSpeed's pipeline branch, with everything that can be wrong with the config or the
+schedule checked first, identically on every rank, before the engine's first collective.
+"""
+from __future__ import annotations
+
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.pipe.topology import ProcessTopology
+
+from ._compat import check_deepspeed_version
+from .config import ConfigError, schedule_params, split_config
+from .schedules import compile as compile_schedule, load_spec
+
+check_deepspeed_version()
+
+
+def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_in_node") -> ProcessTopology:
+    """Process topology for a ``PipelineModule``.
+
+    ``pipeline_in_node`` (Hippie's layout): consecutive ranks are consecutive pipeline stages, so
+    a node holds whole pipelines and data-parallel all-reduces cross nodes.
+    ``data_parallel_in_node`` is DeepSpeed's ``PipeDataParallelTopology``: consecutive ranks are
+    data-parallel peers and the pipeline crosses nodes.
+    """
+    if num_stages < 1 or world_size % num_stages:
+        raise ConfigError(f"num_stages = {num_stages}: must divide the world size {world_size}")
+    dp = world_size // num_stages
+    if placement == "pipeline_in_node":
+        return ProcessTopology(axes=["data", "pipe"], dims=[dp, num_stages])
+    if placement == "data_parallel_in_node":
+        return ProcessTopology(axes=["pipe", "data"], dims=[num_stages, dp])
+    raise ConfigError(f'placement = {placement!r}: allowed "pipeline_in_node", "data_parallel_in_node"')
+
+
+def _placement_of(topology: ProcessTopology) -> str | None:
+    axes = list(topology.get_axis_names())
+    if axes == ["data", "pipe"]:
+        return "pipeline_in_node"
+    if axes[:2] == ["pipe", "data"]:
+        return "data_parallel_in_node"
+    return None
+
+
+def _load_config(args, config, config_params):
+    if config is None and config_params is not None:
+        config = config_params
+    if getattr(args, "deepspeed_config", None) is not None:
+        if config is not None:
+            raise ConfigError("given both args.deepspeed_config and config=; pass one")
+        config = args.deepspeed_config
+    if config is None:
+        raise ConfigError("DeepSpeed requires a config: pass config= or --deepspeed_config")
+    if not isinstance(config, dict):
+        from deepspeed.runtime.config import load_ds_config  # noqa: WPS433 (DeepSpeed's own loader)
+        config = load_ds_config(config)
+    return config
+
+
+def prepare(model: PipelineModule, config: dict):
+    """Validate the config and compile the schedule for ``model``: (ds_config, config_class,
+    compiled schedule, hippie options). Pure checks, no collectives."""
+    ds_config, schedule_name, options = split_config(config)
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    stages = model.num_stages
+    micro_batches = config_class.gradient_accumulation_steps
+    spec = load_spec(schedule_name)
+    params = schedule_params(options, spec.params)
+    if options.costs is not None and any(params.get(n, p.default) == "auto" for n, p in spec.params.items()
+                                         if p.kind == "stage_list"):
+        from .schedules.costs import Costs
+        from .schedules.simulator import resolve_auto_params
+        resolved = resolve_auto_params(schedule_name, stages, micro_batches,
+                                       Costs.from_file(options.costs, num_stages=stages))
+        params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
+    compiled = compile_schedule(schedule_name, stages, micro_batches, **params)
+    placement = _placement_of(model._topo)
+    if placement is not None and placement != options.placement and model._topo.get_dim("data") > 1:
+        raise ConfigError(f'config key "hippie.placement" = {options.placement!r}, but the PipelineModule was built '
+                          f"with the {placement!r} layout; build it with "
+                          f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
+    if model.tied_comms and not compiled.uses_tied_reduction:
+        raise ConfigError(f"schedule {compiled.name!r} has no reduce_tied_grads, but the model ties modules across "
+                          f"stages ({', '.join(model.tied_comms)}); use 1f1b or gpipe, or untie them")
+    if config_class.float16_config.enabled and compiled.name not in ("1f1b", "gpipe"):
+        raise ConfigError("fp16 with per-stage updates is not supported (the loss-scale overflow check spans the "
+                          "pipeline); use bf16 or fp32")
+    return ds_config, config_class, compiled, options
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):
+    """Same arguments and return value as ``deepspeed.initialize``. A ``PipelineModule`` gets a
+    :class:`HippiePipelineEngine` running ``config["pipeline"]["schedule"]``; anything else goes
+    to ``deepspeed.initialize`` unchanged."""
+    if not isinstance(model, PipelineModule):
+        kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                      training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                      dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                      mesh_param=mesh_param, config_params=config_params)
+        if distributed_port is not None:
+            kwargs["distributed_port"] = distributed_port
+        return deepspeed.initialize(**kwargs)
+    if mpu is not None:
+        raise ConfigError("mpu must be None with pipeline parallelism (the PipelineModule provides it)")
+    from deepspeed import comm as dist
+    from deepspeed import zero
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed import set_optimizer_flags
+
+    from .engine import HippiePipelineEngine
+
+    config = _load_config(args, config, config_params)
+    ds_config, config_class, compiled, options = prepare(model, config)
+
+    zero.partition_parameters.shutdown_init_context()
+    init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
+                       dist_init_required=dist_init_required)
+    if distributed_port is not None:
+        init_kwargs["distributed_port"] = distributed_port
+    dist.init_distributed(**init_kwargs)
+    set_optimizer_flags(config_class, model)
+    engine = HippiePipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
+                                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                                  config_class=config_class, compiled_schedule=compiled,
+                                  timeline_dir=options.timeline_dir)
+    zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,203 @@
+"""Cost models for the schedule simulator: per-stage compute/memory costs and the network.
+
+Pure Python (pydantic, pyyaml). Times are seconds, sizes bytes, bandwidths bytes per second.
+Used by the simulator, the CLI, the planner and the engine's cost-based ``'auto'`` choices.
+
+A cost file (YAML or JSON) looks like::
+
+    stages:                 # one mapping per stage, or a single mapping for every stage
+      - {forward: 0.020, backward: 0.040, activation_bytes: 4.2e6, saved_bytes: 3.0e7, param_bytes: 1.37e7}
+      - ...
+    comm:
+      p2p_bandwidth: 10.0e9
+      allreduce_bandwidth: 1.25e8   # 1 Gbit/s inter-node link
+      data_parallel: 2
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class CostsError(ValueError):
+    """A cost description that cannot be used; the message names the file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageCost(_Strict):
+    """What one pipeline stage costs per micro-batch and per step."""
+
+    forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
+    backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
+    recompute: float = Field(0.0, ge=0, description="extra backward time when activations are re-computed (s)")
+    activation_bytes: float = Field(0.0, ge=0, description="bytes sent to the next stage per micro-batch "
+                                                           "(its gradient sent back has the same size)")
+    saved_bytes: float = Field(0.0, ge=0, description="activation memory held per in-flight micro-batch")
+    param_bytes: float = Field(0.0, ge=0, description="bytes of this stage's parameters (= its gradients)")
+    optimizer_time: float = Field(0.0, ge=0, description="time of one optimizer step of this stage (s)")
+
+
+class CommCost(_Strict):
+    """The network: fast pipeline links inside a node, a slower inter-node link for data parallelism."""
+
+    p2p_bandwidth: float = Field(10e9, gt=0, description="pipeline send/recv bandwidth (bytes/s; .inf = free)")
+    p2p_latency: float = Field(0.0, ge=0)
+    allreduce_bandwidth: float = Field(1.25e8, gt=0, description="inter-node link bandwidth (bytes/s), 1 Gbit/s")
+    allreduce_latency: float = Field(0.0, ge=0)
+    data_parallel: int = Field(1, ge=1, description="replicas of every stage (the all-reduce group size)")
+    # Pipeline inside a node, data parallelism across nodes (brief section 4): every stage's
+    # all-reduce crosses the same inter-node link, so concurrent ones split its bandwidth.
+    shared_link: bool = True
+
+
+class Costs(_Strict):
+    stages: list[StageCost] = Field(min_length=1)
+    comm: CommCost = CommCost()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    # -- derived times ---------------------------------------------------------------------
+    def allreduce_work(self, stage: int) -> float:
+        """Seconds the ring all-reduce of ``stage``'s gradients occupies the link at full
+        bandwidth: 2(r-1)/r * |W| / bandwidth (0 when r = 1)."""
+        r = self.comm.data_parallel
+        if r == 1:
+            return 0.0
+        return 2 * (r - 1) / r * self.stages[stage].param_bytes / self.comm.allreduce_bandwidth
+
+    def allreduce_latency_total(self) -> float:
+        """The latency part of a ring all-reduce: 2(r-1) message start-ups."""
+        r = self.comm.data_parallel
+        return 2 * (r - 1) * self.comm.allreduce_latency if r > 1 else 0.0
+
+    def allreduce_time(self, stage: int) -> float:
+        """Stand-alone ring all-reduce time of ``stage``'s gradients (no link sharing)."""
+        return self.allreduce_work(stage) + self.allreduce_latency_total()
+
+    def p2p_time(self, stage: int) -> float:
+        """Time to move stage ``stage``'s output activation to stage+1 (or its gradient back)."""
+        return self.comm.p2p_latency + self.stages[stage].activation_bytes / self.comm.p2p_bandwidth
+
+    # -- constructors ----------------------------------------------------------------------
+    @classmethod
+    def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
+                activation_bytes: float = 0.0, saved_bytes: float = 0.0, param_bytes: float = 0.0,
+                optimizer_time: float = 0.0, comm: CommCost | Mapping[str, Any] | None = None) -> "Costs":
+        """``stages`` identical stages."""
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise CostsError(f"stages = {stages!r}: must be an integer >= 1")
+        one = dict(forward=forward, backward=backward, recompute=recompute, activation_bytes=activation_bytes,
+                   saved_bytes=saved_bytes, param_bytes=param_bytes, optimizer_time=optimizer_time)
+        return cls._build({"stages": [one] * stages, "comm": _comm_dict(comm)}, "Costs.uniform")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], num_stages: int | None = None, where: str = "costs") -> "Costs":
+        """From ``{stages: [...] | {...}, comm: {...}}``; a single stage mapping is used for all
+        ``num_stages`` stages."""
+        if not isinstance(data, Mapping):
+            raise CostsError(f"{where}: expected a mapping with keys 'stages' and 'comm', got {type(data).__name__}")
+        data = dict(data)
+        if "stages" not in data:
+            raise CostsError(f"{where}: field stages: missing (a list of per-stage costs, or one mapping for all)")
+        stages = data["stages"]
+        if isinstance(stages, Mapping):
+            if num_stages is None:
+                raise CostsError(f"{where}: field stages is a single mapping; pass num_stages to expand it")
+            data["stages"] = [dict(stages)] * num_stages
+        elif isinstance(stages, Sequence) and not isinstance(stages, str):
+            if num_stages is not None and len(stages) != num_stages:
+                raise CostsError(f"{where}: field stages lists {len(stages)} stages, expected {num_stages}")
+        else:
+            raise CostsError(f"{where}: field stages: expected a list or a mapping, got {type(stages).__name__}")
+        return cls._build(data, where)
+
+    @classmethod
+    def from_file(cls, path: str | Path, num_stages: int | None = None) -> "Costs":
+        """Load a YAML or JSON cost file (see the module docstring)."""
+        path = Path(path)
+        if not path.is_file():
+            raise CostsError(f"cost file {str(path)!r} does not exist")
+        text = path.read_text()
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise CostsError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        return cls.from_dict(data, num_stages=num_stages, where=str(path))
+
+    @classmethod
+    def from_layers(cls, layer_costs: Sequence[Mapping[str, Any]], boundaries: Sequence[int],
+                    comm: CommCost | Mapping[str, Any] | None = None) -> "Costs":
+        """Stages from per-layer costs. Each layer: forward, backward, and optionally recompute,
+        saved_bytes, param_bytes, optimizer_time (summed over the stage's layers) and
+        output_bytes (the stage's activation_bytes is its last layer's). ``boundaries`` are
+        DeepSpeed-style ``parts`` [0, b1, ..., N] (K+1 entries) or the K stage start indices
+        [0, b1, ..., b_{K-1}]."""
+        layers = []
+        for i, lc in enumerate(layer_costs):
+            try:
+                layers.append(_LayerCost.model_validate(lc))
+            except ValidationError as exc:
+                raise CostsError(_format(exc, f"layer_costs[{i}]")) from None
+        n = len(layers)
+        parts = [int(b) for b in boundaries]
+        if not parts or parts[0] != 0:
+            raise CostsError(f"boundaries {list(boundaries)}: must start at 0")
+        if parts[-1] != n:
+            parts.append(n)
+        if any(b >= a for a, b in zip(parts[1:], parts)) or parts[-1] > n:
+            raise CostsError(f"boundaries {list(boundaries)}: must be strictly increasing within 0..{n} "
+                             f"(every stage needs at least one of the {n} layers)")
+        stages = []
+        for a, b in zip(parts, parts[1:]):
+            seg = layers[a:b]
+            stages.append({
+                "forward": sum(x.forward for x in seg), "backward": sum(x.backward for x in seg),
+                "recompute": sum(x.recompute for x in seg), "saved_bytes": sum(x.saved_bytes for x in seg),
+                "param_bytes": sum(x.param_bytes for x in seg), "optimizer_time": sum(x.optimizer_time for x in seg),
+                "activation_bytes": seg[-1].output_bytes,
+            })
+        return cls._build({"stages": stages, "comm": _comm_dict(comm)}, "Costs.from_layers")
+
+    @classmethod
+    def _build(cls, data: Mapping[str, Any], where: str) -> "Costs":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise CostsError(_format(exc, where)) from None
+
+
+class _LayerCost(_Strict):
+    forward: float = Field(ge=0)
+    backward: float = Field(ge=0)
+    recompute: float = Field(0.0, ge=0)
+    saved_bytes: float = Field(0.0, ge=0)
+    param_bytes: float = Field(0.0, ge=0)
+    optimizer_time: float = Field(0.0, ge=0)
+    output_bytes: float = Field(0.0, ge=0)
+
+
+def _comm_dict(comm: CommCost | Mapping[str, Any] | None) -> dict:
+    if comm is None:
+        return {}
+    if isinstance(comm, CommCost):
+        return comm.model_dump()
+    return dict(comm)
+
+
+def _format(exc: ValidationError, where: str) -> str:
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        shown = "" if isinstance(value, (dict, list)) else f" (value {value!r})"
+        problems.append(f"{where}: field {field}{shown}: {err['msg']}")
+    return "invalid costs:\n  " + "\n  ".join(problems)

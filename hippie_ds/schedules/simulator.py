@@ -1,0 +1,586 @@
+"""Discrete-event simulation of a compiled schedule under a cost model. Pure Python.
+
+Every stage runs its stream (``CompiledSchedule.ops(stage)``) in order, for ``iterations``
+consecutive ``train_batch`` calls; state that crosses calls (the deferred stages' buffered
+all-reduce, the p2p channels) carries over. Semantics are the validator's, with time:
+
+* compute: FORWARD takes ``forward``, BACKWARD ``backward + recompute``, FORWARD_BACKWARD both;
+  LOAD and COPY_GRADS_TO_BUFFER are free.
+* p2p: one FIFO channel per direction between neighbours; the k-th send matches the k-th
+  receive. A transfer starts when both sides have posted and takes
+  ``p2p_latency + activation_bytes / p2p_bandwidth`` (stage s's output size both ways on the
+  s <-> s+1 link). A blocking send holds its sender until the transfer ends (rendezvous); a
+  non-blocking send lets it go on at once and WAIT_SENDS waits for all of them.
+* all-reduce: START_ALLREDUCE starts a ring all-reduce of the stage's ``param_bytes`` over its
+  data-parallel group (nothing when ``data_parallel == 1``, or for target 'buffer' while the
+  gradient buffer is empty); WAIT_ALLREDUCE waits for it; REDUCE_GRADS is both. With
+  ``shared_link`` the all-reduces in flight split the link's bandwidth equally (fluid model:
+  rates are recomputed whenever one starts or ends); the latency part is not shared.
+* updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
+  ``optimizer_time`` (APPLY nothing while the buffer is empty). OPTIMIZER_STEP and
+  REDUCE_TIED_GRADS are pipeline-wide collectives: a stage's k-th one waits until every stage
+  has reached its k-th one (REDUCE_TIED_GRADS is then free: the worst case of ir.py's note).
+* end of ``train_batch``: DeepSpeed broadcasts the loss from the last stage, so a stage other
+  than the last cannot end call i before the last stage has finished its stream of call i.
+
+Figures (all of the last, steady-state iteration):
+
+* ``end(i)`` = the latest time any stage returns from call i (after the loss broadcast);
+  ``step_time = end(i) - end(i-1)`` with ``end(-1) = 0``: the time between consecutive
+  completions of ``train_batch`` by the whole pipeline. With flush schedules (gpipe, 1f1b) all
+  stages leave a call together, so this is the usual step time and the bubble identity
+  (K-1)/(M+K-1) holds exactly for equal costs and free communication.
+* ``busy``: the stage's compute time in the iteration; ``idle = step_time - busy``;
+  ``bubble_fraction = 1 - mean(busy) / step_time``.
+* time *blocked*, per stage, in ops of the iteration (a stream-level view):
+  ``exposed_p2p`` in blocking sends/receives and WAIT_SENDS (this includes waiting for the
+  neighbour to produce, i.e. pipeline bubbles, not only transfer time); ``exposed_allreduce``
+  in WAIT_ALLREDUCE and REDUCE_GRADS; ``exposed_sync`` waiting for the other stages in
+  pipeline collectives and the end-of-call loss broadcast; ``exposed_comm`` their sum.
+  A stage's blocked all-reduce time is an upper bound of what it costs the step: the last
+  stage of hippie waits for its all-reduce while it would otherwise wait for activations.
+  The result-level ``allreduce_on_critical_path`` is the honest figure: step_time minus the
+  step time of the same run with free all-reduces.
+* ``allreduce_time``: summed durations (start to end, link sharing included) of the stage's
+  all-reduces consumed in the iteration; an all-reduce belongs to the call whose WAIT consumes
+  it (the deferred stages' buffer all-reduce started at the end of call i-1 counts for call i).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, NamedTuple
+
+from .costs import Costs
+from .ir import COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, CompiledSchedule, Op, OpKind
+
+
+class SimulationError(RuntimeError):
+    """The schedule cannot be simulated (deadlock, mismatched p2p, wrong cost shape)."""
+
+
+class SimEvent(NamedTuple):
+    """One interval of a timeline. ``category`` 'comm' goes on the stage's communication track
+    (all-reduces, non-blocking sends in flight); every other category is the stage's stream."""
+
+    stage: int
+    name: str
+    category: str
+    start: float
+    end: float
+    micro_batch: int | None
+
+
+# ---------------------------------------------------------------------------------------------
+# A minimal process-based event kernel: a process is a generator that yields a delay (float)
+# or a _Signal to wait for; events are handled in time order (ties in insertion order).
+
+class _Signal:
+    __slots__ = ("time", "waiters")
+
+    def __init__(self) -> None:
+        self.time: float | None = None
+        self.waiters: list = []
+
+
+class _Kernel:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def fire(self, sig: _Signal) -> None:
+        sig.time = self.now
+        for gen in sig.waiters:
+            self.at(self.now, self.step, gen)
+        sig.waiters = []
+
+    def spawn(self, gen: Iterator) -> None:
+        self.at(self.now, self.step, gen)
+
+    def step(self, gen: Iterator) -> None:
+        while True:
+            try:
+                req = next(gen)
+            except StopIteration:
+                return
+            if isinstance(req, _Signal):
+                if req.time is None:
+                    req.waiters.append(gen)
+                    return
+            elif req > 0:
+                self.at(self.now + req, self.step, gen)
+                return
+
+    def run(self) -> None:
+        while self._heap:
+            t, _, fn, args = heapq.heappop(self._heap)
+            self.now = t
+            fn(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication resources
+
+class _Transfer:
+    __slots__ = ("mb", "done", "start", "end")
+
+    def __init__(self, mb: int | None) -> None:
+        self.mb = mb
+        self.done = _Signal()
+        self.start: float | None = None
+        self.end: float | None = None
+
+
+class _Channel:
+    """FIFO p2p channel in one direction; whichever side posts second starts the transfer."""
+
+    def __init__(self, kernel: _Kernel, name: str, duration: float) -> None:
+        self.k, self.name, self.duration = kernel, name, duration
+        self.waiting = {"send": deque(), "recv": deque()}
+
+    def post(self, side: str, mb: int | None) -> _Transfer:
+        other = self.waiting["recv" if side == "send" else "send"]
+        if not other:
+            tr = _Transfer(mb)
+            self.waiting[side].append(tr)
+            return tr
+        tr = other.popleft()
+        if tr.mb != mb:
+            raise SimulationError(f"channel {self.name}: {side} of micro-batch {mb} matched with micro-batch "
+                                  f"{tr.mb}: sends and receives are not in the same order")
+        tr.start = self.k.now
+        self.k.at(self.k.now + self.duration, self._complete, tr)
+        return tr
+
+    def _complete(self, tr: _Transfer) -> None:
+        tr.end = self.k.now
+        self.k.fire(tr.done)
+
+
+class _AllReduce:
+    __slots__ = ("stage", "target", "work", "remaining", "latency", "start", "end", "done", "iteration")
+
+    def __init__(self, stage: int, target: str, work: float, latency: float, start: float) -> None:
+        self.stage, self.target, self.work, self.remaining, self.latency = stage, target, work, work, latency
+        self.start, self.end = start, None
+        self.done = _Signal()
+        self.iteration: int | None = None  # the call whose WAIT consumed it
+
+
+class _Link:
+    """The data-parallel link. ``work`` is seconds at full bandwidth; with ``shared`` the n
+    all-reduces in flight progress at 1/n each (fluid max-min fair sharing)."""
+
+    def __init__(self, kernel: _Kernel, shared: bool) -> None:
+        self.k, self.shared = kernel, shared
+        self.active: list[_AllReduce] = []
+        self.last = 0.0
+        self.version = 0  # invalidates planned completions after a rate change
+
+    def start(self, ar: _AllReduce) -> None:
+        if ar.work <= 0:
+            self.k.at(self.k.now + ar.latency, self._finish, ar)
+            return
+        self._advance()
+        self.active.append(ar)
+        self._plan()
+
+    def _rate(self) -> float:
+        return 1.0 / len(self.active) if self.shared else 1.0
+
+    def _advance(self) -> None:
+        dt = self.k.now - self.last
+        if dt > 0 and self.active:
+            rate = self._rate()
+            for ar in self.active:
+                ar.remaining -= dt * rate
+        self.last = self.k.now
+
+    def _plan(self) -> None:
+        self.version += 1
+        if self.active:
+            nxt = min(ar.remaining for ar in self.active)
+            self.k.at(self.k.now + max(nxt, 0.0) / self._rate(), self._tick, self.version)
+
+    def _tick(self, version: int) -> None:
+        if version != self.version:
+            return
+        self._advance()
+        least = min(ar.remaining for ar in self.active)
+        # The planned one(s) are done up to rounding; equal-sized peers finish together.
+        done = [ar for ar in self.active if ar.remaining <= least + 1e-12 * max(ar.work, 1e-300)]
+        for ar in done:
+            self.active.remove(ar)
+            ar.remaining = 0.0
+            self.k.at(self.k.now + ar.latency, self._finish, ar)
+        self._plan()
+
+    def _finish(self, ar: _AllReduce) -> None:
+        ar.end = self.k.now
+        self.k.fire(ar.done)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+@dataclass
+class SimResult:
+    schedule: str
+    stages: int
+    micro_batches: int
+    params: dict
+    step_time: float
+    bubble_fraction: float
+    per_stage: list[dict]
+    throughput: float  # micro-batches per second over all data-parallel replicas
+    events: list[SimEvent] = field(repr=False)
+    data_parallel: int = 1
+    iterations: int = 1
+    allreduce_on_critical_path: float = 0.0  # step_time minus the step time with free all-reduces
+    # Per simulated call: end, step_time, and per stage its start/end and compute start/end.
+    timeline: list[dict] = field(default_factory=list, repr=False)
+
+    def to_dict(self, events: bool = True) -> dict:
+        out = {k: getattr(self, k) for k in ("schedule", "stages", "micro_batches", "params", "step_time",
+                                             "bubble_fraction", "throughput", "data_parallel", "iterations",
+                                             "allreduce_on_critical_path")}
+        out["per_stage"] = [dict(p) for p in self.per_stage]
+        out["timeline"] = [dict(t) for t in self.timeline]
+        if events:
+            out["events"] = [list(e) for e in self.events]
+        return out
+
+    def summary(self) -> str:
+        lines = [f"{self.schedule} {self.params}: {self.stages} stages x {self.micro_batches} micro-batches, "
+                 f"dp={self.data_parallel}: step {self.step_time:.6g} s, bubble {self.bubble_fraction:.1%}, "
+                 f"{self.throughput:.4g} micro-batches/s, all-reduce on critical path "
+                 f"{self.allreduce_on_critical_path:.6g} s",
+                 "stage      busy      idle  peak_mb  exp_allreduce  exp_p2p  exp_sync  allreduce  buffer_bytes"]
+        for p in self.per_stage:
+            lines.append(f"{p['stage']:5d} {p['busy']:9.4g} {p['idle']:9.4g} {p['peak_activation_microbatches']:8d} "
+                         f"{p['exposed_allreduce']:14.4g} {p['exposed_p2p']:8.4g} {p['exposed_sync']:9.4g} "
+                         f"{p['allreduce_time']:10.4g} {p['gradient_buffer_bytes']:13.4g}")
+        return "\n".join(lines)
+
+
+_CATEGORY = {
+    OpKind.FORWARD: "forward", OpKind.BACKWARD: "backward", OpKind.FORWARD_BACKWARD: "forward_backward",
+    OpKind.LOAD: "load", OpKind.SEND_ACTIVATION: "p2p", OpKind.RECV_ACTIVATION: "p2p", OpKind.SEND_GRAD: "p2p",
+    OpKind.RECV_GRAD: "p2p", OpKind.WAIT_SENDS: "p2p", OpKind.START_ALLREDUCE: "allreduce",
+    OpKind.WAIT_ALLREDUCE: "allreduce", OpKind.REDUCE_GRADS: "allreduce", OpKind.REDUCE_TIED_GRADS: "sync",
+    OpKind.COPY_GRADS_TO_BUFFER: "buffer", OpKind.APPLY_BUFFERED_UPDATE: "optimizer",
+    OpKind.OPTIMIZER_STEP: "optimizer", OpKind.STAGE_OPTIMIZER_STEP: "optimizer",
+}
+
+
+def _op_name(op: Op) -> str:
+    if op.micro_batch is not None:
+        return op.label
+    return f"{op.kind.value}({op.target})" if op.target else op.kind.value
+
+
+class _Acc:
+    """Per stage and call: what the figures are made of."""
+
+    __slots__ = ("busy", "p2p", "allreduce", "sync", "peak", "compute_start", "compute_end", "first_forward",
+                 "last_backward")
+
+    def __init__(self) -> None:
+        self.busy = self.p2p = self.allreduce = self.sync = 0.0
+        self.peak = 0
+        self.compute_start = self.compute_end = self.first_forward = self.last_backward = None
+
+
+class _Sim:
+    def __init__(self, compiled: CompiledSchedule, costs: Costs, iterations: int) -> None:
+        self.c, self.costs, self.iterations = compiled, costs, iterations
+        self.K = compiled.stages
+        self.k = _Kernel()
+        self.link = _Link(self.k, costs.comm.shared_link)
+        self.act = [_Channel(self.k, f"activations {s}->{s + 1}", costs.p2p_time(s)) for s in range(self.K - 1)]
+        self.grad = [_Channel(self.k, f"gradients {s + 1}->{s}", costs.p2p_time(s)) for s in range(self.K - 1)]
+        self.collectives: dict[tuple, list] = {}  # (kind, k) -> [arrived, signal]
+        self.last_done = [_Signal() for _ in range(iterations)]  # last stage finished call i
+        self.events: list[SimEvent] = []
+        self.isend_events: list[tuple[int, Op, float, _Transfer]] = []
+        self.allreduces: list[_AllReduce] = []
+        self.acc = [[_Acc() for _ in range(iterations)] for _ in range(self.K)]
+        self.starts = [[] for _ in range(self.K)]
+        self.ends = [[] for _ in range(self.K)]
+        self.where: list[str | None] = ["not started"] * self.K  # for deadlock reports
+        self.uses_buffer = [False] * self.K
+        self.ops = [list(compiled.ops(s)) for s in range(self.K)]
+
+    # -- one stage -------------------------------------------------------------------------
+    def stage(self, s: int) -> Iterator:
+        st = _StageState()
+        for it in range(self.iterations):
+            self.starts[s].append(self.k.now)
+            for op in self.ops[s]:
+                self.where[s] = f"call {it}, step {op.step}: {op}"
+                yield from self._exec(s, it, op, st)
+            if s != self.K - 1:
+                # DeepSpeed broadcasts the loss from the last stage at the end of train_batch.
+                t0 = self.k.now
+                self.where[s] = f"call {it}: end-of-call loss broadcast from stage {self.K - 1}"
+                yield self.last_done[it]
+                self.acc[s][it].sync += self.k.now - t0
+                self.events.append(SimEvent(s, "loss_broadcast", "sync", t0, self.k.now, None))
+            else:
+                self.events.append(SimEvent(s, "loss_broadcast", "sync", self.k.now, self.k.now, None))
+                self.k.fire(self.last_done[it])
+            self.ends[s].append(self.k.now)
+        self.where[s] = None
+
+    def _compute_time(self, s: int, kind: OpKind) -> float:
+        sc = self.costs.stages[s]
+        if kind == OpKind.FORWARD:
+            return sc.forward
+        if kind == OpKind.BACKWARD:
+            return sc.backward + sc.recompute
+        return sc.forward + sc.backward + sc.recompute
+
+    def _channel(self, s: int, kind: OpKind) -> tuple[_Channel, str]:
+        try:
+            if kind == OpKind.SEND_ACTIVATION:
+                return self._neighbour(self.act, s, s + 1), "send"
+            if kind == OpKind.RECV_ACTIVATION:
+                return self._neighbour(self.act, s - 1, s), "recv"
+            if kind == OpKind.SEND_GRAD:
+                return self._neighbour(self.grad, s - 1, s), "send"
+            return self._neighbour(self.grad, s, s + 1), "recv"
+        except IndexError:
+            raise SimulationError(f"stage {s}: {kind.value} has no neighbour to talk to") from None
+
+    def _neighbour(self, channels: list, lo: int, hi: int) -> _Channel:
+        if lo < 0 or hi >= self.K:
+            raise IndexError
+        return channels[lo]
+
+    def _start_allreduce(self, s: int, target: str, st: "_StageState") -> None:
+        if target == "buffer" and not st.buffer_full:
+            return  # first call: nothing buffered yet
+        work, latency = self.costs.allreduce_work(s), self.costs.allreduce_latency_total()
+        if work <= 0 and latency <= 0:
+            return  # data_parallel == 1: no data-parallel peers
+        ar = _AllReduce(s, target, work, latency, self.k.now)
+        self.allreduces.append(ar)
+        st.pending[target].append(ar)
+        self.link.start(ar)
+
+    def _wait_allreduce(self, s: int, it: int, target: str, st: "_StageState") -> Iterator:
+        for ar in st.pending[target]:
+            yield ar.done
+            ar.iteration = it
+        st.pending[target] = []
+
+    def _exec(self, s: int, it: int, op: Op, st: "_StageState") -> Iterator:
+        k, acc, kind = self.k, self.acc[s][it], op.kind
+        t0 = k.now
+        if kind in COMPUTE_KINDS:
+            if kind != OpKind.BACKWARD:  # its activations are held from the forward's start
+                st.live += 1
+                acc.peak = max(acc.peak, st.live)
+                if acc.first_forward is None:
+                    acc.first_forward = t0
+            yield self._compute_time(s, kind)
+            if kind != OpKind.FORWARD:
+                st.live -= 1
+                acc.last_backward = k.now
+            acc.busy += k.now - t0
+            acc.compute_start = t0 if acc.compute_start is None else acc.compute_start
+            acc.compute_end = k.now
+        elif kind in SEND_KINDS or kind in RECV_KINDS:
+            channel, side = self._channel(s, kind)
+            tr = channel.post(side, op.micro_batch)
+            if side == "send" and not op.blocking:
+                st.isends.append(tr)
+                self.isend_events.append((s, op, t0, tr))
+                return  # drawn on the comm track once it has completed
+            yield tr.done
+            acc.p2p += k.now - t0
+        elif kind == OpKind.WAIT_SENDS:
+            for tr in st.isends:
+                yield tr.done
+            st.isends = []
+            acc.p2p += k.now - t0
+        elif kind == OpKind.START_ALLREDUCE:
+            self._start_allreduce(s, op.target, st)
+        elif kind == OpKind.WAIT_ALLREDUCE:
+            yield from self._wait_allreduce(s, it, op.target, st)
+            acc.allreduce += k.now - t0
+        elif kind == OpKind.REDUCE_GRADS:
+            self._start_allreduce(s, "grads", st)
+            yield from self._wait_allreduce(s, it, "grads", st)
+            acc.allreduce += k.now - t0
+        elif kind == OpKind.COPY_GRADS_TO_BUFFER:
+            st.buffer_full = True
+            self.uses_buffer[s] = True
+        elif kind == OpKind.APPLY_BUFFERED_UPDATE:
+            if st.buffer_full:  # nothing to apply at the first call
+                st.buffer_full = False
+                yield self.costs.stages[s].optimizer_time
+        elif kind in PIPELINE_COLLECTIVE_KINDS:
+            n = st.collective_count.get(kind, 0)
+            st.collective_count[kind] = n + 1
+            entry = self.collectives.setdefault((kind, n), [0, _Signal()])
+            entry[0] += 1
+            if entry[0] == self.K:
+                k.fire(entry[1])
+            yield entry[1]
+            acc.sync += k.now - t0
+            if kind == OpKind.OPTIMIZER_STEP:
+                yield self.costs.stages[s].optimizer_time
+        elif kind == OpKind.STAGE_OPTIMIZER_STEP:
+            yield self.costs.stages[s].optimizer_time
+        elif kind != OpKind.LOAD:
+            raise SimulationError(f"stage {s}: cannot simulate op {op}")
+        self.events.append(SimEvent(s, _op_name(op), _CATEGORY[kind], t0, k.now, op.micro_batch))
+
+    # -- whole run -------------------------------------------------------------------------
+    def run(self) -> None:
+        for s in range(self.K):
+            self.k.spawn(self.stage(s))
+        self.k.run()
+        stuck = [(s, w) for s, w in enumerate(self.where) if w is not None]
+        if stuck:
+            detail = "; ".join(f"stage {s} blocked at {w}" for s, w in stuck)
+            raise SimulationError(f"schedule {self.c.name!r} deadlocks at t={self.k.now:g}: {detail} "
+                                  "(run the validator for a precise diagnosis)")
+        for s, op, t0, tr in self.isend_events:
+            self.events.append(SimEvent(s, _op_name(op), "comm", t0, tr.end, op.micro_batch))
+        for ar in self.allreduces:
+            self.events.append(SimEvent(ar.stage, f"allreduce({ar.target})", "comm", ar.start, ar.end, None))
+        self.events.sort(key=lambda e: (e.start, e.stage, e.end))
+
+
+class _StageState:
+    def __init__(self) -> None:
+        self.live = 0  # micro-batches whose forward started and backward has not ended
+        self.isends: list[_Transfer] = []
+        self.pending: dict[str, list[_AllReduce]] = {"grads": [], "buffer": []}
+        self.buffer_full = False
+        self.collective_count: dict[OpKind, int] = {}
+
+
+def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
+             critical_path: bool = True) -> SimResult:
+    """Simulate ``iterations`` consecutive train_batch calls of ``compiled`` under ``costs``;
+    figures are of the last call (see the module docstring for the definitions).
+    ``critical_path=False`` skips the second, all-reduce-free run behind
+    ``allreduce_on_critical_path``."""
+    if costs.num_stages != compiled.stages:
+        raise SimulationError(f"costs describe {costs.num_stages} stages, schedule {compiled.name!r} "
+                              f"was compiled for {compiled.stages}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise SimulationError(f"iterations = {iterations!r}: must be an integer >= 1")
+    sim = _Sim(compiled, costs, iterations)
+    sim.run()
+
+    K, last = compiled.stages, iterations - 1
+    ends = [max(sim.ends[s][i] for s in range(K)) for i in range(iterations)]
+    step_times = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, iterations)]
+    step_time = step_times[last]
+    per_stage = []
+    for s in range(K):
+        a, sc = sim.acc[s][last], costs.stages[s]
+        ar_time = sum(ar.end - ar.start for ar in sim.allreduces if ar.stage == s and ar.iteration == last)
+        exposed = a.p2p + a.allreduce + a.sync
+        per_stage.append({
+            "stage": s, "busy": a.busy, "idle": step_time - a.busy,
+            "peak_activation_microbatches": a.peak, "peak_activation_bytes": a.peak * sc.saved_bytes,
+            "gradient_buffer_bytes": sc.param_bytes if sim.uses_buffer[s] else 0.0,
+            "exposed_allreduce": a.allreduce, "exposed_p2p": a.p2p, "exposed_sync": a.sync, "exposed_comm": exposed,
+            "allreduce_time": ar_time,
+        })
+    timeline = []
+    for i in range(iterations):
+        accs = [sim.acc[s][i] for s in range(K)]
+        timeline.append({"iteration": i, "end": ends[i], "step_time": step_times[i],
+                         "stage_start": [sim.starts[s][i] for s in range(K)],
+                         "stage_end": [sim.ends[s][i] for s in range(K)],
+                         "compute_start": [a.compute_start for a in accs],
+                         "compute_end": [a.compute_end for a in accs],
+                         "first_forward": [a.first_forward for a in accs],
+                         "last_backward": [a.last_backward for a in accs]})
+    mean_busy = sum(p["busy"] for p in per_stage) / K
+    bubble = 1.0 - mean_busy / step_time if step_time > 0 else 0.0
+    r = costs.comm.data_parallel
+    throughput = compiled.micro_batches * r / step_time if step_time > 0 else float("inf")
+
+    critical = 0.0
+    if critical_path and any(costs.allreduce_time(s) > 0 for s in range(K)):
+        free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
+        critical = step_time - simulate(compiled, free, iterations, critical_path=False).step_time
+
+    return SimResult(schedule=compiled.name, stages=K, micro_batches=compiled.micro_batches,
+                     params=dict(compiled.params), step_time=step_time, bubble_fraction=bubble, per_stage=per_stage,
+                     throughput=throughput, events=sim.events, data_parallel=r, iterations=iterations,
+                     allreduce_on_critical_path=critical, timeline=timeline)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost-based 'auto' parameters
+
+def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Costs,
+                        params: Mapping[str, Any] | None = None, iterations: int = 3) -> dict:
+    """Resolve a schedule's ``'auto'`` stage-list parameters (hippie's ``deferred_stages``)
+    from costs; other parameters as given or declared. Returns the full params dict.
+
+    Rule (the brief's "a stage defers when its all-reduce time exceeds its slack"):
+
+    * slack of stage s = T + o_s - b_s, from a simulation with nothing deferred and free
+      all-reduces (the pipeline's compute shape, last call): T = the latest end of any stage's
+      compute, b_s = the end of stage s's last backward, o_s = the start of stage s's first
+      forward minus stage 0's, i.e. how long after the next call starts stage s computes again;
+    * need of stage s = its simulated all-reduce duration (link sharing with the all-reduces
+      running beside it included) + its optimizer_time;
+    * greedily: simulate with the current deferred set, defer the non-deferred stage whose need
+      exceeds its slack by the most (ties: the earlier stage), repeat until every non-deferred
+      stage fits. Deferring one stage frees link bandwidth for the others, hence one at a time;
+      deferral changes the update rule (one-step-stale gradients), hence only where needed.
+
+    Every 'auto' stage-list parameter is resolved with this rule (a parameter listing the
+    stages that take the buffered path)."""
+    from .compiler import compile_schedule, resolve_params
+    from .spec import ScheduleSpec, load_spec
+
+    spec = spec_or_name if isinstance(spec_or_name, ScheduleSpec) else load_spec(spec_or_name)
+    given = dict(params or {})
+    auto = [n for n, p in spec.params.items()
+            if p.kind == "stage_list" and (given.get(n) if given.get(n) is not None else p.default) == "auto"]
+    if not auto:
+        return resolve_params(spec, stages, micro_batches, given)
+    if costs.num_stages != stages:
+        raise SimulationError(f"costs describe {costs.num_stages} stages, asked to plan {stages}")
+
+    def run(deferred: list[int], c: Costs) -> SimResult:
+        compiled = compile_schedule(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})
+        return simulate(compiled, c, iterations, critical_path=False)
+
+    free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
+    shape = run([], free).timeline[-1]
+    t_end = max(shape["compute_end"])
+    first = shape["first_forward"]
+    slack = [t_end + (first[s] - first[0]) - shape["last_backward"][s] for s in range(stages)]
+
+    deferred: list[int] = []
+    while True:
+        res = run(deferred, costs)
+        over = []
+        for s in range(stages):
+            if s in deferred:
+                continue
+            need = res.per_stage[s]["allreduce_time"] + costs.stages[s].optimizer_time
+            if need > slack[s] * (1 + 1e-9):
+                over.append((need - slack[s], -s))
+        if not over:
+            break
+        deferred = sorted(deferred + [-max(over)[1]])
+    return resolve_params(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})

@@ -1,0 +1,101 @@
+"""Rank worker for the distributed tests: trains the tiny model with each requested engine
+(stock DeepSpeed or a hippie-ds schedule) in turn and saves parameters and losses."""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import deepspeed
+from deepspeed.runtime.pipe.module import PipelineModule
+
+sys.path.insert(0, os.path.dirname(__file__))
+import model as tiny  # noqa: E402
+
+import hippie_ds  # noqa: E402
+
+
+def config(args, schedule, dp):
+    cfg = {
+        "train_micro_batch_size_per_gpu": tiny.MICRO_BATCH_SIZE,
+        "train_batch_size": tiny.MICRO_BATCH_SIZE * args.micro_batches * dp,
+        "optimizer": {"type": args.optimizer, "params": {"lr": args.lr}},
+        "steps_per_print": 10_000,
+        "pipeline": {},
+    }
+    if args.clip:
+        cfg["gradient_clipping"] = args.clip
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
+    if schedule != "stock":
+        cfg["pipeline"]["schedule"] = schedule
+        cfg["hippie"] = {}
+        if schedule.startswith("hippie") and args.deferred is not None:
+            cfg["hippie"]["deferred_stages"] = [int(s) for s in args.deferred.split(",") if s]
+        if args.timeline:
+            cfg["hippie"]["timeline_dir"] = os.path.join(args.out, schedule, "timeline")
+    return cfg
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--engines", default="stock,1f1b")
+    p.add_argument("--optimizer", default="SGD")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--deferred", default=None)
+    p.add_argument("--flush", action="store_true")
+    p.add_argument("--timeline", action="store_true")
+    p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
+    p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
+    p.add_argument("--crash-rank", type=int, default=None)
+    args = p.parse_args()
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+    dp = world // args.stages
+    for name in args.engines.split(","):
+        module = PipelineModule(layers=tiny.layer_specs(), num_stages=args.stages, loss_fn=tiny.loss_fn,
+                                topology=hippie_ds.make_topology(args.stages, world),
+                                partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED)
+        init = deepspeed.initialize if name == "stock" else hippie_ds.initialize
+        engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
+                          config=config(args, name, dp))
+        replica = engine.grid.data_parallel_id
+        start = 0
+        if args.resume:
+            _, client = engine.load_checkpoint(args.resume)
+            start = client["next_step"]
+        it = tiny.data_iter(replica, args.micro_batches, start_step=start)
+        losses = []
+        for step in range(start, args.steps):
+            if args.crash_rank == rank and step == 1:
+                raise RuntimeError(f"rank {rank} crashes on purpose at step {step}")
+            losses.append(float(engine.train_batch(it)))
+            if args.checkpoint_at is not None and step + 1 == args.checkpoint_at:
+                engine.save_checkpoint(os.path.join(args.out, name, "ckpt"), client_state={"next_step": step + 1})
+                break
+        if args.flush and hasattr(engine, "flush_deferred_update"):
+            engine.flush_deferred_update()
+        state = {engine.module._local_start + i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
+                 for i, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
+        os.makedirs(os.path.join(args.out, name), exist_ok=True)
+        torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state},
+                   os.path.join(args.out, name, f"rank{rank}.pt"))
+        if hasattr(engine, "write_timeline"):
+            engine.write_timeline()
+        torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(args.out, "done.json"), "w") as f:
+            json.dump({"engines": args.engines.split(",")}, f)
+
+
+if __name__ == "__main__":
+    main()
