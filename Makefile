@@ -16,9 +16,11 @@ TESTS ?= tests
 PYTEST_FLAGS ?= -q
 
 OUT ?= out
-# The schedule demo: K stages, M micro-batches, 2 data-parallel replicas, a slow all-reduce link.
+# The schedule demo: 4 stages, 8 micro-batches, 2 data-parallel replicas whose gradient all-reduce
+# crosses a 1 Gbit/s link (125 MB/s); per stage 20 ms forward, 40 ms backward, 27.4 MB of parameters.
 DEMO_SHAPE ?= --stages 4 --micro-batches 8
-DEMO_COSTS ?= --forward 1 --backward 2 --param-bytes 100e6 --data-parallel 2 --allreduce-bandwidth 125e6
+DEMO_COSTS ?= --forward 20ms --backward 40ms --activation-bytes 4MB --saved-bytes 30MB --param-bytes 27.4MB \
+	--data-parallel 2 --allreduce-bandwidth 125MB/s
 
 .PHONY: venv test demo schedule-demo clean distclean
 
@@ -40,7 +42,7 @@ schedule-demo: $(STAMP)
 	mkdir -p $(OUT)
 	$(HIPPIE) schedule list
 	for s in 1f1b gpipe hippie hippie-1f1b; do $(HIPPIE) schedule validate $$s $(DEMO_SHAPE) || exit 1; done
-	$(HIPPIE) schedule simulate 1f1b gpipe hippie $(DEMO_SHAPE) $(DEMO_COSTS)
+	$(HIPPIE) schedule simulate 1f1b gpipe hippie hippie-1f1b $(DEMO_SHAPE) $(DEMO_COSTS)
 	$(HIPPIE) schedule trace hippie $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/hippie.json
 	$(HIPPIE) schedule trace 1f1b $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/1f1b.json
 	@echo "Chrome traces (open in chrome://tracing or ui.perfetto.dev) and timelines: $(OUT)/{hippie,1f1b}.{json,png}"

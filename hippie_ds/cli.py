@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,8 +49,18 @@ def command(name: str):
     return register
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the descriptions' paragraphs and examples as written."""
+class _Formatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description on its own; keeps indented lines (examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            if para.startswith("  ") or "\n  " in para:
+                out.append("\n".join(indent + line for line in para.splitlines()))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,25 +287,20 @@ def _table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
     return "\n".join([line(headers)] + [line(row) for row in rows])
 
 
-def _fmt_time(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds == 0:
-        return "0"
-    if abs(seconds) >= 1:
-        return f"{seconds:.3f}s"
-    if abs(seconds) >= 1e-3:
-        return f"{seconds * 1e3:.3f}ms"
-    return f"{seconds * 1e6:.1f}us"
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds:.4g}s" if seconds else "0"
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
+def _fmt_seconds(seconds: float) -> str:
+    """For table columns whose header says (s)."""
+    return f"{seconds:.4g}"
+
+
+def _fmt_bytes(n: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}B"
+            return f"{n / size:.4g}{unit}"
+    return f"{n:.0f}B" if n else "0"
 
 
 def _summary(description: str, width: int = 90) -> str:
@@ -472,27 +478,22 @@ def _cmd_validate(args) -> int:
     return 0
 
 
-def _simulate_one(name: str, args, costs, explicit: dict | None):
-    """Compile ``name`` with --param (restricted to its declared parameters when ``explicit`` is
-    None, i.e. when several schedules are compared), 'auto' resolved from the costs, and simulate."""
+def _simulate_one(name: str, args, costs, only_declared: bool):
+    """Compile ``name`` with the --param values (only those it declares when ``only_declared``:
+    several schedules compared), validate it, resolve its 'auto' parameters from the costs, and
+    simulate it."""
     from .schedules import simulator
     spec = _load(name)
     given = _parse_params(args.param, spec)
-    if explicit is None:
+    if only_declared:
         given = {k: v for k, v in given.items() if k in spec.params}
-    auto_keys = [k for k, p in spec.params.items() if given.get(k, p.default) == "auto"]
-    params = dict(given)
-    if auto_keys:
-        resolved = simulator.resolve_auto_params(name, args.stages, args.micro_batches, costs) or {}
-        params.update({k: resolved[k] for k in auto_keys if k in resolved})
-    compiled = _compile(name, args, validate=True, params=params)
+    # Compile and validate first: a broken schedule is reported as such, not as a failed simulation.
+    compiled = _compile(name, args, validate=True, params=given)
+    params = simulator.resolve_auto_params(spec, args.stages, args.micro_batches, costs, params=given,
+                                           iterations=args.iterations)
+    if params != compiled.params:
+        compiled = _compile(name, args, validate=True, params=params)
     return compiled, simulator.simulate(compiled, costs, iterations=args.iterations)
-
-
-def _result_dict(result) -> dict:
-    data = dict(result.to_dict())
-    data.pop("events", None)
-    return data
 
 
 def _cmd_simulate(args) -> int:
@@ -503,18 +504,15 @@ def _cmd_simulate(args) -> int:
         for key in _parse_params(args.param, None):
             if not any(key in s.params for s in specs):
                 raise UsageError(f"--param {key}: none of the schedules {', '.join(names)} has this parameter")
-    results = []
-    for name in names:
-        compiled, result = _simulate_one(name, args, costs, explicit={} if len(names) == 1 else None)
-        results.append((name, compiled, result))
+    results = [(name, *_simulate_one(name, args, costs, only_declared=len(names) > 1)) for name in names]
     if args.json:
-        data = [_result_dict(r) for _, _, r in results]
+        data = [result.to_dict(events=False) for _, _, result in results]
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2, default=_json_default))
         return 0
     for i, (name, compiled, result) in enumerate(results):
         if i:
             print()
-        print(_report(name, compiled, _result_dict(result)))
+        print(_report(name, compiled, result, costs))
     if len(results) > 1:
         print()
         print(_comparison(results))
@@ -529,52 +527,41 @@ def _json_default(obj):
     return str(obj)
 
 
-_STAGE_COLUMNS = [  # header, per-stage key(s), formatter
-    ("busy", ("busy",), _fmt_time),
-    ("idle", ("idle",), _fmt_time),
-    ("exposed comm", ("exposed_comm",), _fmt_time),
-    ("peak act (mb)", ("peak_activation_micro_batches", "peak_activations"), lambda v: "-" if v is None else f"{v:g}"),
-    ("peak act bytes", ("peak_activation_bytes",), _fmt_bytes),
-    ("grad buffer", ("gradient_buffer_bytes", "grad_buffer_bytes"), _fmt_bytes),
+_STAGE_COLUMNS = [  # header, per-stage key, formatter
+    ("busy (s)", "busy", _fmt_seconds),
+    ("idle (s)", "idle", _fmt_seconds),
+    ("exposed comm (s)", "exposed_comm", _fmt_seconds),
+    ("exposed all-reduce (s)", "exposed_allreduce", _fmt_seconds),
+    ("all-reduce (s)", "allreduce_time", _fmt_seconds),
+    ("peak act (mb)", "peak_activation_microbatches", str),
+    ("peak act bytes", "peak_activation_bytes", _fmt_bytes),
+    ("grad buffer", "gradient_buffer_bytes", _fmt_bytes),
 ]
 
 
-def _pick(row: dict, keys: tuple):
-    for key in keys:
-        if key in row:
-            return row[key]
-    return None
-
-
-def _report(name: str, compiled, data: dict) -> str:
+def _report(name: str, compiled, result, costs) -> str:
     params = ", ".join(f"{k}={_show_value(v)}" for k, v in compiled.params.items())
-    head = f"{data.get('schedule', compiled.name)} ({name})" if name != compiled.name else compiled.name
-    lines = [f"{head}: {compiled.stages} stages x {compiled.micro_batches} micro-batches"
-             + (f", {params}" if params else "")]
-    rows = []
-    for i, row in enumerate(data.get("per_stage", [])):
-        stage = row.get("stage", i)
-        rows.append([str(stage)] + [fmt(_pick(row, keys)) for _, keys, fmt in _STAGE_COLUMNS])
-    if rows:
-        lines.append(_table(["stage"] + [h for h, _, _ in _STAGE_COLUMNS], rows))
-    bubble = data.get("bubble_fraction")
-    throughput = data.get("throughput")
-    lines.append(f"step time {_fmt_time(data.get('step_time'))}"
-                 + (f", bubble {bubble:.1%}" if bubble is not None else "")
-                 + (f", throughput {throughput:.4g} micro-batches/s" if throughput is not None else ""))
+    head = compiled.name if name == compiled.name else f"{compiled.name} ({name})"
+    comm = costs.comm
+    lines = [f"{head}: {compiled.stages} stages x {compiled.micro_batches} micro-batches, "
+             f"{comm.data_parallel} data-parallel replica(s)" + (f", {params}" if params else "")]
+    rows = [[str(row["stage"])] + [fmt(row[key]) for _, key, fmt in _STAGE_COLUMNS] for row in result.per_stage]
+    lines.append(_table(["stage"] + [h for h, _, _ in _STAGE_COLUMNS], rows))
+    lines.append(f"step time {_fmt_time(result.step_time)}, bubble {result.bubble_fraction:.1%}, "
+                 f"throughput {result.throughput:.4g} micro-batches/s, all-reduce on the critical path "
+                 f"{_fmt_time(result.allreduce_on_critical_path)}")
     return "\n".join(lines)
 
 
 def _comparison(results) -> str:
-    base = results[0][2].to_dict().get("step_time")
+    base = results[0][2].step_time
     rows = []
     for name, _, result in results:
-        data = result.to_dict()
-        step = data.get("step_time")
-        rel = f"{step / base:.3f}x" if base and step is not None else "-"
-        bubble = data.get("bubble_fraction")
-        rows.append([name, _fmt_time(step), rel, "-" if bubble is None else f"{bubble:.1%}"])
-    return _table(["schedule", "step time", f"vs {results[0][0]}", "bubble"], rows)
+        rel = f"{result.step_time / base:.3f}x" if base > 0 else "-"
+        rows.append([name, _fmt_time(result.step_time), rel, f"{result.bubble_fraction:.1%}",
+                     f"{result.throughput:.4g}", _fmt_time(result.allreduce_on_critical_path)])
+    return _table(["schedule", "step time", f"vs {results[0][0]}", "bubble", "micro-batches/s",
+                   "all-reduce on critical path"], rows)
 
 
 def _cmd_trace(args) -> int:
@@ -582,12 +569,12 @@ def _cmd_trace(args) -> int:
     out = Path(args.out)
     png = Path(args.png) if args.png else out.with_suffix(".png")
     costs = _build_costs(args, args.stages)
-    compiled, result = _simulate_one(args.schedule, args, costs, explicit={})
+    compiled, result = _simulate_one(args.schedule, args, costs, only_declared=False)
     for path in (out, png):
         path.parent.mkdir(parents=True, exist_ok=True)
     trace.chrome_trace(result.events, out)
     title = (f"{compiled.name}: {compiled.stages} stages x {compiled.micro_batches} micro-batches, "
-             f"step {_fmt_time(result.to_dict().get('step_time'))}")
+             f"step {_fmt_time(result.step_time)}")
     trace.timeline_png(result.events, png, title)
     print(f"wrote {out} (Chrome trace) and {png} (timeline)")
     return 0
@@ -609,8 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_error_types() -> tuple:
     from pydantic import ValidationError
+    from .schedules.simulator import SimulationError
     from .schedules.spec import ScheduleError
-    return (UsageError, ScheduleError, ValidationError, ValueError, OSError)
+    return (UsageError, ScheduleError, SimulationError, ValidationError, ValueError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

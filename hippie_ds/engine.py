@@ -320,6 +320,8 @@ class HippiePipelineEngine(PipelineEngine):
         # The pending gradient is part of the training state: finish its all-reduce (identical on
         # every replica afterwards) and save it with this stage's model states.
         self._exec_wait_sends()
+        if self._grad_buffer_state == "filled":  # each replica holds its own part: reduce it now
+            self._exec_start_allreduce("buffer")
         self._wait_buffer()
         state = dict(client_state)
         state[GRAD_BUFFER_KEY] = {"state": self._grad_buffer_state,

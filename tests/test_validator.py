@@ -79,11 +79,12 @@ def test_compile_validates_by_default():
 # Deadlock and p2p matching
 
 def _blocking_last_stage_sends(c):
-    """The issue's trap: hippie's last stage returning gradients with blocking sends."""
-    last = c.streams[c.stages - 1]
-    for step in last:
-        step[:] = [replace(op, blocking=True) if op.kind == OpKind.SEND_GRAD else op
-                   for op in step if op.kind != OpKind.WAIT_SENDS]
+    """The issue's trap: hippie (GPipe order next to the fused last stage) with every send
+    blocking, as DeepSpeed's p2p is."""
+    for stream in c.streams:
+        for step in stream:
+            step[:] = [replace(op, blocking=True) if op.kind in (OpKind.SEND_GRAD, OpKind.SEND_ACTIVATION) else op
+                       for op in step if op.kind != OpKind.WAIT_SENDS]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 2), (3, 4), (4, 4), (4, 8), (8, 2)])
@@ -96,7 +97,7 @@ def test_blocking_grad_sends_from_last_stage_deadlock(stages, micro_batches):
     stuck = _with(problems, K - 1, K - 1, "deadlock", "blocking send_grad(mb=0) to stage", str(K - 2))
     assert stuck and stuck[0].op == "send_grad(mb=0, buf=0)"
     assert f"stage {K - 2} is blocked at step" in stuck[0].reason and "send_activation(mb=1)" in stuck[0].reason
-    assert _with(problems, K - 2, K, "deadlock", "send_activation(mb=1)", f"stage {K - 1} is blocked at step {K - 1}")
+    assert _with(problems, K - 2, K - 1, "deadlock", "send_activation(mb=1)", f"stage {K - 1} is blocked at step {K - 1}")
     assert all(p.reason.startswith("deadlock") for p in problems)
 
 
@@ -309,7 +310,9 @@ def test_buffer_reduced_but_not_applied_at_iteration_end():
     c = _compile("hippie", 2, 2)
     _remove(c, 0, _find(c, 0, OpKind.APPLY_BUFFERED_UPDATE))
     wait = _remove(c, 0, _find(c, 0, OpKind.WAIT_ALLREDUCE, target="buffer"))
-    c.streams[0][wait.step].append(wait)  # copy, start, wait: reduced and left so
+    start = _find(c, 0, OpKind.START_ALLREDUCE, target="buffer")
+    start_op = c.streams[0][start[0]][start[1]]
+    c.streams[0][wait.step] += [replace(start_op, step=wait.step), wait]  # copy, start, wait: reduced, left so
     assert Problem(0, None, None, "gradient buffer all-reduced but never applied "
                                   "(apply_buffered_update missing)") in check(c, iterations=1)
 

@@ -106,6 +106,8 @@ class Costs(_Strict):
         if not isinstance(data, Mapping):
             raise CostsError(f"{where}: expected a mapping with keys 'stages' and 'comm', got {type(data).__name__}")
         data = dict(data)
+        if data.get("comm", {}) is None:  # an empty `comm:` section in YAML
+            del data["comm"]
         if "stages" not in data:
             raise CostsError(f"{where}: field stages: missing (a list of per-stage costs, or one mapping for all)")
         stages = data["stages"]

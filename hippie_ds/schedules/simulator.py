@@ -543,8 +543,9 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
       running beside it included) + its optimizer_time;
     * greedily: simulate with the current deferred set, defer the non-deferred stage whose need
       exceeds its slack by the most (ties: the earlier stage), repeat until every non-deferred
-      stage fits. Deferring one stage frees link bandwidth for the others, hence one at a time;
-      deferral changes the update rule (one-step-stale gradients), hence only where needed.
+      stage fits. One at a time because the durations depend on which all-reduces overlap;
+      only where needed because deferral changes the update rule (one-step-stale gradients).
+      A stage without an all-reduce (data_parallel 1, no parameters) never defers.
 
     Every 'auto' stage-list parameter is resolved with this rule (a parameter listing the
     stages that take the buffered path)."""
@@ -575,8 +576,8 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
         res = run(deferred, costs)
         over = []
         for s in range(stages):
-            if s in deferred:
-                continue
+            if s in deferred or costs.allreduce_time(s) <= 0:
+                continue  # no all-reduce to hide: deferring would only make the update stale
             need = res.per_stage[s]["allreduce_time"] + costs.stages[s].optimizer_time
             if need > slack[s] * (1 + 1e-9):
                 over.append((need - slack[s], -s))

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -19,7 +20,7 @@ def config(args, schedule, dp):
     cfg = {
         "train_micro_batch_size_per_gpu": tiny.MICRO_BATCH_SIZE,
         "train_batch_size": tiny.MICRO_BATCH_SIZE * args.micro_batches * dp,
-        "optimizer": {"type": args.optimizer, "params": {"lr": args.lr}},
+        "optimizer": {"type": args.optimizer, "params": {"lr": args.lr, **({"torch_adam": True} if args.optimizer == "AdamW" else {})}},
         "steps_per_print": 10_000,
         "pipeline": {},
     }
@@ -32,6 +33,10 @@ def config(args, schedule, dp):
         cfg["hippie"] = {}
         if schedule.startswith("hippie") and args.deferred is not None:
             cfg["hippie"]["deferred_stages"] = [int(s) for s in args.deferred.split(",") if s]
+        if args.schedule_override:
+            override = json.loads(args.schedule_override)
+            cfg["pipeline"].update(override.pop("pipeline", {}))
+            cfg["hippie"].update(override)
         if args.timeline:
             cfg["hippie"]["timeline_dir"] = os.path.join(args.out, schedule, "timeline")
     return cfg
@@ -55,6 +60,8 @@ def main():
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
     p.add_argument("--crash-rank", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section (bad-input tests)")
     args = p.parse_args()
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -78,6 +85,8 @@ def main():
         for step in range(start, args.steps):
             if args.crash_rank == rank and step == 1:
                 raise RuntimeError(f"rank {rank} crashes on purpose at step {step}")
+            if args.kill_rank == rank and step == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
             losses.append(float(engine.train_batch(it)))
             if args.checkpoint_at is not None and step + 1 == args.checkpoint_at:
                 engine.save_checkpoint(os.path.join(args.out, name, "ckpt"), client_state={"next_step": step + 1})
@@ -87,7 +96,9 @@ def main():
         state = {engine.module._local_start + i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
                  for i, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
-        torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state},
+        torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
+                    "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
+                    if hasattr(engine, "compiled_schedule") else {}},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()

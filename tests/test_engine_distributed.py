@@ -1,0 +1,128 @@
+"""The engine with real ranks: the `deepspeed` launcher, gloo, several processes.
+
+- hippie-ds 1f1b and gpipe give bit-identical parameters to DeepSpeed's stock engine;
+- hippie and hippie-1f1b match a single-process reference of the declared rule to 1e-6;
+- checkpoint / resume with a pending gradient is exact; crashes end the job; bad configs fail
+  on every rank before any collective.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+import reference  # noqa: E402
+from launch import collect, launch  # noqa: E402
+
+STEPS, MICRO_BATCHES = 3, 4
+ENGINES = "stock,1f1b,gpipe,hippie,hippie-1f1b"
+
+
+def _assert_equal(a, b, what):
+    for i in a:
+        for k in a[i]:
+            assert torch.equal(a[i][k], b[i][k]), f"{what}: layer {i} {k} differs by {(a[i][k] - b[i][k]).abs().max()}"
+
+
+def _assert_close(a, b, what, atol=1e-6):
+    for i in b:
+        for k in b[i]:
+            diff = (a[i][k] - b[i][k]).abs().max().item()
+            assert diff <= atol, f"{what}: layer {i} {k} differs by {diff}"
+
+
+def _replicas_identical(replicas):
+    first = replicas[0]
+    for r, state in replicas.items():
+        _assert_equal(first, state, f"replica {r} vs 0")
+
+
+@pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
+def test_schedules_exact(tmp_path, stages, dp):
+    rc, log, secs = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES,
+                           "--steps", STEPS, "--engines", ENGINES)
+    assert rc == 0, log[-4000:]
+    stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
+    for name in ("1f1b", "gpipe"):
+        ours, losses, _, _, replicas = collect(tmp_path, name)
+        _assert_equal(stock, ours, f"{name} vs stock DeepSpeed")
+        assert losses == stock_losses
+        _replicas_identical(replicas)
+    for name in ("hippie", "hippie-1f1b"):
+        ours, losses, parts, params, replicas = collect(tmp_path, name)
+        assert params["deferred_stages"] == list(range(stages // 2))
+        ref, ref_losses = reference.run(parts, dp, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"])
+        _assert_close(ours, ref, f"{name} vs reference")
+        for rank_losses in losses.values():
+            if rank_losses:
+                assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
+        _replicas_identical(replicas)
+        if stages > 1:  # the deferred rule really is in effect: differs from the synchronous result
+            assert any(not torch.equal(ours[i][k], stock[i][k]) for i in ours for k in ours[i])
+
+
+def test_hippie_adamw_clipping_all_deferred(tmp_path):
+    args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--engines", "hippie,hippie-1f1b",
+            "--optimizer", "AdamW", "--lr", 0.01, "--clip", 0.05, "--deferred", "0,1")
+    rc, log, _ = launch(4, tmp_path, *args)
+    assert rc == 0, log[-4000:]
+    for name in ("hippie", "hippie-1f1b"):
+        ours, _, parts, params, replicas = collect(tmp_path, name)
+        assert params["deferred_stages"] == [0, 1]
+        ref, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, clip=0.05)
+        _assert_close(ours, ref, f"{name} AdamW+clip vs reference")
+        noclip, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01)
+        assert any((ours[i][k] - noclip[i][k]).abs().max() > 1e-4 for i in ours for k in ours[i]), \
+            "clipping had no effect: the test would not catch a wrong clipping rule"
+        _replicas_identical(replicas)
+
+
+def test_flush_applies_pending_gradient(tmp_path):
+    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--steps", 3, "--engines", "hippie", "--deferred", "0", "--flush")
+    assert rc == 0, log[-4000:]
+    ours, _, parts, _, _ = collect(tmp_path, "hippie")
+    # After the flush, stage 0 has applied g(0), g(1), g(2): the reference with one more
+    # step whose gradient is never computed equals the synchronous rule for stage 0.
+    ref, _ = reference.run(parts, 1, MICRO_BATCHES, 3, deferred=[0])
+    layers0 = range(*parts[0])
+    assert any(not torch.equal(ours[i][k], ref[i][k]) for i in ref if i in layers0 for k in ref[i])
+    _assert_close({i: v for i, v in ours.items() if i not in layers0}, {i: v for i, v in ref.items() if i not in layers0},
+                  "stage 1 unaffected by the flush")
+
+
+def test_checkpoint_resume_with_pending_gradient(tmp_path):
+    common = ("--stages", 2, "--micro-batches", 3, "--engines", "hippie", "--deferred", "0", "--optimizer", "AdamW",
+              "--lr", 0.01)
+    rc, log, _ = launch(4, tmp_path / "full", *common, "--steps", 5)
+    assert rc == 0, log[-4000:]
+    rc, log, _ = launch(4, tmp_path / "part", *common, "--steps", 5, "--checkpoint-at", 3)
+    assert rc == 0, log[-4000:]
+    rc, log, _ = launch(4, tmp_path / "resumed", *common, "--steps", 5, "--resume", tmp_path / "part" / "hippie" / "ckpt")
+    assert rc == 0, log[-4000:]
+    full, full_losses, *_ = collect(tmp_path / "full", "hippie")
+    _, part_losses, *_ = collect(tmp_path / "part", "hippie")
+    resumed, resumed_losses, *_ = collect(tmp_path / "resumed", "hippie")
+    _assert_equal(full, resumed, "resumed vs uninterrupted")
+    for rank, losses in full_losses.items():
+        assert part_losses[rank] + resumed_losses[rank] == losses
+
+
+@pytest.mark.parametrize("failure", ["--crash-rank", "--kill-rank"])
+def test_failed_rank_ends_the_job(tmp_path, failure):
+    rc, log, secs = launch(4, tmp_path, "--stages", 2, "--steps", 50, "--engines", "hippie", failure, 1, timeout=120)
+    assert rc != 0
+    assert secs < 90, f"job took {secs:.0f}s to exit after a rank failed"
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"pipeline": {"schedule": "no-such-schedule"}}, "unknown schedule 'no-such-schedule'"),
+    ({"deferred_stages": [5]}, "stage(s) [5] out of range"),
+    ({"unknown_key": 1}, '"hippie.unknown_key"'),
+])
+def test_bad_config_fails_on_every_rank(tmp_path, override, message):
+    import json
+    rc, log, secs = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--schedule-override", json.dumps(override),
+                           timeout=120)
+    assert rc != 0
+    assert log.count(message) >= 2, log[-3000:]
