@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -25,7 +25,8 @@ class ConfigError(ValueError):
 class HippieConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    deferred_stages: Union[Literal["auto"], list[int], None] = None
+    # 'auto' or a list of stage ids (checked against the stage count when the schedule compiles)
+    deferred_stages: Any = None
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
     placement: Literal["pipeline_in_node", "data_parallel_in_node"] = "pipeline_in_node"
@@ -34,8 +35,10 @@ class HippieConfig(BaseModel):
     @field_validator("deferred_stages", mode="before")
     @classmethod
     def _stages(cls, v):
-        if isinstance(v, list) and any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
-            raise ValueError("must be 'auto' or a list of non-negative stage indices")
+        ok = v is None or v == "auto" or (isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+        if not ok:
+            raise ValueError("allowed: 'auto' or a list of non-negative stage indices, e.g. [0, 1]")
         return v
 
 

@@ -126,3 +126,18 @@ def test_bad_config_fails_on_every_rank(tmp_path, override, message):
                            timeout=120)
     assert rc != 0
     assert log.count(message) >= 2, log[-3000:]
+
+
+def test_bf16(tmp_path):
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--steps", STEPS, "--engines", "stock,1f1b,hippie", "--bf16",
+                        "--clip", 0.5)
+    assert rc == 0, log[-4000:]
+    stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
+    ours, losses, _, _, replicas = collect(tmp_path, "1f1b")
+    _assert_equal(stock, ours, "bf16 1f1b vs stock DeepSpeed")
+    assert losses == stock_losses
+    hippie, _, parts, params, replicas = collect(tmp_path, "hippie")
+    _replicas_identical(replicas)
+    # bf16 weights: compare with the fp32 reference of the deferred rule at bf16 resolution
+    ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], clip=0.5)
+    _assert_close(hippie, ref, "bf16 hippie vs fp32 reference", atol=2e-2)

@@ -81,6 +81,8 @@ def main():
             _, client = engine.load_checkpoint(args.resume)
             start = client["next_step"]
         it = tiny.data_iter(replica, args.micro_batches, start_step=start)
+        if args.bf16:
+            it = ((x.bfloat16(), y.bfloat16()) for x, y in it)
         losses = []
         for step in range(start, args.steps):
             if args.crash_rank == rank and step == 1:
