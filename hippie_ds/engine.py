@@ -31,6 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ._compat import check_deepspeed_version
 from .schedules import deepspeed_schedule as hs
 from .schedules.ir import CompiledSchedule, OpKind
+from .schedules.simulator import CATEGORY, op_name
 
 check_deepspeed_version()
 
@@ -94,7 +95,11 @@ class HippiePipelineEngine(PipelineEngine):
         self._grad_buffer_state = "empty"  # empty | filled | reducing | reduced
         self._timeline_dir = timeline_dir
         self._timeline: list[dict] = []
+        self._inflight: dict[str, float] = {}
+        self._batch_index = 0
+        self._training = False  # timelines cover train_batch only
         self._t0 = time.perf_counter()
+        self._t0_unix = time.time()  # to align ranks' timelines (same host clock)
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -104,7 +109,7 @@ class HippiePipelineEngine(PipelineEngine):
         # DeepSpeed's loop, plus an optional timeline of every executed instruction.
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
-        record = self._timeline_dir is not None
+        record = self._timeline_dir is not None and self._training
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -113,9 +118,29 @@ class HippiePipelineEngine(PipelineEngine):
                 start = time.perf_counter()
                 MethodType(handler, self)(**cmd.kwargs)
                 if record:
-                    self._timeline.append({"name": repr(cmd), "kind": type(cmd).__name__, "start": start - self._t0,
-                                           "end": time.perf_counter() - self._t0, "step": self.global_steps,
-                                           "buffer": cmd.kwargs.get("buffer_id")})
+                    self._record(cmd, start, time.perf_counter())
+
+    def _record(self, cmd, start, end):
+        op = getattr(cmd, "op", None)
+        event = {"name": op_name(op) if op else repr(cmd), "kind": type(cmd).__name__,
+                 "category": CATEGORY.get(op.kind, "other") if op else "other", "start": start - self._t0,
+                 "end": end - self._t0, "step": self._batch_index, "micro_batch": op.micro_batch if op else None}
+        self._timeline.append(event)
+        if op is not None and op.kind == OpKind.START_ALLREDUCE:
+            self._inflight[op.target] = start
+        elif op is not None and op.kind == OpKind.WAIT_ALLREDUCE and op.target in self._inflight:
+            # In flight from its start until its wait returned (gloo reports no completion time).
+            self._timeline.append({"name": f"allreduce({op.target})", "kind": "AllReduceInFlight", "category": "comm",
+                                   "start": self._inflight.pop(op.target) - self._t0, "end": end - self._t0,
+                                   "step": self._batch_index, "micro_batch": None})
+
+    def train_batch(self, data_iter=None):
+        self._training = True
+        try:
+            return super().train_batch(data_iter)
+        finally:
+            self._training = False
+            self._batch_index += 1
 
     def write_timeline(self, path: str | None = None) -> str | None:
         """Write this rank's executed-instruction timeline (JSON); returns the path."""
@@ -125,7 +150,7 @@ class HippiePipelineEngine(PipelineEngine):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump({"rank": self.global_rank, "stage": self.stage_id, "data_parallel_id": self.grid.data_parallel_id,
-                       "schedule": self.compiled_schedule.name, "events": self._timeline}, f)
+                       "schedule": self.compiled_schedule.name, "t0_unix": self._t0_unix, "events": self._timeline}, f)
         return path
 
     # ------------------------------------------------------------------ per-buffer slots

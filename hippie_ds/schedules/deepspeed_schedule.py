@@ -94,7 +94,13 @@ class DeclaredSchedule(ds.PipeSchedule):
             raise ValueError(f"stage_id = {stage_id}: allowed 0..{compiled.stages - 1}")
         super().__init__(compiled.micro_batches, compiled.stages, stage_id)
         self.compiled = compiled
-        self._steps = [[to_instruction(op) for op in step] for step in compiled.streams[stage_id]]
+        self._steps = [[self._instruction(op) for op in step] for step in compiled.streams[stage_id]]
+
+    @staticmethod
+    def _instruction(op: Op) -> ds.PipeInstruction:
+        inst = to_instruction(op)
+        inst.op = op  # not a kwarg: handlers never see it; timelines label with it
+        return inst
 
     def steps(self):
         for step in self._steps:

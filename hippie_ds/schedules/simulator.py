@@ -269,7 +269,7 @@ class SimResult:
         return "\n".join(lines)
 
 
-_CATEGORY = {
+CATEGORY = {  # timeline category of each op kind (shared with measured timelines)
     OpKind.FORWARD: "forward", OpKind.BACKWARD: "backward", OpKind.FORWARD_BACKWARD: "forward_backward",
     OpKind.LOAD: "load", OpKind.SEND_ACTIVATION: "p2p", OpKind.RECV_ACTIVATION: "p2p", OpKind.SEND_GRAD: "p2p",
     OpKind.RECV_GRAD: "p2p", OpKind.WAIT_SENDS: "p2p", OpKind.START_ALLREDUCE: "allreduce",
@@ -279,7 +279,7 @@ _CATEGORY = {
 }
 
 
-def _op_name(op: Op) -> str:
+def op_name(op: Op) -> str:
     if op.micro_batch is not None:
         return op.label
     return f"{op.kind.value}({op.target})" if op.target else op.kind.value
@@ -441,7 +441,7 @@ class _Sim:
             yield self.costs.stages[s].optimizer_time
         elif kind != OpKind.LOAD:
             raise SimulationError(f"stage {s}: cannot simulate op {op}")
-        self.events.append(SimEvent(s, _op_name(op), _CATEGORY[kind], t0, k.now, op.micro_batch))
+        self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
 
     # -- whole run -------------------------------------------------------------------------
     def run(self) -> None:
@@ -454,7 +454,7 @@ class _Sim:
             raise SimulationError(f"schedule {self.c.name!r} deadlocks at t={self.k.now:g}: {detail} "
                                   "(run the validator for a precise diagnosis)")
         for s, op, t0, tr in self.isend_events:
-            self.events.append(SimEvent(s, _op_name(op), "comm", t0, tr.end, op.micro_batch))
+            self.events.append(SimEvent(s, op_name(op), "comm", t0, tr.end, op.micro_batch))
         for ar in self.allreduces:
             self.events.append(SimEvent(ar.stage, f"allreduce({ar.target})", "comm", ar.start, ar.end, None))
         self.events.sort(key=lambda e: (e.start, e.stage, e.end))

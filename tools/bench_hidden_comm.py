@@ -1,0 +1,574 @@
+#!/usr/bin/env python3
+"""Benchmark: does Hippie's communication schedule hide the data-parallel all-reduce?
+
+An emulated two-node cluster on one machine (brief section 4): two network namespaces
+(hds-node0, hds-node1) joined by a veth pair (veth0 10.77.0.1 <-> veth1 10.77.0.2), each end
+shaped with ``tc tbf rate 1gbit burst 1mb latency 100ms``. One job of 4 ranks = 2 nodes x 2
+ranks: a 2-stage pipeline inside each node (ranks 0,1 = node 0 = stages 0,1 of replica 0; ranks
+2,3 = node 1) and 2 data-parallel replicas across the link
+(``hippie_ds.make_topology(2, 4, "pipeline_in_node")``). Node 0's ranks are pinned to one core
+(``taskset -c 0``), node 1's to another (``-c 1``); gloo on ``GLOO_SOCKET_IFNAME=vethN``,
+``MASTER_ADDR=10.77.0.1``; DeepSpeed's launcher is started once per node
+(``python -m deepspeed.launcher.launch --world_info=... --node_rank=N``).
+
+The one worker script, tools/bench_worker.py, trains a GPT-like PipelineModule (default 8
+blocks, d_model 320, vocab 4096, sequence 64, micro-batch 2, fp32 AdamW: about 6.2M parameters
+= 25 MB per stage) with, side by side in the same processes: stock DeepSpeed 1F1B
+(``deepspeed.initialize``) and hippie-ds ``gpipe``, ``hippie``, ``hippie-1f1b`` (default
+``deferred_stages``: [0] with 2 stages) and ``hippie-auto`` (``hippie`` with
+``"deferred_stages": "auto"`` and a cost file measured on the stock engine's warm-up steps).
+Every schedule gets a fresh module built from the same seed, ``--warmup`` untimed steps, then
+``--rounds`` rounds of ``--steps`` timed steps; rounds visit the schedules round-robin (the
+order rotated each round) so machine noise hits all alike. No barrier is added around steps.
+
+Usage (from the repository root, as root; `sudo` keeps the venv's python)::
+
+    sudo .venv/bin/python tools/bench_hidden_comm.py --steps 6 --rounds 2
+    sudo .venv/bin/python tools/bench_hidden_comm.py --rate 500mbit --out out/bench_500mbit
+    .venv/bin/python tools/bench_hidden_comm.py --analyze-only   # re-analyse out/bench_hidden_comm/raw
+
+Outputs under ``--out`` (default out/bench_hidden_comm/):
+
+* results.json: per schedule the step times, medians, ratio to stock 1F1B, throughput and a
+  per-stage breakdown from the timelines; results.md: the same as markdown tables (also printed);
+* traces/<schedule>.json: Chrome trace (chrome://tracing, ui.perfetto.dev) of the timed steps,
+  one process per rank; traces/<schedule>.png: the last two timed steps as a Gantt chart;
+* raw/: per-rank step records and instruction timelines; logs/node{0,1}.log: launcher output.
+
+What is measured
+----------------
+* step time: wall time of one ``engine.train_batch`` call on each rank (``time.perf_counter``).
+  Per step the maximum over the 4 ranks and rank 0's own; the headline is the median over all
+  timed steps of the per-step maximum. Throughput = global samples per step (micro-batch size x
+  micro-batches x 2 replicas) / that median.
+* exposed all-reduce (per stage, seconds per step, mean over timed steps and the stage's two
+  replicas): the summed duration of the instructions during which the rank's stream does
+  gradient all-reduce work instead of compute: ``ReduceGrads`` and ``ReduceTiedGrads`` (stock and
+  gpipe/1f1b: blocking all-reduce, with its flatten/unflatten copies), ``StartAllReduce``
+  (flatten + divide + launch of the async all-reduce) and ``WaitAllReduce`` (blocking until the
+  async all-reduce is complete, plus copying back the reduced gradients). NOT counted:
+  ``OptimizerStep``/``StageOptimizerStep``/``ApplyBufferedUpdate`` (the update; DeepSpeed's
+  ``OptimizerStep`` has no collective here: fp32, no clipping), ``CopyGradsToBuffer`` (a local
+  copy), and the loss all-reduce + pipeline broadcast that ``train_batch`` runs after the
+  schedule (reported as "after schedule").
+* all-reduce span: from the start of ``StartAllReduce`` to the end of its ``WaitAllReduce``
+  (``ReduceGrads``: its own duration): how long the all-reduce was outstanding, hidden or not.
+* stock DeepSpeed has no timeline hook: the worker gives that engine a per-instance copy of
+  ``PipelineEngine._INSTRUCTION_MAP`` whose functions time the original handlers
+  (``_exec_schedule`` calls the functions in ``self._INSTRUCTION_MAP``). hippie-ds engines record
+  the same with ``"hippie": {"timeline_dir": ...}``.
+
+Needs root and ``ip netns`` (refuses with exit code 2 otherwise). The namespaces are always
+removed: at exit, on SIGINT/SIGTERM/SIGHUP, and leftovers of a crashed run at start.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tools" / "bench_worker.py"
+NODES = ("hds-node0", "hds-node1")
+VETHS = ("veth0", "veth1")
+ADDRS = ("10.77.0.1", "10.77.0.2")
+DEFAULT_SCHEDULES = "stock,gpipe,hippie,hippie-1f1b,hippie-auto"
+KNOWN_LABELS = ("stock", "1f1b", "gpipe", "hippie", "hippie-1f1b", "hippie-auto", "hippie-1f1b-auto")
+
+GROUPS = {
+    "compute": {"ForwardPass", "BackwardPass", "ForwardBackwardPass"},
+    "p2p": {"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ISendActivation", "ISendGrad", "WaitSends"},
+    "allreduce": {"ReduceGrads", "ReduceTiedGrads", "StartAllReduce", "WaitAllReduce"},
+    "optimizer": {"OptimizerStep", "StageOptimizerStep", "ApplyBufferedUpdate"},
+    "buffer_copy": {"CopyGradsToBuffer"},
+    "load": {"LoadMicroBatch"},
+}
+TRACE_CATEGORY = {"ForwardPass": "forward", "BackwardPass": "backward", "ForwardBackwardPass": "forward_backward",
+                  "CopyGradsToBuffer": "buffer", "LoadMicroBatch": "load"}
+for _g, _cat in (("p2p", "p2p"), ("allreduce", "allreduce"), ("optimizer", "optimizer")):
+    TRACE_CATEGORY.update({k: _cat for k in GROUPS[_g]})
+
+
+class Refuse(Exception):
+    """A precondition is missing: print the message, exit 2."""
+
+
+# ---------------------------------------------------------------------------------- network
+def sh(*cmd, check=True, quiet=False):
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
+    return res
+
+
+def parse_rate(rate: str) -> float:
+    """tc rate (e.g. 1gbit, 500mbit, 100mbps) in bytes per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        raise Refuse(f"--rate {rate!r}: expected a tc rate like 1gbit, 500mbit or 100mbps")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return value / 8 if m.group(3) == "bit" else value
+
+
+def burst_for(rate_bytes: float) -> str:
+    # tbf needs burst >= rate/HZ (at least rate/250 on this kernel); keep 1mb (the brief's) when enough.
+    need = 2 * rate_bytes / 250
+    return "1mb" if need <= 1024 * 1024 else str(int(math.ceil(need)))
+
+
+def teardown_network():
+    """Remove our namespaces (their veth ends go with them) and any stray veth in this namespace."""
+    for ns in NODES:
+        sh("ip", "netns", "del", ns, check=False)
+    for veth in VETHS:
+        if sh("ip", "link", "show", veth, check=False).returncode == 0:
+            sh("ip", "link", "del", veth, check=False)
+
+
+def setup_network(rate: str | None):
+    teardown_network()  # leftovers of a crashed run
+    for ns in NODES:
+        sh("ip", "netns", "add", ns)
+    sh("ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1])
+    for ns, veth, addr in zip(NODES, VETHS, ADDRS):
+        sh("ip", "link", "set", veth, "netns", ns)
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "link", "set", veth, "up")
+        if rate is not None:
+            sh("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root", "tbf", "rate", rate, "burst",
+               burst_for(parse_rate(rate)), "latency", "100ms")
+    return {ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip() for ns, veth in zip(NODES, VETHS)}
+
+
+def preflight(args):
+    if os.geteuid() != 0:
+        raise Refuse("this benchmark creates network namespaces, a veth pair and tc shaping: run it as root, e.g.\n"
+                     f"  sudo {sys.executable} {' '.join(sys.argv)}")
+    for tool in ("ip", "taskset") + (() if args.no_shape else ("tc", )):
+        if shutil.which(tool) is None:
+            raise Refuse(f"`{tool}` is not installed (iproute2 / util-linux); it is needed to emulate two nodes")
+    res = sh("ip", "netns", "list", check=False)
+    if res.returncode != 0:
+        raise Refuse(f"`ip netns` is not available here ({res.stderr.strip() or 'exit ' + str(res.returncode)}); "
+                     "network namespaces are needed to emulate two nodes")
+    cores = [int(c) for c in args.cores.split(",")]
+    if len(cores) != 2 or not set(cores) <= os.sched_getaffinity(0):
+        raise Refuse(f"--cores {args.cores!r}: need two distinct cores this process may use "
+                     f"(allowed: {sorted(os.sched_getaffinity(0))})")
+    if not args.no_shape:
+        parse_rate(args.rate)
+
+
+# ---------------------------------------------------------------------------------- job
+class Job:
+    """The two launchers (one per emulated node), their logs and progress output."""
+
+    def __init__(self, args, out: Path):
+        self.args, self.out, self.procs, self.threads = args, out, [], []
+        self.t0 = time.monotonic()
+
+    def worker_args(self):
+        a = self.args
+        return ["--out", str(self.out), "--schedules", a.schedules, "--micro-batches", str(a.micro_batches),
+                "--micro-batch-size", str(a.micro_batch_size), "--seq", str(a.seq), "--d-model", str(a.d_model),
+                "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),
+                "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds),
+                "--allreduce-bandwidth", str(parse_rate(a.rate) if not a.no_shape else 1.25e9),
+                "--timeout-s", str(a.timeout)]
+
+    def start(self):
+        a = self.args
+        world_info = base64.urlsafe_b64encode(json.dumps({NODES[0]: [0, 1], NODES[1]: [0, 1]}).encode()).decode()
+        cores = a.cores.split(",")
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        for n, (ns, veth) in enumerate(zip(NODES, VETHS)):
+            env = dict(os.environ)
+            env.update({"GLOO_SOCKET_IFNAME": veth, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                        "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
+            env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
+            cmd = ["ip", "netns", "exec", ns, "taskset", "-c", cores[n], sys.executable, "-u", "-m",
+                   "deepspeed.launcher.launch", f"--world_info={world_info}", f"--node_rank={n}",
+                   f"--master_addr={ADDRS[0]}", f"--master_port={a.port}", str(WORKER), *self.worker_args()]
+            if n == 0:
+                (self.out / "logs" / "command.txt").write_text(" ".join(cmd) + "\n")
+            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, bufsize=1, start_new_session=True)
+            self.procs.append(proc)
+            t = threading.Thread(target=self._pump, args=(n, proc), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, n, proc):
+        with open(self.out / "logs" / f"node{n}.log", "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if "[bench]" in line:
+                    msg = line.split("[bench]", 1)[1].strip()
+                    print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
+
+    def wait(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c == 0 for c in codes):
+                break
+            failed = [(n, c) for n, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                n, c = failed[0]
+                raise RuntimeError(f"node {n}'s launcher exited with {c}; see {self.out}/logs/node{n}.log"
+                                   + self._tails())
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job ran past --timeout {timeout} s" + self._tails())
+            time.sleep(0.5)
+        for t in self.threads:
+            t.join(timeout=5)
+
+    def _tails(self):
+        time.sleep(1)
+        out = []
+        for n in range(len(self.procs)):
+            p = self.out / "logs" / f"node{n}.log"
+            lines = p.read_text().splitlines()[-25:] if p.exists() else []
+            out.append(f"\n--- last lines of node{n}.log ---\n" + "\n".join(lines))
+        return "".join(out)
+
+    def stop(self):
+        """End the launchers we started (their process groups: launcher + its rank processes)."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=5)
+
+
+# ---------------------------------------------------------------------------------- analysis
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def load_raw(out: Path):
+    done = json.loads((out / "raw" / "done.json").read_text())
+    runs = {}
+    for label in done["labels"]:
+        ranks = {}
+        for f in sorted((out / "raw" / label).glob("rank*.steps.json")):
+            steps = json.loads(f.read_text())
+            tl = json.loads((out / "raw" / label / "timeline" / f"rank{steps['rank']}.json").read_text())
+            ranks[steps["rank"]] = (steps, tl)
+        runs[label] = ranks
+    return done, runs
+
+
+def _target(name):
+    m = re.search(r"target='(\w+)'", name)
+    return m.group(1) if m else "grads"
+
+
+def analyse_rank(steps, tl):
+    """Per timed step of one rank: duration, time per instruction group, all-reduce spans;
+    plus the rank's events on the absolute clock (for traces)."""
+    t0 = steps["t0"]
+    if t0 is None:
+        raise RuntimeError(f"rank {steps['rank']} ({steps['label']}): no timeline origin recorded")
+    events = sorted(({**e, "start": e["start"] + t0, "end": e["end"] + t0} for e in tl["events"]),
+                    key=lambda e: e["start"])
+    spans, open_ = [], {}
+    for e in events:  # all-reduce outstanding: StartAllReduce start -> matching WaitAllReduce end
+        if e["kind"] == "StartAllReduce":
+            open_[_target(e["name"])] = e
+        elif e["kind"] == "WaitAllReduce" and _target(e["name"]) in open_:
+            s = open_.pop(_target(e["name"]))
+            spans.append({"target": _target(e["name"]), "start": s["start"], "end": e["end"]})
+        elif e["kind"] in ("ReduceGrads", "ReduceTiedGrads"):
+            spans.append({"target": "grads", "start": e["start"], "end": e["end"]})
+    per_step, i = [], 0
+    for st in steps["steps"]:
+        mine = [e for e in events if st["start"] <= e["start"] < st["end"]]
+        groups = {g: sum(e["end"] - e["start"] for e in mine if e["kind"] in kinds) for g, kinds in GROUPS.items()}
+        busy = sum(e["end"] - e["start"] for e in mine)
+        last_end = max((e["end"] for e in mine), default=st["start"])
+        per_step.append({**st, "duration": st["end"] - st["start"], **groups,
+                         "other": st["end"] - st["start"] - busy, "after_schedule": st["end"] - last_end,
+                         "allreduce_span": sum(s["end"] - s["start"] for s in spans
+                                               if st["start"] <= s["start"] < st["end"]),
+                         "events": mine,
+                         "spans": [s for s in spans if st["start"] <= s["start"] < st["end"]]})
+    return per_step
+
+
+def analyse(out: Path, args_record: dict | None = None, wall_s: float | None = None):
+    done, runs = load_raw(out)
+    results = {"schedules": {}, "config": args_record or {}, "wall_s": wall_s,
+               "counted_as_exposed_allreduce": sorted(GROUPS["allreduce"]),
+               "not_counted": sorted(GROUPS["optimizer"] | GROUPS["buffer_copy"]) + ["loss all-reduce/broadcast "
+                                                                                      "after the schedule"]}
+    (out / "traces").mkdir(parents=True, exist_ok=True)
+    for label, ranks in runs.items():
+        per_rank = {r: analyse_rank(s, tl) for r, (s, tl) in ranks.items()}
+        meta = {r: s for r, (s, _) in ranks.items()}
+        timed = {r: [x for x in ps if not x["warmup"]] for r, ps in per_rank.items()}
+        keys = sorted({(x["round"], x["index"]) for x in timed[0]})
+        by_key = {r: {(x["round"], x["index"]): x for x in xs} for r, xs in timed.items()}
+        per_step_max = [max(by_key[r][k]["duration"] for r in by_key) for k in keys]
+        rank0 = [by_key[0][k]["duration"] for k in keys]
+        dp = len({m["data_parallel_id"] for m in meta.values()})
+        cfg = results["config"]
+        samples = cfg.get("micro_batch_size", 0) * cfg.get("micro_batches", 0) * dp
+        stages = {}
+        for r, xs in timed.items():
+            st = stages.setdefault(meta[r]["stage"], {"ranks": [], "params": meta[r]["params"], "_xs": []})
+            st["ranks"].append(r)
+            st["_xs"].extend(xs)
+        for s, st in stages.items():
+            xs = st.pop("_xs")
+            for g in list(GROUPS) + ["other", "after_schedule", "allreduce_span"]:
+                st[f"{g}_s"] = _mean([x[g] for x in xs])
+            st["exposed_allreduce_s"] = st.pop("allreduce_s")
+            st["exposed_allreduce_median_s"] = statistics.median([x["allreduce"] for x in xs]) if xs else 0.0
+            st["exposed_allreduce_per_rank_s"] = {r: _mean([x["allreduce"] for x in timed[r]]) for r in st["ranks"]}
+        med = statistics.median(per_step_max) if per_step_max else float("nan")
+        results["schedules"][label] = {
+            "schedule": meta[0]["schedule"], "params": meta[0]["schedule_params"],
+            "timed_steps": len(keys), "step_time_max_over_ranks_s": per_step_max, "step_time_rank0_s": rank0,
+            "median_step_s": med, "median_step_rank0_s": statistics.median(rank0) if rank0 else float("nan"),
+            "mean_step_s": _mean(per_step_max), "min_step_s": min(per_step_max, default=float("nan")),
+            "max_step_s": max(per_step_max, default=float("nan")),
+            "samples_per_step": samples, "throughput_samples_s": samples / med if med else None,
+            "loss_first_timed": by_key[0][keys[0]]["loss"] if keys else None,
+            "loss_last_timed": by_key[0][keys[-1]]["loss"] if keys else None,
+            "per_stage": {str(s): st for s, st in sorted(stages.items())},
+        }
+        write_traces(out, label, meta, timed, keys)
+    stock = results["schedules"].get("stock")
+    for r in results["schedules"].values():
+        r["ratio_to_stock_1f1b"] = r["median_step_s"] / stock["median_step_s"] if stock else None
+        r["ratio_rank0_to_stock_1f1b"] = r["median_step_rank0_s"] / stock["median_step_rank0_s"] if stock else None
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = markdown(results)
+    (out / "results.md").write_text(md)
+    return results, md
+
+
+def _trace_events(meta, steps):
+    evs = []
+    for r, xs in steps.items():
+        for x in xs:
+            for e in x["events"]:
+                evs.append({"rank": r, "stage": meta[r]["stage"], "name": e["name"],
+                            "category": TRACE_CATEGORY.get(e["kind"], "other"), "start": e["start"], "end": e["end"]})
+            for s in x["spans"]:
+                evs.append({"rank": r, "stage": meta[r]["stage"], "name": f"allreduce {s['target']} (outstanding)",
+                            "category": "comm", "start": s["start"], "end": s["end"]})
+            last = max((e["end"] for e in x["events"]), default=x["start"])
+            evs.append({"rank": r, "stage": meta[r]["stage"], "name": "after schedule (loss all-reduce + broadcast)",
+                        "category": "sync", "start": last, "end": x["end"]})
+    return evs
+
+
+def write_traces(out: Path, label, meta, timed, keys):
+    from hippie_ds.schedules.trace import chrome_trace, timeline_png
+    names = {r: f"rank {r}: node {r // 2}, stage {meta[r]['stage']}, replica {meta[r]['data_parallel_id']}"
+             for r in meta}
+    evs = _trace_events(meta, timed)
+    if not evs:
+        return
+    origin = min(e["start"] for e in evs)
+    for e in evs:
+        e["start"] -= origin
+        e["end"] -= origin
+    chrome_trace(evs, out / "traces" / f"{label}.json", process_names=names)
+    last = set(keys[-2:])
+    tail = {r: [x for x in xs if (x["round"], x["index"]) in last] for r, xs in timed.items()}
+    evs = _trace_events(meta, tail)
+    origin = min(e["start"] for e in evs)
+    for e in evs:
+        e["start"] -= origin
+        e["end"] -= origin
+    try:
+        timeline_png(evs, out / "traces" / f"{label}.png", title=f"{label}: last two timed steps (s)")
+    except ImportError:  # matplotlib missing: the Chrome trace is enough
+        pass
+
+
+def markdown(results):
+    sch = results["schedules"]
+    stage_ids = sorted({s for r in sch.values() for s in r["per_stage"]}, key=int)
+    cfg = results["config"]
+    lines = []
+    if cfg:
+        lines += [f"Emulated 2 nodes x 2 ranks, link {cfg.get('link')}, {cfg.get('micro_batches')} micro-batches of "
+                  f"{cfg.get('micro_batch_size')} x {cfg.get('seq')} tokens, {cfg.get('params_per_stage')} parameters "
+                  f"per stage (fp32 AdamW), {cfg.get('warmup')} warm-up + {cfg.get('rounds')} rounds x "
+                  f"{cfg.get('steps')} timed steps per schedule.", ""]
+    head = ["schedule", "deferred", "median step (s)", "rank 0 median (s)", "vs stock 1F1B", "samples/s"]
+    head += [f"exposed all-reduce stage {s} (s/step)" for s in stage_ids]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in sch.items():
+        deferred = r["params"].get("deferred_stages", "-") if r["params"] else "-"
+        ratio = f"{r['ratio_to_stock_1f1b']:.3f}x" if r.get("ratio_to_stock_1f1b") is not None else "-"
+        row = [label if label != "stock" else "stock DeepSpeed 1F1B", str(deferred), f"{r['median_step_s']:.3f}",
+               f"{r['median_step_rank0_s']:.3f}", ratio, f"{r['throughput_samples_s']:.2f}"]
+        row += [f"{r['per_stage'][s]['exposed_allreduce_s']:.3f}" if s in r["per_stage"] else "-" for s in stage_ids]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Per stage, seconds per step (mean over timed steps and the stage's replicas):", ""]
+    head = ["schedule", "stage", "compute", "p2p", "exposed all-reduce", "all-reduce outstanding", "optimizer",
+            "buffer copy", "after schedule", "step (mean)"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in sch.items():
+        for s in stage_ids:
+            st = r["per_stage"].get(s)
+            if st is None:
+                continue
+            lines.append("| " + " | ".join([label, s] + [f"{st[k]:.3f}" for k in (
+                "compute_s", "p2p_s", "exposed_allreduce_s", "allreduce_span_s", "optimizer_s", "buffer_copy_s",
+                "after_schedule_s")] + [f"{r['mean_step_s']:.3f}"]) + " |")
+    lines += ["", "median step = median over timed steps of the slowest rank's train_batch time; exposed all-reduce = "
+              "time in ReduceGrads/StartAllReduce/WaitAllReduce; all-reduce outstanding = StartAllReduce start to "
+              "WaitAllReduce end (ReduceGrads: its duration); after schedule = train_batch's loss all-reduce and "
+              "pipeline broadcast after the last instruction (waiting for the last stage)."]
+    if results.get("wall_s") is not None:
+        lines.append(f"Wall time of the benchmark: {results['wall_s']:.0f} s.")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Emulated two-node benchmark of stock DeepSpeed 1F1B vs hippie-ds schedules: step time and "
+                    "exposed data-parallel all-reduce. Needs root (network namespaces).",
+        epilog="example: sudo .venv/bin/python tools/bench_hidden_comm.py --steps 6 --rounds 2",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="out/bench_hidden_comm", help="output directory")
+    p.add_argument("--schedules", default=DEFAULT_SCHEDULES, help=f"comma list from {', '.join(KNOWN_LABELS)}")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per schedule per round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over all schedules")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule before the rounds")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--d-model", type=int, default=320)
+    p.add_argument("--heads", type=int, default=5)
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (split over the 2 stages)")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--rate", default="1gbit", help="tc tbf rate of each veth end")
+    p.add_argument("--no-shape", action="store_true", help="do not shape the link")
+    p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1 (taskset)")
+    p.add_argument("--port", type=int, default=29500, help="master port (inside hds-node0)")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds before the job is killed")
+    p.add_argument("--analyze-only", action="store_true", help="only re-analyse OUT/raw of an earlier run (no root)")
+    a = p.parse_args(argv)
+    unknown = [s for s in a.schedules.split(",") if s and s not in KNOWN_LABELS]
+    if unknown:
+        p.error(f"--schedules: unknown {unknown}; known: {', '.join(KNOWN_LABELS)}")
+    if a.d_model % a.heads:
+        p.error("--d-model must be a multiple of --heads")
+    return a
+
+
+def args_record(a):
+    # Parameters per stage as the worker's PipelineModule(partition_method='parameters') splits them.
+    block = 12 * a.d_model ** 2 + 13 * a.d_model
+    total = (a.vocab + a.seq) * a.d_model + a.layers * block + 2 * a.d_model + a.d_model * a.vocab
+    return {"micro_batches": a.micro_batches, "micro_batch_size": a.micro_batch_size, "seq": a.seq,
+            "d_model": a.d_model, "layers": a.layers, "vocab": a.vocab, "warmup": a.warmup, "steps": a.steps,
+            "rounds": a.rounds, "link": "unshaped veth" if a.no_shape else f"tbf {a.rate}",
+            "params_per_stage": f"~{total / 2 / 1e6:.2f}M", "cores": a.cores, "command": " ".join(sys.argv)}
+
+
+def fix_owner(out: Path):
+    """Files written as root under sudo: give them back to the invoking user."""
+    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
+    if os.geteuid() != 0 or not uid:
+        return
+    for root, dirs, files in os.walk(out):
+        for n in [root] + [os.path.join(root, x) for x in dirs + files]:
+            try:
+                os.chown(n, int(uid), int(gid or uid))
+            except OSError:
+                pass
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    out = Path(a.out).resolve()
+    sys.path.insert(0, str(REPO))
+    if a.analyze_only:
+        rec = json.loads((out / "results.json").read_text()).get("config") if (out / "results.json").exists() else None
+        _, md = analyse(out, rec or args_record(a))
+        print(md)
+        return 0
+    try:
+        preflight(a)
+    except Refuse as exc:
+        print(f"bench_hidden_comm: {exc}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    for d in ("raw", "traces", "logs"):
+        shutil.rmtree(out / d, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("results.json", "results.md"):
+        (out / f).unlink(missing_ok=True)
+    start = time.monotonic()
+    job = Job(a, out)
+    rc = 0
+    try:
+        qdiscs = setup_network(None if a.no_shape else a.rate)
+        print(f"emulated cluster: {NODES[0]} {VETHS[0]} {ADDRS[0]} <-> {NODES[1]} {VETHS[1]} {ADDRS[1]}; "
+              + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
+        print(f"schedules: {a.schedules}; {a.warmup} warm-up + {a.rounds} rounds x {a.steps} timed steps each, "
+              f"{a.micro_batches} micro-batches; logs in {out}/logs", flush=True)
+        job.start()
+        job.wait(a.timeout)
+    except RuntimeError as exc:
+        print(f"bench_hidden_comm: {exc}", file=sys.stderr)
+        rc = 1
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)  # finish cleaning up whatever arrives now
+        job.stop()
+        teardown_network()
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+    if rc == 0:
+        wall = time.monotonic() - start
+        rec = args_record(a)
+        rec["qdiscs"] = qdiscs
+        _, md = analyse(out, rec, wall)
+        print("\n" + md)
+        print(f"results: {out}/results.json, {out}/results.md, traces in {out}/traces/")
+    fix_owner(out)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
