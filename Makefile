@@ -33,10 +33,15 @@ $(STAMP): setup.py
 	touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
 
-# For now the demo is the schedule demo; the training demo replaces it.
-demo: schedule-demo
+# The demo trains the GPT example with the hippie schedule on 4 local ranks (2 stages x 2
+# data-parallel replicas) and draws the executed schedule to $(OUT)/demo/timeline.png.
+DEMO_RANKS ?= 4
+DEMO_ARGS ?= --deepspeed_config configs/hippie.json --stages 2 --steps 40
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(VENV)/bin/deepspeed \
+		--num_gpus $(DEMO_RANKS) tools/train_gpt.py $(DEMO_ARGS) --out $(OUT)/demo
 
 schedule-demo: $(STAMP)
 	mkdir -p $(OUT)

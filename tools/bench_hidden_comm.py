@@ -105,7 +105,7 @@ class Refuse(Exception):
 
 
 # ---------------------------------------------------------------------------------- network
-def sh(*cmd, check=True, quiet=False):
+def sh(*cmd, check=True):
     res = subprocess.run(cmd, capture_output=True, text=True)
     if check and res.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
@@ -285,8 +285,10 @@ def load_raw(out: Path):
 
 
 def _target(name):
-    m = re.search(r"target='(\w+)'", name)
-    return m.group(1) if m else "grads"
+    """'grads' or 'buffer' from an instruction's name: DeepSpeed-style repr
+    ``StartAllReduce(target='buffer')`` or the engine's op name ``start_allreduce(buffer)``."""
+    m = re.search(r"target='(\w+)'|\((grads|buffer)\)", name)
+    return (m.group(1) or m.group(2)) if m else "grads"
 
 
 def analyse_rank(steps, tl):
@@ -295,8 +297,10 @@ def analyse_rank(steps, tl):
     t0 = steps["t0"]
     if t0 is None:
         raise RuntimeError(f"rank {steps['rank']} ({steps['label']}): no timeline origin recorded")
-    events = sorted(({**e, "start": e["start"] + t0, "end": e["end"] + t0} for e in tl["events"]),
-                    key=lambda e: e["start"])
+    # The rank's instruction stream only: the engine also writes comm-track events of its own
+    # ("AllReduceInFlight", category 'comm'); the spans are recomputed below for every engine alike.
+    events = sorted(({**e, "start": e["start"] + t0, "end": e["end"] + t0} for e in tl["events"]
+                     if e.get("category") != "comm" and e["kind"] != "AllReduceInFlight"), key=lambda e: e["start"])
     spans, open_ = [], {}
     for e in events:  # all-reduce outstanding: StartAllReduce start -> matching WaitAllReduce end
         if e["kind"] == "StartAllReduce":
@@ -420,9 +424,11 @@ def markdown(results):
     stage_ids = sorted({s for r in sch.values() for s in r["per_stage"]}, key=int)
     cfg = results["config"]
     lines = []
+    first = next(iter(sch.values()), None)
+    params = ", ".join(f"stage {s}: {st['params'] / 1e6:.2f}M" for s, st in first["per_stage"].items()) if first else "?"
     if cfg:
         lines += [f"Emulated 2 nodes x 2 ranks, link {cfg.get('link')}, {cfg.get('micro_batches')} micro-batches of "
-                  f"{cfg.get('micro_batch_size')} x {cfg.get('seq')} tokens, {cfg.get('params_per_stage')} parameters "
+                  f"{cfg.get('micro_batch_size')} x {cfg.get('seq')} tokens, parameters {params} "
                   f"per stage (fp32 AdamW), {cfg.get('warmup')} warm-up + {cfg.get('rounds')} rounds x "
                   f"{cfg.get('steps')} timed steps per schedule.", ""]
     head = ["schedule", "deferred", "median step (s)", "rank 0 median (s)", "vs stock 1F1B", "samples/s"]
@@ -491,7 +497,7 @@ def parse_args(argv=None):
 
 
 def args_record(a):
-    # Parameters per stage as the worker's PipelineModule(partition_method='parameters') splits them.
+    # Parameters per stage as the worker's PipelineModule(partition_method='uniform') splits them.
     block = 12 * a.d_model ** 2 + 13 * a.d_model
     total = (a.vocab + a.seq) * a.d_model + a.layers * block + 2 * a.d_model + a.d_model * a.vocab
     return {"micro_batches": a.micro_batches, "micro_batch_size": a.micro_batch_size, "seq": a.seq,
@@ -531,8 +537,7 @@ def main(argv=None):
     def on_signal(signum, _frame):
         raise SystemExit(128 + signum)
 
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, on_signal)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for d in ("raw", "traces", "logs"):
         shutil.rmtree(out / d, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -557,8 +562,8 @@ def main(argv=None):
             signal.signal(s, signal.SIG_IGN)  # finish cleaning up whatever arrives now
         job.stop()
         teardown_network()
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if rc == 0:
         wall = time.monotonic() - start
         rec = args_record(a)

@@ -215,6 +215,7 @@ def main():
             torch.distributed.all_gather_object(every, mine)
             costs_path = os.path.join(a.out, "raw", "costs.json")
             if rank == 0:
+                os.makedirs(os.path.dirname(costs_path), exist_ok=True)
                 per_stage = {}
                 for c in every:  # mean over the replicas of each stage
                     per_stage.setdefault(c["stage"], []).append(c)
@@ -227,7 +228,7 @@ def main():
         log(rank, f"building {label} ({'deepspeed.initialize' if schedule == 'stock' else 'hippie_ds.initialize'})")
         module = PipelineModule(layers=layer_specs(a), num_stages=a.stages, loss_fn=loss_fn,
                                 topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
-                                partition_method="parameters", seed_layers=True, base_seed=BASE_SEED)
+                                partition_method="uniform", seed_layers=True, base_seed=BASE_SEED)
         cfg = ds_config(a, label, schedule, dp, a.out, costs_path if label.endswith("-auto") else None)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=[q for q in module.parameters() if q.requires_grad],
