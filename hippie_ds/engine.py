@@ -2,8 +2,10 @@
 
 The only module that touches DeepSpeed internals. What it changes, and why:
 - ``_train_schedule`` returns the compiled, validated declaration instead of ``TrainSchedule``;
-- the loss and the received gradient live in per-buffer slots (the stock engine keeps one of
-  each, so any order but strict F(m)->B(m) breaks: DeepSpeed issue #3900);
+- the loss lives in per-buffer slots (the stock engine keeps one, so any order but strict
+  F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
+  DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and the
+  engine refuses a schedule that would receive another gradient before using the one it holds;
 - handlers for the new instructions (fused forward+backward, non-blocking sends, async
   per-stage all-reduce, gradient buffer, deferred update, per-stage optimizer step);
 - the gradient buffer of deferred stages is saved in checkpoints and restored;
@@ -38,17 +40,19 @@ check_deepspeed_version()
 GRAD_BUFFER_KEY = "hippie_ds_grad_buffer"
 
 
-def _needs_grad_slots(compiled: CompiledSchedule, stage: int) -> bool:
-    """True when a stage receives another gradient before consuming the one it holds."""
+def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
+    """DeepSpeed receives gradients into one reused tensor (``grad_layer``): a stage must run a
+    micro-batch's backward before it receives the next gradient."""
     holding = None
     for op in compiled.ops(stage):
         if op.kind == OpKind.RECV_GRAD:
             if holding is not None:
-                return True
+                raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
+                                 f"micro-batch {op.micro_batch} before the backward of micro-batch {holding}; "
+                                 "hippie-ds receives a gradient in the step of its backward")
             holding = op.micro_batch
         elif op.kind == OpKind.BACKWARD and op.micro_batch == holding:
             holding = None
-    return False
 
 
 class _StageLocalMPU:
@@ -85,10 +89,7 @@ class HippiePipelineEngine(PipelineEngine):
                              f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
                              f"{self.micro_batches}")
         self._declared = hs.DeclaredSchedule(compiled_schedule, self.stage_id)
-        self._grad_slots = _needs_grad_slots(compiled_schedule, self.stage_id)
         self._losses: dict[int, object] = {}
-        self._grad_layers: dict[int, object] = {}
-        self._grad_layer_bufs: dict[int, list] = {}
         self._pending_sends: list = []
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
         self._grad_buffer: torch.Tensor | None = None
@@ -162,18 +163,7 @@ class HippiePipelineEngine(PipelineEngine):
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
-        elif self._grad_slots:
-            self.grad_layer = self._grad_layers.pop(buffer_id)
         super()._exec_backward_pass(buffer_id)
-
-    def _exec_recv_grads(self, buffer_id):
-        if not self._grad_slots:
-            return super()._exec_recv_grads(buffer_id)
-        # Receive into this buffer's own tensors (allocated on first use, reused after).
-        self._grad_layer_buf = self._grad_layer_bufs.setdefault(buffer_id, [])
-        self.grad_layer = None
-        super()._exec_recv_grads(buffer_id)
-        self._grad_layers[buffer_id] = self.grad_layer
 
     def _exec_forward_backward_pass(self, buffer_id):
         self._exec_forward_pass(buffer_id)
@@ -367,7 +357,6 @@ class HippiePipelineEngine(PipelineEngine):
         **PipelineEngine._INSTRUCTION_MAP,
         ds_schedule.ForwardPass: _exec_forward_pass,
         ds_schedule.BackwardPass: _exec_backward_pass,
-        ds_schedule.RecvGrad: _exec_recv_grads,
         hs.ForwardBackwardPass: _exec_forward_backward_pass,
         hs.ISendActivation: _exec_isend_activations,
         hs.ISendGrad: _exec_isend_grads,

@@ -77,6 +77,9 @@ def prepare(model: PipelineModule, config: dict):
                                        Costs.from_file(options.costs, num_stages=stages))
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
     compiled = compile_schedule(schedule_name, stages, micro_batches, **params)
+    from .engine import check_single_grad_slot
+    for stage in range(stages):
+        check_single_grad_slot(compiled, stage)
     placement = _placement_of(model._topo)
     if placement is not None and placement != options.placement and model._topo.get_dim("data") > 1:
         raise ConfigError(f'config key "hippie.placement" = {options.placement!r}, but the PipelineModule was built '

@@ -367,3 +367,4 @@ def test_error_lists_at_most_twenty():
 def test_problem_str():
     assert str(Problem(2, 5, "recv_grad(mb=1, buf=1)", "why")) == "stage 2 step 5 recv_grad(mb=1, buf=1): why"
     assert str(Problem(1, None, None, "why")) == "stage 1: why"
+
