@@ -19,11 +19,14 @@ blocks, d_model 320, vocab 4096, sequence 64, micro-batch 2, fp32 AdamW: about 6
 ``"deferred_stages": "auto"`` and a cost file measured on the stock engine's warm-up steps).
 Every schedule gets a fresh module built from the same seed, ``--warmup`` untimed steps, then
 ``--rounds`` rounds of ``--steps`` timed steps; rounds visit the schedules round-robin (the
-order rotated each round) so machine noise hits all alike. No barrier is added around steps.
+order rotated each round) so machine noise hits all alike: keep blocks short (a few steps,
+more rounds), since load from other processes comes and goes on a scale of a minute. No
+barrier is added around steps. CPU time used by other processes during every timed step is
+sampled from /proc and reported ("foreign CPU"), with a warning when it is not negligible.
 
 Usage (from the repository root, as root; `sudo` keeps the venv's python)::
 
-    sudo .venv/bin/python tools/bench_hidden_comm.py --steps 6 --rounds 2
+    sudo .venv/bin/python tools/bench_hidden_comm.py --steps 3 --rounds 4
     sudo .venv/bin/python tools/bench_hidden_comm.py --rate 500mbit --out out/bench_500mbit
     .venv/bin/python tools/bench_hidden_comm.py --analyze-only   # re-analyse out/bench_hidden_comm/raw
 
@@ -33,7 +36,8 @@ Outputs under ``--out`` (default out/bench_hidden_comm/):
   per-stage breakdown from the timelines; results.md: the same as markdown tables (also printed);
 * traces/<schedule>.json: Chrome trace (chrome://tracing, ui.perfetto.dev) of the timed steps,
   one process per rank; traces/<schedule>.png: the last two timed steps as a Gantt chart;
-* raw/: per-rank step records and instruction timelines; logs/node{0,1}.log: launcher output.
+* raw/: per-rank step records and instruction timelines, foreign_cpu.json (the noise samples);
+  logs/node{0,1}.log: launcher output, logs/command.txt: node 0's launch command.
 
 What is measured
 ----------------
@@ -169,6 +173,80 @@ def preflight(args):
                      f"(allowed: {sorted(os.sched_getaffinity(0))})")
     if not args.no_shape:
         parse_rate(args.rate)
+
+
+# ---------------------------------------------------------------------------------- noise
+class ForeignCpu:
+    """Samples, once a second, the CPU time used by processes that are not this benchmark (not
+    this process nor a descendant): with 4 busy ranks on 2 cores, anything else running slows
+    the steps. Samples are (time.perf_counter(), cumulative foreign CPU seconds); perf_counter is
+    CLOCK_MONOTONIC, the clock the ranks time their steps with."""
+
+    def __init__(self, interval=1.0):
+        self.interval, self.samples = interval, []
+        self._stop = threading.Event()
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._seen: dict[int, int] = {}
+        self._total = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _procs():
+        out = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+        return out
+
+    def _sample(self, first=False):
+        procs = self._procs()
+        ours, changed = {os.getpid()}, True
+        while changed:
+            changed = False
+            for pid, (ppid, _) in procs.items():
+                if ppid in ours and pid not in ours:
+                    ours.add(pid)
+                    changed = True
+        for pid, (_, ticks) in procs.items():
+            if pid in ours:
+                continue
+            before = self._seen.get(pid, ticks if first else 0)  # a new process: all its CPU is new
+            self._total += max(0, ticks - before)
+            self._seen[pid] = ticks
+        self.samples.append((time.perf_counter(), self._total / self._hz))
+
+    def _run(self):
+        self._sample(first=True)
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
+
+    def save(self, path: Path):
+        path.write_text(json.dumps({"interval_s": self.interval, "samples": self.samples}))
+
+
+def foreign_cpu_between(samples, start, end):
+    """Foreign CPU seconds in [start, end], linearly interpolated between samples."""
+    def at(t):
+        if not samples or t <= samples[0][0]:
+            return samples[0][1] if samples else 0.0
+        for (t0, c0), (t1, c1) in zip(samples, samples[1:]):
+            if t <= t1:
+                return c0 + (c1 - c0) * (t - t0) / ((t1 - t0) or 1)
+        return samples[-1][1]
+    return at(end) - at(start)
 
 
 # ---------------------------------------------------------------------------------- job
@@ -325,9 +403,11 @@ def analyse_rank(steps, tl):
     return per_step
 
 
-def analyse(out: Path, args_record: dict | None = None, wall_s: float | None = None):
+def analyse(out: Path, args_record: dict | None = None, wall_s: float | None = None, quiet_below: float = 0.1):
     done, runs = load_raw(out)
-    results = {"schedules": {}, "config": args_record or {}, "wall_s": wall_s,
+    noise = out / "raw" / "foreign_cpu.json"
+    cpu_samples = json.loads(noise.read_text())["samples"] if noise.exists() else []
+    results = {"schedules": {}, "config": args_record or {}, "wall_s": wall_s, "quiet_below_cores": quiet_below,
                "counted_as_exposed_allreduce": sorted(GROUPS["allreduce"]),
                "not_counted": sorted(GROUPS["optimizer"] | GROUPS["buffer_copy"]) + ["loss all-reduce/broadcast "
                                                                                       "after the schedule"]}
@@ -356,6 +436,8 @@ def analyse(out: Path, args_record: dict | None = None, wall_s: float | None = N
             st["exposed_allreduce_median_s"] = statistics.median([x["allreduce"] for x in xs]) if xs else 0.0
             st["exposed_allreduce_per_rank_s"] = {r: _mean([x["allreduce"] for x in timed[r]]) for r in st["ranks"]}
         med = statistics.median(per_step_max) if per_step_max else float("nan")
+        spans = [(min(by_key[r][k]["start"] for r in by_key), max(by_key[r][k]["end"] for r in by_key)) for k in keys]
+        foreign = [foreign_cpu_between(cpu_samples, a, b) / (b - a) for a, b in spans] if cpu_samples else []
         results["schedules"][label] = {
             "schedule": meta[0]["schedule"], "params": meta[0]["schedule_params"],
             "timed_steps": len(keys), "step_time_max_over_ranks_s": per_step_max, "step_time_rank0_s": rank0,
@@ -366,12 +448,21 @@ def analyse(out: Path, args_record: dict | None = None, wall_s: float | None = N
             "loss_first_timed": by_key[0][keys[0]]["loss"] if keys else None,
             "loss_last_timed": by_key[0][keys[-1]]["loss"] if keys else None,
             "per_stage": {str(s): st for s, st in sorted(stages.items())},
+            # Cores' worth of CPU used by other processes during each timed step (0 = quiet machine).
+            "foreign_cpu_cores_per_step": foreign,
+            "foreign_cpu_cores_mean": _mean(foreign) if foreign else None,
         }
+        quiet = [d for d, f in zip(per_step_max, foreign) if f < quiet_below]
+        results["schedules"][label].update({
+            "quiet_steps": len(quiet), "median_step_quiet_s": statistics.median(quiet) if quiet else None})
         write_traces(out, label, meta, timed, keys)
     stock = results["schedules"].get("stock")
     for r in results["schedules"].values():
         r["ratio_to_stock_1f1b"] = r["median_step_s"] / stock["median_step_s"] if stock else None
         r["ratio_rank0_to_stock_1f1b"] = r["median_step_rank0_s"] / stock["median_step_rank0_s"] if stock else None
+        r["ratio_quiet_to_stock_1f1b"] = (r["median_step_quiet_s"] / stock["median_step_quiet_s"]
+                                          if stock and r["median_step_quiet_s"] and stock["median_step_quiet_s"]
+                                          else None)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
     (out / "results.md").write_text(md)
@@ -432,7 +523,9 @@ def markdown(results):
                   f"per stage (fp32 AdamW), {cfg.get('warmup')} warm-up + {cfg.get('rounds')} rounds x "
                   f"{cfg.get('steps')} timed steps per schedule.", ""]
     head = ["schedule", "deferred", "median step (s)", "rank 0 median (s)", "vs stock 1F1B", "samples/s"]
-    head += [f"exposed all-reduce stage {s} (s/step)" for s in stage_ids]
+    head += [f"exposed all-reduce stage {s} (s/step)" for s in stage_ids] + ["foreign CPU (cores)",
+                                                                             "quiet steps: median (s) [n]",
+                                                                             "quiet: vs stock"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r in sch.items():
         deferred = r["params"].get("deferred_stages", "-") if r["params"] else "-"
@@ -440,6 +533,11 @@ def markdown(results):
         row = [label if label != "stock" else "stock DeepSpeed 1F1B", str(deferred), f"{r['median_step_s']:.3f}",
                f"{r['median_step_rank0_s']:.3f}", ratio, f"{r['throughput_samples_s']:.2f}"]
         row += [f"{r['per_stage'][s]['exposed_allreduce_s']:.3f}" if s in r["per_stage"] else "-" for s in stage_ids]
+        fc = r.get("foreign_cpu_cores_mean")
+        row.append("-" if fc is None else f"{fc:.2f}")
+        mq, rq = r.get("median_step_quiet_s"), r.get("ratio_quiet_to_stock_1f1b")
+        row.append("-" if mq is None else f"{mq:.3f} [{r['quiet_steps']}/{r['timed_steps']}]")
+        row.append("-" if rq is None else f"{rq:.3f}x")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Per stage, seconds per step (mean over timed steps and the stage's replicas):", ""]
     head = ["schedule", "stage", "compute", "p2p", "exposed all-reduce", "all-reduce outstanding", "optimizer",
@@ -456,7 +554,14 @@ def markdown(results):
     lines += ["", "median step = median over timed steps of the slowest rank's train_batch time; exposed all-reduce = "
               "time in ReduceGrads/StartAllReduce/WaitAllReduce; all-reduce outstanding = StartAllReduce start to "
               "WaitAllReduce end (ReduceGrads: its duration); after schedule = train_batch's loss all-reduce and "
-              "pipeline broadcast after the last instruction (waiting for the last stage)."]
+              "pipeline broadcast after the last instruction (waiting for the last stage); foreign CPU = cores' "
+              "worth of CPU used by processes outside the benchmark during the schedule's timed steps (mean; "
+              f"anything above ~0.05 slows the 4 ranks on 2 cores and makes the comparison noisy); quiet steps = "
+              f"timed steps with foreign CPU below {results.get('quiet_below_cores', 0.1)} cores."]
+    noisy = {l: r["foreign_cpu_cores_mean"] for l, r in sch.items() if (r.get("foreign_cpu_cores_mean") or 0) > 0.05}
+    if noisy:
+        lines.append("WARNING: other processes competed for the CPU during " + ", ".join(
+            f"{l} ({v:.2f} cores)" for l, v in noisy.items()) + "; rerun on a quiet machine.")
     if results.get("wall_s") is not None:
         lines.append(f"Wall time of the benchmark: {results['wall_s']:.0f} s.")
     return "\n".join(lines) + "\n"
@@ -467,12 +572,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Emulated two-node benchmark of stock DeepSpeed 1F1B vs hippie-ds schedules: step time and "
                     "exposed data-parallel all-reduce. Needs root (network namespaces).",
-        epilog="example: sudo .venv/bin/python tools/bench_hidden_comm.py --steps 6 --rounds 2",
+        epilog="example: sudo .venv/bin/python tools/bench_hidden_comm.py --steps 3 --rounds 4",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="out/bench_hidden_comm", help="output directory")
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES, help=f"comma list from {', '.join(KNOWN_LABELS)}")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per schedule per round")
-    p.add_argument("--rounds", type=int, default=2, help="rounds over all schedules")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per schedule per round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds over all schedules (round-robin)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule before the rounds")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -486,6 +591,8 @@ def parse_args(argv=None):
     p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1 (taskset)")
     p.add_argument("--port", type=int, default=29500, help="master port (inside hds-node0)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds before the job is killed")
+    p.add_argument("--quiet-below", type=float, default=0.1,
+                   help="a timed step is 'quiet' when other processes used fewer cores than this during it")
     p.add_argument("--analyze-only", action="store_true", help="only re-analyse OUT/raw of an earlier run (no root)")
     a = p.parse_args(argv)
     unknown = [s for s in a.schedules.split(",") if s and s not in KNOWN_LABELS]
@@ -524,8 +631,9 @@ def main(argv=None):
     out = Path(a.out).resolve()
     sys.path.insert(0, str(REPO))
     if a.analyze_only:
-        rec = json.loads((out / "results.json").read_text()).get("config") if (out / "results.json").exists() else None
-        _, md = analyse(out, rec or args_record(a))
+        run = out / "raw" / "run.json"
+        rec = json.loads(run.read_text()) if run.exists() else {"config": args_record(a), "wall_s": None}
+        _, md = analyse(out, rec["config"], rec["wall_s"], a.quiet_below)
         print(md)
         return 0
     try:
@@ -545,6 +653,7 @@ def main(argv=None):
         (out / f).unlink(missing_ok=True)
     start = time.monotonic()
     job = Job(a, out)
+    sampler = ForeignCpu()
     rc = 0
     try:
         qdiscs = setup_network(None if a.no_shape else a.rate)
@@ -552,6 +661,7 @@ def main(argv=None):
               + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
         print(f"schedules: {a.schedules}; {a.warmup} warm-up + {a.rounds} rounds x {a.steps} timed steps each, "
               f"{a.micro_batches} micro-batches; logs in {out}/logs", flush=True)
+        sampler.start()
         job.start()
         job.wait(a.timeout)
     except RuntimeError as exc:
@@ -562,13 +672,17 @@ def main(argv=None):
             signal.signal(s, signal.SIG_IGN)  # finish cleaning up whatever arrives now
         job.stop()
         teardown_network()
+        sampler.stop()
+        if (out / "raw").is_dir():
+            sampler.save(out / "raw" / "foreign_cpu.json")
         for s, handler in previous.items():
             signal.signal(s, handler)
     if rc == 0:
         wall = time.monotonic() - start
         rec = args_record(a)
         rec["qdiscs"] = qdiscs
-        _, md = analyse(out, rec, wall)
+        (out / "raw" / "run.json").write_text(json.dumps({"config": rec, "wall_s": wall}, indent=1))
+        _, md = analyse(out, rec, wall, a.quiet_below)
         print("\n" + md)
         print(f"results: {out}/results.json, {out}/results.md, traces in {out}/traces/")
     fix_owner(out)

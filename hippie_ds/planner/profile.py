@@ -1,0 +1,421 @@
+"""Per-layer profiles: the planner's model of a network. Pure Python (pydantic, pyyaml).
+
+A profile is a sequence of layers in execution (topological) order, measured at one
+micro-batch size. Times are seconds per micro-batch of ``batch_size`` samples, sizes bytes.
+
+* ``forward`` / ``backward``: compute time of the layer; ``recompute`` the extra backward time
+  when the layer is re-computed (activation checkpointing); default: its forward time.
+* ``output_bytes``: the layer's output activation; ``saved_bytes``: what the layer keeps for
+  its backward per in-flight micro-batch (default: ``output_bytes``; see below);
+  ``input_bytes``: what enters the layer (default: the previous layer's output).
+* ``param_bytes``: bytes of the layer's parameters as stored in the profile (fp32: 4 a param).
+* ``cut_bytes[i]`` (N-1 entries): bytes of every tensor crossing the cut after layer i, i.e. what
+  a stage ending at layer i sends onward (and receives back as gradients). For a chain it is
+  ``output_bytes[i]`` (the default); branched graphs cross with several tensors.
+
+Scaling assumption: times and activation sizes scale linearly with the micro-batch size
+(``Profile.scale(b)`` multiplies them by ``b / batch_size``), parameters do not. This ignores
+kernel efficiency changes at small batches; it is the usual first-order model (PipeDream's
+planner makes the same one).
+
+A profile file (YAML or JSON)::
+
+    model: my-model
+    batch_size: 8
+    layers:
+      - {name: embed, forward: 0.001, backward: 0.002, output_bytes: 4.0e6, param_bytes: 2.0e8}
+      - ...
+    cut_bytes: [...]   # optional, N-1 entries
+
+PipeDream ``graph.txt`` profiles are read by :func:`read_pipedream`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class PlannerError(ValueError):
+    """Input the planner cannot use (profile, cluster, plan); the message says which and why."""
+
+
+class ProfileError(PlannerError):
+    """A profile that cannot be read or used; the message names the file, line or field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LayerProfile(_Strict):
+    name: str = Field(min_length=1)
+    forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
+    backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
+    recompute: float | None = Field(None, ge=0, description="extra backward time when re-computed (default forward)")
+    output_bytes: float = Field(0.0, ge=0, description="bytes of the layer's output activation")
+    saved_bytes: float | None = Field(None, ge=0, description="bytes kept for backward (default output_bytes)")
+    input_bytes: float | None = Field(None, ge=0, description="bytes entering the layer (default: previous output)")
+    param_bytes: float = Field(0.0, ge=0, description="bytes of parameters (fp32: 4 per parameter)")
+
+    @property
+    def recompute_time(self) -> float:
+        return self.forward if self.recompute is None else self.recompute
+
+    @property
+    def saved(self) -> float:
+        return self.output_bytes if self.saved_bytes is None else self.saved_bytes
+
+
+class Profile(_Strict):
+    model: str = Field(min_length=1, description="model name")
+    batch_size: int = Field(ge=1, description="micro-batch size (samples) the times and sizes were measured at")
+    layers: list[LayerProfile] = Field(min_length=1)
+    cut_bytes: list[float] | None = Field(None, description="bytes crossing the cut after layer i (N-1 entries)")
+    source: str | None = Field(None, description="where the profile came from (file, tool)")
+
+    @model_validator(mode="after")
+    def _check_cuts(self) -> "Profile":
+        n = len(self.layers)
+        if self.cut_bytes is not None:
+            if len(self.cut_bytes) != n - 1:
+                raise ValueError(f"cut_bytes has {len(self.cut_bytes)} entries; a profile of {n} layers has "
+                                 f"{n - 1} cuts")
+            bad = [i for i, v in enumerate(self.cut_bytes) if not v >= 0]
+            if bad:
+                raise ValueError(f"cut_bytes[{bad[0]}] = {self.cut_bytes[bad[0]]}: must be >= 0")
+        return self
+
+    # -- derived per-layer vectors (plain lists: the planner's inner loops index them) ------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def cuts(self) -> list[float]:
+        """Bytes crossing the cut after each layer (N-1 entries)."""
+        if self.cut_bytes is not None:
+            return list(self.cut_bytes)
+        return [layer.output_bytes for layer in self.layers[:-1]]
+
+    def inputs(self) -> list[float]:
+        """Bytes entering each layer (the first layer's input is the data: 0, it is loaded)."""
+        out, prev = [], 0.0
+        for layer in self.layers:
+            out.append(prev if layer.input_bytes is None else layer.input_bytes)
+            prev = layer.output_bytes
+        return out
+
+    def total_time(self) -> float:
+        """Forward + backward of the whole model for one micro-batch of ``batch_size``."""
+        return sum(layer.forward + layer.backward for layer in self.layers)
+
+    def total_param_bytes(self) -> float:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def fingerprint(self) -> str:
+        """Identifies the model, not the measurement: a hash of layer names and parameter sizes.
+        A plan records it; loading the plan for a different model is then detected."""
+        h = hashlib.sha256()
+        for layer in self.layers:
+            h.update(layer.name.encode())
+            h.update(b"\0")
+            h.update(repr(float(layer.param_bytes)).encode())
+            h.update(b"\n")
+        return h.hexdigest()[:16]
+
+    def scaled(self, batch_size: int) -> "Profile":
+        """The same model at another micro-batch size (times and activations scale linearly)."""
+        if batch_size == self.batch_size:
+            return self
+        f = batch_size / self.batch_size
+        layers = []
+        for layer in self.layers:
+            d = layer.model_dump()
+            for key in ("forward", "backward", "recompute", "output_bytes", "saved_bytes", "input_bytes"):
+                if d[key] is not None:
+                    d[key] *= f
+            layers.append(LayerProfile(**d))
+        cuts = None if self.cut_bytes is None else [c * f for c in self.cut_bytes]
+        return Profile(model=self.model, batch_size=batch_size, layers=layers, cut_bytes=cuts, source=self.source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+def _format(exc: ValidationError, where: str) -> str:
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        shown = "" if isinstance(value, (dict, list)) else f" (value {value!r})"
+        problems.append(f"{where}: field {field}{shown}: {err['msg']}")
+    return "\n  ".join(problems)
+
+
+def _read_mapping(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise ProfileError(f"{what} file {str(path)!r} does not exist") if what == "profile" else \
+            PlannerError(f"{what} file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        err = ProfileError if what == "profile" else PlannerError
+        raise err(f"{path}: not valid {kind}: {exc}") from None
+
+
+def profile_from_dict(data: Any, where: str = "profile") -> Profile:
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{where}: expected a mapping with keys model, batch_size, layers; "
+                           f"got {type(data).__name__}")
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        raise ProfileError("invalid profile:\n  " + _format(exc, where)) from None
+
+
+def load_profile(path: str | Path, fmt: str | None = None, batch_size: int | None = None) -> Profile:
+    """Read a profile: ``fmt`` 'pipedream' (graph.txt) or 'hippie' (YAML/JSON); by default
+    from the suffix (.txt is PipeDream). ``batch_size`` overrides the recorded profiled size."""
+    path = Path(path)
+    if fmt is None:
+        fmt = "pipedream" if path.suffix.lower() == ".txt" else "hippie"
+    if fmt == "pipedream":
+        return read_pipedream(path, batch_size=batch_size)
+    if fmt != "hippie":
+        raise ProfileError(f"profile format {fmt!r}: expected 'pipedream' or 'hippie'")
+    profile = profile_from_dict(_read_mapping(path, "profile"), str(path))
+    if batch_size is not None:
+        profile = profile.model_copy(update={"batch_size": batch_size})
+    return profile
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write a profile as JSON (.json) or YAML (anything else)."""
+    path = Path(path)
+    data = profile.model_dump(exclude_none=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    else:
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# PipeDream graph.txt
+
+# Minibatch sizes of the published profiles (read off their tensor sizes; profiles/README.md).
+PIPEDREAM_BATCH_SIZES = {"vgg16": 128, "gnmt": 32, "gnmt_large": 128}
+
+
+@dataclass
+class GraphNode:
+    node_id: str
+    desc: str
+    forward_ms: float
+    backward_ms: float
+    activation: float        # summed over a tuple output, as PipeDream's optimizer does
+    params: float
+    line: int
+
+
+@dataclass
+class PipeDreamGraph:
+    nodes: list[GraphNode]                 # file order
+    edges: list[tuple[str, str]]           # (producer, consumer), file order
+    path: str
+
+
+_META = re.compile(r"(\w+)=(\[[^\]]*\]|[^,\s]+)")
+
+
+def _number(text: str, where: str, key: str) -> float:
+    text = text.strip()
+    try:
+        if text.startswith("["):
+            return sum(float(x) for x in text.strip("[]").split(";") if x.strip())
+        return float(text)
+    except ValueError:
+        raise ProfileError(f"{where}: {key}={text!r} is not a number") from None
+
+
+def parse_pipedream_graph(path: str | Path) -> PipeDreamGraph:
+    """Nodes and edges of a PipeDream ``graph.txt`` (one node a line, then tab-indented edges)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile file {str(path)!r} does not exist")
+    nodes: list[GraphNode] = []
+    edges: list[tuple[str, str]] = []
+    for no, raw in enumerate(path.read_text().splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{no}"
+        if raw.startswith("\t") or raw.startswith(" "):
+            parts = raw.strip().split(" -- ")
+            if len(parts) != 2 or not all(parts):
+                raise ProfileError(f"{where}: expected an edge 'nodeA -- nodeB', got {raw.strip()!r}")
+            edges.append((parts[0].strip(), parts[1].strip()))
+            continue
+        parts = raw.split(" -- ")
+        if parts and parts[-1].startswith("stage_id="):
+            parts = parts[:-1]
+        if len(parts) < 3:
+            raise ProfileError(f"{where}: expected 'nodeN -- description -- forward_compute_time=..., "
+                               f"backward_compute_time=..., activation_size=..., parameter_size=...', "
+                               f"got {raw[:80]!r}")
+        meta = dict(_META.findall(parts[-1]))
+        missing = [k for k in ("forward_compute_time", "backward_compute_time", "activation_size",
+                               "parameter_size") if k not in meta]
+        if missing:
+            raise ProfileError(f"{where}: node {parts[0]}: missing {', '.join(missing)}")
+        values = {k: _number(meta[k], where, k) for k in ("forward_compute_time", "backward_compute_time",
+                                                          "activation_size", "parameter_size")}
+        bad = [k for k, v in values.items() if not v >= 0]
+        if bad:
+            raise ProfileError(f"{where}: node {parts[0]}: {bad[0]}={values[bad[0]]} must be >= 0")
+        nodes.append(GraphNode(parts[0].strip(), " -- ".join(parts[1:-1]).strip(), values["forward_compute_time"],
+                               values["backward_compute_time"], values["activation_size"],
+                               values["parameter_size"], no))
+    if not nodes:
+        raise ProfileError(f"{path}: no nodes: not a PipeDream graph.txt profile")
+    ids = {n.node_id for n in nodes}
+    if len(ids) != len(nodes):
+        seen: set[str] = set()
+        dup = next(n for n in nodes if n.node_id in seen or seen.add(n.node_id))
+        raise ProfileError(f"{path}:{dup.line}: node {dup.node_id} is defined twice")
+    for a, b in edges:
+        for x in (a, b):
+            if x not in ids:
+                raise ProfileError(f"{path}: edge {a} -- {b}: unknown node {x}")
+    return PipeDreamGraph(nodes, edges, str(path))
+
+
+def linear_order(graph: PipeDreamGraph) -> list[int]:
+    """A stable topological order of the graph's nodes (indices into ``graph.nodes``): among
+    ready nodes the one first in the file, then every source (an input, GNMT's ``hidden``)
+    moved to just before its first consumer ("side inputs belong with their first consumer")."""
+    import heapq
+
+    index = {n.node_id: i for i, n in enumerate(graph.nodes)}
+    succ: list[list[int]] = [[] for _ in graph.nodes]
+    indeg = [0] * len(graph.nodes)
+    for a, b in graph.edges:
+        succ[index[a]].append(index[b])
+        indeg[index[b]] += 1
+    sources = [i for i, d in enumerate(indeg) if d == 0]
+    ready = list(sources)
+    heapq.heapify(ready)
+    order = []
+    left = list(indeg)
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in succ[i]:
+            left[j] -= 1
+            if left[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(graph.nodes):
+        stuck = [graph.nodes[i].node_id for i in range(len(graph.nodes)) if left[i] > 0]
+        raise ProfileError(f"{graph.path}: the graph has a cycle through {', '.join(stuck[:5])}")
+    rest = [i for i in order if not (indeg[i] == 0 and succ[i])]
+    for s in sorted((i for i in sources if succ[i]), key=lambda i: order.index(i)):
+        pos = {v: k for k, v in enumerate(rest)}
+        first = min(pos[j] for j in succ[s])
+        rest.insert(first, s)
+    return rest
+
+
+def read_pipedream(path: str | Path, batch_size: int | None = None, model: str | None = None) -> Profile:
+    """A :class:`Profile` from a PipeDream ``graph.txt``.
+
+    * layers: every node, in :func:`linear_order`; ``Input*`` nodes get zero time (their time
+      is data loading); times are milliseconds per minibatch in the file, seconds here;
+    * ``output_bytes`` = ``activation_size`` (a tuple output's items summed);
+      ``saved_bytes``: the profile does not say what a layer keeps for backward, so its output
+      size is used as the estimate (over-counts in-place layers such as ReLU(inplace));
+      ``input_bytes``: the summed outputs of its producers;
+    * ``cut_bytes[i]``: every node's output that crosses the cut after position i, i.e. the node
+      is at position <= i and one of its consumers is after i;
+    * ``batch_size``: the profiled minibatch (VGG-16 128, GNMT-8 32, GNMT-16 128, known from the
+      file name); for other files it must be given.
+    """
+    graph = parse_pipedream_graph(path)
+    stem = Path(path).stem
+    name = model or (stem if stem != "graph" else Path(path).parent.name or stem)
+    if batch_size is None:
+        batch_size = PIPEDREAM_BATCH_SIZES.get(stem) or PIPEDREAM_BATCH_SIZES.get(name)
+        if batch_size is None:
+            raise ProfileError(f"{path}: the minibatch size this PipeDream profile was measured at is not known "
+                               f"(known: {', '.join(sorted(PIPEDREAM_BATCH_SIZES))}); give it "
+                               "(--profile-batch N)")
+    order = linear_order(graph)
+    pos = {node: k for k, node in enumerate(order)}
+    index = {n.node_id: i for i, n in enumerate(graph.nodes)}
+    consumers: dict[int, list[int]] = {}
+    producers: dict[int, list[int]] = {}
+    for a, b in graph.edges:
+        consumers.setdefault(index[a], []).append(index[b])
+        producers.setdefault(index[b], []).append(index[a])
+    n = len(order)
+    # A node's output crosses cuts pos(node) .. last_consumer_pos - 1: a difference array.
+    delta = [0.0] * (n + 1)
+    for i, node in enumerate(graph.nodes):
+        if i in consumers:
+            last = max(pos[j] for j in consumers[i])
+            if last > pos[i]:
+                delta[pos[i]] += node.activation
+                delta[last] -= node.activation
+    cuts, running = [], 0.0
+    for k in range(n - 1):
+        running += delta[k]
+        cuts.append(max(running, 0.0))
+    layers = []
+    for i in order:
+        node = graph.nodes[i]
+        is_input = node.desc.startswith("Input") and i not in producers
+        fwd, bwd = (0.0, 0.0) if is_input else (node.forward_ms / 1e3, node.backward_ms / 1e3)
+        layers.append(LayerProfile(
+            name=f"{node.node_id}:{node.desc.split('(')[0].strip() or node.node_id}",
+            forward=fwd, backward=bwd, output_bytes=node.activation,
+            input_bytes=sum(graph.nodes[p].activation for p in producers.get(i, [])),
+            param_bytes=node.params))
+    return Profile(model=name, batch_size=batch_size, layers=layers, cut_bytes=cuts, source=str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic profiles (tests, benchmarks)
+
+def synthetic_profile(num_layers: int, seed: int = 0, model: str | None = None, batch_size: int = 8,
+                      time_scale: float = 1e-3, act_scale: float = 5e7, param_scale: float = 2e7) -> Profile:
+    """A reproducible transformer-like profile: blocks of varied cost with an embedding first and
+    a large head last (deterministic for a seed)."""
+    import random
+
+    rng = random.Random(seed)
+    layers = []
+    for i in range(num_layers):
+        w = rng.uniform(0.5, 1.5)
+        if i == 0 or i == num_layers - 1:
+            w *= 0.3
+        params = param_scale * (4.0 if i in (0, num_layers - 1) else rng.uniform(0.2, 1.2))
+        layers.append(LayerProfile(name=f"layer{i}", forward=time_scale * w, backward=2 * time_scale * w,
+                                   output_bytes=act_scale * rng.uniform(0.5, 1.5), param_bytes=round(params)))
+    return Profile(model=model or f"synthetic-{num_layers}-{seed}", batch_size=batch_size, layers=layers,
+                   source="synthetic")
+
+
+def as_profile(data: Profile | Mapping[str, Any] | Sequence[Mapping[str, Any]], **kwargs) -> Profile:
+    """A Profile from a Profile, a mapping, or a list of layer mappings (with ``model`` and
+    ``batch_size`` in ``kwargs``)."""
+    if isinstance(data, Profile):
+        return data
+    if isinstance(data, Mapping):
+        return profile_from_dict(data)
+    return profile_from_dict({"layers": list(data), **kwargs})

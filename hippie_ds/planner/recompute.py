@@ -1,0 +1,123 @@
+"""Which layers of a stage to re-compute (per-layer activation checkpointing). Pure Python.
+
+Memory model of one stage, per micro-batch at the profile's batch size (the planner scales it):
+
+* a stage keeps its input (what crosses the cut before it) for every in-flight micro-batch;
+* a layer that is kept keeps ``saved`` bytes; a re-computed layer keeps nothing of its own: a
+  maximal run of re-computed layers is re-run from its input, which the stage already keeps
+  (the stage input, or the output a kept layer before the run saved);
+* while one micro-batch runs its backward, the run being re-computed is materialized again:
+  the largest run's saved bytes are needed once, on top.
+
+So with ``p`` micro-batches in flight and the set X re-computed:
+
+    activations(X, p) = p * (input + sum(saved) - sum_{l in X} saved_l) + max_run(X)
+    extra backward time(X) = sum_{l in X} recompute_l
+
+This is a knapsack per stage (value saved_l, weight recompute_l) with the max-run correction.
+:class:`StageRecompute` orders layers by saved bytes per second of re-computation (the LP
+relaxation's order: its prefixes are the vertices of the time/memory trade-off) and, for a
+time budget and ``p``, picks the prefix with the least memory. Layers that save nothing are
+never re-computed; free ones (zero re-compute time, e.g. views and dropout in a profile) first.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Sequence
+
+
+class StageRecompute:
+    """Re-computation options of one stage (layers ``start`` .. ``end-1`` of a profile)."""
+
+    __slots__ = ("start", "order", "cum_time", "cum_saved", "max_run", "input", "total_saved", "_best")
+
+    def __init__(self, start: int, saved: Sequence[float], recompute: Sequence[float], stage_input: float) -> None:
+        self.start = start
+        self.input = stage_input
+        self.total_saved = sum(saved)
+        n = len(saved)
+        candidates = [i for i in range(n) if saved[i] > 0]
+        # Most bytes per second first (zero-time layers: infinitely good); ties: earlier layer.
+        candidates.sort(key=lambda i: (-(saved[i] / recompute[i]) if recompute[i] > 0 else -float("inf"), i))
+        self.order = candidates
+        cum_time, cum_saved, max_run = [0.0], [0.0], [0.0]
+        # Union-find over positions to track the runs of re-computed layers as they grow.
+        parent = list(range(n))
+        run_sum = [0.0] * n
+        active = [False] * n
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        best_run = 0.0
+        for i in candidates:
+            active[i] = True
+            run_sum[i] = saved[i]
+            for j in (i - 1, i + 1):
+                if 0 <= j < n and active[j]:
+                    a, b = find(i), find(j)
+                    if a != b:
+                        parent[b] = a
+                        run_sum[a] += run_sum[b]
+            best_run = max(best_run, run_sum[find(i)])
+            cum_time.append(cum_time[-1] + recompute[i])
+            cum_saved.append(cum_saved[-1] + saved[i])
+            max_run.append(best_run)
+        self.cum_time, self.cum_saved, self.max_run = cum_time, cum_saved, max_run
+        self._best: dict[int, list[int]] = {}
+
+    @property
+    def options(self) -> int:
+        """Number of prefixes (0 = nothing re-computed)."""
+        return len(self.cum_time)
+
+    def activations(self, k: int, p: int) -> float:
+        """Activation bytes (profile batch) with the first ``k`` layers of the order re-computed
+        and ``p`` micro-batches in flight."""
+        return p * (self.input + self.total_saved - self.cum_saved[k]) + self.max_run[k]
+
+    def time(self, k: int) -> float:
+        return self.cum_time[k]
+
+    def _best_upto(self, p: int) -> list[int]:
+        """best[k] = the prefix <= k with the least activation memory for ``p`` (ties: fewer)."""
+        best = self._best.get(p)
+        if best is None:
+            best, arg, low = [], 0, float("inf")
+            for k in range(self.options):
+                mem = self.activations(k, p)
+                if mem < low * (1 - 1e-12):
+                    arg, low = k, mem
+                best.append(arg)
+            self._best[p] = best
+        return best
+
+    def choose(self, p: int, budget: float) -> int:
+        """The prefix with the least memory whose re-computation time is <= ``budget``."""
+        if budget < 0:
+            return 0
+        limit = bisect_right(self.cum_time, budget * (1 + 1e-12)) - 1
+        return self._best_upto(p)[max(limit, 0)]
+
+    def least(self, p: int) -> float:
+        """The least activation memory over all prefixes (a bound for pruning)."""
+        return self.activations(self._best_upto(p)[-1], p)
+
+    def layers(self, k: int) -> list[int]:
+        """Profile indices of the layers the prefix ``k`` re-computes, ascending."""
+        return sorted(self.start + i for i in self.order[:k])
+
+
+def activations_of(selected: Sequence[int], start: int, saved: Sequence[float], stage_input: float, p: int) -> float:
+    """The memory model for an arbitrary set of re-computed layers (profile indices): for tests
+    and for checking a plan's choice."""
+    chosen = set(selected)
+    kept = sum(s for i, s in enumerate(saved) if start + i not in chosen)
+    best = run = 0.0
+    for i, s in enumerate(saved):
+        run = run + s if start + i in chosen else 0.0
+        best = max(best, run)
+    return p * (stage_input + kept) + best
