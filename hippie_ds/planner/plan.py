@@ -3,7 +3,9 @@
 What is searched, for P devices and a global batch G:
 
 * pipeline depth K (a divisor of P, at most the number of layers), data-parallel width r = P/K;
-* micro-batch size b (a divisor of G/r) and count M = G / (r b);
+* micro-batch size b (a divisor of G/r, at least ``min_micro_batch``: by default the profile's
+  batch / 16, since the linear scaling of times is not trusted far below the measured batch:
+  kernels lose efficiency at tiny batches, which the profile cannot show) and M = G / (r b);
 * stage boundaries: the partition minimizing the slowest stage's forward+backward time
   (:func:`partition.min_bottleneck`, optimal);
 * which layers every stage re-computes (:mod:`recompute`), chosen for a bottleneck target:
@@ -497,7 +499,7 @@ class _SearchResult:
 
 
 def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Sequence[int] | None,
-            micro_batch_sizes: Sequence[int] | None, keep: int) -> _SearchResult:
+            micro_batch_sizes: Sequence[int] | None, min_micro_batch: int, keep: int) -> _SearchResult:
     n, P, G = model.n, model.P, model.G
     combos = []
     least_memory = math.inf
@@ -509,7 +511,7 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
             continue
         lay = model.layout(K)
         for b in _divisors(G // r):
-            if micro_batch_sizes and b not in micro_batch_sizes:
+            if (micro_batch_sizes and b not in micro_batch_sizes) or (not micro_batch_sizes and b < min_micro_batch):
                 continue
             M = G // (r * b)
             for sched in schedules:
@@ -533,7 +535,7 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
             continue
         score, ks, est = got
         best.append(_Candidate(score, (K, b, sched), lay, b, M, sched, ks, est))
-        best.sort(key=lambda c: (-c.score, c.lay.K, c.b))
+        best.sort(key=lambda c: (-c.score, model.summarize_memory(c.est.memory), c.lay.K, c.b))
         del best[keep:]
     return _SearchResult(best, evaluated, len(combos), least_memory)
 
@@ -599,13 +601,15 @@ def _sim_cost(lay: _Layout, M: int, schedule: str) -> int:
 def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objective: str = "me",
               memory_cap: float | None = None, schedules: Sequence[str] = SCHEDULES,
               depths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
-              state_factor: float = DEFAULT_STATE_FACTOR, memory_metric: str = "mean",
+              min_micro_batch: int | None = None, state_factor: float = DEFAULT_STATE_FACTOR, memory_metric: str = "mean",
               simulate_top: int = 4, simulate_budget: int = 4096, baselines: bool = True,
               baseline_budget: float = 2e6) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
     ``objective`` 'me' maximizes memory efficiency, 'throughput' throughput; both under the
-    device memory and ``memory_cap``. ``depths`` / ``micro_batch_sizes`` restrict the search.
+    device memory and ``memory_cap``. ``depths`` / ``micro_batch_sizes`` restrict the search;
+    ``min_micro_batch`` (default profile batch // 16, at least 1) bounds the micro-batch size
+    from below unless ``micro_batch_sizes`` lists sizes.
     ``simulate_top`` best analytic candidates are simulated, within ``simulate_budget``
     micro-batch-stages each (larger ones keep their analytic figures). ``baseline_budget``
     caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped."""
@@ -627,10 +631,17 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
                            f"(dividing {P}, at most {model.n} layers{', among ' + str(list(depths)) if depths else ''}) "
                            f"leaves a data-parallel width P/K that divides it")
 
-    found = _search(model, list(schedules), objective, depths, micro_batch_sizes, keep=max(simulate_top, 1))
+    if min_micro_batch is None:
+        min_micro_batch = max(1, profile.batch_size // 16)
+    found = _search(model, list(schedules), objective, depths, micro_batch_sizes, min_micro_batch,
+                    keep=max(simulate_top, 1))
     if not found.best:
         least = found.least_memory
         detail = f" the least any configuration needs is {least / GB:.3g} GB per device" if math.isfinite(least) else ""
+        if not found.bounded and not math.isfinite(found.least_memory):
+            raise PlannerError(f"no micro-batch size to search: the global batch {global_batch} per data-parallel "
+                               f"replica has no divisor >= {min_micro_batch} (--min-micro-batch) among the "
+                               "allowed sizes")
         raise PlannerError(f"{profile.model!r} does not fit: no configuration of {P} devices with "
                            f"{cap / GB:.3g} GB each (re-computing everything that helps) holds it;{detail}. "
                            "Use more devices, more memory, or a smaller global batch")
@@ -649,7 +660,8 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
         thr, _, _, me = model.figures(est.step, est.memory)
         ranked.append((me if objective == "me" else thr, cand, est))
     if ranked:
-        ranked.sort(key=lambda x: (-x[0], x[1].lay.K, x[1].b))
+        # Equal objective values (within rounding): prefer less memory, then a shallower pipeline.
+        ranked.sort(key=lambda x: (-round(x[0], 9), model.summarize_memory(x[2].memory), x[1].lay.K, x[1].b))
         _, chosen, est = ranked[0]
     else:
         chosen, est = found.best[0], found.best[0].est
@@ -659,6 +671,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
         "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
         "configurations_evaluated": found.evaluated, "simulated": simulated,
         "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
+        "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",
     })
 
 
@@ -678,7 +691,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
         rec = lay.rec[s]
         layers = rec.layers(cand.ks[s])
         checkpointed += layers
-        kept = rec.input + rec.total_saved - rec.cum_saved[cand.ks[s]]
+        kept = rec.kept(cand.ks[s])
         stages.append(StagePlan(stage=s, first_layer=a, end_layer=e, checkpointed=layers, forward=f * lay.fwd[s],
                                 backward=f * lay.bwd[s], recompute=f * rec.time(cand.ks[s]),
                                 param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
@@ -799,6 +812,13 @@ def _gb(x: float) -> str:
     return f"{x / GB:.3g}"
 
 
+def _short(xs: Sequence[int], limit: int = 40) -> str:
+    if len(xs) <= limit:
+        return str(list(xs))
+    return "[" + ", ".join(map(str, xs[:limit // 2])) + f", ... ({len(xs) - limit} more) ..., " + \
+        ", ".join(map(str, xs[-limit // 2:])) + "]"
+
+
 def _ranges(xs: Sequence[int]) -> str:
     if not xs:
         return "-"
@@ -813,24 +833,32 @@ def _ranges(xs: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def format_summary(plan: Plan) -> str:
-    """A readable summary: the configuration, one line a stage, and the plan beside its baselines."""
+def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
+    """A readable summary: the configuration, one line a stage (the first and last ones of a deep
+    pipeline), and the plan beside its baselines."""
     p = plan.prediction
     lines = [
         f"plan for {plan.model} ({plan.num_layers} layers) on {plan.cluster.describe()}",
         f"objective {plan.objective}{' under ' + _gb(plan.memory_cap) + ' GB' if plan.memory_cap else ''}: "
         f"{plan.pipeline_depth} stage(s) x {plan.data_parallel} data-parallel, schedule {plan.schedule}"
-        + (f" deferred_stages={plan.schedule_params['deferred_stages']}" if "deferred_stages" in plan.schedule_params
-           else "")
+        + (f" deferred_stages={_ranges(plan.schedule_params['deferred_stages']) or 'none'}"
+           if "deferred_stages" in plan.schedule_params else "")
         + f", global batch {plan.global_batch} = {plan.data_parallel} x {plan.micro_batches} micro-batches of "
           f"{plan.micro_batch_size}",
-        f"boundaries {plan.boundaries}; re-computed layers {_ranges(plan.checkpointed_layers)} "
+        f"boundaries {_short(plan.boundaries)}; re-computed layers {_ranges(plan.checkpointed_layers)} "
         f"({len(plan.checkpointed_layers)})",
         "",
     ]
     rows = [["stage", "layers", "fwd ms", "bwd ms", "recomp ms", "params MB", "in flight", "kept MB/mb",
              "deferred", "memory GB"]]
-    for st in plan.stages:
+    shown = plan.stages
+    if len(shown) > max_stage_rows:
+        half = max_stage_rows // 2
+        shown = shown[:half] + [None] + shown[-half:]
+    for st in shown:
+        if st is None:
+            rows.append(["...", f"({len(plan.stages) - 2 * half} more)"])
+            continue
         rows.append([str(st.stage), f"{st.first_layer}-{st.end_layer - 1}", f"{st.forward * 1e3:.4g}",
                      f"{st.backward * 1e3:.4g}", f"{st.recompute * 1e3:.4g}", f"{st.param_bytes / 1e6:.4g}",
                      str(st.in_flight), f"{st.kept_bytes / 1e6:.4g}", "yes" if st.deferred else "-",
@@ -849,13 +877,15 @@ def format_summary(plan: Plan) -> str:
 
     rows.append(row("plan", plan.pipeline_depth, plan.data_parallel, plan.schedule, plan.micro_batch_size,
                     plan.micro_batches, p))
+    skipped = []
     for b in plan.baselines:
         if b.prediction is None:
-            rows.append([b.name, f"{b.pipeline_depth} x {b.data_parallel}", b.schedule, "", "skipped: " + (b.skipped or "")])
+            skipped.append(f"{b.name}: skipped, {b.skipped}")
             continue
         rows.append(row(b.name, b.pipeline_depth, b.data_parallel, b.schedule, b.micro_batch_size, b.micro_batches,
                         b.prediction))
     lines.append(_table(rows))
+    lines.extend(skipped)
     lines.append(f"ME = scalability x throughput / memory (samples/s per GB); single device {plan.single_device_throughput:.4g} "
                  f"samples/s; figures by {p.predicted_by}; planned in {plan.search.get('seconds', 0):.3g} s")
     return "\n".join(lines)

@@ -77,7 +77,11 @@ class StageRecompute:
     def activations(self, k: int, p: int) -> float:
         """Activation bytes (profile batch) with the first ``k`` layers of the order re-computed
         and ``p`` micro-batches in flight."""
-        return p * (self.input + self.total_saved - self.cum_saved[k]) + self.max_run[k]
+        return p * self.kept(k) + self.max_run[k]
+
+    def kept(self, k: int) -> float:
+        """Bytes kept per in-flight micro-batch (the stage input and the kept layers)."""
+        return max(self.input + self.total_saved - self.cum_saved[k], 0.0)  # no rounding residue
 
     def time(self, k: int) -> float:
         return self.cum_time[k]
