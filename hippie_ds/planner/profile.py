@@ -41,6 +41,8 @@ from typing import Any, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hippie_ds.validation_errors import describe
+
 
 class PlannerError(ValueError):
     """Input the planner cannot use (profile, cluster, plan); the message says which and why."""
@@ -149,13 +151,7 @@ class Profile(_Strict):
 # Files
 
 def _format(exc: ValidationError, where: str) -> str:
-    problems = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        value = err.get("input")
-        shown = "" if isinstance(value, (dict, list)) else f" (value {value!r})"
-        problems.append(f"{where}: field {field}{shown}: {err['msg']}")
-    return "\n  ".join(problems)
+    return "\n  ".join(describe(exc, where))
 
 
 def _read_mapping(path: Path, what: str) -> Any:

@@ -22,6 +22,8 @@ from typing import Any, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hippie_ds.validation_errors import describe
+
 
 class CostsError(ValueError):
     """A cost description that cannot be used; the message names the file and field."""
@@ -196,10 +198,4 @@ def _comm_dict(comm: CommCost | Mapping[str, Any] | None) -> dict:
 
 
 def _format(exc: ValidationError, where: str) -> str:
-    problems = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        value = err.get("input")
-        shown = "" if isinstance(value, (dict, list)) else f" (value {value!r})"
-        problems.append(f"{where}: field {field}{shown}: {err['msg']}")
-    return "invalid costs:\n  " + "\n  ".join(problems)
+    return "invalid costs:\n  " + "\n  ".join(describe(exc, where))
