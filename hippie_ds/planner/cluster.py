@@ -15,14 +15,14 @@ plans assume inside a server).
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hippie_ds.data_files import read_data_file
 
 from .profile import PlannerError
 
@@ -158,13 +158,7 @@ def parse_cluster(spec: str) -> Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
-    if not path.is_file():
-        raise ClusterError(f"cluster file {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ClusterError(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}") from None
+    data = read_data_file(path, "cluster", ClusterError)
     if not isinstance(data, dict):
         raise ClusterError(f"{path}: expected a mapping with nodes, devices_per_node, device_memory, "
                            "inter_node_bandwidth")

@@ -57,6 +57,8 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hippie_ds.data_files import describe, read_data_file
+
 from . import partition as part
 from .cluster import Cluster
 from .profile import PlannerError, Profile
@@ -225,22 +227,11 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
-    if not path.is_file():
-        raise PlannerError(f"plan file {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise PlannerError(f"{path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
-                           f"{exc}") from None
+    data = read_data_file(path, "plan", PlannerError)
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            problems.append(f"{path}: field {where}: {err['msg']}")
-        raise PlannerError("invalid plan:\n  " + "\n  ".join(problems)) from None
+        raise PlannerError("invalid plan:\n  " + "\n  ".join(describe(exc, str(path)))) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hippie_ds.validation_errors import describe
+from hippie_ds.data_files import describe, read_data_file
 
 
 class PlannerError(ValueError):
@@ -154,19 +154,6 @@ def _format(exc: ValidationError, where: str) -> str:
     return "\n  ".join(describe(exc, where))
 
 
-def _read_mapping(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise ProfileError(f"{what} file {str(path)!r} does not exist") if what == "profile" else \
-            PlannerError(f"{what} file {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
-        err = ProfileError if what == "profile" else PlannerError
-        raise err(f"{path}: not valid {kind}: {exc}") from None
-
-
 def profile_from_dict(data: Any, where: str = "profile") -> Profile:
     if not isinstance(data, Mapping):
         raise ProfileError(f"{where}: expected a mapping with keys model, batch_size, layers; "
@@ -187,7 +174,7 @@ def load_profile(path: str | Path, fmt: str | None = None, batch_size: int | Non
         return read_pipedream(path, batch_size=batch_size)
     if fmt != "hippie":
         raise ProfileError(f"profile format {fmt!r}: expected 'pipedream' or 'hippie'")
-    profile = profile_from_dict(_read_mapping(path, "profile"), str(path))
+    profile = profile_from_dict(read_data_file(path, "profile", ProfileError), str(path))
     if batch_size is not None:
         profile = profile.model_copy(update={"batch_size": batch_size})
     return profile

@@ -15,14 +15,12 @@ A cost file (YAML or JSON) looks like::
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hippie_ds.validation_errors import describe
+from hippie_ds.data_files import describe, read_data_file
 
 
 class CostsError(ValueError):
@@ -127,14 +125,7 @@ class Costs(_Strict):
     @classmethod
     def from_file(cls, path: str | Path, num_stages: int | None = None) -> "Costs":
         """Load a YAML or JSON cost file (see the module docstring)."""
-        path = Path(path)
-        if not path.is_file():
-            raise CostsError(f"cost file {str(path)!r} does not exist")
-        text = path.read_text()
-        try:
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise CostsError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        data = read_data_file(path, "cost", CostsError)
         return cls.from_dict(data, num_stages=num_stages, where=str(path))
 
     @classmethod
