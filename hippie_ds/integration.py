@@ -35,6 +35,35 @@ def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_i
     raise ConfigError(f'placement = {placement!r}: allowed "pipeline_in_node", "data_parallel_in_node"')
 
 
+SHM_DIR = "/dev/shm"
+
+
+def deepspeed_shm_segments(port: str | int, rank: str | int | None = None, addr: str | None = None) -> list[str]:
+    """Paths of the shared-memory segments DeepSpeed's CPU comm op made for a job (by master
+    port, optionally one rank's). DeepSpeed 0.19 creates one per rank
+    (``deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}``) and never unlinks it."""
+    import glob
+    import os
+    pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr or '*'}_{port}_{'*' if rank is None else rank}"
+    return glob.glob(os.path.join(SHM_DIR, pattern))
+
+
+def _release_shm_at_exit():
+    import atexit
+    import os
+    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if port is None or rank is None:
+        return
+
+    def release():
+        for path in deepspeed_shm_segments(port, rank, os.environ.get("MASTER_ADDR")):
+            try:
+                os.unlink(path)  # peers that mapped it keep their mapping
+            except OSError:
+                pass
+    atexit.register(release)
+
+
 def _placement_of(topology: ProcessTopology) -> str | None:
     axes = list(topology.get_axis_names())
     if axes == ["data", "pipe"]:
@@ -126,6 +155,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if distributed_port is not None:
         init_kwargs["distributed_port"] = distributed_port
     dist.init_distributed(**init_kwargs)
+    _release_shm_at_exit()  # otherwise every CPU job leaves ~64 MB per rank in /dev/shm
     set_optimizer_flags(config_class, model)
     engine = HippiePipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),

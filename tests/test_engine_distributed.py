@@ -5,6 +5,7 @@
 - checkpoint / resume with a pending gradient is exact; crashes end the job; bad configs fail
   on every rank before any collective.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -141,3 +142,22 @@ def test_bf16(tmp_path):
     # bf16 weights: compare with the fp32 reference of the deferred rule at bf16 resolution
     ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], clip=0.5)
     _assert_close(hippie, ref, "bf16 hippie vs fp32 reference", atol=2e-2)
+
+
+def test_job_leaves_no_shared_memory(tmp_path):
+    # DeepSpeed's CPU comm op creates a /dev/shm segment per rank and never removes it (about
+    # 64 MB each: a few hundred jobs fill the machine); hippie_ds.initialize removes its own.
+    from launch import free_port
+    from hippie_ds.integration import deepspeed_shm_segments
+    port = free_port()
+    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--steps", 1, "--engines", "hippie", port=port, clean_shm=False)
+    assert rc == 0, log[-3000:]
+    assert deepspeed_shm_segments(port) == []
+    # control: stock DeepSpeed alone leaves one segment per rank (the launcher helper removes them)
+    port = free_port()
+    rc, log, _ = launch(2, tmp_path / "stock", "--stages", 2, "--steps", 1, "--engines", "stock", port=port,
+                        clean_shm=False)
+    leaked = deepspeed_shm_segments(port)
+    for path in leaked:
+        os.unlink(path)
+    assert rc == 0 and len(leaked) == 2, (leaked, log[-3000:])
