@@ -1,7 +1,9 @@
 """hippie-ds: declarative pipeline schedules (Hippie, GPipe, 1F1B, ...) for DeepSpeed.
 
 ``hippie_ds.initialize`` is a drop-in for ``deepspeed.initialize``; the schedule is chosen by
-name in the DeepSpeed config (``"pipeline": {"schedule": "hippie"}``).
+name in the DeepSpeed config (``"pipeline": {"schedule": "hippie"}``). ``hippie_ds.PipelineModule``
+is DeepSpeed's ``PipelineModule`` that also takes stage boundaries and re-computed layers from a
+planner plan (``plan=`` or the config's ``hippie.plan``).
 """
 __version__ = "0.1.0"
 
@@ -18,4 +20,12 @@ def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_i
     return _make_topology(num_stages, world_size, placement)
 
 
-__all__ = ["__version__", "initialize", "make_topology"]
+def __getattr__(name):
+    # Lazy: importing hippie_ds must not import DeepSpeed (the schedule tools do without it).
+    if name == "PipelineModule":
+        from .pipeline_module import PipelineModule
+        return PipelineModule
+    raise AttributeError(f"module 'hippie_ds' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "initialize", "make_topology", "PipelineModule"]

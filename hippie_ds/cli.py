@@ -696,6 +696,50 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+@command("profile")
+def _profile_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure a PipelineModule layer list, layer by layer, into a profile",
+        formatter_class=_Formatter,
+        description="Import TARGET (module:function or path/to/file.py:function; the function returns "
+                    "(layers, sample): the PipelineModule layer list and one micro-batch of input), run every layer "
+                    "on the previous layer's output on this machine and write a profile (YAML or JSON): per layer "
+                    "the median forward and backward time over --repeats runs after --warmup runs, the re-compute "
+                    "time, output bytes, bytes saved for backward (saved-tensor hooks, attributed to the layer that "
+                    "produced them) and parameter bytes. Needs torch and DeepSpeed.\n\nexample:\n"
+                    "  hippie-ds profile tools/examples/gpt.py:profile_target --out gpt-profile.yaml\n"
+                    "  hippie-ds plan --profile gpt-profile.yaml --cluster 1x4,8GB,10Gbit --global-batch 32 "
+                    "--out plan.json")
+    p.add_argument("target", metavar="TARGET", help="module:function or path/to/file.py:function")
+    p.add_argument("--out", "-o", required=True, metavar="FILE", help="profile to write (.json, or .yaml/.yml)")
+    p.add_argument("--repeats", type=_positive_int, default=10, metavar="N", help="timed runs per layer (default 10)")
+    p.add_argument("--warmup", type=_non_negative_int, default=3, metavar="N",
+                   help="untimed runs per layer first (default 3)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="torch threads (default: torch's)")
+    p.add_argument("--name", metavar="NAME", help="model name in the profile (default: what TARGET says, or TARGET)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_profile)
+
+
+def _cmd_profile(args) -> int:
+    import torch
+
+    from .planner import save_profile
+    from .profiler import load_target, profile_layers, progress_bar
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    layers, sample, name = load_target(args.target)
+    profile = profile_layers(layers, sample, model=args.name or name, repeats=args.repeats, warmup=args.warmup,
+                             progress=None if args.no_progress else progress_bar())
+    save_profile(profile, args.out)
+    saved = sum(x.saved for x in profile.layers)
+    print(f"wrote {args.out}: {profile.model}, {profile.num_layers} layers at micro-batch {profile.batch_size}, "
+          f"forward+backward {profile.total_time() * 1e3:.4g} ms, saved for backward {_fmt_bytes(saved)}, "
+          f"parameters {_fmt_bytes(profile.total_param_bytes())}")
+    return 0
+
+
 @command("profile-import")
 def _profile_import_parser(subparsers) -> None:
     p = subparsers.add_parser("profile-import", help="convert a PipeDream graph.txt profile to a hippie-ds profile",

@@ -6,11 +6,14 @@
         "schedule_params": {},                  # other parameters a schedule file declares
         "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
         "placement": "pipeline_in_node",        # or "data_parallel_in_node" (DeepSpeed's default)
-        "timeline_dir": null                    # write a per-rank Chrome trace of executed instructions
-    }
+        "timeline_dir": null,                   # write a per-rank Chrome trace of executed instructions
+        "plan": null                            # a planner plan file (`hippie-ds plan --out`): stage
+    }                                           # boundaries, checkpointed layers, schedule, batch
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -31,6 +34,9 @@ class HippieConfig(BaseModel):
     costs: str | None = None
     placement: Literal["pipeline_in_node", "data_parallel_in_node"] = "pipeline_in_node"
     timeline_dir: str | None = None
+    # Path of a plan file; relative paths are tried from the working directory, then from the
+    # config file's directory.
+    plan: str | None = None
 
     @field_validator("deferred_stages", mode="before")
     @classmethod
@@ -86,3 +92,38 @@ def schedule_params(options: HippieConfig, declared: dict) -> dict:
         raise ConfigError(f'config key "hippie.schedule_params" has {sorted(unknown)}, which the schedule does not '
                           f"declare; declared: {sorted(declared) or 'none'}")
     return params
+
+
+def read_config(config: str | os.PathLike | dict) -> dict:
+    """A DeepSpeed config given as a dict or a JSON file path."""
+    if isinstance(config, dict):
+        return config
+    try:
+        with open(config) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"DeepSpeed config {str(config)!r}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DeepSpeed config {str(config)!r}: not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config {str(config)!r}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def merge_plan(config: dict, planned: dict, plan_path: str, _prefix: str = "") -> dict:
+    """``config`` with the keys a plan sets (``Plan.deepspeed_config()``) filled in. A key the
+    config already sets must agree with the plan ('auto' deferred stages take the plan's)."""
+    out = dict(config)
+    for key, value in planned.items():
+        name = f"{_prefix}{key}"
+        if key not in out or out[key] is None:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = merge_plan(out[key], value, plan_path, name + ".")
+        elif name == "hippie.deferred_stages" and out[key] == "auto":
+            out[key] = value
+        elif out[key] != value:
+            raise ConfigError(f'config key "{name}" = {out[key]!r}, but the plan {plan_path} (config key "hippie.plan") '
+                              f"sets {value!r}; remove the key to use the plan's value, or make a plan for it "
+                              "(`hippie-ds plan ...`)")
+    return out

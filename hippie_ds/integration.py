@@ -5,13 +5,15 @@ schedule checked first, identically on every rank, before the engine's first col
 """
 from __future__ import annotations
 
+import os
+
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from ._compat import check_deepspeed_version
-from .config import ConfigError, schedule_params, split_config
+from .config import ConfigError, merge_plan, read_config, schedule_params, split_config
 from .schedules import compile as compile_schedule, load_spec
 
 check_deepspeed_version()
@@ -73,6 +75,14 @@ def _placement_of(topology: ProcessTopology) -> str | None:
     return None
 
 
+def _config_path(args, config, config_params):
+    """The config file's path when the config was given as one (plan paths are relative to it)."""
+    for c in (getattr(args, "deepspeed_config", None), config, config_params):
+        if isinstance(c, (str, os.PathLike)):
+            return str(c)
+    return None
+
+
 def _load_config(args, config, config_params):
     if config is None and config_params is not None:
         config = config_params
@@ -82,16 +92,38 @@ def _load_config(args, config, config_params):
         config = args.deepspeed_config
     if config is None:
         raise ConfigError("DeepSpeed requires a config: pass config= or --deepspeed_config")
-    if not isinstance(config, dict):
-        from deepspeed.runtime.config import load_ds_config  # noqa: WPS433 (DeepSpeed's own loader)
-        config = load_ds_config(config)
-    return config
+    return read_config(config)
 
 
-def prepare(model: PipelineModule, config: dict):
+def _apply_plan(model: PipelineModule, config: dict, options, config_path: str | None) -> dict:
+    """The config with the plan's keys merged in, after checking that ``model`` was built from
+    the same plan (boundaries, checkpointed layers, model, world size)."""
+    from .pipeline_module import resolve_plan, check_plan
+
+    path = options.plan
+    if not os.path.isabs(path) and not os.path.exists(path) and config_path is not None:
+        path = os.path.join(os.path.dirname(os.path.abspath(config_path)), path)
+    if not os.path.exists(path):
+        raise ConfigError(f'config key "hippie.plan" = {options.plan!r}: no such file')
+    plan = resolve_plan(path)
+    check_plan(plan, model._layer_specs, world_size=model.world_size, num_stages=model.num_stages)
+    ckpt = list(getattr(model, "checkpointed_layers", []))
+    if list(model.parts) != plan.boundaries or ckpt != plan.checkpointed_layers or \
+            model.activation_checkpoint_interval:
+        raise ConfigError(f'config key "hippie.plan" = {options.plan!r}: the plan has stage boundaries '
+                          f"{plan.boundaries} and checkpointed layers {plan.checkpointed_layers}, but the model was "
+                          f"built with boundaries {list(model.parts)} and checkpointed layers {ckpt}"
+                          f"{' and an activation_checkpoint_interval' if model.activation_checkpoint_interval else ''}"
+                          "; build it with hippie_ds.PipelineModule(layers, ..., config=<this config>) (or plan=...)")
+    return merge_plan(config, plan.deepspeed_config(), options.plan)
+
+
+def prepare(model: PipelineModule, config: dict, config_path: str | None = None):
     """Validate the config and compile the schedule for ``model``: (ds_config, config_class,
     compiled schedule, hippie options). Pure checks, no collectives."""
     ds_config, schedule_name, options = split_config(config)
+    if options.plan is not None:
+        ds_config, schedule_name, options = split_config(_apply_plan(model, config, options, config_path))
     mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
     stages = model.num_stages
@@ -120,6 +152,10 @@ def prepare(model: PipelineModule, config: dict):
     if config_class.float16_config.enabled and compiled.name not in ("1f1b", "gpipe"):
         raise ConfigError("fp16 with per-stage updates is not supported (the loss-scale overflow check spans the "
                           "pipeline); use bf16 or fp32")
+    if compiled.continuous and (config_class.bfloat16_config.enabled or config_class.zero_optimization_stage > 0):
+        what = "bf16" if config_class.bfloat16_config.enabled else f"zero_optimization.stage = {config_class.zero_optimization_stage}"
+        raise ConfigError(f"schedule {compiled.name!r} keeps weight versions of the stage's parameters and runs "
+                          f"fp32 without ZeRO only; got {what}")
     return ds_config, config_class, compiled, options
 
 
@@ -146,8 +182,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     from .engine import HippiePipelineEngine
 
+    config_path = _config_path(args, config, config_params)
     config = _load_config(args, config, config_params)
-    ds_config, config_class, compiled, options = prepare(model, config)
+    ds_config, config_class, compiled, options = prepare(model, config, config_path)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),

@@ -325,9 +325,15 @@ def test_recompute_memory_model_and_knapsack():
         rc = [rng.choice([0.0, rng.uniform(0.1, 3)]) for _ in range(n)]
         start, stage_input, p = rng.randint(0, 5), rng.uniform(0, 5), rng.randint(1, 6)
         rec = StageRecompute(start, saved, rc, stage_input)
+        # The same with run outputs kept (the output of a run's last layer stays in memory).
+        out = [rng.uniform(0, s) for s in saved]
+        ins = [rng.choice([0.0, rng.uniform(0, 4)]) for _ in saved]
+        rec_out = StageRecompute(start, saved, rc, stage_input, out, ins)
+        assert rec_out.order == rec.order
         for k in range(rec.options):
             layers = rec.layers(k)
             assert rec.activations(k, p) == pytest.approx(activations_of(layers, start, saved, stage_input, p))
+            assert rec_out.activations(k, p) == pytest.approx(activations_of(layers, start, saved, stage_input, p, out, ins))
             assert rec.time(k) == pytest.approx(sum(rc[i - start] for i in layers))
             if k < len(rec.order) and rc[rec.order[k]] == 0:
                 continue  # not a breakpoint: the next layer is free, the same time buys it too

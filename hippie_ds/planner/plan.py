@@ -111,6 +111,8 @@ class StagePlan(_Strict):
     in_flight: int = Field(ge=1, description="peak micro-batches whose activations are held")
     deferred: bool = Field(False, description="all-reduce deferred to the next step (gradient buffer)")
     memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes)")
+    activation_memory: float = Field(0.0, ge=0, description="of which activations held for backward: in-flight "
+                                                            "micro-batches x kept bytes + the largest re-computed run")
 
 
 class Baseline(_Strict):
@@ -281,8 +283,12 @@ class _Model:
         self.bwd = [x.backward for x in layers]
         self.rc = [x.recompute_time for x in layers]
         self.saved = [x.saved for x in layers]
+        self.out = [x.output_bytes for x in layers]
+        self.out_saved = [x.output_saved is not False for x in layers]
         self.params = [x.param_bytes for x in layers]
         self.cuts = profile.cuts()
+        # Stage 0 keeps its loaded input per in-flight micro-batch (0 when the profile omits it).
+        self.data_bytes = layers[0].input_bytes or 0.0
         self.work = [f + b for f, b in zip(self.fwd, self.bwd)]
         self.prefix_work = part.prefix_sums(self.work)
         total = self.prefix_work[-1]
@@ -314,8 +320,13 @@ class _Model:
             cut_out.append(self.cuts[b - 1] if b < self.n else 0.0)
             # Device d = q*K + s (pipeline innermost): does replica q's link s -> s+1 cross nodes?
             inter.append(b < self.n and any((q * K + s) // dpn != (q * K + s + 1) // dpn for q in range(r)))
-            stage_input = self.cuts[a - 1] if a > 0 else 0.0
-            rec.append(StageRecompute(a, self.saved[a:b], self.rc[a:b], stage_input))
+            stage_input = self.cuts[a - 1] if a > 0 else self.data_bytes
+            # The engine holds the stage's output until its backward, saved by a layer or not.
+            held_output = 0.0 if self.out_saved[b - 1] else self.out[b - 1]
+            outs = [o if kept else 0.0 for o, kept in zip(self.out[a:b], self.out_saved[a:b])]
+            # A run after a layer whose output nobody saves keeps that output as its input.
+            ins = [0.0] + [0.0 if self.out_saved[i - 1] else self.out[i - 1] for i in range(a + 1, b)]
+            rec.append(StageRecompute(a, self.saved[a:b], self.rc[a:b], stage_input + held_output, outs, ins))
             ar.append(0.0 if r == 1 else 2 * (r - 1) / r * w / ar_bw + 2 * (r - 1) * c.latency)
         lay = _Layout(K, r, parts, fwd, bwd, params, cut_out, inter, rec, ar, spans_nodes)
         self._layouts[key] = lay
@@ -686,7 +697,8 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
         stages.append(StagePlan(stage=s, first_layer=a, end_layer=e, checkpointed=layers, forward=f * lay.fwd[s],
                                 backward=f * lay.bwd[s], recompute=f * rec.time(cand.ks[s]),
                                 param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
-                                in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s]))
+                                in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s],
+                                activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s])))
     params = {"deferred_stages": sorted(deferred)} if cand.schedule in HIPPIE_FAMILY else {}
     return Plan(model=model.profile.model, num_layers=model.n, fingerprint=model.profile.fingerprint(),
                 profile_batch_size=model.b0, cluster=model.cluster, world_size=model.P, global_batch=model.G,

@@ -6,7 +6,10 @@ micro-batch size. Times are seconds per micro-batch of ``batch_size`` samples, s
 * ``forward`` / ``backward``: compute time of the layer; ``recompute`` the extra backward time
   when the layer is re-computed (activation checkpointing); default: its forward time.
 * ``output_bytes``: the layer's output activation; ``saved_bytes``: what the layer keeps for
-  its backward per in-flight micro-batch (default: ``output_bytes``; see below);
+  its backward per in-flight micro-batch, attributed to the layer that produced it (default:
+  ``output_bytes``); ``output_saved``: whether that includes the output (false when neither
+  the layer nor the next saves it, e.g. a linear layer before tanh; a stage still holds its
+  last layer's output until the backward, and the planner counts it then);
   ``input_bytes``: what enters the layer (default: the previous layer's output).
 * ``param_bytes``: bytes of the layer's parameters as stored in the profile (fp32: 4 a param).
 * ``cut_bytes[i]`` (N-1 entries): bytes of every tensor crossing the cut after layer i, i.e. what
@@ -63,6 +66,8 @@ class LayerProfile(_Strict):
     recompute: float | None = Field(None, ge=0, description="extra backward time when re-computed (default forward)")
     output_bytes: float = Field(0.0, ge=0, description="bytes of the layer's output activation")
     saved_bytes: float | None = Field(None, ge=0, description="bytes kept for backward (default output_bytes)")
+    output_saved: bool | None = Field(None, description="saved_bytes includes the output: this layer or the next "
+                                                        "saves it for backward (default true)")
     input_bytes: float | None = Field(None, ge=0, description="bytes entering the layer (default: previous output)")
     param_bytes: float = Field(0.0, ge=0, description="bytes of parameters (fp32: 4 per parameter)")
 
@@ -123,13 +128,7 @@ class Profile(_Strict):
     def fingerprint(self) -> str:
         """Identifies the model, not the measurement: a hash of layer names and parameter sizes.
         A plan records it; loading the plan for a different model is then detected."""
-        h = hashlib.sha256()
-        for layer in self.layers:
-            h.update(layer.name.encode())
-            h.update(b"\0")
-            h.update(repr(float(layer.param_bytes)).encode())
-            h.update(b"\n")
-        return h.hexdigest()[:16]
+        return fingerprint_of([x.name for x in self.layers], [x.param_bytes for x in self.layers])
 
     def scaled(self, batch_size: int) -> "Profile":
         """The same model at another micro-batch size (times and activations scale linearly)."""
@@ -145,6 +144,18 @@ class Profile(_Strict):
             layers.append(LayerProfile(**d))
         cuts = None if self.cut_bytes is None else [c * f for c in self.cut_bytes]
         return Profile(model=self.model, batch_size=batch_size, layers=layers, cut_bytes=cuts, source=self.source)
+
+
+def fingerprint_of(names: Sequence[str], param_bytes: Sequence[float]) -> str:
+    """Hash of layer names and parameter sizes (``Profile.fingerprint``; the model side computes it
+    from its layer specs: ``hippie_ds.pipeline_module.model_fingerprint``)."""
+    h = hashlib.sha256()
+    for name, size in zip(names, param_bytes):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(repr(float(size)).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,8 +399,11 @@ def synthetic_profile(num_layers: int, seed: int = 0, model: str | None = None, 
         if i == 0 or i == num_layers - 1:
             w *= 0.3
         params = param_scale * (4.0 if i in (0, num_layers - 1) else rng.uniform(0.2, 1.2))
+        out = act_scale * rng.uniform(0.5, 1.5)
+        # A block saves several times its output for backward (its internals and its output).
+        saved = out * rng.uniform(3.0, 8.0)
         layers.append(LayerProfile(name=f"layer{i}", forward=time_scale * w, backward=2 * time_scale * w,
-                                   output_bytes=act_scale * rng.uniform(0.5, 1.5), param_bytes=round(params)))
+                                   output_bytes=out, saved_bytes=saved, param_bytes=round(params)))
     return Profile(model=model or f"synthetic-{num_layers}-{seed}", batch_size=batch_size, layers=layers,
                    source="synthetic")
 

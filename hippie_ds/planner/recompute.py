@@ -3,15 +3,22 @@
 Memory model of one stage, per micro-batch at the profile's batch size (the planner scales it):
 
 * a stage keeps its input (what crosses the cut before it) for every in-flight micro-batch;
-* a layer that is kept keeps ``saved`` bytes; a re-computed layer keeps nothing of its own: a
-  maximal run of re-computed layers is re-run from its input, which the stage already keeps
-  (the stage input, or the output a kept layer before the run saved);
+* a layer that is kept keeps ``saved`` bytes: what it and its successor save for backward of
+  the tensors it produced, its output included (the profiler attributes a saved tensor to the
+  layer that produced it, so nothing is counted twice);
+* a maximal run of re-computed layers is re-run from its input, which the stage keeps anyway
+  (the stage input, or the output of the layer before the run when that is saved; otherwise
+  the run's input is kept for it: ``inputs``); its layers keep nothing, except the run's
+  output, which the next layer (or the next stage) still needs: ``outputs`` of its last layer;
 * while one micro-batch runs its backward, the run being re-computed is materialized again:
-  the largest run's saved bytes are needed once, on top.
+  the largest run's saved bytes are needed once, on top (less its output: the re-run's copy is
+  not the one the next layer holds).
 
 So with ``p`` micro-batches in flight and the set X re-computed:
 
-    activations(X, p) = p * (input + sum(saved) - sum_{l in X} saved_l) + max_run(X)
+    activations(X, p) = p * (input + sum(saved) - sum_{l in X} saved_l
+                             + sum_{runs R} (in_first(R) + out_last(R)))
+                        + max_{runs R} (sum_{l in R} saved_l - out_last(R))
     extra backward time(X) = sum_{l in X} recompute_l
 
 This is a knapsack per stage (value saved_l, weight recompute_l) with the max-run correction.
@@ -29,21 +36,27 @@ from typing import Sequence
 class StageRecompute:
     """Re-computation options of one stage (layers ``start`` .. ``end-1`` of a profile)."""
 
-    __slots__ = ("start", "order", "cum_time", "cum_saved", "max_run", "input", "total_saved", "_best")
+    __slots__ = ("start", "order", "cum_time", "cum_saved", "run_out", "max_run", "input", "total_saved", "_best")
 
-    def __init__(self, start: int, saved: Sequence[float], recompute: Sequence[float], stage_input: float) -> None:
+    def __init__(self, start: int, saved: Sequence[float], recompute: Sequence[float], stage_input: float,
+                 outputs: Sequence[float] | None = None, inputs: Sequence[float] | None = None) -> None:
         self.start = start
+        n = len(saved)
+        # The part of a layer's saved bytes that stays when it ends a re-computed run, and what a
+        # run starting at the layer keeps of its input beyond what is kept anyway.
+        out = [0.0] * n if outputs is None else [min(o, s) for o, s in zip(outputs, saved)]
+        inp = [0.0] * n if inputs is None else list(inputs)
         self.input = stage_input
         self.total_saved = sum(saved)
-        n = len(saved)
         candidates = [i for i in range(n) if saved[i] > 0]
         # Most bytes per second first (zero-time layers: infinitely good); ties: earlier layer.
         candidates.sort(key=lambda i: (-(saved[i] / recompute[i]) if recompute[i] > 0 else -float("inf"), i))
         self.order = candidates
-        cum_time, cum_saved, max_run = [0.0], [0.0], [0.0]
+        cum_time, cum_saved, run_out, max_run = [0.0], [0.0], [0.0], [0.0]
         # Union-find over positions to track the runs of re-computed layers as they grow.
         parent = list(range(n))
         run_sum = [0.0] * n
+        run_end = list(range(n))
         active = [False] * n
 
         def find(x: int) -> int:
@@ -52,8 +65,13 @@ class StageRecompute:
                 x = parent[x]
             return x
 
-        best_run = 0.0
+        best_run = ends = 0.0
         for i in candidates:
+            left, right = i > 0 and active[i - 1], i + 1 < n and active[i + 1]
+            # i ends a run unless i+1 is active, and stops i-1 from ending one; i starts a run
+            # unless i-1 is active, and stops i+1 from starting one.
+            ends += (0.0 if right else out[i]) - (out[i - 1] if left else 0.0)
+            ends += (0.0 if left else inp[i]) - (inp[i + 1] if right else 0.0)
             active[i] = True
             run_sum[i] = saved[i]
             for j in (i - 1, i + 1):
@@ -62,11 +80,15 @@ class StageRecompute:
                     if a != b:
                         parent[b] = a
                         run_sum[a] += run_sum[b]
-            best_run = max(best_run, run_sum[find(i)])
+                        run_end[a] = max(run_end[a], run_end[b])
+            root = find(i)
+            # Merging runs never lowers this (saved >= out), so the running max is the max.
+            best_run = max(best_run, run_sum[root] - out[run_end[root]])
             cum_time.append(cum_time[-1] + recompute[i])
             cum_saved.append(cum_saved[-1] + saved[i])
+            run_out.append(ends)
             max_run.append(best_run)
-        self.cum_time, self.cum_saved, self.max_run = cum_time, cum_saved, max_run
+        self.cum_time, self.cum_saved, self.run_out, self.max_run = cum_time, cum_saved, run_out, max_run
         self._best: dict[int, list[int]] = {}
 
     @property
@@ -81,7 +103,7 @@ class StageRecompute:
 
     def kept(self, k: int) -> float:
         """Bytes kept per in-flight micro-batch (the stage input and the kept layers)."""
-        return max(self.input + self.total_saved - self.cum_saved[k], 0.0)  # no rounding residue
+        return max(self.input + self.total_saved - self.cum_saved[k] + self.run_out[k], 0.0)  # no rounding residue
 
     def time(self, k: int) -> float:
         return self.cum_time[k]
@@ -115,13 +137,24 @@ class StageRecompute:
         return sorted(self.start + i for i in self.order[:k])
 
 
-def activations_of(selected: Sequence[int], start: int, saved: Sequence[float], stage_input: float, p: int) -> float:
-    """The memory model for an arbitrary set of re-computed layers (profile indices): for tests
-    and for checking a plan's choice."""
-    chosen = set(selected)
-    kept = sum(s for i, s in enumerate(saved) if start + i not in chosen)
-    best = run = 0.0
-    for i, s in enumerate(saved):
-        run = run + s if start + i in chosen else 0.0
-        best = max(best, run)
+def activations_of(selected: Sequence[int], start: int, saved: Sequence[float], stage_input: float, p: int,
+                   outputs: Sequence[float] | None = None, inputs: Sequence[float] | None = None) -> float:
+    """The memory model for an arbitrary set of re-computed layers (profile indices), written
+    out run by run: for tests and for checking a plan's choice."""
+    n = len(saved)
+    on = [start + i in set(selected) for i in range(n)]
+    out = [0.0] * n if outputs is None else [min(o, s) for o, s in zip(outputs, saved)]
+    inp = [0.0] * n if inputs is None else list(inputs)
+    kept = sum(s for i, s in enumerate(saved) if not on[i])
+    best, i = 0.0, 0
+    while i < n:
+        if not on[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < n and on[j + 1]:
+            j += 1
+        kept += inp[i] + out[j]
+        best = max(best, sum(saved[i:j + 1]) - out[j])
+        i = j + 1
     return p * (stage_input + kept) + best

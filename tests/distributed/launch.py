@@ -21,15 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True):
-    """Run ``train_worker.py`` on ``num_ranks`` local ranks; returns (returncode, output, seconds)."""
+def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER):
+    """Run ``worker`` (default ``train_worker.py``) on ``num_ranks`` local ranks; returns
+    (returncode, output, seconds)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
     env["OMP_NUM_THREADS"] = "1"
     port = port or free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks), "--master_port",
-           str(port), str(WORKER), "--out", str(out), *map(str, worker_args)]
+           str(port), str(worker), "--out", str(out), *map(str, worker_args)]
     start = time.monotonic()
     # Own process group: on a timeout the ranks die with the launcher instead of spinning on.
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

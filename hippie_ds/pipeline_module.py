@@ -1,0 +1,211 @@
+"""``hippie_ds.PipelineModule``: DeepSpeed's ``PipelineModule`` whose stage boundaries and
+per-layer activation checkpointing come from a planner plan file.
+
+DeepSpeed partitions layers only by its own rules ('uniform', 'parameters', 'type:...'; no
+explicit boundaries: DeepSpeed issue #2974) and checkpoints every ``interval`` layers. With
+``plan=`` (a path, a :class:`~hippie_ds.planner.plan.Plan`, or ``config=`` naming one under
+``hippie.plan``) this subclass
+
+* checks, before DeepSpeed creates any process group, that the plan was made for this model
+  (layer count, layer names and parameter sizes: the profile's fingerprint, computed from the
+  layer specs on the meta device) and this job (world size, stage count);
+* uses the plan's ``boundaries`` as DeepSpeed's ``parts``;
+* re-computes exactly the plan's ``checkpointed_layers``: each maximal run of consecutive
+  checkpointed layers of a stage is one :func:`hippie_ds.checkpointing.checkpoint_run`.
+
+Without a plan it is DeepSpeed's ``PipelineModule`` unchanged. Layer names and the
+fingerprint are shared with the profiler (:func:`layer_names`, :func:`model_fingerprint`), so
+a profile, the plan made from it and the model it came from agree.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.pipe import LayerSpec, PipelineModule as _DSPipelineModule, TiedLayerSpec
+
+from .checkpointing import checkpoint_run
+from .config import ConfigError, read_config
+from .planner.plan import Plan, PlanMismatchError, load_plan
+from .planner.profile import PlannerError, fingerprint_of
+
+
+def layer_name(layer: Any) -> str:
+    """The name a profile gives a layer: its class (or function) name."""
+    if isinstance(layer, TiedLayerSpec):
+        return f"{layer.typename.__name__}[{layer.key}]"
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, torch.nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", type(layer).__name__)
+
+
+def layer_names(layers: Sequence[Any]) -> list[str]:
+    return [layer_name(x) for x in layers]
+
+
+def layer_param_bytes(layers: Sequence[Any]) -> list[float] | None:
+    """Parameter bytes of every layer, built on the meta device (no memory, no compute). A tied
+    layer counts its parameters at its first use only. None when a layer cannot be built there."""
+    out, seen = [], set()
+    try:
+        with torch.device("meta"):
+            for layer in layers:
+                if isinstance(layer, TiedLayerSpec):
+                    if layer.key in seen:
+                        out.append(0.0)
+                        continue
+                    seen.add(layer.key)
+                if isinstance(layer, LayerSpec):
+                    module = layer.build()
+                elif isinstance(layer, torch.nn.Module):
+                    module = layer
+                else:
+                    out.append(0.0)
+                    continue
+                out.append(float(sum(p.numel() * p.element_size() for p in module.parameters())))
+    except Exception:  # a constructor that needs real tensors: skip the parameter check
+        return None
+    return out
+
+
+def model_fingerprint(layers: Sequence[Any]) -> str | None:
+    sizes = layer_param_bytes(layers)
+    return None if sizes is None else fingerprint_of(layer_names(layers), sizes)
+
+
+def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.PathLike | dict | None = None
+                 ) -> Plan | None:
+    """The plan given, or the one the DeepSpeed config names under ``hippie.plan`` (a path
+    relative to the config file's directory when the config is a file)."""
+    if isinstance(plan, Plan):
+        return plan
+    if plan is not None:
+        return load_plan(plan)
+    if config is None:
+        return None
+    data = read_config(config)
+    path = (data.get("hippie") or {}).get("plan")
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f'config key "hippie.plan" = {path!r}: must be the path of a plan file '
+                          "(written by `hippie-ds plan --out`)")
+    path = Path(path)
+    if not path.is_absolute() and isinstance(config, (str, os.PathLike)) and not path.exists():
+        path = Path(config).parent / path
+    return load_plan(path)
+
+
+def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num_stages: int | None) -> None:
+    """Raise :class:`PlanMismatchError` when ``plan`` does not fit this model or job."""
+    plan.check_matches(num_layers=len(layers), world_size=world_size)
+    if num_stages is not None and num_stages != plan.pipeline_depth:
+        raise PlanMismatchError(f"num_stages={num_stages}, but the plan has {plan.pipeline_depth} stages "
+                                f"(boundaries {plan.boundaries}); leave num_stages out to take the plan's")
+    fp = model_fingerprint(layers)
+    if fp is not None and fp != plan.fingerprint:
+        raise PlanMismatchError(f"the plan is for {plan.model!r} (fingerprint {plan.fingerprint}); this model's "
+                                f"layer names or parameter sizes differ (fingerprint {fp}; layers "
+                                f"{_short(layer_names(layers))}): the plan was made for another model. Profile this "
+                                "model (`hippie-ds profile`) and plan again")
+
+
+def _short(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names if len(names) <= limit else names[:limit] + [f"... ({len(names)} layers)"])
+
+
+def checkpoint_runs(local: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs [start, stop) of consecutive local layer indices."""
+    runs = []
+    for i in sorted(local):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+class PipelineModule(_DSPipelineModule):
+    """DeepSpeed's ``PipelineModule`` plus ``plan=`` / ``config=`` (see the module docstring).
+
+    ``checkpointed_layers`` (global layer indices) re-computes those layers without a plan."""
+
+    def __init__(self, layers, num_stages=None, topology=None, *, plan: str | os.PathLike | Plan | None = None,
+                 config: str | os.PathLike | dict | None = None, checkpointed_layers: Sequence[int] | None = None,
+                 **kwargs):
+        layers = list(layers)
+        resolved = resolve_plan(plan, config)
+        if resolved is not None:
+            world = dist.get_world_size() if dist.is_initialized() else None
+            stages = topology.get_dim("pipe") if topology is not None else num_stages
+            check_plan(resolved, layers, world_size=world, num_stages=stages)
+            if topology is None and num_stages is None:
+                num_stages = resolved.pipeline_depth
+            if checkpointed_layers is not None and sorted(checkpointed_layers) != resolved.checkpointed_layers:
+                raise PlanMismatchError(f"checkpointed_layers={sorted(checkpointed_layers)} differs from the plan's "
+                                        f"{resolved.checkpointed_layers}; give one or the other")
+            checkpointed_layers = resolved.checkpointed_layers
+            if kwargs.get("activation_checkpoint_interval", 0):
+                raise PlanMismatchError("activation_checkpoint_interval with a plan: the plan chooses the "
+                                        "checkpointed layers; leave the interval at 0")
+        bad = [i for i in (checkpointed_layers or ()) if not 0 <= int(i) < len(layers)]
+        if bad:
+            raise ValueError(f"checkpointed_layers {bad}: outside 0..{len(layers) - 1}")
+        # Set before DeepSpeed's __init__, which calls _partition_layers.
+        object.__setattr__(self, "hippie_plan", resolved)
+        object.__setattr__(self, "_checkpointed", sorted({int(i) for i in checkpointed_layers or ()}))
+        super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
+        local = [i - self._local_start for i in self._checkpointed if self._local_start <= i < self._local_stop]
+        self._local_runs = checkpoint_runs(local)
+
+    @property
+    def checkpointed_layers(self) -> list[int]:
+        return list(self._checkpointed)
+
+    def _partition_layers(self, method="uniform"):
+        if self.hippie_plan is None:
+            return super()._partition_layers(method=method)
+        self.parts = list(self.hippie_plan.boundaries)
+        if self.global_rank == 0:
+            print(f"hippie-ds: stage boundaries {self.parts} and checkpointed layers "
+                  f"{self.hippie_plan.checkpointed_layers} from the plan for {self.hippie_plan.model!r}", flush=True)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def forward(self, forward_input):
+        if not self._local_runs:
+            return super().forward(forward_input)
+        if self.activation_checkpoint_interval:
+            raise ValueError("checkpointed_layers and activation_checkpoint_interval together: use one")
+        self.micro_offset += 1
+        x, i = forward_input, 0
+        for start, stop in self._local_runs + [(len(self.forward_funcs), None)]:
+            if i < start:
+                x = self._run(i, start, x)
+            if stop is None:
+                break
+            args = x if isinstance(x, tuple) else (x, )
+            x = checkpoint_run(lambda *a, _s=start, _e=stop: self._run(_s, _e, a[0] if len(a) == 1 else a), *args)
+            i = stop
+        return x
+
+    def _run(self, start: int, stop: int, x):
+        for idx, layer in enumerate(self.forward_funcs[start:stop]):
+            self.curr_layer = start + idx + self._local_start
+            if self.seed_layers:
+                seed = self.base_seed * (self.micro_offset + 1) + self.curr_layer
+                if self.seed_fn:
+                    self.seed_fn(seed)
+                else:
+                    from deepspeed.runtime import utils as ds_utils
+                    ds_utils.set_random_seed(seed)
+            x = layer(x)
+        return x
+
+
+__all__ = ["PipelineModule", "layer_names", "model_fingerprint", "resolve_plan", "check_plan", "PlannerError"]

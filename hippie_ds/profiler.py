@@ -1,0 +1,246 @@
+"""``hippie-ds profile``: measure a ``PipelineModule`` layer list, layer by layer, into a profile.
+
+The target is ``module:function`` (or ``path/to/file.py:function``); the function returns
+``(layers, sample)`` or a mapping with ``layers``, ``sample`` and optionally ``name``:
+``layers`` is the list given to ``PipelineModule`` (``LayerSpec``, ``TiedLayerSpec``,
+modules, callables) and ``sample`` one micro-batch of the first layer's input (its first
+dimension is the micro-batch size).
+
+Each layer runs on the output of the one before, as a pipeline stage would receive it (a
+detached tensor that requires grad when it is floating point). Per layer:
+
+* ``forward`` / ``backward``: medians over ``repeats`` runs after ``warmup`` runs; backward is
+  ``torch.autograd.backward`` of the layer's output with a gradient of ones;
+* ``recompute``: re-computation re-runs the forward with autograd recording, so the forward
+  time (what a reentrant checkpoint adds to the backward);
+* ``output_bytes``: the bytes of the output tensors (what crosses a cut after the layer);
+* ``saved_bytes``: the distinct storages autograd saves for backward during the layer's
+  forward (saved-tensor hooks), attributed to the layer that produced them: the layer's
+  input is the previous layer's (not counted again), parameters are not activations, and its
+  output counts when this layer or the next saves it (``output_saved``). Summed over a stage
+  (plus its input, and its output when no layer saves it) this is what the stage keeps per
+  in-flight micro-batch (``hippie_ds.planner.recompute``);
+* ``param_bytes``: its parameters' bytes (a tied module at its first use only).
+
+Layer names are :func:`hippie_ds.pipeline_module.layer_names`, so a plan made from the profile
+recognises the model (``Profile.fingerprint``).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .memory import _tensors, storage_key
+from .planner.profile import LayerProfile, Profile, ProfileError
+
+
+def load_target(target: str) -> tuple[list, Any, str]:
+    """(layers, sample, name) from ``module:function`` or ``file.py:function``."""
+    if ":" not in target:
+        raise ProfileError(f"profile target {target!r}: expected module:function or path/to/file.py:function")
+    where, func_name = target.rsplit(":", 1)
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = Path(where)
+            if not path.exists():
+                raise ProfileError(f"profile target {target!r}: no file {where}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(path.stem, module)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as exc:
+        raise ProfileError(f"profile target {target!r}: cannot import {where!r}: {exc}") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ProfileError(f"profile target {target!r}: {where} has no function {func_name!r}")
+    result = fn()
+    if isinstance(result, dict):
+        layers, sample, name = result.get("layers"), result.get("sample"), result.get("name")
+    elif isinstance(result, (tuple, list)) and len(result) == 2:
+        (layers, sample), name = result, None
+    else:
+        raise ProfileError(f"profile target {target!r}: {func_name}() must return (layers, sample) or a dict "
+                           f"with 'layers' and 'sample'; got {type(result).__name__}")
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ProfileError(f"profile target {target!r}: 'layers' must be a non-empty list of layer specs")
+    if not any(True for _ in _tensors(sample)):
+        raise ProfileError(f"profile target {target!r}: 'sample' must be a tensor or a tuple of tensors")
+    return list(layers), sample, name or f"{where}:{func_name}"
+
+
+def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch.nn.Parameter]]]:
+    """Callables for the layer list, as ``PipelineModule._build`` makes them (tied modules are
+    built once per key), and the parameters each layer owns (tied: at first use)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    funcs, params, tied = [], [], {}
+    for layer in layers:
+        if isinstance(layer, TiedLayerSpec):
+            first = layer.key not in tied
+            if first:
+                tied[layer.key] = layer.build()
+            module = tied[layer.key]
+            funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+            params.append(list(module.parameters()) if first else [])
+        elif isinstance(layer, LayerSpec):
+            module = layer.build()
+            funcs.append(module)
+            params.append(list(module.parameters()))
+        elif isinstance(layer, torch.nn.Module):
+            funcs.append(layer)
+            params.append(list(layer.parameters()))
+        elif callable(layer):
+            funcs.append(layer)
+            params.append([])
+        else:
+            raise ProfileError(f"layer {len(funcs)}: {layer!r} is not a LayerSpec, a module or a callable")
+    return funcs, params
+
+
+def _as_stage_input(x: Any) -> Any:
+    """What a stage receives: detached tensors, floating ones requiring grad."""
+    if isinstance(x, torch.Tensor):
+        y = x.detach()
+        if y.is_floating_point():
+            y.requires_grad_(True)
+        return y
+    if isinstance(x, (list, tuple)):
+        return type(x)(_as_stage_input(v) for v in x)
+    return x
+
+
+def _call(fn, x):
+    return fn(x)
+
+
+def _backward(out: Any) -> bool:
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if not outs:
+        return False
+    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return True
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def saved_storages(fn, x: Any) -> tuple[dict[tuple, int], Any]:
+    """({storage: bytes} autograd saves during one forward of ``fn`` on ``x``, output)."""
+    packed: dict[tuple, int] = {}
+
+    def pack(t):
+        if t.layout == torch.strided:
+            key = storage_key(t)
+            packed[key] = key[2]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    return packed, out
+
+
+def _keys(obj: Any) -> set[tuple]:
+    return {storage_key(t) for t in _tensors(obj)}
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", repeats: int = 10, warmup: int = 3,
+                   progress: Callable[[int, int, str], None] | None = None) -> Profile:
+    """Measure every layer (see the module docstring) and return the profile."""
+    from .pipeline_module import layer_names
+
+    if repeats < 1 or warmup < 0:
+        raise ProfileError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
+    names = layer_names(layers)
+    funcs, params = build_layers(layers)
+    first = next(iter(_tensors(sample)))
+    batch = int(first.shape[0]) if first.dim() > 0 else 1
+    x = sample
+    out_layers, saved_sets, inputs_saved, outputs = [], [], [], []
+    for i, (name, fn, ps) in enumerate(zip(names, funcs, params)):
+        if progress:
+            progress(i, len(funcs), name)
+        inp = _as_stage_input(x)
+
+        def step():
+            out = fn(inp)
+            _backward(out)
+
+        for _ in range(warmup):
+            step()
+        forward = _median(lambda: fn(inp), repeats)
+        backs = []
+        for _ in range(repeats):
+            out = fn(inp)
+            t0 = time.perf_counter()
+            _backward(out)
+            backs.append(time.perf_counter() - t0)
+        packed, out = saved_storages(fn, inp)
+        for p in ps:
+            p.grad = None
+        ins, outs = _keys(inp), _keys(out)
+        own = {k: v for k, v in packed.items() if k not in ins and k not in _keys(ps)}
+        saved_sets.append(own)
+        inputs_saved.append(bool(ins & packed.keys()))
+        outputs.append({k: k[2] for k in outs - ins})
+        out_layers.append(dict(
+            name=name, forward=forward, backward=statistics.median(backs), recompute=forward,
+            output_bytes=float(_nbytes(out)), input_bytes=float(_nbytes(sample)) if i == 0 else None,
+            param_bytes=float(sum(p.numel() * p.element_size() for p in ps))))
+        with torch.no_grad():
+            x = fn(inp)
+        x = _detach(x)
+    # Attribute to the producer: a layer's output counts when it or the next layer saves it
+    # (the last layer's: the loss holds it).
+    layers_out = []
+    for i, fields in enumerate(out_layers):
+        own, out = saved_sets[i], outputs[i]
+        output_saved = bool(out.keys() & own.keys()) or i + 1 == len(out_layers) or inputs_saved[i + 1]
+        keep = dict(own)
+        if output_saved:
+            keep.update(out)
+        layers_out.append(LayerProfile(saved_bytes=float(sum(keep.values())), output_saved=output_saved, **fields))
+    if progress:
+        progress(len(funcs), len(funcs), "")
+    return Profile(model=model, batch_size=batch, layers=layers_out, source="hippie-ds profile")
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detach(v) for v in x)
+    return x
+
+
+def progress_bar(stream=sys.stderr, width: int = 30) -> Callable[[int, int, str], None]:
+    """A one-line progress bar: ``profile [#####.....] 12/40 layer name``."""
+    start = time.monotonic()
+
+    def show(done: int, total: int, name: str) -> None:
+        filled = int(width * done / max(total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        end = "\n" if done >= total else ""
+        stream.write(f"\rprofile [{bar}] {done}/{total} layers {time.monotonic() - start:5.1f}s {name[:30]:<30}{end}")
+        stream.flush()
+
+    return show
