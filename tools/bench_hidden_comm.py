@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Benchmark: does Hippie's communication schedule hide the data-parallel all-reduce?
 
+The full benchmark report (DP baseline, memory, memory efficiency, scaling, simulator predictions,
+projection) is tools/bench.py (``make bench``); this tool interleaves schedules in the same
+processes and breaks the exposed all-reduce down per stage.
+
 An emulated two-node cluster on one machine (brief section 4): two network namespaces
 (hds-node0, hds-node1) joined by a veth pair (veth0 10.77.0.1 <-> veth1 10.77.0.2), each end
 shaped with ``tc tbf rate 1gbit burst 1mb latency 100ms``. One job of 4 ranks = 2 nodes x 2

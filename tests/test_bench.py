@@ -1,0 +1,179 @@
+"""tools/bench.py, its pure parts: figures (ratios, ME, scaling efficiency), the report, the
+simulator prediction from measured costs, the projection on a vendored profile, and the polite
+refusal where `ip` is missing. No network namespaces, no DeepSpeed processes."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILES = REPO / "tests" / "data" / "pipedream"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_under_test", REPO / "tools" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(thr, rss, saved=10e6, state=100e6):
+    return {"throughput_samples_s": thr, "mean_peak_training_rss_bytes": rss, "mean_peak_saved_bytes": saved,
+            "mean_state_bytes": state}
+
+
+def test_summarize_ratios_me_and_scaling(bench):
+    runs = {
+        "two_nodes": {"dp": _run(20.0, 400e6), "1f1b": _run(16.0, 200e6), "hippie": _run(24.0, 200e6)},
+        "one_node": {"dp": _run(12.0, 400e6), "1f1b": _run(10.0, 200e6), "hippie": _run(12.0, 200e6)},
+        "one_device": {"dp": _run(12.5, 400e6)},
+    }
+    s = bench.summarize(runs)
+    assert s["single_device_throughput"] == 12.5
+    h, dp = s["schedules"]["hippie"], s["schedules"]["dp"]
+    assert h["ratio_to_1f1b"] == pytest.approx(24 / 16) and h["ratio_to_dp"] == pytest.approx(24 / 20)
+    # scalability = throughput / (2 cores x single-device throughput); ME = scalability x throughput / GB
+    assert h["scalability"] == pytest.approx(24 / 25)
+    assert h["me"] == pytest.approx(24 / 25 * 24 / 0.2)
+    assert dp["me_vs_dp"] == pytest.approx(1.0)
+    # ME ratio to DP = (thr / thr_dp)^2 x mem_dp / mem, whatever a device is
+    assert h["me_vs_dp"] == pytest.approx((24 / 20) ** 2 * 400 / 200)
+    assert h["me_tensors_vs_dp"] == pytest.approx((24 / 20) ** 2 * 1.0)
+    assert h["scaling_efficiency"] == pytest.approx(24 / (2 * 12)) and dp["scaling_efficiency"] == pytest.approx(20 / 24)
+    assert s["schedules"]["1f1b"]["ratio_to_1f1b"] == pytest.approx(1.0)
+
+
+def test_summarize_without_reference_runs(bench):
+    s = bench.summarize({"two_nodes": {"hippie": _run(24.0, 200e6)}})
+    h = s["schedules"]["hippie"]
+    assert h["ratio_to_1f1b"] is None and h["me_vs_dp"] is None and h["scaling_efficiency"] is None
+
+
+def _fake_results(bench):
+    runs = {"two_nodes": {}, "one_node": {}, "one_device": {}}
+    for name, thr in (("dp", 20.0), ("1f1b", 16.0), ("hippie", 24.0)):
+        r = {"world": 4, "stages": 1 if name == "dp" else 2, "schedule_params": {"deferred_stages": [0]}
+             if name == "hippie" else {}, "median_step_s": 32 / thr, "throughput_samples_s": thr,
+             "mean_peak_saved_bytes": 5e6, "mean_peak_rss_bytes": 5e8, "mean_peak_training_rss_bytes": 2e8,
+             "memory_per_rank": {"0": {"stage": 0, "peak_saved_bytes": 5e6, "state_bytes": 1e8, "peak_rss_bytes": 5e8,
+                                       "rss_baseline_bytes": 3e8, "peak_training_rss_bytes": 2e8}},
+             "exposed_allreduce_s_per_step": {"0": 0.1},
+             "prediction": {"step_time": 32 / thr * 1.1, "error": 0.1,
+                            "costs": {"stages": [{"forward": 0.01, "backward": 0.02, "optimizer_time": 0.005}]}}}
+        runs["two_nodes"][name] = r
+        runs["one_node"][name] = {**r, "throughput_samples_s": thr / 1.5}
+    runs["one_device"]["dp"] = {**runs["two_nodes"]["dp"], "throughput_samples_s": 12.0}
+    results = {"config": {"stages": 2, "link": "tbf 1gbit", "link_efficiency": 0.91}, "runs": runs, "plots": [],
+               "summary": bench.summarize(runs)}
+    return results
+
+
+def test_report_tables(bench):
+    results = _fake_results(bench)
+    md = bench.report_markdown(results)
+    assert "## Side by side (two emulated nodes)" in md
+    row = next(line for line in md.splitlines() if line.startswith("| hippie |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2 stages x 2, deferred [0]"
+    assert cells[3] == "24.00" and cells[4] == "1.50x" and cells[5] == "1.20x"
+    assert cells[9] == f"{(24 / 20) ** 2:.2f}x"          # same memory as DP: ME ratio = throughput ratio squared
+    assert cells[12] == f"{24 / (2 * 16):.2f}"            # scaling efficiency 1 -> 2 nodes
+    assert cells[14] == "+10.0%"
+    assert "## Predicted vs measured step time" in md and "## Memory per rank (two nodes)" in md
+    assert "| 1F1B (stock DeepSpeed) |" in md and "| DP |" in md
+
+
+def test_measured_costs_and_prediction(bench):
+    class A:
+        micro_batch_size, seq, d_model = 2, 8, 16
+    timings = {0: {"params": 1000, "median": {"ForwardPass": 0.01, "BackwardPass": 0.02, "OptimizerStep": 0.004}},
+               1: {"params": 2000, "median": {"ForwardBackwardPass": 0.03, "StageOptimizerStep": 0.006}}}
+    costs = bench.measured_costs(timings, A, 2, 1.25e8, float("inf"), 0.0)
+    s0, s1 = costs["stages"]
+    assert (s0["forward"], s0["backward"], s0["optimizer_time"], s0["param_bytes"]) == (0.01, 0.02, 0.004, 4000.0)
+    # the fused last stage is split with the other stages' forward share (1/3)
+    assert s1["forward"] == pytest.approx(0.01) and s1["backward"] == pytest.approx(0.02)
+    assert s0["activation_bytes"] == 4 * 2 * 8 * 16
+    # 1F1B, 2 stages x 4 micro-batches, no all-reduce: (M + K - 1)(F + B) + the optimizer step
+    free = {**costs, "comm": {**costs["comm"], "data_parallel": 1}}
+    pred = bench.predict("1f1b", {}, 2, 4, free)
+    assert pred["step_time"] == pytest.approx(5 * 0.03 + 0.006, rel=1e-6)
+    assert bench.predict("no-such-schedule", {}, 2, 4, costs)["step_time"] is None
+
+
+def test_analyse_job_from_raw_files(bench, tmp_path):
+    """Two ranks' step records and timelines, as the worker writes them."""
+    class A:
+        micro_batch_size, seq, d_model, link_efficiency = 2, 8, 16, 0.9
+        intra_allreduce_bandwidth, p2p_bandwidth, p2p_latency = 1e9, 4e9, 0.0
+    raw = tmp_path / "raw" / "stock" / "timeline"
+    raw.mkdir(parents=True)
+    for rank, dur in ((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])):
+        t, steps, events = 10.0, [], []
+        for i, d in enumerate(dur):
+            steps.append({"round": 0 if i else -1, "index": i, "warmup": i == 0, "start": t, "end": t + d, "loss": 1.0,
+                          "saved_peak_bytes": 1000 * (rank + 1) * (i + 1)})
+            events += [{"kind": "ForwardPass", "name": "F", "start": t - 10.0, "end": t - 10.0 + 0.1, "step": i},
+                       {"kind": "BackwardPass", "name": "B", "start": t - 9.8, "end": t - 9.6, "step": i}]
+            t += d
+        (raw.parent / f"rank{rank}.steps.json").write_text(json.dumps({
+            "rank": rank, "stage": rank, "data_parallel_id": 0, "world": 2, "stages": 2, "schedule": "stock",
+            "label": "stock", "params": 100, "schedule_params": {}, "parts": [0, 1, 2], "micro_batches": 4,
+            "micro_batch_size": 2, "t0": 10.0, "steps": steps,
+            "memory": {"rss_baseline_bytes": 300, "peak_rss_bytes": 800, "state_bytes": 50}}))
+        (raw / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "events": events}))
+    job = {"config": "one_node", "schedule": "1f1b", "label": "stock"}
+    r = bench.analyse_job(tmp_path, job, A, 1.25e8)
+    assert r["step_times_s"] == pytest.approx([1.2, 1.3])  # slowest rank per timed step; warm-up dropped
+    assert r["median_step_s"] == pytest.approx(1.25)
+    assert r["samples_per_step"] == 2 * 4 * 1 and r["throughput_samples_s"] == pytest.approx(8 / 1.25)
+    assert r["memory_per_rank"]["1"]["peak_saved_bytes"] == 6000   # max over steps
+    assert r["mean_peak_training_rss_bytes"] == 500
+    assert r["stage_timings_s"]["0"]["ForwardPass"] == pytest.approx(0.1)
+    assert r["prediction"]["step_time"] == pytest.approx(5 * 0.3, rel=1e-4)  # (M+K-1)(F+B) + tiny p2p, dp = 1
+    assert r["prediction"]["error"] == pytest.approx((1.5 - 1.25) / 1.25, rel=1e-4)
+
+
+def test_projection_on_vendored_profile(bench):
+    proj = bench.projection(models=(("vgg16", "VGG-16"),), sizes=(16,), schedules=("dp", "1f1b", "hippie"),
+                            profile_dir=PROFILES)
+    rows = {r["schedule"]: r for r in proj["rows"]}
+    assert set(rows) == {"dp", "1f1b", "hippie", "planner"}
+    for name, r in rows.items():
+        assert 0 < r["scaling_efficiency"] <= 1 + 1e-9, name
+        assert r["devices"] == 16 and r["global_batch"] == 128 * 16
+    assert rows["1f1b"]["pipeline_depth"] == 4 and rows["1f1b"]["data_parallel"] == 4  # a pipeline per node
+    assert rows["dp"]["pipeline_depth"] == 1 and rows["dp"]["me_vs_dp"] == pytest.approx(1.0)
+    md = "\n".join(bench.projection_pivot(proj))
+    assert "| VGG-16 | hippie |" in md and "16 GPUs" in md
+
+
+def test_refuses_without_ip(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `ip`, `tc` or `taskset` here
+    rc = bench.main(["--out", str(tmp_path / "out"), "--no-projection"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "`ip` is not installed" in err and "--projection-only" in err
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_cli_help_and_argument_errors(bench):
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and "--schedules" in res.stdout and "--plan" in res.stdout
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--plan", "hippie"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--schedules", "hippie,hippie"])
+    a = bench.parse_args(["--schedules", "dp,2bw", "--plan", "2bw=plan.json"])
+    assert a.schedule_list == ["dp", "2bw"] and a.plans["2bw"].endswith("plan.json")
+    jobs = bench.run_plan(a)
+    assert [(j["config"], j["label"]) for j in jobs] == [("two_nodes", "dp"), ("two_nodes", "2bw"), ("one_node", "dp"),
+                                                         ("one_node", "2bw"), ("one_device", "dp")]
+    # stock DeepSpeed 1F1B runs first: its measured costs resolve 'deferred_stages: auto' for the others
+    a = bench.parse_args(["--schedules", "hippie,1f1b", "--no-scaling", "--no-single"])
+    assert [(j["schedule"], j["label"]) for j in bench.run_plan(a)] == [("1f1b", "stock"), ("hippie", "hippie")]
