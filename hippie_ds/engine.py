@@ -9,7 +9,19 @@ The only module that touches DeepSpeed internals. What it changes, and why:
 - handlers for the new instructions (fused forward+backward, non-blocking sends, async
   per-stage all-reduce, gradient buffer, deferred update, per-stage optimizer step);
 - the gradient buffer of deferred stages is saved in checkpoints and restored;
+- continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls):
+  ops of batches still in flight run in the next call, ``drain()`` completes them; weight
+  versions (below);
 - optional per-rank timeline of executed instructions (Chrome trace).
+
+Weight versions (schedules whose compute ops declare a ``version``). A stage's version counts its
+updates. The module's parameters hold one version at a time; the others live as flat copies
+(``_wv_store``): a compute op first swaps its version in (copying the parameters' values through
+``.data``), an update swaps the current version in, and ``stash_weights`` keeps a copy of it before
+it is overwritten. Autograd's saved-tensor check would reject a backward after an in-place optimizer
+step on the parameters its forward saved; the engine guarantees (and the validator proves
+statically) that the backward sees the values its forward used, so it restores the parameters'
+version counters after each such step.
 
 Per-stage update semantics (``StageOptimizerStep`` / ``ApplyBufferedUpdate``): the gradient
 norm used for clipping (and bf16's overflow check) is this stage's own norm, reduced over the
@@ -32,12 +44,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._compat import check_deepspeed_version
 from .schedules import deepspeed_schedule as hs
-from .schedules.ir import CompiledSchedule, OpKind
+from .schedules.ir import COMPUTE_KINDS, CompiledSchedule, OpKind
 from .schedules.simulator import CATEGORY, op_name
 
 check_deepspeed_version()
 
 GRAD_BUFFER_KEY = "hippie_ds_grad_buffer"
+WEIGHT_VERSIONS_KEY = "hippie_ds_weight_versions"
 
 
 def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
@@ -101,6 +114,21 @@ class HippiePipelineEngine(PipelineEngine):
         self._training = False  # timelines cover train_batch only
         self._t0 = time.perf_counter()
         self._t0_unix = time.time()  # to align ranks' timelines (same host clock)
+        # continuous schedules: calls run so far, the earliest batch not yet drained, whether
+        # batches are in flight; weight versions (see the module docstring)
+        self._continuous = compiled_schedule.continuous
+        self._versioned = compiled_schedule.versioned
+        self._call = 0
+        self._first_batch = 0
+        self._op_call = 0  # the call an op's relative batch refers to
+        self._in_flight = False
+        self._wv_updates = compiled_schedule.updates_per_batch[self.stage_id] if self._continuous else 0
+        self._wv_count = 0  # updates applied: the current version
+        self._wv_loaded = 0  # the version the module's parameters hold
+        self._wv_store: dict[int, torch.Tensor] = {}  # versions not in the module (flat copies)
+        self._wv_stashed: set[int] = set()
+        self._wv_peak = 1
+        self._current_op = None
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -110,13 +138,23 @@ class HippiePipelineEngine(PipelineEngine):
         # DeepSpeed's loop, plus an optional timeline of every executed instruction.
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
+        self._exec_steps(pipe_schedule)
+
+    def _exec_steps(self, steps):
         record = self._timeline_dir is not None and self._training
-        for step_cmds in pipe_schedule:
+        continuous = self._continuous and self._training
+        for step_cmds in steps:
             for cmd in step_cmds:
+                op = getattr(cmd, "op", None)
+                if continuous and op is not None and self._op_call + op.batch < self._first_batch:
+                    continue  # a batch that does not exist (pipeline fill) or was drained
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
                 start = time.perf_counter()
+                self._current_op = op
+                if self._versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
+                    self._use_version(self._abs_version(op))
                 MethodType(handler, self)(**cmd.kwargs)
                 if record:
                     self._record(cmd, start, time.perf_counter())
@@ -137,11 +175,119 @@ class HippiePipelineEngine(PipelineEngine):
 
     def train_batch(self, data_iter=None):
         self._training = True
+        self._op_call = self._call
         try:
-            return super().train_batch(data_iter)
+            if not self._continuous:
+                return super().train_batch(data_iter)
+            # Updates of a continuous schedule keep the step counters still; the call advances
+            # them once, on every stage alike (checkpoint tags and LR schedules count batches).
+            loss = super().train_batch(data_iter)
+            self._step_bookkeeping()
+            self._call += 1
+            self._in_flight = True
+            return loss
         finally:
             self._training = False
             self._batch_index += 1
+
+    # ------------------------------------------------------------------ continuous schedules
+    def drain(self) -> bool:
+        """Complete every batch still in flight (continuous schedules: the last backwards and
+        updates of the last ``train_batch``), so that every micro-batch read is applied exactly
+        once; call it on every rank at the end of training. The math does not depend on where
+        drains happen (a batch's weight versions are declared), so training may continue
+        afterwards: the next call fills the pipeline again. For ``hippie``/``hippie-1f1b`` it
+        applies the buffered gradient (``flush_deferred_update``). True if anything was done."""
+        if not self._continuous:
+            return self.flush_deferred_update()
+        if not self._in_flight:
+            return False
+        self._training = True
+        self._op_call = self._call  # drain ops' batches are relative to the call that would come next
+        try:
+            self._exec_steps(self._declared.drain_steps)
+        finally:
+            self._training = False
+        self._first_batch = self._call
+        self._in_flight = False
+        return True
+
+    def has_in_flight(self) -> bool:
+        """True when batches of a continuous schedule are still in flight (``drain()`` has work)."""
+        return self._in_flight
+
+    def eval_batch(self, *args, **kwargs):
+        # Evaluation reuses the pipeline buffers: finish the batches in flight first.
+        self.drain() if self._continuous else None
+        return super().eval_batch(*args, **kwargs)
+
+    def _abs_version(self, op) -> int:
+        """Absolute weight version of an op (versions below 0 are the initial weights)."""
+        return max(0, (self._op_call + op.batch) * self._wv_updates + op.version)
+
+    def _version_params(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _use_version(self, version: int) -> None:
+        """Make the module's parameters hold ``version``, keeping the one they hold if needed."""
+        if version == self._wv_loaded:
+            return
+        if version not in self._wv_store:
+            raise RuntimeError(f"stage {self.stage_id}: weight version {version} is not available (current "
+                               f"{self._wv_count}, stashed {sorted(self._wv_stashed)}); the validator should "
+                               "have rejected this schedule")
+        params = self._version_params()
+        data = [p.data for p in params]
+        loaded = self._wv_loaded
+        if (loaded == self._wv_count or loaded in self._wv_stashed) and loaded not in self._wv_store:
+            self._wv_store[loaded] = _flatten_dense_tensors(data)
+        for dst, src in zip(data, _unflatten_dense_tensors(self._wv_store.pop(version), data)):
+            dst.copy_(src)
+        self._wv_loaded = version
+
+    def _exec_stash_weights(self):
+        op = self._current_op
+        version = self._abs_version(op)
+        if version != self._wv_count:
+            raise RuntimeError(f"stage {self.stage_id}: stash_weights of version {version}, current is "
+                               f"{self._wv_count}")
+        self._use_version(version)
+        if version not in self._wv_store:
+            self._wv_store[version] = _flatten_dense_tensors([p.data for p in self._version_params()])
+        self._wv_stashed.add(version)
+        self._wv_peak = max(self._wv_peak, len(self._wv_stashed) + 1)
+
+    def _exec_free_weights(self):
+        op = self._current_op
+        version = (self._op_call + op.batch) * self._wv_updates + op.version
+        if version < 0:
+            return  # the initial weights are freed as version 0
+        self._wv_stashed.discard(version)
+        self._wv_store.pop(version, None)
+
+    def weight_versions(self) -> dict:
+        """This stage's weight versions: current (updates applied), stashed, the most held at once."""
+        return {"current": self._wv_count, "stashed": sorted(self._wv_stashed), "peak": self._wv_peak}
+
+    def _continuous_step(self):
+        """A per-stage update of a continuous schedule: on the current version, per-stage clipping,
+        no step counters (the call advances them); the new values become the current version."""
+        if self._versioned:
+            self._use_version(self._wv_count)
+        params = self._version_params()
+        versions = tuple(p._version for p in params)
+        lr_scheduler, steps, samples = self.lr_scheduler, self.global_steps, self.global_samples
+        self.lr_scheduler = None
+        try:
+            self._stage_step(apply=True)
+        finally:
+            self.lr_scheduler, self.global_steps, self.global_samples = lr_scheduler, steps, samples
+        if self._versioned:
+            # Saved tensors of forwards still awaiting their backward refer to these parameters;
+            # the version swap gives each backward its forward's values (see the module docstring).
+            torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
+        self._wv_count += 1
+        self._wv_loaded = self._wv_count
 
     def write_timeline(self, path: str | None = None) -> str | None:
         """Write this rank's executed-instruction timeline (JSON); returns the path."""
@@ -277,7 +423,10 @@ class HippiePipelineEngine(PipelineEngine):
             g.copy_(cur)
 
     def _exec_stage_optimizer_step(self):
-        self._stage_step(apply=True)
+        if self._continuous:
+            self._continuous_step()
+        else:
+            self._stage_step(apply=True)
 
     def _stage_step(self, apply: bool):
         """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only."""
@@ -314,6 +463,8 @@ class HippiePipelineEngine(PipelineEngine):
         """Apply the buffered gradient of the last step now (call once at the end of training
         on every rank: its all-reduce is a collective of the stage's data-parallel group).
         Step counters and the LR schedule do not advance."""
+        if self._continuous:  # 2bw / pipedream: what is pending is the batches in flight
+            return self.drain()
         if self._grad_buffer_state == "empty":
             return False
         if self._grad_buffer_state == "filled":
@@ -332,13 +483,22 @@ class HippiePipelineEngine(PipelineEngine):
         return True
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        # Continuous schedules: drain the batches in flight first (activations cannot be saved;
+        # the math does not depend on the drain), then save the weight versions still needed.
+        state = dict(client_state)
+        if self._continuous:
+            self.drain()
+            if self._versioned:
+                self._use_version(self._wv_count)  # the module's states are the current version
+            state[WEIGHT_VERSIONS_KEY] = {
+                "call": self._call, "count": self._wv_count,
+                "stashed": {v: self._wv_store[v].clone() for v in sorted(self._wv_stashed)}}
         # The pending gradient is part of the training state: finish its all-reduce (identical on
         # every replica afterwards) and save it with this stage's model states.
         self._exec_wait_sends()
         if self._grad_buffer_state == "filled":  # each replica holds its own part: reduce it now
             self._exec_start_allreduce("buffer")
         self._wait_buffer()
-        state = dict(client_state)
         state[GRAD_BUFFER_KEY] = {"state": self._grad_buffer_state,
                                   "buffer": None if self._grad_buffer is None else self._grad_buffer.clone()}
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
@@ -351,6 +511,13 @@ class HippiePipelineEngine(PipelineEngine):
             saved = client_state.pop(GRAD_BUFFER_KEY)
             self._grad_buffer_state = saved["state"]
             self._grad_buffer = None if saved["buffer"] is None else saved["buffer"].to(self.device)
+        if client_state is not None and WEIGHT_VERSIONS_KEY in client_state:
+            saved = client_state.pop(WEIGHT_VERSIONS_KEY)
+            self._call = self._op_call = self._first_batch = saved["call"]
+            self._in_flight = False
+            self._wv_count = self._wv_loaded = saved["count"]
+            self._wv_store = {int(v): t.to(self.device) for v, t in saved["stashed"].items()}
+            self._wv_stashed = set(self._wv_store)
         return path, client_state
 
     _INSTRUCTION_MAP = {
@@ -366,4 +533,6 @@ class HippiePipelineEngine(PipelineEngine):
         hs.CopyGradsToBuffer: _exec_copy_grads_to_buffer,
         hs.ApplyBufferedUpdate: _exec_apply_buffered_update,
         hs.StageOptimizerStep: _exec_stage_optimizer_step,
+        hs.StashWeights: _exec_stash_weights,
+        hs.FreeWeights: _exec_free_weights,
     }

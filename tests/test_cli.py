@@ -44,7 +44,7 @@ def test_list(capsys):
     code, out, _ = run(capsys, "schedule", "list")
     assert code == 0
     names = [line.split()[0] for line in out.splitlines()[1:]]
-    assert names == available() == ["1f1b", "gpipe", "hippie", "hippie-1f1b"]
+    assert names == available() == ["1f1b", "2bw", "gpipe", "hippie", "hippie-1f1b", "pipedream"]
     assert "deferred_stages=auto" in out
     assert "GPipe: every stage runs all forwards" in out
 
@@ -93,9 +93,9 @@ def test_show_bad_arguments(capsys, argv, words):
 
 
 def test_unknown_schedule(capsys):
-    code, _, err = run(capsys, "schedule", "show", "pipedream", *SHAPE)
+    code, _, err = run(capsys, "schedule", "show", "no-such-schedule", *SHAPE)
     assert code == 2
-    assert "unknown schedule 'pipedream'" in err and "1f1b, gpipe, hippie, hippie-1f1b" in err
+    assert "unknown schedule 'no-such-schedule'" in err and "1f1b, 2bw, gpipe, hippie, hippie-1f1b, pipedream" in err
 
 
 @pytest.mark.parametrize("argv, field", [(["--stages", "0", "--micro-batches", "8"], "--stages"),

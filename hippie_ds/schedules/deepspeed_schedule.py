@@ -46,6 +46,14 @@ class StageOptimizerStep(ds.PipeInstruction):
     """Optimizer step of this stage alone: no pipeline-wide gradient-norm reduction."""
 
 
+class StashWeights(ds.PipeInstruction):
+    """Keep a copy of the stage's current weights (about to be updated) as a weight version."""
+
+
+class FreeWeights(ds.PipeInstruction):
+    """Drop a stashed weight version after its last use."""
+
+
 _BUFFER_OPS = {
     OpKind.LOAD: ds.LoadMicroBatch,
     OpKind.FORWARD: ds.ForwardPass,
@@ -68,10 +76,12 @@ _PLAIN_OPS = {
     OpKind.COPY_GRADS_TO_BUFFER: CopyGradsToBuffer,
     OpKind.APPLY_BUFFERED_UPDATE: ApplyBufferedUpdate,
     OpKind.WAIT_SENDS: WaitSends,
+    OpKind.STASH_WEIGHTS: StashWeights,
+    OpKind.FREE_WEIGHTS: FreeWeights,
 }
 
 NEW_INSTRUCTIONS = (ForwardBackwardPass, ISendActivation, ISendGrad, WaitSends, StartAllReduce, WaitAllReduce,
-                    CopyGradsToBuffer, ApplyBufferedUpdate, StageOptimizerStep)
+                    CopyGradsToBuffer, ApplyBufferedUpdate, StageOptimizerStep, StashWeights, FreeWeights)
 
 
 def to_instruction(op: Op) -> ds.PipeInstruction:
@@ -95,6 +105,9 @@ class DeclaredSchedule(ds.PipeSchedule):
         super().__init__(compiled.micro_batches, compiled.stages, stage_id)
         self.compiled = compiled
         self._steps = [[self._instruction(op) for op in step] for step in compiled.streams[stage_id]]
+        # continuous schedules: engine.drain() runs these (the batches still in flight)
+        self.drain_steps = [[self._instruction(op) for op in step]
+                            for step in (compiled.drain[stage_id] if compiled.drain else [])]
 
     @staticmethod
     def _instruction(op: Op) -> ds.PipeInstruction:

@@ -33,6 +33,9 @@ class OpKind(str, enum.Enum):
     APPLY_BUFFERED_UPDATE = "apply_buffered_update"
     OPTIMIZER_STEP = "optimizer_step"  # DeepSpeed's: grad norm / overflow over the whole pipeline
     STAGE_OPTIMIZER_STEP = "stage_optimizer_step"  # this stage only, no pipeline-wide sync
+    # weight versions (schedules whose compute ops declare a ``version``; derived by the compiler)
+    STASH_WEIGHTS = "stash_weights"  # keep a copy of the current weights (about to be updated) as a version
+    FREE_WEIGHTS = "free_weights"  # drop a stashed weight version after its last use
 
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.FORWARD_BACKWARD})
@@ -50,6 +53,9 @@ PLACEABLE_KINDS = frozenset({
     OpKind.STAGE_OPTIMIZER_STEP, OpKind.WAIT_SENDS,
 })
 ALLREDUCE_TARGETS = ("grads", "buffer")
+# Ops that produce a new weight version of the stage (the version counter counts them).
+UPDATE_KINDS = frozenset({OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP, OpKind.APPLY_BUFFERED_UPDATE})
+WEIGHT_KINDS = frozenset({OpKind.STASH_WEIGHTS, OpKind.FREE_WEIGHTS})
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,19 @@ class Op:
     buffer: int | None = None  # pipeline buffer slot (compiler-allocated)
     blocking: bool = True  # sends only: False = non-blocking (isend), completed by WAIT_SENDS
     target: str | None = None  # START/WAIT_ALLREDUCE: "grads" or "buffer"
+    # Continuous (steady-state) schedules only. ``batch``: which batch the op belongs to,
+    # relative to the train_batch call that runs it (0: this call's batch, -1: the previous
+    # call's, still in flight). ``version``: the weight version a compute op uses, or the one
+    # STASH/FREE_WEIGHTS concern, counted in this stage's updates relative to the start of the
+    # op's batch: absolute version = (call + batch) * updates_per_batch + version, and versions
+    # below 0 are the initial weights.
+    batch: int = 0
+    version: int | None = None
 
     def __str__(self) -> str:
         parts = []
+        if self.batch:
+            parts.append(f"batch={self.batch:+d}")
         if self.micro_batch is not None:
             parts.append(f"mb={self.micro_batch}")
         if self.buffer is not None:
@@ -72,6 +88,8 @@ class Op:
             parts.append("nonblocking")
         if self.target is not None:
             parts.append(self.target)
+        if self.version is not None:
+            parts.append(f"v={self.version:+d}")
         return f"{self.kind.value}({', '.join(parts)})"
 
     @property
@@ -98,6 +116,34 @@ class CompiledSchedule:
     source: str = ""  # file the schedule came from
     description: str = ""
     uses_tied_reduction: bool = field(default=False)
+    # Continuous schedules (``steady_state`` in the file): ``streams`` is one steady-state
+    # train_batch call; the ops of batches that do not exist (before the first, or already
+    # drained) are skipped, so the same streams also start the pipeline. ``drain`` completes
+    # every batch still in flight after the last call (batch relative to the call that would
+    # come next). ``updates_per_batch``: per stage, updates (new weight versions) per batch.
+    continuous: bool = False
+    drain: list[list[list[Op]]] | None = None
+    updates_per_batch: list[int] = field(default_factory=list)
+    period: int = 0
+
+    @property
+    def versioned(self) -> bool:
+        """True when compute ops declare the weight version they use."""
+        return any(op.version is not None for s in range(self.stages) for op in self.ops(s))
+
+    def call_ops(self, stage: int, call: int, first_batch: int = 0) -> Iterator[Op]:
+        """The stage's ops in train_batch call ``call`` (0-based) of a run whose earliest live
+        batch is ``first_batch`` (batches before it were drained)."""
+        for op in self.ops(stage):
+            if call + op.batch >= first_batch:
+                yield op
+
+    def drain_ops(self, stage: int, next_call: int, first_batch: int = 0) -> Iterator[Op]:
+        """The stage's drain ops after ``next_call`` calls (batches >= first_batch only)."""
+        for step in (self.drain or [[] for _ in range(self.stages)])[stage]:
+            for op in step:
+                if next_call + op.batch >= first_batch:
+                    yield op
 
     @property
     def num_steps(self) -> int:
@@ -117,4 +163,9 @@ class CompiledSchedule:
             for t, step in enumerate(self.streams[s]):
                 if step:
                     lines.append(f"  step {t:3d}: " + "  ".join(str(op) for op in step))
+            if self.continuous and self.drain and any(self.drain[s]):
+                lines.append("  drain (engine.drain(): completes the batches still in flight):")
+                for t, step in enumerate(self.drain[s]):
+                    if step:
+                        lines.append(f"  step {t:3d}: " + "  ".join(str(op) for op in step))
         return "\n".join(lines)

@@ -22,6 +22,11 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   has reached its k-th one (REDUCE_TIED_GRADS is then free: the worst case of ir.py's note).
 * end of ``train_batch``: DeepSpeed broadcasts the loss from the last stage, so a stage other
   than the last cannot end call i before the last stage has finished its stream of call i.
+* continuous schedules (2bw, pipedream): call i runs the steady-state stream without the ops of
+  batches before the first (the pipeline fill); batches in flight carry over between calls.
+  STASH_WEIGHTS / FREE_WEIGHTS are free; per stage, ``weight_versions`` is the most weight
+  versions held at once (current + stashed; 1 for schedules without versions) and
+  ``extra_weight_bytes`` = (weight_versions - 1) * ``param_bytes``.
 
 Figures (all of the last, steady-state iteration):
 
@@ -276,12 +281,15 @@ CATEGORY = {  # timeline category of each op kind (shared with measured timeline
     OpKind.WAIT_ALLREDUCE: "allreduce", OpKind.REDUCE_GRADS: "allreduce", OpKind.REDUCE_TIED_GRADS: "sync",
     OpKind.COPY_GRADS_TO_BUFFER: "buffer", OpKind.APPLY_BUFFERED_UPDATE: "optimizer",
     OpKind.OPTIMIZER_STEP: "optimizer", OpKind.STAGE_OPTIMIZER_STEP: "optimizer",
+    OpKind.STASH_WEIGHTS: "weights", OpKind.FREE_WEIGHTS: "weights",
 }
 
 
 def op_name(op: Op) -> str:
     if op.micro_batch is not None:
         return op.label
+    if op.version is not None:
+        return f"{op.kind.value}(v{op.version:+d})"
     return f"{op.kind.value}({op.target})" if op.target else op.kind.value
 
 
@@ -289,11 +297,12 @@ class _Acc:
     """Per stage and call: what the figures are made of."""
 
     __slots__ = ("busy", "p2p", "allreduce", "sync", "peak", "compute_start", "compute_end", "first_forward",
-                 "last_backward")
+                 "last_backward", "versions")
 
     def __init__(self) -> None:
         self.busy = self.p2p = self.allreduce = self.sync = 0.0
         self.peak = 0
+        self.versions = 1  # weight versions held at once (current + stashed)
         self.compute_start = self.compute_end = self.first_forward = self.last_backward = None
 
 
@@ -315,14 +324,17 @@ class _Sim:
         self.ends = [[] for _ in range(self.K)]
         self.where: list[str | None] = ["not started"] * self.K  # for deadlock reports
         self.uses_buffer = [False] * self.K
-        self.ops = [list(compiled.ops(s)) for s in range(self.K)]
+        # Continuous schedules: call i skips the ops of batches before the first (pipeline fill).
+        self.ops = [[list(compiled.call_ops(s, i)) if compiled.continuous else list(compiled.ops(s))
+                     for i in range(iterations)] for s in range(self.K)]
+        self.updates = [compiled.updates_per_batch[s] if compiled.updates_per_batch else 0 for s in range(self.K)]
 
     # -- one stage -------------------------------------------------------------------------
     def stage(self, s: int) -> Iterator:
         st = _StageState()
         for it in range(self.iterations):
             self.starts[s].append(self.k.now)
-            for op in self.ops[s]:
+            for op in self.ops[s][it]:
                 self.where[s] = f"call {it}, step {op.step}: {op}"
                 yield from self._exec(s, it, op, st)
             if s != self.K - 1:
@@ -384,6 +396,7 @@ class _Sim:
         k, acc, kind = self.k, self.acc[s][it], op.kind
         t0 = k.now
         if kind in COMPUTE_KINDS:
+            acc.versions = max(acc.versions, len(st.stashed) + 1)
             if kind != OpKind.BACKWARD:  # its activations are held from the forward's start
                 st.live += 1
                 acc.peak = max(acc.peak, st.live)
@@ -439,6 +452,11 @@ class _Sim:
                 yield self.costs.stages[s].optimizer_time
         elif kind == OpKind.STAGE_OPTIMIZER_STEP:
             yield self.costs.stages[s].optimizer_time
+        elif kind == OpKind.STASH_WEIGHTS:  # a copy of the stage's weights; its time is not modelled
+            st.stashed.add(max(0, (it + op.batch) * self.updates[s] + op.version))
+            acc.versions = max(acc.versions, len(st.stashed) + 1)
+        elif kind == OpKind.FREE_WEIGHTS:
+            st.stashed.discard((it + op.batch) * self.updates[s] + op.version)
         elif kind != OpKind.LOAD:
             raise SimulationError(f"stage {s}: cannot simulate op {op}")
         self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
@@ -467,6 +485,7 @@ class _StageState:
         self.pending: dict[str, list[_AllReduce]] = {"grads": [], "buffer": []}
         self.buffer_full = False
         self.collective_count: dict[OpKind, int] = {}
+        self.stashed: set[int] = set()  # weight versions kept besides the current one
 
 
 def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
@@ -496,6 +515,9 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
             "stage": s, "busy": a.busy, "idle": step_time - a.busy,
             "peak_activation_microbatches": a.peak, "peak_activation_bytes": a.peak * sc.saved_bytes,
             "gradient_buffer_bytes": sc.param_bytes if sim.uses_buffer[s] else 0.0,
+            # weight versions held at once (1: just the current weights); the extra ones cost
+            # param_bytes each (2bw: one shadow copy; pipedream: stashed versions)
+            "weight_versions": a.versions, "extra_weight_bytes": (a.versions - 1) * sc.param_bytes,
             "exposed_allreduce": a.allreduce, "exposed_p2p": a.p2p, "exposed_sync": a.sync, "exposed_comm": exposed,
             "allreduce_time": ar_time,
         })

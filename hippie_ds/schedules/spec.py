@@ -41,20 +41,6 @@ class SendPolicy(_Strict):
     blocking: bool = True
 
 
-class ComputeRule(_Strict):
-    """Place one compute op for every micro-batch ``mb`` for which ``when`` holds."""
-
-    op: Literal["forward", "backward", "forward_backward"]
-    at: Expression = Field(description="step index, an expression of mb, stage, stages, micro_batches, params")
-    when: Expression = Expression("True")
-    send: SendPolicy = SendPolicy()
-
-    @field_validator("at", "when", mode="before")
-    @classmethod
-    def _parse(cls, v, info):
-        return v if isinstance(v, Expression) else _expression(v, info.field_name)
-
-
 class PlacedOp(_Strict):
     """A non-compute op placed at the start (prologue) or end (epilogue) of a stage's stream."""
 
@@ -92,6 +78,57 @@ class PlacedOp(_Strict):
         return OpKind(self.op)
 
 
+class ComputeRule(_Strict):
+    """Place one compute op for every micro-batch ``mb`` for which ``when`` holds."""
+
+    op: Literal["forward", "backward", "forward_backward"]
+    at: Expression = Field(description="step index, an expression of mb, stage, stages, micro_batches, params")
+    when: Expression = Expression("True")
+    send: SendPolicy = SendPolicy()
+    # Weight version the op uses, counted in this stage's updates from the start of the op's
+    # batch (e.g. -1: the weights before this batch's first update, as of the previous batch);
+    # versions below 0 of the first batches are the initial weights. Forward and backward of a
+    # micro-batch must use the same version; the compiler adds stash_weights / free_weights.
+    version: Expression | None = None
+    # Placed ops run right after this op, for every micro-batch (e.g. PipeDream's update after
+    # each backward). They belong to the op's batch.
+    after: list["PlacedOp"] = []
+
+    @field_validator("at", "when", mode="before")
+    @classmethod
+    def _parse(cls, v, info):
+        return v if isinstance(v, Expression) else _expression(v, info.field_name)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _parse_version(cls, v, info):
+        return v if v is None or isinstance(v, Expression) else _expression(v, info.field_name)
+
+    @field_validator("after")
+    @classmethod
+    def _after_at(cls, v):
+        for p in v:
+            if p.at != "stage_end":
+                raise ValueError(f"op {p.op}: 'at' is not allowed in 'after' (it runs right after the compute op)")
+        return v
+
+
+class SteadyState(_Strict):
+    """The pipeline stays full across train_batch calls: batch t's ops are placed ``period``
+    steps after batch t-1's, and train_batch call t runs, on each stage, the steps
+    [t * period + offset, (t + 1) * period + offset) of that endless stream: the rest of
+    earlier batches still in flight and the start of batch t. ``engine.drain()`` runs what is
+    left when training ends."""
+
+    period: Expression
+    offset: Expression = Expression("0")
+
+    @field_validator("period", "offset", mode="before")
+    @classmethod
+    def _parse(cls, v, info):
+        return v if isinstance(v, Expression) else _expression(v, info.field_name)
+
+
 class ParamSpec(_Strict):
     kind: Literal["stage_list", "int", "bool"]
     default: Union[int, bool, list[int], Literal["auto"]]
@@ -124,6 +161,7 @@ class ScheduleSpec(_Strict):
     compute: list[ComputeRule]
     prologue: list[PlacedOp] = []
     epilogue: list[PlacedOp] = []
+    steady_state: SteadyState | None = None
 
     @field_validator("steps", mode="before")
     @classmethod

@@ -91,7 +91,7 @@ _COMPUTE = ("forward", "backward", "forward_backward")
 _COLOURS = {
     "forward": "#4c72b0", "backward": "#55a868", "forward_backward": "#8172b2", COMM: "#dd8452",
     _ASYNC_SEND: "#f0b27a", "p2p": "#d9d9d9", "allreduce": "#c44e52", "optimizer": "#937860", "sync": "#bdbdbd",
-    "buffer": "#da8bc3",
+    "buffer": "#da8bc3", "weights": "#8c8c8c",
 }
 _LEGEND = [("forward", "forward"), ("backward", "backward"), ("forward_backward", "fused F+B"),
            (COMM, "all-reduce"), (_ASYNC_SEND, "async send in flight"), ("allreduce", "waiting for all-reduce"),

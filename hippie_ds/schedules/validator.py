@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from .ir import ALLREDUCE_TARGETS, BUFFER_KINDS, PIPELINE_COLLECTIVE_KINDS, CompiledSchedule, Op, OpKind
+from .ir import (ALLREDUCE_TARGETS, BUFFER_KINDS, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, UPDATE_KINDS,
+                 CompiledSchedule, Op, OpKind)
 from .spec import ScheduleError
 
 _MAX_LISTED = 20
@@ -71,11 +72,43 @@ def check(compiled: CompiledSchedule, iterations: int = 2) -> list[Problem]:
     if iterations < 1:
         raise ValueError(f"iterations = {iterations}: must be >= 1")
     problems = _check_shape(compiled)
-    if not problems:  # the analyses index streams and buffers by stage
-        problems += _Simulation(compiled, iterations).run()
-        for s in range(compiled.stages):
-            problems += _StageChecker(compiled, s).run(iterations)
+    if problems:  # the analyses index streams and buffers by stage
+        return _unique(problems)
+    if compiled.continuous:
+        for scenario in scenarios(compiled, iterations):
+            problems += _Simulation(compiled, iterations, scenario).run()
+            for s in range(compiled.stages):
+                problems += _ContinuousStageChecker(compiled, s, scenario).run()
+        return _unique(problems)
+    problems += _Simulation(compiled, iterations).run()
+    for s in range(compiled.stages):
+        problems += _StageChecker(compiled, s).run(iterations)
     return _unique(problems)
+
+
+# A scenario of a continuous schedule: a list of phases, each ("call", t) or ("drain", t) (the
+# drain after t calls); ops of batches that do not exist or were drained are skipped.
+
+def scenarios(compiled: CompiledSchedule, iterations: int = 2) -> list[list[tuple[str, int]]]:
+    """The call sequences the validator checks for a continuous schedule: enough calls to
+    reach the steady state, then a drain; and a drain in the middle of training (as
+    save_checkpoint does) followed by more calls and a final drain."""
+    depth = max((-op.batch for s in range(compiled.stages) for op in compiled.ops(s)), default=0)
+    n = max(iterations, depth + 3)
+    return [[("call", t) for t in range(n)] + [("drain", n)],
+            [("call", 0), ("drain", 1), ("call", 1), ("call", 2), ("drain", 3)]]
+
+
+def scenario_ops(compiled: CompiledSchedule, stage: int, scenario) -> list[tuple[int, int, Op]]:
+    """(phase index, absolute batch, op) of the stage's ops in a scenario, in order."""
+    out = []
+    first = 0  # the earliest batch not yet drained
+    for phase, (kind, t) in enumerate(scenario):
+        ops = compiled.call_ops(stage, t, first) if kind == "call" else compiled.drain_ops(stage, t, first)
+        out += [(phase, t + op.batch, op) for op in ops]
+        if kind == "drain":
+            first = t
+    return out
 
 
 def validate(compiled: CompiledSchedule) -> CompiledSchedule:
@@ -127,11 +160,12 @@ def _check_shape(compiled: CompiledSchedule) -> list[Problem]:
 # Communication: all stages together
 
 class _Message:
-    __slots__ = ("op", "iteration", "received")
+    __slots__ = ("op", "iteration", "received", "batch")
 
-    def __init__(self, op: Op, iteration: int):
+    def __init__(self, op: Op, iteration: int, batch: int | None = None):
         self.op = op
-        self.iteration = iteration
+        self.iteration = iteration  # the train_batch call (or drain) it was sent in
+        self.batch = iteration if batch is None else batch  # the batch it belongs to
         self.received = False
 
 
@@ -139,11 +173,18 @@ class _Simulation:
     """Runs the K streams round-robin, each as far as it can go, until all finish or none can
     move. Only p2p, WAIT_SENDS and pipeline collectives can block; every other op is local."""
 
-    def __init__(self, compiled: CompiledSchedule, iterations: int):
+    def __init__(self, compiled: CompiledSchedule, iterations: int, scenario=None):
         self.K = compiled.stages
         self.iterations = iterations
-        # stage -> [(iteration, op)] in execution order
-        self.flat = [[(i, op) for i in range(iterations) for op in compiled.ops(s)] for s in range(self.K)]
+        # stage -> [(iteration, op)] in execution order; continuous schedules: (phase, op), and
+        # the batch of each op in self.batches
+        if scenario is None:
+            self.flat = [[(i, op) for i in range(iterations) for op in compiled.ops(s)] for s in range(self.K)]
+            self.batches = [[i for i, _ in flat] for flat in self.flat]
+        else:
+            seq = [scenario_ops(compiled, s, scenario) for s in range(self.K)]
+            self.flat = [[(phase, op) for phase, _, op in ops] for ops in seq]
+            self.batches = [[b for _, b, _ in ops] for ops in seq]
         self.pc = [0] * self.K
         self.channels: dict[tuple[int, int], deque[_Message]] = {}
         self.blocked_send: list[_Message | None] = [None] * self.K  # blocking send issued, not yet received
@@ -202,14 +243,14 @@ class _Simulation:
         if op.blocking:
             msg = self.blocked_send[s]
             if msg is None:  # issue it; the peer's recv may now complete
-                msg = self.blocked_send[s] = _Message(op, iteration)
+                msg = self.blocked_send[s] = _Message(op, iteration, self.batches[s][self.pc[s]])
                 self.channels.setdefault((s, peer), deque()).append(msg)
                 return True
             if not msg.received:
                 return False
             self.blocked_send[s] = None
         else:
-            msg = _Message(op, iteration)
+            msg = _Message(op, iteration, self.batches[s][self.pc[s]])
             self.channels.setdefault((s, peer), deque()).append(msg)
             self.isends[s].append(msg)
         self.pc[s] += 1
@@ -226,11 +267,13 @@ class _Simulation:
             return False
         msg = channel.popleft()
         msg.received = True
-        if msg.op.micro_batch != op.micro_batch or msg.iteration != iteration:
+        batch = self.batches[s][self.pc[s]]
+        if msg.op.micro_batch != op.micro_batch or msg.iteration != iteration or msg.batch != batch:
             later = "" if msg.iteration == iteration else \
                 f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
+            other = "" if msg.batch == batch else f" of batch {msg.batch} (expected batch {batch})"
             self.problems.append(_problem(op, f"mis-ordered: stage {s} {_short(op)} received "
-                                              f"mb={msg.op.micro_batch} from stage {peer}{later}"))
+                                              f"mb={msg.op.micro_batch}{other} from stage {peer}{later}"))
         self.pc[s] += 1
         return True
 
@@ -515,3 +558,207 @@ class _StageChecker:
                 holder[b] = mb
             elif b != slot_of[mb]:
                 self._add(op, f"micro-batch {mb} in slot {b}, but its first op put it in slot {slot_of[mb]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous schedules: one stage over a whole scenario (calls and drains)
+
+class _ContinuousStageChecker:
+    """Data flow, buffer slots, gradients and weight versions of one stage of a continuous
+    schedule over a scenario. Micro-batches are (batch, mb) pairs; every batch a call starts
+    must be completed, at the latest by the drain. Weight versions: a stage's version counts its
+    updates; an op of batch b declaring version d uses b * updates_per_batch + d (below 0: the
+    initial weights, i.e. version 0). A compute op must find its version current or stashed;
+    a backward must use its forward's version; stash_weights keeps the current version;
+    free_weights drops a stashed one, after which no op may use it."""
+
+    def __init__(self, compiled: CompiledSchedule, stage: int, scenario):
+        self.c = compiled
+        self.s = stage
+        self.K = compiled.stages
+        self.M = compiled.micro_batches
+        self.U = compiled.updates_per_batch[stage] if compiled.updates_per_batch else 0
+        self.seq = scenario_ops(compiled, stage, scenario)
+        self.scenario = scenario
+        self.problems: list[Problem] = []
+        self.peak_versions = 1
+
+    def _add(self, op: Op, reason: str) -> None:
+        self.problems.append(_problem(op, reason, stage=self.s))
+
+    def _phase(self, phase: int) -> str:
+        kind, t = self.scenario[phase]
+        return f"train_batch call {t + 1}" if kind == "call" else f"the drain after call {t}"
+
+    def run(self) -> list[Problem]:
+        s, M = self.s, self.M
+        loaded, recv_act, recv_grad, fwd, bwd = set(), set(), set(), {}, set()
+        last_load = None
+        grads: set = set()
+        reducing = False
+        count = 0  # updates so far: the current version
+        stashed: set[int] = set()
+        freed: dict[int, Op] = {}
+        started: set[int] = set()
+        self._check_slots()
+        for phase, batch, op in self.seq:
+            kind, key = op.kind, (batch, op.micro_batch)
+            if op.micro_batch is not None:
+                if not 0 <= op.micro_batch < M:
+                    self._add(op, f"micro-batch {op.micro_batch} outside 0..{M - 1}")
+                    continue
+                started.add(batch)
+            if kind == OpKind.LOAD:
+                if key in loaded:
+                    self._add(op, f"micro-batch {op.micro_batch} of batch {batch} loaded twice")
+                if last_load is not None and key < last_load:
+                    self._add(op, f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
+                                  f"{last_load[1]} of batch {last_load[0]}: the data iterator is read out of order")
+                loaded.add(key)
+                last_load = key
+            elif kind == OpKind.RECV_ACTIVATION:
+                recv_act.add(key)
+            elif kind == OpKind.RECV_GRAD:
+                recv_grad.add(key)
+            elif kind == OpKind.SEND_ACTIVATION and key not in fwd:
+                self._add(op, f"sends micro-batch {op.micro_batch}'s activation before its forward")
+            elif kind == OpKind.SEND_GRAD and key not in bwd:
+                self._add(op, f"sends micro-batch {op.micro_batch}'s gradient before its backward")
+            if kind in COMPUTE_KINDS:
+                version = None
+                if op.version is not None:
+                    version = max(0, batch * self.U + op.version)
+                    if version > count:
+                        self._add(op, f"uses weight version {version}, which does not exist yet (the stage has "
+                                      f"applied {count} update(s))")
+                    elif version < count and version not in stashed:
+                        if version in freed:
+                            f = freed[version]
+                            self._add(op, f"uses weight version {version}, freed while needed (free_weights at "
+                                          f"step {f.step}{self._where(f)})")
+                        else:
+                            self._add(op, f"uses weight version {version}, which was updated in place and never "
+                                          "stashed (stash_weights missing before the update)")
+                if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
+                    if key in fwd:
+                        self._add(op, f"micro-batch {op.micro_batch} of batch {batch} forwarded twice")
+                    if s > 0 and key not in recv_act:
+                        self._add(op, f"forward of micro-batch {op.micro_batch} before its activation is received "
+                                      "(recv_activation)")
+                    if s in (0, self.K - 1) and key not in loaded:
+                        what = "inputs" if s == 0 else "labels"
+                        self._add(op, f"forward of micro-batch {op.micro_batch} before its {what} are loaded "
+                                      "(load_micro_batch)")
+                    fwd[key] = version
+                if kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD):
+                    if kind == OpKind.BACKWARD and key not in fwd:
+                        self._add(op, f"backward of micro-batch {op.micro_batch} before its forward")
+                    elif kind == OpKind.BACKWARD and fwd[key] != version:
+                        self._add(op, f"backward of micro-batch {op.micro_batch} of batch {batch} uses weight version "
+                                      f"{version}, its forward used {fwd[key]}")
+                    if key in bwd:
+                        self._add(op, f"micro-batch {op.micro_batch} of batch {batch} backwarded twice")
+                    if s < self.K - 1 and key not in recv_grad:
+                        self._add(op, f"backward of micro-batch {op.micro_batch} before its output gradient is "
+                                      "received (recv_grad)")
+                    if reducing:
+                        self._add(op, "backward while the gradients' all-reduce is in flight")
+                    bwd.add(key)
+                    grads.add(key)
+            elif kind == OpKind.STASH_WEIGHTS:
+                version = max(0, batch * self.U + op.version)
+                if version != count:
+                    self._add(op, f"stash_weights of version {version}, but the current version is {count}")
+                stashed.add(version)
+                freed.pop(version, None)
+            elif kind == OpKind.FREE_WEIGHTS:
+                version = batch * self.U + op.version
+                if version >= 0:  # below 0: the initial weights, freed as version 0
+                    if version not in stashed:
+                        self._add(op, f"free_weights of version {version}, which is not stashed")
+                    stashed.discard(version)
+                    freed[version] = op
+            elif kind == OpKind.START_ALLREDUCE:
+                if op.target != "grads":
+                    self._add(op, "only target grads is supported in continuous schedules")
+                if reducing:
+                    self._add(op, "start_allreduce(grads) while the previous one is still in flight")
+                reducing = True
+            elif kind == OpKind.WAIT_ALLREDUCE:
+                if not reducing:
+                    self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+                reducing = False
+            elif kind in UPDATE_KINDS:
+                if reducing:
+                    self._add(op, f"{kind.value} before the gradients it applies are reduced (their all-reduce "
+                                  "is still in flight)")
+                if not grads:
+                    self._add(op, f"{kind.value} of batch {batch} with no gradients accumulated since the last update")
+                other = sorted({b for b, _ in grads if b != batch})
+                if other:
+                    self._add(op, f"{kind.value} of batch {batch} applies gradients of batch(es) "
+                                  f"{', '.join(map(str, other))} too")
+                grads = set()
+                count += 1
+            self.peak_versions = max(self.peak_versions, len(stashed - {count}) + 1)
+        for b in sorted(started):
+            for m in range(M):
+                if (b, m) not in fwd:
+                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never forwarded"))
+                elif (b, m) not in bwd:
+                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never backwarded "
+                                                                "(lost: not completed by the drain)"))
+        if grads:
+            self.problems.append(Problem(s, None, None, f"gradients of {len(grads)} micro-batch(es) never applied "
+                                                        "(no update after their backward)"))
+        if reducing:
+            self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end"))
+        return self.problems
+
+    def _where(self, op: Op) -> str:
+        for phase, _, o in self.seq:
+            if o is op:
+                return f" of {self._phase(phase)}"
+        return ""
+
+    def _check_slots(self) -> None:
+        first: dict[tuple, int] = {}
+        last: dict[tuple, int] = {}
+        for i, (_, batch, op) in enumerate(self.seq):
+            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
+                first.setdefault((batch, op.micro_batch), i)
+                last[(batch, op.micro_batch)] = i
+        holder: dict[int, tuple] = {}
+        slot_of: dict[tuple, int] = {}
+        n = self.c.num_buffers[self.s]
+        for i, (_, batch, op) in enumerate(self.seq):
+            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
+                continue
+            key, b = (batch, op.micro_batch), op.buffer
+            if b is None or not 0 <= b < n:
+                self._add(op, f"buffer {b} outside 0..{n - 1} ({n} slots)")
+                continue
+            if key not in slot_of:
+                slot_of[key] = b
+                other = holder.get(b)
+                if other is not None and last[other] > i:
+                    later = self.seq[last[other]][2]
+                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other[1]} of "
+                                  f"batch {other[0]} (used again at step {later.step} by {_short(later)})")
+                holder[b] = key
+            elif b != slot_of[key]:
+                self._add(op, f"micro-batch {op.micro_batch} in slot {b}, but its first op put it in slot {slot_of[key]}")
+
+
+def weight_versions(compiled: CompiledSchedule, iterations: int = 2) -> list[int]:
+    """Per stage, the most weight versions held at once (current plus stashed), over the
+    validator's scenarios; 1 for schedules without versions."""
+    if not compiled.continuous:
+        return [1] * compiled.stages
+    peaks = [1] * compiled.stages
+    for scenario in scenarios(compiled, iterations):
+        for s in range(compiled.stages):
+            checker = _ContinuousStageChecker(compiled, s, scenario)
+            checker.run()
+            peaks[s] = max(peaks[s], checker.peak_versions)
+    return peaks

@@ -55,3 +55,121 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             opts[s].step()
     return {i: {k: v.detach().clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(layers)
             if isinstance(layer, torch.nn.Module) and list(layer.parameters())}, losses
+
+
+# ---------------------------------------------------------------------------------------------
+# Asynchronous schedules (2bw, pipedream): single-process references of their update rules
+
+def _make_optimizers(stage_params, optimizer, lr):
+    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
+            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr)}[optimizer]
+    return [make(ps) for ps in stage_params]
+
+
+def _snapshot(ps):
+    return [p.detach().clone() for p in ps]
+
+
+def _load(ps, values):
+    with torch.no_grad():
+        for p, v in zip(ps, values):
+            p.copy_(v)
+
+
+def _micro_batch_grads(layers, stage_params, step, index, dp, micro_batches):
+    """Mean over replicas of grad(loss / M) of micro-batch ``index`` of batch ``step`` (as the
+    engine computes it), per stage; and the mean loss over replicas."""
+    grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
+    total = 0.0
+    for r in range(dp):
+        x, y = tiny.micro_batch(step, r, index)
+        out = x
+        for layer in layers:
+            out = layer(out)
+        loss = tiny.loss_fn(out, y)
+        total += loss.item() / dp
+        for p in (q for ps in stage_params for q in ps):
+            p.grad = None
+        (loss / micro_batches).backward()
+        for s, ps in enumerate(stage_params):
+            for g, p in zip(grads[s], ps):
+                g += p.grad / dp
+    return grads, total
+
+
+def _apply(ps, opt, grads, clip):
+    if clip > 0:  # per stage, as hippie_ds.engine's per-stage updates
+        norm = torch.stack([g.norm(2) for g in grads]).pow(2).sum().sqrt()
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        grads = [g * coef for g in grads]
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    opt.step()
+
+
+def _result(layers):
+    return {i: {k: v.detach().clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(layers)
+            if isinstance(layer, torch.nn.Module) and list(layer.parameters())}
+
+
+def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0):
+    """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
+    W(0)); the batch's gradient (summed over micro-batches, averaged over replicas) is applied
+    to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage."""
+    layers = tiny.build_layers()
+    stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
+    everything = [p for ps in stage_params for p in ps]
+    opts = _make_optimizers(stage_params, optimizer, lr)
+    previous = _snapshot(everything)  # W(t-1)
+    losses = []
+    for t in range(steps):
+        current = _snapshot(everything)  # W(t)
+        _load(everything, previous)
+        grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
+        total = 0.0
+        for m in range(micro_batches):
+            g, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
+            total += loss / micro_batches
+            for s in range(len(parts)):
+                for acc, x in zip(grads[s], g[s]):
+                    acc += x
+        losses.append(total)
+        _load(everything, current)
+        for s, ps in enumerate(stage_params):
+            _apply(ps, opts[s], grads[s], clip)
+        previous = current
+    return _result(layers), losses
+
+
+def pipedream_version(stage, stages, index, vertical_sync=False):
+    """The weight version (updates applied on the stage) micro-batch ``index`` (counted over the
+    whole run) uses on ``stage`` in PipeDream's 1F1B: the stage's latest when it forwards it,
+    i.e. after the backwards of every micro-batch up to index - (stages - stage); with vertical
+    sync, the version the first stage used."""
+    warmup = stages - 1 if vertical_sync else stages - 1 - stage
+    return max(0, index - warmup)
+
+
+def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimizer="SGD", lr=0.05, clip=0.0):
+    """PipeDream with weight stashing: micro-batch i runs forward and backward on stage s with
+    weight version ``pipedream_version(s, K, i)``; each stage applies micro-batch i's gradient
+    (grad(loss / M), averaged over replicas) as its (i+1)-th update."""
+    K = len(parts)
+    layers = tiny.build_layers()
+    stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
+    opts = _make_optimizers(stage_params, optimizer, lr)
+    history = [[_snapshot(ps)] for ps in stage_params]  # stage -> version -> values
+    losses = []
+    for i in range(steps * micro_batches):
+        t, m = divmod(i, micro_batches)
+        for s, ps in enumerate(stage_params):
+            _load(ps, history[s][pipedream_version(s, K, i, vertical_sync)])
+        grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
+        if m == 0:
+            losses.append(0.0)
+        losses[-1] += loss / micro_batches
+        for s, ps in enumerate(stage_params):
+            _load(ps, history[s][-1])
+            _apply(ps, opts[s], grads[s], clip)
+            history[s].append(_snapshot(ps))
+    return _result(layers), losses

@@ -16,7 +16,14 @@ import model as tiny  # noqa: E402
 import hippie_ds  # noqa: E402
 
 
-def config(args, schedule, dp):
+def split_name(name):
+    """Engine name -> (schedule, options): "pipedream+vs" runs pipedream with vertical_sync,
+    "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine."""
+    schedule, *opts = name.split("+")
+    return schedule, opts
+
+
+def config(args, schedule, dp, opts=()):
     cfg = {
         "train_micro_batch_size_per_gpu": tiny.MICRO_BATCH_SIZE,
         "train_batch_size": tiny.MICRO_BATCH_SIZE * args.micro_batches * dp,
@@ -33,6 +40,8 @@ def config(args, schedule, dp):
         cfg["hippie"] = {}
         if schedule.startswith("hippie") and args.deferred is not None:
             cfg["hippie"]["deferred_stages"] = [int(s) for s in args.deferred.split(",") if s]
+        if "vs" in opts:
+            cfg["hippie"]["schedule_params"] = {"vertical_sync": True}
         if args.schedule_override:
             override = json.loads(args.schedule_override)
             cfg["pipeline"].update(override.pop("pipeline", {}))
@@ -56,6 +65,7 @@ def main():
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--deferred", default=None)
     p.add_argument("--flush", action="store_true")
+    p.add_argument("--drain", action="store_true", help="engine.drain() after the last step")
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
@@ -68,13 +78,20 @@ def main():
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     dp = world // args.stages
-    for name in args.engines.split(","):
+    def build(name):
+        schedule, opts = split_name(name)
         module = PipelineModule(layers=tiny.layer_specs(), num_stages=args.stages, loss_fn=tiny.loss_fn,
                                 topology=hippie_ds.make_topology(args.stages, world),
                                 partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED)
-        init = deepspeed.initialize if name == "stock" else hippie_ds.initialize
+        init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-                          config=config(args, name, dp))
+                          config=config(args, schedule, dp, opts))
+        return engine
+
+    for name in args.engines.split(","):
+        _, opts = split_name(name)
+        ckpt_at = next((int(o[4:]) for o in opts if o.startswith("ckpt")), None)
+        engine = build(name)
         replica = engine.grid.data_parallel_id
         start = 0
         if args.resume:
@@ -84,23 +101,34 @@ def main():
         if args.bf16:
             it = ((x.bfloat16(), y.bfloat16()) for x, y in it)
         losses = []
-        for step in range(start, args.steps):
+        step = start
+        while step < args.steps:
             if args.crash_rank == rank and step == 1:
                 raise RuntimeError(f"rank {rank} crashes on purpose at step {step}")
             if args.kill_rank == rank and step == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             losses.append(float(engine.train_batch(it)))
-            if args.checkpoint_at is not None and step + 1 == args.checkpoint_at:
-                engine.save_checkpoint(os.path.join(args.out, name, "ckpt"), client_state={"next_step": step + 1})
+            step += 1
+            if args.checkpoint_at is not None and step == args.checkpoint_at:
+                engine.save_checkpoint(os.path.join(args.out, name, "ckpt"), client_state={"next_step": step})
                 break
+            if ckpt_at == step:  # save, then go on in a fresh engine resumed from the checkpoint
+                ckpt = os.path.join(args.out, name, "ckpt")
+                engine.save_checkpoint(ckpt, client_state={"next_step": step})
+                engine = build(name)
+                _, client = engine.load_checkpoint(ckpt)
+                assert client["next_step"] == step
+                it = tiny.data_iter(replica, args.micro_batches, start_step=step)
         if args.flush and hasattr(engine, "flush_deferred_update"):
             engine.flush_deferred_update()
+        drained = bool(engine.drain()) if args.drain and hasattr(engine, "drain") else None
         state = {engine.module._local_start + i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
                  for i, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
-                    if hasattr(engine, "compiled_schedule") else {}},
+                    if hasattr(engine, "compiled_schedule") else {}, "drained": drained,
+                    "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()
