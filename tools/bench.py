@@ -875,6 +875,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8, help="transformer blocks")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--partition-method", default="uniform", help="PipelineModule partition_method without a plan")
+    p.add_argument("--auto-plan", action="store_true",
+                   help="profile the model here (hippie-ds profile) and give hippie, hippie-1f1b, 2bw and pipedream "
+                        "their planner-chosen layout (boundaries and re-computation for ME) in the two-node run")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of each veth end")
     p.add_argument("--no-shape", action="store_true", help="do not shape the link")
     p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1 (taskset)")
@@ -1039,10 +1042,59 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
     return analyse_all(out, a, jobs), time.monotonic() - start, noise
 
 
+# Schedules whose two-node run takes the planner's layout with --auto-plan (GPipe+DP and stock
+# 1F1B are the baselines as DeepSpeed users run them: uniform partition, no re-computation).
+AUTO_PLAN_SCHEDULES = ("hippie", "hippie-1f1b", "2bw", "pipedream")
+
+
+def auto_plan(a, out: Path) -> dict:
+    """Profile the benchmark model on this machine (``hippie_ds.profiler``) and plan, for each
+    schedule of AUTO_PLAN_SCHEDULES that runs and has no --plan, the layout of the two-node job:
+    ``a.stages`` stages x 2 replicas, the run's micro-batch size and count, boundaries and
+    re-computation chosen by the planner for ME. Returns {schedule: plan file}."""
+    import types
+
+    sys.path.insert(0, str(TOOLS))
+    import bench_worker
+    import torch
+    from hippie_ds.planner import Cluster, make_plan, save_plan, save_profile
+    from hippie_ds.planner.plan import SCHEDULES
+    from hippie_ds.profiler import profile_layers, progress_bar
+
+    wanted = [s for s in a.schedule_list if s in AUTO_PLAN_SCHEDULES and s in SCHEDULES and s not in a.plans]
+    if not wanted:
+        return {}
+    d = out / "plans"
+    d.mkdir(parents=True, exist_ok=True)
+    shape = types.SimpleNamespace(vocab=a.vocab, seq=a.seq, d_model=a.d_model, heads=a.heads, layers=a.layers)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # as a rank runs: one core per node, OMP_NUM_THREADS=1
+    sample = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq))
+    profile = profile_layers(bench_worker.layer_specs(shape), sample, model="bench-gpt", repeats=5, warmup=2,
+                             progress=progress_bar(sys.stdout))
+    save_profile(profile, d / "profile.yaml")
+    link = (1.25e9 if a.no_shape else parse_rate(a.rate)) * a.link_efficiency
+    cluster = Cluster(nodes=2, devices_per_node=a.stages, device_memory=8e9, inter_node_bandwidth=link,
+                      intra_node_bandwidth=a.p2p_bandwidth, latency=a.p2p_latency)
+    plans = {}
+    for s in wanted:
+        plan = make_plan(profile, cluster, samples_per_replica(a) * 2, schedules=[s], depths=[a.stages],
+                         micro_batch_sizes=[a.micro_batch_size], objective="me", baselines=False)
+        path = d / f"{s}.json"
+        save_plan(plan, path)
+        plans[s] = str(path)
+        print(f"planned {s}: boundaries {plan.boundaries}, re-computed layers {plan.checkpointed_layers or 'none'}, "
+              f"{plan.micro_batches} micro-batches -> {path}", flush=True)
+    return plans
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     out = Path(a.out).resolve()
     sys.path.insert(0, str(REPO))
+    if a.auto_plan and not (a.analyze_only or a.projection_only):
+        out.mkdir(parents=True, exist_ok=True)
+        a.plans.update(auto_plan(a, out))
     results: dict = {"config": config_record(a), "runs": {}}
     if a.analyze_only:
         old = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}

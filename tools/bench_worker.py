@@ -149,7 +149,8 @@ def peak_rss_bytes():
 
 
 def state_bytes(engine):
-    """Bytes of this rank's parameters, gradients and optimizer state tensors."""
+    """Bytes of this rank's parameters, gradients and optimizer state tensors (and the peak of
+    stashed weight versions for 2bw / pipedream)."""
     seen, total = set(), 0
 
     def add(t):
@@ -167,6 +168,9 @@ def state_bytes(engine):
         elif p.requires_grad:  # released after the step; it exists at the step's peak
             total += p.numel() * p.element_size()
     add(getattr(engine, "_grad_buffer", None))  # hippie-ds deferred stages' gradient buffer
+    if hasattr(engine, "weight_versions"):  # 2bw / pipedream: stashed weight copies at their peak
+        params = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
+        total += max(engine.weight_versions()["peak"] - 1, 0) * params
     opt = getattr(engine, "optimizer", None)
     opt = getattr(opt, "optimizer", opt)  # DeepSpeed wrappers keep the torch optimizer inside
     for st in getattr(opt, "state", {}).values():
