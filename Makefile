@@ -22,7 +22,7 @@ DEMO_SHAPE ?= --stages 4 --micro-batches 8
 DEMO_COSTS ?= --forward 20ms --backward 40ms --activation-bytes 4MB --saved-bytes 30MB --param-bytes 27.4MB \
 	--data-parallel 2 --allreduce-bandwidth 125MB/s
 
-.PHONY: venv test demo schedule-demo clean distclean
+.PHONY: venv test demo schedule-demo bench clean distclean
 
 venv: $(STAMP)
 
@@ -51,6 +51,30 @@ schedule-demo: $(STAMP)
 	$(HIPPIE) schedule trace hippie $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/hippie.json
 	$(HIPPIE) schedule trace 1f1b $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/1f1b.json
 	@echo "Chrome traces (open in chrome://tracing or ui.perfetto.dev) and timelines: $(OUT)/{hippie,1f1b}.{json,png}"
+
+# The benchmark report (needs root: network namespaces + tc): DP, GPipe+DP, stock 1F1B, hippie,
+# hippie-1f1b, 2bw and pipedream on an emulated two-node cluster (1 Gbit/s link); hippie and
+# hippie-1f1b in the layout the planner chooses from a profile taken first (--auto-plan); one-node and
+# one-device reference runs, simulator predictions and a projection to 16/64/1,024 V100s. Writes
+# $(OUT)/bench/ (results.json, report.md, *.png) and the committed copy in docs/bench/. About 15 minutes.
+# e.g. `sudo make bench BENCH_ARGS="--schedules 1f1b,hippie --steps 4"`.
+BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie-1f1b,2bw,pipedream
+BENCH_ARGS ?=
+bench: $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench \
+		--publish docs/bench --auto-plan --schedules $(BENCH_SCHEDULES) $(BENCH_ARGS)
+
+# Convergence: both examples (GPT on Python's docs, VGG on scikit-learn's digits) trained to a fixed
+# budget with data parallelism (4 replicas) and with 1f1b, hippie and hippie-1f1b (2 stages x 2
+# replicas), one 4-rank job after another; same global batch, weights and data order. Writes
+# $(OUT)/convergence/ (gpt.png, vgg.png, results.json, results.md; per run config, log, metrics and
+# timeline) and copies the pictures and results to docs/convergence/. About 15 minutes on 2 cores.
+# e.g. `make convergence CONVERGENCE_ARGS="--examples vgg --schedules dp,1f1b,hippie,2bw"`.
+CONVERGENCE_ARGS ?=
+.PHONY: convergence
+convergence: $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/convergence.py --out $(OUT)/convergence \
+		--publish docs/convergence $(CONVERGENCE_ARGS)
 
 clean:
 	rm -rf $(OUT) build dist *.egg-info .pytest_cache

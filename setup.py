@@ -50,7 +50,7 @@ setup(
         "pyyaml>=6",
         "matplotlib>=3.5",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "scikit-learn"], "examples": ["scikit-learn"]},
     entry_points={"console_scripts": ["hippie-ds = hippie_ds.cli:main"]},
     cmdclass={"build_py": BuildPy},
 )

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
+import hippie_ds
+
 
 def corpus() -> str:
     from pydoc_data.topics import topics
@@ -32,6 +34,18 @@ class CharData:
         g = torch.Generator().manual_seed(seed * 1000 + replica)
         while True:
             starts = torch.randint(0, len(data) - self.seq_len - 1, (micro_batch, ), generator=g)
+            x = torch.stack([data[s:s + self.seq_len] for s in starts])
+            y = torch.stack([data[s + 1:s + 1 + self.seq_len] for s in starts])
+            yield x, y
+
+    def global_batches(self, split: str, batch: int, seed: int):
+        """Endless global batches of ``batch`` (inputs, targets) windows drawn from ``seed`` alone,
+        the same whatever the parallel layout; ``harness.replica_micro_batches`` cuts a replica's
+        share into micro-batches."""
+        data = self.train if split == "train" else self.heldout
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            starts = torch.randint(0, len(data) - self.seq_len - 1, (batch, ), generator=g)
             x = torch.stack([data[s:s + self.seq_len] for s in starts])
             y = torch.stack([data[s + 1:s + 1 + self.seq_len] for s in starts])
             yield x, y
@@ -84,7 +98,14 @@ def layer_specs(vocab: int, dim: int = 128, layers: int = 4, heads: int = 4, seq
             [LayerSpec(Head, dim, vocab)])
 
 
-def pipeline(vocab, num_stages, topology, dim=128, layers=4, heads=4, seq_len=64, partition_method="uniform"):
+def pipeline(vocab, num_stages, topology, dim=128, layers=4, heads=4, seq_len=64, partition_method="uniform",
+             plan=None):
+    """The model as a ``PipelineModule``; ``plan`` (a planner plan file) needs
+    ``hippie_ds.PipelineModule``, which is used whenever this hippie-ds has it."""
+    if plan is not None or hasattr(hippie_ds, "PipelineModule"):
+        from harness import pipeline_module
+        return pipeline_module(layer_specs(vocab, dim, layers, heads, seq_len), lm_loss, num_stages, topology,
+                               plan=plan, partition_method=partition_method)
     # (DeepSpeed 0.19: partition_method="parameters" with seed_layers=True hands random.seed a
     # numpy integer, which Python 3.11 rejects.)
     return PipelineModule(layers=layer_specs(vocab, dim, layers, heads, seq_len), num_stages=num_stages,
@@ -94,3 +115,12 @@ def pipeline(vocab, num_stages, topology, dim=128, layers=4, heads=4, seq_len=64
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+def profile_target(dim: int = 128, layers: int = 4, seq_len: int = 64, micro_batch: int = 4):
+    """What `hippie-ds profile tools/examples/gpt.py:profile_target` measures: the layer list of
+    tools/train_gpt.py's default model and one micro-batch of its corpus (the shipped configs' 4)."""
+    data = CharData(seq_len)
+    sample = next(data.global_batches("train", micro_batch, 0))[0]
+    return {"layers": layer_specs(len(data.vocab), dim, layers, seq_len=seq_len), "sample": sample,
+            "name": f"gpt-d{dim}-l{layers}-s{seq_len}"}
