@@ -276,12 +276,7 @@ class HippiePipelineEngine(PipelineEngine):
             self._use_version(self._wv_count)
         params = self._version_params()
         versions = tuple(p._version for p in params)
-        lr_scheduler, steps, samples = self.lr_scheduler, self.global_steps, self.global_samples
-        self.lr_scheduler = None
-        try:
-            self._stage_step(apply=True)
-        finally:
-            self.lr_scheduler, self.global_steps, self.global_samples = lr_scheduler, steps, samples
+        self._stage_step_without_counters()
         if self._versioned:
             # Saved tensors of forwards still awaiting their backward refer to these parameters;
             # the version swap gives each backward its forward's values (see the module docstring).
@@ -448,6 +443,16 @@ class HippiePipelineEngine(PipelineEngine):
             if hasattr(self.optimizer, "mpu"):
                 self.optimizer.mpu = saved
 
+    def _stage_step_without_counters(self):
+        """A per-stage optimizer step that leaves the LR schedule, ``global_steps`` and
+        ``global_samples`` as they were (updates outside the once-per-call bookkeeping)."""
+        lr_scheduler, steps, samples = self.lr_scheduler, self.global_steps, self.global_samples
+        self.lr_scheduler = None
+        try:
+            self._stage_step(apply=True)
+        finally:
+            self.lr_scheduler, self.global_steps, self.global_samples = lr_scheduler, steps, samples
+
     def _step_bookkeeping(self):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -473,12 +478,7 @@ class HippiePipelineEngine(PipelineEngine):
         grads = self._stage_grads()
         for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
             g.copy_(buffered)
-        lr_scheduler, steps, samples = self.lr_scheduler, self.global_steps, self.global_samples
-        self.lr_scheduler = None
-        try:
-            self._stage_step(apply=True)
-        finally:
-            self.lr_scheduler, self.global_steps, self.global_samples = lr_scheduler, steps, samples
+        self._stage_step_without_counters()
         self._grad_buffer_state = "empty"
         return True
 

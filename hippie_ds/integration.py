@@ -98,14 +98,9 @@ def _load_config(args, config, config_params):
 def _apply_plan(model: PipelineModule, config: dict, options, config_path: str | None) -> dict:
     """The config with the plan's keys merged in, after checking that ``model`` was built from
     the same plan (boundaries, checkpointed layers, model, world size)."""
-    from .pipeline_module import resolve_plan, check_plan
+    from .pipeline_module import check_plan, locate_plan, resolve_plan
 
-    path = options.plan
-    if not os.path.isabs(path) and not os.path.exists(path) and config_path is not None:
-        path = os.path.join(os.path.dirname(os.path.abspath(config_path)), path)
-    if not os.path.exists(path):
-        raise ConfigError(f'config key "hippie.plan" = {options.plan!r}: no such file')
-    plan = resolve_plan(path)
+    plan = resolve_plan(locate_plan(options.plan, config_path))
     check_plan(plan, model._layer_specs, world_size=model.world_size, num_stages=model.num_stages)
     ckpt = list(getattr(model, "checkpointed_layers", []))
     if list(model.parts) != plan.boundaries or ckpt != plan.checkpointed_layers or \

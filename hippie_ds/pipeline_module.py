@@ -95,10 +95,18 @@ def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f'config key "hippie.plan" = {path!r}: must be the path of a plan file '
                           "(written by `hippie-ds plan --out`)")
-    path = Path(path)
-    if not path.is_absolute() and isinstance(config, (str, os.PathLike)) and not path.exists():
-        path = Path(config).parent / path
-    return load_plan(path)
+    return load_plan(locate_plan(path, config if isinstance(config, (str, os.PathLike)) else None))
+
+
+def locate_plan(path: str | os.PathLike, config_path: str | os.PathLike | None) -> Path:
+    """The file config key ``hippie.plan`` names: as given (absolute, or relative to the working
+    directory), else relative to the config file's directory."""
+    found = Path(path)
+    if not found.is_absolute() and not found.exists() and config_path is not None:
+        found = Path(config_path).resolve().parent / found
+    if not found.exists():
+        raise ConfigError(f'config key "hippie.plan" = {str(path)!r}: no such file')
+    return found
 
 
 def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num_stages: int | None) -> None:
@@ -208,4 +216,5 @@ class PipelineModule(_DSPipelineModule):
         return x
 
 
-__all__ = ["PipelineModule", "layer_names", "model_fingerprint", "resolve_plan", "check_plan", "PlannerError"]
+__all__ = ["PipelineModule", "layer_names", "model_fingerprint", "resolve_plan", "locate_plan", "check_plan",
+           "PlannerError"]

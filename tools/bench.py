@@ -63,9 +63,7 @@ import argparse
 import atexit
 import base64
 import json
-import math
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -93,31 +91,10 @@ PROJECTION_SCHEDULES = ("dp", "gpipe", "1f1b", "hippie", "hippie-1f1b")
 GB = 1e9
 
 
-class Refuse(Exception):
-    """A precondition is missing: print the message, exit 2."""
-
-
-# ---------------------------------------------------------------------------------- network
-def sh(*cmd, check=True):
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
-    return res
-
-
-def parse_rate(rate: str) -> float:
-    """tc rate (e.g. 1gbit, 500mbit, 100mbps) in bytes per second."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
-    if not m:
-        raise Refuse(f"--rate {rate!r}: expected a tc rate like 1gbit, 500mbit or 100mbps")
-    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return value / 8 if m.group(3) == "bit" else value
-
-
-def burst_for(rate_bytes: float) -> str:
-    # tbf needs burst >= rate/HZ (at least rate/250 on this kernel); keep 1mb (the brief's) when enough.
-    need = 2 * rate_bytes / 250
-    return "1mb" if need <= 1024 * 1024 else str(int(math.ceil(need)))
+# The emulation's helpers shared with the older benchmark (same rules, same machine).
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+from bench_hidden_comm import ForeignCpu, Refuse, burst_for, fix_owner, foreign_cpu_between, parse_rate, sh  # noqa: E402
 
 
 _network_up = False
@@ -959,19 +936,6 @@ def write_outputs(out: Path, results: dict, publish: str | None):
     return md
 
 
-def fix_owner(out: Path):
-    """Files written as root under sudo: give them back to the invoking user."""
-    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
-    if os.geteuid() != 0 or not uid:
-        return
-    for root, dirs, files in os.walk(out):
-        for n in [root] + [os.path.join(root, x) for x in dirs + files]:
-            try:
-                os.chown(n, int(uid), int(gid or uid))
-            except OSError:
-                pass
-
-
 def write_costs(path: Path, run: dict, data_parallel: int):
     """The stock 1F1B run's measured costs as a cost file for 'deferred_stages: auto'."""
     costs = json.loads(json.dumps(run["prediction"]["costs"]))
@@ -981,8 +945,6 @@ def write_costs(path: Path, run: dict, data_parallel: int):
 
 def measure(a, out: Path) -> tuple[dict, float, dict]:
     """Set up the cluster, run every job, tear down. Returns (runs, wall seconds, noise)."""
-    sys.path.insert(0, str(TOOLS))
-    from bench_hidden_comm import ForeignCpu, foreign_cpu_between  # the noise sampler (same machine, same rules)
 
     def on_signal(signum, _frame):
         raise SystemExit(128 + signum)

@@ -3,7 +3,6 @@ names (``hippie.plan``), trains a few steps while an ActivationMeter measures th
 for backward, and writes per-rank results (boundaries, checkpointed layers, peak bytes, losses,
 local layer states)."""
 import argparse
-import json
 import os
 import sys
 

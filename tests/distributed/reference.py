@@ -17,9 +17,7 @@ def stage_of_layers(parts):
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0):
     layers = tiny.build_layers()
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
-    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
-            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr)}[optimizer]
-    opts = [make(ps) for ps in stage_params]
+    opts = _make_optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     losses = []
     for t in range(steps):
@@ -46,19 +44,13 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                 apply, pending[s] = pending[s], grads[s]
                 if apply is None:
                     continue
-            if clip > 0:
-                norm = torch.stack([g.norm(2) for g in apply]).pow(2).sum().sqrt()
-                coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-                apply = [g * coef for g in apply]
-            for p, g in zip(ps, apply):
-                p.grad = g.clone()
-            opts[s].step()
-    return {i: {k: v.detach().clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(layers)
-            if isinstance(layer, torch.nn.Module) and list(layer.parameters())}, losses
+            _apply(ps, opts[s], apply, clip)
+    return _result(layers), losses
 
 
 # ---------------------------------------------------------------------------------------------
-# Asynchronous schedules (2bw, pipedream): single-process references of their update rules
+# Helpers of the references, and the asynchronous schedules (2bw, pipedream): single-process
+# references of their update rules
 
 def _make_optimizers(stage_params, optimizer, lr):
     make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
