@@ -5,10 +5,16 @@
         "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
         "schedule_params": {},                  # other parameters a schedule file declares
         "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
-        "placement": "pipeline_in_node",        # or "data_parallel_in_node" (DeepSpeed's default)
+        "placement": null,                      # checked against the module's topology when given:
+                                                #   "pipeline_in_node" or "data_parallel_in_node"
         "timeline_dir": null,                   # write a per-rank Chrome trace of executed instructions
-        "plan": null                            # a planner plan file (`hippie-ds plan --out`): stage
-    }                                           # boundaries, checkpointed layers, schedule, batch
+        "plan": null,                           # a planner plan file (`hippie-ds plan --out`): stage
+                                                #   boundaries, checkpointed layers, schedule, batch
+        "staleness": {                          # correction for stages that update one step late
+            "method": "extrapolate",            #   or "none" (the plain one-step-delayed rule)
+            "coefficient": 1.0                  #   W_hat = W + c * (W - W_previous)
+        }
+    }
 """
 from __future__ import annotations
 
@@ -16,13 +22,22 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_SCHEDULE = "1f1b"
 
 
 class ConfigError(ValueError):
     """A bad hippie-ds config value; the message names the key, the value and what is allowed."""
+
+
+class StalenessConfig(BaseModel):
+    """How a stage that applies its gradient one step late (hippie's deferred stages) corrects
+    for it; see :mod:`hippie_ds.staleness`."""
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["none", "extrapolate"] = "extrapolate"
+    coefficient: float = Field(1.0, ge=0.0, le=4.0)
 
 
 class HippieConfig(BaseModel):
@@ -32,11 +47,14 @@ class HippieConfig(BaseModel):
     deferred_stages: Any = None
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
-    placement: Literal["pipeline_in_node", "data_parallel_in_node"] = "pipeline_in_node"
+    # None: whatever layout the PipelineModule was built with (DeepSpeed's default topology keeps
+    # working unchanged); a value is checked against the module's topology.
+    placement: Literal["pipeline_in_node", "data_parallel_in_node"] | None = None
     timeline_dir: str | None = None
     # Path of a plan file; relative paths are tried from the working directory, then from the
     # config file's directory.
     plan: str | None = None
+    staleness: StalenessConfig = StalenessConfig()
 
     @field_validator("deferred_stages", mode="before")
     @classmethod

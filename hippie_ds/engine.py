@@ -9,6 +9,8 @@ The only module that touches DeepSpeed internals. What it changes, and why:
 - handlers for the new instructions (fused forward+backward, non-blocking sends, async
   per-stage all-reduce, gradient buffer, deferred update, per-stage optimizer step);
 - the gradient buffer of deferred stages is saved in checkpoints and restored;
+- deferred stages correct for their one-step delay (``hippie.staleness``, :mod:`hippie_ds.staleness`):
+  a step's compute runs on predicted weights, the update applies to the true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls):
   ops of batches still in flight run in the next call, ``drain()`` completes them; weight
   versions (below);
@@ -46,10 +48,12 @@ from ._compat import check_deepspeed_version
 from .schedules import deepspeed_schedule as hs
 from .schedules.ir import COMPUTE_KINDS, CompiledSchedule, OpKind
 from .schedules.simulator import CATEGORY, op_name
+from .staleness import make_corrector
 
 check_deepspeed_version()
 
 GRAD_BUFFER_KEY = "hippie_ds_grad_buffer"
+WEIGHT_PREDICTION_KEY = "hippie_ds_weight_prediction"
 WEIGHT_VERSIONS_KEY = "hippie_ds_weight_versions"
 
 
@@ -94,7 +98,8 @@ class _StageLocalMPU:
 class HippiePipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
-    def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None, **kwargs):
+    def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
+                 staleness=None, **kwargs):
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -129,6 +134,10 @@ class HippiePipelineEngine(PipelineEngine):
         self._wv_stashed: set[int] = set()
         self._wv_peak = 1
         self._current_op = None
+        # staleness correction of a deferred stage (None: the plain one-step-delayed rule)
+        self._corrector = None
+        if staleness is not None and not self._continuous and self.stage_id in compiled_schedule.deferred_stages():
+            self._corrector = make_corrector(staleness, self._version_params())
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -178,6 +187,8 @@ class HippiePipelineEngine(PipelineEngine):
         self._op_call = self._call
         try:
             if not self._continuous:
+                if self._corrector is not None:
+                    self._corrector.predict()  # restored by apply_buffered_update, before the step
                 return super().train_batch(data_iter)
             # Updates of a continuous schedule keep the step counters still; the call advances
             # them once, on every stage alike (checkpoint tags and LR schedules count batches).
@@ -187,6 +198,8 @@ class HippiePipelineEngine(PipelineEngine):
             self._in_flight = True
             return loss
         finally:
+            if self._corrector is not None:
+                self._corrector.restore()  # no-op after a normal step; a failed one keeps true weights
             self._training = False
             self._batch_index += 1
 
@@ -403,6 +416,8 @@ class HippiePipelineEngine(PipelineEngine):
         self._grad_buffer_state = "filled"
 
     def _exec_apply_buffered_update(self):
+        if self._corrector is not None:
+            self._corrector.restore()  # the update applies to the true weights, not the predicted ones
         if self._grad_buffer_state != "reduced":
             # First step: nothing buffered yet. Keep step counters and the LR schedule in
             # lock-step with the other stages (checkpoint tags use global_steps).
@@ -501,6 +516,8 @@ class HippiePipelineEngine(PipelineEngine):
         self._wait_buffer()
         state[GRAD_BUFFER_KEY] = {"state": self._grad_buffer_state,
                                   "buffer": None if self._grad_buffer is None else self._grad_buffer.clone()}
+        if self._corrector is not None:
+            state[WEIGHT_PREDICTION_KEY] = self._corrector.state_dict()
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -511,6 +528,10 @@ class HippiePipelineEngine(PipelineEngine):
             saved = client_state.pop(GRAD_BUFFER_KEY)
             self._grad_buffer_state = saved["state"]
             self._grad_buffer = None if saved["buffer"] is None else saved["buffer"].to(self.device)
+        if client_state is not None and WEIGHT_PREDICTION_KEY in client_state:
+            saved = client_state.pop(WEIGHT_PREDICTION_KEY)
+            if self._corrector is not None:
+                self._corrector.load_state_dict(saved, self.device)
         if client_state is not None and WEIGHT_VERSIONS_KEY in client_state:
             saved = client_state.pop(WEIGHT_VERSIONS_KEY)
             self._call = self._op_call = self._first_batch = saved["call"]

@@ -75,6 +75,20 @@ def _placement_of(topology: ProcessTopology) -> str | None:
     return None
 
 
+def _suggest_placement(model: PipelineModule, options, compiled) -> None:
+    """One info line (rank 0) when the model keeps DeepSpeed's layout and Hippie's would help."""
+    if options.placement is not None or model._topo.get_dim("data") < 2 or not compiled.has_early_allreduce:
+        return
+    if _placement_of(model._topo) != "data_parallel_in_node":
+        return
+    from deepspeed.utils import log_dist
+    log_dist(f"hippie-ds: schedule {compiled.name!r} runs in the module's layout (DeepSpeed's default: data-parallel "
+             "peers on one node, the pipeline across nodes). Its hidden all-reduce pays most with whole pipelines "
+             "inside a node and the all-reduce across nodes: build the module with topology="
+             "hippie_ds.make_topology(num_stages, world_size) and set \"hippie\": {\"placement\": "
+             "\"pipeline_in_node\"}", ranks=[0])
+
+
 def _config_path(args, config, config_params):
     """The config file's path when the config was given as one (plan paths are relative to it)."""
     for c in (getattr(args, "deepspeed_config", None), config, config_params):
@@ -137,7 +151,8 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
     placement = _placement_of(model._topo)
-    if placement is not None and placement != options.placement and model._topo.get_dim("data") > 1:
+    if options.placement is not None and placement is not None and placement != options.placement and \
+            model._topo.get_dim("data") > 1:
         raise ConfigError(f'config key "hippie.placement" = {options.placement!r}, but the PipelineModule was built '
                           f"with the {placement!r} layout; build it with "
                           f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
@@ -188,12 +203,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         init_kwargs["distributed_port"] = distributed_port
     dist.init_distributed(**init_kwargs)
     _release_shm_at_exit()  # otherwise every CPU job leaves ~64 MB per rank in /dev/shm
+    _suggest_placement(model, options, compiled)
     set_optimizer_flags(config_class, model)
     engine = HippiePipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
                                   dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                   config_class=config_class, compiled_schedule=compiled,
-                                  timeline_dir=options.timeline_dir)
+                                  timeline_dir=options.timeline_dir, staleness=options.staleness)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

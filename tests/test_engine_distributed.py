@@ -1,7 +1,8 @@
 """The engine with real ranks: the `deepspeed` launcher, gloo, several processes.
 
 - hippie-ds 1f1b and gpipe give bit-identical parameters to DeepSpeed's stock engine;
-- hippie and hippie-1f1b match a single-process reference of the declared rule to 1e-6;
+- hippie and hippie-1f1b match a single-process reference of the declared rule to 1e-6, with
+  the default staleness correction and with it switched off;
 - checkpoint / resume with a pending gradient is exact; crashes end the job; bad configs fail
   on every rank before any collective.
 """
@@ -15,6 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 import reference  # noqa: E402
 from launch import collect, launch  # noqa: E402
+
+from hippie_ds.config import StalenessConfig  # noqa: E402
+
+DEFAULT_STALENESS = StalenessConfig()  # what a config without "hippie.staleness" runs
+NO_CORRECTION = StalenessConfig(method="none")
 
 STEPS, MICRO_BATCHES = 3, 4
 ENGINES = "stock,1f1b,gpipe,hippie,hippie-1f1b"
@@ -53,7 +59,8 @@ def test_schedules_exact(tmp_path, stages, dp):
     for name in ("hippie", "hippie-1f1b"):
         ours, losses, parts, params, replicas = collect(tmp_path, name)
         assert params["deferred_stages"] == list(range(stages // 2))
-        ref, ref_losses = reference.run(parts, dp, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"])
+        ref, ref_losses = reference.run(parts, dp, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"],
+                                        staleness=DEFAULT_STALENESS)
         _assert_close(ours, ref, f"{name} vs reference")
         for rank_losses in losses.values():
             if rank_losses:
@@ -71,12 +78,40 @@ def test_hippie_adamw_clipping_all_deferred(tmp_path):
     for name in ("hippie", "hippie-1f1b"):
         ours, _, parts, params, replicas = collect(tmp_path, name)
         assert params["deferred_stages"] == [0, 1]
-        ref, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, clip=0.05)
+        ref, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, clip=0.05,
+                               staleness=DEFAULT_STALENESS)
         _assert_close(ours, ref, f"{name} AdamW+clip vs reference")
-        noclip, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01)
+        noclip, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01,
+                                  staleness=DEFAULT_STALENESS)
         assert any((ours[i][k] - noclip[i][k]).abs().max() > 1e-4 for i in ours for k in ours[i]), \
             "clipping had no effect: the test would not catch a wrong clipping rule"
         _replicas_identical(replicas)
+
+
+@pytest.mark.parametrize("optimizer,lr,stages", [("SGD", 0.05, 2), ("AdamW", 0.01, 4)])
+def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
+    """stages x 2 replicas, every stage deferred: extrapolation with a non-default coefficient
+    and no correction each match the reference of their rule, and differ from each other."""
+    deferred = list(range(stages))
+    args = ("--stages", stages, "--micro-batches", 3, "--steps", 5, "--optimizer", optimizer, "--lr", lr,
+            "--deferred", ",".join(map(str, deferred)))
+    results = {}
+    for staleness in (StalenessConfig(method="extrapolate", coefficient=1.5), NO_CORRECTION):
+        out = tmp_path / staleness.method
+        rc, log, _ = launch(stages * 2, out, *args, "--engines", "hippie,hippie-1f1b",
+                            "--staleness", f"{staleness.method}:{staleness.coefficient}")
+        assert rc == 0, log[-4000:]
+        for name in ("hippie", "hippie-1f1b"):
+            ours, losses, parts, _, replicas = collect(out, name)
+            ref, ref_losses = reference.run(parts, 2, 3, 5, deferred=deferred, optimizer=optimizer, lr=lr,
+                                            staleness=staleness)
+            _assert_close(ours, ref, f"{name} {staleness} vs reference")
+            for rank_losses in losses.values():
+                assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
+            _replicas_identical(replicas)
+        results[staleness.method] = ours
+    assert any((results["extrapolate"][i][k] - results["none"][i][k]).abs().max() > 1e-4
+               for i in results["none"] for k in results["none"][i]), "the correction changed nothing"
 
 
 def test_flush_applies_pending_gradient(tmp_path):
@@ -85,7 +120,7 @@ def test_flush_applies_pending_gradient(tmp_path):
     ours, _, parts, _, _ = collect(tmp_path, "hippie")
     # After the flush, stage 0 has applied g(0), g(1), g(2): the reference with one more
     # step whose gradient is never computed equals the synchronous rule for stage 0.
-    ref, _ = reference.run(parts, 1, MICRO_BATCHES, 3, deferred=[0])
+    ref, _ = reference.run(parts, 1, MICRO_BATCHES, 3, deferred=[0], staleness=DEFAULT_STALENESS)
     layers0 = range(*parts[0])
     assert any(not torch.equal(ours[i][k], ref[i][k]) for i in ref if i in layers0 for k in ref[i])
     _assert_close({i: v for i, v in ours.items() if i not in layers0}, {i: v for i, v in ref.items() if i not in layers0},
@@ -140,7 +175,8 @@ def test_bf16(tmp_path):
     hippie, _, parts, params, replicas = collect(tmp_path, "hippie")
     _replicas_identical(replicas)
     # bf16 weights: compare with the fp32 reference of the deferred rule at bf16 resolution
-    ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], clip=0.5)
+    ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], clip=0.5,
+                           staleness=DEFAULT_STALENESS)
     _assert_close(hippie, ref, "bf16 hippie vs fp32 reference", atol=2e-2)
 
 

@@ -131,6 +131,16 @@ class CompiledSchedule:
         """True when compute ops declare the weight version they use."""
         return any(op.version is not None for s in range(self.stages) for op in self.ops(s))
 
+    @property
+    def has_early_allreduce(self) -> bool:
+        """True when some stage all-reduces asynchronously (overlapped with compute): such
+        schedules gain most when data-parallel traffic takes the slow, inter-node link."""
+        return any(op.kind == OpKind.START_ALLREDUCE for s in range(self.stages) for op in self.ops(s))
+
+    def deferred_stages(self) -> list[int]:
+        """Stages that apply their gradient one step late (a gradient buffer)."""
+        return [s for s in range(self.stages) if any(op.kind == OpKind.APPLY_BUFFERED_UPDATE for op in self.ops(s))]
+
     def call_ops(self, stage: int, call: int, first_batch: int = 0) -> Iterator[Op]:
         """The stage's ops in train_batch call ``call`` (0-based) of a run whose earliest live
         batch is ``first_batch`` (batches before it were drained)."""

@@ -2,7 +2,9 @@
 
 Gradient of step t: the mean over replicas of the sum over micro-batches of grad(loss / M),
 as DeepSpeed computes it. Immediate stages apply g(t) at step t; deferred stages apply g(t-1)
-(nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.engine).
+(nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.engine). Staleness
+correction ``extrapolate`` (``hippie.staleness``): a deferred stage computes step t on
+W(t) + c * (W(t) - W(t-1)) and its update applies to W(t).
 """
 import torch
 
@@ -14,13 +16,23 @@ def stage_of_layers(parts):
     return {i: s for s, (a, b) in enumerate(parts) for i in range(a, b)}
 
 
-def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0):
+def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None):
+    """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``."""
     layers = tiny.build_layers()
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
     opts = _make_optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
+    extrapolate = staleness is not None and staleness.method == "extrapolate"
+    true_weights = [None] * len(parts)  # W(t) of a deferred stage while it computes on the prediction
+    previous = [_snapshot(ps) for ps in stage_params]  # W(t-1)
     losses = []
     for t in range(steps):
+        for s in deferred if extrapolate else ():
+            true_weights[s] = _snapshot(stage_params[s])
+            with torch.no_grad():
+                for p, w, q in zip(stage_params[s], true_weights[s], previous[s]):
+                    p.add_(w - q, alpha=staleness.coefficient)
+            previous[s] = true_weights[s]
         grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
         total = 0.0
         for r in range(dp):
@@ -41,6 +53,8 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
         for s, ps in enumerate(stage_params):
             apply = grads[s]
             if s in deferred:
+                if true_weights[s] is not None:
+                    _load(ps, true_weights[s])
                 apply, pending[s] = pending[s], grads[s]
                 if apply is None:
                     continue

@@ -40,6 +40,9 @@ def config(args, schedule, dp, opts=()):
         cfg["hippie"] = {}
         if schedule.startswith("hippie") and args.deferred is not None:
             cfg["hippie"]["deferred_stages"] = [int(s) for s in args.deferred.split(",") if s]
+        if args.staleness is not None:
+            method, _, coefficient = args.staleness.partition(":")
+            cfg["hippie"]["staleness"] = {"method": method, **({"coefficient": float(coefficient)} if coefficient else {})}
         if "vs" in opts:
             cfg["hippie"]["schedule_params"] = {"vertical_sync": True}
         if args.schedule_override:
@@ -64,6 +67,8 @@ def main():
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--deferred", default=None)
+    p.add_argument("--staleness", default=None, help="hippie.staleness as METHOD[:COEFFICIENT] (default: the "
+                   "config's default)")
     p.add_argument("--flush", action="store_true")
     p.add_argument("--drain", action="store_true", help="engine.drain() after the last step")
     p.add_argument("--timeline", action="store_true")
