@@ -64,6 +64,17 @@ bench: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench \
 		--publish docs/bench --auto-plan --schedules $(BENCH_SCHEDULES) $(BENCH_ARGS)
 
+# Multi-node with DeepSpeed's own launcher (needs root): two emulated nodes (network namespaces joined
+# by a veth pair shaped to 1 Gbit/s), a hostfile, and `deepspeed --hostfile H --no_ssh --node_rank N`
+# once per node; a tiny PipelineModule trained with hippie_ds.initialize on 2 nodes x 2 ranks. Checks
+# that both nodes finish and all ranks agree on the loss; writes $(OUT)/multinode/. About 20 s.
+# e.g. `sudo make multinode MULTINODE_ARGS="--schedule gpipe --steps 5"`.
+MULTINODE_ARGS ?=
+.PHONY: multinode
+multinode: $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/multinode.py --out $(OUT)/multinode \
+		$(MULTINODE_ARGS)
+
 # Convergence: both examples (GPT on Python's docs, VGG on scikit-learn's digits) trained to a fixed
 # budget with data parallelism (4 replicas) and with 1f1b, hippie and hippie-1f1b (2 stages x 2
 # replicas), one 4-rank job after another; same global batch, weights and data order. Writes

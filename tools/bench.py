@@ -61,25 +61,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import base64
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
 WORKER = TOOLS / "bench_worker.py"
-# Our own names (not bench_hidden_comm's), so both benchmarks can be set up side by side.
-NODES = ("hdsb-node0", "hdsb-node1")
-VETHS = ("hdsb-veth0", "hdsb-veth1")
-ADDRS = ("10.78.0.1", "10.78.0.2")
 DEFAULT_SCHEDULES = "dp,gpipe,1f1b,hippie,hippie-1f1b"
 # Which engine a schedule name runs on (anything else: hippie_ds.initialize with that schedule).
 WORKER_LABEL = {"1f1b": "stock", "hds-1f1b": "1f1b", "dp": "dp"}
@@ -91,60 +83,21 @@ PROJECTION_SCHEDULES = ("dp", "gpipe", "1f1b", "hippie", "hippie-1f1b")
 GB = 1e9
 
 
-# The emulation's helpers shared with the older benchmark (same rules, same machine).
+# The emulated cluster (namespaces, link, launchers, noise): tools/cluster.py.
 if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
-from bench_hidden_comm import ForeignCpu, Refuse, burst_for, fix_owner, foreign_cpu_between, parse_rate, sh  # noqa: E402
+from cluster import (ForeignCpu, Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner,  # noqa: E402
+                     foreign_cpu_between, node_env, parse_rate, preflight as cluster_preflight)
 
-
-_network_up = False
-
-
-def teardown_network():
-    """Remove our namespaces (their veth ends go with them) and any stray veth of ours here."""
-    global _network_up
-    if shutil.which("ip") is None:
-        return
-    for ns in NODES:
-        sh("ip", "netns", "del", ns, check=False)
-    for veth in VETHS:
-        if sh("ip", "link", "show", veth, check=False).returncode == 0:
-            sh("ip", "link", "del", veth, check=False)
-    _network_up = False
-
-
-def setup_network(rate: str | None) -> dict:
-    global _network_up
-    teardown_network()  # leftovers of a crashed run
-    _network_up = True
-    for ns in NODES:
-        sh("ip", "netns", "add", ns)
-    sh("ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1])
-    for ns, veth, addr in zip(NODES, VETHS, ADDRS):
-        sh("ip", "link", "set", veth, "netns", ns)
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", ns, "link", "set", veth, "up")
-        if rate is not None:
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root", "tbf", "rate", rate, "burst",
-               burst_for(parse_rate(rate)), "latency", "100ms")
-    return {ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip() for ns, veth in zip(NODES, VETHS)}
+# Our own names (not bench_hidden_comm's), so both benchmarks can be set up side by side.
+NETWORK = Network(("hdsb-node0", "hdsb-node1"), ("hdsb-veth0", "hdsb-veth1"), ("10.78.0.1", "10.78.0.2"))
+NODES, VETHS, ADDRS = NETWORK.nodes, NETWORK.veths, NETWORK.addrs
 
 
 def preflight(args):
     """Raise Refuse unless the measured part can run here: the tools, root, ``ip netns``."""
-    for tool in ("ip", "taskset") + (() if args.no_shape else ("tc",)):
-        if shutil.which(tool) is None:
-            raise Refuse(f"`{tool}` is not installed or not on PATH (iproute2 / util-linux); it is needed to "
-                         "emulate two nodes. `--projection-only` runs the projection alone.")
-    if os.geteuid() != 0:
-        raise Refuse("this benchmark creates network namespaces, a veth pair and tc shaping: run it as root, e.g.\n"
-                     f"  sudo {sys.executable} {' '.join(sys.argv)}\n`--projection-only` needs no root.")
-    res = sh("ip", "netns", "list", check=False)
-    if res.returncode != 0:
-        raise Refuse(f"`ip netns` is not available here ({res.stderr.strip() or 'exit ' + str(res.returncode)}); "
-                     "network namespaces are needed to emulate two nodes. `--projection-only` runs the "
-                     "projection alone.")
+    cluster_preflight("this benchmark", ("ip", "taskset") + (() if args.no_shape else ("tc",)),
+                      hint="`--projection-only` runs the projection alone, without root.")
     cores = [int(c) for c in args.cores.split(",")]
     if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= os.sched_getaffinity(0):
         raise Refuse(f"--cores {args.cores!r}: need two distinct cores this process may use "
@@ -154,103 +107,27 @@ def preflight(args):
 
 
 # ---------------------------------------------------------------------------------- jobs
-class Job:
+class Job(NodeProcesses):
     """One launch of the worker: DeepSpeed's launcher once per emulated node in use, in that
     node's namespace, pinned to its core; logs and progress lines."""
 
     def __init__(self, out: Path, nodes: int, ranks_per_node: int, cores: list[str], port: int,
                  worker_args: list[str], tag: str, t0: float):
-        self.out, self.nodes, self.rpn, self.cores, self.port = out, nodes, ranks_per_node, cores, port
-        self.worker_args, self.tag, self.t0 = worker_args, tag, t0
-        self.procs: list[subprocess.Popen] = []
-        self.threads: list[threading.Thread] = []
+        super().__init__(out / "logs", t0=t0, tag=tag, port=port)
+        self.out, self.nodes, self.rpn, self.cores = out, nodes, ranks_per_node, cores
+        self.worker_args = worker_args
 
     def start(self):
-        info = {NODES[n]: list(range(self.rpn)) for n in range(self.nodes)}
-        world_info = base64.urlsafe_b64encode(json.dumps(info).encode()).decode()
+        world_info = NETWORK.world_info(self.rpn, self.nodes)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         for n in range(self.nodes):
-            env = dict(os.environ)
-            env.update({"GLOO_SOCKET_IFNAME": VETHS[n], "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                        "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
-            env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
-            cmd = ["ip", "netns", "exec", NODES[n], "taskset", "-c", self.cores[n], sys.executable, "-u", "-m",
-                   "deepspeed.launcher.launch", f"--world_info={world_info}", f"--node_rank={n}",
-                   f"--master_addr={ADDRS[0]}", f"--master_port={self.port}", str(WORKER), *self.worker_args]
+            cmd = NETWORK.exec_prefix(n, self.cores[n]) + [
+                sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                f"--node_rank={n}", f"--master_addr={ADDRS[0]}", f"--master_port={self.port}", str(WORKER),
+                *self.worker_args]
             if n == 0:
                 (self.out / "logs" / "command.txt").write_text(" ".join(cmd) + "\n")
-            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, bufsize=1, start_new_session=True)
-            self.procs.append(proc)
-            t = threading.Thread(target=self._pump, args=(n, proc), daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _pump(self, n, proc):
-        with open(self.out / "logs" / f"node{n}.log", "w") as log:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                if "[bench]" in line:
-                    msg = line.split("[bench]", 1)[1].strip()
-                    print(f"[{time.monotonic() - self.t0:6.1f}s] {self.tag}: {msg}", flush=True)
-
-    def wait(self, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in self.procs]
-            if all(c == 0 for c in codes):
-                break
-            failed = [(n, c) for n, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                n, c = failed[0]
-                raise RuntimeError(f"{self.tag}: node {n}'s launcher exited with {c}; see "
-                                   f"{self.out}/logs/node{n}.log" + self._tails())
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.tag}: the job ran past --timeout {timeout} s" + self._tails())
-            time.sleep(0.3)
-        for t in self.threads:
-            t.join(timeout=5)
-
-    def _tails(self):
-        time.sleep(1)
-        out = []
-        for n in range(len(self.procs)):
-            p = self.out / "logs" / f"node{n}.log"
-            lines = p.read_text().splitlines()[-25:] if p.exists() else []
-            out.append(f"\n--- last lines of node{n}.log ---\n" + "\n".join(lines))
-        return "".join(out)
-
-    def stop(self):
-        """End the launchers we started (their process groups: launcher + its rank processes)."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        end = time.monotonic() + 15
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(timeout=5)
-        remove_shm_segments(self.port)
-
-
-def remove_shm_segments(port: int):
-    """DeepSpeed's CPU comm op leaves a ~64 MB /dev/shm segment per rank, named by master port."""
-    import glob
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+            self.start_node(n, cmd, node_env(VETHS[n]))
 
 
 _active_jobs: list[Job] = []
@@ -260,8 +137,8 @@ def _cleanup():
     for job in list(_active_jobs):
         job.stop()
     _active_jobs.clear()
-    if _network_up:
-        teardown_network()
+    if NETWORK.up:
+        NETWORK.teardown()
 
 
 def run_plan(args) -> list[dict]:
@@ -946,10 +823,6 @@ def write_costs(path: Path, run: dict, data_parallel: int):
 def measure(a, out: Path) -> tuple[dict, float, dict]:
     """Set up the cluster, run every job, tear down. Returns (runs, wall seconds, noise)."""
 
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     atexit.register(_cleanup)
     shutil.rmtree(out / "runs", ignore_errors=True)
     jobs = run_plan(a)
@@ -959,8 +832,13 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
     link_bw = 1.25e9 if a.no_shape else parse_rate(a.rate)
     costs_files: dict[str, Path] = {}
     spans = []
-    try:
-        qdiscs = setup_network(None if a.no_shape else a.rate)
+
+    def cleanup():
+        _cleanup()
+        sampler.stop()
+
+    with cleanup_on_signals(cleanup):
+        qdiscs = NETWORK.setup(None if a.no_shape else a.rate)
         print(f"emulated cluster: {NODES[0]} {ADDRS[0]} <-> {NODES[1]} {ADDRS[1]}; "
               + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
         print(f"{len(jobs)} runs: " + ", ".join(f"{j['config']}/{j['schedule']}" for j in jobs)
@@ -992,13 +870,6 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
                     dp_width = 2 if job["config"] == "two_nodes" else 1
                     costs_files[job["config"]] = out / "runs" / job["config"] / "costs.json"
                     write_costs(costs_files[job["config"]], r, dp_width)
-    finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)  # finish cleaning up whatever arrives now
-        _cleanup()
-        sampler.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     foreign = [foreign_cpu_between(sampler.samples, b, e) / (e - b) for b, e in spans if e > b]
     noise = {"foreign_cpu_cores_per_run": foreign, "foreign_cpu_cores_mean": _mean(foreign), "qdiscs": qdiscs}
     return analyse_all(out, a, jobs), time.monotonic() - start, noise

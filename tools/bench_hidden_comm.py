@@ -72,25 +72,26 @@ removed: at exit, on SIGINT/SIGTERM/SIGHUP, and leftovers of a crashed run at st
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import math
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tools" / "bench_worker.py"
-NODES = ("hds-node0", "hds-node1")
-VETHS = ("veth0", "veth1")
-ADDRS = ("10.77.0.1", "10.77.0.2")
+TOOLS = REPO / "tools"
+WORKER = TOOLS / "bench_worker.py"
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+# The emulated cluster (namespaces, link, launchers, noise) is tools/cluster.py, shared with bench.py.
+from cluster import (ForeignCpu, Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner,  # noqa: E402
+                     foreign_cpu_between, node_env, parse_rate, preflight as cluster_preflight)
+
+NETWORK = Network(("hds-node0", "hds-node1"), ("veth0", "veth1"), ("10.77.0.1", "10.77.0.2"))
+NODES, VETHS, ADDRS = NETWORK.nodes, NETWORK.veths, NETWORK.addrs
 DEFAULT_SCHEDULES = "stock,gpipe,hippie,hippie-1f1b,hippie-auto"
 KNOWN_LABELS = ("stock", "1f1b", "gpipe", "hippie", "hippie-1f1b", "hippie-auto", "hippie-1f1b-auto")
 
@@ -108,69 +109,8 @@ for _g, _cat in (("p2p", "p2p"), ("allreduce", "allreduce"), ("optimizer", "opti
     TRACE_CATEGORY.update({k: _cat for k in GROUPS[_g]})
 
 
-class Refuse(Exception):
-    """A precondition is missing: print the message, exit 2."""
-
-
-# ---------------------------------------------------------------------------------- network
-def sh(*cmd, check=True):
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
-    return res
-
-
-def parse_rate(rate: str) -> float:
-    """tc rate (e.g. 1gbit, 500mbit, 100mbps) in bytes per second."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
-    if not m:
-        raise Refuse(f"--rate {rate!r}: expected a tc rate like 1gbit, 500mbit or 100mbps")
-    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return value / 8 if m.group(3) == "bit" else value
-
-
-def burst_for(rate_bytes: float) -> str:
-    # tbf needs burst >= rate/HZ (at least rate/250 on this kernel); keep 1mb (the brief's) when enough.
-    need = 2 * rate_bytes / 250
-    return "1mb" if need <= 1024 * 1024 else str(int(math.ceil(need)))
-
-
-def teardown_network():
-    """Remove our namespaces (their veth ends go with them) and any stray veth in this namespace."""
-    for ns in NODES:
-        sh("ip", "netns", "del", ns, check=False)
-    for veth in VETHS:
-        if sh("ip", "link", "show", veth, check=False).returncode == 0:
-            sh("ip", "link", "del", veth, check=False)
-
-
-def setup_network(rate: str | None):
-    teardown_network()  # leftovers of a crashed run
-    for ns in NODES:
-        sh("ip", "netns", "add", ns)
-    sh("ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1])
-    for ns, veth, addr in zip(NODES, VETHS, ADDRS):
-        sh("ip", "link", "set", veth, "netns", ns)
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", ns, "link", "set", veth, "up")
-        if rate is not None:
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root", "tbf", "rate", rate, "burst",
-               burst_for(parse_rate(rate)), "latency", "100ms")
-    return {ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip() for ns, veth in zip(NODES, VETHS)}
-
-
 def preflight(args):
-    if os.geteuid() != 0:
-        raise Refuse("this benchmark creates network namespaces, a veth pair and tc shaping: run it as root, e.g.\n"
-                     f"  sudo {sys.executable} {' '.join(sys.argv)}")
-    for tool in ("ip", "taskset") + (() if args.no_shape else ("tc", )):
-        if shutil.which(tool) is None:
-            raise Refuse(f"`{tool}` is not installed (iproute2 / util-linux); it is needed to emulate two nodes")
-    res = sh("ip", "netns", "list", check=False)
-    if res.returncode != 0:
-        raise Refuse(f"`ip netns` is not available here ({res.stderr.strip() or 'exit ' + str(res.returncode)}); "
-                     "network namespaces are needed to emulate two nodes")
+    cluster_preflight("this benchmark", ("ip", "taskset") + (() if args.no_shape else ("tc",)))
     cores = [int(c) for c in args.cores.split(",")]
     if len(cores) != 2 or not set(cores) <= os.sched_getaffinity(0):
         raise Refuse(f"--cores {args.cores!r}: need two distinct cores this process may use "
@@ -179,87 +119,13 @@ def preflight(args):
         parse_rate(args.rate)
 
 
-# ---------------------------------------------------------------------------------- noise
-class ForeignCpu:
-    """Samples, once a second, the CPU time used by processes that are not this benchmark (not
-    this process nor a descendant): with 4 busy ranks on 2 cores, anything else running slows
-    the steps. Samples are (time.perf_counter(), cumulative foreign CPU seconds); perf_counter is
-    CLOCK_MONOTONIC, the clock the ranks time their steps with."""
-
-    def __init__(self, interval=1.0):
-        self.interval, self.samples = interval, []
-        self._stop = threading.Event()
-        self._hz = os.sysconf("SC_CLK_TCK")
-        self._seen: dict[int, int] = {}
-        self._total = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _procs():
-        out = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
-        return out
-
-    def _sample(self, first=False):
-        procs = self._procs()
-        ours, changed = {os.getpid()}, True
-        while changed:
-            changed = False
-            for pid, (ppid, _) in procs.items():
-                if ppid in ours and pid not in ours:
-                    ours.add(pid)
-                    changed = True
-        for pid, (_, ticks) in procs.items():
-            if pid in ours:
-                continue
-            before = self._seen.get(pid, ticks if first else 0)  # a new process: all its CPU is new
-            self._total += max(0, ticks - before)
-            self._seen[pid] = ticks
-        self.samples.append((time.perf_counter(), self._total / self._hz))
-
-    def _run(self):
-        self._sample(first=True)
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def start(self):
-        self._thread.start()
-
-    def stop(self):
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(timeout=5)
-
-    def save(self, path: Path):
-        path.write_text(json.dumps({"interval_s": self.interval, "samples": self.samples}))
-
-
-def foreign_cpu_between(samples, start, end):
-    """Foreign CPU seconds in [start, end], linearly interpolated between samples."""
-    def at(t):
-        if not samples or t <= samples[0][0]:
-            return samples[0][1] if samples else 0.0
-        for (t0, c0), (t1, c1) in zip(samples, samples[1:]):
-            if t <= t1:
-                return c0 + (c1 - c0) * (t - t0) / ((t1 - t0) or 1)
-        return samples[-1][1]
-    return at(end) - at(start)
-
-
 # ---------------------------------------------------------------------------------- job
-class Job:
+class Job(NodeProcesses):
     """The two launchers (one per emulated node), their logs and progress output."""
 
     def __init__(self, args, out: Path):
-        self.args, self.out, self.procs, self.threads = args, out, [], []
-        self.t0 = time.monotonic()
+        super().__init__(out / "logs", port=args.port)
+        self.args, self.out = args, out
 
     def worker_args(self):
         a = self.args
@@ -272,80 +138,17 @@ class Job:
 
     def start(self):
         a = self.args
-        world_info = base64.urlsafe_b64encode(json.dumps({NODES[0]: [0, 1], NODES[1]: [0, 1]}).encode()).decode()
+        world_info = NETWORK.world_info(2)
         cores = a.cores.split(",")
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        for n, (ns, veth) in enumerate(zip(NODES, VETHS)):
-            env = dict(os.environ)
-            env.update({"GLOO_SOCKET_IFNAME": veth, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                        "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
-            env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
-            cmd = ["ip", "netns", "exec", ns, "taskset", "-c", cores[n], sys.executable, "-u", "-m",
-                   "deepspeed.launcher.launch", f"--world_info={world_info}", f"--node_rank={n}",
-                   f"--master_addr={ADDRS[0]}", f"--master_port={a.port}", str(WORKER), *self.worker_args()]
+        for n in range(2):
+            cmd = NETWORK.exec_prefix(n, cores[n]) + [
+                sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                f"--node_rank={n}", f"--master_addr={ADDRS[0]}", f"--master_port={a.port}", str(WORKER),
+                *self.worker_args()]
             if n == 0:
                 (self.out / "logs" / "command.txt").write_text(" ".join(cmd) + "\n")
-            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, bufsize=1, start_new_session=True)
-            self.procs.append(proc)
-            t = threading.Thread(target=self._pump, args=(n, proc), daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _pump(self, n, proc):
-        with open(self.out / "logs" / f"node{n}.log", "w") as log:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                if "[bench]" in line:
-                    msg = line.split("[bench]", 1)[1].strip()
-                    print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
-
-    def wait(self, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in self.procs]
-            if all(c == 0 for c in codes):
-                break
-            failed = [(n, c) for n, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                n, c = failed[0]
-                raise RuntimeError(f"node {n}'s launcher exited with {c}; see {self.out}/logs/node{n}.log"
-                                   + self._tails())
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the job ran past --timeout {timeout} s" + self._tails())
-            time.sleep(0.5)
-        for t in self.threads:
-            t.join(timeout=5)
-
-    def _tails(self):
-        time.sleep(1)
-        out = []
-        for n in range(len(self.procs)):
-            p = self.out / "logs" / f"node{n}.log"
-            lines = p.read_text().splitlines()[-25:] if p.exists() else []
-            out.append(f"\n--- last lines of node{n}.log ---\n" + "\n".join(lines))
-        return "".join(out)
-
-    def stop(self):
-        """End the launchers we started (their process groups: launcher + its rank processes)."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        end = time.monotonic() + 15
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(timeout=5)
+            self.start_node(n, cmd, node_env(VETHS[n]))
 
 
 # ---------------------------------------------------------------------------------- analysis
@@ -392,7 +195,7 @@ def analyse_rank(steps, tl):
             spans.append({"target": _target(e["name"]), "start": s["start"], "end": e["end"]})
         elif e["kind"] in ("ReduceGrads", "ReduceTiedGrads"):
             spans.append({"target": "grads", "start": e["start"], "end": e["end"]})
-    per_step, i = [], 0
+    per_step = []
     for st in steps["steps"]:
         mine = [e for e in events if st["start"] <= e["start"] < st["end"]]
         groups = {g: sum(e["end"] - e["start"] for e in mine if e["kind"] in kinds) for g, kinds in GROUPS.items()}
@@ -617,19 +420,6 @@ def args_record(a):
             "params_per_stage": f"~{total / 2 / 1e6:.2f}M", "cores": a.cores, "command": " ".join(sys.argv)}
 
 
-def fix_owner(out: Path):
-    """Files written as root under sudo: give them back to the invoking user."""
-    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
-    if os.geteuid() != 0 or not uid:
-        return
-    for root, dirs, files in os.walk(out):
-        for n in [root] + [os.path.join(root, x) for x in dirs + files]:
-            try:
-                os.chown(n, int(uid), int(gid or uid))
-            except OSError:
-                pass
-
-
 def main(argv=None):
     a = parse_args(argv)
     out = Path(a.out).resolve()
@@ -646,10 +436,6 @@ def main(argv=None):
         print(f"bench_hidden_comm: {exc}", file=sys.stderr)
         return 2
 
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for d in ("raw", "traces", "logs"):
         shutil.rmtree(out / d, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -659,28 +445,27 @@ def main(argv=None):
     job = Job(a, out)
     sampler = ForeignCpu()
     rc = 0
-    try:
-        qdiscs = setup_network(None if a.no_shape else a.rate)
-        print(f"emulated cluster: {NODES[0]} {VETHS[0]} {ADDRS[0]} <-> {NODES[1]} {VETHS[1]} {ADDRS[1]}; "
-              + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
-        print(f"schedules: {a.schedules}; {a.warmup} warm-up + {a.rounds} rounds x {a.steps} timed steps each, "
-              f"{a.micro_batches} micro-batches; logs in {out}/logs", flush=True)
-        sampler.start()
-        job.start()
-        job.wait(a.timeout)
-    except RuntimeError as exc:
-        print(f"bench_hidden_comm: {exc}", file=sys.stderr)
-        rc = 1
-    finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)  # finish cleaning up whatever arrives now
+
+    def cleanup():
         job.stop()
-        teardown_network()
+        NETWORK.teardown()
         sampler.stop()
         if (out / "raw").is_dir():
             sampler.save(out / "raw" / "foreign_cpu.json")
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+
+    with cleanup_on_signals(cleanup):
+        try:
+            qdiscs = NETWORK.setup(None if a.no_shape else a.rate)
+            print(f"emulated cluster: {NODES[0]} {VETHS[0]} {ADDRS[0]} <-> {NODES[1]} {VETHS[1]} {ADDRS[1]}; "
+                  + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
+            print(f"schedules: {a.schedules}; {a.warmup} warm-up + {a.rounds} rounds x {a.steps} timed steps each, "
+                  f"{a.micro_batches} micro-batches; logs in {out}/logs", flush=True)
+            sampler.start()
+            job.start()
+            job.wait(a.timeout)
+        except RuntimeError as exc:
+            print(f"bench_hidden_comm: {exc}", file=sys.stderr)
+            rc = 1
     if rc == 0:
         wall = time.monotonic() - start
         rec = args_record(a)
