@@ -75,6 +75,14 @@ multinode: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/multinode.py --out $(OUT)/multinode \
 		$(MULTINODE_ARGS)
 
+# Soak: 1,000 steps of hippie on 4 local ranks with timelines on; resident memory must grow less
+# than 1% after the warm-up, file descriptors, threads and /dev/shm entries not at all, and the
+# timeline keeps only its window (hippie.timeline_steps). Writes $(OUT)/soak/report.json. About 3 min.
+SOAK_ARGS ?=
+.PHONY: soak
+soak: $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/soak.py --out $(OUT)/soak $(SOAK_ARGS)
+
 # Convergence: both examples (GPT on Python's docs, VGG on scikit-learn's digits) trained to a fixed
 # budget with data parallelism (4 replicas) and with 1f1b, hippie and hippie-1f1b (2 stages x 2
 # replicas), one 4-rank job after another; same global batch, weights and data order. Writes

@@ -8,6 +8,7 @@
         "placement": null,                      # checked against the module's topology when given:
                                                 #   "pipeline_in_node" or "data_parallel_in_node"
         "timeline_dir": null,                   # write a per-rank Chrome trace of executed instructions
+        "timeline_steps": 100,                  #   of the last this many train_batch calls (memory stays flat)
         "plan": null,                           # a planner plan file (`hippie-ds plan --out`): stage
                                                 #   boundaries, checkpointed layers, schedule, batch
         "staleness": {                          # correction for stages that update one step late
@@ -51,6 +52,7 @@ class HippieConfig(BaseModel):
     # working unchanged); a value is checked against the module's topology.
     placement: Literal["pipeline_in_node", "data_parallel_in_node"] | None = None
     timeline_dir: str | None = None
+    timeline_steps: int = Field(100, ge=1)
     # Path of a plan file; relative paths are tried from the working directory, then from the
     # config file's directory.
     plan: str | None = None

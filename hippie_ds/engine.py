@@ -33,6 +33,7 @@ for the others, and a deferred stage applies last step's gradient. DeepSpeed's `
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -44,6 +45,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import checkpoint_state as ckpt
 from ._compat import check_deepspeed_version
 from .schedules import deepspeed_schedule as hs
 from .schedules.ir import COMPUTE_KINDS, CompiledSchedule, OpKind
@@ -99,7 +101,7 @@ class HippiePipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
-                 staleness=None, **kwargs):
+                 timeline_steps: int = 100, staleness=None, **kwargs):
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -113,7 +115,9 @@ class HippiePipelineEngine(PipelineEngine):
         self._grad_buffer: torch.Tensor | None = None
         self._grad_buffer_state = "empty"  # empty | filled | reducing | reduced
         self._timeline_dir = timeline_dir
-        self._timeline: list[dict] = []
+        # events of the last `timeline_steps` train_batch calls only: a long run's memory stays flat
+        self._timeline: collections.deque[dict] = collections.deque()
+        self._timeline_steps = timeline_steps
         self._inflight: dict[str, float] = {}
         self._batch_index = 0
         self._training = False  # timelines cover train_batch only
@@ -202,6 +206,8 @@ class HippiePipelineEngine(PipelineEngine):
                 self._corrector.restore()  # no-op after a normal step; a failed one keeps true weights
             self._training = False
             self._batch_index += 1
+            while self._timeline and self._timeline[0]["step"] <= self._batch_index - 1 - self._timeline_steps:
+                self._timeline.popleft()
 
     # ------------------------------------------------------------------ continuous schedules
     def drain(self) -> bool:
@@ -298,14 +304,16 @@ class HippiePipelineEngine(PipelineEngine):
         self._wv_loaded = self._wv_count
 
     def write_timeline(self, path: str | None = None) -> str | None:
-        """Write this rank's executed-instruction timeline (JSON); returns the path."""
+        """Write this rank's executed-instruction timeline (JSON) of the last ``timeline_steps``
+        train_batch calls; returns the path."""
         if self._timeline_dir is None and path is None:
             return None
         path = path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump({"rank": self.global_rank, "stage": self.stage_id, "data_parallel_id": self.grid.data_parallel_id,
-                       "schedule": self.compiled_schedule.name, "t0_unix": self._t0_unix, "events": self._timeline}, f)
+                       "schedule": self.compiled_schedule.name, "t0_unix": self._t0_unix,
+                       "steps_kept": self._timeline_steps, "events": list(self._timeline)}, f)
         return path
 
     # ------------------------------------------------------------------ per-buffer slots
@@ -500,46 +508,94 @@ class HippiePipelineEngine(PipelineEngine):
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         # Continuous schedules: drain the batches in flight first (activations cannot be saved;
         # the math does not depend on the drain), then save the weight versions still needed.
+        # In-flight state is wrapped so that stock DeepSpeed refuses it (hippie_ds.checkpoint_state).
         state = dict(client_state)
+        state[ckpt.LAYOUT_KEY] = ckpt.layout(self.module.parts)
         if self._continuous:
             self.drain()
             if self._versioned:
                 self._use_version(self._wv_count)  # the module's states are the current version
-            state[WEIGHT_VERSIONS_KEY] = {
-                "call": self._call, "count": self._wv_count,
-                "stashed": {v: self._wv_store[v].clone() for v in sorted(self._wv_stashed)}}
+            versions = {"call": self._call, "count": self._wv_count,
+                        "stashed": {v: self._wv_store[v].clone() for v in sorted(self._wv_stashed)}}
+            state[WEIGHT_VERSIONS_KEY] = ckpt.InFlightState(versions) if versions["stashed"] else versions
         # The pending gradient is part of the training state: finish its all-reduce (identical on
         # every replica afterwards) and save it with this stage's model states.
         self._exec_wait_sends()
         if self._grad_buffer_state == "filled":  # each replica holds its own part: reduce it now
             self._exec_start_allreduce("buffer")
         self._wait_buffer()
-        state[GRAD_BUFFER_KEY] = {"state": self._grad_buffer_state,
-                                  "buffer": None if self._grad_buffer is None else self._grad_buffer.clone()}
+        empty = self._grad_buffer_state == "empty" or self._grad_buffer is None  # a spare buffer is not state
+        buffer = {"state": self._grad_buffer_state, "buffer": None if empty else self._grad_buffer.clone()}
+        state[GRAD_BUFFER_KEY] = buffer if self._grad_buffer_state == "empty" else ckpt.InFlightState(buffer)
         if self._corrector is not None:
             state[WEIGHT_PREDICTION_KEY] = self._corrector.state_dict()
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, **kwargs):
+        """DeepSpeed's ``load_checkpoint``, plus hippie-ds's state. Loads checkpoints of stock
+        DeepSpeed and of other stage layouts (re-planned runs): weights follow by layer; optimizer
+        state cannot, so a layout change needs ``load_optimizer_states=False`` (an explicit
+        restart of the optimizer state) and a checkpoint with nothing in flight."""
         self._wait_buffer()
-        path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        if client_state is not None and GRAD_BUFFER_KEY in client_state:
-            saved = client_state.pop(GRAD_BUFFER_KEY)
-            self._grad_buffer_state = saved["state"]
-            self._grad_buffer = None if saved["buffer"] is None else saved["buffer"].to(self.device)
-        if client_state is not None and WEIGHT_PREDICTION_KEY in client_state:
-            saved = client_state.pop(WEIGHT_PREDICTION_KEY)
-            if self._corrector is not None:
-                self._corrector.load_state_dict(saved, self.device)
-        if client_state is not None and WEIGHT_VERSIONS_KEY in client_state:
-            saved = client_state.pop(WEIGHT_VERSIONS_KEY)
-            self._call = self._op_call = self._first_batch = saved["call"]
+        changed, why = self._checkpoint_layout_change(load_dir, tag)
+        if changed and load_optimizer_states:
+            raise ValueError(f"load_checkpoint({str(load_dir)!r}): {why}")
+        with ckpt.loading():
+            path, client_state = super().load_checkpoint(load_dir, tag=tag,
+                                                         load_optimizer_states=load_optimizer_states, **kwargs)
+        if client_state is None:
+            return path, client_state
+        client_state.pop(ckpt.LAYOUT_KEY, None)
+        buffer = ckpt.unwrap(client_state.pop(GRAD_BUFFER_KEY, None))
+        versions = ckpt.unwrap(client_state.pop(WEIGHT_VERSIONS_KEY, None))
+        prediction = client_state.pop(WEIGHT_PREDICTION_KEY, None)
+        if changed:
+            if (buffer and buffer["state"] != "empty") or (versions and versions["stashed"]):
+                raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
+                                 "gradient or weight versions) of another stage layout; save it after engine.drain() "
+                                 "to resume with new stage boundaries")
+            prediction = None  # the previous weights of other stages: the prediction restarts
+        if buffer is not None:
+            self._grad_buffer_state = buffer["state"]
+            # an empty buffer is re-allocated at this layout's size on first use
+            self._grad_buffer = None if buffer["buffer"] is None else buffer["buffer"].to(self.device)
+        if prediction is not None and self._corrector is not None:
+            self._corrector.load_state_dict(prediction, self.device)
+        if versions is not None:
+            self._call = self._op_call = self._first_batch = versions["call"]
             self._in_flight = False
-            self._wv_count = self._wv_loaded = saved["count"]
-            self._wv_store = {int(v): t.to(self.device) for v, t in saved["stashed"].items()}
+            self._wv_count = self._wv_loaded = versions["count"]
+            self._wv_store = {int(v): t.to(self.device) for v, t in versions["stashed"].items()}
             self._wv_stashed = set(self._wv_store)
         return path, client_state
+
+    def _checkpoint_layout_change(self, load_dir, tag) -> tuple[bool, str]:
+        """Whether the checkpoint's stage layout differs from this model's, and the message."""
+        import glob
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                return False, ""  # DeepSpeed warns and loads nothing
+            with open(latest) as f:
+                tag = f.read().strip()
+        files = sorted(glob.glob(os.path.join(load_dir, str(tag), "mp_rank_*_model_states.pt")))
+        if not files:
+            return False, ""
+        own = os.path.join(load_dir, str(tag), f"mp_rank_{self.stage_id:02d}_model_states.pt")
+        with ckpt.loading():
+            saved = torch.load(own if os.path.exists(own) else files[0], map_location="cpu", weights_only=False)
+        current = ckpt.layout(self.module.parts)
+        saved_layout = saved.get(ckpt.LAYOUT_KEY)
+        shapes_match = True
+        if saved_layout is None and os.path.exists(own) and isinstance(saved.get("optimizer"), dict):
+            states = saved["optimizer"].get("state", {})
+            params = self._version_params()
+            shapes_match = all(not torch.is_tensor(t) or t.dim() == 0 or (int(i) < len(params) and
+                                                                          t.shape == params[int(i)].shape)
+                               for i, st in states.items() for t in st.values())
+        changed = ckpt.layout_changed(saved_layout, current, len(files), shapes_match)
+        return changed, ckpt.layout_change_message(saved_layout, current, len(files)) if changed else ""
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

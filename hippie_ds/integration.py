@@ -209,7 +209,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
                                   dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                   config_class=config_class, compiled_schedule=compiled,
-                                  timeline_dir=options.timeline_dir, staleness=options.staleness)
+                                  timeline_dir=options.timeline_dir,
+                                  timeline_steps=options.timeline_steps, staleness=options.staleness)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,127 @@
+"""Existing DeepSpeed pipeline scripts, unchanged but for ``initialize``: the client-shaped script
+``tests/distributed/client_train.py`` (argparse + ``deepspeed.add_config_arguments``,
+``--deepspeed_config``, DeepSpeed's default topology with data parallelism, ``partition_method=
+"parameters"``, ``activation_checkpoint_interval``, ``training_data=`` a Dataset, ``train_batch()``
+without an iterator, ``eval_batch``) run by the ``deepspeed`` launcher on 2 stages x 2 replicas,
+with no ``hippie`` key in the config. Checkpoints cross between stock DeepSpeed and hippie-ds
+both ways, and across stage layouts.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+from launch import launch  # noqa: E402
+
+CLIENT = Path(__file__).parent / "distributed" / "client_train.py"
+SCHEDULES = ["1f1b", "gpipe", "hippie", "hippie-1f1b", "2bw", "pipedream"]
+SYNCHRONOUS = ("1f1b", "gpipe")  # bit-identical to stock DeepSpeed
+STEPS = 3
+
+
+def _config(tmp, schedule=None):
+    cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, "gradient_clipping": 1.0}
+    if schedule is not None:
+        cfg["pipeline"] = {"schedule": schedule}
+    path = Path(tmp, f"config-{schedule or 'stock'}.json")
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run(out, config, *args, ranks=4, initialize="hippie_ds", expect_ok=True):
+    rc, log, _ = launch(ranks, out, "--initialize", initialize, "--deepspeed", "--deepspeed_config", config,
+                        *args, worker=CLIENT, timeout=180)
+    if expect_ok:
+        assert rc == 0, log[-4000:]
+    return rc, log, _results(out)
+
+
+def _results(out):
+    records = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(out).glob("rank*.json")}
+    weights = {}
+    for f in Path(out).glob("rank*.pt"):
+        weights.update(torch.load(f))
+    return {"records": records, "weights": weights}
+
+
+def _same_weights(a, b):
+    assert a.keys() == b.keys()
+    for i in a:
+        for k in a[i]:
+            assert torch.equal(a[i][k], b[i][k]), f"layer {i} {k} differs by {(a[i][k] - b[i][k]).abs().max()}"
+
+
+def _losses(result):
+    return result["records"][0]["losses"]
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """Stock DeepSpeed: trains STEPS steps and saves; resumes from that checkpoint for 2 steps."""
+    tmp = tmp_path_factory.mktemp("stock")
+    config = _config(tmp)
+    _, _, trained = run(tmp / "trained", config, "--steps", STEPS, "--save", tmp / "ckpt", initialize="deepspeed")
+    _, _, resumed = run(tmp / "resumed", config, "--steps", 2, "--load", tmp / "ckpt", initialize="deepspeed")
+    return {"dir": tmp, "trained": trained, "resumed": resumed}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, schedule):
+    config = _config(tmp_path, None if schedule == "1f1b" else schedule)  # 1f1b: no key at all
+    _, log, ours = run(tmp_path / "trained", config, "--steps", STEPS)
+    records = ours["records"]
+    assert len(records) == 4 and all(r["global_steps"] == STEPS for r in records.values())
+    # eval_batch on the same (initial) weights: stock's loss
+    assert records[0]["eval_before"] == stock["trained"]["records"][0]["eval_before"]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in records.values())
+    if schedule in SYNCHRONOUS:
+        assert _losses(ours) == _losses(stock["trained"])
+        assert records[0]["eval_after"] == stock["trained"]["records"][0]["eval_after"]
+        _same_weights(ours["weights"], stock["trained"]["weights"])
+    else:
+        assert _losses(ours) != _losses(stock["trained"])  # its own update rule really ran
+    # a checkpoint saved by stock DeepSpeed: loads, and training continues
+    _, log, resumed = run(tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt")
+    assert resumed["records"][0]["eval_before"] == stock["resumed"]["records"][0]["eval_before"]  # loaded weights
+    assert all(r["global_steps"] == STEPS + 2 for r in resumed["records"].values())
+    if schedule in SYNCHRONOUS:  # exactly what stock DeepSpeed does when it resumes the same checkpoint
+        assert _losses(resumed) == _losses(stock["resumed"])
+        _same_weights(resumed["weights"], stock["resumed"]["weights"])
+
+
+def test_drained_checkpoint_loads_into_stock(tmp_path):
+    """hippie with a deferred stage, drained before saving: nothing in flight, stock resumes it."""
+    _, _, ours = run(tmp_path / "hippie", _config(tmp_path, "hippie"), "--steps", STEPS, "--drain-before-save",
+                     "--save", tmp_path / "ckpt")
+    _, _, theirs = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", tmp_path / "ckpt",
+                       initialize="deepspeed")
+    assert theirs["records"][0]["eval_before"] == ours["records"][0]["eval_after"]
+    assert theirs["records"][0]["global_steps"] == STEPS + 1
+
+
+@pytest.mark.parametrize("schedule", ["hippie", "2bw"])
+def test_in_flight_checkpoint_is_refused_by_stock(tmp_path, schedule):
+    run(tmp_path / "ours", _config(tmp_path, schedule), "--steps", STEPS, "--save", tmp_path / "ckpt")
+    rc, log, _ = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", tmp_path / "ckpt",
+                     initialize="deepspeed", expect_ok=False)
+    assert rc != 0
+    assert "hippie-ds in-flight training state" in log and "engine.drain()" in log, log[-3000:]
+
+
+def test_replanned_resume(tmp_path):
+    """Saved on 2 stages x 2 replicas (DeepSpeed's 'parameters' partition), resumed on 4 stages:
+    weights follow by layer; optimizer state is an explicit opt-in restart."""
+    config = _config(tmp_path, "hippie")
+    _, _, before = run(tmp_path / "two", config, "--steps", STEPS, "--drain-before-save", "--save", tmp_path / "ckpt")
+    rc, log, _ = run(tmp_path / "refused", config, "-p", 4, "--load", tmp_path / "ckpt", expect_ok=False)
+    assert rc != 0 and "load_optimizer_states=False" in log and "stage boundaries" in log, log[-3000:]
+    _, _, after = run(tmp_path / "four", config, "-p", 4, "--steps", 2, "--load", tmp_path / "ckpt",
+                      "--restart-optimizer")
+    assert after["records"][0]["eval_before"] == pytest.approx(before["records"][0]["eval_after"], rel=1e-6)
+    assert {r["stage"] for r in after["records"].values()} == {0, 1, 2, 3}
+    assert all(r["global_steps"] == STEPS + 2 for r in after["records"].values())
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in after["records"].values())
