@@ -49,6 +49,7 @@ setup(
         "pydantic>=2,<3",
         "pyyaml>=6",
         "matplotlib>=3.5",
+        "tqdm>=4",  # progress bars (hippie-ds profile, the examples); DeepSpeed needs it too
     ],
     extras_require={"test": ["pytest", "scikit-learn"], "examples": ["scikit-learn"]},
     entry_points={"console_scripts": ["hippie-ds = hippie_ds.cli:main"]},

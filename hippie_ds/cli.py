@@ -5,7 +5,9 @@ paths) without torch or DeepSpeed. Each top-level command registers itself in :d
 (``schedule``, ``plan``, ``profile-import``). ``main(argv)`` returns the exit code:
 0 success, 1 a schedule that ``validate`` found invalid, 2 a usage error (bad option, unknown
 schedule or parameter, a schedule that cannot be compiled), reported in one message on stderr (set HIPPIE_DS_DEBUG=1
-for the traceback instead).
+for the traceback instead). A ``profile`` target whose own code raises is exit code 2 too: one line
+naming the target and the exception, then the traceback's frames of the target's code only
+(HIPPIE_DS_DEBUG=1: the whole traceback).
 """
 from __future__ import annotations
 
@@ -725,19 +727,76 @@ def _cmd_profile(args) -> int:
     import torch
 
     from .planner import save_profile
-    from .profiler import load_target, profile_layers, progress_bar
+    from .profiler import TargetError, load_target, profile_layers
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    layers, sample, name = load_target(args.target)
-    profile = profile_layers(layers, sample, model=args.name or name, repeats=args.repeats, warmup=args.warmup,
-                             progress=None if args.no_progress else progress_bar())
+    try:
+        layers, sample, name = load_target(args.target)
+        profile = profile_layers(layers, sample, model=args.name or name, repeats=args.repeats,
+                                 warmup=args.warmup, progress=not args.no_progress)
+    except TargetError as exc:
+        if os.environ.get("HIPPIE_DS_DEBUG"):
+            raise
+        sys.stderr.write(_target_error_report(args.target, exc))
+        return 2
     save_profile(profile, args.out)
     saved = sum(x.saved for x in profile.layers)
     print(f"wrote {args.out}: {profile.model}, {profile.num_layers} layers at micro-batch {profile.batch_size}, "
           f"forward+backward {profile.total_time() * 1e3:.4g} ms, saved for backward {_fmt_bytes(saved)}, "
           f"parameters {_fmt_bytes(profile.total_param_bytes())}")
     return 0
+
+
+def _target_error_report(target: str, error) -> str:
+    """What ``hippie-ds profile`` prints when the target's own code raised (a ``TargetError``): one
+    line naming the target and the exception, then the traceback without hippie-ds's frames, the
+    import machinery's, and the library frames (torch, DeepSpeed) that lead into the target's code."""
+    import traceback
+
+    exc = error.__cause__
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{name}"
+    try:
+        message = str(exc)
+    except Exception:
+        message = ""
+    where = f": {error.where}" if error.where else ""
+    head = f"{PROG} profile: target {target!r}{where} raised {name}" + (f": {message}" if message else "")
+    report = traceback.TracebackException.from_exception(exc)
+    _drop_foreign_frames(report, set())
+    return head + "\n" + "".join(report.format())
+
+
+def _drop_foreign_frames(report, seen: set) -> None:
+    """Keep the frames of the user's code in a ``TracebackException`` (and the exceptions chained
+    to it): no frame of hippie-ds or of importlib/runpy, and none of the installed libraries before
+    the first frame of the user's code (all of them when there is none)."""
+    import importlib
+    import runpy
+    import sysconfig
+    import traceback
+
+    if report is None or id(report) in seen:
+        return
+    seen.add(id(report))
+
+    def inside(filename: str, dirs) -> bool:
+        path = os.path.realpath(filename)
+        return any(path == d or path.startswith(d + os.sep) for d in dirs)
+
+    ours = [os.path.realpath(Path(__file__).parent), os.path.realpath(Path(importlib.__file__).parent)]
+    libraries = {os.path.realpath(p) for key, p in sysconfig.get_paths().items()
+                 if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    frames = [f for f in report.stack
+              if not (f.filename.startswith(("<frozen importlib", "<frozen runpy"))
+                      or f.filename == runpy.__file__ or inside(f.filename, ours))]
+    first_user = next((i for i, f in enumerate(frames) if not inside(f.filename, libraries)), 0)
+    report.stack = traceback.StackSummary.from_list(frames[first_user:])
+    for other in (report.__cause__, report.__context__, *(getattr(report, "exceptions", None) or ())):
+        _drop_foreign_frames(other, seen)
 
 
 @command("profile-import")

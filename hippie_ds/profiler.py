@@ -24,6 +24,11 @@ detached tensor that requires grad when it is floating point). Per layer:
 
 Layer names are :func:`hippie_ds.pipeline_module.layer_names`, so a plan made from the profile
 recognises the model (``Profile.fingerprint``).
+
+What the target's own code raises (importing its module, calling its function, building a layer,
+a layer's forward or backward) comes out as :class:`TargetError`, the exception as its
+``__cause__``; ``hippie-ds profile`` reports it with the target's frames only. A target that is
+not usable (no such module, file or function, a wrong return value) is a ``ProfileError``.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
@@ -42,28 +47,59 @@ from .memory import _tensors, storage_key
 from .planner.profile import LayerProfile, Profile, ProfileError
 
 
+class TargetError(Exception):
+    """The profile target's own code raised: importing its module, calling its function, or building,
+    running or back-propagating one of its layers. The exception is ``__cause__``; ``where`` says
+    which layer and phase ("" for the module and the function)."""
+
+    def __init__(self, where: str = ""):
+        super().__init__(where or "the profile target raised")
+        self.where = where
+
+
+def _guard(fn: Callable, where: str) -> Callable:
+    """``fn`` whose exceptions come out as :class:`TargetError` (``where``), the exception its cause."""
+    def call(*args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise TargetError(where) from exc
+    return call
+
+
 def load_target(target: str) -> tuple[list, Any, str]:
     """(layers, sample, name) from ``module:function`` or ``file.py:function``."""
     if ":" not in target:
         raise ProfileError(f"profile target {target!r}: expected module:function or path/to/file.py:function")
     where, func_name = target.rsplit(":", 1)
-    try:
-        if where.endswith(".py") or "/" in where:
-            path = Path(where)
-            if not path.exists():
-                raise ProfileError(f"profile target {target!r}: no file {where}")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(path.stem, module)
+    if where.endswith(".py") or "/" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise ProfileError(f"profile target {target!r}: no file {where}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ProfileError(f"profile target {target!r}: {where} is not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        registered = sys.modules.setdefault(path.stem, module) is module
+        try:
             spec.loader.exec_module(module)
-        else:
+        except Exception as exc:
+            if registered:
+                del sys.modules[path.stem]
+            raise TargetError() from exc
+    else:
+        try:
             module = importlib.import_module(where)
-    except ImportError as exc:
-        raise ProfileError(f"profile target {target!r}: cannot import {where!r}: {exc}") from None
+        except ModuleNotFoundError as exc:
+            if exc.name and (where == exc.name or where.startswith(exc.name + ".")):
+                raise ProfileError(f"profile target {target!r}: cannot import {where!r}: {exc}") from None
+            raise TargetError() from exc  # the module itself imports something missing
+        except Exception as exc:
+            raise TargetError() from exc
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ProfileError(f"profile target {target!r}: {where} has no function {func_name!r}")
-    result = fn()
+    result = _guard(fn, "")()
     if isinstance(result, dict):
         layers, sample, name = result.get("layers"), result.get("sample"), result.get("name")
     elif isinstance(result, (tuple, list)) and len(result) == 2:
@@ -80,20 +116,24 @@ def load_target(target: str) -> tuple[list, Any, str]:
 
 def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch.nn.Parameter]]]:
     """Callables for the layer list, as ``PipelineModule._build`` makes them (tied modules are
-    built once per key), and the parameters each layer owns (tied: at first use)."""
+    built once per key), and the parameters each layer owns (tied: at first use). A layer whose
+    constructor raises is a :class:`TargetError`."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from .pipeline_module import layer_name
 
     funcs, params, tied = [], [], {}
     for layer in layers:
+        build = _guard(lambda spec: spec.build(), f"layer {len(funcs)} ({layer_name(layer)}) build")
         if isinstance(layer, TiedLayerSpec):
             first = layer.key not in tied
             if first:
-                tied[layer.key] = layer.build()
+                tied[layer.key] = build(layer)
             module = tied[layer.key]
             funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
             params.append(list(module.parameters()) if first else [])
         elif isinstance(layer, LayerSpec):
-            module = layer.build()
+            module = build(layer)
             funcs.append(module)
             params.append(list(module.parameters()))
         elif isinstance(layer, torch.nn.Module):
@@ -164,8 +204,11 @@ def _median(fn, repeats: int) -> float:
 
 
 def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", repeats: int = 10, warmup: int = 3,
-                   progress: Callable[[int, int, str], None] | None = None) -> Profile:
-    """Measure every layer (see the module docstring) and return the profile."""
+                   progress: bool | TextIO = False) -> Profile:
+    """Measure every layer (see the module docstring) and return the profile. ``progress``: a tqdm
+    bar over the layers on stderr (True) or on the given stream; erased when a layer raises."""
+    from tqdm import tqdm
+
     from .pipeline_module import layer_names
 
     if repeats < 1 or warmup < 0:
@@ -176,39 +219,48 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     batch = int(first.shape[0]) if first.dim() > 0 else 1
     x = sample
     out_layers, saved_sets, inputs_saved, outputs = [], [], [], []
-    for i, (name, fn, ps) in enumerate(zip(names, funcs, params)):
-        if progress:
-            progress(i, len(funcs), name)
-        inp = _as_stage_input(x)
+    bar = tqdm(total=len(funcs), desc="profile", unit="layer", disable=not progress,
+               file=None if isinstance(progress, bool) else progress)
+    try:
+        for i, (name, layer_fn, ps) in enumerate(zip(names, funcs, params)):
+            bar.set_postfix_str(name[:30], refresh=False)
+            fn = _guard(layer_fn, f"layer {i} ({name}) forward")
+            backward = _guard(_backward, f"layer {i} ({name}) backward")
+            inp = _as_stage_input(x)
 
-        def step():
-            out = fn(inp)
-            _backward(out)
+            def step():
+                backward(fn(inp))
 
-        for _ in range(warmup):
-            step()
-        forward = _median(lambda: fn(inp), repeats)
-        backs = []
-        for _ in range(repeats):
-            out = fn(inp)
-            t0 = time.perf_counter()
-            _backward(out)
-            backs.append(time.perf_counter() - t0)
-        packed, out = saved_storages(fn, inp)
-        for p in ps:
-            p.grad = None
-        ins, outs = _keys(inp), _keys(out)
-        own = {k: v for k, v in packed.items() if k not in ins and k not in _keys(ps)}
-        saved_sets.append(own)
-        inputs_saved.append(bool(ins & packed.keys()))
-        outputs.append({k: k[2] for k in outs - ins})
-        out_layers.append(dict(
-            name=name, forward=forward, backward=statistics.median(backs), recompute=forward,
-            output_bytes=float(_nbytes(out)), input_bytes=float(_nbytes(sample)) if i == 0 else None,
-            param_bytes=float(sum(p.numel() * p.element_size() for p in ps))))
-        with torch.no_grad():
-            x = fn(inp)
-        x = _detach(x)
+            for _ in range(warmup):
+                step()
+            forward = _median(lambda: fn(inp), repeats)
+            backs = []
+            for _ in range(repeats):
+                out = fn(inp)
+                t0 = time.perf_counter()
+                backward(out)
+                backs.append(time.perf_counter() - t0)
+            packed, out = saved_storages(fn, inp)
+            for p in ps:
+                p.grad = None
+            ins, outs = _keys(inp), _keys(out)
+            own = {k: v for k, v in packed.items() if k not in ins and k not in _keys(ps)}
+            saved_sets.append(own)
+            inputs_saved.append(bool(ins & packed.keys()))
+            outputs.append({k: k[2] for k in outs - ins})
+            out_layers.append(dict(
+                name=name, forward=forward, backward=statistics.median(backs), recompute=forward,
+                output_bytes=float(_nbytes(out)), input_bytes=float(_nbytes(sample)) if i == 0 else None,
+                param_bytes=float(sum(p.numel() * p.element_size() for p in ps))))
+            with torch.no_grad():
+                x = fn(inp)
+            x = _detach(x)
+            bar.update()
+    except BaseException:
+        bar.leave = False  # the error message starts on a clean line
+        raise
+    finally:
+        bar.close()
     # Attribute to the producer: a layer's output counts when it or the next layer saves it
     # (the last layer's: the loss holds it).
     layers_out = []
@@ -219,8 +271,6 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
         if output_saved:
             keep.update(out)
         layers_out.append(LayerProfile(saved_bytes=float(sum(keep.values())), output_saved=output_saved, **fields))
-    if progress:
-        progress(len(funcs), len(funcs), "")
     return Profile(model=model, batch_size=batch, layers=layers_out, source="hippie-ds profile")
 
 
@@ -230,17 +280,3 @@ def _detach(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_detach(v) for v in x)
     return x
-
-
-def progress_bar(stream=sys.stderr, width: int = 30) -> Callable[[int, int, str], None]:
-    """A one-line progress bar: ``profile [#####.....] 12/40 layer name``."""
-    start = time.monotonic()
-
-    def show(done: int, total: int, name: str) -> None:
-        filled = int(width * done / max(total, 1))
-        bar = "#" * filled + "." * (width - filled)
-        end = "\n" if done >= total else ""
-        stream.write(f"\rprofile [{bar}] {done}/{total} layers {time.monotonic() - start:5.1f}s {name[:30]:<30}{end}")
-        stream.flush()
-
-    return show

@@ -892,7 +892,7 @@ def auto_plan(a, out: Path) -> dict:
     import torch
     from hippie_ds.planner import Cluster, make_plan, save_plan, save_profile
     from hippie_ds.planner.plan import SCHEDULES
-    from hippie_ds.profiler import profile_layers, progress_bar
+    from hippie_ds.profiler import profile_layers
 
     wanted = [s for s in a.schedule_list if s in AUTO_PLAN_SCHEDULES and s in SCHEDULES and s not in a.plans]
     if not wanted:
@@ -904,7 +904,7 @@ def auto_plan(a, out: Path) -> dict:
     torch.set_num_threads(1)  # as a rank runs: one core per node, OMP_NUM_THREADS=1
     sample = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq))
     profile = profile_layers(bench_worker.layer_specs(shape), sample, model="bench-gpt", repeats=5, warmup=2,
-                             progress=progress_bar(sys.stdout))
+                             progress=sys.stdout)
     save_profile(profile, d / "profile.yaml")
     link = (1.25e9 if a.no_shape else parse_rate(a.rate)) * a.link_efficiency
     cluster = Cluster(nodes=2, devices_per_node=a.stages, device_memory=8e9, inter_node_bandwidth=link,

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
 import gpt  # noqa: E402
-from harness import Trainer, add_common_args, draw_timeline, load_config, progress  # noqa: E402,F401
+from harness import Trainer, add_common_args, draw_timeline, load_config, progress_bar, step_done  # noqa: E402,F401
 
-__all__ = ["main", "parse_args", "progress", "draw_timeline"]
+__all__ = ["main", "parse_args", "progress_bar", "step_done", "draw_timeline"]
 
 
 def parse_args(argv=None):
@@ -62,12 +62,12 @@ def main(argv=None):
     if rank == 0:
         print(trainer.describe(), flush=True)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        loss = trainer.train_step(train)
-        if rank == 0:
-            progress(step, args.steps, loss, step * trainer.global_batch / (time.perf_counter() - start))
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            trainer.record_eval(step, trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss}))
+    with progress_bar(args.steps, enabled=rank == 0) as bar:
+        for step in range(1, args.steps + 1):
+            loss = trainer.train_step(train)
+            step_done(bar, loss, step * trainer.global_batch / (time.perf_counter() - start))
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                trainer.record_eval(step, trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss}))
     trainer.finish_training()  # the last step's buffered gradient is applied, not lost
 
     final = trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss})

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
 import vgg  # noqa: E402
-from harness import Trainer, add_common_args, load_config, progress  # noqa: E402
+from harness import Trainer, add_common_args, load_config, progress_bar, step_done  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -60,12 +60,12 @@ def main(argv=None):
         print(f"{trainer.describe()}; digits: {len(data.train[1])} training images, "
               f"{test_batches * batch} test images", flush=True)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        loss = trainer.train_step(train)
-        if rank == 0:
-            progress(step, args.steps, loss, step * batch / (time.perf_counter() - start))
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            trainer.record_eval(step, trainer.evaluate(test, test_batches, metrics))
+    with progress_bar(args.steps, enabled=rank == 0) as bar:
+        for step in range(1, args.steps + 1):
+            loss = trainer.train_step(train)
+            step_done(bar, loss, step * batch / (time.perf_counter() - start))
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                trainer.record_eval(step, trainer.evaluate(test, test_batches, metrics))
     trainer.finish_training()  # the last step's buffered gradient is applied, not lost
 
     final = trainer.evaluate(test, test_batches, metrics)

@@ -1,7 +1,7 @@
 """What the example scripts (``tools/train_gpt.py``, ``tools/train_vgg.py``) share: the command
 line, building the model and the engine (a hippie-ds pipeline, or plain DeepSpeed data
 parallelism as the baseline), a layout-independent data order, training, evaluation, the progress
-bar, the metrics file and the timeline picture.
+bar (tqdm), the metrics file and the timeline picture.
 
 **Same data in every layout.** Every step draws one *global* batch of ``train_batch_size``
 samples from the seed alone; a rank takes its replica's contiguous share of it and cuts that into
@@ -26,6 +26,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.module import PipelineModule as DeepSpeedPipelineModule
 from torch import nn
+from tqdm import tqdm
 
 import hippie_ds
 
@@ -269,10 +270,15 @@ class Trainer:
         return picture
 
 
-def progress(step, total, loss, samples_per_s, width=30):
-    done = int(width * step / total)
-    print(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}  "
-          f"{samples_per_s:7.1f} samples/s", end="" if step < total else "\n", flush=True)
+def progress_bar(steps: int, enabled: bool = True) -> tqdm:
+    """The training steps' bar (tqdm on stderr; ``enabled``: rank 0 only). After each step the
+    script calls :func:`step_done`, which shows the loss and the samples per second so far."""
+    return tqdm(total=steps, desc="train", unit="step", disable=not enabled)
+
+
+def step_done(bar: tqdm, loss: float, samples_per_s: float) -> None:
+    bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:.1f}", refresh=False)
+    bar.update()
 
 
 def draw_timeline(out: Path, schedule: str, last_steps: int):
