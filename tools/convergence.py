@@ -16,7 +16,12 @@ for dp), with the learning rate and schedule given here. So a schedule not shipp
 Writes under --out (default out/convergence): EXAMPLE/NAME/{config.json,log.txt,metrics.json,
 timeline.png} per run, EXAMPLE.png (loss, and accuracy for vgg, against steps), results.json and
 results.md (final held-out loss/accuracy per schedule and the difference to dp: targets within
-1% loss and 0.5 points accuracy); --publish DIR copies those to DIR.
+1% loss and 0.5 points accuracy; time to accuracy, tools/time_to_accuracy.py: the steps to reach
+dp's final loss + 1% and, with --step-times, the wall time on the emulated two-node cluster);
+--publish DIR copies those to DIR.
+
+A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHOD, "coefficient":
+C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
 """
 from __future__ import annotations
 
@@ -31,13 +36,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import time_to_accuracy as tta  # noqa: E402
+
 BASELINE = "dp"
 LOSS_TARGET_PCT, ACCURACY_TARGET_POINTS = 1.0, 0.5
 
 # Per example: the script, the budget and the evaluation cadence. Budgets are chosen so that the
 # whole comparison (2 examples x 4 runs) takes about 10-20 minutes on a 2-core machine.
 EXAMPLES = {
-    "gpt": {"script": "tools/train_gpt.py", "steps": 800, "eval_every": 100, "lr": 1e-3,
+    "gpt": {"script": "tools/train_gpt.py", "steps": 800, "eval_every": 50, "lr": 1e-3,
             "extra": ["--eval-batches", "16"], "metrics": ["loss"]},
     "vgg": {"script": "tools/train_vgg.py", "steps": 500, "eval_every": 25, "lr": 1e-3,
             "extra": [], "metrics": ["loss", "accuracy"]},
@@ -82,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     p.add_argument("--reuse", action="store_true", help="skip runs whose metrics.json is already there")
     p.add_argument("--plot-only", action="store_true", help="run nothing; draw and tabulate the existing runs")
+    p.add_argument("--step-times", default=None, metavar="EXAMPLE=FILE[,...]",
+                   help="tools/bench.py results.json measured at an example's shape: the median step times that "
+                        "turn steps to target into wall time on the emulated two-node cluster")
     p.add_argument("--publish", default=None, metavar="DIR",
                    help="also copy the pictures, results.json and results.md to DIR (e.g. docs/convergence)")
     return p.parse_args(argv)
@@ -102,7 +113,17 @@ def per_example(value, examples, key, cast):
     return {e: result[e] for e in examples}
 
 
+def split_name(name: str) -> tuple[str, dict | None]:
+    """'hippie:extrapolate=1.5' -> ('hippie', {'method': 'extrapolate', 'coefficient': 1.5})."""
+    schedule, _, variant = name.partition(":")
+    if not variant:
+        return schedule, None
+    method, _, value = variant.partition("=")
+    return schedule, {"method": method, **({"coefficient": float(value)} if value else {})}
+
+
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config") -> dict:
+    name, staleness = split_name(name)
     base = configs / f"{name}.json"
     if name == BASELINE or not base.exists():
         config = json.loads((configs / "1f1b.json").read_text())
@@ -117,6 +138,8 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
                                           "warmup_num_steps": max(1, steps // 20), "warmup_type": "linear"}}
     if clipping != "config":
         config["gradient_clipping"] = float(clipping)
+    if staleness is not None:
+        config.setdefault("hippie", {})["staleness"] = staleness
     config["steps_per_print"] = 10 ** 9  # the scripts print their own progress
     return config
 
@@ -124,6 +147,7 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
 def run_dir(out: Path, example: str, name: str, seed: int, seeds: list[int]) -> Path:
     """out/EXAMPLE/NAME (out/EXAMPLE/NAME/seedS with several seeds); a schedule file's runs are
     named by the file's stem."""
+    name = name.replace(":", "_").replace("=", "")
     path = out / example / (Path(name).stem if "/" in name or name.endswith((".yaml", ".yml")) else name)
     return path if len(seeds) == 1 else path / f"seed{seed}"
 
@@ -220,7 +244,7 @@ def _mean_curves(runs: list[dict]) -> dict:
     return {"train_loss": train, "eval": evals}
 
 
-def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict:
+def summarize(runs: dict[str, dict[str, list[dict]]], step_times: dict[str, dict] | None = None) -> dict:
     """runs[example][name] = the metrics of that run, one per seed."""
     results = {}
     for example, by_name in runs.items():
@@ -251,6 +275,8 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict:
         results[example] = {"global_batch": first["global_batch"], "steps": first["steps"], "lr": first.get("lr"),
                             "seeds": [r["seed"] for r in next(iter(by_name.values()))], "runs": rows,
                             "curves": {n: _mean_curves(ms) for n, ms in by_name.items()}}
+        if base is not None:
+            results[example]["time_to_accuracy"] = tta.summarize(by_name, BASELINE, (step_times or {}).get(example))
     return results
 
 
@@ -275,7 +301,11 @@ def markdown(results: dict, clipping: str | None = None) -> str:
                     acc += f" ({100 * min(r['accuracy_per_seed']):.2f}-{100 * max(r['accuracy_per_seed']):.2f})"
             lines.append(f"| {example} | `{name}` | {r['layout']} | {r['steps']} | {loss} | {dl} | {acc} | "
                          f"{da} | {sps} |")
-    lines += ["", "(!) outside the target. samples/s: steady-state training throughput of the run on this "
+    lines += [""]
+    for example, res in results.items():
+        if "time_to_accuracy" in res:
+            lines += tta.markdown(example, res["time_to_accuracy"], BASELINE)
+    lines += ["(!) outside the target. samples/s: steady-state training throughput of the run on this "
               "machine (all ranks share its cores), not a speed comparison."]
     if any("1f1b" in res["runs"] and BASELINE in res["runs"] for res in results.values()):
         lines += ["Without gradient clipping `1f1b` applies exactly `dp`'s update (same samples, initial weights "
@@ -287,7 +317,7 @@ def markdown(results: dict, clipping: str | None = None) -> str:
 LINES, MARKERS = ["-", "--", "-.", ":"], ["o", "s", "^", "D", "v", "P", "X"]
 
 
-def plot(example: str, res: dict, path: Path):
+def plot(example: str, res: dict, path: Path, step_times: dict | None = None):
     """Identical curves (hippie and hippie-1f1b apply the same updates) stay visible: each run has its
     own line style and marker."""
     import matplotlib
@@ -295,7 +325,8 @@ def plot(example: str, res: dict, path: Path):
     import matplotlib.pyplot as plt
     curves = res["curves"]
     with_accuracy = any(e.get("accuracy") is not None for c in curves.values() for e in c["eval"])
-    fig, axes = plt.subplots(1, 2 if with_accuracy else 1, figsize=(12 if with_accuracy else 7, 4.5), squeeze=False)
+    panels = 1 + with_accuracy + (step_times is not None and "time_to_accuracy" in res)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     ax = axes[0][0]
     for i, (name, c) in enumerate(curves.items()):
         color = f"C{i}"
@@ -332,6 +363,9 @@ def plot(example: str, res: dict, path: Path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
         ax.set_title(f"{example}: held-out accuracy")
+    if panels > 1 + with_accuracy:
+        tta.plot_wall(axes[0][-1], curves, step_times, res["time_to_accuracy"]["target_loss"])
+        axes[0][-1].set_title(f"{example}: held-out loss against emulated wall time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -368,11 +402,13 @@ def main(argv=None):
     runs = {e: r for e, r in runs.items() if r}
     if not runs:
         raise SystemExit(f"no runs under {out}")
-    results = summarize(runs)
-    pictures = [plot(example, res, out / f"{example}.png") for example, res in results.items()]
+    step_times = {e: tta.load_step_times(f) for e, f in
+                  (item.split("=", 1) for item in (args.step_times or "").split(",") if item)}
+    results = summarize(runs, step_times)
+    pictures = [plot(example, res, out / f"{example}.png", step_times.get(example)) for example, res in results.items()]
     meta = {"command": " ".join(["tools/convergence.py"] + (sys.argv[1:] if argv is None else list(argv))),
             "ranks": args.ranks, "seeds": args.seed_list, "gradient_clipping": args.gradient_clipping,
-            "stages": args.stages, "lr_schedule": args.lr_schedule,
+            "stages": args.stages, "lr_schedule": args.lr_schedule, "step_times": args.step_times,
             "total_seconds": None if args.plot_only else time.monotonic() - start}
     previous = out / "results.json"
     if args.plot_only and previous.exists():  # keep what the runs were made with
