@@ -9,8 +9,8 @@ The only module that touches DeepSpeed internals. What it changes, and why:
 - handlers for the new instructions (fused forward+backward, non-blocking sends, async
   per-stage all-reduce, gradient buffer, deferred update, per-stage optimizer step);
 - the gradient buffer of deferred stages is saved in checkpoints and restored;
-- deferred stages correct for their one-step delay (``hippie.staleness``, :mod:`hippie_ds.staleness`):
-  a step's compute runs on predicted weights, the update applies to the true ones;
+- deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
+  :mod:`hippie_ds.staleness`): compute runs on predicted weights, the update applies to the true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls):
   ops of batches still in flight run in the next call, ``drain()`` completes them; weight
   versions (below);
@@ -142,6 +142,14 @@ class HippiePipelineEngine(PipelineEngine):
         self._corrector = None
         if staleness is not None and not self._continuous and self.stage_id in compiled_schedule.deferred_stages():
             self._corrector = make_corrector(staleness, self._version_params())
+        # ... and the same rule for versioned stages one update behind (2bw): compute ops run on
+        # W(v) + c * (W(v) - W(v-1)); the deltas of the versions still computed on are kept
+        self._wv_deltas: dict[int, torch.Tensor] | None = None
+        self._wv_predicted = False  # the module holds the prediction of _wv_loaded (true copy in _wv_store)
+        self._wv_coefficient = 0.0
+        if (staleness is not None and staleness.method == "extrapolate" and self._versioned
+                and compiled_schedule.one_version_behind(self.stage_id)):
+            self._wv_deltas, self._wv_coefficient = {}, staleness.coefficient
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -167,7 +175,7 @@ class HippiePipelineEngine(PipelineEngine):
                 start = time.perf_counter()
                 self._current_op = op
                 if self._versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
-                    self._use_version(self._abs_version(op))
+                    self._use_version(self._abs_version(op), predicted=self._wv_deltas is not None)
                 MethodType(handler, self)(**cmd.kwargs)
                 if record:
                     self._record(cmd, start, time.perf_counter())
@@ -247,22 +255,28 @@ class HippiePipelineEngine(PipelineEngine):
     def _version_params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _use_version(self, version: int) -> None:
-        """Make the module's parameters hold ``version``, keeping the one they hold if needed."""
-        if version == self._wv_loaded:
+    def _use_version(self, version: int, predicted: bool = False) -> None:
+        """Make the module's parameters hold ``version`` (its prediction W + c * delta when
+        ``predicted`` and a delta is known), keeping the true values of the one they hold."""
+        delta = self._wv_deltas.get(version) if predicted and self._wv_deltas is not None else None
+        predicted = delta is not None
+        if version == self._wv_loaded and predicted == self._wv_predicted:
             return
+        params = self._version_params()
+        data = [p.data for p in params]
+        loaded = self._wv_loaded
+        if (not self._wv_predicted and (loaded == self._wv_count or loaded in self._wv_stashed)
+                and loaded not in self._wv_store):
+            self._wv_store[loaded] = _flatten_dense_tensors(data)
         if version not in self._wv_store:
             raise RuntimeError(f"stage {self.stage_id}: weight version {version} is not available (current "
                                f"{self._wv_count}, stashed {sorted(self._wv_stashed)}); the validator should "
                                "have rejected this schedule")
-        params = self._version_params()
-        data = [p.data for p in params]
-        loaded = self._wv_loaded
-        if (loaded == self._wv_count or loaded in self._wv_stashed) and loaded not in self._wv_store:
-            self._wv_store[loaded] = _flatten_dense_tensors(data)
-        for dst, src in zip(data, _unflatten_dense_tensors(self._wv_store.pop(version), data)):
+        # a prediction leaves the true values in the store; the true version moves into the module
+        values = self._wv_store[version] + self._wv_coefficient * delta if predicted else self._wv_store.pop(version)
+        for dst, src in zip(data, _unflatten_dense_tensors(values, data)):
             dst.copy_(src)
-        self._wv_loaded = version
+        self._wv_loaded, self._wv_predicted = version, predicted
 
     def _exec_stash_weights(self):
         op = self._current_op
@@ -283,6 +297,12 @@ class HippiePipelineEngine(PipelineEngine):
             return  # the initial weights are freed as version 0
         self._wv_stashed.discard(version)
         self._wv_store.pop(version, None)
+        self._prune_deltas()
+
+    def _prune_deltas(self):
+        """Keep the deltas of the versions compute may still use (current and stashed)."""
+        for v in [v for v in self._wv_deltas or () if v != self._wv_count and v not in self._wv_stashed]:
+            del self._wv_deltas[v]
 
     def weight_versions(self) -> dict:
         """This stage's weight versions: current (updates applied), stashed, the most held at once."""
@@ -295,13 +315,17 @@ class HippiePipelineEngine(PipelineEngine):
             self._use_version(self._wv_count)
         params = self._version_params()
         versions = tuple(p._version for p in params)
+        before = None if self._wv_deltas is None else _flatten_dense_tensors([p.data for p in params])
         self._stage_step_without_counters()
+        if before is not None:  # this update's delta: the next version's prediction
+            self._wv_deltas[self._wv_count + 1] = _flatten_dense_tensors([p.data for p in params]).sub_(before)
         if self._versioned:
             # Saved tensors of forwards still awaiting their backward refer to these parameters;
             # the version swap gives each backward its forward's values (see the module docstring).
             torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)
         self._wv_count += 1
         self._wv_loaded = self._wv_count
+        self._prune_deltas()
 
     def write_timeline(self, path: str | None = None) -> str | None:
         """Write this rank's executed-instruction timeline (JSON) of the last ``timeline_steps``
@@ -529,6 +553,8 @@ class HippiePipelineEngine(PipelineEngine):
         state[GRAD_BUFFER_KEY] = buffer if self._grad_buffer_state == "empty" else ckpt.InFlightState(buffer)
         if self._corrector is not None:
             state[WEIGHT_PREDICTION_KEY] = self._corrector.state_dict()
+        if self._wv_deltas is not None:  # drained above: the module holds the true current version
+            state[WEIGHT_PREDICTION_KEY] = {"deltas": {v: d.clone() for v, d in self._wv_deltas.items()}}
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -560,12 +586,16 @@ class HippiePipelineEngine(PipelineEngine):
             self._grad_buffer_state = buffer["state"]
             # an empty buffer is re-allocated at this layout's size on first use
             self._grad_buffer = None if buffer["buffer"] is None else buffer["buffer"].to(self.device)
-        if prediction is not None and self._corrector is not None:
+        if prediction is not None and self._corrector is not None and "deltas" not in prediction:
             self._corrector.load_state_dict(prediction, self.device)
+        if self._wv_deltas is not None:
+            deltas = (prediction or {}).get("deltas", {})
+            self._wv_deltas = {int(v): d.to(self.device) for v, d in deltas.items()}
         if versions is not None:
             self._call = self._op_call = self._first_batch = versions["call"]
             self._in_flight = False
             self._wv_count = self._wv_loaded = versions["count"]
+            self._wv_predicted = False
             self._wv_store = {int(v): t.to(self.device) for v, t in versions["stashed"].items()}
             self._wv_stashed = set(self._wv_store)
         return path, client_state

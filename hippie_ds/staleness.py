@@ -11,6 +11,12 @@ weights instead (SpecTrain / PipeMare style weight prediction):
 With c = 1 the prediction is the last applied update repeated. It costs one weight-sized buffer
 (W(t-1), kept between steps and saved in checkpoints) and, per step, three in-place passes over
 the stage's parameters; at t = 0 and t = 1 the difference is zero (no update applied yet).
+
+PipeDream-2BW (``2bw``) follows the same rule on every stage, W(t+1) = W(t) - lr * g(W(t-1)),
+with its compute on a stashed weight version; there the engine predicts that version instead
+(W(t-1) + c * (W(t-1) - W(t-2)), the delta kept per version still computed on, at most two
+weight-sized buffers per stage; ``HippiePipelineEngine._use_version``). Schedules whose stages
+are more than one update behind (``pipedream``) are not corrected.
 """
 from __future__ import annotations
 

@@ -216,6 +216,8 @@ from launch import collect, launch  # noqa: E402
 
 import torch  # noqa: E402
 
+from hippie_ds.config import StalenessConfig  # noqa: E402
+
 STEPS, MICRO_BATCHES = 3, 4
 ENGINES = "2bw,pipedream,pipedream+vs"
 
@@ -233,8 +235,8 @@ def _replicas_identical(replicas):
 
 
 def _reference(name, parts, dp, micro_batches, steps, **kw):
-    if name.startswith("2bw"):
-        return reference.run_2bw(parts, dp, micro_batches, steps, **kw)
+    if name.startswith("2bw"):  # a config without "hippie.staleness" runs the default correction
+        return reference.run_2bw(parts, dp, micro_batches, steps, **{"staleness": StalenessConfig(), **kw})
     return reference.run_pipedream(parts, dp, micro_batches, steps, vertical_sync="+vs" in name, **kw)
 
 
@@ -263,6 +265,30 @@ def test_async_schedules_match_reference(tmp_path, stages, dp):
         assert all(f["drained"] for f in files)  # batches were in flight until drain()
         expected = weight_versions(schedules.compile(name.split("+")[0], stages, MICRO_BATCHES, **params))
         assert sorted({(f["stage"], f["weight_versions"]["peak"]) for f in files}) == list(enumerate(expected))
+
+
+@pytest.mark.parametrize("optimizer,lr,stages,dp", [("SGD", 0.05, 2, 2), ("AdamW", 0.01, 4, 1)])
+def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages, dp):
+    """2bw computes batch t on W(t-1) + c * (W(t-1) - W(t-2)) (hippie.staleness extrapolate,
+    here c = 1.5) and applies the update to W(t); with "none" on W(t-1). Each matches the
+    reference of its rule; they differ from each other."""
+    results = {}
+    for staleness in (StalenessConfig(method="extrapolate", coefficient=1.5), StalenessConfig(method="none")):
+        out = tmp_path / staleness.method
+        rc, log, _ = launch(stages * dp, out, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", 5,
+                            "--optimizer", optimizer, "--lr", lr, "--engines", "2bw", "--drain",
+                            "--staleness", f"{staleness.method}:{staleness.coefficient}", timeout=300)
+        assert rc == 0, log[-4000:]
+        ours, losses, parts, _, replicas = collect(out, "2bw")
+        ref, ref_losses = reference.run_2bw(parts, dp, MICRO_BATCHES, 5, optimizer=optimizer, lr=lr,
+                                            staleness=staleness)
+        diff = _max_diff(ours, ref)
+        assert diff <= 1e-6, f"2bw {staleness}: differs from its reference by {diff}"
+        for rank_losses in losses.values():
+            assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
+        _replicas_identical(replicas)
+        results[staleness.method] = ours
+    assert _max_diff(results["extrapolate"], results["none"]) > 1e-4, "the correction changed nothing"
 
 
 def test_checkpoint_between_calls_resumes_exactly(tmp_path):

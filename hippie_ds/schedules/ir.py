@@ -141,6 +141,12 @@ class CompiledSchedule:
         """Stages that apply their gradient one step late (a gradient buffer)."""
         return [s for s in range(self.stages) if any(op.kind == OpKind.APPLY_BUFFERED_UPDATE for op in self.ops(s))]
 
+    def one_version_behind(self, stage: int) -> bool:
+        """True when every compute op of the stage runs on the version before its batch's update
+        (PipeDream-2BW's W(t+1) = W(t) - lr * g(W(t-1))): the stage's delayed-update rule."""
+        versions = {op.version for op in self.ops(stage) if op.kind in COMPUTE_KINDS}
+        return versions == {-1}
+
     def call_ops(self, stage: int, call: int, first_batch: int = 0) -> Iterator[Op]:
         """The stage's ops in train_batch call ``call`` (0-based) of a run whose earliest live
         batch is ``first_batch`` (batches before it were drained)."""

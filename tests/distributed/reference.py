@@ -118,19 +118,26 @@ def _result(layers):
             if isinstance(layer, torch.nn.Module) and list(layer.parameters())}
 
 
-def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0):
+def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None):
     """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
     W(0)); the batch's gradient (summed over micro-batches, averaged over replicas) is applied
-    to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage."""
+    to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage. With ``staleness`` extrapolate
+    (``hippie.staleness``), batch t computes on W(t-1) + c * (W(t-1) - W(t-2)) instead (no
+    prediction while t-1 < 1: version 0 has no previous update)."""
     layers = tiny.build_layers()
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
     everything = [p for ps in stage_params for p in ps]
     opts = _make_optimizers(stage_params, optimizer, lr)
-    previous = _snapshot(everything)  # W(t-1)
+    extrapolate = staleness is not None and staleness.method == "extrapolate"
+    history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
     losses = []
     for t in range(steps):
         current = _snapshot(everything)  # W(t)
-        _load(everything, previous)
+        v = max(0, t - 1)
+        compute = history[v]
+        if extrapolate and v >= 1:
+            compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
+        _load(everything, compute)
         grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
         total = 0.0
         for m in range(micro_batches):
@@ -143,7 +150,7 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0)
         _load(everything, current)
         for s, ps in enumerate(stage_params):
             _apply(ps, opts[s], grads[s], clip)
-        previous = current
+        history[t + 1] = _snapshot(everything)
     return _result(layers), losses
 
 
