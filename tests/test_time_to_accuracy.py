@@ -11,8 +11,8 @@ import convergence  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
 
 
-def run(final, evals):
-    return {"final": {"loss": final}, "eval": [{"step": s, "loss": v} for s, v in evals]}
+def run(final, evals, seed=0):
+    return {"seed": seed, "final": {"loss": final}, "eval": [{"step": s, "loss": v} for s, v in evals]}
 
 
 def test_target_and_first_step_at_or_below_it():
@@ -23,11 +23,12 @@ def test_target_and_first_step_at_or_below_it():
 
 
 def test_summary_wall_time_and_not_reached():
-    runs = {"dp": [run(1.00, [(100, 1.2), (200, 1.0)]), run(1.00, [(100, 1.1), (200, 1.0)])],
-            "fast": [run(0.99, [(100, 1.0), (200, 0.99)]), run(1.00, [(100, 1.05), (200, 1.0)])],
-            "stale": [run(1.10, [(100, 1.3), (200, 1.1)]), run(1.00, [(100, 1.2), (200, 1.0)])]}
+    runs = {"dp": [run(1.00, [(100, 1.2), (200, 1.0)]), run(2.00, [(100, 2.2), (200, 2.0)], seed=1)],
+            "fast": [run(0.99, [(100, 1.0), (200, 0.99)]), run(2.00, [(100, 2.1), (200, 2.0)], seed=1)],
+            "stale": [run(1.10, [(100, 1.3), (200, 1.1)]), run(2.00, [(100, 2.2), (200, 2.0)], seed=1)]}
     out = tta.summarize(runs, "dp", {"dp": 2.0, "fast": 1.0, "stale": 1.0})
-    assert out["target_loss"] == pytest.approx(1.01)
+    assert out["targets_per_seed"] == {0: pytest.approx(1.01), 1: pytest.approx(2.02)}  # paired by seed
+    assert out["target_loss"] == pytest.approx(1.515)
     rows = out["rows"]
     assert rows["dp"]["steps_per_seed"] == [200, 200] and rows["dp"]["wall_s_mean"] == 400
     assert rows["fast"]["steps_per_seed"] == [100, 200] and rows["fast"]["steps_mean"] == 150
