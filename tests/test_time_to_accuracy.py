@@ -43,6 +43,10 @@ def test_step_times_from_a_bench_results_file(tmp_path):
     f.write_text(json.dumps({"runs": {"two_nodes": {"dp": {"median_step_s": 0.5}, "hippie": {"median_step_s": 0.4}},
                                       "one_node": {"dp": {"median_step_s": 9.0}}}}))
     assert tta.load_step_times(f) == {"dp": 0.5, "hippie": 0.4}
+    g, h = tmp_path / "r2.json", tmp_path / "r3.json"
+    g.write_text(json.dumps({"runs": {"two_nodes": {"dp": {"median_step_s": 0.7}, "hippie": {"median_step_s": 0.3}}}}))
+    h.write_text(json.dumps({"runs": {"two_nodes": {"dp": {"median_step_s": 0.6}}}}))
+    assert tta.load_step_times(f"{f}+{g}+{h}") == {"dp": 0.6, "hippie": 0.35}  # median over rounds
     assert tta.bench_name("hippie:none") == "hippie"
     f.write_text(json.dumps({"runs": {}}))
     with pytest.raises(SystemExit, match="no 'two_nodes' runs"):

@@ -7,7 +7,8 @@ harder for every schedule), and the table shows the mean target. A run reaches i
 count is a multiple of the evaluation cadence); a run that never does is "not reached". The wall
 time is those steps times the schedule's median step time measured by tools/bench.py on the
 emulated cluster (two nodes, shaped link) at the example's shape: the bench's results.json, run
-with that shape, is given to tools/convergence.py as --step-times EXAMPLE=FILE.
+with that shape, is given to tools/convergence.py as --step-times EXAMPLE=FILE (or FILE1+FILE2+...
+for several bench rounds: the median over them).
 
 Pure functions over the runs' metrics; tools/convergence.py calls them.
 """
@@ -32,12 +33,19 @@ def steps_to_target(evals: list[dict], target: float) -> int | None:
     return None
 
 
-def load_step_times(path: str | Path, config: str = "two_nodes") -> dict[str, float]:
-    """{schedule: median step seconds} of a tools/bench.py results.json's two-node runs."""
-    runs = json.loads(Path(path).read_text())["runs"].get(config, {})
-    if not runs:
-        raise SystemExit(f"--step-times {path}: no {config!r} runs in it (a tools/bench.py results.json)")
-    return {name: r["median_step_s"] for name, r in runs.items() if r.get("median_step_s")}
+def load_step_times(paths: str | Path, config: str = "two_nodes") -> dict[str, float]:
+    """{schedule: median step seconds} of tools/bench.py results.json files' two-node runs;
+    several files joined by '+' (rounds of the bench, schedule order rotated) give the median
+    over the files."""
+    per_schedule: dict[str, list[float]] = {}
+    for path in str(paths).split("+"):
+        runs = json.loads(Path(path).read_text())["runs"].get(config, {})
+        if not runs:
+            raise SystemExit(f"--step-times {path}: no {config!r} runs in it (a tools/bench.py results.json)")
+        for name, r in runs.items():
+            if r.get("median_step_s"):
+                per_schedule.setdefault(name, []).append(r["median_step_s"])
+    return {name: statistics.median(xs) for name, xs in per_schedule.items()}
 
 
 def bench_name(schedule: str) -> str:
