@@ -56,7 +56,8 @@ schedule-demo: $(STAMP)
 # hippie-1f1b, 2bw and pipedream on an emulated two-node cluster (1 Gbit/s link); hippie and
 # hippie-1f1b in the layout the planner chooses from a profile taken first (--auto-plan); one-node and
 # one-device reference runs, simulator predictions and a projection to 16/64/1,024 V100s. Writes
-# $(OUT)/bench/ (results.json, report.md, *.png) and the committed copy in docs/bench/. About 15 minutes.
+# $(OUT)/bench/ (results.json, report.md, *.png) and the committed copy in docs/bench/. The two-node
+# runs repeat in 3 interleaved rounds (order rotated; ratios as median and min-max): about 35 minutes.
 # e.g. `sudo make bench BENCH_ARGS="--schedules 1f1b,hippie --steps 4"`.
 BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie-1f1b,2bw,pipedream
 BENCH_ARGS ?=
@@ -102,7 +103,7 @@ convergence: $(STAMP)
 # Step times at the GPT example's shape on the emulated two-node cluster (needs root), three
 # rounds with the schedule order rotated, into docs/convergence/bench_gpt/. About 6 minutes.
 BENCH_GPT_SHAPE := --d-model 128 --layers 4 --heads 4 --vocab 103 --seq 64 --micro-batch-size 4 \
-	--micro-batches 4 --steps 8 --warmup 2 --no-scaling --no-projection
+	--micro-batches 4 --steps 8 --warmup 2 --no-scaling --no-projection --rounds 1
 bench-gpt: $(STAMP)
 	mkdir -p docs/convergence/bench_gpt
 	for order in dp,1f1b,hippie,2bw 1f1b,hippie,2bw,dp hippie,2bw,dp,1f1b; do \

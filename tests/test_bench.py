@@ -105,14 +105,17 @@ def test_measured_costs_and_prediction(bench):
     assert bench.predict("no-such-schedule", {}, 2, 4, costs)["step_time"] is None
 
 
-def test_analyse_job_from_raw_files(bench, tmp_path):
-    """Two ranks' step records and timelines, as the worker writes them."""
-    class A:
-        micro_batch_size, seq, d_model, link_efficiency = 2, 8, 16, 0.9
-        intra_allreduce_bandwidth, p2p_bandwidth, p2p_latency = 1e9, 4e9, 0.0
-    raw = tmp_path / "raw" / "stock" / "timeline"
+class _A:
+    micro_batch_size, seq, d_model, link_efficiency = 2, 8, 16, 0.9
+    intra_allreduce_bandwidth, p2p_bandwidth, p2p_latency = 1e9, 4e9, 0.0
+    no_shape, rate = True, "1gbit"
+
+
+def _write_raw(run_dir, durations=((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])), label="stock"):
+    """Two ranks' step records and timelines under run_dir/raw/<label>/, as the worker writes them."""
+    raw = run_dir / "raw" / label / "timeline"
     raw.mkdir(parents=True)
-    for rank, dur in ((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])):
+    for rank, dur in durations:
         t, steps, events = 10.0, [], []
         for i, d in enumerate(dur):
             steps.append({"round": 0 if i else -1, "index": i, "warmup": i == 0, "start": t, "end": t + d, "loss": 1.0,
@@ -126,8 +129,12 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
             "micro_batch_size": 2, "t0": 10.0, "steps": steps,
             "memory": {"rss_baseline_bytes": 300, "peak_rss_bytes": 800, "state_bytes": 50}}))
         (raw / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "events": events}))
+
+
+def test_analyse_job_from_raw_files(bench, tmp_path):
+    _write_raw(tmp_path)
     job = {"config": "one_node", "schedule": "1f1b", "label": "stock"}
-    r = bench.analyse_job(tmp_path, job, A, 1.25e8)
+    r = bench.analyse_job(tmp_path, job, _A, 1.25e8)
     assert r["step_times_s"] == pytest.approx([1.2, 1.3])  # slowest rank per timed step; warm-up dropped
     assert r["median_step_s"] == pytest.approx(1.25)
     assert r["samples_per_step"] == 2 * 4 * 1 and r["throughput_samples_s"] == pytest.approx(8 / 1.25)
@@ -136,6 +143,25 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     assert r["stage_timings_s"]["0"]["ForwardPass"] == pytest.approx(0.1)
     assert r["prediction"]["step_time"] == pytest.approx(5 * 0.3, rel=1e-4)  # (M+K-1)(F+B) + tiny p2p, dp = 1
     assert r["prediction"]["error"] == pytest.approx((1.5 - 1.25) / 1.25, rel=1e-4)
+
+
+def test_analyse_all_reads_both_layouts(bench, tmp_path):
+    """--analyze-only: round<R>/ directories when the runs came in rounds, the plain directory
+    otherwise, whatever --rounds says now."""
+    base = tmp_path / "runs" / "two_nodes" / "1f1b"
+    _write_raw(base / "round0")                                             # medians 1.25
+    _write_raw(base / "round1", ((0, [1.0, 2.0, 2.2]), (1, [1.0, 2.1, 2.0])))  # 2.15
+    _write_raw(base / "round2", ((0, [1.0, 1.5, 1.5]), (1, [1.0, 1.5, 1.5])))  # 1.5
+    _write_raw(tmp_path / "runs" / "one_node" / "1f1b")
+    a = bench.parse_args(["--schedules", "1f1b", "--no-single", "--rounds", "1", "--no-shape"])
+    runs = bench.analyse_all(tmp_path, a, bench.run_plan(a))
+    two, one = runs["two_nodes"]["1f1b"], runs["one_node"]["1f1b"]
+    assert two["rounds"] == 3 and two["round_median_step_s"] == pytest.approx([1.25, 2.15, 1.5])
+    assert two["median_step_s"] == pytest.approx(1.5) and two["detail_round"] == 2
+    assert two["timed_steps"] == 6
+    assert one["rounds"] == 1 and one["median_step_s"] == pytest.approx(1.25)
+    s = bench.summarize(runs)["schedules"]["1f1b"]
+    assert s["ratio_to_1f1b_rounds"] == pytest.approx([1.0, 1.0, 1.0]) and s["real_vs_1f1b"] is None
 
 
 def test_projection_on_vendored_profile(bench):
@@ -169,11 +195,145 @@ def test_cli_help_and_argument_errors(bench):
         bench.parse_args(["--plan", "hippie"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--schedules", "hippie,hippie"])
-    a = bench.parse_args(["--schedules", "dp,2bw", "--plan", "2bw=plan.json"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+    a = bench.parse_args(["--schedules", "dp,2bw", "--plan", "2bw=plan.json", "--rounds", "1"])
     assert a.schedule_list == ["dp", "2bw"] and a.plans["2bw"].endswith("plan.json")
     jobs = bench.run_plan(a)
     assert [(j["config"], j["label"]) for j in jobs] == [("two_nodes", "dp"), ("two_nodes", "2bw"), ("one_node", "dp"),
                                                          ("one_node", "2bw"), ("one_device", "dp")]
+    # --rounds 1: today's layout, one directory per config and schedule
+    assert [j["dir"] for j in jobs] == ["two_nodes/dp", "two_nodes/2bw", "one_node/dp", "one_node/2bw",
+                                        "one_device/dp"]
     # stock DeepSpeed 1F1B runs first: its measured costs resolve 'deferred_stages: auto' for the others
-    a = bench.parse_args(["--schedules", "hippie,1f1b", "--no-scaling", "--no-single"])
+    a = bench.parse_args(["--schedules", "hippie,1f1b", "--no-scaling", "--no-single", "--rounds", "1"])
     assert [(j["schedule"], j["label"]) for j in bench.run_plan(a)] == [("1f1b", "stock"), ("hippie", "hippie")]
+    assert bench.parse_args([]).rounds == 3
+
+
+def test_round_orders_rotate(bench):
+    # stock 1F1B first in round 0; round r starts at schedule r mod S
+    assert bench.round_orders(["dp", "1f1b", "hippie"], 4) == [
+        ["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"], ["hippie", "1f1b", "dp"], ["1f1b", "dp", "hippie"]]
+    assert bench.round_orders(["hippie"], 2) == [["hippie"], ["hippie"]]
+    assert bench.round_orders(["dp", "1f1b"], 1) == [["1f1b", "dp"]]
+
+
+def test_run_plan_with_rounds(bench):
+    a = bench.parse_args(["--schedules", "dp,1f1b,hippie", "--rounds", "2", "--no-single"])
+    jobs = bench.run_plan(a)
+    two = [(j["round"], j["schedule"], j["dir"]) for j in jobs if j["config"] == "two_nodes"]
+    assert two == [(0, "1f1b", "two_nodes/1f1b/round0"), (0, "dp", "two_nodes/dp/round0"),
+                   (0, "hippie", "two_nodes/hippie/round0"), (1, "dp", "two_nodes/dp/round1"),
+                   (1, "hippie", "two_nodes/hippie/round1"), (1, "1f1b", "two_nodes/1f1b/round1")]
+    # the one-node runs stay single (no round directory), once each
+    assert [j["dir"] for j in jobs if j["config"] == "one_node"] == ["one_node/1f1b", "one_node/dp", "one_node/hippie"]
+    assert bench.config_record(a)["round_orders"] == [["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"]]
+
+
+def test_combine_rounds(bench):
+    def run(m, steps):
+        return {"median_step_s": m, "samples_per_step": 32, "throughput_samples_s": 32 / m, "step_times_s": steps,
+                "timed_steps": len(steps), "memory_per_rank": {"0": {"m": m}},
+                "prediction": {"step_time": 1.1, "error": (1.1 - m) / m}}
+    r = bench.combine_rounds([run(1.0, [1.0, 1.0]), run(1.4, [1.4]), None, run(1.2, [1.2, 1.2])])
+    assert r["median_step_s"] == pytest.approx(1.2) and r["throughput_samples_s"] == pytest.approx(32 / 1.2)
+    assert r["round_median_step_s"] == [1.0, 1.4, None, 1.2] and r["rounds"] == 4
+    assert (r["median_step_s_min"], r["median_step_s_max"]) == (1.0, 1.4)
+    assert r["throughput_samples_s_min"] == pytest.approx(32 / 1.4)
+    assert r["throughput_samples_s_max"] == pytest.approx(32.0)
+    assert r["step_times_s"] == [1.0, 1.0, 1.4, 1.2, 1.2] and r["timed_steps"] == 5
+    assert r["detail_round"] == 3 and r["memory_per_rank"] == {"0": {"m": 1.2}}  # the median round's details
+    assert r["prediction"]["error"] == pytest.approx((1.1 - 1.2) / 1.2)
+    # even number of rounds: median of the two middle ones; details from the lower median
+    r = bench.combine_rounds([run(1.0, [1.0]), run(2.0, [2.0])])
+    assert r["median_step_s"] == pytest.approx(1.5) and r["detail_round"] == 0
+    # one round: exactly that run's figures (what --rounds 1 gave before rounds existed)
+    one = run(1.3, [1.2, 1.3, 1.4])
+    r = bench.combine_rounds([one])
+    assert {k: r[k] for k in one} == one and r["rounds"] == 1
+    assert bench.combine_rounds([None, None]) is None
+
+
+def test_round_ratio_statistics(bench):
+    rr = bench.round_ratios([12.0, 10.0, None, 9.0], [10.0, 10.0, 8.0, 10.0])
+    assert rr["rounds"][2] is None and rr["n"] == 3
+    assert [rr["rounds"][i] for i in (0, 1, 3)] == pytest.approx([1.2, 1.0, 0.9])
+    assert rr["median"] == pytest.approx(1.0) and rr["min"] == pytest.approx(0.9) and rr["max"] == pytest.approx(1.2)
+    assert bench.spread_excludes(1.05, 1.2) is True and bench.spread_excludes(0.9, 1.2) is False
+    assert bench.spread_excludes(0.8, 0.99) is True and bench.spread_excludes(None, 1.2) is None
+    assert bench.ranges_overlap((1, 2), (2, 3)) is True and bench.ranges_overlap((1, 2), (2.5, 3)) is False
+    assert bench.ranges_overlap((1, None), (2, 3)) is None
+
+
+def _rounds_runs(thr_rounds: dict) -> dict:
+    two = {}
+    for name, thrs in thr_rounds.items():
+        meds = [32 / t for t in thrs]
+        med = sorted(meds)[len(meds) // 2]
+        two[name] = {**_run(32 / med, 200e6), "rounds": len(thrs), "round_throughput_samples_s": thrs,
+                     "round_median_step_s": meds, "median_step_s": med,
+                     "median_step_s_min": min(meds), "median_step_s_max": max(meds),
+                     "throughput_samples_s_min": min(thrs), "throughput_samples_s_max": max(thrs)}
+    return {"two_nodes": two}
+
+
+def test_summarize_per_round_ratios_and_real_rule(bench):
+    # The machine drifts: round 1 is slow for everybody. Per round, hippie beats 1F1B by 20%,
+    # which a ratio of medians taken over rounds mixed together would not show as cleanly.
+    runs = _rounds_runs({"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0], "hippie": [19.2, 9.6, 18.0],
+                         "gpipe": [17.0, 7.6, 15.5]})
+    s = bench.summarize(runs)["schedules"]
+    h, g, f, dp = s["hippie"], s["gpipe"], s["1f1b"], s["dp"]
+    assert h["ratio_to_1f1b_rounds"] == pytest.approx([1.2, 1.2, 1.2])
+    assert h["ratio_to_1f1b"] == pytest.approx(1.2) and h["real_vs_1f1b"] is True
+    # gpipe: 1.0625, 0.95, 1.033 -> spread includes 1.0: not real
+    assert g["ratio_to_1f1b_min"] == pytest.approx(0.95) and g["ratio_to_1f1b_max"] == pytest.approx(17 / 16)
+    assert g["ratio_to_1f1b"] == pytest.approx(15.5 / 15) and g["real_vs_1f1b"] is False
+    assert f["ratio_to_1f1b"] == pytest.approx(1.0) and f["real_vs_1f1b"] is None
+    # vs DP: throughput ranges over rounds. hippie [9.6, 19.2] overlaps dp's [10, 20]: not real,
+    # although every round's ratio is below 1 (0.96, 0.96, 0.947)
+    assert h["ratio_to_dp_max"] == pytest.approx(0.96) and h["real_vs_dp"] is False
+    assert dp["real_vs_dp"] is None and dp["ratio_to_dp"] == pytest.approx(1.0)
+    # ranges that do not overlap: real
+    runs = _rounds_runs({"dp": [20.0, 21.0], "1f1b": [10.0, 11.0]})
+    s = bench.summarize(runs)["schedules"]
+    assert s["1f1b"]["real_vs_dp"] is True and s["1f1b"]["ratio_to_dp_rounds"] == pytest.approx([0.5, 11 / 21])
+    # one round: no spread to judge by -> nothing marked real
+    s = bench.summarize(_rounds_runs({"dp": [20.0], "1f1b": [10.0], "hippie": [15.0]}))["schedules"]
+    assert s["hippie"]["ratio_to_1f1b"] == pytest.approx(1.5) and s["hippie"]["real_vs_1f1b"] is None
+    assert s["hippie"]["real_vs_dp"] is None
+
+
+def test_report_marks_real_differences(bench):
+    results = _fake_results(bench)
+    results["runs"]["two_nodes"].update(_rounds_runs({"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0],
+                                                      "hippie": [19.2, 9.6, 18.0]})["two_nodes"])
+    for name, r in results["runs"]["two_nodes"].items():
+        r.update({k: v for k, v in _fake_results(bench)["runs"]["two_nodes"][name].items()
+                  if k not in r or k in ("world", "stages", "schedule_params")})
+        r["detail_round"] = 2
+    results["summary"] = bench.summarize(results["runs"])
+    results["config"]["round_orders"] = bench.round_orders(["dp", "1f1b", "hippie"], 3)
+    md = bench.report_markdown(results)
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in md.splitlines() if line.startswith("| ") and "x" in line}
+    assert cells["hippie"][4] == "1.20x (1.20-1.20) **real**"
+    assert cells["hippie"][5] == "0.96x (0.95-0.96)"          # ranges overlap DP's: not marked
+    assert cells["hippie"][2] == "1.778 (1.667-3.333)"    # median over rounds (min-max)
+    assert cells["1F1B (stock DeepSpeed)"][4] == "1.00x"
+    # the rule is stated in the report
+    assert "min-max spread does not include 1.0" in md and "do not overlap" in md
+    assert "Not repeated in rounds: the one-node runs" in md and "ran once" in md
+    assert "## Rounds (two nodes)" in md and "round 1: DP, hippie, 1F1B" in md
+
+
+def test_report_single_round_says_so(bench):
+    md = bench.report_markdown(_fake_results(bench))
+    assert "one round" in md and "**real**" not in md and "## Rounds" not in md
+
+
+def test_spread_cell(bench):
+    assert bench.spread_cell(1.2, 1.1, 1.3, real=True) == "1.20x (1.10-1.30) **real**"
+    assert bench.spread_cell(1.2, None, None) == "1.20x"
+    assert bench.spread_cell(None, 1, 2) == "-"

@@ -20,6 +20,12 @@ One command (``make bench``, as root) that
    * ``--plan NAME=PLAN`` gives a schedule a planner layout (stage boundaries, re-computed
      layers) through ``hippie_ds.PipelineModule(plan=...)``;
 
+   The two-node runs come in ``--rounds`` rounds (default 3): each round runs every schedule once
+   (a fresh job each), the order rotated from round to round (round r starts at the r-th
+   schedule, 1F1B being the first of round 0), so drift of the machine lands on every schedule
+   alike rather than inside the ratios. Figures are medians over rounds; ratios to stock 1F1B
+   and DP are taken per round (runs of the same round) and reported as median (min-max); a
+   difference counts as real only when it holds in every round (``summarize``);
 3. runs the same schedules on node 0 alone (its 2 ranks, same per-replica batch) for the scaling
    efficiency from one node to two, and the whole model on one rank (core 0) for the
    single-device throughput;
@@ -30,13 +36,16 @@ One command (``make bench``, as root) that
 
 Outputs (``--out``, default out/bench): ``results.json``, ``report.md``, ``*.png`` plots,
 ``runs/<config>/<schedule>/`` (per-rank step records, timelines, launcher logs, Gantt charts of
-the last two steps in ``traces/``). ``--publish DIR`` copies report.md, results.json and the
+the last two steps in ``traces/``); with ``--rounds`` > 1 each two-node run in its own
+``runs/two_nodes/<schedule>/round<R>/`` (``--analyze-only`` reads either layout).
+``--publish DIR`` copies report.md, results.json and the
 plots to DIR (``make bench`` publishes to docs/bench/, the committed copy).
 
 Figures (definitions, also in the report):
 
 * step time: wall time of one ``train_batch`` per rank; per step the slowest rank's; the median
-  over the timed steps (after ``--warmup`` untimed ones). Throughput = samples a step / median.
+  over the timed steps (after ``--warmup`` untimed ones); with rounds, the median over rounds of
+  each round's median. Throughput = samples a step / median.
 * memory per rank: peak bytes saved for backward (``saved_tensors_hooks``, storages counted
   once from first pack until autograd releases them, parameters excluded) and peak resident
   memory (VmHWM); "training RSS" = VmHWM minus the process's VmRSS after imports and
@@ -49,7 +58,8 @@ Figures (definitions, also in the report):
 
 Usage::
 
-    sudo .venv/bin/python tools/bench.py                     # everything, defaults (~10 min)
+    sudo .venv/bin/python tools/bench.py                     # everything, defaults (3 rounds, ~20 min)
+    sudo .venv/bin/python tools/bench.py --rounds 1          # one run per schedule, as before rounds
     sudo .venv/bin/python tools/bench.py --schedules 1f1b,hippie --steps 4 --no-scaling
     .venv/bin/python tools/bench.py --projection-only        # no root needed
     .venv/bin/python tools/bench.py --analyze-only           # re-analyse OUT/runs of an earlier run
@@ -141,18 +151,43 @@ def _cleanup():
         NETWORK.teardown()
 
 
+def schedule_order(schedules: list[str]) -> list[str]:
+    """The schedules in run order: stock 1F1B first (it measures the cost file for 'auto')."""
+    return [s for s in schedules if s == "1f1b"] + [s for s in schedules if s != "1f1b"]
+
+
+def round_orders(schedules: list[str], rounds: int) -> list[list[str]]:
+    """The order of the two-node runs in each round: every schedule once per round, the order
+    rotated each round (round r starts at schedule r mod S of ``schedule_order``), so a drift
+    of the machine lands on every schedule alike instead of on whichever runs last. Pure."""
+    ordered = schedule_order(schedules)
+    n = len(ordered)
+    return [ordered[r % n:] + ordered[:r % n] for r in range(rounds)] if n else []
+
+
+def run_dir_name(config: str, schedule: str, rnd: int | None = None) -> str:
+    """A run's directory under OUT/runs: ``CONFIG/SCHEDULE`` (a single run, as with --rounds 1)
+    or ``two_nodes/SCHEDULE/round<R>`` (each round's run kept apart: logs, raw/, traces)."""
+    return f"{config}/{schedule}" + ("" if rnd is None else f"/round{rnd}")
+
+
 def run_plan(args) -> list[dict]:
-    """The jobs to run, in order: (config, schedule, nodes, ranks per node, worker label)."""
-    schedules = args.schedule_list
-    first = [s for s in schedules if s == "1f1b"]  # measures the cost file for 'auto'
-    ordered = first + [s for s in schedules if s != "1f1b"]
-    jobs = [{"config": "two_nodes", "schedule": s, "nodes": 2, "rpn": args.stages} for s in ordered]
+    """The jobs to run, in order: (config, schedule, nodes, ranks per node, worker label, round,
+    run directory). The two-node runs come in ``--rounds`` rounds (``round_orders``); the
+    one-node and one-device runs once each, after them."""
+    rounds = getattr(args, "rounds", 1)
+    ordered = schedule_order(args.schedule_list)
+    jobs = [{"config": "two_nodes", "schedule": s, "nodes": 2, "rpn": args.stages, "round": r,
+             "dir": run_dir_name("two_nodes", s, r if rounds > 1 else None)}
+            for r, order in enumerate(round_orders(args.schedule_list, rounds)) for s in order]
     if not args.no_scaling:
         jobs += [{"config": "one_node", "schedule": s, "nodes": 1, "rpn": args.stages} for s in ordered]
     if not args.no_single:
         jobs.append({"config": "one_device", "schedule": "dp", "nodes": 1, "rpn": 1})
     for j in jobs:
         j["label"] = WORKER_LABEL.get(j["schedule"], j["schedule"])
+        j.setdefault("round", 0)
+        j.setdefault("dir", run_dir_name(j["config"], j["schedule"]))
     return jobs
 
 
@@ -324,6 +359,74 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
     }
 
 
+def round_dirs(base: Path) -> list[tuple[int, Path]]:
+    """[(round, directory)] of one schedule's runs in one config: ``base/round<R>/`` when the runs
+    came in rounds (--rounds > 1), else ``[(0, base)]`` (a single run, today's layout)."""
+    rounds = sorted((int(d.name[5:]), d) for d in base.glob("round*") if d.is_dir() and d.name[5:].isdigit())
+    return rounds or [(0, base)]
+
+
+def combine_rounds(per_round: list[dict | None]) -> dict | None:
+    """One schedule's record from its runs' records (``analyse_job``), one per round (None: the
+    round's run left no data). Pure.
+
+    * ``median_step_s``: the median over rounds of each round's median step (with one round:
+      that round's median, as before rounds existed); ``throughput_samples_s`` from it;
+    * ``round_median_step_s`` / ``round_throughput_samples_s``: per round (None where missing);
+      ``median_step_s_min``/``_max`` and ``throughput_samples_s_min``/``_max``: over rounds;
+    * ``step_times_s``/``timed_steps``: every round's timed steps, in round order;
+    * the other figures (memory, stage timings, prediction, loss) are those of ``detail_round``,
+      the round whose median is the lower median over rounds; the prediction error is
+      recomputed against the median over rounds."""
+    valid = [(i, r) for i, r in enumerate(per_round) if r and r.get("median_step_s")]
+    if not valid:
+        return next((r for r in per_round if r), None)
+    meds = [r["median_step_s"] for _, r in valid]
+    median = statistics.median(meds)
+    detail_i, detail = next((i, r) for i, r in valid if r["median_step_s"] == statistics.median_low(meds))
+    samples = detail["samples_per_step"]
+    out = dict(detail)
+    pred = dict(detail.get("prediction") or {})
+    if pred.get("step_time"):
+        pred["error"] = (pred["step_time"] - median) / median
+    thr = [samples / m for m in meds]
+    out.update({
+        "median_step_s": median, "throughput_samples_s": samples / median,
+        "rounds": len(per_round), "detail_round": detail_i,
+        "round_median_step_s": [r.get("median_step_s") if r else None for r in per_round],
+        "round_throughput_samples_s": [r.get("throughput_samples_s") if r else None for r in per_round],
+        "median_step_s_min": min(meds), "median_step_s_max": max(meds),
+        "throughput_samples_s_min": min(thr), "throughput_samples_s_max": max(thr),
+        "step_times_s": [t for _, r in valid for t in r["step_times_s"]],
+        "timed_steps": sum(r["timed_steps"] for _, r in valid),
+        "prediction": pred,
+    })
+    return out
+
+
+def round_ratios(num: list | None, den: list | None) -> dict:
+    """Per-round ratios num[r] / den[r] (same round; rounds where either is missing are skipped)
+    with their median, min and max. Pure."""
+    per = [a / b if a and b else None for a, b in zip(num or [], den or [])]
+    vals = [x for x in per if x is not None]
+    return {"rounds": per, "median": _median(vals), "min": min(vals, default=None), "max": max(vals, default=None),
+            "n": len(vals)}
+
+
+def spread_excludes(lo, hi, value: float = 1.0) -> bool | None:
+    """Whether the min-max spread [lo, hi] leaves ``value`` out; None without a spread. Pure."""
+    if lo is None or hi is None:
+        return None
+    return not (lo <= value <= hi)
+
+
+def ranges_overlap(a: tuple, b: tuple) -> bool | None:
+    """Whether the ranges [a0, a1] and [b0, b1] overlap; None when either is missing. Pure."""
+    if None in (*a, *b):
+        return None
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
 def summarize(runs: dict, devices: dict | None = None) -> dict:
     """Ratios and efficiencies from the per-run figures. ``runs[config][schedule]`` holds at least
     throughput_samples_s and mean_peak_training_rss_bytes (and mean_peak_saved_bytes). Pure.
@@ -334,7 +437,14 @@ def summarize(runs: dict, devices: dict | None = None) -> dict:
     * me = scalability x throughput / memory (memory: mean per-rank peak training RSS, GB);
       me_vs_dp = me / DP's me (and me_saved_vs_dp with the peak bytes saved for backward +
       the rank's parameter/gradient/optimizer state instead);
-    * scaling_efficiency = throughput(two_nodes) / (2 x throughput(one_node))."""
+    * scaling_efficiency = throughput(two_nodes) / (2 x throughput(one_node)).
+
+    With rounds (``round_throughput_samples_s`` in the two-node records, ``combine_rounds``) the
+    ratios are taken per round, between runs of the same round: ``ratio_to_1f1b`` is the median of
+    ``ratio_to_1f1b_rounds`` and ``ratio_to_1f1b_min``/``_max`` their spread (same for dp).
+    ``real_vs_1f1b``: the spread leaves 1.0 out; ``real_vs_dp``: the schedule's throughput range
+    over rounds and DP's do not overlap; both None with fewer than two rounds (one run shows no
+    spread to judge by). Without per-round figures the ratios are those of the throughputs."""
     devices = devices or {"two_nodes": 2, "one_node": 1}
     two, one = runs.get("two_nodes", {}), runs.get("one_node", {})
     single = (runs.get("one_device") or {}).get("dp") or {}
@@ -354,15 +464,32 @@ def summarize(runs: dict, devices: dict | None = None) -> dict:
     dp_me = me_of(two.get("dp") or {}, "mean_peak_training_rss_bytes", "two_nodes")[1]
     dp_tensor = two.get("dp") or {}
     dp_me_t = _me_tensor(dp_tensor, thr1, devices["two_nodes"])
+    def per_round(r, base_run, base_thr):
+        thr = r.get("throughput_samples_s")
+        rr = round_ratios(r.get("round_throughput_samples_s"), (base_run or {}).get("round_throughput_samples_s"))
+        if rr["n"] == 0:  # no per-round figures (or none shared): the throughputs' ratio
+            x = thr / base_thr if thr and base_thr else None
+            rr = {"rounds": [x] if x is not None else [], "median": x, "min": x, "max": x, "n": 1 if x else 0}
+        return rr
+
+    dp_range = (dp_tensor.get("throughput_samples_s_min"), dp_tensor.get("throughput_samples_s_max"))
     for name, r in two.items():
         thr = r.get("throughput_samples_s")
         scal, me = me_of(r, "mean_peak_training_rss_bytes", "two_nodes")
         me_t = _me_tensor(r, thr1, devices["two_nodes"])
         one_thr = (one.get(name) or {}).get("throughput_samples_s")
+        v1, vd = per_round(r, two.get("1f1b"), base_1f1b), per_round(r, two.get("dp"), base_dp)
+        own_range = (r.get("throughput_samples_s_min"), r.get("throughput_samples_s_max"))
+        several = (r.get("rounds") or 1) > 1
+        overlap = ranges_overlap(own_range, dp_range) if several and (dp_tensor.get("rounds") or 1) > 1 else None
         out["schedules"][name] = {
             "throughput_samples_s": thr,
-            "ratio_to_1f1b": thr / base_1f1b if thr and base_1f1b else None,
-            "ratio_to_dp": thr / base_dp if thr and base_dp else None,
+            "ratio_to_1f1b": v1["median"], "ratio_to_1f1b_rounds": v1["rounds"],
+            "ratio_to_1f1b_min": v1["min"], "ratio_to_1f1b_max": v1["max"],
+            "real_vs_1f1b": spread_excludes(v1["min"], v1["max"]) if v1["n"] > 1 and name != "1f1b" else None,
+            "ratio_to_dp": vd["median"], "ratio_to_dp_rounds": vd["rounds"],
+            "ratio_to_dp_min": vd["min"], "ratio_to_dp_max": vd["max"],
+            "real_vs_dp": (not overlap) if overlap is not None and name != "dp" else None,
             "scalability": scal, "me": me, "me_vs_dp": me / dp_me if me and dp_me else None,
             "me_tensors_vs_dp": me_t / dp_me_t if me_t and dp_me_t else None,
             "one_node_throughput_samples_s": one_thr,
@@ -461,6 +588,34 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def spread_cell(median, lo, hi, fmt="{:.2f}", suffix="x", real: bool | None = None) -> str:
+    """``median (min-max)`` (just the median without a spread, e.g. one round), with ``**real**``
+    appended where the difference is real by the report's rule (``summarize``). Pure."""
+    if median is None:
+        return "-"
+    cell = fmt.format(median) + suffix
+    if lo is not None and hi is not None and (lo != hi or real is not None):
+        cell += f" ({fmt.format(lo)}-{fmt.format(hi)})"
+    return cell + (" **real**" if real else "")
+
+
+def rounds_of(results: dict) -> int:
+    """The number of rounds of the two-node runs (1 for results from before rounds)."""
+    return max([r.get("rounds") or 1 for r in results.get("runs", {}).get("two_nodes", {}).values()], default=1)
+
+
+def single_runs_note(results: dict) -> str:
+    """The sentence saying which reference runs were not repeated in rounds ('' if none ran)."""
+    runs = results.get("runs", {})
+    which = [w for c, w in (("one_node", "the one-node runs (1-node samples/s, scaling 1->2 nodes)"),
+                            ("one_device", "the one-device run (single-device throughput, scalability, ME)"))
+             if runs.get(c)]
+    if not which:
+        return ""
+    text = " and ".join(which)
+    return f" Not repeated in rounds: {text} ran once each, so their figures carry no spread."
+
+
 def main_table(results: dict) -> list[str]:
     two = results["runs"].get("two_nodes", {})
     summ = results["summary"]["schedules"]
@@ -476,13 +631,35 @@ def main_table(results: dict) -> list[str]:
             d = r["schedule_params"].get("deferred_stages")
             layout = f"{r['stages']} stages x {r['world'] // r['stages']}" + (f", deferred {d}" if d is not None else "")
         pred = r.get("prediction") or {}
-        rows.append([DISPLAY.get(name, name), layout, _f(r["median_step_s"]), _f(r["throughput_samples_s"], "{:.2f}"),
-                     _f(s.get("ratio_to_1f1b"), "{:.2f}x"), _f(s.get("ratio_to_dp"), "{:.2f}x"),
+        several = (r.get("rounds") or 1) > 1
+        step = spread_cell(r["median_step_s"], r.get("median_step_s_min") if several else None,
+                           r.get("median_step_s_max"), "{:.3f}", "")
+        rows.append([DISPLAY.get(name, name), layout, step, _f(r["throughput_samples_s"], "{:.2f}"),
+                     spread_cell(s.get("ratio_to_1f1b"), s.get("ratio_to_1f1b_min") if several else None,
+                                 s.get("ratio_to_1f1b_max"), real=s.get("real_vs_1f1b")),
+                     spread_cell(s.get("ratio_to_dp"), s.get("ratio_to_dp_min") if several else None,
+                                 s.get("ratio_to_dp_max"), real=s.get("real_vs_dp")),
                      _mb(r["mean_peak_saved_bytes"]), _mb(r["mean_peak_rss_bytes"]),
                      _mb(r["mean_peak_training_rss_bytes"]), _f(s.get("me_vs_dp"), "{:.2f}x"),
                      _f(s.get("me_tensors_vs_dp"), "{:.2f}x"), _f(s.get("one_node_throughput_samples_s"), "{:.2f}"),
                      _f(s.get("scaling_efficiency"), "{:.2f}"), _f(pred.get("step_time")),
                      _f(pred.get("error"), "{:+.1%}")])
+    return table(head, rows)
+
+
+def rounds_table(results: dict) -> list[str]:
+    """Per schedule and round: the run's median step and its ratios to 1F1B and DP of that round."""
+    two = results["runs"].get("two_nodes", {})
+    summ = results.get("summary", {}).get("schedules", {})
+    n = rounds_of(results)
+    head = ["schedule"] + [f"round {i}: step (s)" for i in range(n)] + ["vs 1F1B per round", "vs DP per round"]
+    rows = []
+    for name, r in two.items():
+        steps = list(r.get("round_median_step_s") or [r["median_step_s"]]) + [None] * n
+        s = summ.get(name, {})
+        rows.append([DISPLAY.get(name, name)] + [_f(x) for x in steps[:n]]
+                    + [", ".join(_f(x, "{:.2f}") for x in s.get(k) or []) or "-"
+                       for k in ("ratio_to_1f1b_rounds", "ratio_to_dp_rounds")])
     return table(head, rows)
 
 
@@ -548,8 +725,22 @@ def report_markdown(results: dict) -> str:
             f"sequence {cfg.get('seq')}, fp32 AdamW ({cfg.get('params_total', '?')} parameters). "
             f"{cfg.get('micro_batches')} micro-batches of {cfg.get('micro_batch_size')} per replica and step "
             f"(global batch {cfg.get('global_batch')}); {cfg.get('warmup')} warm-up + {cfg.get('steps')} timed steps "
-            f"per schedule, each schedule in its own processes. Command: `{cfg.get('command', '')}`.", "",
+            f"per schedule and run, each run in its own processes. Command: `{cfg.get('command', '')}`.", "",
             "## Side by side (two emulated nodes)", ""]
+        n = rounds_of(results)
+        if n > 1:
+            lines += [
+                f"The two-node runs came in {n} rounds: each round ran every schedule once (a fresh job), the order "
+                "rotated from one round to the next (round r starts at the r-th schedule), so a drift of the machine "
+                "lands on every schedule alike. Step time: median over rounds of each round's median step "
+                "(min-max over rounds in brackets). Ratios (vs 1F1B, vs DP) are throughput ratios taken per round, "
+                "between runs of the same round, shown as `median (min-max)` over rounds. A difference is marked "
+                "**real** only when it holds in every round: vs 1F1B when the ratio's min-max spread does not "
+                "include 1.0; vs DP when the schedule's throughput range over rounds and DP's do not overlap. "
+                "Anything unmarked is within the round-to-round noise of this machine." + single_runs_note(results), ""]
+        else:
+            lines += ["Each schedule ran once (one round, `--rounds 1`): the ratios carry no spread, so no difference "
+                      "below is marked real; rerun with `--rounds 3` or more to see which hold across rounds.", ""]
         lines += main_table(results)
         thr1 = results["summary"].get("single_device_throughput")
         lines += ["", f"Single device (whole model, one rank on one core): {_f(thr1, '{:.2f}')} samples/s. "
@@ -564,6 +755,19 @@ def report_markdown(results: dict) -> str:
         for png in ("throughput.png", "memory.png", "me.png", "prediction.png"):
             if png in results.get("plots", []):
                 lines.append(f"![{png[:-4]}]({png})")
+        if n > 1:
+            lines += ["", "## Rounds (two nodes)", ""]
+            orders = cfg.get("round_orders") or []
+            if orders:
+                lines += ["Order: " + "; ".join(f"round {i}: " + ", ".join(DISPLAY.get(x, x) for x in o)
+                                                for i, o in enumerate(orders)) + ".", ""]
+            lines += rounds_table(results)
+            detail = ", ".join(f"{DISPLAY.get(k, k)}: round {r['detail_round']}"
+                               for k, r in results["runs"].get("two_nodes", {}).items()
+                               if r.get("detail_round") is not None)
+            lines += ["", "Memory, stage timings and predictions below are those of each schedule's median round "
+                          f"(the lower median with an even number of rounds; {detail}); the prediction error is "
+                          "against the median over rounds."]
         lines += ["", "## Memory per rank (two nodes)", ""] + memory_table(results)
         lines += ["", "## Predicted vs measured step time", ""] + prediction_table(results)
         exposed = [[DISPLAY.get(n, n)] + [f"s{s}: {v:.3f}" for s, v in sorted(r["exposed_allreduce_s_per_step"].items())]
@@ -615,7 +819,10 @@ def plots(results: dict, out: Path) -> list[str]:
         xs = range(len(names))
         two_thr = [two[n]["throughput_samples_s"] or 0 for n in names]
         one_thr = [summ.get(n, {}).get("one_node_throughput_samples_s") or 0 for n in names]
-        ax.bar([x - 0.2 for x in xs], two_thr, 0.4, label="2 nodes")
+        lo = [max(0.0, t - (two[n].get("throughput_samples_s_min") or t)) for n, t in zip(names, two_thr)]
+        hi = [max(0.0, (two[n].get("throughput_samples_s_max") or t) - t) for n, t in zip(names, two_thr)]
+        ax.bar([x - 0.2 for x in xs], two_thr, 0.4, label="2 nodes",
+               yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=3)
         ax.bar([x + 0.2 for x in xs], one_thr, 0.4, label="1 node")
         for x, n in zip(xs, names):
             se = summ.get(n, {}).get("scaling_efficiency")
@@ -623,7 +830,8 @@ def plots(results: dict, out: Path) -> list[str]:
                 ax.text(x - 0.2, two_thr[x], f"{se:.2f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_ylabel("samples/s")
-        ax.set_title("Throughput (numbers: scaling efficiency 1 -> 2 nodes)")
+        ax.set_title("Throughput (numbers: scaling efficiency 1 -> 2 nodes"
+                     + ("; bars: min-max over rounds)" if any(lo) or any(hi) else ")"))
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "throughput.png", dpi=110)
@@ -718,8 +926,13 @@ def parse_args(argv=None):
                    help="planner layout for a schedule's two-node run (stage boundaries and re-computed layers via "
                         "hippie_ds.PipelineModule(plan=...); the plan's batch settings are not applied; the one-node "
                         "run keeps --partition-method, a plan being made for one world size); repeatable")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per schedule (after the warm-up)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per schedule and run (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule (per run)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the two-node runs: each round runs every schedule once (its own job: warm-up + "
+                        "--steps), the order rotated each round; figures are medians over rounds, ratios to 1F1B/DP "
+                        "taken per round with their min-max spread (1: one run per schedule); one-node and "
+                        "one-device runs run once")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks per node")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per replica and step")
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -772,6 +985,8 @@ def parse_args(argv=None):
         a.plans[name] = str(Path(path).resolve())
     if a.d_model % a.heads:
         p.error("--d-model must be a multiple of --heads")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     try:
         a.sizes = [int(x) for x in a.projection_sizes.split(",") if x.strip()]
     except ValueError:
@@ -787,14 +1002,21 @@ def config_record(a) -> dict:
             "layers": a.layers, "vocab": a.vocab, "heads": a.heads, "warmup": a.warmup, "steps": a.steps,
             "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else f"tbf {a.rate}",
             "link_efficiency": a.link_efficiency, "cores": a.cores, "schedules": a.schedule_list,
-            "plans": a.plans, "command": " ".join(["tools/bench.py"] + sys.argv[1:])}
+            "plans": a.plans, "rounds": a.rounds, "round_orders": round_orders(a.schedule_list, a.rounds),
+            "command": " ".join(["tools/bench.py"] + sys.argv[1:])}
 
 
 def analyse_all(out: Path, a, jobs: list[dict]) -> dict:
+    """runs[config][schedule]: each schedule's runs in a config, one per round as found on disk
+    (``round_dirs``: so --analyze-only reads either layout whatever --rounds says), combined."""
     link_bw = 1.25e9 if a.no_shape else parse_rate(a.rate)
     runs = {}
-    for job in jobs:
-        r = analyse_job(out / "runs" / job["config"] / job["schedule"], job, a, link_bw)
+    for job in {(j["config"], j["schedule"]): j for j in jobs}.values():
+        found = round_dirs(out / "runs" / job["config"] / job["schedule"])
+        per_round = [None] * (found[-1][0] + 1)
+        for rnd, d in found:
+            per_round[rnd] = analyse_job(d, job, a, link_bw)
+        r = combine_rounds(per_round)
         if r is not None:
             runs.setdefault(job["config"], {})[job["schedule"]] = r
     return runs
@@ -820,6 +1042,10 @@ def write_costs(path: Path, run: dict, data_parallel: int):
     path.write_text(json.dumps(costs, indent=1))
 
 
+def job_name(job: dict) -> str:
+    return job["dir"].replace("/round", " round ")
+
+
 def measure(a, out: Path) -> tuple[dict, float, dict]:
     """Set up the cluster, run every job, tear down. Returns (runs, wall seconds, noise)."""
 
@@ -841,14 +1067,14 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
         qdiscs = NETWORK.setup(None if a.no_shape else a.rate)
         print(f"emulated cluster: {NODES[0]} {ADDRS[0]} <-> {NODES[1]} {ADDRS[1]}; "
               + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
-        print(f"{len(jobs)} runs: " + ", ".join(f"{j['config']}/{j['schedule']}" for j in jobs)
+        print(f"{len(jobs)} runs: " + ", ".join(job_name(j) for j in jobs)
               + f"; {a.warmup} warm-up + {a.steps} timed steps each", flush=True)
         sampler.start()
         for i, job in enumerate(jobs):
-            run_dir = out / "runs" / job["config"] / job["schedule"]
+            run_dir = out / "runs" / job["dir"]
             run_dir.mkdir(parents=True, exist_ok=True)
             costs = costs_files.get(job["config"]) if job["schedule"] not in ("dp", "1f1b") else None
-            tag = f"[{i + 1}/{len(jobs)}] {job['config']}/{job['schedule']}"
+            tag = f"[{i + 1}/{len(jobs)}] {job_name(job)}"
             print(f"[{time.monotonic() - start:6.1f}s] {tag}: starting ({job['nodes']} node(s) x {job['rpn']} "
                   f"rank(s))", flush=True)
             j = Job(run_dir, job["nodes"], job["rpn"], cores, a.port + i, worker_args(a, job, run_dir, costs), tag,
@@ -866,12 +1092,15 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
             if r:
                 print(f"[{time.monotonic() - start:6.1f}s] {tag}: median step {r['median_step_s']:.3f} s, "
                       f"{r['throughput_samples_s']:.2f} samples/s", flush=True)
-                if job["schedule"] == "1f1b" and job["config"] in ("two_nodes", "one_node"):
+                # the first (round 0) stock run's costs: 'auto' resolves the same in every round
+                if job["schedule"] == "1f1b" and job["config"] in ("two_nodes", "one_node") \
+                        and job["config"] not in costs_files:
                     dp_width = 2 if job["config"] == "two_nodes" else 1
                     costs_files[job["config"]] = out / "runs" / job["config"] / "costs.json"
                     write_costs(costs_files[job["config"]], r, dp_width)
     foreign = [foreign_cpu_between(sampler.samples, b, e) / (e - b) for b, e in spans if e > b]
-    noise = {"foreign_cpu_cores_per_run": foreign, "foreign_cpu_cores_mean": _mean(foreign), "qdiscs": qdiscs}
+    noise = {"foreign_cpu_cores_per_run": foreign, "runs": [job["dir"] for job in jobs][:len(foreign)],
+             "foreign_cpu_cores_mean": _mean(foreign), "qdiscs": qdiscs}
     return analyse_all(out, a, jobs), time.monotonic() - start, noise
 
 
