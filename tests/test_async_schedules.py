@@ -267,11 +267,13 @@ def test_async_schedules_match_reference(tmp_path, stages, dp):
         assert sorted({(f["stage"], f["weight_versions"]["peak"]) for f in files}) == list(enumerate(expected))
 
 
-@pytest.mark.parametrize("optimizer,lr,stages,dp", [("SGD", 0.05, 2, 2), ("AdamW", 0.01, 4, 1)])
+@pytest.mark.parametrize("optimizer,lr,stages,dp", [("AdamW", 0.01, 2, 2)])
 def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages, dp):
     """2bw computes batch t on W(t-1) + c * (W(t-1) - W(t-2)) (hippie.staleness extrapolate,
     here c = 1.5) and applies the update to W(t); with "none" on W(t-1). Each matches the
-    reference of its rule; they differ from each other."""
+    reference of its rule; they differ from each other. (SGD at 2x2 and AdamW at 4x1 also passed
+    when written; one shape keeps CI short. test_async_schedules_match_reference covers 2bw's
+    default correction at (2,1), (2,2), (4,1), (4,2) with SGD.)"""
     results = {}
     for staleness in (StalenessConfig(method="extrapolate", coefficient=1.5), StalenessConfig(method="none")):
         out = tmp_path / staleness.method
