@@ -72,7 +72,11 @@ def _describe(err: dict, section: str) -> str:
     key = ".".join(str(p) for p in err["loc"])
     value = err.get("input")
     if err["type"] == "extra_forbidden":
-        allowed = ", ".join(HippieConfig.model_fields)
+        model = HippieConfig  # the section the unknown key sits in
+        for part in err["loc"][:-1]:
+            annotation = model.model_fields[part].annotation
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else model
+        allowed = ", ".join(model.model_fields)
         return f'config key "{section}.{key}" (value {value!r}) is not known; allowed keys: {allowed}'
     return f'config key "{section}.{key}" = {value!r}: {err["msg"]}'
 

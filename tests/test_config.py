@@ -31,6 +31,10 @@ def test_defaults():
 
 @pytest.mark.parametrize("config,message", [
     ({"hippie": {"deferred_stage": [0]}}, 'config key "hippie.deferred_stage" (value [0]) is not known; allowed keys:'),
+    ({"hippie": {"staleness": {"methd": "none"}}},
+     'config key "hippie.staleness.methd" (value \'none\') is not known; allowed keys: method, coefficient'),
+    ({"hippie": {"staleness": {"method": "predict"}}}, 'config key "hippie.staleness.method" = \'predict\''),
+    ({"hippie": {"timeline_steps": 0}}, 'config key "hippie.timeline_steps" = 0'),
     ({"hippie": {"deferred_stages": "some"}}, 'config key "hippie.deferred_stages" = \'some\''),
     ({"hippie": {"deferred_stages": [-1]}}, "non-negative stage indices"),
     ({"hippie": {"placement": "across"}}, 'config key "hippie.placement" = \'across\''),
