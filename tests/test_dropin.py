@@ -4,7 +4,8 @@
 "parameters"``, ``activation_checkpoint_interval``, ``training_data=`` a Dataset, ``train_batch()``
 without an iterator, ``eval_batch``) run by the ``deepspeed`` launcher on 2 stages x 2 replicas,
 with no ``hippie`` key in the config. Checkpoints cross between stock DeepSpeed and hippie-ds
-both ways, and across stage layouts.
+both ways, and across stage layouts. Launches are shared where one run can serve two checks
+(each launch costs ~17 s of CI).
 """
 import json
 import sys
@@ -19,6 +20,7 @@ from launch import launch  # noqa: E402
 CLIENT = Path(__file__).parent / "distributed" / "client_train.py"
 SCHEDULES = ["1f1b", "gpipe", "hippie", "hippie-1f1b", "2bw", "pipedream"]
 SYNCHRONOUS = ("1f1b", "gpipe")  # bit-identical to stock DeepSpeed
+IN_FLIGHT = ("hippie", "2bw")  # a deferred gradient, stashed weight versions: stock must refuse them
 STEPS = 3
 
 
@@ -84,8 +86,10 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
         assert _losses(ours) == _losses(stock["trained"])
         assert records[0]["eval_after"] == stock["trained"]["records"][0]["eval_after"]
         _same_weights(ours["weights"], stock["trained"]["weights"])
-    # a checkpoint saved by stock DeepSpeed: loads, and training continues
-    _, log, resumed = run(tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt")
+    # a checkpoint saved by stock DeepSpeed: loads, and training continues (and, for schedules
+    # with in-flight state, saves it: stock DeepSpeed must refuse that checkpoint, below)
+    save = ("--save", tmp_path / "ckpt") if schedule in IN_FLIGHT else ()
+    _, log, resumed = run(tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt", *save)
     records = resumed["records"]
     assert len(records) == 4 and all(r["global_steps"] == STEPS + 2 for r in records.values())
     # eval_batch on the loaded weights: stock's loss on the same weights
@@ -96,35 +100,37 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
         _same_weights(resumed["weights"], stock["resumed"]["weights"])
     else:
         assert _losses(resumed) != _losses(stock["resumed"])  # its own update rule really ran
+    if schedule in IN_FLIGHT:
+        rc, log, _ = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", tmp_path / "ckpt",
+                         initialize="deepspeed", expect_ok=False)
+        assert rc != 0
+        assert "hippie-ds in-flight training state" in log and "engine.drain()" in log, log[-3000:]
 
 
-def test_drained_checkpoint_loads_into_stock(tmp_path):
-    """hippie with a deferred stage, drained before saving: nothing in flight, stock resumes it."""
-    _, _, ours = run(tmp_path / "hippie", _config(tmp_path, "hippie"), "--steps", STEPS, "--drain-before-save",
-                     "--save", tmp_path / "ckpt")
-    _, _, theirs = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", tmp_path / "ckpt",
+@pytest.fixture(scope="module")
+def drained(tmp_path_factory):
+    """hippie (a deferred stage) on 2 stages x 2 replicas, drained before saving: nothing in flight."""
+    tmp = tmp_path_factory.mktemp("drained")
+    _, _, ours = run(tmp / "hippie", _config(tmp, "hippie"), "--steps", STEPS, "--drain-before-save",
+                     "--save", tmp / "ckpt")
+    return {"ckpt": tmp / "ckpt", "result": ours}
+
+
+def test_drained_checkpoint_loads_into_stock(tmp_path, drained):
+    _, _, theirs = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", drained["ckpt"],
                        initialize="deepspeed")
-    assert theirs["records"][0]["eval_before"] == ours["records"][0]["eval_after"]
+    assert theirs["records"][0]["eval_before"] == drained["result"]["records"][0]["eval_after"]
     assert theirs["records"][0]["global_steps"] == STEPS + 1
 
 
-@pytest.mark.parametrize("schedule", ["hippie", "2bw"])
-def test_in_flight_checkpoint_is_refused_by_stock(tmp_path, schedule):
-    run(tmp_path / "ours", _config(tmp_path, schedule), "--steps", STEPS, "--save", tmp_path / "ckpt")
-    rc, log, _ = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", tmp_path / "ckpt",
-                     initialize="deepspeed", expect_ok=False)
-    assert rc != 0
-    assert "hippie-ds in-flight training state" in log and "engine.drain()" in log, log[-3000:]
-
-
-def test_replanned_resume(tmp_path):
+def test_replanned_resume(tmp_path, drained):
     """Saved on 2 stages x 2 replicas (DeepSpeed's 'parameters' partition), resumed on 4 stages:
     weights follow by layer; optimizer state is an explicit opt-in restart."""
     config = _config(tmp_path, "hippie")
-    _, _, before = run(tmp_path / "two", config, "--steps", STEPS, "--drain-before-save", "--save", tmp_path / "ckpt")
-    rc, log, _ = run(tmp_path / "refused", config, "-p", 4, "--load", tmp_path / "ckpt", expect_ok=False)
+    before = drained["result"]
+    rc, log, _ = run(tmp_path / "refused", config, "-p", 4, "--load", drained["ckpt"], expect_ok=False)
     assert rc != 0 and "load_optimizer_states=False" in log and "stage boundaries" in log, log[-3000:]
-    _, _, after = run(tmp_path / "four", config, "-p", 4, "--steps", 2, "--load", tmp_path / "ckpt",
+    _, _, after = run(tmp_path / "four", config, "-p", 4, "--steps", 2, "--load", drained["ckpt"],
                       "--restart-optimizer")
     assert after["records"][0]["eval_before"] == pytest.approx(before["records"][0]["eval_after"], rel=1e-6)
     assert {r["stage"] for r in after["records"].values()} == {0, 1, 2, 3}
