@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +40,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class Refuse(Exception):
     """A precondition is missing: print the message, exit 2."""
 
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a local launcher's --master_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 def sh(*cmd, check=True):
     res = subprocess.run(cmd, capture_output=True, text=True)

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import time_to_accuracy as tta  # noqa: E402
+from cluster import free_port  # noqa: E402
 
 BASELINE = "dp"
 LOSS_TARGET_PCT, ACCURACY_TARGET_POINTS = 1.0, 0.5
@@ -150,12 +150,6 @@ def run_dir(out: Path, example: str, name: str, seed: int, seeds: list[int]) -> 
     name = name.replace(":", "_").replace("=", "")
     path = out / example / (Path(name).stem if "/" in name or name.endswith((".yaml", ".yml")) else name)
     return path if len(seeds) == 1 else path / f"seed{seed}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: int, lr: float) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tools" / "soak_worker.py"
+sys.path.insert(0, str(REPO / "tools"))
+from cluster import free_port  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,12 +41,6 @@ def parse_args(argv=None):
         p.error(f"--warmup {args.warmup} must be a multiple of --sample-every {args.sample_every} and less "
                 f"than --steps {args.steps}")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(args, out: Path) -> None:
