@@ -3,6 +3,9 @@
     "pipeline": {"schedule": "hippie"},          # a built-in name or a path to a schedule file
     "hippie": {
         "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
+        "deferred_layers": null,                # partial deferral: a deferred stage delays only its first
+                                                #   this many layers (an int, or {"stage": int}); the rest
+                                                #   of its gradient is all-reduced and applied in-step
         "schedule_params": {},                  # other parameters a schedule file declares
         "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
         "placement": null,                      # checked against the module's topology when given:
@@ -46,6 +49,9 @@ class HippieConfig(BaseModel):
 
     # 'auto' or a list of stage ids (checked against the stage count when the schedule compiles)
     deferred_stages: Any = None
+    # None: a deferred stage delays its whole gradient; an int (every deferred stage) or
+    # {stage: int}: only the stage's first that many layers (PipelineModule layer indices)
+    deferred_layers: Any = None
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
     # None: whatever layout the PipelineModule was built with (DeepSpeed's default topology keeps
@@ -66,6 +72,25 @@ class HippieConfig(BaseModel):
         if not ok:
             raise ValueError("allowed: 'auto' or a list of non-negative stage indices, e.g. [0, 1]")
         return v
+
+    @field_validator("deferred_layers", mode="before")
+    @classmethod
+    def _layers(cls, v):
+        def count(x):
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        if v is None or count(v):
+            return v
+        if isinstance(v, dict):
+            out = {}
+            for k, x in v.items():
+                key = int(k) if isinstance(k, str) and k.isdigit() else k
+                if not (count(key) and count(x)):
+                    break
+                out[key] = x
+            else:
+                return out
+        raise ValueError('allowed: a non-negative layer count (every deferred stage), or a mapping '
+                         'of deferred stage to layer count, e.g. {"0": 1}')
 
 
 def _describe(err: dict, section: str) -> str:

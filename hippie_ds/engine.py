@@ -43,6 +43,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import checkpoint_state as ckpt
@@ -101,7 +102,8 @@ class HippiePipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
-                 timeline_steps: int = 100, staleness=None, **kwargs):
+                 timeline_steps: int = 100, staleness=None, deferred_layers: dict[int, int] | None = None,
+                 **kwargs):
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -138,10 +140,19 @@ class HippiePipelineEngine(PipelineEngine):
         self._wv_stashed: set[int] = set()
         self._wv_peak = 1
         self._current_op = None
+        # A deferred stage delays the gradient of _delayed_params (all its parameters, or with
+        # partial deferral those of its first layers); _synced_params are all-reduced and applied in-step.
+        deferred = not self._continuous and self.stage_id in compiled_schedule.deferred_stages()
+        self._delayed_params, self._synced_params = self._split_deferred(
+            (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
+        if deferred and self.grid.data_parallel_id == 0:
+            delayed = sum(p.numel() for p in self._delayed_params)
+            logger.info(f"hippie-ds: stage {self.stage_id} applies {self.delayed_fraction():.1%} of its gradient one "
+                        f"step late ({delayed} of {sum(p.numel() for p in self._version_params())} elements)")
         # staleness correction of a deferred stage (None: the plain one-step-delayed rule)
         self._corrector = None
-        if staleness is not None and not self._continuous and self.stage_id in compiled_schedule.deferred_stages():
-            self._corrector = make_corrector(staleness, self._version_params())
+        if staleness is not None and deferred and self._delayed_params:
+            self._corrector = make_corrector(staleness, self._delayed_params)
         # ... and the same rule for versioned stages one update behind (2bw): compute ops run on
         # W(v) + c * (W(v) - W(v-1)); the deltas of the versions still computed on are kept
         self._wv_deltas: dict[int, torch.Tensor] | None = None
@@ -150,6 +161,21 @@ class HippiePipelineEngine(PipelineEngine):
         if (staleness is not None and staleness.method == "extrapolate" and self._versioned
                 and compiled_schedule.one_version_behind(self.stage_id)):
             self._wv_deltas, self._wv_coefficient = {}, staleness.coefficient
+
+    def _split_deferred(self, layers: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(delayed, synchronous) parameters of this deferred stage: those of its first ``layers``
+        layers are delayed (all of them when ``layers`` is None)."""
+        params = self._version_params()
+        if layers is None:
+            return params, []
+        delayed = {id(p) for i, layer in enumerate(self.module.forward_funcs) if i < layers and
+                   isinstance(layer, torch.nn.Module) for p in layer.parameters()}
+        return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
+
+    def delayed_fraction(self) -> float:
+        """The fraction of this stage's gradient (by elements) that is applied one step late."""
+        total = sum(p.numel() for p in self._version_params())
+        return sum(p.numel() for p in self._delayed_params) / total if total else 0.0
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -402,13 +428,33 @@ class HippiePipelineEngine(PipelineEngine):
                 grads.append(p.grad)
         return grads
 
+    @staticmethod
+    def _grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The (fp32) gradients of ``params``, materialised as zeros where missing."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in params]
+
+    def _synced_grads(self) -> list[torch.Tensor]:
+        """The gradients this step's all-reduce covers: the whole stage, or none of a deferred
+        stage but its undelayed part (partial deferral)."""
+        return self._stage_grads() if not self._delayed_params else self._grads_of(self._synced_params)
+
+    def _delayed_grads(self) -> list[torch.Tensor]:
+        """The gradients a deferred stage buffers and applies one step late."""
+        return self._stage_grads() if not self._synced_params else self._grads_of(self._delayed_params)
+
     def _start_allreduce(self, flat: torch.Tensor):
         flat.div_(self.dp_world_size)
         return dist.all_reduce(flat, group=self.grid.get_data_parallel_group(), async_op=True)
 
     def _exec_start_allreduce(self, target):
         if target == "grads":
-            grads = self._stage_grads()
+            grads = self._synced_grads()
+            if not grads:  # a wholly deferred stage: everything waits for the buffer
+                self._allreduce["grads"] = (None, None, grads)
+                return
             flat = _flatten_dense_tensors(grads)
             work = self._start_allreduce(flat) if self.is_data_parallel else None
             self._allreduce["grads"] = (work, flat, grads)
@@ -437,7 +483,7 @@ class HippiePipelineEngine(PipelineEngine):
             self._grad_buffer_state = "reduced"
 
     def _exec_copy_grads_to_buffer(self):
-        grads = self._stage_grads()
+        grads = self._delayed_grads()
         flat = _flatten_dense_tensors(grads)
         if self._grad_buffer is None:
             self._grad_buffer = flat
@@ -450,18 +496,23 @@ class HippiePipelineEngine(PipelineEngine):
     def _exec_apply_buffered_update(self):
         if self._corrector is not None:
             self._corrector.restore()  # the update applies to the true weights, not the predicted ones
-        if self._grad_buffer_state != "reduced":
+        if self._grad_buffer_state != "reduced" and not self._synced_params:
             # First step: nothing buffered yet. Keep step counters and the LR schedule in
             # lock-step with the other stages (checkpoint tags use global_steps).
             self._stage_step(apply=False)
             return
-        grads = self._stage_grads()
-        current = _flatten_dense_tensors(grads)  # this step's gradient, buffered right after
-        for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
-            g.copy_(buffered)
+        grads = self._delayed_grads()
+        current = _flatten_dense_tensors(grads)  # this step's delayed gradient, buffered right after
+        if self._grad_buffer_state == "reduced":
+            for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
+                g.copy_(buffered)
+        else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet
+            for p in self._delayed_params:
+                p.grad = None  # the optimizer skips it
         self._stage_step(apply=True)
         self._grad_buffer_state = "empty"
-        for g, cur in zip(self._stage_grads(), _unflatten_dense_tensors(current, grads)):
+        grads = self._delayed_grads()
+        for g, cur in zip(grads, _unflatten_dense_tensors(current, grads)):
             g.copy_(cur)
 
     def _exec_stage_optimizer_step(self):
@@ -522,9 +573,11 @@ class HippiePipelineEngine(PipelineEngine):
         if self._grad_buffer_state == "filled":
             self._exec_start_allreduce("buffer")
         self._wait_buffer()
-        grads = self._stage_grads()
+        grads = self._delayed_grads()
         for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
             g.copy_(buffered)
+        for p in self._synced_params:
+            p.grad = None  # applied in their own step already
         self._stage_step_without_counters()
         self._grad_buffer_state = "empty"
         return True
@@ -582,6 +635,13 @@ class HippiePipelineEngine(PipelineEngine):
                                  "gradient or weight versions) of another stage layout; save it after engine.drain() "
                                  "to resume with new stage boundaries")
             prediction = None  # the previous weights of other stages: the prediction restarts
+        if buffer is not None and buffer["buffer"] is not None:
+            delayed = sum(p.numel() for p in self._delayed_params)
+            if buffer["buffer"].numel() != delayed:
+                raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage_id}'s buffered gradient has "
+                                 f"{buffer['buffer'].numel()} elements, this run delays {delayed} (config key "
+                                 '"hippie.deferred_layers" differs from the saved run\'s); resume with the same '
+                                 "value, or save after engine.drain()")
         if buffer is not None:
             self._grad_buffer_state = buffer["state"]
             # an empty buffer is re-allocated at this layout's size on first use

@@ -169,6 +169,30 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     return ds_config, config_class, compiled, options
 
 
+def deferred_layers(model: PipelineModule, options, compiled, config_class) -> dict[int, int]:
+    """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
+    stages it delays partly; checked before any process group exists."""
+    value = options.deferred_layers
+    if value is None:
+        return {}
+    deferred = compiled.deferred_stages()
+    shown = f'config key "hippie.deferred_layers" = {value!r}'
+    if not deferred:
+        raise ConfigError(f"{shown}: schedule {compiled.name!r} defers no stage (partial deferral applies to the "
+                          "deferred stages of hippie and hippie-1f1b)")
+    if isinstance(value, dict):
+        extra = sorted(set(value) - set(deferred))
+        if extra:
+            raise ConfigError(f"{shown}: stage(s) {extra} are not deferred; deferred stages: {deferred}")
+    if config_class.bfloat16_config.enabled or config_class.float16_config.enabled or \
+            config_class.zero_optimization_stage > 0:
+        raise ConfigError(f"{shown}: partial deferral runs fp32 without ZeRO only (the bf16/fp16/ZeRO optimizers keep "
+                          "one flat gradient per stage)")
+    counts = {s: value if isinstance(value, int) else value.get(s) for s in deferred}
+    layers = {s: model.parts[s + 1] - model.parts[s] for s in deferred}
+    return {s: k for s, k in counts.items() if k is not None and k < layers[s]}
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
@@ -195,6 +219,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config_path = _config_path(args, config, config_params)
     config = _load_config(args, config, config_params)
     ds_config, config_class, compiled, options = prepare(model, config, config_path)
+    partial = deferred_layers(model, options, compiled, config_class)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
@@ -210,7 +235,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                                   config_class=config_class, compiled_schedule=compiled,
                                   timeline_dir=options.timeline_dir,
-                                  timeline_steps=options.timeline_steps, staleness=options.staleness)
+                                  timeline_steps=options.timeline_steps, staleness=options.staleness,
+                                  deferred_layers=partial)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -38,6 +38,8 @@ def test_defaults():
     ({"hippie": {"deferred_stages": "some"}}, 'config key "hippie.deferred_stages" = \'some\''),
     ({"hippie": {"deferred_stages": [-1]}}, "non-negative stage indices"),
     ({"hippie": {"placement": "across"}}, 'config key "hippie.placement" = \'across\''),
+    ({"hippie": {"deferred_layers": -1}}, 'config key "hippie.deferred_layers" = -1'),
+    ({"hippie": {"deferred_layers": {"0": "all"}}}, "a mapping of deferred stage to layer count"),
     ({"hippie": 3}, 'config key "hippie" = 3: must be a mapping'),
     ({"pipeline": {"schedule": 7}}, 'config key "pipeline.schedule" = 7'),
 ])
@@ -58,3 +60,32 @@ def test_unknown_schedule_params():
     _, _, options = split_config({"hippie": {"schedule_params": {"depth": 2}}})
     with pytest.raises(ConfigError, match=r"\['depth'\], which the schedule does not declare"):
         schedule_params(options, load_spec("hippie").params)
+
+
+def test_deferred_layers_checked_against_the_schedule():
+    """Partial deferral (hippie.deferred_layers) names its key before any process group exists:
+    a schedule without deferred stages, a stage that is not deferred, a flat-gradient optimizer."""
+    from types import SimpleNamespace
+
+    from hippie_ds.integration import deferred_layers
+    from hippie_ds.schedules import compile as compile_schedule
+
+    model = SimpleNamespace(parts=[0, 3, 6, 8, 10])  # 4 stages: 3, 3, 2 and 2 layers
+    fp32 = SimpleNamespace(bfloat16_config=SimpleNamespace(enabled=False), float16_config=SimpleNamespace(enabled=False),
+                           zero_optimization_stage=0)
+    bf16 = SimpleNamespace(**{**vars(fp32), "bfloat16_config": SimpleNamespace(enabled=True)})
+    hippie = compile_schedule("hippie", 4, 4, deferred_stages=[0, 1])
+
+    def run(value, compiled=hippie, config=fp32):
+        return deferred_layers(model, split_config({"hippie": {"deferred_layers": value}})[2], compiled, config)
+
+    assert run(1) == {0: 1, 1: 1}
+    assert run({"1": 2}) == {1: 2}
+    assert run(3) == {}  # as many layers as the stages hold: all of them delayed, nothing partial
+    assert deferred_layers(model, split_config({})[2], hippie, fp32) == {}
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' defers no stage'):
+        run(1, compile_schedule("1f1b", 4, 4))
+    with pytest.raises(ConfigError, match=r"stage\(s\) \[2\] are not deferred; deferred stages: \[0, 1\]"):
+        run({"2": 1})
+    with pytest.raises(ConfigError, match="fp32 without ZeRO only"):
+        run(1, config=bf16)

@@ -129,9 +129,14 @@ def test_plan_drives_training_and_predicts_activation_memory(profile, tmp_path):
     for layer in states[0]:
         for key, value in states[0][layer].items():
             assert torch.equal(value, states[1][layer][key]), (layer, key)
-    # ... and it did change memory: the re-computing plan held less on stage 0.
+    # ... and it did change memory: the re-computing plan held less on the stages it re-computes
+    # (which stage that is follows the measured layer times: it is not fixed).
     peaks = {(i, results[(i, r)]["stage"]): max(results[(i, r)]["peaks"]) for i in range(2) for r in range(2)}
-    assert peaks[(1, 0)] < peaks[(0, 0)]
+    bounds, ckpt = plans[1][0].boundaries, plans[1][0].checkpointed_layers
+    recomputing = [s for s in range(2) if any(bounds[s] <= i < bounds[s + 1] for i in ckpt)]
+    assert recomputing
+    for s in recomputing:
+        assert peaks[(1, s)] < peaks[(0, s)], s
 
 
 def test_plan_for_another_model_or_job_is_refused(profile, tmp_path):

@@ -273,3 +273,20 @@ def test_timeline_png(tmp_path):
     timeline_png(res.events, path, "hippie K=4 M=8")
     data = path.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_partial_deferral_moves_a_share_of_the_allreduce_into_the_step():
+    """delayed_fraction f of a deferred stage: the buffer carries f of its gradient (and its
+    bytes), the in-step all-reduce the rest; the exposed all-reduce lies between deferring all
+    of the stage and deferring nothing."""
+    costs = slow_link(4)
+    compiled = compile("hippie", 4, 8, validate=False, deferred_stages=[0])
+    whole = simulate(compiled, costs)
+    part = simulate(compiled, costs, delayed_fraction={0: 0.25})
+    eager = sim("hippie", 4, 8, costs, deferred_stages=[])
+    assert whole.per_stage[0]["delayed_fraction"] == 1.0 and part.per_stage[0]["delayed_fraction"] == 0.25
+    assert part.per_stage[0]["gradient_buffer_bytes"] == pytest.approx(0.25 * costs.stages[0].param_bytes)
+    assert whole.per_stage[0]["exposed_allreduce"] < part.per_stage[0]["exposed_allreduce"] \
+        < eager.per_stage[0]["exposed_allreduce"]
+    assert whole.step_time < part.step_time < eager.step_time
+    assert part.per_stage[1]["delayed_fraction"] == 0.0  # not a deferred stage

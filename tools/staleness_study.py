@@ -13,6 +13,8 @@ corrects for that:
 
     sync                        every stage synchronous (= dp)
     hippie:METHOD               stage 0 delayed (hippie's deferred stage), stage 1 synchronous
+    hippie/L:METHOD             partial deferral: only stage 0's first L layers delayed, the rest of
+                                stage 0 synchronous (its gradients are final early in the last backward)
     2bw:METHOD                  every stage delayed (PipeDream-2BW's rule)
 
 A delayed stage follows W(t+1) = W(t) - lr * g(W(t-1)) with AdamW fed g(W(t-1)) at step t; nothing
@@ -89,8 +91,9 @@ def parse_rule(text: str, stages: int) -> dict:
     if text == "sync":
         return {"name": text, "layout": "sync", "delayed": [], "methods": {}}
     layout, _, spec = text.partition(":")
-    if layout not in ("hippie", "2bw") or not spec:
-        raise SystemExit(f"rule {text!r}: expected sync, hippie:METHOD or 2bw:METHOD")
+    layout, _, leading = layout.partition("/")
+    if layout not in ("hippie", "2bw") or not spec or (leading and (layout != "hippie" or not leading.isdigit())):
+        raise SystemExit(f"rule {text!r}: expected sync, hippie[/L]:METHOD or 2bw:METHOD")
     methods = {}
     for item in spec.split("+"):
         name, _, value = item.partition("=")
@@ -101,7 +104,8 @@ def parse_rule(text: str, stages: int) -> dict:
                 raise SystemExit(f"rule {text!r}: {name} needs a value ({name}=X)")
             methods[name] = float(value)
     delayed = [0] if layout == "hippie" else list(range(stages))
-    return {"name": text, "layout": layout, "delayed": delayed, "methods": methods}
+    return {"name": text, "layout": layout, "delayed": delayed, "methods": methods,
+            "delayed_layers": int(leading) if leading else None}
 
 
 # ----------------------------------------------------------------------------------------- examples
@@ -301,14 +305,23 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
     layers = build_layers(specs, device)
     bounds = stage_bounds(len(layers), args.stages)
     stages = []
+    def params_of(lo, hi):
+        return [p for layer in layers[lo:hi] for p in layer.parameters() if p.requires_grad]
     for s in range(args.stages):
-        params = [p for layer in layers[bounds[s]:bounds[s + 1]] for p in layer.parameters() if p.requires_grad]
-        stages.append(Stage(params, s in rule["delayed"], rule["methods"], args.lr, steps))
+        lo, hi = bounds[s], bounds[s + 1]
+        cut = lo + rule["delayed_layers"] if s in rule["delayed"] and rule.get("delayed_layers") is not None else hi
+        # AdamW is elementwise (no clipping): one optimizer per part equals one per stage
+        if cut > lo:
+            stages.append(Stage(params_of(lo, min(cut, hi)), s in rule["delayed"], rule["methods"], args.lr, steps))
+        if cut < hi:
+            stages.append(Stage(params_of(cut, hi), False, rule["methods"], args.lr, steps))
     eval_every = EXAMPLES[example]["eval_every"]
     train = train_fn(seed)
     record = {"example": example, "rule": rule["name"], "layout": rule["layout"], "delayed_stages": rule["delayed"],
               "methods": rule["methods"], "seed": seed, "steps": steps, "lr": args.lr, "stage_bounds": bounds,
-              "stage_params": [sum(p.numel() for p in st.params) for st in stages], "device": args.device,
+              "stage_params": [sum(p.numel() for p in st.params) for st in stages],
+              "delayed_layers": rule.get("delayed_layers"),
+              "delayed_params": sum(p.numel() for st in stages if st.delayed for p in st.params), "device": args.device,
               "threads": args.threads, "torch": torch.__version__, "train_loss": [], "eval": []}
     start = time.perf_counter()
     for step in range(1, steps + 1):
@@ -347,7 +360,8 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
 
 
 def run_path(out: Path, example: str, rule: str, seed: int) -> Path:
-    return out / "runs" / example / rule.replace(":", "_").replace("=", "").replace("+", "_") / f"seed{seed}.json"
+    name = rule.replace(":", "_").replace("=", "").replace("+", "_").replace("/", "-")
+    return out / "runs" / example / name / f"seed{seed}.json"
 
 
 # ------------------------------------------------------------------------------------------- report

@@ -59,7 +59,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, NamedTuple
 
 from .costs import Costs
-from .ir import COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, CompiledSchedule, Op, OpKind
+from .ir import (ALLREDUCE_TARGETS, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, CompiledSchedule,
+                 Op, OpKind)
 
 
 class SimulationError(RuntimeError):
@@ -307,8 +308,13 @@ class _Acc:
 
 
 class _Sim:
-    def __init__(self, compiled: CompiledSchedule, costs: Costs, iterations: int) -> None:
+    def __init__(self, compiled: CompiledSchedule, costs: Costs, iterations: int,
+                 delayed_fraction: Mapping[int, float] | None = None) -> None:
         self.c, self.costs, self.iterations = compiled, costs, iterations
+        # the share of each stage's gradient that the 'grads' and 'buffer' all-reduces carry
+        deferred, fraction = set(compiled.deferred_stages()), dict(delayed_fraction or {})
+        self.share = {(s, t): (1.0 if s not in deferred else (f if t == "buffer" else 1.0 - f))
+                      for s in range(compiled.stages) for f in [fraction.get(s, 1.0)] for t in ALLREDUCE_TARGETS}
         self.K = compiled.stages
         self.k = _Kernel()
         self.link = _Link(self.k, costs.comm.shared_link)
@@ -378,8 +384,9 @@ class _Sim:
     def _start_allreduce(self, s: int, target: str, st: "_StageState") -> None:
         if target == "buffer" and not st.buffer_full:
             return  # first call: nothing buffered yet
-        work, latency = self.costs.allreduce_work(s), self.costs.allreduce_latency_total()
-        if work <= 0 and latency <= 0:
+        share = self.share[s, target]
+        work, latency = self.costs.allreduce_work(s) * share, self.costs.allreduce_latency_total()
+        if share <= 0 or (work <= 0 and latency <= 0):
             return  # data_parallel == 1: no data-parallel peers
         ar = _AllReduce(s, target, work, latency, self.k.now)
         self.allreduces.append(ar)
@@ -489,17 +496,19 @@ class _StageState:
 
 
 def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
-             critical_path: bool = True) -> SimResult:
+             critical_path: bool = True, delayed_fraction: Mapping[int, float] | None = None) -> SimResult:
     """Simulate ``iterations`` consecutive train_batch calls of ``compiled`` under ``costs``;
     figures are of the last call (see the module docstring for the definitions).
     ``critical_path=False`` skips the second, all-reduce-free run behind
-    ``allreduce_on_critical_path``."""
+    ``allreduce_on_critical_path``. ``delayed_fraction``: {deferred stage: the share of its
+    gradient that is delayed} (partial deferral, ``hippie.deferred_layers``; default 1: all of it);
+    the rest is all-reduced by its in-step ``grads`` all-reduce, the buffer holds the delayed share."""
     if costs.num_stages != compiled.stages:
         raise SimulationError(f"costs describe {costs.num_stages} stages, schedule {compiled.name!r} "
                               f"was compiled for {compiled.stages}")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise SimulationError(f"iterations = {iterations!r}: must be an integer >= 1")
-    sim = _Sim(compiled, costs, iterations)
+    sim = _Sim(compiled, costs, iterations, delayed_fraction)
     sim.run()
 
     K, last = compiled.stages, iterations - 1
@@ -514,7 +523,8 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
         per_stage.append({
             "stage": s, "busy": a.busy, "idle": step_time - a.busy,
             "peak_activation_microbatches": a.peak, "peak_activation_bytes": a.peak * sc.saved_bytes,
-            "gradient_buffer_bytes": sc.param_bytes if sim.uses_buffer[s] else 0.0,
+            "gradient_buffer_bytes": sc.param_bytes * sim.share[s, "buffer"] if sim.uses_buffer[s] else 0.0,
+            "delayed_fraction": sim.share[s, "buffer"] if sim.uses_buffer[s] else 0.0,
             # weight versions held at once (1: just the current weights); the extra ones cost
             # param_bytes each (2bw: one shadow copy; pipedream: stashed versions)
             "weight_versions": a.versions, "extra_weight_bytes": (a.versions - 1) * sc.param_bytes,
@@ -539,7 +549,8 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
     critical = 0.0
     if critical_path and any(costs.allreduce_time(s) > 0 for s in range(K)):
         free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
-        critical = step_time - simulate(compiled, free, iterations, critical_path=False).step_time
+        critical = step_time - simulate(compiled, free, iterations, critical_path=False,
+                                        delayed_fraction=delayed_fraction).step_time
 
     return SimResult(schedule=compiled.name, stages=K, micro_batches=compiled.micro_batches,
                      params=dict(compiled.params), step_time=step_time, bubble_fraction=bubble, per_stage=per_stage,

@@ -4,7 +4,9 @@ Gradient of step t: the mean over replicas of the sum over micro-batches of grad
 as DeepSpeed computes it. Immediate stages apply g(t) at step t; deferred stages apply g(t-1)
 (nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.engine). Staleness
 correction ``extrapolate`` (``hippie.staleness``): a deferred stage computes step t on
-W(t) + c * (W(t) - W(t-1)) and its update applies to W(t).
+W(t) + c * (W(t) - W(t-1)) and its update applies to W(t). Partial deferral
+(``hippie.deferred_layers``): only the parameters of a deferred stage's first k layers follow the
+delayed rule (and the correction); the rest of the stage applies g(t) at step t, at t = 0 alone.
 """
 import torch
 
@@ -16,10 +18,15 @@ def stage_of_layers(parts):
     return {i: s for s, (a, b) in enumerate(parts) for i in range(a, b)}
 
 
-def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None):
-    """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``."""
+def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
+        delayed_layers=None):
+    """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
+    ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all)."""
     layers = tiny.build_layers()
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
+    delayed_layers = delayed_layers or {}
+    delayed = [[s in deferred and (s not in delayed_layers or i < a + delayed_layers[s])
+                for i in range(a, b) for _ in layers[i].parameters()] for s, (a, b) in enumerate(parts)]
     opts = _make_optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
@@ -30,8 +37,9 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
         for s in deferred if extrapolate else ():
             true_weights[s] = _snapshot(stage_params[s])
             with torch.no_grad():
-                for p, w, q in zip(stage_params[s], true_weights[s], previous[s]):
-                    p.add_(w - q, alpha=staleness.coefficient)
+                for p, w, q, late in zip(stage_params[s], true_weights[s], previous[s], delayed[s]):
+                    if late:
+                        p.add_(w - q, alpha=staleness.coefficient)
             previous[s] = true_weights[s]
         grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
         total = 0.0
@@ -55,8 +63,10 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             if s in deferred:
                 if true_weights[s] is not None:
                     _load(ps, true_weights[s])
-                apply, pending[s] = pending[s], grads[s]
-                if apply is None:
+                buffered = pending[s] or [None] * len(ps)
+                apply = [b if late else g for b, g, late in zip(buffered, grads[s], delayed[s])]
+                pending[s] = grads[s]
+                if all(g is None for g in apply):
                     continue
             _apply(ps, opts[s], apply, clip)
     return _result(layers), losses
@@ -105,11 +115,11 @@ def _micro_batch_grads(layers, stage_params, step, index, dp, micro_batches):
 
 def _apply(ps, opt, grads, clip):
     if clip > 0:  # per stage, as hippie_ds.engine's per-stage updates
-        norm = torch.stack([g.norm(2) for g in grads]).pow(2).sum().sqrt()
+        norm = torch.stack([g.norm(2) for g in grads if g is not None]).pow(2).sum().sqrt()
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        grads = [g * coef for g in grads]
+        grads = [None if g is None else g * coef for g in grads]
     for p, g in zip(ps, grads):
-        p.grad = g.clone()
+        p.grad = None if g is None else g.clone()  # None: the optimizer skips it
     opt.step()
 
 
