@@ -145,6 +145,15 @@ class HippiePipelineEngine(PipelineEngine):
         deferred = not self._continuous and self.stage_id in compiled_schedule.deferred_stages()
         self._delayed_params, self._synced_params = self._split_deferred(
             (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
+        # Partial deferral: the synchronous part's all-reduce starts inside the stage's last
+        # backward, once those parameters' gradients are final (the delayed layers come later in
+        # backward); the declared start_allreduce(grads) then finds it in flight.
+        self._early_pending: set[int] | None = None
+        self._last_backward_mb = max((op.micro_batch for op in compiled_schedule.ops(self.stage_id)
+                                      if op.kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD)), default=None)
+        if self._delayed_params and self._synced_params:
+            for p in self._synced_params:
+                p.register_post_accumulate_grad_hook(self._on_grad_final)
         if deferred and self.grid.data_parallel_id == 0:
             delayed = sum(p.numel() for p in self._delayed_params)
             logger.info(f"hippie-ds: stage {self.stage_id} applies {self.delayed_fraction():.1%} of its gradient one "
@@ -213,7 +222,7 @@ class HippiePipelineEngine(PipelineEngine):
                  "end": end - self._t0, "step": self._batch_index, "micro_batch": op.micro_batch if op else None}
         self._timeline.append(event)
         if op is not None and op.kind == OpKind.START_ALLREDUCE:
-            self._inflight[op.target] = start
+            self._inflight.setdefault(op.target, start)  # set earlier when the all-reduce started early
         elif op is not None and op.kind == OpKind.WAIT_ALLREDUCE and op.target in self._inflight:
             # In flight from its start until its wait returned (gloo reports no completion time).
             self._timeline.append({"name": f"allreduce({op.target})", "kind": "AllReduceInFlight", "category": "comm",
@@ -375,7 +384,25 @@ class HippiePipelineEngine(PipelineEngine):
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
-        super()._exec_backward_pass(buffer_id)
+        op = self._current_op
+        if self._delayed_params and self._synced_params and op is not None and \
+                op.micro_batch == self._last_backward_mb:
+            self._early_pending = {id(p) for p in self._synced_params}  # armed for this backward
+        try:
+            super()._exec_backward_pass(buffer_id)
+        finally:
+            self._early_pending = None  # unused parameters: the declared start_allreduce starts it
+
+    def _on_grad_final(self, param):
+        """Post-accumulate-grad hook of a partially deferred stage's synchronous parameters."""
+        if self._early_pending is None:
+            return
+        self._early_pending.discard(id(param))
+        if not self._early_pending:
+            self._early_pending = None
+            if self._timeline_dir is not None and self._training:
+                self._inflight["grads"] = time.perf_counter()
+            self._exec_start_allreduce("grads")
 
     def _exec_forward_backward_pass(self, buffer_id):
         self._exec_forward_pass(buffer_id)
@@ -451,6 +478,8 @@ class HippiePipelineEngine(PipelineEngine):
 
     def _exec_start_allreduce(self, target):
         if target == "grads":
+            if self._allreduce["grads"] is not None:
+                return  # started early, inside the last backward (_on_grad_final)
             grads = self._synced_grads()
             if not grads:  # a wholly deferred stage: everything waits for the buffer
                 self._allreduce["grads"] = (None, None, grads)

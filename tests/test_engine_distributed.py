@@ -120,9 +120,18 @@ def test_partial_deferral_matches_its_rule(tmp_path):
     (``hippie.deferred_layers``), the rest of it all-reduced and applied in-step: matches the
     reference of that rule (AdamW, default correction), which differs from delaying all of stage 0."""
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 5, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
-            "--schedule-override", json.dumps({"deferred_layers": 3}))
+            "--schedule-override", json.dumps({"deferred_layers": 3}), "--timeline")
     rc, log, _ = launch(4, tmp_path, *args, "--engines", "hippie,hippie-1f1b")
     assert rc == 0, log[-4000:]
+    # stage 0's synchronous part is all-reduced from inside its last backward, not after it
+    timelines = [json.loads(f.read_text()) for f in sorted((tmp_path / "hippie" / "timeline").glob("rank*.json"))]
+    assert len([t for t in timelines if t["stage"] == 0]) == 2
+    for events in (t["events"] for t in timelines if t["stage"] == 0):
+        last = max(e["step"] for e in events)
+        step = [e for e in events if e["step"] == last]
+        backward = max((e for e in step if e["kind"] == "BackwardPass"), key=lambda e: e["start"])
+        flight = next(e for e in step if e["name"] == "allreduce(grads)")
+        assert backward["start"] <= flight["start"] < backward["end"], (backward, flight)
     for name in ("hippie", "hippie-1f1b"):
         ours, losses, parts, _, replicas = collect(tmp_path, name)
         ref, ref_losses = reference.run(parts, 2, 3, 5, deferred=[0], optimizer="AdamW", lr=0.01,

@@ -56,6 +56,10 @@ def test_step_times_from_a_bench_results_file(tmp_path):
 def test_staleness_variant_names_set_the_config(tmp_path):
     assert convergence.split_name("hippie:extrapolate=1.5") == ("hippie", {"method": "extrapolate", "coefficient": 1.5})
     assert convergence.split_name("hippie") == ("hippie", None)
+    assert convergence.split_layers("hippie@1:none") == ("hippie:none", 1)
+    assert convergence.split_layers("hippie") == ("hippie", None)
+    assert convergence.make_config("hippie@2", Path(convergence.REPO / "configs"), 1e-3, "decay",
+                                   100)["hippie"]["deferred_layers"] == 2
     config = convergence.make_config("hippie:none", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)
     assert config["pipeline"]["schedule"] == "hippie" and config["hippie"]["staleness"] == {"method": "none"}
     assert convergence.run_dir(tmp_path, "gpt", "hippie:extrapolate=1.5", 0, [0]) == tmp_path / "gpt" / "hippie_extrapolate1.5"

@@ -282,15 +282,18 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
                                        "shared_link": True}}
 
 
-def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs: dict) -> dict:
-    """Simulated step time of a schedule under measured costs (hippie-ds simulator)."""
+def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs: dict,
+            delayed_fraction: dict | None = None) -> dict:
+    """Simulated step time of a schedule under measured costs (hippie-ds simulator);
+    ``delayed_fraction``: {stage: share of its gradient applied one step late} (partial deferral)."""
     sys.path.insert(0, str(REPO))
     from hippie_ds.schedules import compile as compile_schedule
     from hippie_ds.schedules.costs import Costs
     from hippie_ds.schedules.simulator import simulate
     try:
         compiled = compile_schedule(schedule, stages, micro_batches, validate=False, **(params or {}))
-        res = simulate(compiled, Costs.from_dict(costs), iterations=3, critical_path=False)
+        res = simulate(compiled, Costs.from_dict(costs), iterations=3, critical_path=False,
+                       delayed_fraction=delayed_fraction)
         return {"step_time": res.step_time, "bubble_fraction": res.bubble_fraction}
     except Exception as exc:  # a schedule the simulator does not know (yet): no prediction
         return {"step_time": None, "error": f"{type(exc).__name__}: {exc}"}
@@ -331,7 +334,9 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
         stages, params = 1, {}
     else:
         stages, params = meta["stages"], meta.get("schedule_params") or {}
-    pred = predict(sched_name, params, stages, meta["micro_batches"], costs)
+    fractions = {st["stage"]: st["delayed_fraction"] for st, _ in ranks.values()
+                 if st.get("delayed_fraction") is not None}
+    pred = predict(sched_name, params, stages, meta["micro_batches"], costs, fractions)
     err = (pred["step_time"] - median) / median if pred.get("step_time") and median else None
     exposed = {}
     for s, st in timings.items():

@@ -451,6 +451,8 @@ def main():
                        "stages": 1 if schedule == "dp" else a.stages, "schedule": schedule, "label": label,
                        "params": params,
                        "schedule_params": getattr(getattr(engine, "compiled_schedule", None), "params", {}),
+                       # share of this stage's gradient applied one step late (hippie.deferred_layers)
+                       "delayed_fraction": engine.delayed_fraction() if hasattr(engine, "delayed_fraction") else None,
                        "parts": parts,
                        "micro_batches": (engine.engine.gradient_accumulation_steps() if schedule == "dp"
                                          else a.micro_batches),

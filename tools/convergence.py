@@ -22,6 +22,8 @@ dp's final loss + 1% and, with --step-times, the wall time on the emulated two-n
 
 A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHOD, "coefficient":
 C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
+NAME@L sets hippie.deferred_layers = L (partial deferral: a deferred stage delays only its first
+L layers), e.g. hippie@1 or hippie@1:none; its runs go to NAME@L.
 """
 from __future__ import annotations
 
@@ -122,7 +124,19 @@ def split_name(name: str) -> tuple[str, dict | None]:
     return schedule, {"method": method, **({"coefficient": float(value)} if value else {})}
 
 
+def split_layers(name: str) -> tuple[str, int | None]:
+    """'hippie@1:none' -> ('hippie:none', 1): hippie.deferred_layers of a name, and the rest."""
+    schedule, at, rest = name.partition("@")
+    if not at:
+        return name, None
+    layers, colon, variant = rest.partition(":")
+    if not layers.isdigit():
+        raise SystemExit(f"{name!r}: expected NAME@L[:METHOD[=C]] with L a layer count")
+    return schedule + colon + variant, int(layers)
+
+
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config") -> dict:
+    name, layers = split_layers(name)
     name, staleness = split_name(name)
     base = configs / f"{name}.json"
     if name == BASELINE or not base.exists():
@@ -140,6 +154,8 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
         config["gradient_clipping"] = float(clipping)
     if staleness is not None:
         config.setdefault("hippie", {})["staleness"] = staleness
+    if layers is not None:
+        config.setdefault("hippie", {})["deferred_layers"] = layers
     config["steps_per_print"] = 10 ** 9  # the scripts print their own progress
     return config
 
