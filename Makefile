@@ -85,13 +85,14 @@ soak: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/soak.py --out $(OUT)/soak $(SOAK_ARGS)
 
 # Convergence and time to accuracy: both examples (GPT on Python's docs, VGG on scikit-learn's
-# digits) trained to a fixed budget with data parallelism (4 replicas) and with hippie (default
-# staleness correction), hippie:none (no correction), 2bw and 2bw:none (2 stages x 2 replicas), seeds
-# 0,1,2, one 4-rank job after another; same global batch, weights and data order. Time to accuracy
+# digits) trained to a fixed budget with data parallelism (4 replicas) and with hippie (configs/
+# hippie.json: partial deferral of stage 0's first layer, default staleness correction), hippie@all
+# (all of stage 0 delayed: the paper's rule), hippie@all:none (no correction), 2bw and 2bw:none
+# (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after another; same global batch, weights and data order. Time to accuracy
 # uses the GPT-shape step times in docs/convergence/bench_gpt/ (re-measure: `sudo make bench-gpt`).
 # Writes $(OUT)/convergence/ and copies the pictures and results to docs/convergence/. About 90
 # minutes on 2 cores; e.g. `make convergence CONVERGENCE_ARGS="--examples vgg --seeds 0"`.
-CONVERGENCE_SCHEDULES ?= dp,hippie,hippie:none,2bw,2bw:none
+CONVERGENCE_SCHEDULES ?= dp,hippie,hippie@all,hippie@all:none,2bw,2bw:none
 CONVERGENCE_STEP_TIMES ?= gpt=docs/convergence/bench_gpt/round1.json+docs/convergence/bench_gpt/round2.json+docs/convergence/bench_gpt/round3.json
 CONVERGENCE_ARGS ?=
 .PHONY: convergence bench-gpt
@@ -106,7 +107,7 @@ BENCH_GPT_SHAPE := --d-model 128 --layers 4 --heads 4 --vocab 103 --seq 64 --mic
 	--micro-batches 4 --steps 8 --warmup 2 --no-scaling --no-projection --rounds 1
 bench-gpt: $(STAMP)
 	mkdir -p docs/convergence/bench_gpt
-	for order in dp,1f1b,hippie,2bw 1f1b,hippie,2bw,dp hippie,2bw,dp,1f1b; do \
+	for order in dp,1f1b,hippie,hippie@all,2bw 1f1b,hippie,hippie@all,2bw,dp hippie,hippie@all,2bw,dp,1f1b; do \
 		n=$$((n + 1)); \
 		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench-gpt/round$$n \
 			--schedules $$order $(BENCH_GPT_SHAPE) && cp $(OUT)/bench-gpt/round$$n/results.json \

@@ -177,9 +177,9 @@ def deferred_layers(model: PipelineModule, options, compiled, config_class) -> d
         return {}
     deferred = compiled.deferred_stages()
     shown = f'config key "hippie.deferred_layers" = {value!r}'
-    if not deferred:
-        raise ConfigError(f"{shown}: schedule {compiled.name!r} defers no stage (partial deferral applies to the "
-                          "deferred stages of hippie and hippie-1f1b)")
+    if "deferred_stages" not in compiled.params:
+        raise ConfigError(f"{shown}: schedule {compiled.name!r} has no deferred stages (partial deferral applies to "
+                          "the deferred stages of hippie and hippie-1f1b)")
     if isinstance(value, dict):
         extra = sorted(set(value) - set(deferred))
         if extra:

@@ -83,8 +83,9 @@ def test_deferred_layers_checked_against_the_schedule():
     assert run({"1": 2}) == {1: 2}
     assert run(3) == {}  # as many layers as the stages hold: all of them delayed, nothing partial
     assert deferred_layers(model, split_config({})[2], hippie, fp32) == {}
-    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' defers no stage'):
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' has no deferred stages'):
         run(1, compile_schedule("1f1b", 4, 4))
+    assert run(1, compile_schedule("hippie", 4, 4, deferred_stages=[])) == {}  # 'auto' may defer none
     with pytest.raises(ConfigError, match=r"stage\(s\) \[2\] are not deferred; deferred stages: \[0, 1\]"):
         run({"2": 1})
     with pytest.raises(ConfigError, match="fp32 without ZeRO only"):

@@ -203,16 +203,20 @@ def ds_config(a, label, schedule, dp, out, costs=None, hippie_section=None):
 
 
 def schedule_config(a, label):
-    """(schedule name, hippie section) from ``--schedule-configs``/LABEL.json, if there is one."""
+    """(schedule name, hippie section) from ``--schedule-configs``/LABEL.json, if there is one.
+    A label NAME@L is NAME with ``hippie.deferred_layers`` = L (partial deferral; NAME@all: the
+    whole deferred stage)."""
+    name, at, layers = label.partition("@")
+    extra = {"deferred_layers": None if layers == "all" else int(layers)} if at else {}
     if not a.schedule_configs:
-        return label, {}
-    path = os.path.join(a.schedule_configs, f"{label}.json")
+        return name, extra
+    path = os.path.join(a.schedule_configs, f"{name}.json")
     if not os.path.exists(path):
-        return label, {}
+        return name, extra
     with open(path) as f:
         cfg = json.load(f)
     hippie = {k: v for k, v in (cfg.get("hippie") or {}).items() if k not in ("timeline_dir", "costs")}
-    return (cfg.get("pipeline") or {}).get("schedule", label), hippie
+    return (cfg.get("pipeline") or {}).get("schedule", name), {**hippie, **extra}
 
 
 def time_stock_instructions(engine):

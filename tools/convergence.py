@@ -23,7 +23,8 @@ dp's final loss + 1% and, with --step-times, the wall time on the emulated two-n
 A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHOD, "coefficient":
 C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
 NAME@L sets hippie.deferred_layers = L (partial deferral: a deferred stage delays only its first
-L layers), e.g. hippie@1 or hippie@1:none; its runs go to NAME@L.
+L layers), e.g. hippie@1 or hippie@1:none; NAME@all removes the key (the whole deferred stage is
+delayed: the paper's rule); its runs go to NAME@L.
 """
 from __future__ import annotations
 
@@ -130,9 +131,9 @@ def split_layers(name: str) -> tuple[str, int | None]:
     if not at:
         return name, None
     layers, colon, variant = rest.partition(":")
-    if not layers.isdigit():
-        raise SystemExit(f"{name!r}: expected NAME@L[:METHOD[=C]] with L a layer count")
-    return schedule + colon + variant, int(layers)
+    if not (layers.isdigit() or layers == "all"):
+        raise SystemExit(f"{name!r}: expected NAME@L[:METHOD[=C]] with L a layer count or 'all'")
+    return schedule + colon + variant, "all" if layers == "all" else int(layers)
 
 
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config") -> dict:
@@ -154,7 +155,9 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
         config["gradient_clipping"] = float(clipping)
     if staleness is not None:
         config.setdefault("hippie", {})["staleness"] = staleness
-    if layers is not None:
+    if layers == "all":  # the whole deferred stage delayed (the paper's rule)
+        config.setdefault("hippie", {}).pop("deferred_layers", None)
+    elif layers is not None:
         config.setdefault("hippie", {})["deferred_layers"] = layers
     config["steps_per_print"] = 10 ** 9  # the scripts print their own progress
     return config

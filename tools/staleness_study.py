@@ -13,8 +13,8 @@ corrects for that:
 
     sync                        every stage synchronous (= dp)
     hippie:METHOD               stage 0 delayed (hippie's deferred stage), stage 1 synchronous
-    hippie/L:METHOD             partial deferral: only stage 0's first L layers delayed, the rest of
-                                stage 0 synchronous (its gradients are final early in the last backward)
+    hippie@L:METHOD             partial deferral (hippie.deferred_layers = L): only stage 0's first L
+                                layers delayed, the rest of stage 0 synchronous
     2bw:METHOD                  every stage delayed (PipeDream-2BW's rule)
 
 A delayed stage follows W(t+1) = W(t) - lr * g(W(t-1)) with AdamW fed g(W(t-1)) at step t; nothing
@@ -91,9 +91,9 @@ def parse_rule(text: str, stages: int) -> dict:
     if text == "sync":
         return {"name": text, "layout": "sync", "delayed": [], "methods": {}}
     layout, _, spec = text.partition(":")
-    layout, _, leading = layout.partition("/")
+    layout, _, leading = layout.partition("@")
     if layout not in ("hippie", "2bw") or not spec or (leading and (layout != "hippie" or not leading.isdigit())):
-        raise SystemExit(f"rule {text!r}: expected sync, hippie[/L]:METHOD or 2bw:METHOD")
+        raise SystemExit(f"rule {text!r}: expected sync, hippie[@L]:METHOD or 2bw:METHOD")
     methods = {}
     for item in spec.split("+"):
         name, _, value = item.partition("=")
@@ -360,7 +360,7 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
 
 
 def run_path(out: Path, example: str, rule: str, seed: int) -> Path:
-    name = rule.replace(":", "_").replace("=", "").replace("+", "_").replace("/", "-")
+    name = rule.replace(":", "_").replace("=", "").replace("+", "_")
     return out / "runs" / example / name / f"seed{seed}.json"
 
 
