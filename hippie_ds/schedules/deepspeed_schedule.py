@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from .ir import CompiledSchedule, Op, OpKind
+from .ir import OP_INFO, CompiledSchedule, Op
 
 
 class ForwardBackwardPass(ds.BufferOpInstruction):
@@ -54,46 +54,24 @@ class FreeWeights(ds.PipeInstruction):
     """Drop a stashed weight version after its last use."""
 
 
-_BUFFER_OPS = {
-    OpKind.LOAD: ds.LoadMicroBatch,
-    OpKind.FORWARD: ds.ForwardPass,
-    OpKind.BACKWARD: ds.BackwardPass,
-    OpKind.FORWARD_BACKWARD: ForwardBackwardPass,
-    OpKind.RECV_ACTIVATION: ds.RecvActivation,
-    OpKind.RECV_GRAD: ds.RecvGrad,
-}
-_SENDS = {
-    (OpKind.SEND_ACTIVATION, True): ds.SendActivation,
-    (OpKind.SEND_ACTIVATION, False): ISendActivation,
-    (OpKind.SEND_GRAD, True): ds.SendGrad,
-    (OpKind.SEND_GRAD, False): ISendGrad,
-}
-_PLAIN_OPS = {
-    OpKind.REDUCE_TIED_GRADS: ds.ReduceTiedGrads,
-    OpKind.REDUCE_GRADS: ds.ReduceGrads,
-    OpKind.OPTIMIZER_STEP: ds.OptimizerStep,
-    OpKind.STAGE_OPTIMIZER_STEP: StageOptimizerStep,
-    OpKind.COPY_GRADS_TO_BUFFER: CopyGradsToBuffer,
-    OpKind.APPLY_BUFFERED_UPDATE: ApplyBufferedUpdate,
-    OpKind.WAIT_SENDS: WaitSends,
-    OpKind.STASH_WEIGHTS: StashWeights,
-    OpKind.FREE_WEIGHTS: FreeWeights,
-}
-
 NEW_INSTRUCTIONS = (ForwardBackwardPass, ISendActivation, ISendGrad, WaitSends, StartAllReduce, WaitAllReduce,
                     CopyGradsToBuffer, ApplyBufferedUpdate, StageOptimizerStep, StashWeights, FreeWeights)
+_NEW = {cls.__name__: cls for cls in NEW_INSTRUCTIONS}
+
+
+def instruction_class(op: Op) -> type:
+    """The instruction class that runs ``op``: DeepSpeed's own or one of the above, by the name
+    in the op's table entry (:data:`hippie_ds.schedules.ir.OP_INFO`)."""
+    info = OP_INFO[op.kind]
+    name = info.nonblocking_instruction if not op.blocking and info.nonblocking_instruction else info.instruction
+    return _NEW.get(name) or getattr(ds, name)
 
 
 def to_instruction(op: Op) -> ds.PipeInstruction:
-    if op.kind in _BUFFER_OPS:
-        return _BUFFER_OPS[op.kind](op.buffer)
-    if (op.kind, op.blocking) in _SENDS:
-        return _SENDS[(op.kind, op.blocking)](op.buffer)
-    if op.kind == OpKind.START_ALLREDUCE:
-        return StartAllReduce(target=op.target)
-    if op.kind == OpKind.WAIT_ALLREDUCE:
-        return WaitAllReduce(target=op.target)
-    return _PLAIN_OPS[op.kind]()
+    cls = instruction_class(op)
+    if OP_INFO[op.kind].micro_batch:
+        return cls(op.buffer)
+    return cls(target=op.target) if op.target is not None else cls()
 
 
 class DeclaredSchedule(ds.PipeSchedule):

@@ -38,24 +38,86 @@ class OpKind(str, enum.Enum):
     FREE_WEIGHTS = "free_weights"  # drop a stashed weight version after its last use
 
 
-COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.FORWARD_BACKWARD})
-SEND_KINDS = frozenset({OpKind.SEND_ACTIVATION, OpKind.SEND_GRAD})
-RECV_KINDS = frozenset({OpKind.RECV_ACTIVATION, OpKind.RECV_GRAD})
-BUFFER_KINDS = frozenset({OpKind.LOAD} | COMPUTE_KINDS | SEND_KINDS | RECV_KINDS)
-# Ops that synchronise every stage of the pipeline (one replica's view). DeepSpeed's optimizer
-# step reduces the gradient norm / overflow flag over the model-parallel group; tied-gradient
-# reduction spans the stages that share a module, in the worst case all of them.
-PIPELINE_COLLECTIVE_KINDS = frozenset({OpKind.OPTIMIZER_STEP, OpKind.REDUCE_TIED_GRADS})
-# Ops a schedule file may place in its prologue/epilogue (the rest are placed by the compiler).
-PLACEABLE_KINDS = frozenset({
-    OpKind.REDUCE_TIED_GRADS, OpKind.REDUCE_GRADS, OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE,
-    OpKind.COPY_GRADS_TO_BUFFER, OpKind.APPLY_BUFFERED_UPDATE, OpKind.OPTIMIZER_STEP,
-    OpKind.STAGE_OPTIMIZER_STEP, OpKind.WAIT_SENDS,
-})
+@dataclass(frozen=True)
+class OpInfo:
+    """What one op kind means: the one place the compiler, validator, simulator, DeepSpeed
+    adapter and timelines look it up (the validator's and simulator's state machines add the
+    order rules)."""
+
+    short: str  # compact notation and timeline label: F3, B3, sA3, ...; "" = the op's full form
+    role: str  # load | compute | send | recv | comm | update | weights
+    category: str  # timeline category and the simulator's cost kind
+    doc: str  # "Roughly: ..." of what the engine does
+    instruction: str  # the DeepSpeed PipeInstruction class that runs it (deepspeed_schedule)
+    nonblocking_instruction: str | None = None  # sends with blocking: false
+    micro_batch: bool = False  # concerns one micro-batch and its pipeline buffer slot
+    placeable: bool = False  # a schedule file may place it in its prologue/epilogue
+    new_version: bool = False  # produces the stage's next weight version (an update)
+    consumes_grads: bool = False  # applies or buffers the iteration's gradients (once per iteration)
+    pipeline_collective: bool = False  # synchronises every stage of the pipeline (one replica's view)
+
+
+_K = OpKind
+OP_INFO: dict[OpKind, OpInfo] = {
+    _K.LOAD: OpInfo("L", "load", "load", "buffers['inputs'][buf] = next(data_iter) (first/last stage)",
+                    "LoadMicroBatch", micro_batch=True),
+    _K.FORWARD: OpInfo("F", "compute", "forward", "buffers['outputs'][buf] = forward(buffers['inputs'][buf])",
+                       "ForwardPass", micro_batch=True),
+    _K.BACKWARD: OpInfo("B", "compute", "backward", "grads += backward(buffers['outputs'][buf], received grad)",
+                        "BackwardPass", micro_batch=True),
+    _K.FORWARD_BACKWARD: OpInfo("FB", "compute", "forward_backward", "forward then backward of one micro-batch, "
+                                "its activations freed before the next (the loss stage)", "ForwardBackwardPass",
+                                micro_batch=True),
+    _K.SEND_ACTIVATION: OpInfo("sA", "send", "p2p", "send(buffers['outputs'][buf], next stage)", "SendActivation",
+                               "ISendActivation", micro_batch=True),
+    _K.RECV_ACTIVATION: OpInfo("rA", "recv", "p2p", "buffers['inputs'][buf] = recv(previous stage)",
+                               "RecvActivation", micro_batch=True),
+    _K.SEND_GRAD: OpInfo("sG", "send", "p2p", "send(buffers['inputs'][buf].grad, previous stage)", "SendGrad",
+                         "ISendGrad", micro_batch=True),
+    _K.RECV_GRAD: OpInfo("rG", "recv", "p2p", "received grad = recv(next stage)", "RecvGrad", micro_batch=True),
+    _K.WAIT_SENDS: OpInfo("", "send", "p2p", "wait for every non-blocking send this stage issued", "WaitSends",
+                          placeable=True),
+    _K.REDUCE_TIED_GRADS: OpInfo("", "comm", "sync", "all-reduce the gradients of modules tied across stages",
+                                 "ReduceTiedGrads", placeable=True, pipeline_collective=True),
+    _K.REDUCE_GRADS: OpInfo("", "comm", "allreduce", "grads = all_reduce(grads) / dp (blocking)", "ReduceGrads",
+                            placeable=True),
+    _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads or buffer) / dp, asynchronously",
+                               "StartAllReduce", placeable=True),
+    _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce", placeable=True),
+    _K.COPY_GRADS_TO_BUFFER: OpInfo("", "update", "buffer", "buffer = grads; grads = 0 (applied next step)",
+                                    "CopyGradsToBuffer", placeable=True, consumes_grads=True),
+    _K.APPLY_BUFFERED_UPDATE: OpInfo("", "update", "optimizer", "optimizer.step(buffer) (skipped while empty)",
+                                     "ApplyBufferedUpdate", placeable=True, new_version=True),
+    _K.OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads), norm over the pipeline",
+                              "OptimizerStep", placeable=True, new_version=True, consumes_grads=True,
+                              pipeline_collective=True),
+    _K.STAGE_OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads) of this stage alone",
+                                    "StageOptimizerStep", placeable=True, new_version=True, consumes_grads=True),
+    _K.STASH_WEIGHTS: OpInfo("", "weights", "weights", "versions[v] = copy(weights) before they are updated",
+                             "StashWeights"),
+    _K.FREE_WEIGHTS: OpInfo("", "weights", "weights", "del versions[v] after its last use", "FreeWeights"),
+}
+del _K
+
+
+def kinds(**where) -> frozenset:
+    """The op kinds whose :class:`OpInfo` has every given field value, e.g. ``kinds(role="send")``."""
+    return frozenset(k for k, info in OP_INFO.items() if all(getattr(info, f) == v for f, v in where.items()))
+
+
+COMPUTE_KINDS = kinds(role="compute")
+SEND_KINDS = kinds(role="send", micro_batch=True)
+RECV_KINDS = kinds(role="recv")
+BUFFER_KINDS = kinds(micro_batch=True)  # ops that concern one micro-batch
+# DeepSpeed's optimizer step reduces the gradient norm / overflow flag over the model-parallel
+# group; tied-gradient reduction spans the stages that share a module, in the worst case all.
+PIPELINE_COLLECTIVE_KINDS = kinds(pipeline_collective=True)
+PLACEABLE_KINDS = kinds(placeable=True)  # the rest are placed by the compiler
 ALLREDUCE_TARGETS = ("grads", "buffer")
-# Ops that produce a new weight version of the stage (the version counter counts them).
-UPDATE_KINDS = frozenset({OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP, OpKind.APPLY_BUFFERED_UPDATE})
-WEIGHT_KINDS = frozenset({OpKind.STASH_WEIGHTS, OpKind.FREE_WEIGHTS})
+UPDATE_KINDS = kinds(new_version=True)  # the version counter counts these
+GRADIENT_CONSUMER_KINDS = kinds(consumes_grads=True)  # apply or buffer the iteration's gradients
+WEIGHT_KINDS = kinds(role="weights")
+CATEGORY = {k: info.category for k, info in OP_INFO.items()}  # timeline category of each op kind
 
 
 @dataclass(frozen=True)
@@ -95,12 +157,8 @@ class Op:
     @property
     def label(self) -> str:
         """Short form for timelines: F3, B3, FB3, sA3, rG3, ..."""
-        short = {OpKind.FORWARD: "F", OpKind.BACKWARD: "B", OpKind.FORWARD_BACKWARD: "FB",
-                 OpKind.SEND_ACTIVATION: "sA", OpKind.RECV_ACTIVATION: "rA", OpKind.SEND_GRAD: "sG",
-                 OpKind.RECV_GRAD: "rG", OpKind.LOAD: "L"}
-        if self.kind in short:
-            return f"{short[self.kind]}{self.micro_batch}"
-        return str(self)
+        short = OP_INFO[self.kind].short
+        return f"{short}{self.micro_batch}" if short else str(self)
 
 
 @dataclass
@@ -185,3 +243,13 @@ class CompiledSchedule:
                     if step:
                         lines.append(f"  step {t:3d}: " + "  ".join(str(op) for op in step))
         return "\n".join(lines)
+
+
+def op_name(op: Op) -> str:
+    """The name of an op in timelines: F3 / B3 for micro-batch ops, the kind (and target or
+    version) for the rest."""
+    if op.micro_batch is not None:
+        return op.label
+    if op.version is not None:
+        return f"{op.kind.value}(v{op.version:+d})"
+    return f"{op.kind.value}({op.target})" if op.target else op.kind.value

@@ -52,19 +52,13 @@ Figures (all of the last, steady-state iteration):
 """
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
 
 from .costs import Costs
-from .ir import (ALLREDUCE_TARGETS, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, CompiledSchedule,
-                 Op, OpKind)
-
-
-class SimulationError(RuntimeError):
-    """The schedule cannot be simulated (deadlock, mismatched p2p, wrong cost shape)."""
+from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
+from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
+                 CompiledSchedule, Op, OpKind, op_name)
 
 
 class SimEvent(NamedTuple):
@@ -77,159 +71,6 @@ class SimEvent(NamedTuple):
     start: float
     end: float
     micro_batch: int | None
-
-
-# ---------------------------------------------------------------------------------------------
-# A minimal process-based event kernel: a process is a generator that yields a delay (float)
-# or a _Signal to wait for; events are handled in time order (ties in insertion order).
-
-class _Signal:
-    __slots__ = ("time", "waiters")
-
-    def __init__(self) -> None:
-        self.time: float | None = None
-        self.waiters: list = []
-
-
-class _Kernel:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list = []
-        self._seq = itertools.count()
-
-    def at(self, t: float, fn, *args) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
-
-    def fire(self, sig: _Signal) -> None:
-        sig.time = self.now
-        for gen in sig.waiters:
-            self.at(self.now, self.step, gen)
-        sig.waiters = []
-
-    def spawn(self, gen: Iterator) -> None:
-        self.at(self.now, self.step, gen)
-
-    def step(self, gen: Iterator) -> None:
-        while True:
-            try:
-                req = next(gen)
-            except StopIteration:
-                return
-            if isinstance(req, _Signal):
-                if req.time is None:
-                    req.waiters.append(gen)
-                    return
-            elif req > 0:
-                self.at(self.now + req, self.step, gen)
-                return
-
-    def run(self) -> None:
-        while self._heap:
-            t, _, fn, args = heapq.heappop(self._heap)
-            self.now = t
-            fn(*args)
-
-
-# ---------------------------------------------------------------------------------------------
-# Communication resources
-
-class _Transfer:
-    __slots__ = ("mb", "done", "start", "end")
-
-    def __init__(self, mb: int | None) -> None:
-        self.mb = mb
-        self.done = _Signal()
-        self.start: float | None = None
-        self.end: float | None = None
-
-
-class _Channel:
-    """FIFO p2p channel in one direction; whichever side posts second starts the transfer."""
-
-    def __init__(self, kernel: _Kernel, name: str, duration: float) -> None:
-        self.k, self.name, self.duration = kernel, name, duration
-        self.waiting = {"send": deque(), "recv": deque()}
-
-    def post(self, side: str, mb: int | None) -> _Transfer:
-        other = self.waiting["recv" if side == "send" else "send"]
-        if not other:
-            tr = _Transfer(mb)
-            self.waiting[side].append(tr)
-            return tr
-        tr = other.popleft()
-        if tr.mb != mb:
-            raise SimulationError(f"channel {self.name}: {side} of micro-batch {mb} matched with micro-batch "
-                                  f"{tr.mb}: sends and receives are not in the same order")
-        tr.start = self.k.now
-        self.k.at(self.k.now + self.duration, self._complete, tr)
-        return tr
-
-    def _complete(self, tr: _Transfer) -> None:
-        tr.end = self.k.now
-        self.k.fire(tr.done)
-
-
-class _AllReduce:
-    __slots__ = ("stage", "target", "work", "remaining", "latency", "start", "end", "done", "iteration")
-
-    def __init__(self, stage: int, target: str, work: float, latency: float, start: float) -> None:
-        self.stage, self.target, self.work, self.remaining, self.latency = stage, target, work, work, latency
-        self.start, self.end = start, None
-        self.done = _Signal()
-        self.iteration: int | None = None  # the call whose WAIT consumed it
-
-
-class _Link:
-    """The data-parallel link. ``work`` is seconds at full bandwidth; with ``shared`` the n
-    all-reduces in flight progress at 1/n each (fluid max-min fair sharing)."""
-
-    def __init__(self, kernel: _Kernel, shared: bool) -> None:
-        self.k, self.shared = kernel, shared
-        self.active: list[_AllReduce] = []
-        self.last = 0.0
-        self.version = 0  # invalidates planned completions after a rate change
-
-    def start(self, ar: _AllReduce) -> None:
-        if ar.work <= 0:
-            self.k.at(self.k.now + ar.latency, self._finish, ar)
-            return
-        self._advance()
-        self.active.append(ar)
-        self._plan()
-
-    def _rate(self) -> float:
-        return 1.0 / len(self.active) if self.shared else 1.0
-
-    def _advance(self) -> None:
-        dt = self.k.now - self.last
-        if dt > 0 and self.active:
-            rate = self._rate()
-            for ar in self.active:
-                ar.remaining -= dt * rate
-        self.last = self.k.now
-
-    def _plan(self) -> None:
-        self.version += 1
-        if self.active:
-            nxt = min(ar.remaining for ar in self.active)
-            self.k.at(self.k.now + max(nxt, 0.0) / self._rate(), self._tick, self.version)
-
-    def _tick(self, version: int) -> None:
-        if version != self.version:
-            return
-        self._advance()
-        least = min(ar.remaining for ar in self.active)
-        # The planned one(s) are done up to rounding; equal-sized peers finish together.
-        done = [ar for ar in self.active if ar.remaining <= least + 1e-12 * max(ar.work, 1e-300)]
-        for ar in done:
-            self.active.remove(ar)
-            ar.remaining = 0.0
-            self.k.at(self.k.now + ar.latency, self._finish, ar)
-        self._plan()
-
-    def _finish(self, ar: _AllReduce) -> None:
-        ar.end = self.k.now
-        self.k.fire(ar.done)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,25 +114,6 @@ class SimResult:
                          f"{p['exposed_allreduce']:14.4g} {p['exposed_p2p']:8.4g} {p['exposed_sync']:9.4g} "
                          f"{p['allreduce_time']:10.4g} {p['gradient_buffer_bytes']:13.4g}")
         return "\n".join(lines)
-
-
-CATEGORY = {  # timeline category of each op kind (shared with measured timelines)
-    OpKind.FORWARD: "forward", OpKind.BACKWARD: "backward", OpKind.FORWARD_BACKWARD: "forward_backward",
-    OpKind.LOAD: "load", OpKind.SEND_ACTIVATION: "p2p", OpKind.RECV_ACTIVATION: "p2p", OpKind.SEND_GRAD: "p2p",
-    OpKind.RECV_GRAD: "p2p", OpKind.WAIT_SENDS: "p2p", OpKind.START_ALLREDUCE: "allreduce",
-    OpKind.WAIT_ALLREDUCE: "allreduce", OpKind.REDUCE_GRADS: "allreduce", OpKind.REDUCE_TIED_GRADS: "sync",
-    OpKind.COPY_GRADS_TO_BUFFER: "buffer", OpKind.APPLY_BUFFERED_UPDATE: "optimizer",
-    OpKind.OPTIMIZER_STEP: "optimizer", OpKind.STAGE_OPTIMIZER_STEP: "optimizer",
-    OpKind.STASH_WEIGHTS: "weights", OpKind.FREE_WEIGHTS: "weights",
-}
-
-
-def op_name(op: Op) -> str:
-    if op.micro_batch is not None:
-        return op.label
-    if op.version is not None:
-        return f"{op.kind.value}(v{op.version:+d})"
-    return f"{op.kind.value}({op.target})" if op.target else op.kind.value
 
 
 class _Acc:
@@ -558,63 +380,4 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
                      allreduce_on_critical_path=critical, timeline=timeline)
 
 
-# ---------------------------------------------------------------------------------------------
-# Cost-based 'auto' parameters
-
-def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Costs,
-                        params: Mapping[str, Any] | None = None, iterations: int = 3) -> dict:
-    """Resolve a schedule's ``'auto'`` stage-list parameters (hippie's ``deferred_stages``)
-    from costs; other parameters as given or declared. Returns the full params dict.
-
-    Rule (the brief's "a stage defers when its all-reduce time exceeds its slack"):
-
-    * slack of stage s = T + o_s - b_s, from a simulation with nothing deferred and free
-      all-reduces (the pipeline's compute shape, last call): T = the latest end of any stage's
-      compute, b_s = the end of stage s's last backward, o_s = the start of stage s's first
-      forward minus stage 0's, i.e. how long after the next call starts stage s computes again;
-    * need of stage s = its simulated all-reduce duration (link sharing with the all-reduces
-      running beside it included) + its optimizer_time;
-    * greedily: simulate with the current deferred set, defer the non-deferred stage whose need
-      exceeds its slack by the most (ties: the earlier stage), repeat until every non-deferred
-      stage fits. One at a time because the durations depend on which all-reduces overlap;
-      only where needed because deferral changes the update rule (one-step-stale gradients).
-      A stage without an all-reduce (data_parallel 1, no parameters) never defers.
-
-    Every 'auto' stage-list parameter is resolved with this rule (a parameter listing the
-    stages that take the buffered path)."""
-    from .compiler import compile_schedule, resolve_params
-    from .spec import ScheduleSpec, load_spec
-
-    spec = spec_or_name if isinstance(spec_or_name, ScheduleSpec) else load_spec(spec_or_name)
-    given = dict(params or {})
-    auto = [n for n, p in spec.params.items()
-            if p.kind == "stage_list" and (given.get(n) if given.get(n) is not None else p.default) == "auto"]
-    if not auto:
-        return resolve_params(spec, stages, micro_batches, given)
-    if costs.num_stages != stages:
-        raise SimulationError(f"costs describe {costs.num_stages} stages, asked to plan {stages}")
-
-    def run(deferred: list[int], c: Costs) -> SimResult:
-        compiled = compile_schedule(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})
-        return simulate(compiled, c, iterations, critical_path=False)
-
-    free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
-    shape = run([], free).timeline[-1]
-    t_end = max(shape["compute_end"])
-    first = shape["first_forward"]
-    slack = [t_end + (first[s] - first[0]) - shape["last_backward"][s] for s in range(stages)]
-
-    deferred: list[int] = []
-    while True:
-        res = run(deferred, costs)
-        over = []
-        for s in range(stages):
-            if s in deferred or costs.allreduce_time(s) <= 0:
-                continue  # no all-reduce to hide: deferring would only make the update stale
-            need = res.per_stage[s]["allreduce_time"] + costs.stages[s].optimizer_time
-            if need > slack[s] * (1 + 1e-9):
-                over.append((need - slack[s], -s))
-        if not over:
-            break
-        deferred = sorted(deferred + [-max(over)[1]])
-    return resolve_params(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})
+from .auto_params import resolve_auto_params  # noqa: E402,F401 (re-exported: simulator API)

@@ -1,0 +1,99 @@
+"""``hippie-ds plan``: pipeline depth, partition, re-computation and schedule for a profile."""
+from __future__ import annotations
+
+import json
+import math
+
+from .base import (UsageError, _Formatter, _add_profile_options, _int_list, _non_negative_int, _positive_int,
+                   _quantity, _read_profile, command)
+
+# ---------------------------------------------------------------------------------------------
+# hippie-ds plan / profile-import
+
+PLAN_HELP = """\
+Plan a data-parallel pipeline for a model profile on a cluster: pipeline depth and data-parallel
+width, micro-batch size and count, stage boundaries, which layers to re-compute, the schedule
+and Hippie's deferred stages. The default objective is memory efficiency, ME = scalability x
+throughput / memory (Hippie's); --objective throughput maximizes throughput under the device
+memory or --memory-cap. Prints a summary with the baselines (data parallelism, GPipe+DP, and the
+uniform, DeepSpeed 'parameters' and PipeDream partitions) and writes the plan file with --out.
+Pure Python: no torch, DeepSpeed or GPU needed.
+
+The cluster is NODESxDEVICES,MEMORY,INTER[,INTRA] (INTRA defaults to 100GB/s), e.g.
+4x4,16GB,100Gbit, or a YAML/JSON file with nodes, devices_per_node, device_memory,
+inter_node_bandwidth, intra_node_bandwidth, latency.
+
+examples:
+  hippie-ds plan --profile vgg16.txt --cluster 4x4,16GB,100Gbit --global-batch 2048 --out plan.json
+  hippie-ds plan --profile model.yaml --cluster cluster.yaml --global-batch 512 --objective throughput \\
+      --memory-cap 12GB --schedules 1f1b,hippie"""
+
+
+@command("plan")
+def _plan_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="plan pipeline depth, partition, re-computation and schedule",
+                              description=PLAN_HELP, formatter_class=_Formatter)
+    _add_profile_options(p)
+    p.add_argument("--cluster", required=True, metavar="SPEC|FILE",
+                   help="cluster, e.g. 4x4,16GB,100Gbit (nodes x devices, device memory, inter-node bandwidth"
+                        "[, intra-node bandwidth]) or a YAML/JSON file")
+    p.add_argument("--global-batch", "-G", type=_positive_int, required=True, metavar="N",
+                   help="samples per training step over all replicas")
+    p.add_argument("--objective", choices=["me", "throughput"], default="me",
+                   help="maximize memory efficiency (default) or throughput")
+    p.add_argument("--memory-cap", metavar="BYTES", help="memory a device may use, e.g. 12GB (default: all of it)")
+    p.add_argument("--memory-metric", choices=["mean", "max"], default="mean",
+                   help="memory in ME: the mean per-device peak (default; = total / devices) or the largest")
+    p.add_argument("--schedules", metavar="LIST", default="1f1b,gpipe,hippie,hippie-1f1b",
+                   help="schedules to consider, comma-separated (default: all four)")
+    p.add_argument("--stages", metavar="K[,K...]", help="only these pipeline depths (each must divide the devices)")
+    p.add_argument("--micro-batch-size", metavar="B[,B...]", help="only these micro-batch sizes")
+    p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",
+                   help="smallest micro-batch size to consider (default: profile batch / 16, at least 1: the "
+                        "linear time scaling is not trusted further down)")
+    p.add_argument("--state-factor", type=float, default=4.0, metavar="F",
+                   help="training-state bytes per profiled parameter byte (default 4: fp32 weights, gradients and "
+                        "two Adam moments for an fp32 profile)")
+    p.add_argument("--simulate-top", type=_non_negative_int, default=4, metavar="N",
+                   help="simulate the N best analytic candidates (default 4; 0: analytic only)")
+    p.add_argument("--no-baselines", action="store_true", help="do not evaluate the baselines")
+    p.add_argument("--out", "-o", metavar="FILE", help="write the plan (.json, or .yaml/.yml)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args) -> int:
+    from ..planner import make_plan, parse_cluster, save_plan
+    from ..planner.plan import SCHEDULES
+
+    profile = _read_profile(args)
+    cluster = parse_cluster(args.cluster)
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown or not schedules:
+        raise UsageError(f"--schedules {args.schedules!r}: the planner knows {', '.join(SCHEDULES)}")
+    if args.state_factor <= 0 or not math.isfinite(args.state_factor):
+        raise UsageError(f"--state-factor {args.state_factor}: must be a positive number")
+    cap = _quantity(args.memory_cap, "bytes", "--memory-cap") if args.memory_cap else None
+    if cap is not None and cap <= 0:
+        raise UsageError(f"--memory-cap {args.memory_cap!r}: must be positive")
+    depths = _int_list(args.stages, "--stages") if args.stages else None
+    if depths:
+        bad = [k for k in depths if cluster.devices % k]
+        if bad:
+            raise UsageError(f"--stages {args.stages}: {bad} do(es) not divide the {cluster.devices} devices")
+    sizes = _int_list(args.micro_batch_size, "--micro-batch-size") if args.micro_batch_size else None
+    plan = make_plan(profile, cluster, args.global_batch, objective=args.objective, memory_cap=cap,
+                     schedules=schedules, depths=depths, micro_batch_sizes=sizes,
+                     min_micro_batch=args.min_micro_batch, state_factor=args.state_factor,
+                     memory_metric=args.memory_metric, simulate_top=args.simulate_top,
+                     baselines=not args.no_baselines)
+    if args.out:
+        save_plan(plan, args.out)
+    if args.json:
+        print(json.dumps(plan.model_dump(mode="json"), indent=1))
+    else:
+        print(plan.summary())
+        if args.out:
+            print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,216 @@
+"""Gradient reduction and the deferred update of a ``HippiePipelineEngine`` stage: the async
+per-stage all-reduce, the gradient buffer of deferred stages (applied one step late, with the
+``hippie.staleness`` correction), partial deferral (``hippie.deferred_layers``) and the flush.
+
+Buffer states: empty -> filled (copy_grads_to_buffer) -> reducing (start_allreduce(buffer)) ->
+reduced (wait_allreduce(buffer)) -> empty (apply_buffered_update). A deferred stage delays the
+gradient of ``_delayed_params`` (all its parameters, or with partial deferral those of its first
+layers); ``_synced_params`` are all-reduced and applied in-step, their all-reduce started inside
+the stage's last backward once their gradients are final (the delayed layers come later in
+backward); the declared ``start_allreduce(grads)`` then finds it in flight.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .schedules.ir import CompiledSchedule, OpKind
+from .staleness import make_corrector
+
+
+class GradientsMixin:
+    """The engine's gradient state and handlers (``StartAllReduce``, ``WaitAllReduce``,
+    ``CopyGradsToBuffer``, ``ApplyBufferedUpdate``)."""
+
+    def _init_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers: dict[int, int] | None) -> None:
+        self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
+        self._grad_buffer: torch.Tensor | None = None
+        self._grad_buffer_state = "empty"  # empty | filled | reducing | reduced
+        deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
+        self._delayed_params, self._synced_params = self._split_deferred(
+            (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
+        self._early_pending: set[int] | None = None
+        self._last_backward_mb = max((op.micro_batch for op in compiled.ops(self.stage_id)
+                                      if op.kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD)), default=None)
+        if self._delayed_params and self._synced_params:
+            for p in self._synced_params:
+                p.register_post_accumulate_grad_hook(self._on_grad_final)
+        if deferred and self.grid.data_parallel_id == 0:
+            delayed = sum(p.numel() for p in self._delayed_params)
+            logger.info(f"hippie-ds: stage {self.stage_id} applies {self.delayed_fraction():.1%} of its gradient one "
+                        f"step late ({delayed} of {sum(p.numel() for p in self._version_params())} elements)")
+        # staleness correction of a deferred stage (None: the plain one-step-delayed rule)
+        self._corrector = None
+        if staleness is not None and deferred and self._delayed_params:
+            self._corrector = make_corrector(staleness, self._delayed_params)
+
+    @contextlib.contextmanager
+    def _early_allreduce_window(self):
+        """Around a backward: arms the synchronous part's early all-reduce in the stage's last one."""
+        op = self._current_op
+        if self._delayed_params and self._synced_params and op is not None and \
+                op.micro_batch == self._last_backward_mb:
+            self._early_pending = {id(p) for p in self._synced_params}
+        try:
+            yield
+        finally:
+            self._early_pending = None  # unused parameters: the declared start_allreduce starts it
+
+    def _split_deferred(self, layers: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(delayed, synchronous) parameters of this deferred stage: those of its first ``layers``
+        layers are delayed (all of them when ``layers`` is None)."""
+        params = self._version_params()
+        if layers is None:
+            return params, []
+        delayed = {id(p) for i, layer in enumerate(self.module.forward_funcs) if i < layers and
+                   isinstance(layer, torch.nn.Module) for p in layer.parameters()}
+        return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
+
+    def delayed_fraction(self) -> float:
+        """The fraction of this stage's gradient (by elements) that is applied one step late."""
+        total = sum(p.numel() for p in self._version_params())
+        return sum(p.numel() for p in self._delayed_params) / total if total else 0.0
+
+    def _on_grad_final(self, param):
+        """Post-accumulate-grad hook of a partially deferred stage's synchronous parameters."""
+        if self._early_pending is None:
+            return
+        self._early_pending.discard(id(param))
+        if not self._early_pending:
+            self._early_pending = None
+            if self._timeline_dir is not None and self._training:
+                self._inflight["grads"] = time.perf_counter()
+            self._exec_start_allreduce("grads")
+
+    # ------------------------------------------------------------------ gradients
+    def _stage_grads(self) -> list[torch.Tensor]:
+        """This stage's accumulated (fp32) gradients, materialised as zeros where missing."""
+        if self.using_bf16_optimizer:
+            grads, _ = self.optimizer.get_grads_for_reduction()
+            return list(grads)
+        grads = []
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        return grads
+
+    @staticmethod
+    def _grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The (fp32) gradients of ``params``, materialised as zeros where missing."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in params]
+
+    def _synced_grads(self) -> list[torch.Tensor]:
+        """The gradients this step's all-reduce covers: the whole stage, or none of a deferred
+        stage but its undelayed part (partial deferral)."""
+        return self._stage_grads() if not self._delayed_params else self._grads_of(self._synced_params)
+
+    def _delayed_grads(self) -> list[torch.Tensor]:
+        """The gradients a deferred stage buffers and applies one step late."""
+        return self._stage_grads() if not self._synced_params else self._grads_of(self._delayed_params)
+
+    def _start_allreduce(self, flat: torch.Tensor):
+        flat.div_(self.dp_world_size)
+        return dist.all_reduce(flat, group=self.grid.get_data_parallel_group(), async_op=True)
+
+    def _exec_start_allreduce(self, target):
+        if target == "grads":
+            if self._allreduce["grads"] is not None:
+                return  # started early, inside the last backward (_on_grad_final)
+            grads = self._synced_grads()
+            if not grads:  # a wholly deferred stage: everything waits for the buffer
+                self._allreduce["grads"] = (None, None, grads)
+                return
+            flat = _flatten_dense_tensors(grads)
+            work = self._start_allreduce(flat) if self.is_data_parallel else None
+            self._allreduce["grads"] = (work, flat, grads)
+        elif self._grad_buffer_state == "filled":
+            if self.is_data_parallel:
+                self._allreduce["buffer"] = (self._start_allreduce(self._grad_buffer), None, None)
+                self._grad_buffer_state = "reducing"
+            else:
+                self._grad_buffer_state = "reduced"
+
+    def _exec_wait_allreduce(self, target):
+        if target == "grads":
+            work, flat, grads = self._allreduce["grads"]
+            if work is not None:
+                work.wait()
+                for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    grad.copy_(reduced)
+            self._allreduce["grads"] = None
+        else:
+            self._wait_buffer()
+
+    def _wait_buffer(self):
+        if self._grad_buffer_state == "reducing":
+            self._allreduce["buffer"][0].wait()
+            self._allreduce["buffer"] = None
+            self._grad_buffer_state = "reduced"
+
+    def _exec_copy_grads_to_buffer(self):
+        grads = self._delayed_grads()
+        flat = _flatten_dense_tensors(grads)
+        if self._grad_buffer is None:
+            self._grad_buffer = flat
+        else:
+            self._grad_buffer.copy_(flat)
+        for g in grads:
+            g.zero_()
+        self._grad_buffer_state = "filled"
+
+    def _exec_apply_buffered_update(self):
+        if self._corrector is not None:
+            self._corrector.restore()  # the update applies to the true weights, not the predicted ones
+        if self._grad_buffer_state != "reduced" and not self._synced_params:
+            # First step: nothing buffered yet. Keep step counters and the LR schedule in
+            # lock-step with the other stages (checkpoint tags use global_steps).
+            self._stage_step(apply=False)
+            return
+        grads = self._delayed_grads()
+        current = _flatten_dense_tensors(grads)  # this step's delayed gradient, buffered right after
+        if self._grad_buffer_state == "reduced":
+            for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
+                g.copy_(buffered)
+        else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet
+            for p in self._delayed_params:
+                p.grad = None  # the optimizer skips it
+        self._stage_step(apply=True)
+        self._grad_buffer_state = "empty"
+        grads = self._delayed_grads()
+        for g, cur in zip(grads, _unflatten_dense_tensors(current, grads)):
+            g.copy_(cur)
+
+    # ------------------------------------------------------------------ deferred state
+    def has_pending_update(self) -> bool:
+        """True when this stage holds a buffered gradient not yet applied."""
+        return self._grad_buffer_state != "empty"
+
+    def flush_deferred_update(self):
+        """Apply the buffered gradient of the last step now (call once at the end of training
+        on every rank: its all-reduce is a collective of the stage's data-parallel group).
+        Step counters and the LR schedule do not advance."""
+        if self._continuous:  # 2bw / pipedream: what is pending is the batches in flight
+            return self.drain()
+        if self._grad_buffer_state == "empty":
+            return False
+        if self._grad_buffer_state == "filled":
+            self._exec_start_allreduce("buffer")
+        self._wait_buffer()
+        grads = self._delayed_grads()
+        for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
+            g.copy_(buffered)
+        for p in self._synced_params:
+            p.grad = None  # applied in their own step already
+        self._stage_step_without_counters()
+        self._grad_buffer_state = "empty"
+        return True

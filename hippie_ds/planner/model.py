@@ -1,0 +1,216 @@
+"""The planner's analytic cost model of a pipeline configuration (see :mod:`hippie_ds.planner.plan`
+for the formulas): layouts, step time, memory. Pure Python."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from . import partition as part
+from .cluster import Cluster
+from .plan_file import GB, HIPPIE_FAMILY
+from .profile import PlannerError, Profile
+from .recompute import StageRecompute
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+
+@dataclass
+class _Layout:
+    """A pipeline depth and a partition, with everything per stage at the profile's batch size."""
+
+    K: int
+    r: int
+    parts: list[int]
+    fwd: list[float]
+    bwd: list[float]
+    params: list[float]
+    cut_out: list[float]            # bytes crossing the cut after the stage (0 for the last)
+    inter_link: list[bool]          # the link to the next stage crosses nodes for some replica
+    rec: list[StageRecompute]
+    ar_work: list[float]            # seconds of all-reduce work at full link bandwidth (+ latency)
+    ar_inter: bool                  # the data-parallel groups span nodes
+
+    @property
+    def ar_total(self) -> float:
+        return sum(self.ar_work)
+
+
+@dataclass
+class _Estimate:
+    step: float
+    memory: list[float]             # per stage, bytes per device
+    in_flight: list[int]
+    deferred: list[int]
+    predicted_by: str = "analytic"
+
+
+class _Model:
+    """Profile + cluster + options: builds layouts and estimates configurations."""
+
+    def __init__(self, profile: Profile, cluster: Cluster, global_batch: int, state_factor: float,
+                 memory_metric: str, memory_cap: float) -> None:
+        self.profile, self.cluster, self.G = profile, cluster, global_batch
+        self.state_factor, self.metric, self.cap = state_factor, memory_metric, memory_cap
+        layers = profile.layers
+        self.n = len(layers)
+        self.b0 = profile.batch_size
+        self.fwd = [x.forward for x in layers]
+        self.bwd = [x.backward for x in layers]
+        self.rc = [x.recompute_time for x in layers]
+        self.saved = [x.saved for x in layers]
+        self.out = [x.output_bytes for x in layers]
+        self.out_saved = [x.output_saved is not False for x in layers]
+        self.params = [x.param_bytes for x in layers]
+        self.cuts = profile.cuts()
+        # Stage 0 keeps its loaded input per in-flight micro-batch (0 when the profile omits it).
+        self.data_bytes = layers[0].input_bytes or 0.0
+        self.work = [f + b for f, b in zip(self.fwd, self.bwd)]
+        self.prefix_work = part.prefix_sums(self.work)
+        total = self.prefix_work[-1]
+        if total <= 0:
+            raise PlannerError(f"profile {profile.model!r}: every layer has zero forward and backward time")
+        self.single_throughput = self.b0 / total
+        self.P = cluster.devices
+        self._layouts: dict[tuple, _Layout] = {}
+
+    # -- layouts --------------------------------------------------------------------------------
+    def layout(self, K: int, parts: Sequence[int] | None = None) -> _Layout:
+        parts = list(parts) if parts is not None else part.min_bottleneck(self.work, K, self.prefix_work)[0]
+        key = (K, tuple(parts))
+        cached = self._layouts.get(key)
+        if cached is not None:
+            return cached
+        c = self.cluster
+        r = self.P // K
+        fwd, bwd, params, cut_out, inter, rec, ar = [], [], [], [], [], [], []
+        dpn = c.devices_per_node
+        # Stage s of replica q runs on device q*K + s: its group spans nodes unless all r fit in one.
+        spans_nodes = r > 1 and ((r - 1) * K) // dpn != 0
+        ar_bw = c.inter_node_bandwidth if spans_nodes else c.intra_node_bandwidth
+        for s, (a, b) in enumerate(zip(parts, parts[1:])):
+            fwd.append(sum(self.fwd[a:b]))
+            bwd.append(sum(self.bwd[a:b]))
+            w = sum(self.params[a:b])
+            params.append(w)
+            cut_out.append(self.cuts[b - 1] if b < self.n else 0.0)
+            # Device d = q*K + s (pipeline innermost): does replica q's link s -> s+1 cross nodes?
+            inter.append(b < self.n and any((q * K + s) // dpn != (q * K + s + 1) // dpn for q in range(r)))
+            stage_input = self.cuts[a - 1] if a > 0 else self.data_bytes
+            # The engine holds the stage's output until its backward, saved by a layer or not.
+            held_output = 0.0 if self.out_saved[b - 1] else self.out[b - 1]
+            outs = [o if kept else 0.0 for o, kept in zip(self.out[a:b], self.out_saved[a:b])]
+            # A run after a layer whose output nobody saves keeps that output as its input.
+            ins = [0.0] + [0.0 if self.out_saved[i - 1] else self.out[i - 1] for i in range(a + 1, b)]
+            rec.append(StageRecompute(a, self.saved[a:b], self.rc[a:b], stage_input + held_output, outs, ins))
+            ar.append(0.0 if r == 1 else 2 * (r - 1) / r * w / ar_bw + 2 * (r - 1) * c.latency)
+        lay = _Layout(K, r, parts, fwd, bwd, params, cut_out, inter, rec, ar, spans_nodes)
+        self._layouts[key] = lay
+        return lay
+
+    def p2p(self, lay: _Layout, s: int, f: float) -> float:
+        if s < 0 or s >= lay.K - 1:
+            return 0.0
+        bw = self.cluster.inter_node_bandwidth if lay.inter_link[s] else self.cluster.intra_node_bandwidth
+        return self.cluster.latency + f * lay.cut_out[s] / bw
+
+    @staticmethod
+    def in_flight(schedule: str, K: int, M: int) -> list[int]:
+        if schedule in ("1f1b", "hippie-1f1b"):
+            return [min(K - s, M) for s in range(K)]
+        if schedule == "gpipe":
+            return [M] * K
+        return [M] * (K - 1) + [1]  # hippie: GPipe order, the last stage fuses F and B
+
+    # -- time -----------------------------------------------------------------------------------
+    def compute_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int]):
+        """(T_c, per-stage forward, backward incl. re-computation, p2p) for one step."""
+        K = lay.K
+        F = [f * x for x in lay.fwd]
+        B = [f * (lay.bwd[s] + lay.rec[s].time(ks[s])) for s in range(K)]
+        c = [self.p2p(lay, s, f) for s in range(K)]
+        around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
+        fill = sum(F) + sum(B) + 2 * sum(c)
+        if schedule in ("1f1b", "hippie-1f1b"):
+            cycle = max(F[s] + B[s] + 2 * around[s] for s in range(K))
+        else:
+            cycle = max(F[s] + around[s] for s in range(K)) + max(B[s] + around[s] for s in range(K))
+        return (M - 1) * cycle + fill, F, B, c
+
+    def step_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int],
+                  deferred: Sequence[int] | None = None) -> tuple[float, list[int]]:
+        """Analytic step time and the deferred stages (given, or by the rule)."""
+        K = lay.K
+        T, F, B, c = self.compute_time(lay, schedule, f, M, ks)
+        a = lay.ar_work
+        ready, acc = [], T
+        for s in range(K):  # stage s's last backward ends before stage s-1's by B_{s-1} + c
+            if s:
+                acc -= B[s - 1] + c[s - 1]
+            ready.append(acc)
+        if schedule not in HIPPIE_FAMILY:
+            finish, work = T, 0.0
+            for s in range(K):  # link drains work that starts at ready[s] and later
+                work += a[s]
+                finish = max(finish, ready[s] + work)
+            return finish, []
+        offset, acc = [], 0.0
+        for s in range(K):  # when the next step's first forward reaches stage s
+            offset.append(acc)
+            acc += F[s] + c[s]
+        rule = deferred is None
+        chosen = set(deferred or ())
+        delay, link_free = 0.0, -math.inf
+        for s in range(K - 1, -1, -1):  # earliest ready first
+            if a[s] <= 0:
+                continue
+            done = max(ready[s], link_free) + a[s]
+            late = done - (T + offset[s])
+            if rule and late > 1e-12 * T:
+                chosen.add(s)
+                continue
+            if s not in chosen:
+                link_free = done
+                delay = max(delay, late)
+        return max(T + max(delay, 0.0), lay.ar_total), sorted(chosen)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def memory(self, lay: _Layout, f: float, in_flight: Sequence[int], ks: Sequence[int],
+               deferred: Sequence[int]) -> list[float]:
+        d = set(deferred)
+        return [lay.params[s] * self.state_factor + (lay.params[s] if s in d else 0.0)
+                + f * lay.rec[s].activations(ks[s], in_flight[s]) for s in range(lay.K)]
+
+    def summarize_memory(self, mem: Sequence[float]) -> float:
+        return max(mem) if self.metric == "max" else sum(mem) / len(mem)
+
+    # -- objective ------------------------------------------------------------------------------
+    def figures(self, step: float, mem: Sequence[float]) -> tuple[float, float, float, float]:
+        thr = self.G / step if step > 0 else math.inf
+        scal = thr / (self.P * self.single_throughput)
+        m = self.summarize_memory(mem)
+        return thr, scal, m, scal * thr / (m / GB) if m > 0 else math.inf
+
+
+@dataclass(order=True)
+class _Candidate:
+    score: float
+    key: tuple = field(compare=False)
+    lay: _Layout = field(compare=False, repr=False)
+    b: int = field(compare=False)
+    M: int = field(compare=False)
+    schedule: str = field(compare=False)
+    ks: list[int] = field(compare=False)
+    est: _Estimate = field(compare=False)
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]

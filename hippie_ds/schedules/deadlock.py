@@ -1,0 +1,209 @@
+"""The validator's communication analysis: every stage's stream run together, p2p modelled as the
+engine runs it (blocking sends are rendezvous, non-blocking ones queue until WAIT_SENDS, FIFO
+channels, pipeline collectives matched by count), to find deadlocks and mis-matched messages.
+Pure Python."""
+from __future__ import annotations
+
+from collections import deque
+
+from .ir import PIPELINE_COLLECTIVE_KINDS, CompiledSchedule, Op, OpKind
+from .check_common import Problem, problem, scenario_ops, short
+
+# send kind -> the recv it pairs with on the peer, and back; which way each goes (+1: to s+1).
+_MATCHING_RECV = {OpKind.SEND_ACTIVATION: OpKind.RECV_ACTIVATION, OpKind.SEND_GRAD: OpKind.RECV_GRAD}
+_MATCHING_SEND = {v: k for k, v in _MATCHING_RECV.items()}
+_DIRECTION = {OpKind.SEND_ACTIVATION: +1, OpKind.SEND_GRAD: -1,
+              OpKind.RECV_ACTIVATION: -1, OpKind.RECV_GRAD: +1}
+
+# ---------------------------------------------------------------------------------------------
+# Communication: all stages together
+
+class _Message:
+    __slots__ = ("op", "iteration", "received", "batch")
+
+    def __init__(self, op: Op, iteration: int, batch: int | None = None):
+        self.op = op
+        self.iteration = iteration  # the train_batch call (or drain) it was sent in
+        self.batch = iteration if batch is None else batch  # the batch it belongs to
+        self.received = False
+
+
+class _Simulation:
+    """Runs the K streams round-robin, each as far as it can go, until all finish or none can
+    move. Only p2p, WAIT_SENDS and pipeline collectives can block; every other op is local."""
+
+    def __init__(self, compiled: CompiledSchedule, iterations: int, scenario=None):
+        self.K = compiled.stages
+        self.iterations = iterations
+        # stage -> [(iteration, op)] in execution order; continuous schedules: (phase, op), and
+        # the batch of each op in self.batches
+        if scenario is None:
+            self.flat = [[(i, op) for i in range(iterations) for op in compiled.ops(s)] for s in range(self.K)]
+            self.batches = [[i for i, _ in flat] for flat in self.flat]
+        else:
+            seq = [scenario_ops(compiled, s, scenario) for s in range(self.K)]
+            self.flat = [[(phase, op) for phase, _, op in ops] for ops in seq]
+            self.batches = [[b for _, b, _ in ops] for ops in seq]
+        self.pc = [0] * self.K
+        self.channels: dict[tuple[int, int], deque[_Message]] = {}
+        self.blocked_send: list[_Message | None] = [None] * self.K  # blocking send issued, not yet received
+        self.isends: list[list[_Message]] = [[] for _ in range(self.K)]  # non-blocking, not yet waited for
+        self.collectives_done = [0] * self.K
+        self.arrivals: list[dict[int, Op]] = []  # k-th pipeline collective: stage -> its op
+        self.problems: list[Problem] = []
+
+    def run(self) -> list[Problem]:
+        progress = True
+        while progress:
+            progress = False
+            for s in range(self.K):
+                while self._advance(s):
+                    progress = True
+        if all(self._finished(s) for s in range(self.K)):
+            for channel in self.channels.values():
+                for msg in channel:
+                    peer = msg.op.stage + _DIRECTION[msg.op.kind]
+                    self.problems.append(problem(msg.op, f"unmatched: {short(msg.op)} to stage {peer} "
+                                                          "is never received"))
+        else:
+            for s in range(self.K):
+                if not self._finished(s):
+                    self.problems.append(self._stuck(s))
+        return self.problems
+
+    def _finished(self, s: int) -> bool:
+        return self.pc[s] >= len(self.flat[s])
+
+    def _advance(self, s: int) -> bool:
+        """Run stage s's next op if it can; True if anything changed."""
+        if self._finished(s):
+            return False
+        iteration, op = self.flat[s][self.pc[s]]
+        kind = op.kind
+        if kind in _MATCHING_RECV:  # a send
+            return self._send(s, iteration, op)
+        if kind in _MATCHING_SEND:  # a recv
+            return self._recv(s, iteration, op)
+        if kind == OpKind.WAIT_SENDS:
+            self.isends[s] = [m for m in self.isends[s] if not m.received]
+            if self.isends[s]:
+                return False
+        elif kind in PIPELINE_COLLECTIVE_KINDS:
+            return self._collective(s, op)
+        self.pc[s] += 1
+        return True
+
+    def _send(self, s: int, iteration: int, op: Op) -> bool:
+        peer = s + _DIRECTION[op.kind]
+        if not 0 <= peer < self.K:
+            self.problems.append(problem(op, f"unmatched: {short(op)} to stage {peer}, which does not exist"))
+            self.pc[s] += 1
+            return True
+        if op.blocking:
+            msg = self.blocked_send[s]
+            if msg is None:  # issue it; the peer's recv may now complete
+                msg = self.blocked_send[s] = _Message(op, iteration, self.batches[s][self.pc[s]])
+                self.channels.setdefault((s, peer), deque()).append(msg)
+                return True
+            if not msg.received:
+                return False
+            self.blocked_send[s] = None
+        else:
+            msg = _Message(op, iteration, self.batches[s][self.pc[s]])
+            self.channels.setdefault((s, peer), deque()).append(msg)
+            self.isends[s].append(msg)
+        self.pc[s] += 1
+        return True
+
+    def _recv(self, s: int, iteration: int, op: Op) -> bool:
+        peer = s + _DIRECTION[op.kind]
+        if not 0 <= peer < self.K:
+            self.problems.append(problem(op, f"unmatched: {short(op)} from stage {peer}, which does not exist"))
+            self.pc[s] += 1
+            return True
+        channel = self.channels.get((peer, s))
+        if not channel:
+            return False
+        msg = channel.popleft()
+        msg.received = True
+        batch = self.batches[s][self.pc[s]]
+        if msg.op.micro_batch != op.micro_batch or msg.iteration != iteration or msg.batch != batch:
+            later = "" if msg.iteration == iteration else \
+                f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
+            other = "" if msg.batch == batch else f" of batch {msg.batch} (expected batch {batch})"
+            self.problems.append(problem(op, f"mis-ordered: stage {s} {short(op)} received "
+                                              f"mb={msg.op.micro_batch}{other} from stage {peer}{later}"))
+        self.pc[s] += 1
+        return True
+
+    def _collective(self, s: int, op: Op) -> bool:
+        k = self.collectives_done[s]
+        while len(self.arrivals) <= k:
+            self.arrivals.append({})
+        arrived = self.arrivals[k]
+        new = s not in arrived
+        arrived[s] = op
+        if len(arrived) < self.K:
+            return new
+        if s == 0:  # every stage has arrived: check the kinds once, against stage 0's
+            first = arrived[0]
+            for other, other_op in sorted(arrived.items()):
+                if other_op.kind != first.kind:
+                    self.problems.append(problem(other_op, f"pipeline collective #{k + 1} mismatched: stage {other} "
+                                                            f"runs {other_op.kind.value} while stage {s} runs "
+                                                            f"{first.kind.value}"))
+        self.collectives_done[s] += 1
+        self.pc[s] += 1
+        return True
+
+    # -- reporting a stuck pipeline --
+
+    def _at(self, s: int) -> str:
+        """Where stage s is, for a reason naming it as a peer."""
+        if self._finished(s):
+            return f"stage {s} has finished its stream"
+        iteration, op = self.flat[s][self.pc[s]]
+        return f"stage {s} is blocked at step {op.step}{self._call(iteration)} on {self._doing(s, op)}"
+
+    def _call(self, iteration: int) -> str:
+        return f" of train_batch call {iteration + 1}" if iteration else ""
+
+    def _doing(self, s: int, op: Op) -> str:
+        if op.kind in _MATCHING_RECV:
+            return f"{short(op)} to stage {s + _DIRECTION[op.kind]}"
+        if op.kind in _MATCHING_SEND:
+            return f"{short(op)} from stage {s + _DIRECTION[op.kind]}"
+        if op.kind in PIPELINE_COLLECTIVE_KINDS:
+            return f"{op.kind.value} (pipeline collective #{self.collectives_done[s] + 1})"
+        return short(op)
+
+    def _stuck(self, s: int) -> Problem:
+        iteration, op = self.flat[s][self.pc[s]]
+        call = self._call(iteration)
+        if op.kind in _MATCHING_RECV:
+            peer = s + _DIRECTION[op.kind]
+            if self._finished(peer):
+                reason = f"unmatched: blocking {short(op)} to stage {peer} is never received ({self._at(peer)})"
+            else:
+                reason = (f"deadlock: blocking {short(op)} to stage {peer} waits for a matching "
+                          f"{_MATCHING_RECV[op.kind].value}, but {self._at(peer)}")
+        elif op.kind in _MATCHING_SEND:
+            peer = s + _DIRECTION[op.kind]
+            if self._finished(peer):
+                reason = f"unmatched: {short(op)} from stage {peer} is never sent ({self._at(peer)})"
+            else:
+                reason = (f"deadlock: {short(op)} waits for a {_MATCHING_SEND[op.kind].value} from stage {peer}, "
+                          f"but {self._at(peer)}")
+        elif op.kind == OpKind.WAIT_SENDS:
+            peers = [m.op.stage + _DIRECTION[m.op.kind] for m in self.isends[s]]
+            waits = "; ".join(f"{short(m.op)} to stage {p} ({self._at(p)})" for m, p in zip(self.isends[s], peers))
+            if all(self._finished(p) for p in peers):
+                reason = f"unmatched: wait_sends waits for sends that are never received: {waits}"
+            else:
+                reason = f"deadlock: wait_sends waits for sends to be received: {waits}"
+        else:  # pipeline collective
+            k = self.collectives_done[s]
+            missing = [p for p in range(self.K) if p not in self.arrivals[k]]
+            reason = (f"deadlock: {op.kind.value} is pipeline collective #{k + 1} and waits for every stage, but "
+                      + "; ".join(self._at(p) for p in missing))
+        return problem(op, reason + (f" (in train_batch call {iteration + 1})" if call else ""))

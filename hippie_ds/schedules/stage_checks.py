@@ -1,0 +1,411 @@
+"""The validator's per-stage analysis: data flow (every micro-batch loaded / received / computed /
+sent in a valid order), pipeline buffer slots, the gradient state machine and, for continuous
+schedules, weight versions. Pure Python."""
+from __future__ import annotations
+
+
+from .ir import BUFFER_KINDS, COMPUTE_KINDS, GRADIENT_CONSUMER_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind
+from .check_common import Problem, problem, scenario_ops, short
+
+_FORWARD_LIKE = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+_BACKWARD_LIKE = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD})
+_MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
+
+# ---------------------------------------------------------------------------------------------
+# Data flow, buffer slots and gradients: one stage at a time
+
+class _StageChecker:
+    """One stage's stream, run ``iterations`` times. Gradient and gradient-buffer state carry
+    over between iterations; everything about micro-batches is per iteration."""
+
+    def __init__(self, compiled: CompiledSchedule, stage: int):
+        self.s = stage
+        self.K = compiled.stages
+        self.M = compiled.micro_batches
+        self.num_buffers = compiled.num_buffers[stage]
+        self.ops = list(compiled.ops(stage))
+        self.problems: list[Problem] = []
+        # Parameter gradients: "empty" | "accumulating" | "reduced", plus an async all-reduce flag.
+        self.grads = "empty"
+        self.grads_reducing = False
+        # Gradient buffer: "empty" | "filled" | "reducing" | "reduced".
+        self.buffer = "empty"
+
+    def run(self, iterations: int) -> list[Problem]:
+        self._check_slots()  # the same in every iteration
+        for _ in range(iterations):
+            self._iteration()
+        return self.problems
+
+    def _add(self, op: Op, reason: str) -> None:
+        self.problems.append(problem(op, reason, stage=self.s))
+
+    def _iteration(self) -> None:
+        s, K, M = self.s, self.K, self.M
+        loaded, recv_act, recv_grad, fwd, bwd = set(), set(), set(), set(), set()
+        self.bwd = bwd
+        self.update: Op | None = None  # this iteration's optimizer step / copy
+        self.weights_changed: Op | None = None  # an update that changed this stage's weights
+        for op in self.ops:
+            kind, mb = op.kind, op.micro_batch
+            if kind in _MB_KINDS and mb is not None and not 0 <= mb < M:
+                self._add(op, f"micro-batch {mb} outside 0..{M - 1}")
+                continue
+            if kind == OpKind.LOAD:
+                if mb in loaded:
+                    self._add(op, f"micro-batch {mb} loaded twice (the data iterator advances on each load)")
+                loaded.add(mb)
+            elif kind == OpKind.RECV_ACTIVATION:
+                recv_act.add(mb)
+            elif kind == OpKind.RECV_GRAD:
+                recv_grad.add(mb)
+            elif kind == OpKind.SEND_ACTIVATION and mb not in fwd:
+                self._add(op, f"sends micro-batch {mb}'s activation before its forward")
+            elif kind == OpKind.SEND_GRAD and mb not in bwd:
+                self._add(op, f"sends micro-batch {mb}'s gradient before its backward")
+            if kind in _FORWARD_LIKE:
+                if mb in fwd:
+                    self._add(op, f"micro-batch {mb} forwarded twice")
+                if s > 0 and mb not in recv_act:
+                    self._add(op, f"forward of micro-batch {mb} before its activation is received (recv_activation)")
+                if s in (0, K - 1) and mb not in loaded:
+                    what = "inputs" if s == 0 else "labels"
+                    self._add(op, f"forward of micro-batch {mb} before its {what} are loaded (load_micro_batch)")
+                if self.weights_changed is not None and kind == OpKind.FORWARD:
+                    self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
+                                  f"{self.weights_changed.step}: runs on weights already updated")
+                fwd.add(mb)
+            if kind in _BACKWARD_LIKE:
+                self._backward(op, fwd, recv_grad)
+            elif kind not in _MB_KINDS:
+                self._gradient_op(op)
+        for mb in range(M):
+            if mb not in fwd:
+                self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never forwarded"))
+            if mb not in bwd:
+                self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never backwarded"))
+        self._end_of_iteration()
+
+    def _backward(self, op: Op, fwd: set, recv_grad: set) -> None:
+        mb = op.micro_batch
+        if op.kind == OpKind.BACKWARD and mb not in fwd:
+            self._add(op, f"backward of micro-batch {mb} before its forward")
+        if mb in self.bwd:
+            self._add(op, f"micro-batch {mb} backwarded twice")
+        if self.s < self.K - 1 and mb not in recv_grad:
+            self._add(op, f"backward of micro-batch {mb} before its output gradient is received (recv_grad)")
+        if self.update is not None:
+            self._add(op, f"backward after this iteration's {self.update.kind.value} at step {self.update.step}: "
+                          "its gradient is lost or applied in the wrong step")
+        elif self.weights_changed is not None:
+            self._add(op, f"backward after this iteration's {self.weights_changed.kind.value} at step "
+                          f"{self.weights_changed.step}: weights changed between forward and backward")
+        if self.grads_reducing:
+            self._add(op, "backward while the gradients' all-reduce is in flight")
+        self.bwd.add(mb)
+        self.grads = "accumulating"
+
+    def _all_backwards_done(self, op: Op) -> bool:
+        missing = [m for m in range(self.M) if m not in self.bwd]
+        if missing:
+            self._add(op, f"{op.kind.value} before all {self.M} backwards of this iteration "
+                          f"(micro-batch(es) {', '.join(map(str, missing))} not yet backwarded)")
+        return not missing
+
+    def _gradient_op(self, op: Op) -> None:
+        kind = op.kind
+        if kind in GRADIENT_CONSUMER_KINDS:
+            if self.update is not None:
+                self._add(op, f"second update in one iteration (already {self.update.kind.value} at step "
+                              f"{self.update.step}); a stage applies or buffers its gradients exactly once")
+            self.update = self.update or op
+        if kind == OpKind.REDUCE_GRADS:
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, "reduce_grads while an async all-reduce of the gradients is in flight")
+            if self.grads != "empty":
+                self.grads = "reduced"
+        elif kind == OpKind.START_ALLREDUCE and op.target == "grads":
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, "start_allreduce(grads) while the previous one is still in flight")
+            self.grads_reducing = True
+        elif kind == OpKind.WAIT_ALLREDUCE and op.target == "grads":
+            if not self.grads_reducing:
+                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+            elif self.grads == "accumulating":
+                self.grads = "reduced"
+            self.grads_reducing = False
+        elif kind in (OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP):
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, f"{kind.value} before the gradients it applies are reduced "
+                              "(their all-reduce is still in flight: wait_allreduce(grads) comes later)")
+            elif self.grads != "reduced":
+                self._add(op, f"{kind.value} before the gradients it applies are reduced (gradients {self.grads})")
+            self.grads = "empty"
+            self.weights_changed = self.weights_changed or op
+        elif kind == OpKind.COPY_GRADS_TO_BUFFER:
+            self._all_backwards_done(op)
+            if self.grads_reducing:
+                self._add(op, "copy_grads_to_buffer while the gradients' all-reduce is in flight")
+            if self.buffer != "empty":
+                self._add(op, f"gradient buffer overwritten while live (state {self.buffer})")
+            self.buffer = "filled"
+            self.grads = "empty"
+        elif kind == OpKind.START_ALLREDUCE and op.target == "buffer":
+            if self.buffer == "reducing":
+                self._add(op, "start_allreduce(buffer) while the previous one is still in flight")
+            elif self.buffer != "empty":  # empty: the first step, nothing buffered yet
+                self.buffer = "reducing"
+        elif kind == OpKind.WAIT_ALLREDUCE and op.target == "buffer":
+            if self.buffer == "reducing":
+                self.buffer = "reduced"
+            elif self.buffer != "empty":
+                self._add(op, f"wait_allreduce(buffer) with no all-reduce of the gradient buffer in flight "
+                              f"(buffer {self.buffer})")
+        elif kind == OpKind.APPLY_BUFFERED_UPDATE:
+            if self.buffer in ("filled", "reducing"):
+                self._add(op, f"buffered gradient read before its all-reduce was waited for (buffer {self.buffer})")
+            if self.buffer != "empty":  # empty: the first step, the update is skipped
+                self.weights_changed = self.weights_changed or op
+            self.buffer = "empty"
+
+    def _end_of_iteration(self) -> None:
+        s = self.s
+        if self.update is None:
+            self.problems.append(Problem(s, None, None, f"stage {s} never applies or buffers its gradients "
+                                                        "(no optimizer_step, stage_optimizer_step or "
+                                                        "copy_grads_to_buffer)"))
+        elif self.grads != "empty":
+            self.problems.append(Problem(s, None, None, f"gradients {self.grads} after this iteration's "
+                                                        f"{self.update.kind.value}: never applied or buffered"))
+        if self.grads_reducing:
+            self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end of "
+                                                        "the iteration (no wait_allreduce(grads))"))
+        if self.buffer == "reduced":
+            self.problems.append(Problem(s, None, None, "gradient buffer all-reduced but never applied "
+                                                        "(apply_buffered_update missing)"))
+
+    def _check_slots(self) -> None:
+        """Slot range, one slot per micro-batch, and no slot rewritten while its micro-batch
+        still has ops to run. A micro-batch holds its slot from its first buffer op to its last
+        (a non-blocking send, when last, frees it at issue: the engine keeps the tensor)."""
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        slot_of: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
+                first.setdefault(op.micro_batch, i)
+                last[op.micro_batch] = i
+        holder: dict[int, int] = {}  # slot -> micro-batch that last started in it
+        for i, op in enumerate(self.ops):
+            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
+                continue
+            mb, b = op.micro_batch, op.buffer
+            if b is None:
+                self._add(op, "no pipeline buffer slot")
+                continue
+            if not 0 <= b < self.num_buffers:
+                self._add(op, f"buffer {b} outside 0..{self.num_buffers - 1} ({self.num_buffers} slots)")
+                continue
+            if mb not in slot_of:
+                slot_of[mb] = b
+                other = holder.get(b)
+                if other is not None and last[other] > i:
+                    later = self.ops[last[other]]
+                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other} "
+                                  f"(used again at step {later.step} by {short(later)})")
+                holder[b] = mb
+            elif b != slot_of[mb]:
+                self._add(op, f"micro-batch {mb} in slot {b}, but its first op put it in slot {slot_of[mb]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous schedules: one stage over a whole scenario (calls and drains)
+
+class _ContinuousStageChecker:
+    """Data flow, buffer slots, gradients and weight versions of one stage of a continuous
+    schedule over a scenario. Micro-batches are (batch, mb) pairs; every batch a call starts
+    must be completed, at the latest by the drain. Weight versions: a stage's version counts its
+    updates; an op of batch b declaring version d uses b * updates_per_batch + d (below 0: the
+    initial weights, i.e. version 0). A compute op must find its version current or stashed;
+    a backward must use its forward's version; stash_weights keeps the current version;
+    free_weights drops a stashed one, after which no op may use it."""
+
+    def __init__(self, compiled: CompiledSchedule, stage: int, scenario):
+        self.c = compiled
+        self.s = stage
+        self.K = compiled.stages
+        self.M = compiled.micro_batches
+        self.U = compiled.updates_per_batch[stage] if compiled.updates_per_batch else 0
+        self.seq = scenario_ops(compiled, stage, scenario)
+        self.scenario = scenario
+        self.problems: list[Problem] = []
+        self.peak_versions = 1
+
+    def _add(self, op: Op, reason: str) -> None:
+        self.problems.append(problem(op, reason, stage=self.s))
+
+    def _phase(self, phase: int) -> str:
+        kind, t = self.scenario[phase]
+        return f"train_batch call {t + 1}" if kind == "call" else f"the drain after call {t}"
+
+    def run(self) -> list[Problem]:
+        s, M = self.s, self.M
+        loaded, recv_act, recv_grad, fwd, bwd = set(), set(), set(), {}, set()
+        last_load = None
+        grads: set = set()
+        reducing = False
+        count = 0  # updates so far: the current version
+        stashed: set[int] = set()
+        freed: dict[int, Op] = {}
+        started: set[int] = set()
+        self._check_slots()
+        for phase, batch, op in self.seq:
+            kind, key = op.kind, (batch, op.micro_batch)
+            if op.micro_batch is not None:
+                if not 0 <= op.micro_batch < M:
+                    self._add(op, f"micro-batch {op.micro_batch} outside 0..{M - 1}")
+                    continue
+                started.add(batch)
+            if kind == OpKind.LOAD:
+                if key in loaded:
+                    self._add(op, f"micro-batch {op.micro_batch} of batch {batch} loaded twice")
+                if last_load is not None and key < last_load:
+                    self._add(op, f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
+                                  f"{last_load[1]} of batch {last_load[0]}: the data iterator is read out of order")
+                loaded.add(key)
+                last_load = key
+            elif kind == OpKind.RECV_ACTIVATION:
+                recv_act.add(key)
+            elif kind == OpKind.RECV_GRAD:
+                recv_grad.add(key)
+            elif kind == OpKind.SEND_ACTIVATION and key not in fwd:
+                self._add(op, f"sends micro-batch {op.micro_batch}'s activation before its forward")
+            elif kind == OpKind.SEND_GRAD and key not in bwd:
+                self._add(op, f"sends micro-batch {op.micro_batch}'s gradient before its backward")
+            if kind in COMPUTE_KINDS:
+                version = None
+                if op.version is not None:
+                    version = max(0, batch * self.U + op.version)
+                    if version > count:
+                        self._add(op, f"uses weight version {version}, which does not exist yet (the stage has "
+                                      f"applied {count} update(s))")
+                    elif version < count and version not in stashed:
+                        if version in freed:
+                            f = freed[version]
+                            self._add(op, f"uses weight version {version}, freed while needed (free_weights at "
+                                          f"step {f.step}{self._where(f)})")
+                        else:
+                            self._add(op, f"uses weight version {version}, which was updated in place and never "
+                                          "stashed (stash_weights missing before the update)")
+                if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
+                    if key in fwd:
+                        self._add(op, f"micro-batch {op.micro_batch} of batch {batch} forwarded twice")
+                    if s > 0 and key not in recv_act:
+                        self._add(op, f"forward of micro-batch {op.micro_batch} before its activation is received "
+                                      "(recv_activation)")
+                    if s in (0, self.K - 1) and key not in loaded:
+                        what = "inputs" if s == 0 else "labels"
+                        self._add(op, f"forward of micro-batch {op.micro_batch} before its {what} are loaded "
+                                      "(load_micro_batch)")
+                    fwd[key] = version
+                if kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD):
+                    if kind == OpKind.BACKWARD and key not in fwd:
+                        self._add(op, f"backward of micro-batch {op.micro_batch} before its forward")
+                    elif kind == OpKind.BACKWARD and fwd[key] != version:
+                        self._add(op, f"backward of micro-batch {op.micro_batch} of batch {batch} uses weight version "
+                                      f"{version}, its forward used {fwd[key]}")
+                    if key in bwd:
+                        self._add(op, f"micro-batch {op.micro_batch} of batch {batch} backwarded twice")
+                    if s < self.K - 1 and key not in recv_grad:
+                        self._add(op, f"backward of micro-batch {op.micro_batch} before its output gradient is "
+                                      "received (recv_grad)")
+                    if reducing:
+                        self._add(op, "backward while the gradients' all-reduce is in flight")
+                    bwd.add(key)
+                    grads.add(key)
+            elif kind == OpKind.STASH_WEIGHTS:
+                version = max(0, batch * self.U + op.version)
+                if version != count:
+                    self._add(op, f"stash_weights of version {version}, but the current version is {count}")
+                stashed.add(version)
+                freed.pop(version, None)
+            elif kind == OpKind.FREE_WEIGHTS:
+                version = batch * self.U + op.version
+                if version >= 0:  # below 0: the initial weights, freed as version 0
+                    if version not in stashed:
+                        self._add(op, f"free_weights of version {version}, which is not stashed")
+                    stashed.discard(version)
+                    freed[version] = op
+            elif kind == OpKind.START_ALLREDUCE:
+                if op.target != "grads":
+                    self._add(op, "only target grads is supported in continuous schedules")
+                if reducing:
+                    self._add(op, "start_allreduce(grads) while the previous one is still in flight")
+                reducing = True
+            elif kind == OpKind.WAIT_ALLREDUCE:
+                if not reducing:
+                    self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+                reducing = False
+            elif kind in UPDATE_KINDS:
+                if reducing:
+                    self._add(op, f"{kind.value} before the gradients it applies are reduced (their all-reduce "
+                                  "is still in flight)")
+                if not grads:
+                    self._add(op, f"{kind.value} of batch {batch} with no gradients accumulated since the last update")
+                other = sorted({b for b, _ in grads if b != batch})
+                if other:
+                    self._add(op, f"{kind.value} of batch {batch} applies gradients of batch(es) "
+                                  f"{', '.join(map(str, other))} too")
+                grads = set()
+                count += 1
+            self.peak_versions = max(self.peak_versions, len(stashed - {count}) + 1)
+        for b in sorted(started):
+            for m in range(M):
+                if (b, m) not in fwd:
+                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never forwarded"))
+                elif (b, m) not in bwd:
+                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never backwarded "
+                                                                "(lost: not completed by the drain)"))
+        if grads:
+            self.problems.append(Problem(s, None, None, f"gradients of {len(grads)} micro-batch(es) never applied "
+                                                        "(no update after their backward)"))
+        if reducing:
+            self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end"))
+        return self.problems
+
+    def _where(self, op: Op) -> str:
+        for phase, _, o in self.seq:
+            if o is op:
+                return f" of {self._phase(phase)}"
+        return ""
+
+    def _check_slots(self) -> None:
+        first: dict[tuple, int] = {}
+        last: dict[tuple, int] = {}
+        for i, (_, batch, op) in enumerate(self.seq):
+            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
+                first.setdefault((batch, op.micro_batch), i)
+                last[(batch, op.micro_batch)] = i
+        holder: dict[int, tuple] = {}
+        slot_of: dict[tuple, int] = {}
+        n = self.c.num_buffers[self.s]
+        for i, (_, batch, op) in enumerate(self.seq):
+            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
+                continue
+            key, b = (batch, op.micro_batch), op.buffer
+            if b is None or not 0 <= b < n:
+                self._add(op, f"buffer {b} outside 0..{n - 1} ({n} slots)")
+                continue
+            if key not in slot_of:
+                slot_of[key] = b
+                other = holder.get(b)
+                if other is not None and last[other] > i:
+                    later = self.seq[last[other]][2]
+                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other[1]} of "
+                                  f"batch {other[0]} (used again at step {later.step} by {short(later)})")
+                holder[b] = key
+            elif b != slot_of[key]:
+                self._add(op, f"micro-batch {op.micro_batch} in slot {b}, but its first op put it in slot {slot_of[key]}")
