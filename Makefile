@@ -35,6 +35,10 @@ $(STAMP): setup.py
 test: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
 
+# The fast half: single-process tests only (no `deepspeed` launcher); about a minute.
+test-unit: $(STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not distributed" $(TESTS)
+
 # The demo trains the GPT example with the hippie schedule on 4 local ranks (2 stages x 2
 # data-parallel replicas) and draws the executed schedule to $(OUT)/demo/timeline.png.
 DEMO_RANKS ?= 4

@@ -218,6 +218,7 @@ import torch  # noqa: E402
 
 from hippie_ds.config import StalenessConfig  # noqa: E402
 
+
 STEPS, MICRO_BATCHES = 3, 4
 ENGINES = "2bw,pipedream,pipedream+vs"
 
@@ -244,6 +245,7 @@ def _load_rank_files(out, name):
     return [torch.load(f) for f in sorted(Path(out, name).glob("rank*.pt"))]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stages,dp", [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_async_schedules_match_reference(tmp_path, stages, dp):
     rc, log, _ = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES,
@@ -267,6 +269,7 @@ def test_async_schedules_match_reference(tmp_path, stages, dp):
         assert sorted({(f["stage"], f["weight_versions"]["peak"]) for f in files}) == list(enumerate(expected))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("optimizer,lr,stages,dp", [("AdamW", 0.01, 2, 2)])
 def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages, dp):
     """2bw computes batch t on W(t-1) + c * (W(t-1) - W(t-2)) (hippie.staleness extrapolate,
@@ -293,6 +296,7 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     assert _max_diff(results["extrapolate"], results["none"]) > 1e-4, "the correction changed nothing"
 
 
+@pytest.mark.distributed
 def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     # AdamW (optimizer state) with per-stage clipping; "+ckpt2" saves after 2 calls (with
     # batches in flight: save_checkpoint drains them and saves both/stashed weight versions),
@@ -318,6 +322,7 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
         assert any(Path(tmp_path, name + "+ckpt2", "ckpt").iterdir())
 
 
+@pytest.mark.distributed
 def test_bf16_is_refused_on_every_rank(tmp_path):
     rc, log, _ = launch(2, tmp_path, "--stages", 2, "--engines", "2bw", "--bf16", timeout=120)
     assert rc != 0

@@ -17,6 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from launch import launch  # noqa: E402
 
+pytestmark = pytest.mark.distributed
+
 CLIENT = Path(__file__).parent / "distributed" / "client_train.py"
 SCHEDULES = ["1f1b", "gpipe", "hippie", "hippie-1f1b", "2bw", "pipedream"]
 SYNCHRONOUS = ("1f1b", "gpipe")  # bit-identical to stock DeepSpeed

@@ -20,6 +20,8 @@ from launch import collect, launch  # noqa: E402
 
 from hippie_ds.config import StalenessConfig  # noqa: E402
 
+pytestmark = pytest.mark.distributed
+
 DEFAULT_STALENESS = StalenessConfig()  # what a config without "hippie.staleness" runs
 NO_CORRECTION = StalenessConfig(method="none")
 

@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 import harness  # noqa: E402
 from launch import free_port  # noqa: E402
 
+pytestmark = pytest.mark.distributed
+
 pytest.importorskip("sklearn", reason="the VGG example needs scikit-learn (pip install -e '.[test]')")
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.distributed
+
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "multinode.py"
 # Names of our own, so that the test and a `sudo make multinode` can run side by side.

@@ -97,6 +97,7 @@ def predicted_activations(profile, plan, stage):
     return pred
 
 
+@pytest.mark.distributed
 def test_plan_drives_training_and_predicts_activation_memory(profile, tmp_path):
     plans = _plans(profile, tmp_path)
     out = tmp_path / "run"

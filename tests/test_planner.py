@@ -562,3 +562,24 @@ def test_cli_bad_profile(capsys, tmp_path):
     code, _, err = run(capsys, "plan", "--profile", tmp_path / "nope.txt", "--cluster", V100_CLUSTER,
                        "--global-batch", 16)
     assert code == 2 and "no such file" in err
+
+
+def test_objective_registry():
+    """A registered objective is plannable by name and changes the choice: least memory per
+    device picks a configuration holding no more than the throughput plan's; unknown names
+    are refused with the registered ones listed."""
+    from hippie_ds.planner import OBJECTIVES, register_objective
+    profile = synthetic_profile(24, seed=2, batch_size=8)
+    cluster = parse_cluster("2x4,16GB,10Gbit")
+    register_objective("least-memory", lambda f: -f.memory)
+    try:
+        fast = make_plan(profile, cluster, 256, objective="throughput", baselines=False)
+        lean = make_plan(profile, cluster, 256, objective="least-memory", baselines=False)
+        assert lean.objective == "least-memory"
+        assert lean.prediction.memory <= fast.prediction.memory
+        assert lean.prediction.throughput <= fast.prediction.throughput * (1 + 1e-9)
+        assert (lean.prediction.memory, lean.pipeline_depth) != (fast.prediction.memory, fast.pipeline_depth)
+        with pytest.raises(PlannerError, match="objective 'fastest': expected one of .*least-memory"):
+            make_plan(profile, cluster, 256, objective="fastest")
+    finally:
+        OBJECTIVES.pop("least-memory")

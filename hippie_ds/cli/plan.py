@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..planner.objectives import OBJECTIVES
 from .base import (UsageError, _Formatter, _add_profile_options, _int_list, _non_negative_int, _positive_int,
                    _quantity, _read_profile, command)
 
@@ -39,7 +40,7 @@ def _plan_parser(subparsers) -> None:
                         "[, intra-node bandwidth]) or a YAML/JSON file")
     p.add_argument("--global-batch", "-G", type=_positive_int, required=True, metavar="N",
                    help="samples per training step over all replicas")
-    p.add_argument("--objective", choices=["me", "throughput"], default="me",
+    p.add_argument("--objective", choices=sorted(OBJECTIVES), default="me",
                    help="maximize memory efficiency (default) or throughput")
     p.add_argument("--memory-cap", metavar="BYTES", help="memory a device may use, e.g. 12GB (default: all of it)")
     p.add_argument("--memory-metric", choices=["mean", "max"], default="mean",

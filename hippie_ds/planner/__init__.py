@@ -1,12 +1,13 @@
 """The Hippie pipeline planner: profiles, clusters, partitions, re-computation, plans. Pure
 Python (no torch): ``hippie-ds plan`` on the command line, :func:`make_plan` in code."""
 from .cluster import Cluster, ClusterError, load_cluster, parse_cluster
+from .objectives import OBJECTIVES, Figures, register_objective
 from .plan import (SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, format_summary, load_plan,
                    make_plan, save_plan)
 from .profile import (LayerProfile, PlannerError, Profile, ProfileError, load_profile, read_pipedream, save_profile,
                       synthetic_profile)
 
-__all__ = ["Baseline", "Cluster", "ClusterError", "LayerProfile", "Plan", "PlanMismatchError", "PlannerError",
-           "Prediction", "Profile", "ProfileError", "SCHEDULES", "StagePlan", "format_summary", "load_cluster",
-           "load_plan", "load_profile", "make_plan", "parse_cluster", "read_pipedream", "save_plan", "save_profile",
-           "synthetic_profile"]
+__all__ = ["Baseline", "Cluster", "ClusterError", "Figures", "LayerProfile", "OBJECTIVES", "Plan", "PlanMismatchError",
+           "PlannerError", "Prediction", "Profile", "ProfileError", "SCHEDULES", "StagePlan", "format_summary",
+           "load_cluster", "load_plan", "load_profile", "make_plan", "parse_cluster", "read_pipedream",
+           "register_objective", "save_plan", "save_profile", "synthetic_profile"]

@@ -57,6 +57,7 @@ from typing import Any, Sequence
 
 from . import partition as part
 from .cluster import Cluster
+from .objectives import check_objective, score
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
 from .plan_file import DEFAULT_STATE_FACTOR, GB, HIPPIE_FAMILY, TARGETS, Baseline, Plan, Prediction, StagePlan
 from .plan_file import (SCHEDULES, PlanMismatchError, format_summary, load_plan,  # noqa: F401 (this module's API)
@@ -93,10 +94,9 @@ def _choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int
         mem = model.memory(lay, f, p, ks, deferred)
         if max(mem) > model.cap:
             continue
-        thr, _, _, me = model.figures(step, mem)
-        score = me if objective == "me" else thr
-        if best is None or score > best[0] * (1 + 1e-12):
-            best = (score, ks, _Estimate(step, mem, p, deferred))
+        value = score(objective, *model.figures(step, mem))
+        if best is None or value > best[0] * (1 + 1e-12):
+            best = (value, ks, _Estimate(step, mem, p, deferred))
     return best
 
 
@@ -111,8 +111,7 @@ def _bound(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective
     least = [lay.params[s] * model.state_factor + f * lay.rec[s].least(p[s]) for s in range(K)]
     if max(least) > model.cap:
         return None
-    thr, _, _, me = model.figures(step, least)
-    return me if objective == "me" else thr
+    return score(objective, *model.figures(step, least))
 
 
 @dataclass
@@ -231,16 +230,15 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
               baseline_budget: float = 2e6) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
-    ``objective`` 'me' maximizes memory efficiency, 'throughput' throughput; both under the
-    device memory and ``memory_cap``. ``depths`` / ``micro_batch_sizes`` restrict the search;
+    ``objective`` names what is maximized (:mod:`.objectives`: 'me' memory efficiency,
+    'throughput', or a registered one), always under the device memory and ``memory_cap``. ``depths`` / ``micro_batch_sizes`` restrict the search;
     ``min_micro_batch`` (default profile batch // 16, at least 1) bounds the micro-batch size
     from below unless ``micro_batch_sizes`` lists sizes.
     ``simulate_top`` best analytic candidates are simulated, within ``simulate_budget``
     micro-batch-stages each (larger ones keep their analytic figures). ``baseline_budget``
     caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped."""
     t0 = time.perf_counter()
-    if objective not in ("me", "throughput"):
-        raise PlannerError(f"objective {objective!r}: expected 'me' or 'throughput'")
+    check_objective(objective)
     if memory_metric not in ("mean", "max"):
         raise PlannerError(f"memory metric {memory_metric!r}: expected 'mean' or 'max'")
     unknown = [s for s in schedules if s not in SCHEDULES]
@@ -282,8 +280,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
         simulated += 1
         if max(est.memory) > cap:
             continue
-        thr, _, _, me = model.figures(est.step, est.memory)
-        ranked.append((me if objective == "me" else thr, cand, est))
+        ranked.append((score(objective, *model.figures(est.step, est.memory)), cand, est))
     if ranked:
         # Equal objective values (within rounding): prefer less memory, then a shallower pipeline.
         ranked.sort(key=lambda x: (-round(x[0], 9), model.summarize_memory(x[2].memory), x[1].lay.K, x[1].b))

@@ -93,7 +93,7 @@ class Plan(_Strict):
     cluster: Cluster
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1)
-    objective: Literal["me", "throughput"]
+    objective: str  # a name in hippie_ds.planner.objectives.OBJECTIVES
     memory_metric: Literal["mean", "max"] = "mean"
     memory_cap: float | None = Field(None, gt=0)
     pipeline_depth: int = Field(ge=1)

@@ -228,6 +228,23 @@ class CompiledSchedule:
         for step in self.streams[stage]:
             yield from step
 
+    def compact(self) -> str:
+        """Every stage's stream in compact notation, one line per stage, steps joined by ' | '
+        (empty steps as '.'): F3 / B3 / FB3 compute (v-1: its weight version), sA3 / rA3 / sG3 /
+        rG3 p2p (non-blocking sends marked '~'), other ops by name, @-1: an op of the previous
+        call's batch; continuous schedules add their drain. Golden
+        files of the built-in schedules (tests/golden/) are written in it."""
+        def ops(step) -> str:
+            return " ".join(op_name(op) + ("~" if op.kind in SEND_KINDS and not op.blocking else "")
+                            + (f"v{op.version:+d}" if op.kind in COMPUTE_KINDS and op.version is not None else "")
+                            + (f"@{op.batch:+d}" if op.batch else "") for op in step) or "."
+        lines = [f"{self.name} K={self.stages} M={self.micro_batches} params={self.params}"]
+        for s in range(self.stages):
+            lines.append(f"{s}: " + " | ".join(ops(step) for step in self.streams[s]))
+        for s in range(self.stages) if self.continuous and self.drain else ():
+            lines.append(f"{s} drain: " + " | ".join(ops(step) for step in self.drain[s]))
+        return "\n".join(lines) + "\n"
+
     def describe(self, stage: int | None = None) -> str:
         """Human-readable listing, one line per non-empty step."""
         lines = [f"schedule {self.name}: {self.stages} stages, {self.micro_batches} micro-batches, "

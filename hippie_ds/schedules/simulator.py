@@ -286,8 +286,7 @@ class _Sim:
             acc.versions = max(acc.versions, len(st.stashed) + 1)
         elif kind == OpKind.FREE_WEIGHTS:
             st.stashed.discard((it + op.batch) * self.updates[s] + op.version)
-        elif kind != OpKind.LOAD:
-            raise SimulationError(f"stage {s}: cannot simulate op {op}")
+        # any other op (loads, ops whose time is not modelled): no simulated time
         self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
 
     # -- whole run -------------------------------------------------------------------------

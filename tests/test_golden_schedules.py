@@ -1,0 +1,26 @@
+"""Golden files: every built-in schedule's compiled streams at 4 stages x 8 micro-batches in the
+compact notation of ``CompiledSchedule.compact`` (tests/golden/NAME-K4-M8.txt). A change to the
+compiler or a schedule file that moves an op shows up here as a readable diff; regenerate with
+``UPDATE_GOLDEN=1 pytest tests/test_golden_schedules.py`` after checking the diff is intended."""
+import os
+from pathlib import Path
+
+import pytest
+
+from hippie_ds.schedules import available, compile as compile_schedule
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize("name", available())
+def test_compiled_streams_match_golden(name):
+    text = compile_schedule(name, 4, 8).compact()
+    path = GOLDEN / f"{name}-K4-M8.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}: run with UPDATE_GOLDEN=1 to write it"
+    assert text == path.read_text()
+
+
+def test_every_golden_file_is_a_builtin_schedule():
+    assert sorted(p.name for p in GOLDEN.glob("*.txt")) == sorted(f"{n}-K4-M8.txt" for n in available())
