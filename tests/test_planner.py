@@ -14,6 +14,7 @@ from hippie_ds.planner import (Cluster, ClusterError, Plan, PlanMismatchError, P
                                load_plan, load_profile, make_plan, parse_cluster, read_pipedream, save_plan,
                                save_profile, synthetic_profile)
 from hippie_ds.planner import partition as part
+from hippie_ds.schedules import available
 from hippie_ds.planner.pipedream import antichain_states, pipedream_optimizer
 from hippie_ds.planner.profile import parse_pipedream_graph
 from hippie_ds.planner.recompute import StageRecompute, activations_of
@@ -583,3 +584,53 @@ def test_objective_registry():
             make_plan(profile, cluster, 256, objective="fastest")
     finally:
         OBJECTIVES.pop("least-memory")
+
+
+@pytest.mark.parametrize("name", available())
+def test_the_planner_asks_the_schedule(name):
+    """Traits come from the compiled schedule: the named rules they replace (1F1B and GPipe
+    in-flight counts, hippie's fused last stage, 2bw's two weight versions) and, above the probe
+    size, the linear extrapolation equals a full compile."""
+    from hippie_ds.planner.traits import _compiled_traits, schedule_traits
+    for K in (2, 4):
+        for M in (K, 2 * K + 5, 2 * K + 9):
+            t = schedule_traits(name, K, M)
+            assert t == _compiled_traits(name, K, M), (K, M)
+            if name in ("1f1b", "hippie-1f1b", "2bw", "pipedream"):
+                assert list(t.in_flight) == [min(K - s, M) for s in range(K)]
+            elif name == "gpipe":
+                assert list(t.in_flight) == [M] * K
+            elif name == "hippie":
+                assert list(t.in_flight) == [M] * (K - 1) + [1]
+            assert t.defers == (name in ("hippie", "hippie-1f1b"))
+            assert t.late_update == (name not in ("1f1b", "gpipe"))
+            assert t.weight_versions == ((2,) * K if name == "2bw" else t.weight_versions)
+
+
+def test_asynchronous_schedules_are_plannable():
+    """2bw and pipedream plan like any other schedule: their extra weight versions count in memory."""
+    profile = synthetic_profile(24, seed=2, batch_size=8)
+    cluster = parse_cluster("2x4,16GB,10Gbit")
+    flush = make_plan(profile, cluster, 256, schedules=["1f1b"], depths=[4], micro_batch_sizes=[8], baselines=False)
+    twobw = make_plan(profile, cluster, 256, schedules=["2bw"], depths=[4], micro_batch_sizes=[8], baselines=False)
+    assert twobw.schedule == "2bw" and twobw.pipeline_depth == 4
+    assert [s.in_flight for s in twobw.stages] == [s.in_flight for s in flush.stages]
+    # same layout and activations, plus one weight-sized copy per stage for the second version
+    if twobw.boundaries == flush.boundaries and twobw.checkpointed_layers == flush.checkpointed_layers:
+        assert twobw.prediction.memory > flush.prediction.memory
+    pipedream = make_plan(profile, cluster, 256, schedules=["pipedream"], depths=[4], baselines=False)
+    assert pipedream.schedule == "pipedream"
+    with pytest.raises(PlannerError, match="schedule 'zb': .*built-in: 1f1b"):
+        make_plan(profile, cluster, 256, schedules=["zb"])
+
+
+@pytest.mark.parametrize("name", available())
+def test_deep_pipelines_extrapolate_by_distance_from_the_last_stage(name, monkeypatch):
+    from hippie_ds.planner import traits
+    monkeypatch.setattr(traits, "DEPTH_PROBE", 6)
+    traits.schedule_traits.cache_clear()
+    try:
+        for K, M in ((9, 9), (10, 12), (10, 30)):
+            assert traits.schedule_traits(name, K, M) == traits._compiled_traits(name, K, M), (K, M)
+    finally:
+        traits.schedule_traits.cache_clear()

@@ -65,14 +65,16 @@ def _plan_parser(subparsers) -> None:
 
 def _cmd_plan(args) -> int:
     from ..planner import make_plan, parse_cluster, save_plan
-    from ..planner.plan import SCHEDULES
+    from ..planner.plan import _check_schedules
+    from ..planner.profile import PlannerError
 
     profile = _read_profile(args)
     cluster = parse_cluster(args.cluster)
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    unknown = [s for s in schedules if s not in SCHEDULES]
-    if unknown or not schedules:
-        raise UsageError(f"--schedules {args.schedules!r}: the planner knows {', '.join(SCHEDULES)}")
+    try:
+        _check_schedules(schedules)
+    except PlannerError as exc:
+        raise UsageError(f"--schedules {args.schedules!r}: {exc}") from None
     if args.state_factor <= 0 or not math.isfinite(args.state_factor):
         raise UsageError(f"--state-factor {args.state_factor}: must be a positive number")
     cap = _quantity(args.memory_cap, "bytes", "--memory-cap") if args.memory_cap else None

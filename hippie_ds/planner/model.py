@@ -8,9 +8,10 @@ from typing import Sequence
 
 from . import partition as part
 from .cluster import Cluster
-from .plan_file import GB, HIPPIE_FAMILY
+from .plan_file import GB
 from .profile import PlannerError, Profile
 from .recompute import StageRecompute
+from .traits import schedule_traits
 
 # ---------------------------------------------------------------------------------------------
 # Cost model
@@ -116,11 +117,8 @@ class _Model:
 
     @staticmethod
     def in_flight(schedule: str, K: int, M: int) -> list[int]:
-        if schedule in ("1f1b", "hippie-1f1b"):
-            return [min(K - s, M) for s in range(K)]
-        if schedule == "gpipe":
-            return [M] * K
-        return [M] * (K - 1) + [1]  # hippie: GPipe order, the last stage fuses F and B
+        """Micro-batches of activations each stage holds at most (asked of the schedule)."""
+        return list(schedule_traits(schedule, K, M).in_flight)
 
     # -- time -----------------------------------------------------------------------------------
     def compute_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int]):
@@ -131,10 +129,13 @@ class _Model:
         c = [self.p2p(lay, s, f) for s in range(K)]
         around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
         fill = sum(F) + sum(B) + 2 * sum(c)
-        if schedule in ("1f1b", "hippie-1f1b"):
+        traits = schedule_traits(schedule, K, M)
+        if traits.interleaved:  # 1F1B order: one forward and one backward per micro-batch
             cycle = max(F[s] + B[s] + 2 * around[s] for s in range(K))
-        else:
+        else:  # GPipe order: the forward and backward maxima separately
             cycle = max(F[s] + around[s] for s in range(K)) + max(B[s] + around[s] for s in range(K))
+        if traits.continuous:  # the pipeline stays full: no fill or drain per step
+            return M * cycle, F, B, c
         return (M - 1) * cycle + fill, F, B, c
 
     def step_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int],
@@ -148,7 +149,10 @@ class _Model:
             if s:
                 acc -= B[s - 1] + c[s - 1]
             ready.append(acc)
-        if schedule not in HIPPIE_FAMILY:
+        traits = schedule_traits(schedule, K, M)
+        if traits.continuous:  # all-reduces overlap the next micro-batches; the link must carry them
+            return max(T, sum(a[s] * traits.updates_per_batch[s] for s in range(K))), []
+        if not traits.defers:
             finish, work = T, 0.0
             for s in range(K):  # link drains work that starts at ready[s] and later
                 work += a[s]
@@ -176,9 +180,12 @@ class _Model:
 
     # -- memory ---------------------------------------------------------------------------------
     def memory(self, lay: _Layout, f: float, in_flight: Sequence[int], ks: Sequence[int],
-               deferred: Sequence[int]) -> list[float]:
+               deferred: Sequence[int], weight_versions: Sequence[int] | None = None) -> list[float]:
+        """Per device: weights and optimizer state, the gradient buffer of a deferred stage,
+        extra weight versions (2bw, pipedream), activations."""
         d = set(deferred)
-        return [lay.params[s] * self.state_factor + (lay.params[s] if s in d else 0.0)
+        extra = [v - 1 for v in weight_versions] if weight_versions else [0] * lay.K
+        return [lay.params[s] * (self.state_factor + extra[s]) + (lay.params[s] if s in d else 0.0)
                 + f * lay.rec[s].activations(ks[s], in_flight[s]) for s in range(lay.K)]
 
     def summarize_memory(self, mem: Sequence[float]) -> float:

@@ -59,13 +59,28 @@ from . import partition as part
 from .cluster import Cluster
 from .objectives import check_objective, score
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
-from .plan_file import DEFAULT_STATE_FACTOR, GB, HIPPIE_FAMILY, TARGETS, Baseline, Plan, Prediction, StagePlan
+from .plan_file import DEFAULT_STATE_FACTOR, GB, TARGETS, Baseline, Plan, Prediction, StagePlan
 from .plan_file import (SCHEDULES, PlanMismatchError, format_summary, load_plan,  # noqa: F401 (this module's API)
                         save_plan)
 from .profile import PlannerError, Profile
+from .traits import schedule_traits
 
 # ---------------------------------------------------------------------------------------------
 # Search
+
+def _check_schedules(schedules: Sequence[str]) -> None:
+    """Every schedule a built-in name or a file the compiler loads (any is plannable: the planner
+    asks the schedule, :mod:`.traits`)."""
+    from ..schedules import available
+    from ..schedules.spec import ScheduleError, load_spec
+    if not schedules:
+        raise PlannerError(f"no schedules to plan; built-in: {', '.join(available())}")
+    for name in schedules:
+        try:
+            load_spec(name)
+        except ScheduleError as exc:
+            raise PlannerError(f"schedule {name!r}: {exc}; built-in: {', '.join(available())}") from None
+
 
 def _choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str,
                       targets: Sequence[float] = TARGETS) -> tuple[float, list[int], _Estimate] | None:
@@ -91,7 +106,7 @@ def _choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int
             continue
         seen.add(key)
         step, deferred = model.step_time(lay, schedule, f, M, ks)
-        mem = model.memory(lay, f, p, ks, deferred)
+        mem = model.memory(lay, f, p, ks, deferred, schedule_traits(schedule, K, M).weight_versions)
         if max(mem) > model.cap:
             continue
         value = score(objective, *model.figures(step, mem))
@@ -106,7 +121,7 @@ def _bound(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective
     K, f = lay.K, b / model.b0
     p = model.in_flight(schedule, K, M)
     step, _ = model.step_time(lay, schedule, f, M, [0] * K, deferred=range(K))  # all hidden
-    if schedule not in HIPPIE_FAMILY:
+    if not schedule_traits(schedule, K, M).defers:
         step, _ = model.step_time(lay, schedule, f, M, [0] * K)
     least = [lay.params[s] * model.state_factor + f * lay.rec[s].least(p[s]) for s in range(K)]
     if max(least) > model.cap:
@@ -139,6 +154,10 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
                 continue
             M = G // (r * b)
             for sched in schedules:
+                try:
+                    schedule_traits(sched, K, M)
+                except PlannerError:
+                    continue  # a shape the schedule cannot run (its `requires`)
                 bound = _bound(model, lay, sched, b, M, objective)
                 if bound is None:
                     f = b / model.b0
@@ -200,23 +219,26 @@ def _simulate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Se
     from ..schedules.simulator import resolve_auto_params, simulate
 
     costs = _costs(model, lay, b, ks)
+    traits = schedule_traits(schedule, lay.K, M)
     params: dict[str, Any] = {}
-    if schedule in HIPPIE_FAMILY:
+    if traits.defers:
         if lay.K * M * (lay.K + 1) * 3 <= auto_limit:
             params = resolve_auto_params(schedule, lay.K, M, costs, {"deferred_stages": "auto"})
         else:
             params = {"deferred_stages": list(deferred)}
     compiled = compile_schedule(schedule, lay.K, M, validate=False, **params)
-    iterations = 3 if schedule in HIPPIE_FAMILY else 1  # flush schedules repeat identically
+    # flush schedules repeat identically; deferred and continuous ones reach their steady state
+    iterations = 3 if traits.defers or traits.continuous else 1
     res = simulate(compiled, costs, iterations=iterations, critical_path=False)
     p = [max(1, x["peak_activation_microbatches"]) for x in res.per_stage]
     d = list(compiled.params.get("deferred_stages", []))
-    mem = model.memory(lay, b / model.b0, p, ks, d)
+    mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
     return _Estimate(res.step_time, mem, p, d, "simulator")
 
 
 def _sim_cost(lay: _Layout, M: int, schedule: str) -> int:
-    return lay.K * M * (3 if schedule in HIPPIE_FAMILY else 1)
+    traits = schedule_traits(schedule, lay.K, M)
+    return lay.K * M * (3 if traits.defers or traits.continuous else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,9 +263,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     check_objective(objective)
     if memory_metric not in ("mean", "max"):
         raise PlannerError(f"memory metric {memory_metric!r}: expected 'mean' or 'max'")
-    unknown = [s for s in schedules if s not in SCHEDULES]
-    if unknown or not schedules:
-        raise PlannerError(f"schedule(s) {', '.join(unknown) or '(none)'}: the planner knows {', '.join(SCHEDULES)}")
+    _check_schedules(schedules)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise PlannerError(f"global batch {global_batch!r}: must be an integer >= 1")
     cap = cluster.device_memory if memory_cap is None else min(memory_cap, cluster.device_memory)
@@ -319,7 +339,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
                                 param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
                                 in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s],
                                 activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s])))
-    params = {"deferred_stages": sorted(deferred)} if cand.schedule in HIPPIE_FAMILY else {}
+    params = {"deferred_stages": sorted(deferred)} if schedule_traits(cand.schedule, lay.K, cand.M).defers else {}
     return Plan(model=model.profile.model, num_layers=model.n, fingerprint=model.profile.fingerprint(),
                 profile_batch_size=model.b0, cluster=model.cluster, world_size=model.P, global_batch=model.G,
                 objective=objective, memory_metric=model.metric, memory_cap=memory_cap, pipeline_depth=lay.K,
@@ -359,9 +379,10 @@ def _baselines(model: _Model, cand: _Candidate, est: _Estimate, objective: str, 
             e = _simulate(model, layout, b, M, schedule, ks, deferred, auto_limit=sim_budget)
         else:
             p = model.in_flight(schedule, layout.K, M)
-            e = _Estimate(step, model.memory(layout, f, p, ks, deferred), p, deferred)
+            e = _Estimate(step, model.memory(layout, f, p, ks, deferred,
+                                             schedule_traits(schedule, layout.K, M).weight_versions), p, deferred)
         checkpointed = sorted(i for s in range(layout.K) for i in layout.rec[s].layers(ks[s]))
-        params = {"deferred_stages": e.deferred} if schedule in HIPPIE_FAMILY else {}
+        params = {"deferred_stages": e.deferred} if schedule_traits(schedule, layout.K, M).defers else {}
         return Baseline(name=name, description=description, pipeline_depth=layout.K, data_parallel=layout.r,
                         micro_batch_size=b, micro_batches=M, schedule=schedule, schedule_params=params,
                         boundaries=list(layout.parts), checkpointed_layers=checkpointed,

@@ -17,7 +17,6 @@ from .cluster import Cluster
 from .profile import PlannerError, Profile
 
 SCHEDULES = ("1f1b", "gpipe", "hippie", "hippie-1f1b")
-HIPPIE_FAMILY = ("hippie", "hippie-1f1b")
 DEFAULT_STATE_FACTOR = 4.0
 GB = 1e9
 # Bottleneck targets for re-computation, as a factor of the unchanged bottleneck (inf: every

@@ -1,0 +1,136 @@
+"""What the planner asks a schedule, instead of knowing it by name. Pure Python.
+
+The answers come from the schedule file and its compiled streams (the same compiler the engine
+runs), so a new schedule file is plannable without touching the planner:
+
+* ``in_flight[s]``: the most micro-batches stage s holds activations for (forwards whose
+  backward has not run), over the steady-state stream;
+* ``interleaved``: some stage runs a backward before all of its forwards (1F1B order): the
+  analytic cycle is one F+B per micro-batch; otherwise GPipe order (all forwards, then all
+  backwards);
+* ``defers``: the file declares a ``deferred_stages`` stage list: the stages whose all-reduce
+  does not fit their slack apply their gradient one step late (the simulator's rule);
+* ``continuous``: the pipeline stays full across steps (no fill or drain per step);
+* ``weight_versions[s]``: the most weight versions stage s holds at once (the validator's count;
+  1 = just the current weights);
+* ``late_update``: the update rule is not synchronous SGD (deferred stages, or compute on
+  older weight versions): convergence differs from data parallelism's;
+* ``updates_per_batch[s]``: gradient all-reduces and updates of stage s per step (1 but for
+  pipedream, which updates after every micro-batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .profile import PlannerError
+
+
+@dataclass(frozen=True)
+class ScheduleTraits:
+    name: str
+    stages: int
+    micro_batches: int
+    in_flight: tuple[int, ...]
+    interleaved: bool
+    defers: bool
+    continuous: bool
+    weight_versions: tuple[int, ...]
+    late_update: bool
+    updates_per_batch: tuple[int, ...]  # all-reduces + updates per stage per step (pipedream: M)
+
+
+DEPTH_PROBE = 32  # deeper pipelines are extrapolated by position from the last stage
+
+
+@lru_cache(maxsize=65536)
+def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
+    """The traits of ``schedule`` (a built-in name or a file) at ``stages`` x ``micro_batches``.
+
+    Compiling a long stream for every micro-batch count the search visits would dominate the
+    planner's time, so above ``2 * stages + 2`` micro-batches the counts that depend on M are
+    extrapolated linearly from two compiled probes (M0 and M0 + 1): a count either stays (it
+    saturated, like 1F1B's in-flight micro-batches) or grows by one per micro-batch (GPipe's).
+    Likewise, pipelines deeper than :data:`DEPTH_PROBE` stages take the traits of a
+    ``DEPTH_PROBE``-stage pipeline by distance from the last stage, continued linearly (1F1B's
+    K - s, GPipe's constant M); their ``requires`` are still checked at the real depth.
+    ``tests/test_planner.py`` checks both against full compiles of every built-in schedule."""
+    if stages > DEPTH_PROBE:
+        return _deeper(schedule, stages, micro_batches)
+    probe = 2 * stages + 2
+    if micro_batches <= probe + 1:
+        return _compiled_traits(schedule, stages, micro_batches)
+    a, b = _compiled_traits(schedule, stages, probe), _compiled_traits(schedule, stages, probe + 1)
+
+    def extend(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(u + (v - u) * (micro_batches - probe) for u, v in zip(x, y))
+    return ScheduleTraits(name=a.name, stages=stages, micro_batches=micro_batches,
+                          in_flight=extend(a.in_flight, b.in_flight), interleaved=a.interleaved, defers=a.defers,
+                          continuous=a.continuous, weight_versions=extend(a.weight_versions, b.weight_versions),
+                          late_update=a.late_update, updates_per_batch=extend(a.updates_per_batch, b.updates_per_batch))
+
+
+@lru_cache(maxsize=4096)
+def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
+    from ..schedules import compile as compile_schedule
+    from ..schedules.ir import COMPUTE_KINDS, OpKind
+    from ..schedules.spec import ScheduleError, load_spec
+    from ..schedules.validator import weight_versions
+
+    try:
+        spec = load_spec(schedule)
+        defers = any(n == "deferred_stages" and p.kind == "stage_list" for n, p in spec.params.items())
+        params = {"deferred_stages": []} if defers else {}
+        compiled = compile_schedule(schedule, stages, micro_batches, validate=False, **params)
+    except ScheduleError as exc:
+        raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
+                           f"micro-batches: {exc}") from None
+    in_flight, interleaved = [], False
+    for s in range(stages):
+        live, peak, forwards = set(), 0, 0
+        for op in compiled.ops(s):
+            key = (op.batch, op.micro_batch)
+            if op.kind == OpKind.FORWARD:
+                live.add(key)
+                forwards += 1
+                peak = max(peak, len(live))
+            elif op.kind == OpKind.FORWARD_BACKWARD:
+                peak = max(peak, len(live) + 1)
+                forwards += 1
+            elif op.kind == OpKind.BACKWARD:
+                if forwards < micro_batches:
+                    interleaved = True
+                live.discard(key)
+        in_flight.append(max(1, min(peak, micro_batches) if not compiled.continuous else peak))
+    versions = tuple(weight_versions(compiled)) if compiled.continuous else (1,) * stages
+    versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages) for op in compiled.ops(s))
+    return ScheduleTraits(name=compiled.name, stages=stages, micro_batches=micro_batches, in_flight=tuple(in_flight),
+                          interleaved=interleaved, defers=defers, continuous=compiled.continuous,
+                          weight_versions=versions, late_update=defers or versioned,
+                          updates_per_batch=tuple(compiled.updates_per_batch or (1,) * stages))
+
+
+def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
+    from ..schedules.compiler import resolve_params
+    from ..schedules.spec import ScheduleError, load_spec
+    spec = load_spec(schedule)
+    try:
+        resolve_params(spec, stages, micro_batches, {"deferred_stages": []} if "deferred_stages" in spec.params else {})
+    except ScheduleError as exc:
+        raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
+                           f"micro-batches: {exc}") from None
+    base = schedule_traits(schedule, DEPTH_PROBE, micro_batches)
+
+    def by_distance(x: tuple[int, ...]) -> tuple[int, ...]:
+        out = []
+        for s in range(stages):
+            d = stages - 1 - s  # distance from the last stage
+            out.append(x[DEPTH_PROBE - 1 - d] if d < DEPTH_PROBE else x[0] + (x[0] - x[1]) * (d - DEPTH_PROBE + 1))
+        return tuple(out)
+    in_flight = by_distance(base.in_flight)
+    if not base.continuous:  # a flush pipeline holds at most its M micro-batches
+        in_flight = tuple(min(x, micro_batches) for x in in_flight)
+    return ScheduleTraits(name=base.name, stages=stages, micro_batches=micro_batches,
+                          in_flight=in_flight, interleaved=base.interleaved, defers=base.defers,
+                          continuous=base.continuous, weight_versions=by_distance(base.weight_versions),
+                          late_update=base.late_update, updates_per_batch=by_distance(base.updates_per_batch))
