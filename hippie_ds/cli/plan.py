@@ -46,7 +46,8 @@ def _plan_parser(subparsers) -> None:
     p.add_argument("--memory-metric", choices=["mean", "max"], default="mean",
                    help="memory in ME: the mean per-device peak (default; = total / devices) or the largest")
     p.add_argument("--schedules", metavar="LIST", default="1f1b,gpipe,hippie,hippie-1f1b",
-                   help="schedules to consider, comma-separated (default: all four)")
+                   help="schedules to consider, comma-separated: built-in names or schedule files "
+                        "(default: the four flush schedules)")
     p.add_argument("--stages", metavar="K[,K...]", help="only these pipeline depths (each must divide the devices)")
     p.add_argument("--micro-batch-size", metavar="B[,B...]", help="only these micro-batch sizes")
     p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",

@@ -12,7 +12,10 @@ What is searched, for P devices and a global batch G:
   a stage may spend on re-computation what keeps it under the target, so stages that are not
   the bottleneck re-compute nearly for free; targets from the unchanged bottleneck up to
   "as much as saves memory";
-* the schedule (1f1b, gpipe, hippie, hippie-1f1b) and Hippie's deferred stages.
+* the schedule (by default 1f1b, gpipe, hippie, hippie-1f1b; any built-in or schedule file
+  given) and the deferred stages of a schedule that declares them. The planner asks the
+  schedule (:mod:`.traits`: in-flight micro-batches, order, deferral, weight versions, from its
+  compiled streams); it knows no schedule by name.
 
 Cost model (all of it in :class:`_Config.estimate`; the simulator refines the best few):
 
