@@ -48,6 +48,7 @@ def main():
                     "losses": losses, "peaks": peaks, "states": states},
                    os.path.join(args.out, f"run{i}_rank{rank}.pt"))
         meter = None
+        torch.distributed.barrier()  # no rank tears gloo down while another still talks to it
     print("plan worker done", flush=True)
 
 
