@@ -22,7 +22,7 @@ DEMO_SHAPE ?= --stages 4 --micro-batches 8
 DEMO_COSTS ?= --forward 20ms --backward 40ms --activation-bytes 4MB --saved-bytes 30MB --param-bytes 27.4MB \
 	--data-parallel 2 --allreduce-bandwidth 125MB/s
 
-.PHONY: venv test demo schedule-demo bench clean distclean
+.PHONY: venv test test-unit demo schedule-demo bench clean distclean
 
 venv: $(STAMP)
 
