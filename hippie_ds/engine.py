@@ -8,8 +8,9 @@ With :mod:`~hippie_ds.engine_gradients` (all-reduces, gradient buffer, partial d
   F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
   DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and the
   engine refuses a schedule that would receive another gradient before using the one it holds;
-- handlers for the new instructions (fused forward+backward, non-blocking sends, async
-  per-stage all-reduce, gradient buffer, deferred update, per-stage optimizer step);
+- handlers for the new instructions (fused forward+backward, split backward
+  (:mod:`~hippie_ds.engine_split`), non-blocking sends, async per-stage all-reduce, gradient
+  buffer, deferred update, per-stage optimizer step);
 - the gradient buffer of deferred stages is saved in checkpoints and restored;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
   :mod:`hippie_ds.staleness`): compute runs on predicted weights, the update applies to the true ones;
@@ -40,6 +41,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ._compat import check_deepspeed_version
 from .engine_checkpoint import GRAD_BUFFER_KEY, WEIGHT_PREDICTION_KEY, WEIGHT_VERSIONS_KEY, CheckpointMixin
 from .engine_gradients import GradientsMixin
+from .engine_split import SplitBackwardMixin
 from .engine_versions import WeightVersionsMixin
 from .schedules import deepspeed_schedule as hs
 from .schedules.ir import CATEGORY, COMPUTE_KINDS, CompiledSchedule, OpKind, op_name
@@ -61,7 +63,7 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
                                  f"micro-batch {op.micro_batch} before the backward of micro-batch {holding}; "
                                  "hippie-ds receives a gradient in the step of its backward")
             holding = op.micro_batch
-        elif op.kind == OpKind.BACKWARD and op.micro_batch == holding:
+        elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and op.micro_batch == holding:
             holding = None
 
 
@@ -88,7 +90,7 @@ class _StageLocalMPU:
         return getattr(self._mpu, name)
 
 
-class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin, PipelineEngine):
+class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin, SplitBackwardMixin, PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
@@ -122,6 +124,7 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         self._current_op = None
         self._init_weight_versions(compiled_schedule, staleness)
         self._init_gradients(compiled_schedule, staleness, deferred_layers)
+        self._init_split_backward(compiled_schedule)
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -329,6 +332,8 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         ds_schedule.ForwardPass: _exec_forward_pass,
         ds_schedule.BackwardPass: _exec_backward_pass,
         hs.ForwardBackwardPass: _exec_forward_backward_pass,
+        hs.BackwardInputPass: SplitBackwardMixin._exec_backward_input_pass,
+        hs.BackwardWeightPass: SplitBackwardMixin._exec_backward_weight_pass,
         hs.ISendActivation: _exec_isend_activations,
         hs.ISendGrad: _exec_isend_grads,
         hs.WaitSends: _exec_wait_sends,

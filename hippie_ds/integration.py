@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 from ._compat import check_deepspeed_version
 from .config import ConfigError, merge_plan, read_config, schedule_params, split_config
 from .schedules import compile as compile_schedule, load_spec
+from .schedules.ir import OpKind
 
 check_deepspeed_version()
 
@@ -159,14 +160,40 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     if model.tied_comms and not compiled.uses_tied_reduction:
         raise ConfigError(f"schedule {compiled.name!r} has no reduce_tied_grads, but the model ties modules across "
                           f"stages ({', '.join(model.tied_comms)}); use 1f1b or gpipe, or untie them")
-    if config_class.float16_config.enabled and compiled.name not in ("1f1b", "gpipe"):
+    per_stage_updates = any(op.kind in (OpKind.STAGE_OPTIMIZER_STEP, OpKind.APPLY_BUFFERED_UPDATE)
+                            for s in range(stages) for op in compiled.ops(s))
+    if config_class.float16_config.enabled and per_stage_updates:
         raise ConfigError("fp16 with per-stage updates is not supported (the loss-scale overflow check spans the "
                           "pipeline); use bf16 or fp32")
+    if compiled.splits_backward:
+        _check_split_backward(model, compiled, config_class)
     if compiled.continuous and (config_class.bfloat16_config.enabled or config_class.zero_optimization_stage > 0):
         what = "bf16" if config_class.bfloat16_config.enabled else f"zero_optimization.stage = {config_class.zero_optimization_stage}"
         raise ConfigError(f"schedule {compiled.name!r} keeps weight versions of the stage's parameters and runs "
                           f"fp32 without ZeRO only; got {what}")
     return ds_config, config_class, compiled, options
+
+
+def _check_split_backward(model: PipelineModule, compiled, config_class) -> None:
+    """A split backward (backward_input / backward_weight) sets parameter gradients itself: the
+    bf16/fp16/ZeRO optimizers' gradient hooks would not see them."""
+    from .split_backward import check_torch_version
+    precision = [what for what, on in (("bf16", config_class.bfloat16_config.enabled),
+                                       ("fp16", config_class.float16_config.enabled),
+                                       (f"zero_optimization.stage = {config_class.zero_optimization_stage}",
+                                        config_class.zero_optimization_stage > 0)) if on]
+    if precision:
+        raise ConfigError(f"schedule {compiled.name!r} splits the backward (backward_input / backward_weight), "
+                          f"which runs fp32 without ZeRO only; got {', '.join(precision)}")
+    if getattr(model, "activation_checkpoint_interval", 0) > 0:
+        raise ConfigError(f"schedule {compiled.name!r} splits the backward, which DeepSpeed's activation "
+                          f"checkpointing (PipelineModule activation_checkpoint_interval = "
+                          f"{model.activation_checkpoint_interval}) refuses: it needs loss.backward(), not "
+                          "autograd.grad(); use a hippie-ds plan's per-layer re-computation instead")
+    try:
+        check_torch_version()
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def deferred_layers(model: PipelineModule, options, compiled, config_class) -> dict[int, int]:

@@ -90,3 +90,24 @@ def test_deferred_layers_checked_against_the_schedule():
         run({"2": 1})
     with pytest.raises(ConfigError, match="fp32 without ZeRO only"):
         run(1, config=bf16)
+
+
+def test_split_backward_refuses_what_it_cannot_run_exactly():
+    """zb-h1 sets parameter gradients itself: bf16 / fp16 / ZeRO and DeepSpeed's activation
+    checkpointing are refused by name before any process group exists."""
+    from types import SimpleNamespace
+
+    from hippie_ds.integration import _check_split_backward
+    from hippie_ds.schedules import compile as compile_schedule
+
+    off = SimpleNamespace(enabled=False)
+    fp32 = SimpleNamespace(bfloat16_config=off, float16_config=off, zero_optimization_stage=0)
+    zb = compile_schedule("zb-h1", 2, 4)
+    _check_split_backward(SimpleNamespace(activation_checkpoint_interval=0), zb, fp32)
+    for config, shown in ((SimpleNamespace(**{**vars(fp32), "bfloat16_config": SimpleNamespace(enabled=True)}), "bf16"),
+                          (SimpleNamespace(**{**vars(fp32), "float16_config": SimpleNamespace(enabled=True)}), "fp16"),
+                          (SimpleNamespace(**{**vars(fp32), "zero_optimization_stage": 1}), "zero_optimization.stage = 1")):
+        with pytest.raises(ConfigError, match=f"'zb-h1' splits the backward.*fp32 without ZeRO only; got {shown}"):
+            _check_split_backward(SimpleNamespace(activation_checkpoint_interval=0), zb, config)
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval = 2"):
+        _check_split_backward(SimpleNamespace(activation_checkpoint_interval=2), zb, fp32)

@@ -1,6 +1,7 @@
 """The engine with real ranks: the `deepspeed` launcher, gloo, several processes.
 
-- hippie-ds 1f1b and gpipe give bit-identical parameters to DeepSpeed's stock engine;
+- hippie-ds 1f1b, gpipe and zb-h1 (split backward, W in micro-batch order) give bit-identical
+  parameters to DeepSpeed's stock engine;
 - hippie and hippie-1f1b match a single-process reference of the declared rule to 1e-6, with
   the default staleness correction and with it switched off;
 - checkpoint / resume with a pending gradient is exact; crashes end the job; bad configs fail
@@ -26,7 +27,7 @@ DEFAULT_STALENESS = StalenessConfig()  # what a config without "hippie.staleness
 NO_CORRECTION = StalenessConfig(method="none")
 
 STEPS, MICRO_BATCHES = 3, 4
-ENGINES = "stock,1f1b,gpipe,hippie,hippie-1f1b"
+ENGINES = "stock,1f1b,gpipe,zb-h1,hippie,hippie-1f1b"
 
 
 def _assert_equal(a, b, what):
@@ -54,7 +55,7 @@ def test_schedules_exact(tmp_path, stages, dp):
                            "--steps", STEPS, "--engines", ENGINES)
     assert rc == 0, log[-4000:]
     stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
-    for name in ("1f1b", "gpipe"):
+    for name in ("1f1b", "gpipe", "zb-h1"):
         ours, losses, _, _, replicas = collect(tmp_path, name)
         _assert_equal(stock, ours, f"{name} vs stock DeepSpeed")
         assert losses == stock_losses

@@ -103,6 +103,31 @@ def test_flush_bubble_identity_and_memory(name, forward, backward):
             assert res.throughput == pytest.approx(M / res.step_time, **EXACT)
 
 
+@pytest.mark.parametrize("weight", [None, 0.5, 0.8])
+def test_zb_h1_bubble_and_memory(weight):
+    """ZB-H1's bubble is (K-1)(F + B - W) (the paper's; a third of 1F1B's (K-1)(F+B+W) when
+    F = B = W), its peak K micro-batches on every stage (activations held until W)."""
+    F, backward = 1.0, 2.0
+    W = backward / 2 if weight is None else weight
+    for K in range(1, 7):
+        costs = Costs.uniform(K, F, backward, saved_bytes=10.0, comm=FREE)
+        costs = Costs(stages=[s.model_copy(update={"backward_weight": weight}) for s in costs.stages], comm=FREE)
+        for M in range(K, 13):
+            res = sim("zb-h1", K, M, costs)
+            bubble = (K - 1) * (F + (backward - W) - W) if W <= backward - W else None
+            if bubble is not None:  # a W longer than B leaves the cool-down's W's exposed
+                assert res.step_time == pytest.approx(M * (F + backward) + bubble, **EXACT), (K, M, W)
+            assert res.step_time <= sim("1f1b", K, M, costs).step_time + 1e-9
+            assert [p["peak_activation_microbatches"] for p in res.per_stage] == [K] * K, (K, M)
+
+
+def test_split_costs_are_checked():
+    assert StageCost(forward=1, backward=2).input_time == StageCost(forward=1, backward=2).weight_time == 1.0
+    assert StageCost(forward=1, backward=2, backward_weight=0.5).input_time == 1.5
+    with pytest.raises(ValueError, match="backward_weight = 3.0 exceeds backward = 2.0"):
+        StageCost(forward=1, backward=2, backward_weight=3)
+
+
 def test_hippie_last_stage_holds_one_micro_batch():
     for K in range(2, 7):
         for M in range(1, 13):

@@ -368,3 +368,43 @@ def test_problem_str():
     assert str(Problem(2, 5, "recv_grad(mb=1, buf=1)", "why")) == "stage 2 step 5 recv_grad(mb=1, buf=1): why"
     assert str(Problem(1, None, None, "why")) == "stage 1: why"
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Split backward (zero-bubble): backward_input, then backward_weight, buffer alive until W
+
+def test_zb_h1_is_valid():
+    for stages in range(1, 9):
+        for micro_batches in range(stages, 17):
+            assert check(schedules.compile("zb-h1", stages, micro_batches, validate=False)) == [], (stages, micro_batches)
+    with pytest.raises(ScheduleError, match="at least as many micro-batches as stages"):
+        schedules.compile("zb-h1", 4, 3)
+
+
+def test_weight_pass_before_its_input_pass_is_caught():
+    c = _compile("zb-h1", 2, 2)
+    i0, w0 = _find(c, 1, OpKind.BACKWARD_INPUT, mb=0), _find(c, 1, OpKind.BACKWARD_WEIGHT, mb=0)
+    _swap(c, 1, i0, w0)
+    assert _with(check(c), 1, i0[0], "backward_weight of micro-batch 0 before its backward_input")
+
+
+def test_missing_weight_pass_is_caught():
+    c = _compile("zb-h1", 2, 3)
+    _remove(c, 0, _find(c, 0, OpKind.BACKWARD_WEIGHT, mb=1))
+    assert any(p.stage == 0 and "micro-batch 1's backward_weight is missing" in p.reason for p in check(c))
+
+
+def test_buffer_reused_before_its_weight_pass_is_caught():
+    # stage 1 of zb-h1 (K=2) runs F0 I0 F1 I1 W0 ...: micro-batch 0 holds its slot until W0
+    c = _compile("zb-h1", 2, 4)
+    c.streams[1] = [[replace(op, buffer=0) if op.micro_batch == 1 else op for op in step] for step in c.streams[1]]
+    assert _with(check(c), 1, 3, "buffer overwritten while live: slot 0 still holds micro-batch 0",
+                 "used again at step 5 by backward_weight(mb=0)")
+
+
+def test_update_between_input_and_weight_pass_is_caught():
+    c = _compile("zb-h1", 2, 2)
+    w1 = _find(c, 0, OpKind.BACKWARD_WEIGHT, mb=1)
+    step = _find(c, 0, OpKind.OPTIMIZER_STEP)
+    c.streams[0][w1[0]].insert(w1[1], replace(_remove(c, 0, step), step=w1[0]))
+    assert any("backward_weight after this iteration's optimizer_step" in p.reason for p in check(c))

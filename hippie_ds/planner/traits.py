@@ -52,7 +52,8 @@ def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleT
     extrapolated linearly from two compiled probes (M0 and M0 + 1): a count either stays (it
     saturated, like 1F1B's in-flight micro-batches) or grows by one per micro-batch (GPipe's).
     Likewise, pipelines deeper than :data:`DEPTH_PROBE` stages take the traits of a
-    ``DEPTH_PROBE``-stage pipeline by distance from the last stage, continued linearly (1F1B's
+    ``DEPTH_PROBE``-stage pipeline by distance from the last stage, continued linearly in the
+    distance and in the depth (from the ``DEPTH_PROBE - 1``-stage one; 1F1B's
     K - s, GPipe's constant M); their ``requires`` are still checked at the real depth.
     ``tests/test_planner.py`` checks both against full compiles of every built-in schedule."""
     if stages > DEPTH_PROBE:
@@ -97,9 +98,10 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
             elif op.kind == OpKind.FORWARD_BACKWARD:
                 peak = max(peak, len(live) + 1)
                 forwards += 1
-            elif op.kind == OpKind.BACKWARD:
+            elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT):
                 if forwards < micro_batches:
                     interleaved = True
+            if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_WEIGHT):  # activations held until W
                 live.discard(key)
         in_flight.append(max(1, min(peak, micro_batches) if not compiled.continuous else peak))
     versions = tuple(weight_versions(compiled)) if compiled.continuous else (1,) * stages
@@ -120,17 +122,21 @@ def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
         raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
                            f"micro-batches: {exc}") from None
     base = schedule_traits(schedule, DEPTH_PROBE, micro_batches)
+    prev = schedule_traits(schedule, DEPTH_PROBE - 1, micro_batches)
 
-    def by_distance(x: tuple[int, ...]) -> tuple[int, ...]:
-        out = []
-        for s in range(stages):
-            d = stages - 1 - s  # distance from the last stage
-            out.append(x[DEPTH_PROBE - 1 - d] if d < DEPTH_PROBE else x[0] + (x[0] - x[1]) * (d - DEPTH_PROBE + 1))
-        return tuple(out)
-    in_flight = by_distance(base.in_flight)
+    def at(x: tuple[int, ...], d: int) -> int:  # by distance d from the last stage, continued linearly
+        n = len(x)
+        return x[n - 1 - d] if d < n else x[0] + (x[0] - x[1]) * (d - n + 1)
+
+    def by_distance(field: str) -> tuple[int, ...]:
+        # linear in the distance from the last stage and in the depth (zb-h1 holds K everywhere)
+        x, y = getattr(base, field), getattr(prev, field)
+        return tuple(at(x, d) + (stages - DEPTH_PROBE) * (at(x, d) - at(y, d))
+                     for d in (stages - 1 - s for s in range(stages)))
+    in_flight = by_distance("in_flight")
     if not base.continuous:  # a flush pipeline holds at most its M micro-batches
         in_flight = tuple(min(x, micro_batches) for x in in_flight)
     return ScheduleTraits(name=base.name, stages=stages, micro_batches=micro_batches,
                           in_flight=in_flight, interleaved=base.interleaved, defers=base.defers,
-                          continuous=base.continuous, weight_versions=by_distance(base.weight_versions),
-                          late_update=base.late_update, updates_per_batch=by_distance(base.updates_per_batch))
+                          continuous=base.continuous, weight_versions=by_distance("weight_versions"),
+                          late_update=base.late_update, updates_per_batch=by_distance("updates_per_batch"))

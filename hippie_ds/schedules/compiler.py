@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from .expr import ExpressionError
-from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS
+from .ir import COMPUTE_KINDS, INPUT_GRAD_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
 
 _FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
@@ -115,7 +115,7 @@ def _sends_of(op: Op, rule: ComputeRule, stages: int, step: int) -> list[Op]:
     s = op.stage
     if op.kind == OpKind.FORWARD and s < stages - 1:
         kind = OpKind.SEND_ACTIVATION
-    elif op.kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD) and s > 0:
+    elif op.kind in INPUT_GRAD_KINDS and s > 0:
         kind = OpKind.SEND_GRAD
     else:
         return []
@@ -126,7 +126,7 @@ def _recvs_of(op: Op, stages: int) -> list[Op]:
     s = op.stage
     if op.kind in _FORWARD_LIKE and s > 0:
         return [Op(OpKind.RECV_ACTIVATION, s, op.step, op.micro_batch, batch=op.batch)]
-    if op.kind == OpKind.BACKWARD and s < stages - 1:
+    if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and s < stages - 1:
         return [Op(OpKind.RECV_GRAD, s, op.step, op.micro_batch, batch=op.batch)]
     return []
 
@@ -286,6 +286,9 @@ def _compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, res
             raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): not allowed with steady_state; "
                                 "allowed: start_allreduce/wait_allreduce (grads), stage_optimizer_step, wait_sends")
     for i, rule in enumerate(spec.compute):
+        if rule.op in (OpKind.BACKWARD_INPUT.value, OpKind.BACKWARD_WEIGHT.value):
+            raise ScheduleError(f"schedule {name!r} compute[{i}] ({rule.op}): a split backward is not supported "
+                                "with steady_state (only in flush schedules)")
         for p in rule.after:
             if p.kind not in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE, OpKind.STAGE_OPTIMIZER_STEP) or \
                     p.target == "buffer":

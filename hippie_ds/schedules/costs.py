@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hippie_ds.data_files import describe, read_data_file
 
@@ -37,11 +37,30 @@ class StageCost(_Strict):
     forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
     backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
     recompute: float = Field(0.0, ge=0, description="extra backward time when activations are re-computed (s)")
+    backward_weight: float | None = Field(None, ge=0, description="the part of backward that computes parameter "
+                                          "gradients (W of a split backward, s); default half of backward")
     activation_bytes: float = Field(0.0, ge=0, description="bytes sent to the next stage per micro-batch "
                                                            "(its gradient sent back has the same size)")
     saved_bytes: float = Field(0.0, ge=0, description="activation memory held per in-flight micro-batch")
     param_bytes: float = Field(0.0, ge=0, description="bytes of this stage's parameters (= its gradients)")
     optimizer_time: float = Field(0.0, ge=0, description="time of one optimizer step of this stage (s)")
+
+    @model_validator(mode="after")
+    def _weight_within_backward(self):
+        if self.backward_weight is not None and self.backward_weight > self.backward:
+            raise ValueError(f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
+                             "(it is the weight-gradient part of backward)")
+        return self
+
+    @property
+    def weight_time(self) -> float:
+        """W of a split backward: the parameter gradients."""
+        return self.backward / 2 if self.backward_weight is None else self.backward_weight
+
+    @property
+    def input_time(self) -> float:
+        """B of a split backward (backward_input): the gradient sent to the previous stage."""
+        return self.backward - self.weight_time
 
 
 class CommCost(_Strict):
@@ -132,7 +151,8 @@ class Costs(_Strict):
     def from_layers(cls, layer_costs: Sequence[Mapping[str, Any]], boundaries: Sequence[int],
                     comm: CommCost | Mapping[str, Any] | None = None) -> "Costs":
         """Stages from per-layer costs. Each layer: forward, backward, and optionally recompute,
-        saved_bytes, param_bytes, optimizer_time (summed over the stage's layers) and
+        backward_weight (summed when every layer of the stage has it), saved_bytes, param_bytes,
+        optimizer_time (summed over the stage's layers) and
         output_bytes (the stage's activation_bytes is its last layer's). ``boundaries`` are
         DeepSpeed-style ``parts`` [0, b1, ..., N] (K+1 entries) or the K stage start indices
         [0, b1, ..., b_{K-1}]."""
@@ -157,6 +177,8 @@ class Costs(_Strict):
             stages.append({
                 "forward": sum(x.forward for x in seg), "backward": sum(x.backward for x in seg),
                 "recompute": sum(x.recompute for x in seg), "saved_bytes": sum(x.saved_bytes for x in seg),
+                "backward_weight": (None if any(x.backward_weight is None for x in seg)
+                                    else sum(x.backward_weight for x in seg)),
                 "param_bytes": sum(x.param_bytes for x in seg), "optimizer_time": sum(x.optimizer_time for x in seg),
                 "activation_bytes": seg[-1].output_bytes,
             })
@@ -173,6 +195,7 @@ class Costs(_Strict):
 class _LayerCost(_Strict):
     forward: float = Field(ge=0)
     backward: float = Field(ge=0)
+    backward_weight: float | None = Field(None, ge=0)
     recompute: float = Field(0.0, ge=0)
     saved_bytes: float = Field(0.0, ge=0)
     param_bytes: float = Field(0.0, ge=0)

@@ -12,6 +12,16 @@ class ForwardBackwardPass(ds.BufferOpInstruction):
     activations before the next micro-batch arrives."""
 
 
+class BackwardInputPass(ds.BufferOpInstruction):
+    """Split backward, first half: the gradient of the buffer's inputs only (sent to the
+    previous stage); keeps what the parameter gradients need."""
+
+
+class BackwardWeightPass(ds.BufferOpInstruction):
+    """Split backward, second half: the buffer's parameter gradients, from what
+    :class:`BackwardInputPass` kept."""
+
+
 class ISendActivation(ds.BufferOpInstruction):
     """Non-blocking send of a buffer's activations; completed by :class:`WaitSends`."""
 
@@ -54,7 +64,7 @@ class FreeWeights(ds.PipeInstruction):
     """Drop a stashed weight version after its last use."""
 
 
-NEW_INSTRUCTIONS = (ForwardBackwardPass, ISendActivation, ISendGrad, WaitSends, StartAllReduce, WaitAllReduce,
+NEW_INSTRUCTIONS = (ForwardBackwardPass, BackwardInputPass, BackwardWeightPass, ISendActivation, ISendGrad, WaitSends, StartAllReduce, WaitAllReduce,
                     CopyGradsToBuffer, ApplyBufferedUpdate, StageOptimizerStep, StashWeights, FreeWeights)
 _NEW = {cls.__name__: cls for cls in NEW_INSTRUCTIONS}
 

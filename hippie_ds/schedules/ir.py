@@ -18,6 +18,9 @@ class OpKind(str, enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     FORWARD_BACKWARD = "forward_backward"  # fused: the loss stage runs F and B back to back
+    # split backward (zero-bubble): the input gradient first, the weight gradient later
+    BACKWARD_INPUT = "backward_input"  # the zero-bubble paper's B: the gradient sent to the previous stage
+    BACKWARD_WEIGHT = "backward_weight"  # its W: the parameter gradients of the same micro-batch
     # pipeline point-to-point
     SEND_ACTIVATION = "send_activation"
     RECV_ACTIVATION = "recv_activation"
@@ -68,6 +71,11 @@ OP_INFO: dict[OpKind, OpInfo] = {
     _K.FORWARD_BACKWARD: OpInfo("FB", "compute", "forward_backward", "forward then backward of one micro-batch, "
                                 "its activations freed before the next (the loss stage)", "ForwardBackwardPass",
                                 micro_batch=True),
+    _K.BACKWARD_INPUT: OpInfo("I", "compute", "backward_input", "buffers['inputs'][buf].grad = backward of the "
+                              "inputs only; keeps the graph and the weight nodes' output gradients for W",
+                              "BackwardInputPass", micro_batch=True),
+    _K.BACKWARD_WEIGHT: OpInfo("W", "compute", "backward_weight", "grads += weight gradients of buf from what I kept; "
+                               "frees the micro-batch", "BackwardWeightPass", micro_batch=True),
     _K.SEND_ACTIVATION: OpInfo("sA", "send", "p2p", "send(buffers['outputs'][buf], next stage)", "SendActivation",
                                "ISendActivation", micro_batch=True),
     _K.RECV_ACTIVATION: OpInfo("rA", "recv", "p2p", "buffers['inputs'][buf] = recv(previous stage)",
@@ -106,6 +114,10 @@ def kinds(**where) -> frozenset:
 
 
 COMPUTE_KINDS = kinds(role="compute")
+# ops that compute a micro-batch's input gradient (receive from the next stage, send to the previous)
+INPUT_GRAD_KINDS = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD, OpKind.BACKWARD_INPUT})
+# ops after which a micro-batch's parameter gradients are accumulated
+WEIGHT_GRAD_KINDS = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD, OpKind.BACKWARD_WEIGHT})
 SEND_KINDS = kinds(role="send", micro_batch=True)
 RECV_KINDS = kinds(role="recv")
 BUFFER_KINDS = kinds(micro_batch=True)  # ops that concern one micro-batch
@@ -194,6 +206,11 @@ class CompiledSchedule:
         """True when some stage all-reduces asynchronously (overlapped with compute): such
         schedules gain most when data-parallel traffic takes the slow, inter-node link."""
         return any(op.kind == OpKind.START_ALLREDUCE for s in range(self.stages) for op in self.ops(s))
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when some stage runs backward_input / backward_weight (zero-bubble schedules)."""
+        return any(op.kind == OpKind.BACKWARD_INPUT for s in range(self.stages) for op in self.ops(s))
 
     def deferred_stages(self) -> list[int]:
         """Stages that apply their gradient one step late (a gradient buffer)."""

@@ -5,6 +5,9 @@ consecutive ``train_batch`` calls; state that crosses calls (the deferred stages
 all-reduce, the p2p channels) carries over. Semantics are the validator's, with time:
 
 * compute: FORWARD takes ``forward``, BACKWARD ``backward + recompute``, FORWARD_BACKWARD both;
+  a split backward's BACKWARD_INPUT ``input_time + recompute`` and BACKWARD_WEIGHT ``weight_time``
+  (the two parts of ``backward``); a micro-batch's activations are held from its forward until
+  its parameter gradients are computed (BACKWARD, FORWARD_BACKWARD or BACKWARD_WEIGHT);
   LOAD and COPY_GRADS_TO_BUFFER are free.
 * p2p: one FIFO channel per direction between neighbours; the k-th send matches the k-th
   receive. A transfer starts when both sides have posted and takes
@@ -57,7 +60,7 @@ from typing import Iterator, Mapping, NamedTuple
 
 from .costs import Costs
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
-from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
+from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, WEIGHT_GRAD_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
                  CompiledSchedule, Op, OpKind, op_name)
 
 
@@ -75,6 +78,9 @@ class SimEvent(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # Results
+
+_FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
+
 
 @dataclass
 class SimResult:
@@ -184,6 +190,10 @@ class _Sim:
             return sc.forward
         if kind == OpKind.BACKWARD:
             return sc.backward + sc.recompute
+        if kind == OpKind.BACKWARD_INPUT:  # a re-entrant checkpoint re-computes when its backward starts
+            return sc.input_time + sc.recompute
+        if kind == OpKind.BACKWARD_WEIGHT:
+            return sc.weight_time
         return sc.forward + sc.backward + sc.recompute
 
     def _channel(self, s: int, kind: OpKind) -> tuple[_Channel, str]:
@@ -226,13 +236,13 @@ class _Sim:
         t0 = k.now
         if kind in COMPUTE_KINDS:
             acc.versions = max(acc.versions, len(st.stashed) + 1)
-            if kind != OpKind.BACKWARD:  # its activations are held from the forward's start
+            if kind in _FORWARD_LIKE:  # its activations are held from the forward's start ...
                 st.live += 1
                 acc.peak = max(acc.peak, st.live)
                 if acc.first_forward is None:
                     acc.first_forward = t0
             yield self._compute_time(s, kind)
-            if kind != OpKind.FORWARD:
+            if kind in WEIGHT_GRAD_KINDS:  # ... until its parameter gradients are computed
                 st.live -= 1
                 acc.last_backward = k.now
             acc.busy += k.now - t0

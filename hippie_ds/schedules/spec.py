@@ -81,7 +81,7 @@ class PlacedOp(_Strict):
 class ComputeRule(_Strict):
     """Place one compute op for every micro-batch ``mb`` for which ``when`` holds."""
 
-    op: Literal["forward", "backward", "forward_backward"]
+    op: Literal["forward", "backward", "forward_backward", "backward_input", "backward_weight"]
     at: Expression = Field(description="step index, an expression of mb, stage, stages, micro_batches, params")
     when: Expression = Expression("True")
     send: SendPolicy = SendPolicy()

@@ -4,11 +4,11 @@ schedules, weight versions. Pure Python."""
 from __future__ import annotations
 
 
-from .ir import BUFFER_KINDS, COMPUTE_KINDS, GRADIENT_CONSUMER_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind
+from .ir import (BUFFER_KINDS, COMPUTE_KINDS, GRADIENT_CONSUMER_KINDS, INPUT_GRAD_KINDS, UPDATE_KINDS,
+                 WEIGHT_GRAD_KINDS, CompiledSchedule, Op, OpKind)
 from .check_common import Problem, problem, scenario_ops, short
 
 _FORWARD_LIKE = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
-_BACKWARD_LIKE = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD})
 _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +43,8 @@ class _StageChecker:
     def _iteration(self) -> None:
         s, K, M = self.s, self.K, self.M
         loaded, recv_act, recv_grad, fwd, bwd = set(), set(), set(), set(), set()
-        self.bwd = bwd
+        self.bwd = bwd  # micro-batches whose parameter gradients are accumulated
+        self.igrad: set[int] = set()  # micro-batches whose input gradient is computed
         self.update: Op | None = None  # this iteration's optimizer step / copy
         self.weights_changed: Op | None = None  # an update that changed this stage's weights
         for op in self.ops:
@@ -61,7 +62,7 @@ class _StageChecker:
                 recv_grad.add(mb)
             elif kind == OpKind.SEND_ACTIVATION and mb not in fwd:
                 self._add(op, f"sends micro-batch {mb}'s activation before its forward")
-            elif kind == OpKind.SEND_GRAD and mb not in bwd:
+            elif kind == OpKind.SEND_GRAD and mb not in self.igrad:
                 self._add(op, f"sends micro-batch {mb}'s gradient before its backward")
             if kind in _FORWARD_LIKE:
                 if mb in fwd:
@@ -75,35 +76,56 @@ class _StageChecker:
                     self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
                                   f"{self.weights_changed.step}: runs on weights already updated")
                 fwd.add(mb)
-            if kind in _BACKWARD_LIKE:
-                self._backward(op, fwd, recv_grad)
+            if kind in INPUT_GRAD_KINDS:
+                self._input_grad(op, fwd, recv_grad)
+            if kind in WEIGHT_GRAD_KINDS:
+                self._weight_grad(op)
             elif kind not in _MB_KINDS:
                 self._gradient_op(op)
         for mb in range(M):
             if mb not in fwd:
                 self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never forwarded"))
-            if mb not in bwd:
+            if mb in self.igrad and mb not in bwd:
+                self.problems.append(Problem(s, None, None, f"micro-batch {mb}'s backward_weight is missing (its "
+                                                            "backward_input ran: parameter gradients never computed)"))
+            elif mb not in bwd:
                 self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never backwarded"))
         self._end_of_iteration()
 
-    def _backward(self, op: Op, fwd: set, recv_grad: set) -> None:
-        mb = op.micro_batch
-        if op.kind == OpKind.BACKWARD and mb not in fwd:
-            self._add(op, f"backward of micro-batch {mb} before its forward")
-        if mb in self.bwd:
+    def _input_grad(self, op: Op, fwd: set, recv_grad: set) -> None:
+        """backward / forward_backward / backward_input: the gradient of the stage's input."""
+        mb, name = op.micro_batch, "backward" if op.kind == OpKind.BACKWARD else op.kind.value
+        if op.kind != OpKind.FORWARD_BACKWARD and mb not in fwd:
+            self._add(op, f"{name} of micro-batch {mb} before its forward")
+        if mb in self.igrad:
             self._add(op, f"micro-batch {mb} backwarded twice")
         if self.s < self.K - 1 and mb not in recv_grad:
-            self._add(op, f"backward of micro-batch {mb} before its output gradient is received (recv_grad)")
-        if self.update is not None:
-            self._add(op, f"backward after this iteration's {self.update.kind.value} at step {self.update.step}: "
-                          "its gradient is lost or applied in the wrong step")
-        elif self.weights_changed is not None:
-            self._add(op, f"backward after this iteration's {self.weights_changed.kind.value} at step "
-                          f"{self.weights_changed.step}: weights changed between forward and backward")
+            self._add(op, f"{name} of micro-batch {mb} before its output gradient is received (recv_grad)")
+        self._check_weights_unchanged(op, "backward")
+        self.igrad.add(mb)
+
+    def _weight_grad(self, op: Op) -> None:
+        """backward / forward_backward / backward_weight: the parameter gradients, accumulated."""
+        mb = op.micro_batch
+        if op.kind == OpKind.BACKWARD_WEIGHT:
+            if mb not in self.igrad:
+                self._add(op, f"backward_weight of micro-batch {mb} before its backward_input")
+            elif mb in self.bwd:
+                self._add(op, f"backward_weight of micro-batch {mb} twice")
+            self._check_weights_unchanged(op, "backward_weight")
         if self.grads_reducing:
-            self._add(op, "backward while the gradients' all-reduce is in flight")
+            self._add(op, f"{'backward' if op.kind == OpKind.BACKWARD else op.kind.value} while the gradients' "
+                          "all-reduce is in flight")
         self.bwd.add(mb)
         self.grads = "accumulating"
+
+    def _check_weights_unchanged(self, op: Op, name: str) -> None:
+        if self.update is not None:
+            self._add(op, f"{name} after this iteration's {self.update.kind.value} at step {self.update.step}: "
+                          "its gradient is lost or applied in the wrong step")
+        elif self.weights_changed is not None:
+            self._add(op, f"{name} after this iteration's {self.weights_changed.kind.value} at step "
+                          f"{self.weights_changed.step}: weights changed between forward and backward")
 
     def _all_backwards_done(self, op: Op) -> bool:
         missing = [m for m in range(self.M) if m not in self.bwd]

@@ -1,0 +1,68 @@
+"""The engine's split backward (zero-bubble schedules): ``BackwardInputPass`` and
+``BackwardWeightPass``. The torch part is :mod:`hippie_ds.split_backward`; this is the DeepSpeed
+side: pipe buffers, the received gradient (``grad_layer``), the loss slots and DeepSpeed's
+backward hooks."""
+from __future__ import annotations
+
+from .schedules.ir import CompiledSchedule
+from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage, check_torch_version
+
+
+class SplitBackwardMixin:
+    """Per pipeline buffer, what backward_input left for backward_weight."""
+
+    _loss_scaled_by_us = False
+
+    def _init_split_backward(self, compiled: CompiledSchedule) -> None:
+        self._pending_weight_grads: dict[int, PendingWeightGrad] = {}
+        self._loss_scaled_by_us = False
+        self._coverage_checked = False
+        if compiled.splits_backward:
+            check_torch_version()
+            if self.is_pipe_partitioned or self.is_grad_partitioned:
+                raise ValueError(f"schedule {compiled.name!r} splits the backward, which does not support "
+                                 "partitioned pipeline activations or gradients (tensor-slice parallelism)")
+
+    def _split_params(self) -> list:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _exec_backward_input_pass(self, buffer_id):
+        """Roughly: ``buffers['inputs'][buf].grad = d out / d inputs`` (no parameter gradients)."""
+        if self.is_last_stage():
+            # DeepSpeedEngine.backward's scaling; its per-tensor hook must not scale again
+            outputs, grads = self._losses.pop(buffer_id) / self.gradient_accumulation_steps(), None
+        else:
+            outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
+        inputs, params = self.pipe_buffers["inputs"][buffer_id], self._split_params()
+        if not self._coverage_checked:
+            check_coverage(outputs, inputs, params, [n for n, p in self.module.named_parameters() if p.requires_grad])
+            self._coverage_checked = True
+        self._running_engine_backward = True  # as PipelineEngine's backward: DeepSpeed's hooks expect it
+        self._loss_scaled_by_us = self.is_last_stage()
+        try:
+            self._pending_weight_grads[buffer_id] = backward_input(outputs, grads, inputs, params)
+        finally:
+            self._running_engine_backward = False
+            self._loss_scaled_by_us = False
+        if self.is_last_stage():
+            self._backward_epilogue()  # what engine.backward(loss) runs after loss.backward()
+        self.pipe_buffers["output_tensors"][buffer_id] = None
+        self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_backward_weight_pass(self, buffer_id):
+        """Roughly: ``grads += d out / d params`` of the buffer's micro-batch; frees what I kept."""
+        # A stage without input gradients runs its whole backward here, through DeepSpeed's hooks.
+        self._running_engine_backward = True
+        self._loss_scaled_by_us = self.is_last_stage()
+        try:
+            backward_weight(self._pending_weight_grads.pop(buffer_id), self._split_params())
+        finally:
+            self._running_engine_backward = False
+            self._loss_scaled_by_us = False
+
+    def _backward_prologue_per_tensor(self, grad):
+        # DeepSpeed's output hook divides by the accumulation steps unless engine.backward(loss)
+        # already did; the loss stage's backward_input divides the loss itself.
+        if self._loss_scaled_by_us:
+            return grad
+        return super()._backward_prologue_per_tensor(grad)
