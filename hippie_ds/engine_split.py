@@ -12,6 +12,7 @@ class SplitBackwardMixin:
     """Per pipeline buffer, what backward_input left for backward_weight."""
 
     _loss_scaled_by_us = False
+    _split_meter = None
 
     def _init_split_backward(self, compiled: CompiledSchedule) -> None:
         self._pending_weight_grads: dict[int, PendingWeightGrad] = {}
@@ -22,6 +23,12 @@ class SplitBackwardMixin:
             if self.is_pipe_partitioned or self.is_grad_partitioned:
                 raise ValueError(f"schedule {compiled.name!r} splits the backward, which does not support "
                                  "partitioned pipeline activations or gradients (tensor-slice parallelism)")
+
+    def count_split_state_in(self, meter) -> None:
+        """Also count in ``meter`` (a :class:`hippie_ds.memory.ActivationMeter`) what
+        backward_input keeps for backward_weight beyond the graph's saved tensors: the gradients at
+        the parameter ops (benchmarks compare it with the simulator's memory held until W)."""
+        self._split_meter = meter
 
     def _split_params(self) -> list:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -44,6 +51,8 @@ class SplitBackwardMixin:
         finally:
             self._running_engine_backward = False
             self._loss_scaled_by_us = False
+        if self._split_meter is not None:
+            self._split_meter.hold(self._pending_weight_grads[buffer_id].tensors())
         if self.is_last_stage():
             self._backward_epilogue()  # what engine.backward(loss) runs after loss.backward()
         self.pipe_buffers["output_tensors"][buffer_id] = None

@@ -86,7 +86,11 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor):
         if tensor.layout != torch.strided or tensor.device.type == "meta" or storage_key(tensor) in self._ignored:
             return tensor
-        return _Saved(tensor, self, self._acquire(tensor))
+        # Keep a detached alias: a node that saves its own output would otherwise hold, through
+        # this Python object, a tensor whose grad_fn is the node: a cycle through C++ that Python's
+        # collector cannot see, so a graph that is dropped without a backward (retain_graph, the
+        # split backward's I) would never be freed.
+        return _Saved(tensor.detach(), self, self._acquire(tensor))
 
     @staticmethod
     def _unpack(packed):

@@ -63,6 +63,15 @@ class PendingWeightGrad:
         self.outputs = outputs  # no input gradient: the whole backward runs in W
         self.output_grads = output_grads
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held for W that are not saved tensors of the graph (memory meters count
+        saved tensors already): the gradients kept at the parameter ops, or the kept output
+        gradients."""
+        if self.param_groups is None:
+            return [g for g in self.output_grads or () if torch.is_tensor(g)]
+        return [g for group in self.param_groups for grads in group.get("grads") or () for g in grads or ()
+                if torch.is_tensor(g)]
+
 
 def _float_tensors(values) -> list[torch.Tensor]:
     values = values if isinstance(values, (tuple, list)) else (values, )

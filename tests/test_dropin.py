@@ -20,8 +20,8 @@ from launch import launch  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 CLIENT = Path(__file__).parent / "distributed" / "client_train.py"
-SCHEDULES = ["1f1b", "gpipe", "hippie", "hippie-1f1b", "2bw", "pipedream"]
-SYNCHRONOUS = ("1f1b", "gpipe")  # bit-identical to stock DeepSpeed
+SCHEDULES = ["1f1b", "gpipe", "zb-h1", "hippie", "hippie-1f1b", "2bw", "pipedream"]
+SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1")  # bit-identical to stock DeepSpeed
 IN_FLIGHT = ("hippie", "2bw")  # a deferred gradient, stashed weight versions: stock must refuse them
 STEPS = 3
 

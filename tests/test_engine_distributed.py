@@ -2,7 +2,7 @@
 
 - hippie-ds 1f1b, gpipe and zb-h1 (split backward, W in micro-batch order) give bit-identical
   parameters to DeepSpeed's stock engine;
-- hippie and hippie-1f1b match a single-process reference of the declared rule to 1e-6, with
+- hippie, hippie-1f1b and hippie-zb match a single-process reference of the declared rule to 1e-6, with
   the default staleness correction and with it switched off;
 - checkpoint / resume with a pending gradient is exact; crashes end the job; bad configs fail
   on every rank before any collective.
@@ -27,7 +27,7 @@ DEFAULT_STALENESS = StalenessConfig()  # what a config without "hippie.staleness
 NO_CORRECTION = StalenessConfig(method="none")
 
 STEPS, MICRO_BATCHES = 3, 4
-ENGINES = "stock,1f1b,gpipe,zb-h1,hippie,hippie-1f1b"
+ENGINES = "stock,1f1b,gpipe,zb-h1,hippie,hippie-1f1b,hippie-zb"
 
 
 def _assert_equal(a, b, what):
@@ -60,7 +60,7 @@ def test_schedules_exact(tmp_path, stages, dp):
         _assert_equal(stock, ours, f"{name} vs stock DeepSpeed")
         assert losses == stock_losses
         _replicas_identical(replicas)
-    for name in ("hippie", "hippie-1f1b"):
+    for name in ("hippie", "hippie-1f1b", "hippie-zb"):
         ours, losses, parts, params, replicas = collect(tmp_path, name)
         assert params["deferred_stages"] == list(range(stages // 2))
         ref, ref_losses = reference.run(parts, dp, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"],
@@ -75,11 +75,11 @@ def test_schedules_exact(tmp_path, stages, dp):
 
 
 def test_hippie_adamw_clipping_all_deferred(tmp_path):
-    args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--engines", "hippie,hippie-1f1b",
+    args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--engines", "hippie,hippie-1f1b,hippie-zb",
             "--optimizer", "AdamW", "--lr", 0.01, "--clip", 0.05, "--deferred", "0,1")
     rc, log, _ = launch(4, tmp_path, *args)
     assert rc == 0, log[-4000:]
-    for name in ("hippie", "hippie-1f1b"):
+    for name in ("hippie", "hippie-1f1b", "hippie-zb"):
         ours, _, parts, params, replicas = collect(tmp_path, name)
         assert params["deferred_stages"] == [0, 1]
         ref, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, clip=0.05,

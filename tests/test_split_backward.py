@@ -110,3 +110,40 @@ def test_untested_torch_versions_are_refused_by_name():
     check_torch_version("2.13.0+cpu")
     with pytest.raises(ImportError, match=r"found torch 2\.12\.1.*torch>=2\.13,<2\.14"):
         check_torch_version("2.12.1")
+
+
+def test_pending_state_lists_what_it_holds_beyond_saved_tensors():
+    model = _stage(False)
+    params = list(model.parameters())
+    x = _inputs(False, 0)
+    out = model(x)
+    pending = backward_input(out, torch.ones_like(out), x, params)
+    held = pending.tensors()
+    assert held and all(torch.is_tensor(t) for t in held)
+    first = backward_input(_stage(True)(_inputs(True, 0)), torch.ones(4, 5, 8), _inputs(True, 0), params)
+    assert len(first.tensors()) == 1  # no input gradient: the output gradient waits for W
+
+
+def test_activation_meter_sees_the_split_free_everything():
+    """The meter keeps detached aliases: a loss stage's graph kept by I (retain_graph) and
+    released by W is freed (log_softmax saves its own output: an alias carrying that node as
+    grad_fn would make a cycle through C++ and leak), and gradients under the meter are the same."""
+    from hippie_ds.memory import ActivationMeter
+
+    def loss_stage(meter=None):
+        model = _stage(False)
+        params = list(model.parameters())
+        for mb in range(3):
+            x = _inputs(False, mb)
+            target = torch.randint(0, 8, (20,), generator=torch.Generator().manual_seed(mb))
+            loss = torch.nn.functional.cross_entropy(model(x).view(-1, 8), target)
+            backward_weight(backward_input(loss / 3, None, x, params), params)
+        return [p.grad for p in params]
+
+    plain = loss_stage()
+    meter = ActivationMeter()
+    with meter:
+        measured = loss_stage()
+    assert meter.peak > 0 and meter.current == 0
+    for a, b in zip(plain, measured):
+        assert torch.equal(a, b)

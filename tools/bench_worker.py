@@ -37,6 +37,7 @@ Per schedule and rank it writes, under ``--out``/raw/<label>/:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -377,7 +378,11 @@ def main():
     p.add_argument("--costs", default=None, help="cost file for 'deferred_stages: auto' in those configs")
     p.add_argument("--plan", action="append", default=[], help="LABEL=PLAN_FILE (needs hippie_ds.PipelineModule)")
     p.add_argument("--partition-method", default="uniform", help="PipelineModule partition_method")
+    p.add_argument("--core-per-rank", action="store_true",
+                   help="pin each local rank to its own core (a bubble is then idle time, not another rank's)")
     a = p.parse_args()
+    if a.core_per_rank:
+        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", a.local_rank)) % os.cpu_count()})
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=a.timeout_s))
@@ -394,6 +399,10 @@ def main():
 
     def run_step(label, rnd, index, warmup):
         engine = engines[label]
+        if tracker is not None:
+            # DeepSpeed's output-hook managers sit in reference cycles with the outputs they hook:
+            # collect them now (untimed) so the peak is this step's, not what the collector left.
+            gc.collect()
         start = time.perf_counter()
         if tracker is not None:
             tracker.reset_peak()
@@ -449,6 +458,8 @@ def main():
         if tracker is not None:
             tracker.ignore(module.parameters())
             hold_stage_io(module, tracker)
+            if hasattr(engine, "count_split_state_in"):  # zero-bubble: gradients kept from I until W
+                engine.count_split_state_in(tracker)
         engines[label], iters[label], records[label] = engine, data_iter(a, replica), []
         params = sum(q.numel() for q in module.parameters() if q.requires_grad)
         meta[label] = {"rank": rank, "stage": stage, "data_parallel_id": replica, "world": world,

@@ -179,6 +179,8 @@ _STAGE_COST_OPTIONS = [  # option, StageCost field, kind, help
     ("--forward", "forward", "time", "forward time of one micro-batch (s; default 1)"),
     ("--backward", "backward", "time", "backward time of one micro-batch (s; default 2)"),
     ("--recompute", "recompute", "time", "re-computation (activation checkpointing) time per micro-batch (s)"),
+    ("--backward-weight", "backward_weight", "time", "the weight-gradient part of --backward (W of a split "
+                                                     "backward, zb-h1; s; default half of it)"),
     ("--activation-bytes", "activation_bytes", "bytes", "bytes of activations sent to the next stage per micro-batch"),
     ("--saved-bytes", "saved_bytes", "bytes", "activation bytes a stage keeps per in-flight micro-batch"),
     ("--param-bytes", "param_bytes", "bytes", "bytes of the stage's parameters (= its gradients)"),

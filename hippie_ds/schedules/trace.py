@@ -87,13 +87,14 @@ def chrome_trace(events: Iterable[Any], path: str | Path | None = None, time_uni
 
 
 _ASYNC_SEND = "async_send"  # drawing key only: a non-blocking send in flight on the comm track
-_COMPUTE = ("forward", "backward", "forward_backward")
+_COMPUTE = ("forward", "backward", "forward_backward", "backward_input", "backward_weight")
 _COLOURS = {
     "forward": "#4c72b0", "backward": "#55a868", "forward_backward": "#8172b2", COMM: "#dd8452",
     _ASYNC_SEND: "#f0b27a", "p2p": "#d9d9d9", "allreduce": "#c44e52", "optimizer": "#937860", "sync": "#bdbdbd",
-    "buffer": "#da8bc3", "weights": "#8c8c8c",
+    "buffer": "#da8bc3", "weights": "#8c8c8c", "backward_input": "#55a868", "backward_weight": "#2f6b3a",
 }
 _LEGEND = [("forward", "forward"), ("backward", "backward"), ("forward_backward", "fused F+B"),
+           ("backward_input", "backward_input (B)"), ("backward_weight", "backward_weight (W)"),
            (COMM, "all-reduce"), (_ASYNC_SEND, "async send in flight"), ("allreduce", "waiting for all-reduce"),
            ("optimizer", "update"), ("p2p", "blocked in send/recv"), ("sync", "pipeline sync")]
 

@@ -1,0 +1,189 @@
+"""Zero-bubble benchmark: zb-h1 against hippie-ds's 1f1b with one rank per core.
+
+Runs ``tools/bench_worker.py`` under the ``deepspeed`` launcher on one node, K ranks, each
+pinned to its own core (``--core-per-rank``), so that a pipeline bubble is idle time and not
+another rank's compute. The two schedules alternate in rounds inside one job (the order rotated
+each round). Then, per schedule:
+
+* step time: median over the timed steps of each round; the ratio zb-h1 / 1f1b per round, with
+  the median and min-max spread over rounds;
+* measured bubble: 1 - (the stages' mean compute time per step) / step time, from the engines'
+  timelines; per-op medians (F, B of 1f1b; F, I, W of zb-h1);
+* the simulator's step time and bubble with those measured per-op costs (each schedule with its
+  own F/B or F/I/W; the end-of-step ReduceGrads + OptimizerStep and one p2p transfer from the
+  runs) and its relative error;
+* peak bytes held for backward per stage (``hippie_ds.memory.ActivationMeter``; zb-h1 adds the
+  gradients its backward_input keeps until W) against the simulator's peak, the bytes per
+  micro-batch calibrated on 1f1b (peak / micro-batches in flight).
+
+Writes ``results.json`` and ``report.md`` to ``--out`` (and ``--publish`` DIR). Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hippie_ds.schedules import compile as compile_schedule  # noqa: E402
+from hippie_ds.schedules.costs import CommCost, Costs  # noqa: E402
+from hippie_ds.schedules.simulator import simulate  # noqa: E402
+
+LABELS = ("1f1b", "zb-h1")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "forward_backward")
+
+
+def run_worker(a) -> None:
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.stages), "--master_port",
+           str(a.port), str(REPO / "tools" / "bench_worker.py"), "--out", a.out, "--schedules", ",".join(LABELS),
+           "--stages", str(a.stages), "--micro-batches", str(a.micro_batches), "--warmup", str(a.warmup),
+           "--steps", str(a.steps), "--rounds", str(a.rounds), "--layers", str(a.layers), "--d-model",
+           str(a.d_model), "--memory", "--core-per-rank"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    print("running:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, env=env, check=True, cwd=REPO)
+
+
+def load(out: str, label: str) -> list[dict]:
+    """Per rank: its steps file and timeline events, by stage."""
+    ranks = []
+    for steps_file in sorted(Path(out, "raw", label).glob("rank*.steps.json")):
+        steps = json.loads(steps_file.read_text())
+        timeline = json.loads(Path(out, "raw", label, "timeline", steps_file.name.replace(".steps", "")).read_text())
+        ranks.append({**steps, "events": timeline["events"]})
+    return sorted(ranks, key=lambda r: r["stage"])
+
+
+def analyse_label(ranks: list[dict]) -> dict:
+    timed = [s for s in ranks[0]["steps"] if not s["warmup"]]
+    rounds = sorted({s["round"] for s in timed})
+    per_round = {r: statistics.median(s["end"] - s["start"] for s in timed if s["round"] == r) for r in rounds}
+    step = statistics.median(per_round.values())
+    ops, busy = [], []
+    kept = {s["index"] + 1000 * s["round"] for s in timed}
+    for rank in ranks:
+        by_kind: dict[str, list[float]] = {}
+        per_step: dict[int, float] = {}
+        steps = rank["steps"]
+        for e in rank["events"]:
+            if e["category"] in COMPUTE:
+                by_kind.setdefault(e["category"], []).append(e["end"] - e["start"])
+                per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"] - e["start"]
+        for e in rank["events"]:  # end-of-step and p2p instructions, by DeepSpeed instruction class
+            if e["kind"] in ("OptimizerStep", "ReduceGrads", "SendActivation", "SendGrad", "ISendActivation",
+                             "ISendGrad"):
+                by_kind.setdefault(e["kind"], []).append(e["end"] - e["start"])
+        ops.append({k: statistics.median(v) for k, v in by_kind.items()})
+        # timeline steps count train_batch calls from 0, warm-up included
+        timed_calls = [i for i, s in enumerate(steps) if not s["warmup"] and s["index"] + 1000 * s["round"] in kept]
+        busy.append(statistics.median(per_step[i] for i in timed_calls if i in per_step))
+    peaks = [statistics.median(s["saved_peak_bytes"] for s in rank["steps"] if not s["warmup"]) for rank in ranks]
+    return {"step_time": step, "per_round": per_round, "ops": ops, "busy": busy,
+            "bubble": 1 - statistics.mean(busy) / step, "peak_saved_bytes": peaks}
+
+
+def costs_of(label: str, ops: list[dict], saved: list[float], step_end: list[float], p2p: float) -> Costs:
+    """The simulator's costs from a schedule's measured per-op medians; ``step_end``: per stage,
+    the end-of-step work (DeepSpeed's ReduceGrads and OptimizerStep), ``p2p``: one transfer."""
+    stages = []
+    for s, o in enumerate(ops):
+        common = {"forward": o["forward"], "saved_bytes": saved[s], "optimizer_time": step_end[s]}
+        if label == "zb-h1":
+            w = o.get("backward_weight", 0.0)
+            stages.append({**common, "backward": o.get("backward_input", 0.0) + w, "backward_weight": w})
+        else:
+            stages.append({**common, "backward": o["backward"]})
+    return Costs(stages=stages, comm=CommCost(p2p_bandwidth=float("inf"), p2p_latency=p2p, data_parallel=1))
+
+
+def _end_of_step(got: dict, stages: int) -> list[float]:
+    """Per stage, the smaller of the schedules' ReduceGrads + OptimizerStep medians: the other
+    includes waiting for the pipeline-wide gradient-norm reduction (the simulator adds that)."""
+    return [min(r["ops"][s].get("ReduceGrads", 0.0) + r["ops"][s].get("OptimizerStep", 0.0) for r in got.values())
+            for s in range(stages)]
+
+
+def _p2p(got: dict) -> float:
+    """One activation or gradient transfer: the smallest median send (blocking or not)."""
+    sends = [v for r in got.values() for o in r["ops"] for k, v in o.items() if "Send" in k]
+    return min(sends) if sends else 0.0
+
+
+def analyse(a) -> dict:
+    got = {label: analyse_label(load(a.out, label)) for label in LABELS}
+    K, M = a.stages, a.micro_batches
+    in_flight_1f1b = [min(K - s, M) for s in range(K)]
+    per_mb = [p / n for p, n in zip(got["1f1b"]["peak_saved_bytes"], in_flight_1f1b)]  # calibration
+    step_end, p2p = _end_of_step(got, K), _p2p(got)
+    for label, r in got.items():
+        sim = simulate(compile_schedule(label, K, M), costs_of(label, r["ops"], per_mb, step_end, p2p), iterations=3)
+        r["simulated"] = {"step_time": sim.step_time, "bubble": sim.bubble_fraction,
+                          "peak_saved_bytes": [p["peak_activation_bytes"] for p in sim.per_stage],
+                          "peak_micro_batches": [p["peak_activation_microbatches"] for p in sim.per_stage]}
+        r["simulated"]["step_error"] = sim.step_time / r["step_time"] - 1
+    ratios = [got["zb-h1"]["per_round"][k] / got["1f1b"]["per_round"][k] for k in got["1f1b"]["per_round"]]
+    return {"stages": K, "micro_batches": M, "layers": a.layers, "d_model": a.d_model, "results": got,
+            "ratio_zb_to_1f1b": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                 "per_round": ratios}}
+
+
+def report(res: dict) -> str:
+    g, r = res["results"], res["ratio_zb_to_1f1b"]
+    lines = [f"# zb-h1 against 1f1b: {res['stages']} stages x {res['micro_batches']} micro-batches, one rank per core",
+             "", f"GPT example, {res['layers']} blocks, d_model {res['d_model']}; "
+             f"`python tools/bench_zero_bubble.py` (rounds: {len(r['per_round'])}).", "",
+             "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, x in g.items():
+        s = x["simulated"]
+        lines.append(f"| {label} | {x['step_time']:.3f} | {s['step_time']:.3f} | {s['step_error']:+.1%} | "
+                     f"{x['bubble']:.1%} | {s['bubble']:.1%} | "
+                     f"{' / '.join(f'{b / 1e6:.1f}' for b in x['peak_saved_bytes'])} | "
+                     f"{' / '.join(f'{b / 1e6:.1f}' for b in s['peak_saved_bytes'])} |")
+    lines += ["", f"zb-h1 / 1f1b step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; "
+              f"per round {', '.join(f'{x:.3f}' for x in r['per_round'])})", "", "Per-op medians (ms), per stage:", ""]
+    for label, x in g.items():
+        for s, o in enumerate(x["ops"]):
+            lines.append(f"- {label} stage {s}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(o.items())))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="out/bench_zero_bubble")
+    p.add_argument("--publish", default=None, help="also copy report.md and results.json to this directory")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks = cores used")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=320)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per schedule and round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--analyze-only", action="store_true", help="re-analyse the raw files of an earlier run")
+    a = p.parse_args()
+    if not a.analyze_only:
+        shutil.rmtree(Path(a.out, "raw"), ignore_errors=True)
+        run_worker(a)
+    res = analyse(a)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.out, "results.json").write_text(json.dumps(res, indent=1))
+    text = report(res)
+    Path(a.out, "report.md").write_text(text)
+    print(text)
+    if a.publish:
+        os.makedirs(a.publish, exist_ok=True)
+        for name in ("report.md", "results.json"):
+            shutil.copy(Path(a.out, name), Path(a.publish, name))
+
+
+if __name__ == "__main__":
+    main()
