@@ -13,13 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from examples import harness
+from launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "examples"))
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-import harness  # noqa: E402
-from launch import free_port  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -113,7 +110,7 @@ def test_replica_micro_batches_partition_the_global_batch():
 
 
 def test_digits_split_and_order():
-    import vgg
+    from examples import vgg
     d = vgg.Digits()
     assert len(d.train[1]) + len(d.test[1]) == 1797 and len(d.test[1]) == vgg.TEST_SIZE
     assert d.train[0].shape[1:] == (1, 8, 8) and 0 <= float(d.train[0].min()) and float(d.train[0].max()) <= 1

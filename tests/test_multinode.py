@@ -2,7 +2,6 @@
 (``deepspeed --hostfile H --no_ssh --node_rank N``) on two emulated nodes (network namespaces
 joined by a shaped veth pair). The real run needs root and ``ip netns`` (skipped otherwise);
 the refusal and --help run anywhere."""
-import importlib.util
 import json
 import os
 import shutil
@@ -32,10 +31,8 @@ def _namespaces() -> str:
 
 @pytest.fixture(scope="module")
 def multinode():
-    spec = importlib.util.spec_from_file_location("multinode_under_test", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import multinode
+    return multinode
 
 
 @pytest.mark.skipif(not _netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)")

@@ -94,8 +94,6 @@ GB = 1e9
 
 
 # The emulated cluster (namespaces, link, launchers, noise): tools/cluster.py.
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
 from cluster import (ForeignCpu, Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner,  # noqa: E402
                      foreign_cpu_between, node_env, parse_rate, preflight as cluster_preflight)
 
@@ -286,7 +284,6 @@ def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs:
             delayed_fraction: dict | None = None) -> dict:
     """Simulated step time of a schedule under measured costs (hippie-ds simulator);
     ``delayed_fraction``: {stage: share of its gradient applied one step late} (partial deferral)."""
-    sys.path.insert(0, str(REPO))
     from hippie_ds.schedules import compile as compile_schedule
     from hippie_ds.schedules.costs import Costs
     from hippie_ds.schedules.simulator import simulate
@@ -524,7 +521,6 @@ def projection(models=PROJECTION_MODELS, sizes=(16, 64, 1024), devices_per_node=
     overlapped with the last backward); 'planner': the Hippie planner's free choice (ME
     objective, every schedule and depth). Global batch = batch_per_device (default: the
     profile's batch) x P (weak scaling). Pure Python."""
-    sys.path.insert(0, str(REPO))
     from hippie_ds.planner import make_plan, parse_cluster, read_pipedream
     from hippie_ds.planner.profile import PlannerError
     profile_dir = Path(profile_dir) if profile_dir else _profile_dir()
@@ -1121,7 +1117,6 @@ def auto_plan(a, out: Path) -> dict:
     re-computation chosen by the planner for ME. Returns {schedule: plan file}."""
     import types
 
-    sys.path.insert(0, str(TOOLS))
     import bench_worker
     import torch
     from hippie_ds.planner import Cluster, make_plan, save_plan, save_profile
@@ -1158,7 +1153,6 @@ def auto_plan(a, out: Path) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     out = Path(a.out).resolve()
-    sys.path.insert(0, str(REPO))
     if a.auto_plan and not (a.analyze_only or a.projection_only):
         out.mkdir(parents=True, exist_ok=True)
         a.plans.update(auto_plan(a, out))

@@ -84,8 +84,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
 WORKER = TOOLS / "bench_worker.py"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
 # The emulated cluster (namespaces, link, launchers, noise) is tools/cluster.py, shared with bench.py.
 from cluster import (ForeignCpu, Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner,  # noqa: E402
                      foreign_cpu_between, node_env, parse_rate, preflight as cluster_preflight)
@@ -423,7 +421,6 @@ def args_record(a):
 def main(argv=None):
     a = parse_args(argv)
     out = Path(a.out).resolve()
-    sys.path.insert(0, str(REPO))
     if a.analyze_only:
         run = out / "raw" / "run.json"
         rec = json.loads(run.read_text()) if run.exists() else {"config": args_record(a), "wall_s": None}

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -50,10 +49,8 @@ from torch import nn
 import deepspeed
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import hippie_ds  # noqa: E402
-from hippie_ds.memory import ActivationMeter, hold_stage_io  # noqa: E402
+import hippie_ds
+from hippie_ds.memory import ActivationMeter, hold_stage_io
 
 BASE_SEED = 4321
 

@@ -37,10 +37,10 @@ import sys
 import time
 from pathlib import Path
 
+import time_to_accuracy as tta
+from cluster import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import time_to_accuracy as tta  # noqa: E402
-from cluster import free_port  # noqa: E402
 
 BASELINE = "dp"
 LOSS_TARGET_PCT, ACCURACY_TARGET_POINTS = 1.0, 0.5

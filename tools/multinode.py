@@ -39,13 +39,10 @@ import sys
 import time
 from pathlib import Path
 
+from cluster import Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner, node_env, parse_rate, preflight
+
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools"
-WORKER = TOOLS / "multinode_worker.py"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-from cluster import (Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner, node_env,  # noqa: E402
-                     parse_rate, preflight)
+WORKER = REPO / "tools" / "multinode_worker.py"
 
 RANKS_PER_NODE = 2
 

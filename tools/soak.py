@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from cluster import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tools" / "soak_worker.py"
-sys.path.insert(0, str(REPO / "tools"))
-from cluster import free_port  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -48,15 +48,10 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "examples"))
-sys.path.insert(1, str(REPO))
-sys.path.insert(2, str(REPO / "tools"))
-import time_to_accuracy as tta  # noqa: E402  # hippie_ds (tools/examples/gpt.py imports it) without an install
+import time_to_accuracy as tta
 
 GLOBAL_BATCH = 32
 BASE_SEED = 1234  # tools/examples/harness.py: pipeline_module(seed_layers=True, base_seed=1234)
@@ -112,7 +107,7 @@ def parse_rule(text: str, stages: int) -> dict:
 def load_example(name: str):
     """(layer specs, loss_fn, metrics, train batches fn(seed), eval batches fn(seed) -> (iterable, n))."""
     if name == "gpt":
-        import gpt
+        from examples import gpt
         data = gpt.CharData(64)  # tools/train_gpt.py defaults: dim 128, 4 layers, 4 heads, seq_len 64
         specs = gpt.layer_specs(len(data.vocab), dim=128, layers=4, seq_len=64)
         n = EXAMPLES["gpt"]["eval_batches"]
@@ -120,7 +115,7 @@ def load_example(name: str):
                 lambda seed: data.global_batches("train", GLOBAL_BATCH, seed),
                 lambda seed: (data.global_batches("heldout", GLOBAL_BATCH, 10_000 + seed), n))
     if name == "vgg":
-        import vgg
+        from examples import vgg
         data = vgg.Digits()
         return (vgg.layer_specs(32, 128), vgg.loss_fn, {"loss": vgg.loss_fn, "accuracy": vgg.accuracy},
                 lambda seed: data.global_batches(GLOBAL_BATCH, seed),

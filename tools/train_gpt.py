@@ -16,13 +16,11 @@ plan file says (hippie_ds.PipelineModule).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
-import gpt  # noqa: E402
-from harness import Trainer, add_common_args, draw_timeline, load_config, progress_bar, step_done  # noqa: E402,F401
+from examples import gpt
+from examples.harness import Trainer, add_common_args, draw_timeline, load_config, progress_bar, step_done  # noqa: F401
 
 __all__ = ["main", "parse_args", "progress_bar", "step_done", "draw_timeline"]
 

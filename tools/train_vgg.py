@@ -18,13 +18,11 @@ plan file says (hippie_ds.PipelineModule).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
-import vgg  # noqa: E402
-from harness import Trainer, add_common_args, load_config, progress_bar, step_done  # noqa: E402
+from examples import vgg
+from examples.harness import Trainer, add_common_args, load_config, progress_bar, step_done
 
 
 def parse_args(argv=None):
