@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cluster import Refuse, preflight
 
 pytestmark = pytest.mark.distributed
 
@@ -20,9 +21,11 @@ PREFIX, SUBNET = "hdsmt", "10.81.0"
 
 
 def _netns_available() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+    try:
+        preflight("tests/test_multinode.py", ("ip", "tc"))  # root, `ip netns`, `tc`: what the tool checks
+    except Refuse:
         return False
-    return subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+    return True
 
 
 def _namespaces() -> str:

@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -94,8 +93,8 @@ GB = 1e9
 
 
 # The emulated cluster (namespaces, link, launchers, noise): tools/cluster.py.
-from cluster import (ForeignCpu, Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner,  # noqa: E402
-                     foreign_cpu_between, node_env, parse_rate, preflight as cluster_preflight)
+from cluster import (ForeignCpu, Network, Refuse, WorkerJob, check_cores, cleanup_on_signals, fix_owner,  # noqa: E402
+                     foreign_cpu_between, parse_rate, preflight as cluster_preflight)
 
 # Our own names (not bench_hidden_comm's), so both benchmarks can be set up side by side.
 NETWORK = Network(("hdsb-node0", "hdsb-node1"), ("hdsb-veth0", "hdsb-veth1"), ("10.78.0.1", "10.78.0.2"))
@@ -106,39 +105,13 @@ def preflight(args):
     """Raise Refuse unless the measured part can run here: the tools, root, ``ip netns``."""
     cluster_preflight("this benchmark", ("ip", "taskset") + (() if args.no_shape else ("tc",)),
                       hint="`--projection-only` runs the projection alone, without root.")
-    cores = [int(c) for c in args.cores.split(",")]
-    if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= os.sched_getaffinity(0):
-        raise Refuse(f"--cores {args.cores!r}: need two distinct cores this process may use "
-                     f"(allowed: {sorted(os.sched_getaffinity(0))})")
+    check_cores(args.cores)
     if not args.no_shape:
         parse_rate(args.rate)
 
 
 # ---------------------------------------------------------------------------------- jobs
-class Job(NodeProcesses):
-    """One launch of the worker: DeepSpeed's launcher once per emulated node in use, in that
-    node's namespace, pinned to its core; logs and progress lines."""
-
-    def __init__(self, out: Path, nodes: int, ranks_per_node: int, cores: list[str], port: int,
-                 worker_args: list[str], tag: str, t0: float):
-        super().__init__(out / "logs", t0=t0, tag=tag, port=port)
-        self.out, self.nodes, self.rpn, self.cores = out, nodes, ranks_per_node, cores
-        self.worker_args = worker_args
-
-    def start(self):
-        world_info = NETWORK.world_info(self.rpn, self.nodes)
-        (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        for n in range(self.nodes):
-            cmd = NETWORK.exec_prefix(n, self.cores[n]) + [
-                sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-                f"--node_rank={n}", f"--master_addr={ADDRS[0]}", f"--master_port={self.port}", str(WORKER),
-                *self.worker_args]
-            if n == 0:
-                (self.out / "logs" / "command.txt").write_text(" ".join(cmd) + "\n")
-            self.start_node(n, cmd, node_env(VETHS[n]))
-
-
-_active_jobs: list[Job] = []
+_active_jobs: list[WorkerJob] = []
 
 
 def _cleanup():
@@ -1066,8 +1039,7 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
 
     with cleanup_on_signals(cleanup):
         qdiscs = NETWORK.setup(None if a.no_shape else a.rate)
-        print(f"emulated cluster: {NODES[0]} {ADDRS[0]} <-> {NODES[1]} {ADDRS[1]}; "
-              + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
+        print(f"emulated cluster: {NETWORK.describe(None if a.no_shape else qdiscs, with_veths=False)}", flush=True)
         print(f"{len(jobs)} runs: " + ", ".join(job_name(j) for j in jobs)
               + f"; {a.warmup} warm-up + {a.steps} timed steps each", flush=True)
         sampler.start()
@@ -1078,8 +1050,8 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
             tag = f"[{i + 1}/{len(jobs)}] {job_name(job)}"
             print(f"[{time.monotonic() - start:6.1f}s] {tag}: starting ({job['nodes']} node(s) x {job['rpn']} "
                   f"rank(s))", flush=True)
-            j = Job(run_dir, job["nodes"], job["rpn"], cores, a.port + i, worker_args(a, job, run_dir, costs), tag,
-                    start)
+            j = WorkerJob(NETWORK, WORKER, worker_args(a, job, run_dir, costs), run_dir / "logs", job["nodes"],
+                          job["rpn"], cores, a.port + i, t0=start, tag=tag)
             _active_jobs.append(j)
             t_begin = time.perf_counter()
             j.start()

@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -85,8 +84,8 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
 WORKER = TOOLS / "bench_worker.py"
 # The emulated cluster (namespaces, link, launchers, noise) is tools/cluster.py, shared with bench.py.
-from cluster import (ForeignCpu, Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner,  # noqa: E402
-                     foreign_cpu_between, node_env, parse_rate, preflight as cluster_preflight)
+from cluster import (ForeignCpu, Network, Refuse, WorkerJob, check_cores, cleanup_on_signals, fix_owner,
+                     foreign_cpu_between, parse_rate, preflight as cluster_preflight)
 
 NETWORK = Network(("hds-node0", "hds-node1"), ("veth0", "veth1"), ("10.77.0.1", "10.77.0.2"))
 NODES, VETHS, ADDRS = NETWORK.nodes, NETWORK.veths, NETWORK.addrs
@@ -109,44 +108,26 @@ for _g, _cat in (("p2p", "p2p"), ("allreduce", "allreduce"), ("optimizer", "opti
 
 def preflight(args):
     cluster_preflight("this benchmark", ("ip", "taskset") + (() if args.no_shape else ("tc",)))
-    cores = [int(c) for c in args.cores.split(",")]
-    if len(cores) != 2 or not set(cores) <= os.sched_getaffinity(0):
-        raise Refuse(f"--cores {args.cores!r}: need two distinct cores this process may use "
-                     f"(allowed: {sorted(os.sched_getaffinity(0))})")
+    check_cores(args.cores)
     if not args.no_shape:
         parse_rate(args.rate)
 
 
 # ---------------------------------------------------------------------------------- job
-class Job(NodeProcesses):
-    """The two launchers (one per emulated node), their logs and progress output."""
+def worker_args(a, out: Path) -> list[str]:
+    """tools/bench_worker.py's command line: every schedule in the same processes, in rounds."""
+    return ["--out", str(out), "--schedules", a.schedules, "--micro-batches", str(a.micro_batches),
+            "--micro-batch-size", str(a.micro_batch_size), "--seq", str(a.seq), "--d-model", str(a.d_model),
+            "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),
+            "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds),
+            "--allreduce-bandwidth", str(parse_rate(a.rate) if not a.no_shape else 1.25e9),
+            "--timeout-s", str(a.timeout)]
 
-    def __init__(self, args, out: Path):
-        super().__init__(out / "logs", port=args.port)
-        self.args, self.out = args, out
 
-    def worker_args(self):
-        a = self.args
-        return ["--out", str(self.out), "--schedules", a.schedules, "--micro-batches", str(a.micro_batches),
-                "--micro-batch-size", str(a.micro_batch_size), "--seq", str(a.seq), "--d-model", str(a.d_model),
-                "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),
-                "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds),
-                "--allreduce-bandwidth", str(parse_rate(a.rate) if not a.no_shape else 1.25e9),
-                "--timeout-s", str(a.timeout)]
-
-    def start(self):
-        a = self.args
-        world_info = NETWORK.world_info(2)
-        cores = a.cores.split(",")
-        (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        for n in range(2):
-            cmd = NETWORK.exec_prefix(n, cores[n]) + [
-                sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-                f"--node_rank={n}", f"--master_addr={ADDRS[0]}", f"--master_port={a.port}", str(WORKER),
-                *self.worker_args()]
-            if n == 0:
-                (self.out / "logs" / "command.txt").write_text(" ".join(cmd) + "\n")
-            self.start_node(n, cmd, node_env(VETHS[n]))
+def new_job(a, out: Path) -> WorkerJob:
+    """The two launchers (one per emulated node, 2 ranks each), their logs and progress output."""
+    return WorkerJob(NETWORK, WORKER, worker_args(a, out), out / "logs", nodes=2, ranks_per_node=2,
+                     cores=a.cores.split(","), port=a.port)
 
 
 # ---------------------------------------------------------------------------------- analysis
@@ -439,7 +420,7 @@ def main(argv=None):
     for f in ("results.json", "results.md"):
         (out / f).unlink(missing_ok=True)
     start = time.monotonic()
-    job = Job(a, out)
+    job = new_job(a, out)
     sampler = ForeignCpu()
     rc = 0
 
@@ -453,8 +434,7 @@ def main(argv=None):
     with cleanup_on_signals(cleanup):
         try:
             qdiscs = NETWORK.setup(None if a.no_shape else a.rate)
-            print(f"emulated cluster: {NODES[0]} {VETHS[0]} {ADDRS[0]} <-> {NODES[1]} {VETHS[1]} {ADDRS[1]}; "
-                  + ("unshaped" if a.no_shape else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
+            print(f"emulated cluster: {NETWORK.describe(None if a.no_shape else qdiscs)}", flush=True)
             print(f"schedules: {a.schedules}; {a.warmup} warm-up + {a.rounds} rounds x {a.steps} timed steps each, "
                   f"{a.micro_batches} micro-batches; logs in {out}/logs", flush=True)
             sampler.start()

@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import time_to_accuracy as tta
-from cluster import free_port
+from cluster import LocalJob
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,34 +180,17 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     config_file = out / "config.json"
     config_file.write_text(json.dumps(make_config(name, Path(args.configs), lr, args.lr_schedule, steps,
                                                        args.gradient_clipping), indent=1))
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port",
-           str(port), spec["script"], "--deepspeed_config", str(config_file), "--steps", str(steps),
-           "--eval-every", str(eval_every), "--seed", str(seed), "--out", str(out), *spec["extra"]]
-    cmd += ["--data-parallel-only"] if name == BASELINE else ["--stages", str(args.stages)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
-    print(f"[convergence] {example} {name} seed {seed}: {' '.join(cmd[2:])}", flush=True)
-    start = time.monotonic()
-    with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind by a failed or timed-out job
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            _remove_shm(port)
-    seconds = time.monotonic() - start
-    if rc != 0 or not metrics_file.exists():
+    job = LocalJob(spec["script"], args.ranks,
+                   ["--deepspeed_config", config_file, "--steps", steps, "--eval-every", eval_every, "--seed", seed,
+                    "--out", out, *spec["extra"]]
+                   + (["--data-parallel-only"] if name == BASELINE else ["--stages", args.stages]))
+    print(f"[convergence] {example} {name} seed {seed}: {' '.join(job.command[2:])}", flush=True)
+    run = job.run(args.timeout, log=out / "log.txt")
+    seconds = run.seconds
+    if run.returncode != 0 or not metrics_file.exists():
         tail = (out / "log.txt").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"[convergence] {example} {name} failed ({'timeout' if rc is None else f'exit {rc}'}); "
-                         f"log {out / 'log.txt'}:\n{tail}")
+        raise SystemExit(f"[convergence] {example} {name} failed "
+                         f"({'timeout' if run.timed_out else f'exit {run.returncode}'}); log {out / 'log.txt'}:\n{tail}")
     metrics = json.loads(metrics_file.read_text())
     metrics["job_seconds"] = seconds
     metrics_file.write_text(json.dumps(metrics, indent=1))
@@ -218,18 +198,6 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     print(f"[convergence] {example} {name} seed {seed}: {seconds:.0f} s, held-out "
           + ", ".join(f"{k} {v:.4f}" for k, v in final.items()), flush=True)
     return metrics
-
-
-def _remove_shm(port):
-    try:
-        from hippie_ds.integration import deepspeed_shm_segments
-    except Exception:  # noqa: BLE001 (never fail a finished run over clean-up)
-        return
-    for path in deepspeed_shm_segments(port):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 # ------------------------------------------------------------------------------------------ results
