@@ -191,7 +191,7 @@ def auto_plan(a, out: Path) -> dict:
     re-computation chosen by the planner for ME. Returns {schedule: plan file}."""
     import types
 
-    import bench_worker
+    import bench_model
     import torch
     from hippie_ds.planner import Cluster, make_plan, save_plan, save_profile
     from hippie_ds.planner.plan import SCHEDULES
@@ -206,7 +206,7 @@ def auto_plan(a, out: Path) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as a rank runs: one core per node, OMP_NUM_THREADS=1
     sample = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq))
-    profile = profile_layers(bench_worker.layer_specs(shape), sample, model="bench-gpt", repeats=5, warmup=2,
+    profile = profile_layers(bench_model.layer_specs(shape), sample, model="bench-gpt", repeats=5, warmup=2,
                              progress=sys.stdout)
     save_profile(profile, d / "profile.yaml")
     link = (1.25e9 if a.no_shape else parse_rate(a.rate)) * a.link_efficiency
