@@ -171,6 +171,15 @@ def _trace_events(meta, steps):
     return evs
 
 
+def _from_zero(evs: list[dict]) -> list[dict]:
+    """The events, shifted in place so that the first starts at 0 (the trace's time axis)."""
+    origin = min(e["start"] for e in evs)
+    for e in evs:
+        e["start"] -= origin
+        e["end"] -= origin
+    return evs
+
+
 def write_traces(out: Path, label, meta, timed, keys):
     from hippie_ds.schedules.trace import chrome_trace, timeline_png
     names = {r: f"rank {r}: node {r // 2}, stage {meta[r]['stage']}, replica {meta[r]['data_parallel_id']}"
@@ -178,18 +187,10 @@ def write_traces(out: Path, label, meta, timed, keys):
     evs = _trace_events(meta, timed)
     if not evs:
         return
-    origin = min(e["start"] for e in evs)
-    for e in evs:
-        e["start"] -= origin
-        e["end"] -= origin
-    chrome_trace(evs, out / "traces" / f"{label}.json", process_names=names)
+    chrome_trace(_from_zero(evs), out / "traces" / f"{label}.json", process_names=names)
     last = set(keys[-2:])
     tail = {r: [x for x in xs if (x["round"], x["index"]) in last] for r, xs in timed.items()}
-    evs = _trace_events(meta, tail)
-    origin = min(e["start"] for e in evs)
-    for e in evs:
-        e["start"] -= origin
-        e["end"] -= origin
+    evs = _from_zero(_trace_events(meta, tail))
     try:
         timeline_png(evs, out / "traces" / f"{label}.png", title=f"{label}: last two timed steps (s)")
     except ImportError:  # matplotlib missing: the Chrome trace is enough
