@@ -9,7 +9,6 @@ stages with and without data parallelism; a checkpoint taken between calls resum
 ``drain()`` applies every micro-batch once.
 """
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -210,7 +209,6 @@ def test_simulator_counts_weight_versions_and_no_flush():
 # ---------------------------------------------------------------------------------------------
 # Real ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 import reference  # noqa: E402
 from launch import collect, launch  # noqa: E402
 

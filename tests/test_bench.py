@@ -1,7 +1,6 @@
 """tools/bench.py, its pure parts: figures (ratios, ME, scaling efficiency), the report, the
 simulator prediction from measured costs, the projection on a vendored profile, and the polite
 refusal where `ip` is missing. No network namespaces, no DeepSpeed processes."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,10 +14,8 @@ PROFILES = REPO / "tests" / "data" / "pipedream"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_under_test", REPO / "tools" / "bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import bench
+    return bench
 
 
 def _run(thr, rss, saved=10e6, state=100e6):

@@ -8,14 +8,12 @@ both ways, and across stage layouts. Launches are shared where one run can serve
 (each launch costs ~17 s of CI).
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from launch import launch  # noqa: E402
+from launch import launch
 
 pytestmark = pytest.mark.distributed
 

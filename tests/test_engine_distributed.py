@@ -9,17 +9,14 @@
 """
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-import reference  # noqa: E402
-from launch import collect, launch  # noqa: E402
+import reference
+from launch import collect, launch
 
-from hippie_ds.config import StalenessConfig  # noqa: E402
+from hippie_ds.config import StalenessConfig
 
 pytestmark = pytest.mark.distributed
 

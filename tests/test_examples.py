@@ -5,21 +5,14 @@ learns the digits with the hippie schedule on 2 stages x 2 replicas, and the dat
 tools/convergence.py's config and table. Nothing is downloaded (the digits ship with scikit-learn).
 """
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from examples import harness
+from launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "examples"))
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-import harness  # noqa: E402
-from launch import free_port  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -28,29 +21,9 @@ pytest.importorskip("sklearn", reason="the VGG example needs scikit-learn (pip i
 
 def run_example(script, ranks, out, *args, timeout=300):
     """Run tools/SCRIPT on RANKS local ranks; returns (returncode, output, metrics or None)."""
-    from hippie_ds.integration import deepspeed_shm_segments
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port),
-           str(REPO / "tools" / script), "--out", str(out), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        output = f"[test] killed after {timeout} s"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        for path in deepspeed_shm_segments(port):
-            os.unlink(path)
+    rc, output, _ = launch(ranks, out, *args, timeout=timeout, worker=REPO / "tools" / script)
     metrics = Path(out, "metrics.json")
-    return proc.returncode, output, json.loads(metrics.read_text()) if metrics.exists() else None
+    return rc, output, json.loads(metrics.read_text()) if metrics.exists() else None
 
 
 def test_vgg_hippie_learns(tmp_path):
@@ -113,7 +86,7 @@ def test_replica_micro_batches_partition_the_global_batch():
 
 
 def test_digits_split_and_order():
-    import vgg
+    from examples import vgg
     d = vgg.Digits()
     assert len(d.train[1]) + len(d.test[1]) == 1797 and len(d.test[1]) == vgg.TEST_SIZE
     assert d.train[0].shape[1:] == (1, 8, 8) and 0 <= float(d.train[0].min()) and float(d.train[0].max()) <= 1

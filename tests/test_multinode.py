@@ -2,7 +2,6 @@
 (``deepspeed --hostfile H --no_ssh --node_rank N``) on two emulated nodes (network namespaces
 joined by a shaped veth pair). The real run needs root and ``ip netns`` (skipped otherwise);
 the refusal and --help run anywhere."""
-import importlib.util
 import json
 import os
 import shutil
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cluster import Refuse, preflight
 
 pytestmark = pytest.mark.distributed
 
@@ -21,9 +21,11 @@ PREFIX, SUBNET = "hdsmt", "10.81.0"
 
 
 def _netns_available() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+    try:
+        preflight("tests/test_multinode.py", ("ip", "tc"))  # root, `ip netns`, `tc`: what the tool checks
+    except Refuse:
         return False
-    return subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+    return True
 
 
 def _namespaces() -> str:
@@ -32,10 +34,8 @@ def _namespaces() -> str:
 
 @pytest.fixture(scope="module")
 def multinode():
-    spec = importlib.util.spec_from_file_location("multinode_under_test", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import multinode
+    return multinode
 
 
 @pytest.mark.skipif(not _netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)")

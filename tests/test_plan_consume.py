@@ -2,7 +2,6 @@
 DeepSpeed job (stage boundaries and per-layer re-computation), and the planner's predicted
 activation memory against the bytes the job actually held for backward."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,8 @@ from hippie_ds.planner.plan import PlanMismatchError
 from hippie_ds.planner.recompute import activations_of
 from hippie_ds.profiler import build_layers, load_target, profile_layers
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-import plan_model  # noqa: E402
-from launch import launch  # noqa: E402
+import plan_model
+from launch import launch
 
 WORKER = Path(__file__).parent / "distributed" / "plan_worker.py"
 CLUSTER = "1x2,1GB,10Gbit"

@@ -1,14 +1,12 @@
 """Time to accuracy (tools/time_to_accuracy.py) and the convergence tool's staleness variants:
 pure functions over runs' metrics, no processes."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import convergence  # noqa: E402
-import time_to_accuracy as tta  # noqa: E402
+import convergence
+import time_to_accuracy as tta
 
 
 def run(final, evals, seed=0):

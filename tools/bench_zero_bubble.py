@@ -29,12 +29,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from hippie_ds.schedules import compile as compile_schedule
+from hippie_ds.schedules.costs import CommCost, Costs
+from hippie_ds.schedules.simulator import simulate
 
-from hippie_ds.schedules import compile as compile_schedule  # noqa: E402
-from hippie_ds.schedules.costs import CommCost, Costs  # noqa: E402
-from hippie_ds.schedules.simulator import simulate  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 LABELS = ("1f1b", "zb-h1")
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "forward_backward")

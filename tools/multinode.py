@@ -32,20 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from cluster import (Network, NodeProcesses, Refuse, check_cores, cleanup_on_signals, fix_owner, node_env, parse_rate,
+                     preflight)
+
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools"
-WORKER = TOOLS / "multinode_worker.py"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-from cluster import (Network, NodeProcesses, Refuse, cleanup_on_signals, fix_owner, node_env,  # noqa: E402
-                     parse_rate, preflight)
+WORKER = REPO / "tools" / "multinode_worker.py"
 
 RANKS_PER_NODE = 2
 
@@ -78,19 +75,6 @@ def parse_args(argv=None):
     if not (len(a.subnet.split(".")) == 3 and all(x.isdigit() and int(x) < 256 for x in a.subnet.split("."))):
         p.error(f"--subnet {a.subnet!r}: expected three octets, e.g. 10.79.0")
     return a
-
-
-def check_cores(a):
-    if a.cores is None:
-        return None
-    try:
-        cores = [int(c) for c in a.cores.split(",")]
-    except ValueError:
-        cores = []
-    if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= os.sched_getaffinity(0):
-        raise Refuse(f"--cores {a.cores!r}: need two distinct cores this process may use "
-                     f"(allowed: {sorted(os.sched_getaffinity(0))})")
-    return cores
 
 
 def deepspeed_command(net: Network, n: int, hostfile: Path, a, ranks_dir: Path, config: Path) -> list[str]:
@@ -152,20 +136,59 @@ def check_results(net: Network, ranks_dir: Path, steps: int, link: list[dict]) -
     return problems, summary
 
 
-def run(a) -> int:
-    out = Path(a.out).resolve()
-    config = Path(a.config).resolve()
-    if not config.is_file():
-        print(f"multinode: --config {a.config}: no such file", file=sys.stderr)
-        return 2
+def refusal(a) -> tuple[str | None, list[int] | None]:
+    """(why this cannot run here, or None; the cores to pin the nodes to, or None)."""
+    if not Path(a.config).resolve().is_file():
+        return f"--config {a.config}: no such file", None
     try:
         preflight("tools/multinode.py", ("ip",) + (() if a.no_shape else ("tc",))
                   + (("taskset",) if a.cores else ()))
-        cores = check_cores(a)
+        cores = None if a.cores is None else check_cores(a.cores)
         if not a.no_shape:
             parse_rate(a.rate)
     except Refuse as exc:
-        print(f"multinode: {exc}", file=sys.stderr)
+        return str(exc), None
+    return None, cores
+
+
+def start_nodes(net: Network, job: NodeProcesses, a, hostfile: Path, ranks_dir: Path, cores) -> list[str]:
+    """Start ``deepspeed`` on both nodes; returns the command lines as a user on the node types them."""
+    config = Path(a.config).resolve()
+    commands = []
+    for n in range(len(net.nodes)):
+        cmd = deepspeed_command(net, n, hostfile, a, ranks_dir, config)
+        prefix = net.exec_prefix(n, None if cores is None else cores[n])
+        shown = prefix + ["env", f"GLOO_SOCKET_IFNAME={net.veths[n]}"] + cmd
+        commands.append(shlex.join(shown))
+        print(f"node {n}: {commands[-1]}", flush=True)
+        job.start_node(n, prefix + cmd, node_env(net.veths[n]))
+    return commands
+
+
+def report(net: Network, out: Path, a, link: list[dict], wall: float, commands: list[str], hostfile: Path) -> int:
+    """Check the ranks' records, write result.json, print the verdict; the exit code."""
+    problems, summary = check_results(net, out / "ranks", a.steps, link)
+    summary.update(wall_s=wall, commands=commands, hostfile=hostfile.read_text(), ok=not problems)
+    (out / "result.json").write_text(json.dumps(summary, indent=1))
+    if problems:
+        for p in problems:
+            print(f"multinode: {p}", file=sys.stderr)
+        return 1
+    placement = "; ".join(
+        f"{net.nodes[n]}: ranks {', '.join(str(r) for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE))}"
+        f" on {net.veths[n]}" for n in range(len(net.nodes)))
+    print(f"multinode: OK in {wall:.0f} s: schedule {summary['schedule']}, 2 nodes x {RANKS_PER_NODE} ranks "
+          f"({placement}); all {len(summary['ranks'])} ranks agree on the loss at every step: "
+          + " ".join(f"{x:.6f}" for x in summary["losses"])
+          + "; link bytes sent " + ", ".join(f"{k}: {v['tx']}" for k, v in summary["link_bytes"].items()))
+    return 0
+
+
+def run(a) -> int:
+    out = Path(a.out).resolve()
+    why, cores = refusal(a)
+    if why is not None:
+        print(f"multinode: {why}", file=sys.stderr)
         return 2
 
     net = Network.named(a.prefix, a.subnet)
@@ -187,18 +210,9 @@ def run(a) -> int:
     with cleanup_on_signals(cleanup):
         try:
             qdiscs = net.setup(None if a.no_shape else a.rate)
-            print(f"emulated nodes: {net.nodes[0]} {net.veths[0]} {net.addrs[0]} <-> {net.nodes[1]} {net.veths[1]} "
-                  f"{net.addrs[1]}; " + ("unshaped" if a.no_shape else
-                                         "; ".join(f"{k}: {v}" for k, v in qdiscs.items())), flush=True)
+            print(f"emulated nodes: {net.describe(None if a.no_shape else qdiscs)}", flush=True)
             print(f"hostfile {hostfile}: " + ", ".join(hostfile.read_text().split("\n")[:-1]), flush=True)
-            commands = []
-            for n in range(len(net.nodes)):
-                cmd = deepspeed_command(net, n, hostfile, a, ranks_dir, config)
-                prefix = net.exec_prefix(n, None if cores is None else cores[n])
-                shown = prefix + ["env", f"GLOO_SOCKET_IFNAME={net.veths[n]}"] + cmd
-                commands.append(shlex.join(shown))
-                print(f"node {n}: {commands[-1]}", flush=True)
-                job.start_node(n, prefix + cmd, node_env(net.veths[n]))
+            commands = start_nodes(net, job, a, hostfile, ranks_dir, cores)
             (out / "commands.txt").write_text("\n".join(commands) + "\n")
             job.wait(a.timeout)
             link = [net.link_bytes(n) for n in range(len(net.nodes))]
@@ -209,23 +223,8 @@ def run(a) -> int:
             print(f"multinode: interrupted (exit {exc.code}); stopping the launchers and removing the namespaces",
                   file=sys.stderr)
             raise
-    wall = time.monotonic() - start
     if rc == 0:
-        problems, summary = check_results(net, ranks_dir, a.steps, link)
-        summary.update(wall_s=wall, commands=commands, hostfile=hostfile.read_text(), ok=not problems)
-        (out / "result.json").write_text(json.dumps(summary, indent=1))
-        if problems:
-            for p in problems:
-                print(f"multinode: {p}", file=sys.stderr)
-            rc = 1
-        else:
-            placement = "; ".join(
-                f"{net.nodes[n]}: ranks {', '.join(str(r) for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE))}"
-                f" on {net.veths[n]}" for n in range(len(net.nodes)))
-            print(f"multinode: OK in {wall:.0f} s: schedule {summary['schedule']}, 2 nodes x {RANKS_PER_NODE} ranks "
-                  f"({placement}); all {len(summary['ranks'])} ranks agree on the loss at every step: "
-                  + " ".join(f"{x:.6f}" for x in summary["losses"])
-                  + "; link bytes sent " + ", ".join(f"{k}: {v['tx']}" for k, v in summary["link_bytes"].items()))
+        rc = report(net, out, a, link, time.monotonic() - start, commands, hostfile)
     fix_owner(out)
     return rc
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from cluster import LocalJob
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tools" / "soak_worker.py"
-sys.path.insert(0, str(REPO / "tools"))
-from cluster import free_port  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -44,21 +42,14 @@ def parse_args(argv=None):
 
 
 def run_job(args, out: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
-           str(WORKER), "--out", str(out), "--schedule", args.schedule, "--steps", str(args.steps),
-           "--sample-every", str(args.sample_every), "--timeline-steps", str(args.timeline_steps)]
+    job = LocalJob(WORKER, 4, ["--out", out, "--schedule", args.schedule, "--steps", args.steps,
+                               "--sample-every", args.sample_every, "--timeline-steps", args.timeline_steps])
     log = out / "log.txt"
-    with open(log, "w") as f:
-        # the ranks' output, rank 0's progress bar included, goes to the log
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise SystemExit(f"soak: the job ran past --timeout {args.timeout} s; log: {log}")
-    if rc != 0:
-        raise SystemExit(f"soak: the job failed (exit {rc}); log: {log}\n" + log.read_text()[-3000:])
+    run = job.run(args.timeout, log=log)  # the ranks' output, rank 0's progress bar included, goes to the log
+    if run.timed_out:
+        raise SystemExit(f"soak: the job ran past --timeout {args.timeout} s; log: {log}")
+    if run.returncode != 0:
+        raise SystemExit(f"soak: the job failed (exit {run.returncode}); log: {log}\n" + log.read_text()[-3000:])
 
 
 def analyze(args, out: Path) -> dict:

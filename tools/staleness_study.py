@@ -48,15 +48,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "examples"))
-sys.path.insert(1, str(REPO))
-sys.path.insert(2, str(REPO / "tools"))
-import time_to_accuracy as tta  # noqa: E402  # hippie_ds (tools/examples/gpt.py imports it) without an install
+import time_to_accuracy as tta
+from staleness_stage import Stage
 
 GLOBAL_BATCH = 32
 BASE_SEED = 1234  # tools/examples/harness.py: pipeline_module(seed_layers=True, base_seed=1234)
@@ -112,7 +108,7 @@ def parse_rule(text: str, stages: int) -> dict:
 def load_example(name: str):
     """(layer specs, loss_fn, metrics, train batches fn(seed), eval batches fn(seed) -> (iterable, n))."""
     if name == "gpt":
-        import gpt
+        from examples import gpt
         data = gpt.CharData(64)  # tools/train_gpt.py defaults: dim 128, 4 layers, 4 heads, seq_len 64
         specs = gpt.layer_specs(len(data.vocab), dim=128, layers=4, seq_len=64)
         n = EXAMPLES["gpt"]["eval_batches"]
@@ -120,7 +116,7 @@ def load_example(name: str):
                 lambda seed: data.global_batches("train", GLOBAL_BATCH, seed),
                 lambda seed: (data.global_batches("heldout", GLOBAL_BATCH, 10_000 + seed), n))
     if name == "vgg":
-        import vgg
+        from examples import vgg
         data = vgg.Digits()
         return (vgg.layer_specs(32, 128), vgg.loss_fn, {"loss": vgg.loss_fn, "accuracy": vgg.accuracy},
                 lambda seed: data.global_batches(GLOBAL_BATCH, seed),
@@ -143,142 +139,6 @@ def stage_bounds(num_layers: int, stages: int) -> list[int]:
     """PipelineModule(partition_method='uniform')'s cut (the examples' default)."""
     from deepspeed.runtime import utils as ds_utils
     return [int(b) for b in ds_utils.partition_uniform(num_items=num_layers, num_parts=stages)]
-
-
-# ------------------------------------------------------------------------------------------- stages
-class Stage:
-    """One stage's parameters, AdamW and LR schedule, synchronous or one step late, with the
-    rule's correction. Per step: ``before_compute`` (weights the forward/backward uses),
-    ``after_backward`` (restore, update), ``end_step`` (LR schedule); ``flush`` at the end."""
-
-    def __init__(self, params, delayed: bool, methods: dict, lr: float, steps: int):
-        import torch
-        from deepspeed.runtime.lr_schedules import WarmupDecayLR
-        self.torch = torch
-        self.params = params
-        self.delayed = delayed
-        self.methods = methods if delayed else {}
-        beta1 = self.methods.get("beta1", 0.9)
-        peak = lr * self.methods.get("lrscale", 1.0)
-        # DeepSpeed "AdamW" with torch_adam: torch.optim.AdamW(lr, weight_decay=0.01), default betas/eps
-        self.opt = torch.optim.AdamW(params, lr=peak, weight_decay=0.01, betas=(beta1, 0.999))
-        self.sched = WarmupDecayLR(self.opt, total_num_steps=steps, warmup_min_lr=0.0, warmup_max_lr=peak,
-                                   warmup_num_steps=max(1, steps // 20), warmup_type="linear")
-        self.pending = None  # the delayed gradient
-        self.saved = None  # the true weights while the parameters hold the predicted ones
-        self.previous = None  # extrapolate: W(t-1); dcasgd: the weights the pending gradient was computed on
-        self.computed_on = None
-        self.last_update = None  # ef: u(t-1)
-        self.correction_seconds = 0.0
-        self.dc_ratio = []  # dcasgd: |correction| / |g| per step
-
-    # weights used by the forward/backward
-    def before_compute(self):
-        if not self.delayed:
-            return
-        torch = self.torch
-        start = time.perf_counter()
-        with torch.no_grad():
-            if "extrapolate" in self.methods:
-                c = self.methods["extrapolate"]
-                if self.previous is None:
-                    self.previous = [p.detach().clone() for p in self.params]
-                self.saved = [p.detach().clone() for p in self.params]
-                for p, q in zip(self.params, self.previous):
-                    delta = p - q
-                    q.copy_(p)  # W(t) becomes the next step's W(t-1)
-                    p.add_(delta, alpha=c)
-            elif "pipeoptim" in self.methods:
-                s = self.methods["pipeoptim"]
-                self.saved = [p.detach().clone() for p in self.params]
-                group = self.opt.param_groups[0]
-                lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-                for p in self.params:
-                    state = self.opt.state.get(p)
-                    if not state or float(state["step"]) == 0:
-                        continue
-                    k = float(state["step"])
-                    m_hat = state["exp_avg"] / (1 - b1 ** k)
-                    denom = (state["exp_avg_sq"] / (1 - b2 ** k)).sqrt_().add_(eps)
-                    p.sub_(s * lr * (m_hat / denom + wd * p))
-            if "dcasgd" in self.methods:
-                self.computed_on = [p.detach().clone() for p in self.params]
-        self.correction_seconds += time.perf_counter() - start
-
-    def after_backward(self):
-        torch = self.torch
-        if not self.delayed:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            return
-        start = time.perf_counter()
-        with torch.no_grad():
-            if self.saved is not None:  # the update applies to the true weights
-                for p, w in zip(self.params, self.saved):
-                    p.copy_(w)
-                self.saved = None
-        self.correction_seconds += time.perf_counter() - start
-        current = [p.grad.detach().clone() for p in self.params]
-        bak = self.previous_compute
-        self.previous_compute = self.computed_on
-        if self.pending is not None:
-            self._apply(self.pending, bak)
-        self.pending = current
-        self.opt.zero_grad(set_to_none=True)
-
-    previous_compute = None
-
-    def _apply(self, grads, computed_on):
-        torch = self.torch
-        start = time.perf_counter()
-        with torch.no_grad():
-            if "dcasgd" in self.methods and computed_on is not None:
-                lam = self.methods["dcasgd"]
-                group = self.opt.param_groups[0]
-                (_, b2), eps = group["betas"], group["eps"]
-                num = den = 0.0
-                corrected = []
-                for p, g, w in zip(self.params, grads, computed_on):
-                    state = self.opt.state.get(p)
-                    if not state or float(state["step"]) == 0:
-                        corrected.append(g)
-                        continue
-                    v_hat = state["exp_avg_sq"] / (1 - b2 ** float(state["step"]))
-                    corr = lam * g * g * (p - w) / (v_hat.sqrt() + eps)
-                    num += float(corr.square().sum())
-                    den += float(g.square().sum())
-                    corrected.append(g + corr)
-                grads = corrected
-                if den > 0:
-                    self.dc_ratio.append(math.sqrt(num / den))
-            for p, g in zip(self.params, grads):
-                p.grad = g.clone()
-            before = [p.detach().clone() for p in self.params] if "ef" in self.methods else None
-        self.correction_seconds += time.perf_counter() - start
-        self.opt.step()
-        if before is not None:
-            start = time.perf_counter()
-            gamma = self.methods["ef"]
-            with torch.no_grad():
-                update = [b - p for b, p in zip(before, self.params)]  # u(t): W(t) - W(t+1)
-                if self.last_update is not None:
-                    for p, u, u_prev in zip(self.params, update, self.last_update):
-                        p.sub_(u - u_prev, alpha=gamma)
-                else:
-                    for p, u in zip(self.params, update):
-                        p.sub_(u, alpha=gamma)
-                self.last_update = update
-            self.correction_seconds += time.perf_counter() - start
-
-    def end_step(self):
-        self.sched.step()
-
-    def flush(self):
-        """Apply the last buffered gradient (the LR schedule does not advance)."""
-        if self.delayed and self.pending is not None:
-            self._apply(self.pending, self.previous_compute)
-            self.pending = None
-            self.opt.zero_grad(set_to_none=True)
 
 
 # -------------------------------------------------------------------------------------------- runs

@@ -16,13 +16,10 @@ plan file says (hippie_ds.PipelineModule).
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
-import gpt  # noqa: E402
-from harness import Trainer, add_common_args, draw_timeline, load_config, progress_bar, step_done  # noqa: E402,F401
+from examples import gpt
+from examples.harness import Trainer, add_common_args, draw_timeline, load_config, progress_bar, step_done  # noqa: F401
 
 __all__ = ["main", "parse_args", "progress_bar", "step_done", "draw_timeline"]
 
@@ -61,18 +58,7 @@ def main(argv=None):
 
     if rank == 0:
         print(trainer.describe(), flush=True)
-    start = time.perf_counter()
-    with progress_bar(args.steps, enabled=rank == 0) as bar:
-        for step in range(1, args.steps + 1):
-            loss = trainer.train_step(train)
-            step_done(bar, loss, step * trainer.global_batch / (time.perf_counter() - start))
-            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                trainer.record_eval(step, trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss}))
-    trainer.finish_training()  # the last step's buffered gradient is applied, not lost
-
-    final = trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss})
-    trainer.record_eval(args.steps, final)
-    picture = trainer.finish(start, final, args.timeline_steps)
+    final, picture = trainer.run(train, lambda: trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss}))
     if rank == 0:
         print(f"held-out loss {final['loss']:.4f} (perplexity {gpt.perplexity(final['loss']):.2f}); "
               + (f"timeline picture: {picture}; " if picture else "") + f"metrics: {out / 'metrics.json'}")

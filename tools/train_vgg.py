@@ -18,13 +18,10 @@ plan file says (hippie_ds.PipelineModule).
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
-import vgg  # noqa: E402
-from harness import Trainer, add_common_args, load_config, progress_bar, step_done  # noqa: E402
+from examples import vgg
+from examples.harness import Trainer, add_common_args, load_config
 
 
 def parse_args(argv=None):
@@ -59,18 +56,7 @@ def main(argv=None):
     if rank == 0:
         print(f"{trainer.describe()}; digits: {len(data.train[1])} training images, "
               f"{test_batches * batch} test images", flush=True)
-    start = time.perf_counter()
-    with progress_bar(args.steps, enabled=rank == 0) as bar:
-        for step in range(1, args.steps + 1):
-            loss = trainer.train_step(train)
-            step_done(bar, loss, step * batch / (time.perf_counter() - start))
-            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                trainer.record_eval(step, trainer.evaluate(test, test_batches, metrics))
-    trainer.finish_training()  # the last step's buffered gradient is applied, not lost
-
-    final = trainer.evaluate(test, test_batches, metrics)
-    trainer.record_eval(args.steps, final)
-    picture = trainer.finish(start, final, args.timeline_steps)
+    final, picture = trainer.run(train, lambda: trainer.evaluate(test, test_batches, metrics))
     if rank == 0:
         print(f"test loss {final['loss']:.4f}, accuracy {100 * final['accuracy']:.2f}% "
               f"({test_batches * batch} images); "

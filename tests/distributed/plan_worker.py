@@ -4,16 +4,14 @@ for backward, and writes per-rank results (boundaries, checkpointed layers, peak
 local layer states)."""
 import argparse
 import os
-import sys
 
 import torch
 import deepspeed
 
-sys.path.insert(0, os.path.dirname(__file__))
-import plan_model  # noqa: E402
+import plan_model
 
-import hippie_ds  # noqa: E402
-from hippie_ds.memory import ActivationMeter, hold_stage_io  # noqa: E402
+import hippie_ds
+from hippie_ds.memory import ActivationMeter, hold_stage_io
 
 
 def main():

@@ -4,16 +4,14 @@ import argparse
 import json
 import os
 import signal
-import sys
 
 import torch
 import deepspeed
 from deepspeed.runtime.pipe.module import PipelineModule
 
-sys.path.insert(0, os.path.dirname(__file__))
-import model as tiny  # noqa: E402
+import model as tiny
 
-import hippie_ds  # noqa: E402
+import hippie_ds
 
 
 def split_name(name):

@@ -248,6 +248,25 @@ class Trainer:
     def record_eval(self, step: int, results: dict[str, float]):
         self.metrics["eval"].append({"step": step, **results})
 
+    # the loop
+    def run(self, train: Iterator[tuple], evaluate: Callable[[], dict[str, float]]) -> tuple[dict, Path | None]:
+        """The examples' training loop: ``--steps`` steps under a progress bar, ``evaluate()`` every
+        ``--eval-every`` steps and after the last one (once the last buffered gradient is applied),
+        then the metrics file. Returns (the final evaluation, rank 0's timeline picture)."""
+        args = self.args
+        start = time.perf_counter()
+        with progress_bar(args.steps, enabled=self.rank == 0) as bar:
+            for step in range(1, args.steps + 1):
+                loss = self.train_step(train)
+                step_done(bar, loss, step * self.global_batch / (time.perf_counter() - start))
+                if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                    self.record_eval(step, evaluate())
+        self.finish_training()  # the last step's buffered gradient is applied, not lost
+
+        final = evaluate()
+        self.record_eval(args.steps, final)
+        return final, self.finish(start, final, args.timeline_steps)
+
     # output
     def finish(self, start: float, final: dict[str, float], timeline_steps: int) -> Path | None:
         """Write the metrics file and (pipeline mode) the timeline picture; rank 0 returns the picture."""

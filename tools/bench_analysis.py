@@ -1,0 +1,226 @@
+"""The benchmark's analysis of one run: the worker's per-rank files (tools/bench_worker.py) ->
+step times, throughput, memory, stage timings, and the simulator's prediction of the step from
+the run's own measured costs; one schedule's runs over rounds combined into one record."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from bench_figures import mean_or_none, median_or_none
+from cluster import parse_rate
+
+
+def load_run(run_dir: Path, label: str):
+    """{rank: (steps record, timeline)} of one job."""
+    ranks = {}
+    for f in sorted((run_dir / "raw" / label).glob("rank*.steps.json")):
+        steps = json.loads(f.read_text())
+        tl_path = run_dir / "raw" / label / "timeline" / f"rank{steps['rank']}.json"
+        tl = json.loads(tl_path.read_text()) if tl_path.exists() else {"events": []}
+        ranks[steps["rank"]] = (steps, tl)
+    return ranks
+
+
+def stage_timings(ranks: dict) -> dict:
+    """Per stage: median durations (s) of its instructions over its ranks' timed steps."""
+    out = {}
+    for r, (steps, tl) in ranks.items():
+        timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
+        t0 = steps.get("t0") or 0.0
+        st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "_d": {}})
+        st["ranks"].append(r)
+        for e in tl.get("events", []):
+            start = e["start"] + t0
+            if e.get("category") == "comm" or not any(a <= start < b for a, b in timed):
+                continue
+            st["_d"].setdefault(e["kind"], []).append(e["end"] - e["start"])
+    for st in out.values():
+        d = st.pop("_d")
+        st["median"] = {k: statistics.median(v) for k, v in d.items()}
+        st["count"] = {k: len(v) for k, v in d.items()}
+    return out
+
+
+def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: float, p2p_bandwidth: float,
+                   p2p_latency: float) -> dict:
+    """A hippie-ds cost dict from measured stage timings (``Costs.from_dict`` format)."""
+    fb = []
+    for st in timings.values():
+        f, b = st["median"].get("ForwardPass"), st["median"].get("BackwardPass")
+        if f and b:
+            fb.append(f / (f + b))
+    ratio = mean_or_none(fb) or 1 / 3
+    stages = []
+    for s in sorted(timings):
+        m = timings[s]["median"]
+        f, b = m.get("ForwardPass"), m.get("BackwardPass")
+        if (f is None or b is None) and "ForwardBackwardPass" in m:  # fused last stage: split by the ratio
+            f, b = ratio * m["ForwardBackwardPass"], (1 - ratio) * m["ForwardBackwardPass"]
+        opt = sum(m.get(k, 0.0) for k in ("OptimizerStep", "StageOptimizerStep", "ApplyBufferedUpdate"))
+        stages.append({"forward": f or 0.0, "backward": b or 0.0, "optimizer_time": opt,
+                       "param_bytes": 4.0 * timings[s]["params"],
+                       "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
+                       "saved_bytes": 0.0})
+    return {"stages": stages, "comm": {"allreduce_bandwidth": allreduce_bandwidth, "data_parallel": data_parallel,
+                                       "p2p_bandwidth": p2p_bandwidth, "p2p_latency": p2p_latency,
+                                       "shared_link": True}}
+
+
+def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs: dict,
+            delayed_fraction: dict | None = None) -> dict:
+    """Simulated step time of a schedule under measured costs (hippie-ds simulator);
+    ``delayed_fraction``: {stage: share of its gradient applied one step late} (partial deferral)."""
+    from hippie_ds.schedules import compile as compile_schedule
+    from hippie_ds.schedules.costs import Costs
+    from hippie_ds.schedules.simulator import simulate
+    try:
+        compiled = compile_schedule(schedule, stages, micro_batches, validate=False, **(params or {}))
+        res = simulate(compiled, Costs.from_dict(costs), iterations=3, critical_path=False,
+                       delayed_fraction=delayed_fraction)
+        return {"step_time": res.step_time, "bubble_fraction": res.bubble_fraction}
+    except Exception as exc:  # a schedule the simulator does not know (yet): no prediction
+        return {"step_time": None, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
+    """One run's record from the worker's files under ``run_dir``: per-step times (the slowest
+    rank's), median and throughput, memory per rank, stage timings, exposed all-reduce, and the
+    simulator's prediction from the run's own measured costs. None where the run left no files."""
+    ranks = load_run(run_dir, job["label"])
+    if not ranks:
+        return None
+    meta = next(iter(ranks.values()))[0]
+    keys = sorted({(s["round"], s["index"]) for s in meta["steps"] if not s["warmup"]})
+    by_rank = {r: {(s["round"], s["index"]): s for s in st["steps"] if not s["warmup"]} for r, (st, _) in ranks.items()}
+    per_step = [max(by_rank[r][k]["end"] - by_rank[r][k]["start"] for r in by_rank if k in by_rank[r]) for k in keys]
+    median = median_or_none(per_step)
+    world = meta["world"]
+    if job["schedule"] == "dp":
+        samples = meta["micro_batch_size"] * meta["micro_batches"] * world
+    else:
+        samples = meta["micro_batch_size"] * meta["micro_batches"] * (world // meta["stages"])
+    mem = memory_per_rank(ranks)
+    timings = stage_timings(ranks)
+    costs, pred = job_prediction(ranks, job, a, link_bw, timings)
+    err = (pred["step_time"] - median) / median if pred.get("step_time") and median else None
+    exposed = {}
+    for s, st in timings.items():
+        exp = sum(st["median"].get(k, 0.0) * st["count"].get(k, 0) for k in
+                  ("ReduceGrads", "ReduceTiedGrads", "StartAllReduce", "WaitAllReduce"))
+        exposed[str(s)] = exp / max(1, len(keys) * len(st["ranks"]))
+    return {
+        "config": job["config"], "schedule": job["schedule"], "engine_schedule": meta["schedule"],
+        "schedule_params": meta.get("schedule_params") or {}, "world": world, "stages": meta["stages"],
+        "micro_batches": meta["micro_batches"], "micro_batch_size": meta["micro_batch_size"],
+        "parts": meta.get("parts"), "timed_steps": len(keys), "step_times_s": per_step, "median_step_s": median,
+        "samples_per_step": samples, "throughput_samples_s": samples / median if median else None,
+        "loss_last": by_rank[0][keys[-1]]["loss"] if keys and 0 in by_rank else None,
+        "memory_per_rank": {str(r): v for r, v in mem.items()},
+        "mean_peak_saved_bytes": mean_or_none([v["peak_saved_bytes"] for v in mem.values()]),
+        "max_peak_saved_bytes": max((v["peak_saved_bytes"] for v in mem.values()), default=None),
+        "mean_peak_rss_bytes": mean_or_none([v["peak_rss_bytes"] for v in mem.values() if v["peak_rss_bytes"]]),
+        "mean_peak_training_rss_bytes": mean_or_none([v["peak_training_rss_bytes"] for v in mem.values()
+                                                      if v["peak_training_rss_bytes"]]),
+        "max_peak_training_rss_bytes": max((v["peak_training_rss_bytes"] or 0 for v in mem.values()), default=None),
+        "mean_state_bytes": mean_or_none([v["state_bytes"] for v in mem.values() if v["state_bytes"]]),
+        "stage_timings_s": {str(s): st["median"] for s, st in timings.items()},
+        "exposed_allreduce_s_per_step": exposed,
+        "prediction": {**pred, "costs": costs, "error": err},
+    }
+
+
+def memory_per_rank(ranks: dict) -> dict:
+    """{rank: peak bytes saved for backward, peak RSS, RSS before the model, training RSS (the
+    difference), parameter/gradient/optimizer state bytes} from the ranks' step records."""
+    mem = {}
+    for r, (st, _) in sorted(ranks.items()):
+        m = st.get("memory") or {}
+        saved = max((s.get("saved_peak_bytes", 0) for s in st["steps"]), default=0)
+        base, hwm = m.get("rss_baseline_bytes"), m.get("peak_rss_bytes")
+        mem[r] = {"stage": st["stage"], "peak_saved_bytes": saved, "peak_rss_bytes": hwm,
+                  "rss_baseline_bytes": base, "peak_training_rss_bytes": (hwm - base) if hwm and base else None,
+                  "state_bytes": m.get("state_bytes")}
+    return mem
+
+
+def job_prediction(ranks: dict, job: dict, a, link_bw: float, timings: dict) -> tuple[dict, dict]:
+    """(measured costs, simulated step) of a run: the run's own measured per-stage times +
+    parameter bytes + the link (the shaped one across nodes, ``--intra-allreduce-bandwidth`` inside)."""
+    meta = next(iter(ranks.values()))[0]
+    world = meta["world"]
+    dp_width = world if job["schedule"] == "dp" else world // meta["stages"]
+    if job["config"] == "two_nodes":
+        ar_bw = link_bw * a.link_efficiency
+    else:
+        ar_bw = a.intra_allreduce_bandwidth
+    costs = measured_costs(timings, a, dp_width, ar_bw, a.p2p_bandwidth, a.p2p_latency)
+    sched_name = {"dp": "1f1b", "1f1b": "1f1b"}.get(job["schedule"], meta["schedule"])
+    if job["schedule"] == "dp":
+        stages, params = 1, {}
+    else:
+        stages, params = meta["stages"], meta.get("schedule_params") or {}
+    fractions = {st["stage"]: st["delayed_fraction"] for st, _ in ranks.values()
+                 if st.get("delayed_fraction") is not None}
+    return costs, predict(sched_name, params, stages, meta["micro_batches"], costs, fractions)
+
+
+def round_dirs(base: Path) -> list[tuple[int, Path]]:
+    """[(round, directory)] of one schedule's runs in one config: ``base/round<R>/`` when the runs
+    came in rounds (--rounds > 1), else ``[(0, base)]`` (a single run, today's layout)."""
+    rounds = sorted((int(d.name[5:]), d) for d in base.glob("round*") if d.is_dir() and d.name[5:].isdigit())
+    return rounds or [(0, base)]
+
+
+def combine_rounds(per_round: list[dict | None]) -> dict | None:
+    """One schedule's record from its runs' records (``analyse_job``), one per round (None: the
+    round's run left no data). Pure.
+
+    * ``median_step_s``: the median over rounds of each round's median step (with one round:
+      that round's median, as before rounds existed); ``throughput_samples_s`` from it;
+    * ``round_median_step_s`` / ``round_throughput_samples_s``: per round (None where missing);
+      ``median_step_s_min``/``_max`` and ``throughput_samples_s_min``/``_max``: over rounds;
+    * ``step_times_s``/``timed_steps``: every round's timed steps, in round order;
+    * the other figures (memory, stage timings, prediction, loss) are those of ``detail_round``,
+      the round whose median is the lower median over rounds; the prediction error is
+      recomputed against the median over rounds."""
+    valid = [(i, r) for i, r in enumerate(per_round) if r and r.get("median_step_s")]
+    if not valid:
+        return next((r for r in per_round if r), None)
+    meds = [r["median_step_s"] for _, r in valid]
+    median = statistics.median(meds)
+    detail_i, detail = next((i, r) for i, r in valid if r["median_step_s"] == statistics.median_low(meds))
+    samples = detail["samples_per_step"]
+    out = dict(detail)
+    pred = dict(detail.get("prediction") or {})
+    if pred.get("step_time"):
+        pred["error"] = (pred["step_time"] - median) / median
+    thr = [samples / m for m in meds]
+    out.update({
+        "median_step_s": median, "throughput_samples_s": samples / median,
+        "rounds": len(per_round), "detail_round": detail_i,
+        "round_median_step_s": [r.get("median_step_s") if r else None for r in per_round],
+        "round_throughput_samples_s": [r.get("throughput_samples_s") if r else None for r in per_round],
+        "median_step_s_min": min(meds), "median_step_s_max": max(meds),
+        "throughput_samples_s_min": min(thr), "throughput_samples_s_max": max(thr),
+        "step_times_s": [t for _, r in valid for t in r["step_times_s"]],
+        "timed_steps": sum(r["timed_steps"] for _, r in valid),
+        "prediction": pred,
+    })
+    return out
+
+
+def analyse_all(out: Path, a, jobs: list[dict]) -> dict:
+    """runs[config][schedule]: each schedule's runs in a config, one per round as found on disk
+    (``round_dirs``: so --analyze-only reads either layout whatever --rounds says), combined."""
+    link_bw = 1.25e9 if a.no_shape else parse_rate(a.rate)
+    runs = {}
+    for job in {(j["config"], j["schedule"]): j for j in jobs}.values():
+        found = round_dirs(out / "runs" / job["config"] / job["schedule"])
+        per_round = [None] * (found[-1][0] + 1)
+        for rnd, d in found:
+            per_round[rnd] = analyse_job(d, job, a, link_bw)
+        r = combine_rounds(per_round)
+        if r is not None:
+            runs.setdefault(job["config"], {})[job["schedule"]] = r
+    return runs

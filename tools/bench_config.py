@@ -1,0 +1,144 @@
+"""The command line of tools/bench.py and the record of it in results.json."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench_runs import round_orders
+
+DEFAULT_SCHEDULES = "dp,gpipe,1f1b,hippie,hippie-1f1b"
+
+
+def parse_args(argv=None):
+    """The command line of tools/bench.py (``--help``), checked; adds ``schedule_list``, ``plans``, ``sizes``."""
+    p = argparse.ArgumentParser(
+        prog="tools/bench.py",
+        description="hippie-ds benchmark report: DP, GPipe+DP, stock 1F1B, hippie, hippie-1f1b (and any schedule by "
+                    "name) on an emulated two-node cluster (network namespaces, shaped link; needs root), plus a "
+                    "simulator projection to 16/64/1,024 V100s. Writes results.json, report.md and PNG plots.",
+        epilog="example: sudo .venv/bin/python tools/bench.py --out out/bench --publish docs/bench",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_run_arguments(p)
+    _add_model_arguments(p)
+    _add_cluster_arguments(p)
+    _add_projection_arguments(p)
+    a = p.parse_args(argv)
+    _check(p, a)
+    return a
+
+
+def _add_run_arguments(p: argparse.ArgumentParser):
+    """What runs and where its results go: output, schedules and their plans, steps, rounds."""
+    p.add_argument("--out", default="out/bench", help="output directory")
+    p.add_argument("--publish", default=None, metavar="DIR",
+                   help="also copy report.md, results.json and the plots to DIR (e.g. docs/bench)")
+    p.add_argument("--schedules", default=DEFAULT_SCHEDULES,
+                   help="comma list: dp, 1f1b (stock DeepSpeed), hds-1f1b (hippie-ds's 1F1B), gpipe, hippie, "
+                        "hippie-1f1b, or any schedule name hippie-ds knows (configs/NAME.json is used if present)")
+    p.add_argument("--plan", action="append", default=[], metavar="SCHEDULE=PLAN_FILE",
+                   help="planner layout for a schedule's two-node run (stage boundaries and re-computed layers via "
+                        "hippie_ds.PipelineModule(plan=...); the plan's batch settings are not applied; the one-node "
+                        "run keeps --partition-method, a plan being made for one world size); repeatable")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per schedule and run (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule (per run)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the two-node runs: each round runs every schedule once (its own job: warm-up + "
+                        "--steps), the order rotated each round; figures are medians over rounds, ratios to 1F1B/DP "
+                        "taken per round with their min-max spread (1: one run per schedule); one-node and "
+                        "one-device runs run once")
+
+
+def _add_model_arguments(p: argparse.ArgumentParser):
+    """The model and the pipeline (the same for every schedule)."""
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks per node")
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per replica and step")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--d-model", type=int, default=320)
+    p.add_argument("--heads", type=int, default=5)
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--partition-method", default="uniform", help="PipelineModule partition_method without a plan")
+    p.add_argument("--auto-plan", action="store_true",
+                   help="profile the model here (hippie-ds profile) and give hippie, hippie-1f1b, 2bw and pipedream "
+                        "their planner-chosen layout (boundaries and re-computation for ME) in the two-node run")
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser):
+    """The emulated cluster, the reference runs and the prediction's link figures."""
+    p.add_argument("--rate", default="1gbit", help="tc tbf rate of each veth end")
+    p.add_argument("--no-shape", action="store_true", help="do not shape the link")
+    p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1 (taskset)")
+    p.add_argument("--port", type=int, default=29610, help="first master port (one per job)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds before one job is killed")
+    p.add_argument("--no-scaling", action="store_true", help="skip the one-node runs (no scaling efficiency)")
+    p.add_argument("--no-single", action="store_true", help="skip the one-device run (no scalability / ME)")
+    p.add_argument("--link-efficiency", type=float, default=0.91,
+                   help="all-reduce bandwidth / shaped rate for the prediction (the brief: 64 MB in 561 ms at 1 Gbit/s)")
+    p.add_argument("--intra-allreduce-bandwidth", type=float, default=1.1e9,
+                   help="bytes/s of an all-reduce inside a node (prediction of one-node DP; the brief: 64 MB in ~60 ms)")
+    p.add_argument("--p2p-bandwidth", type=float, default=4e9, help="bytes/s of a pipeline send inside a node "
+                                                                     "(the brief: 4 MB in ~1 ms)")
+    p.add_argument("--p2p-latency", type=float, default=2e-4, help="seconds per pipeline send inside a node")
+
+
+def _add_projection_arguments(p: argparse.ArgumentParser):
+    """The projection, and re-analysing an earlier run."""
+    p.add_argument("--no-projection", action="store_true", help="skip the projection")
+    p.add_argument("--projection-only", action="store_true", help="only the projection (no root, no namespaces)")
+    p.add_argument("--projection-sizes", default="16,64,1024", help="cluster sizes (GPUs)")
+    p.add_argument("--projection-depth", type=int, default=None,
+                   help="pipeline stages for the pipeline schedules (default: GPUs per node; 0: planner's choice)")
+    p.add_argument("--projection-objective", choices=("throughput", "me"), default="throughput",
+                   help="what the planner maximizes for each pipeline schedule")
+    p.add_argument("--projection-batch", type=int, default=0,
+                   help="samples per GPU (global batch = this x GPUs); 0: the profile's batch")
+    p.add_argument("--analyze-only", action="store_true", help="only re-analyse OUT/runs of an earlier run (no root)")
+
+
+def _check(p: argparse.ArgumentParser, a):
+    """Derived settings (schedule list, plans, projection sizes) and the errors argparse cannot see."""
+    a.schedule_list = [s.strip() for s in a.schedules.split(",") if s.strip()]
+    if not a.schedule_list:
+        p.error("--schedules: empty")
+    if len(set(a.schedule_list)) != len(a.schedule_list):
+        p.error("--schedules: a schedule is named twice")
+    a.plans = {}
+    for item in a.plan:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--plan {item!r}: expected SCHEDULE=PLAN_FILE")
+        if name == "dp":
+            p.error("--plan: dp has no pipeline layout")
+        a.plans[name] = str(Path(path).resolve())
+    if a.d_model % a.heads:
+        p.error("--d-model must be a multiple of --heads")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    try:
+        a.sizes = [int(x) for x in a.projection_sizes.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--projection-sizes {a.projection_sizes!r}: expected integers, e.g. 16,64,1024")
+
+
+def parameter_count(a) -> int:
+    """Parameters of the worker's GPT-like model (tools/bench_model.py) at the shape of ``a``:
+    embeddings, ``layers`` pre-LN blocks (attention + 4x MLP, 12 d^2 + 13 d each), the final
+    LayerNorm and the untied head."""
+    block = 12 * a.d_model ** 2 + 13 * a.d_model
+    return (a.vocab + a.seq) * a.d_model + a.layers * block + 2 * a.d_model + a.d_model * a.vocab
+
+
+def config_record(a) -> dict:
+    """What results.json records of the command line."""
+    total = parameter_count(a)
+    return {"stages": a.stages, "micro_batches": a.micro_batches, "micro_batch_size": a.micro_batch_size,
+            "global_batch": a.micro_batch_size * a.micro_batches * 2, "seq": a.seq, "d_model": a.d_model,
+            "layers": a.layers, "vocab": a.vocab, "heads": a.heads, "warmup": a.warmup, "steps": a.steps,
+            "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else f"tbf {a.rate}",
+            "link_efficiency": a.link_efficiency, "cores": a.cores, "schedules": a.schedule_list,
+            "plans": a.plans, "rounds": a.rounds, "round_orders": round_orders(a.schedule_list, a.rounds),
+            "command": " ".join(["tools/bench.py"] + sys.argv[1:])}
+
+
