@@ -4,6 +4,8 @@ side: pipe buffers, the received gradient (``grad_layer``), the loss slots and D
 backward hooks."""
 from __future__ import annotations
 
+from deepspeed.utils import logger
+
 from .schedules.ir import CompiledSchedule
 from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage, check_torch_version
 
@@ -18,8 +20,15 @@ class SplitBackwardMixin:
         self._pending_weight_grads: dict[int, PendingWeightGrad] = {}
         self._loss_scaled_by_us = False
         self._coverage_checked = False
+        # DeepSpeed's activation checkpoint refuses autograd.grad(): with it, B runs the whole
+        # backward (DeepSpeed's own) and W has nothing left; values and order stay 1F1B's.
+        self._whole_backward_in_input = getattr(self.module, "activation_checkpoint_interval", 0) > 0
         if compiled.splits_backward:
             check_torch_version()
+            if self._whole_backward_in_input and self.global_rank == 0:
+                logger.info(f"hippie-ds: schedule {compiled.name!r} with activation_checkpoint_interval = "
+                            f"{self.module.activation_checkpoint_interval}: backward_input runs the whole backward "
+                            "(DeepSpeed's checkpoint needs it), backward_weight has nothing left to do")
             if self.is_pipe_partitioned or self.is_grad_partitioned:
                 raise ValueError(f"schedule {compiled.name!r} splits the backward, which does not support "
                                  "partitioned pipeline activations or gradients (tensor-slice parallelism)")
@@ -35,6 +44,9 @@ class SplitBackwardMixin:
 
     def _exec_backward_input_pass(self, buffer_id):
         """Roughly: ``buffers['inputs'][buf].grad = d out / d inputs`` (no parameter gradients)."""
+        if self._whole_backward_in_input:
+            self._exec_backward_pass(buffer_id)
+            return
         if self.is_last_stage():
             # DeepSpeedEngine.backward's scaling; its per-tensor hook must not scale again
             outputs, grads = self._losses.pop(buffer_id) / self.gradient_accumulation_steps(), None
@@ -60,6 +72,8 @@ class SplitBackwardMixin:
 
     def _exec_backward_weight_pass(self, buffer_id):
         """Roughly: ``grads += d out / d params`` of the buffer's micro-batch; frees what I kept."""
+        if self._whole_backward_in_input:
+            return
         # A stage without input gradients runs its whole backward here, through DeepSpeed's hooks.
         self._running_engine_backward = True
         self._loss_scaled_by_us = self.is_last_stage()

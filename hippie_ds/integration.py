@@ -185,11 +185,6 @@ def _check_split_backward(model: PipelineModule, compiled, config_class) -> None
     if precision:
         raise ConfigError(f"schedule {compiled.name!r} splits the backward (backward_input / backward_weight), "
                           f"which runs fp32 without ZeRO only; got {', '.join(precision)}")
-    if getattr(model, "activation_checkpoint_interval", 0) > 0:
-        raise ConfigError(f"schedule {compiled.name!r} splits the backward, which DeepSpeed's activation "
-                          f"checkpointing (PipelineModule activation_checkpoint_interval = "
-                          f"{model.activation_checkpoint_interval}) refuses: it needs loss.backward(), not "
-                          "autograd.grad(); use a hippie-ds plan's per-layer re-computation instead")
     try:
         check_torch_version()
     except ImportError as exc:

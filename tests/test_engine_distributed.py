@@ -158,18 +158,19 @@ def test_flush_applies_pending_gradient(tmp_path):
                   "stage 1 unaffected by the flush")
 
 
-def test_checkpoint_resume_with_pending_gradient(tmp_path):
-    common = ("--stages", 2, "--micro-batches", 3, "--engines", "hippie", "--deferred", "0", "--optimizer", "AdamW",
+@pytest.mark.parametrize("name", ["hippie", "hippie-zb"])
+def test_checkpoint_resume_with_pending_gradient(tmp_path, name):
+    common = ("--stages", 2, "--micro-batches", 3, "--engines", name, "--deferred", "0", "--optimizer", "AdamW",
               "--lr", 0.01)
     rc, log, _ = launch(4, tmp_path / "full", *common, "--steps", 5)
     assert rc == 0, log[-4000:]
     rc, log, _ = launch(4, tmp_path / "part", *common, "--steps", 5, "--checkpoint-at", 3)
     assert rc == 0, log[-4000:]
-    rc, log, _ = launch(4, tmp_path / "resumed", *common, "--steps", 5, "--resume", tmp_path / "part" / "hippie" / "ckpt")
+    rc, log, _ = launch(4, tmp_path / "resumed", *common, "--steps", 5, "--resume", tmp_path / "part" / name / "ckpt")
     assert rc == 0, log[-4000:]
-    full, full_losses, *_ = collect(tmp_path / "full", "hippie")
-    _, part_losses, *_ = collect(tmp_path / "part", "hippie")
-    resumed, resumed_losses, *_ = collect(tmp_path / "resumed", "hippie")
+    full, full_losses, *_ = collect(tmp_path / "full", name)
+    _, part_losses, *_ = collect(tmp_path / "part", name)
+    resumed, resumed_losses, *_ = collect(tmp_path / "resumed", name)
     _assert_equal(full, resumed, "resumed vs uninterrupted")
     for rank, losses in full_losses.items():
         assert part_losses[rank] + resumed_losses[rank] == losses
