@@ -22,7 +22,8 @@ from .check_common import Problem, problem, scenario_ops, scenarios, unique  # n
 from .deadlock import _Simulation
 from .ir import ALLREDUCE_TARGETS, BUFFER_KINDS, CompiledSchedule, OpKind
 from .spec import ScheduleError
-from .stage_checks import _ContinuousStageChecker, _StageChecker
+from .continuous_checks import ContinuousStageChecker
+from .stage_checks import _StageChecker
 
 _MAX_LISTED = 20
 
@@ -53,7 +54,7 @@ def check(compiled: CompiledSchedule, iterations: int = 2) -> list[Problem]:
         for scenario in scenarios(compiled, iterations):
             problems += _Simulation(compiled, iterations, scenario).run()
             for s in range(compiled.stages):
-                problems += _ContinuousStageChecker(compiled, s, scenario).run()
+                problems += ContinuousStageChecker(compiled, s, scenario).run()
         return unique(problems)
     problems += _Simulation(compiled, iterations).run()
     for s in range(compiled.stages):
@@ -98,7 +99,7 @@ def weight_versions(compiled: CompiledSchedule, iterations: int = 2) -> list[int
     peaks = [1] * compiled.stages
     for scenario in scenarios(compiled, iterations):
         for s in range(compiled.stages):
-            checker = _ContinuousStageChecker(compiled, s, scenario)
+            checker = ContinuousStageChecker(compiled, s, scenario)
             checker.run()
             peaks[s] = max(peaks[s], checker.peak_versions)
     return peaks

@@ -1,0 +1,191 @@
+"""Continuous (``steady_state``) schedules: the pipeline stays full across ``train_batch`` calls.
+Batch b's ops sit ``period`` steps after batch b-1's on an endless per-stage timeline; a call
+runs one window of it, and ``drain`` completes the batches still in flight. Pure Python."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS
+from .placement import eval_expr, int_expr, lower_stage, place_compute
+from .spec import ComputeRule, ScheduleError, ScheduleSpec
+
+
+def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, resolved: dict, env: dict,
+                        source: str) -> CompiledSchedule:
+    """Batch b's ops sit ``period`` steps after batch b-1's on an endless per-stage timeline;
+    a call runs one window of it. Lowering (loads, receives, sends) runs on the timeline, so a
+    send that follows the last op of a window lands at the start of the next one."""
+    name = spec.name
+    ss = spec.steady_state
+    _check_continuous_spec(spec)
+    period = int_expr(ss.period, env, f"schedule {name!r} steady_state.period")
+    if period < 1:
+        raise ScheduleError(f"schedule {name!r}: steady_state.period = {period}: must be >= 1")
+
+    streams, drains, num_buffers, updates = [], [], [], []
+    for s in range(stages):
+        stage_env = dict(env, stage=s)
+        offset = int_expr(ss.offset, stage_env, f"schedule {name!r} steady_state.offset")
+        placed = place_compute(spec, s, env)
+        if not placed:
+            raise ScheduleError(f"schedule {name!r}: stage {s} has no compute ops for "
+                                f"{stages} stages x {micro_batches} micro-batches")
+        first, last = min(placed), max(placed)
+        if first < offset:
+            op = placed[first][0]
+            raise ScheduleError(f"schedule {name!r}: stage {s} places {op.kind.value}(mb={op.micro_batch}) at step "
+                                f"{first}, before its window starts (steady_state.offset = {offset}): a batch's ops "
+                                "must not run in an earlier call than its own")
+        depth = max(0, (last - offset) // period)  # earlier batches with ops in a call's window
+        versioned = [op.version is not None for op, _ in placed.values()]
+        if any(versioned) and not all(versioned):
+            raise ScheduleError(f"schedule {name!r}: stage {s}: either every compute op declares a version or none")
+        timeline, epilogue_at = _continuous_timeline(spec, s, stages, env, placed, period, depth)
+        base = (depth + 2) * period
+        window = [timeline.get(base + offset + t, []) for t in range(period)]
+        u = sum(1 for step in timeline.values() for op in step if op.kind in UPDATE_KINDS and op.batch == 0)
+        if any(versioned):
+            if u == 0:
+                raise ScheduleError(f"schedule {name!r}: stage {s} declares weight versions but never updates")
+            window = _weight_ops(window, u, depth, s)
+        slots, n = _continuous_buffers(timeline, micro_batches, period, name, s)
+        window = [[replace(op, step=t, buffer=slots[op.micro_batch]) if op.micro_batch is not None
+                   else replace(op, step=t) for op in step] for t, step in enumerate(window)]
+        drain: list[list[Op]] = []
+        for k in range(depth + 1):
+            for step in window:
+                drain.append([replace(op, step=len(drain), batch=op.batch + k) for op in step if op.batch + k < 0])
+        while drain and not drain[-1]:
+            drain.pop()
+        streams.append(window)
+        drains.append(drain)
+        num_buffers.append(n)
+        updates.append(u)
+    length = max(len(d) for d in drains)
+    drains = [d + [[] for _ in range(length - len(d))] for d in drains]
+    return CompiledSchedule(name=name, stages=stages, micro_batches=micro_batches, params=resolved, streams=streams,
+                            num_buffers=num_buffers, source=source, description=spec.description,
+                            uses_tied_reduction=False, continuous=True, drain=drains, updates_per_batch=updates,
+                            period=period)
+
+
+def _check_continuous_spec(spec: ScheduleSpec) -> None:
+    """What a steady state forbids: a prologue, fixed steps, flush-style epilogue ops, split
+    backwards, and 'after' ops other than the per-micro-batch all-reduce and update."""
+    name = spec.name
+    if spec.prologue:
+        raise ScheduleError(f"schedule {name!r}: prologue is not allowed with steady_state (no call starts "
+                            "the pipeline afresh); use epilogue or a compute rule's 'after'")
+    if spec.steps is not None:
+        raise ScheduleError(f"schedule {name!r}: steps is not allowed with steady_state (a call is "
+                            "steady_state.period steps)")
+    for i, p in enumerate(spec.epilogue):
+        if p.at != "stage_end":
+            raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): at: {p.at} is not allowed with "
+                                "steady_state; a batch's epilogue runs at the stage's end of that batch")
+        if p.kind in (OpKind.OPTIMIZER_STEP, OpKind.REDUCE_TIED_GRADS, OpKind.APPLY_BUFFERED_UPDATE,
+                      OpKind.COPY_GRADS_TO_BUFFER, OpKind.REDUCE_GRADS):
+            raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): not allowed with steady_state; "
+                                "allowed: start_allreduce/wait_allreduce (grads), stage_optimizer_step, wait_sends")
+    for i, rule in enumerate(spec.compute):
+        if rule.op in (OpKind.BACKWARD_INPUT.value, OpKind.BACKWARD_WEIGHT.value):
+            raise ScheduleError(f"schedule {name!r} compute[{i}] ({rule.op}): a split backward is not supported "
+                                "with steady_state (only in flush schedules)")
+        for p in rule.after:
+            if p.kind not in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE, OpKind.STAGE_OPTIMIZER_STEP) or \
+                    p.target == "buffer":
+                raise ScheduleError(f"schedule {name!r} compute[{i}].after ({p.op}): not allowed; allowed: "
+                                    "start_allreduce/wait_allreduce (target grads), stage_optimizer_step")
+
+
+def _continuous_timeline(spec, s, stages, env, placed, period, depth):
+    """Stage s's lowered ops of batches -(depth+2)..1 on one timeline (keys: global step)."""
+    base = (depth + 2) * period
+    merged: dict[int, tuple[Op, ComputeRule]] = {}
+    for b in range(-(depth + 2), 2):
+        for x, (op, rule) in placed.items():
+            t = base + x + b * period
+            if t in merged:
+                other = merged[t][0]
+                raise ScheduleError(f"schedule {spec.name!r}: stage {s}: steady state puts {op.kind.value}"
+                                    f"(mb={op.micro_batch}) of one batch and {other.kind.value}(mb={other.micro_batch}) "
+                                    f"of another in the same step; one compute op per step (period "
+                                    f"{period} too short?)")
+            merged[t] = (replace(op, step=t, batch=b), rule)
+    lowered = lower_stage(merged, stages)
+    # 'after' ops right after their compute op's step (after its same-step sends)
+    for t, (op, rule) in merged.items():
+        lowered[t].extend(Op(p.kind, s, t, target=p.target, batch=op.batch) for p in rule.after
+                          if eval_expr(p.when, dict(env, stage=s), f"schedule {spec.name!r} compute after when"))
+    # each batch's epilogue right after the stage's last compute op of that batch (its sends,
+    # in the next step, do not depend on the weights)
+    ends: dict[int, int] = {}
+    for t, (op, _) in merged.items():
+        ends[op.batch] = max(ends.get(op.batch, t), t)
+    stage_env = dict(env, stage=s)
+    for b, t in sorted(ends.items()):
+        for i, p in enumerate(spec.epilogue):
+            if eval_expr(p.when, stage_env, f"schedule {spec.name!r} epilogue[{i}] when"):
+                lowered[t].append(Op(p.kind, s, t, target=p.target, batch=b))
+    has_isend = any(op.kind in SEND_KINDS and not op.blocking for ops in lowered.values() for op in ops)
+    if has_isend:
+        raise ScheduleError(f"schedule {spec.name!r}: non-blocking sends are not supported with steady_state")
+    return lowered, ends
+
+
+def _weight_ops(window: list[list[Op]], u: int, depth: int, s: int) -> list[list[Op]]:
+    """Add stash_weights before an update whose current version a later op still uses, and
+    free_weights after the last use of a stashed version. Versions are relative to the call
+    (batch b's version d is b * u + d); the next call sees this call's version v as v - u."""
+    flat = [(t, op) for t, step in enumerate(window) for op in step]
+    uses = [(i, op.batch * u + op.version) for i, (_, op) in enumerate(flat)
+            if op.kind in COMPUTE_KINDS and op.version is not None]
+    # updates of earlier batches still to come in this call or later ones
+    count = -sum(1 for _, op in flat for k in range(depth + 1) if op.kind in UPDATE_KINDS and op.batch < -k)
+
+    def used_later(i: int, v: int) -> bool:  # by a later op of this call, or by any op of a later call
+        return any((j > i and a == v) or (v - a > 0 and (v - a) % u == 0) for j, a in uses)
+
+    out: list[list[Op]] = [[] for _ in window]
+    for i, (t, op) in enumerate(flat):
+        if op.kind in UPDATE_KINDS:
+            if used_later(i, count):
+                out[t].append(Op(OpKind.STASH_WEIGHTS, s, t, batch=op.batch, version=count - op.batch * u))
+            count += 1
+        out[t].append(op)
+        if op.kind in COMPUTE_KINDS and op.version is not None:
+            v = op.batch * u + op.version
+            if v < count and not used_later(i, v):
+                out[t].append(Op(OpKind.FREE_WEIGHTS, s, t, batch=op.batch, version=op.version))
+    return out
+
+
+def _continuous_buffers(timeline: dict[int, list[Op]], micro_batches: int, period: int, name: str, s: int):
+    """Slot per micro-batch index, the same in every batch: mb % n, conflict-free on the timeline."""
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    for i, op in enumerate(op for t in sorted(timeline) for op in timeline[t]):
+        if op.micro_batch is None:
+            continue
+        key = (op.batch, op.micro_batch)
+        first.setdefault(key, i)
+        last[key] = i
+    events = sorted([(first[k], 1) for k in first] + [(last[k], -1) for k in first], key=lambda e: (e[0], -e[1]))
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    for n in range(max(2, peak), max(2, peak, micro_batches) + 1):
+        holder: dict[int, tuple] = {}
+        ok = True
+        for key in sorted(first, key=first.get):
+            b = key[1] % n
+            if b in holder and last[holder[b]] >= first[key]:
+                ok = False
+                break
+            holder[b] = key
+        if ok:
+            return {m: m % n for m in range(micro_batches)}, n
+    raise ScheduleError(f"schedule {name!r}: stage {s}: a micro-batch stays in flight longer than a batch "
+                        f"(steady_state.period = {period} steps): its pipeline buffer would be reused by the same "
+                        "micro-batch index of the next batch; use more micro-batches")

@@ -1,0 +1,218 @@
+"""The validator's per-stage analysis of continuous schedules (2bw, pipedream): one stage over a
+whole scenario of calls and drains. Pure Python."""
+from __future__ import annotations
+
+from .check_common import Problem, problem, scenario_ops, short
+from .ir import BUFFER_KINDS, COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind
+
+
+class ContinuousStageChecker:
+    """Data flow, buffer slots, gradients and weight versions of one stage of a continuous
+    schedule over a scenario. Micro-batches are (batch, mb) pairs; every batch a call starts
+    must be completed, at the latest by the drain. Weight versions: a stage's version counts its
+    updates; an op of batch b declaring version d uses b * updates_per_batch + d (below 0: the
+    initial weights, i.e. version 0). A compute op must find its version current or stashed;
+    a backward must use its forward's version; stash_weights keeps the current version;
+    free_weights drops a stashed one, after which no op may use it."""
+
+    def __init__(self, compiled: CompiledSchedule, stage: int, scenario):
+        self.c = compiled
+        self.s = stage
+        self.K = compiled.stages
+        self.M = compiled.micro_batches
+        self.U = compiled.updates_per_batch[stage] if compiled.updates_per_batch else 0
+        self.seq = scenario_ops(compiled, stage, scenario)
+        self.scenario = scenario
+        self.problems: list[Problem] = []
+        self.peak_versions = 1
+        # data flow, per (batch, mb)
+        self.loaded, self.recv_act, self.recv_grad, self.bwd = set(), set(), set(), set()
+        self.fwd: dict[tuple, int | None] = {}  # -> the weight version its forward used
+        self.last_load = None
+        self.started: set[int] = set()  # batches with at least one op
+        # gradients and weight versions
+        self.grads: set = set()  # (batch, mb) accumulated since the last update
+        self.reducing = False
+        self.count = 0  # updates so far: the current version
+        self.stashed: set[int] = set()
+        self.freed: dict[int, Op] = {}
+
+    def _add(self, op: Op, reason: str) -> None:
+        self.problems.append(problem(op, reason, stage=self.s))
+
+    def _phase(self, phase: int) -> str:
+        kind, t = self.scenario[phase]
+        return f"train_batch call {t + 1}" if kind == "call" else f"the drain after call {t}"
+
+    def run(self) -> list[Problem]:
+        self._check_slots()
+        for _, batch, op in self.seq:
+            if op.micro_batch is not None:
+                if not 0 <= op.micro_batch < self.M:
+                    self._add(op, f"micro-batch {op.micro_batch} outside 0..{self.M - 1}")
+                    continue
+                self.started.add(batch)
+            self._data_flow(op, batch)
+            if op.kind in COMPUTE_KINDS:
+                self._compute(op, batch)
+            elif op.kind in (OpKind.STASH_WEIGHTS, OpKind.FREE_WEIGHTS):
+                self._weights(op, batch)
+            else:
+                self._gradients(op, batch)
+            self.peak_versions = max(self.peak_versions, len(self.stashed - {self.count}) + 1)
+        self._finish()
+        return self.problems
+
+    def _data_flow(self, op: Op, batch: int) -> None:
+        kind, key = op.kind, (batch, op.micro_batch)
+        if kind == OpKind.LOAD:
+            if key in self.loaded:
+                self._add(op, f"micro-batch {op.micro_batch} of batch {batch} loaded twice")
+            if self.last_load is not None and key < self.last_load:
+                self._add(op, f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
+                              f"{self.last_load[1]} of batch {self.last_load[0]}: the data iterator is read out of "
+                              "order")
+            self.loaded.add(key)
+            self.last_load = key
+        elif kind == OpKind.RECV_ACTIVATION:
+            self.recv_act.add(key)
+        elif kind == OpKind.RECV_GRAD:
+            self.recv_grad.add(key)
+        elif kind == OpKind.SEND_ACTIVATION and key not in self.fwd:
+            self._add(op, f"sends micro-batch {op.micro_batch}'s activation before its forward")
+        elif kind == OpKind.SEND_GRAD and key not in self.bwd:
+            self._add(op, f"sends micro-batch {op.micro_batch}'s gradient before its backward")
+
+    def _version_used(self, op: Op, batch: int) -> int | None:
+        """The absolute weight version a compute op uses, checked to be current or stashed."""
+        if op.version is None:
+            return None
+        version = max(0, batch * self.U + op.version)
+        if version > self.count:
+            self._add(op, f"uses weight version {version}, which does not exist yet (the stage has "
+                          f"applied {self.count} update(s))")
+        elif version < self.count and version not in self.stashed:
+            if version in self.freed:
+                f = self.freed[version]
+                self._add(op, f"uses weight version {version}, freed while needed (free_weights at "
+                              f"step {f.step}{self._where(f)})")
+            else:
+                self._add(op, f"uses weight version {version}, which was updated in place and never "
+                              "stashed (stash_weights missing before the update)")
+        return version
+
+    def _compute(self, op: Op, batch: int) -> None:
+        kind, key, mb = op.kind, (batch, op.micro_batch), op.micro_batch
+        version = self._version_used(op, batch)
+        if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
+            if key in self.fwd:
+                self._add(op, f"micro-batch {mb} of batch {batch} forwarded twice")
+            if self.s > 0 and key not in self.recv_act:
+                self._add(op, f"forward of micro-batch {mb} before its activation is received (recv_activation)")
+            if self.s in (0, self.K - 1) and key not in self.loaded:
+                what = "inputs" if self.s == 0 else "labels"
+                self._add(op, f"forward of micro-batch {mb} before its {what} are loaded (load_micro_batch)")
+            self.fwd[key] = version
+        if kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD):
+            if kind == OpKind.BACKWARD and key not in self.fwd:
+                self._add(op, f"backward of micro-batch {mb} before its forward")
+            elif kind == OpKind.BACKWARD and self.fwd[key] != version:
+                self._add(op, f"backward of micro-batch {mb} of batch {batch} uses weight version "
+                              f"{version}, its forward used {self.fwd[key]}")
+            if key in self.bwd:
+                self._add(op, f"micro-batch {mb} of batch {batch} backwarded twice")
+            if self.s < self.K - 1 and key not in self.recv_grad:
+                self._add(op, f"backward of micro-batch {mb} before its output gradient is received (recv_grad)")
+            if self.reducing:
+                self._add(op, "backward while the gradients' all-reduce is in flight")
+            self.bwd.add(key)
+            self.grads.add(key)
+
+    def _weights(self, op: Op, batch: int) -> None:
+        if op.kind == OpKind.STASH_WEIGHTS:
+            version = max(0, batch * self.U + op.version)
+            if version != self.count:
+                self._add(op, f"stash_weights of version {version}, but the current version is {self.count}")
+            self.stashed.add(version)
+            self.freed.pop(version, None)
+            return
+        version = batch * self.U + op.version
+        if version >= 0:  # below 0: the initial weights, freed as version 0
+            if version not in self.stashed:
+                self._add(op, f"free_weights of version {version}, which is not stashed")
+            self.stashed.discard(version)
+            self.freed[version] = op
+
+    def _gradients(self, op: Op, batch: int) -> None:
+        kind = op.kind
+        if kind == OpKind.START_ALLREDUCE:
+            if op.target != "grads":
+                self._add(op, "only target grads is supported in continuous schedules")
+            if self.reducing:
+                self._add(op, "start_allreduce(grads) while the previous one is still in flight")
+            self.reducing = True
+        elif kind == OpKind.WAIT_ALLREDUCE:
+            if not self.reducing:
+                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+            self.reducing = False
+        elif kind in UPDATE_KINDS:
+            if self.reducing:
+                self._add(op, f"{kind.value} before the gradients it applies are reduced (their all-reduce "
+                              "is still in flight)")
+            if not self.grads:
+                self._add(op, f"{kind.value} of batch {batch} with no gradients accumulated since the last update")
+            other = sorted({b for b, _ in self.grads if b != batch})
+            if other:
+                self._add(op, f"{kind.value} of batch {batch} applies gradients of batch(es) "
+                              f"{', '.join(map(str, other))} too")
+            self.grads = set()
+            self.count += 1
+
+    def _finish(self) -> None:
+        s = self.s
+        for b in sorted(self.started):
+            for m in range(self.M):
+                if (b, m) not in self.fwd:
+                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never forwarded"))
+                elif (b, m) not in self.bwd:
+                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never backwarded "
+                                                                "(lost: not completed by the drain)"))
+        if self.grads:
+            self.problems.append(Problem(s, None, None, f"gradients of {len(self.grads)} micro-batch(es) never "
+                                                        "applied (no update after their backward)"))
+        if self.reducing:
+            self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end"))
+
+    def _where(self, op: Op) -> str:
+        for phase, _, o in self.seq:
+            if o is op:
+                return f" of {self._phase(phase)}"
+        return ""
+
+    def _check_slots(self) -> None:
+        first: dict[tuple, int] = {}
+        last: dict[tuple, int] = {}
+        for i, (_, batch, op) in enumerate(self.seq):
+            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
+                first.setdefault((batch, op.micro_batch), i)
+                last[(batch, op.micro_batch)] = i
+        holder: dict[int, tuple] = {}
+        slot_of: dict[tuple, int] = {}
+        n = self.c.num_buffers[self.s]
+        for i, (_, batch, op) in enumerate(self.seq):
+            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
+                continue
+            key, b = (batch, op.micro_batch), op.buffer
+            if b is None or not 0 <= b < n:
+                self._add(op, f"buffer {b} outside 0..{n - 1} ({n} slots)")
+                continue
+            if key not in slot_of:
+                slot_of[key] = b
+                other = holder.get(b)
+                if other is not None and last[other] > i:
+                    later = self.seq[last[other]][2]
+                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other[1]} of "
+                                  f"batch {other[0]} (used again at step {later.step} by {short(later)})")
+                holder[b] = key
+            elif b != slot_of[key]:
+                self._add(op, f"micro-batch {op.micro_batch} in slot {b}, but its first op put it in slot {slot_of[key]}")

@@ -1,0 +1,94 @@
+"""Passes 2 and 3 of the compiler: place a stage's compute ops at their declared steps, then add
+the loads, receives and sends around them (DeepSpeed's order). Pure Python; shared by flush and
+continuous compilation."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .expr import ExpressionError
+from .ir import INPUT_GRAD_KINDS, Op, OpKind
+from .spec import ComputeRule, ScheduleError, ScheduleSpec
+
+_FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
+
+
+def eval_expr(expr, env: Mapping[str, Any], where: str):
+    try:
+        return expr.evaluate(env)
+    except ExpressionError as exc:
+        raise ScheduleError(f"{where}: {exc}") from None
+    except TypeError as exc:
+        raise ScheduleError(f"{where}: expression {expr.source!r} failed: {exc}") from None
+
+
+def int_expr(expr, env, where) -> int:
+    value = eval_expr(expr, env, where)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScheduleError(f"{where}: expression {expr.source!r} gave {value!r}, expected an integer")
+    return value
+
+
+def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[Op, ComputeRule]]:
+    placed: dict[int, tuple[Op, ComputeRule]] = {}
+    for i, rule in enumerate(spec.compute):
+        where = f"schedule {spec.name!r} compute[{i}] ({rule.op})"
+        for mb in range(env["micro_batches"]):
+            local = dict(env, stage=stage, mb=mb)
+            if not eval_expr(rule.when, local, where + " when"):
+                continue
+            step = int_expr(rule.at, local, where + " at")
+            if step < 0:
+                raise ScheduleError(f"{where}: stage {stage} micro-batch {mb} placed at step {step} < 0")
+            if step in placed:
+                other = placed[step][0]
+                raise ScheduleError(f"{where}: stage {stage} step {step}: {rule.op}(mb={mb}) collides with "
+                                    f"{other.kind.value}(mb={other.micro_batch}); one compute op per step")
+            version = None if rule.version is None else int_expr(rule.version, local, where + " version")
+            placed[step] = (Op(OpKind(rule.op), stage, step, mb, version=version), rule)
+    return placed
+
+
+def _sends_of(op: Op, rule: ComputeRule, stages: int, step: int) -> list[Op]:
+    """The send carrying ``op``'s result to its neighbour, if it has one."""
+    s = op.stage
+    if op.kind == OpKind.FORWARD and s < stages - 1:
+        kind = OpKind.SEND_ACTIVATION
+    elif op.kind in INPUT_GRAD_KINDS and s > 0:
+        kind = OpKind.SEND_GRAD
+    else:
+        return []
+    return [Op(kind, s, step, op.micro_batch, blocking=rule.send.blocking, batch=op.batch)]
+
+
+def _recvs_of(op: Op, stages: int) -> list[Op]:
+    s = op.stage
+    if op.kind in _FORWARD_LIKE and s > 0:
+        return [Op(OpKind.RECV_ACTIVATION, s, op.step, op.micro_batch, batch=op.batch)]
+    if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and s < stages - 1:
+        return [Op(OpKind.RECV_GRAD, s, op.step, op.micro_batch, batch=op.batch)]
+    return []
+
+
+def lower_stage(placed: dict[int, tuple[Op, ComputeRule]], stages: int) -> dict[int, list[Op]]:
+    """Steps (sparse) of compute with loads, receives and sends added."""
+    steps: dict[int, list[Op]] = {}
+    last = max(placed)
+    for t in range(last + 2):
+        cur = placed.get(t)
+        prev = placed.get(t - 1)
+        prev_sends = _sends_of(prev[0], prev[1], stages, t) if prev and prev[1].send.when == "next_step" else []
+        ops: list[Op] = []
+        if cur:
+            op, rule = cur
+            recvs = _recvs_of(op, stages)
+            ops += prev_sends + recvs if op.kind in _FORWARD_LIKE else recvs + prev_sends
+            if op.kind in _FORWARD_LIKE and op.stage in (0, stages - 1):
+                ops.append(Op(OpKind.LOAD, op.stage, t, op.micro_batch, batch=op.batch))
+            ops.append(op)
+            if rule.send.when == "same_step":
+                ops += _sends_of(op, rule, stages, t)
+        else:
+            ops += prev_sends
+        if ops:
+            steps[t] = ops
+    return steps
