@@ -602,9 +602,9 @@ def test_the_planner_asks_the_schedule(name):
                 assert list(t.in_flight) == [M] * K
             elif name == "hippie":
                 assert list(t.in_flight) == [M] * (K - 1) + [1]
-            elif name == "zb-h1":  # stage s postpones s W's: K micro-batches in flight everywhere
+            elif name in ("zb-h1", "hippie-zb"):  # stage s postpones s W's: K micro-batches in flight everywhere
                 assert list(t.in_flight) == [K] * K
-            assert t.defers == (name in ("hippie", "hippie-1f1b"))
+            assert t.defers == (name in ("hippie", "hippie-1f1b", "hippie-zb"))
             assert t.late_update == (name not in ("1f1b", "gpipe", "zb-h1"))
             assert t.weight_versions == ((2,) * K if name == "2bw" else t.weight_versions)
 

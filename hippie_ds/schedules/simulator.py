@@ -55,71 +55,16 @@ Figures (all of the last, steady-state iteration):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterator, Mapping, NamedTuple
+from typing import Iterator, Mapping
 
 from .costs import Costs
+from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
 from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, WEIGHT_GRAD_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
                  CompiledSchedule, Op, OpKind, op_name)
 
 
-class SimEvent(NamedTuple):
-    """One interval of a timeline. ``category`` 'comm' goes on the stage's communication track
-    (all-reduces, non-blocking sends in flight); every other category is the stage's stream."""
-
-    stage: int
-    name: str
-    category: str
-    start: float
-    end: float
-    micro_batch: int | None
-
-
-# ---------------------------------------------------------------------------------------------
-# Results
-
 _FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
-
-
-@dataclass
-class SimResult:
-    schedule: str
-    stages: int
-    micro_batches: int
-    params: dict
-    step_time: float
-    bubble_fraction: float
-    per_stage: list[dict]
-    throughput: float  # micro-batches per second over all data-parallel replicas
-    events: list[SimEvent] = field(repr=False)
-    data_parallel: int = 1
-    iterations: int = 1
-    allreduce_on_critical_path: float = 0.0  # step_time minus the step time with free all-reduces
-    # Per simulated call: end, step_time, and per stage its start/end and compute start/end.
-    timeline: list[dict] = field(default_factory=list, repr=False)
-
-    def to_dict(self, events: bool = True) -> dict:
-        out = {k: getattr(self, k) for k in ("schedule", "stages", "micro_batches", "params", "step_time",
-                                             "bubble_fraction", "throughput", "data_parallel", "iterations",
-                                             "allreduce_on_critical_path")}
-        out["per_stage"] = [dict(p) for p in self.per_stage]
-        out["timeline"] = [dict(t) for t in self.timeline]
-        if events:
-            out["events"] = [list(e) for e in self.events]
-        return out
-
-    def summary(self) -> str:
-        lines = [f"{self.schedule} {self.params}: {self.stages} stages x {self.micro_batches} micro-batches, "
-                 f"dp={self.data_parallel}: step {self.step_time:.6g} s, bubble {self.bubble_fraction:.1%}, "
-                 f"{self.throughput:.4g} micro-batches/s, all-reduce on critical path "
-                 f"{self.allreduce_on_critical_path:.6g} s",
-                 "stage      busy      idle  peak_mb  exp_allreduce  exp_p2p  exp_sync  allreduce  buffer_bytes"]
-        for p in self.per_stage:
-            lines.append(f"{p['stage']:5d} {p['busy']:9.4g} {p['idle']:9.4g} {p['peak_activation_microbatches']:8d} "
-                         f"{p['exposed_allreduce']:14.4g} {p['exposed_p2p']:8.4g} {p['exposed_sync']:9.4g} "
-                         f"{p['allreduce_time']:10.4g} {p['gradient_buffer_bytes']:13.4g}")
-        return "\n".join(lines)
 
 
 class _Acc:
@@ -235,41 +180,75 @@ class _Sim:
         k, acc, kind = self.k, self.acc[s][it], op.kind
         t0 = k.now
         if kind in COMPUTE_KINDS:
-            acc.versions = max(acc.versions, len(st.stashed) + 1)
-            if kind in _FORWARD_LIKE:  # its activations are held from the forward's start ...
-                st.live += 1
-                acc.peak = max(acc.peak, st.live)
-                if acc.first_forward is None:
-                    acc.first_forward = t0
-            yield self._compute_time(s, kind)
-            if kind in WEIGHT_GRAD_KINDS:  # ... until its parameter gradients are computed
-                st.live -= 1
-                acc.last_backward = k.now
-            acc.busy += k.now - t0
-            acc.compute_start = t0 if acc.compute_start is None else acc.compute_start
-            acc.compute_end = k.now
-        elif kind in SEND_KINDS or kind in RECV_KINDS:
-            channel, side = self._channel(s, kind)
+            yield from self._exec_compute(s, kind, st, acc)
+        elif kind in SEND_KINDS or kind in RECV_KINDS or kind == OpKind.WAIT_SENDS:
+            if (yield from self._exec_p2p(s, op, st, acc)):
+                return  # a non-blocking send: drawn on the comm track once it has completed
+        elif kind in PIPELINE_COLLECTIVE_KINDS:
+            yield from self._exec_collective(s, kind, st, acc)
+        else:
+            yield from self._exec_stage_op(s, it, op, st, acc)
+        self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
+
+    def _exec_compute(self, s: int, kind: OpKind, st: "_StageState", acc) -> Iterator:
+        k, t0 = self.k, self.k.now
+        acc.versions = max(acc.versions, len(st.stashed) + 1)
+        if kind in _FORWARD_LIKE:  # its activations are held from the forward's start ...
+            st.live += 1
+            acc.peak = max(acc.peak, st.live)
+            if acc.first_forward is None:
+                acc.first_forward = t0
+        yield self._compute_time(s, kind)
+        if kind in WEIGHT_GRAD_KINDS:  # ... until its parameter gradients are computed
+            st.live -= 1
+            acc.last_backward = k.now
+        acc.busy += k.now - t0
+        acc.compute_start = t0 if acc.compute_start is None else acc.compute_start
+        acc.compute_end = k.now
+
+    def _exec_p2p(self, s: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """Sends, receives and WAIT_SENDS; returns True for a non-blocking send (still in flight)."""
+        k, t0 = self.k, self.k.now
+        if op.kind == OpKind.WAIT_SENDS:
+            for tr in st.isends:
+                yield tr.done
+            st.isends = []
+        else:
+            channel, side = self._channel(s, op.kind)
             tr = channel.post(side, op.micro_batch)
             if side == "send" and not op.blocking:
                 st.isends.append(tr)
                 self.isend_events.append((s, op, t0, tr))
-                return  # drawn on the comm track once it has completed
+                return True
             yield tr.done
-            acc.p2p += k.now - t0
-        elif kind == OpKind.WAIT_SENDS:
-            for tr in st.isends:
-                yield tr.done
-            st.isends = []
-            acc.p2p += k.now - t0
-        elif kind == OpKind.START_ALLREDUCE:
+        acc.p2p += k.now - t0
+        return False
+
+    def _exec_collective(self, s: int, kind: OpKind, st: "_StageState", acc) -> Iterator:
+        """A stage's k-th pipeline collective waits for every stage's k-th."""
+        k, t0 = self.k, self.k.now
+        n = st.collective_count.get(kind, 0)
+        st.collective_count[kind] = n + 1
+        entry = self.collectives.setdefault((kind, n), [0, _Signal()])
+        entry[0] += 1
+        if entry[0] == self.K:
+            k.fire(entry[1])
+        yield entry[1]
+        acc.sync += k.now - t0
+        if kind == OpKind.OPTIMIZER_STEP:
+            yield self.costs.stages[s].optimizer_time
+
+    def _exec_stage_op(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """All-reduces, the gradient buffer, per-stage updates and weight versions; any other op
+        (loads, ops whose time is not modelled) takes no simulated time."""
+        k, t0, kind = self.k, self.k.now, op.kind
+        if kind == OpKind.START_ALLREDUCE:
             self._start_allreduce(s, op.target, st)
-        elif kind == OpKind.WAIT_ALLREDUCE:
-            yield from self._wait_allreduce(s, it, op.target, st)
-            acc.allreduce += k.now - t0
-        elif kind == OpKind.REDUCE_GRADS:
-            self._start_allreduce(s, "grads", st)
-            yield from self._wait_allreduce(s, it, "grads", st)
+        elif kind in (OpKind.WAIT_ALLREDUCE, OpKind.REDUCE_GRADS):
+            target = "grads" if kind == OpKind.REDUCE_GRADS else op.target
+            if kind == OpKind.REDUCE_GRADS:
+                self._start_allreduce(s, "grads", st)
+            yield from self._wait_allreduce(s, it, target, st)
             acc.allreduce += k.now - t0
         elif kind == OpKind.COPY_GRADS_TO_BUFFER:
             st.buffer_full = True
@@ -278,17 +257,6 @@ class _Sim:
             if st.buffer_full:  # nothing to apply at the first call
                 st.buffer_full = False
                 yield self.costs.stages[s].optimizer_time
-        elif kind in PIPELINE_COLLECTIVE_KINDS:
-            n = st.collective_count.get(kind, 0)
-            st.collective_count[kind] = n + 1
-            entry = self.collectives.setdefault((kind, n), [0, _Signal()])
-            entry[0] += 1
-            if entry[0] == self.K:
-                k.fire(entry[1])
-            yield entry[1]
-            acc.sync += k.now - t0
-            if kind == OpKind.OPTIMIZER_STEP:
-                yield self.costs.stages[s].optimizer_time
         elif kind == OpKind.STAGE_OPTIMIZER_STEP:
             yield self.costs.stages[s].optimizer_time
         elif kind == OpKind.STASH_WEIGHTS:  # a copy of the stage's weights; its time is not modelled
@@ -296,8 +264,6 @@ class _Sim:
             acc.versions = max(acc.versions, len(st.stashed) + 1)
         elif kind == OpKind.FREE_WEIGHTS:
             st.stashed.discard((it + op.batch) * self.updates[s] + op.version)
-        # any other op (loads, ops whose time is not modelled): no simulated time
-        self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
 
     # -- whole run -------------------------------------------------------------------------
     def run(self) -> None:
@@ -346,32 +312,8 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
     ends = [max(sim.ends[s][i] for s in range(K)) for i in range(iterations)]
     step_times = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, iterations)]
     step_time = step_times[last]
-    per_stage = []
-    for s in range(K):
-        a, sc = sim.acc[s][last], costs.stages[s]
-        ar_time = sum(ar.end - ar.start for ar in sim.allreduces if ar.stage == s and ar.iteration == last)
-        exposed = a.p2p + a.allreduce + a.sync
-        per_stage.append({
-            "stage": s, "busy": a.busy, "idle": step_time - a.busy,
-            "peak_activation_microbatches": a.peak, "peak_activation_bytes": a.peak * sc.saved_bytes,
-            "gradient_buffer_bytes": sc.param_bytes * sim.share[s, "buffer"] if sim.uses_buffer[s] else 0.0,
-            "delayed_fraction": sim.share[s, "buffer"] if sim.uses_buffer[s] else 0.0,
-            # weight versions held at once (1: just the current weights); the extra ones cost
-            # param_bytes each (2bw: one shadow copy; pipedream: stashed versions)
-            "weight_versions": a.versions, "extra_weight_bytes": (a.versions - 1) * sc.param_bytes,
-            "exposed_allreduce": a.allreduce, "exposed_p2p": a.p2p, "exposed_sync": a.sync, "exposed_comm": exposed,
-            "allreduce_time": ar_time,
-        })
-    timeline = []
-    for i in range(iterations):
-        accs = [sim.acc[s][i] for s in range(K)]
-        timeline.append({"iteration": i, "end": ends[i], "step_time": step_times[i],
-                         "stage_start": [sim.starts[s][i] for s in range(K)],
-                         "stage_end": [sim.ends[s][i] for s in range(K)],
-                         "compute_start": [a.compute_start for a in accs],
-                         "compute_end": [a.compute_end for a in accs],
-                         "first_forward": [a.first_forward for a in accs],
-                         "last_backward": [a.last_backward for a in accs]})
+    per_stage = per_stage_figures(sim, costs, step_time, last)
+    timeline = call_timeline(sim, ends, step_times)
     mean_busy = sum(p["busy"] for p in per_stage) / K
     bubble = 1.0 - mean_busy / step_time if step_time > 0 else 0.0
     r = costs.comm.data_parallel
