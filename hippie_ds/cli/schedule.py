@@ -23,13 +23,22 @@ def _schedule_parser(subparsers) -> None:
     p = subparsers.add_parser("schedule", help="list, show, validate, simulate and trace pipeline schedules",
                               description=SCHEDULE_HELP, formatter_class=_Formatter)
     sub = p.add_subparsers(dest="schedule_command", metavar="SUBCOMMAND", required=True)
+    _add_list_command(sub)
+    _add_show_command(sub)
+    _add_validate_command(sub)
+    _add_simulate_command(sub)
+    _add_trace_command(sub)
 
+
+def _add_list_command(sub) -> None:
     q = sub.add_parser("list", help="list the built-in schedules", formatter_class=_Formatter,
                        description="List the built-in schedules: name, parameters and the first sentence of "
                                    "the description.\n\nexample:\n  hippie-ds schedule list --long")
     q.add_argument("--long", "-l", action="store_true", help="print each full description and parameter help")
     q.set_defaults(func=_cmd_list)
 
+
+def _add_show_command(sub) -> None:
     q = sub.add_parser("show", help="print a compiled schedule, step by step", formatter_class=_Formatter,
                        description="Compile a schedule and print every stage's stream: one line per step with "
                                    "its operations (micro-batch, pipeline buffer, send mode, all-reduce "
@@ -42,6 +51,8 @@ def _schedule_parser(subparsers) -> None:
     _add_params(q)
     q.set_defaults(func=_cmd_show)
 
+
+def _add_validate_command(sub) -> None:
     q = sub.add_parser("validate", help="check a schedule for deadlocks and data-flow errors",
                        formatter_class=_Formatter,
                        description="Load, compile and check a schedule for K stages and M micro-batches: "
@@ -55,6 +66,8 @@ def _schedule_parser(subparsers) -> None:
     _add_params(q)
     q.set_defaults(func=_cmd_validate)
 
+
+def _add_simulate_command(sub) -> None:
     q = sub.add_parser("simulate", help="simulate schedules with a cost model: step time, bubble, memory",
                        formatter_class=_Formatter,
                        description="Simulate one or more schedules with a cost model (per-stage compute times "
@@ -76,6 +89,8 @@ def _schedule_parser(subparsers) -> None:
     q.add_argument("--json", action="store_true", help="print the results as JSON (without the event list)")
     q.set_defaults(func=_cmd_simulate)
 
+
+def _add_trace_command(sub) -> None:
     q = sub.add_parser("trace", help="simulate a schedule and write a Chrome trace and a PNG timeline",
                        formatter_class=_Formatter,
                        description="Simulate a schedule with a cost model (as `simulate` does) and write its "
