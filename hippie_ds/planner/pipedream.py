@@ -149,14 +149,47 @@ def antichain_states(graph: PipeDreamGraph | str | Path) -> tuple[list[State], "
     for s in gr.sinks():
         if gr.nodes[s].desc.startswith("__getitem__"):
             gr.remove(s)
+    antichains, dag_edges, dag_order = _antichain_dag(gr)
+    order = _pipedream_topological_order(dag_edges, dag_order)
+    states = []
+    for u in order:
+        aug = gr.augment(antichains[u])
+        st = State(antichain=aug)
+        st.output_activation_size = sum(gr.nodes[a].activation for a in aug)
+        for p in gr.all_predecessors(aug):
+            node = gr.nodes[p]
+            st.compute_time += node.compute / 1000.0
+            st.activation_size += node.activation
+            st.parameter_size += node.params
+        states.append(st)
+    # PipeDream uses every (transitive) predecessor state as a possible split point.
+    position = {u: i for i, u in enumerate(order)}
+    incoming: dict[int, list[int]] = {}
+    for u, vs in dag_edges.items():
+        for v in vs:
+            if u not in incoming.setdefault(v, []):
+                incoming[v].append(u)
+    closure: dict[int, set[int]] = {}
+    for u in order:  # topological: a state's predecessors come first
+        pre: set[int] = set()
+        for p in incoming.get(u, []):
+            pre.add(position[p])
+            pre |= closure[p]
+        closure[u] = pre
+    for u, st in zip(order, states):
+        st.predecessors = sorted(closure[u])
+    return states, gr
 
-    # Breadth-first enumeration from the first source, as PipeDream's antichain_dag.
+
+def _antichain_dag(gr: "_Graph") -> tuple[list[list[str]], dict[int, list[int]], list[int]]:
+    """Breadth-first enumeration of the antichains from the first source, as PipeDream's
+    antichain_dag: (antichains, DAG edges by antichain id, PipeDream's node insertion order)."""
     start = [gr.sources()[0]]
     key = lambda ac: tuple(sorted(ac))  # noqa: E731
     ids: dict[tuple, int] = {key(start): 0}
     antichains: list[list[str]] = [start]
     dag_edges: dict[int, list[int]] = {0: []}
-    dag_order: list[int] = [0]  # node insertion order of PipeDream's antichain Graph
+    dag_order: list[int] = [0]
     expanded: set[tuple] = set()
     queue = [start]
     while queue:
@@ -178,9 +211,12 @@ def antichain_states(graph: PipeDreamGraph | str | Path) -> tuple[list[State], "
                     dag_order.append(x)
             dag_edges[src].append(dst)
             queue.append(nxt)
+    return antichains, dag_edges, dag_order
 
-    # PipeDream's topological sort: DFS from each node in insertion order (descriptions are all
-    # empty), children in edge order, prepending each finished node.
+
+def _pipedream_topological_order(dag_edges: dict[int, list[int]], dag_order: list[int]) -> list[int]:
+    """PipeDream's topological sort: DFS from each node in insertion order (descriptions are all
+    empty), children in edge order, prepending each finished node."""
     marked: set[int] = set()
     order: list[int] = []
 
@@ -201,35 +237,7 @@ def antichain_states(graph: PipeDreamGraph | str | Path) -> tuple[list[State], "
     for u in dag_order:
         if u not in marked:
             visit(u)
-
-    position = {u: i for i, u in enumerate(order)}
-    incoming: dict[int, list[int]] = {}
-    for u, vs in dag_edges.items():
-        for v in vs:
-            if u not in incoming.setdefault(v, []):
-                incoming[v].append(u)
-    states = []
-    for u in order:
-        aug = gr.augment(antichains[u])
-        st = State(antichain=aug)
-        st.output_activation_size = sum(gr.nodes[a].activation for a in aug)
-        for p in gr.all_predecessors(aug):
-            node = gr.nodes[p]
-            st.compute_time += node.compute / 1000.0
-            st.activation_size += node.activation
-            st.parameter_size += node.params
-        states.append(st)
-    # PipeDream uses every (transitive) predecessor state as a possible split point.
-    closure: dict[int, set[int]] = {}
-    for u in order:  # topological: a state's predecessors come first
-        pre: set[int] = set()
-        for p in incoming.get(u, []):
-            pre.add(position[p])
-            pre |= closure[p]
-        closure[u] = pre
-    for u, st in zip(order, states):
-        st.predecessors = sorted(closure[u])
-    return states, gr
+    return order
 
 
 @dataclass
