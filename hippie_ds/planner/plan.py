@@ -61,7 +61,7 @@ from typing import Any, Sequence
 from . import partition as part
 from .cluster import Cluster
 from .objectives import check_objective, score
-from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
+from .model import _Candidate, _costs, _divisors, _Estimate, _Layout, _Model
 from .plan_file import DEFAULT_STATE_FACTOR, GB, TARGETS, Baseline, Plan, Prediction, StagePlan
 from .plan_file import (SCHEDULES, PlanMismatchError, format_summary, load_plan,  # noqa: F401 (this module's API)
                         save_plan)
@@ -188,30 +188,6 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
 
 # ---------------------------------------------------------------------------------------------
 # Simulation of a candidate
-
-def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
-    """hippie_ds Costs for a configuration, through Costs.from_layers. A stage's
-    activation_bytes is what crosses its cut (branched graphs: several tensors); a link that
-    crosses nodes is expressed as proportionally more bytes on the intra-node p2p bandwidth."""
-    from ..schedules.costs import CommCost, Costs
-
-    c, f = model.cluster, b / model.b0
-    layer_costs = []
-    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
-        chosen = set(lay.rec[s].layers(ks[s]))
-        scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
-        for i in range(a, e):
-            layer_costs.append({
-                "forward": f * model.fwd[i], "backward": f * model.bwd[i],
-                "recompute": f * model.rc[i] if i in chosen else 0.0,
-                "param_bytes": model.params[i],
-                "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
-            })
-    comm = CommCost(p2p_bandwidth=c.intra_node_bandwidth, p2p_latency=c.latency,
-                    allreduce_bandwidth=c.inter_node_bandwidth if lay.ar_inter else c.intra_node_bandwidth,
-                    allreduce_latency=c.latency, data_parallel=lay.r, shared_link=True)
-    return Costs.from_layers(layer_costs, lay.parts, comm)
-
 
 def _simulate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
               deferred: Sequence[int], auto_limit: int) -> _Estimate:
