@@ -271,9 +271,12 @@ def split_backward_time(F: Sequence[float], I: Sequence[float], W: Sequence[floa
     for s in range(1, K):
         fill[s] = fill[s - 1] + F[s - 1] + c[s - 1]
     links, forwards = sum(c), sum(F)
+    back = [0.0] * (K + 1)  # back[s]: micro-batch 0's way back from the last stage to stage s
+    for s in range(K - 1, -1, -1):
+        back[s] = back[s + 1] + c[s] + (I[s + 1] if s + 1 < K else 0.0)
 
     def first_input_pass(s: int) -> float:  # the earliest start of stage s's first I
-        return forwards + links + sum(I[s + 1:]) + sum(c[s:])
+        return forwards + links + back[s]
 
     busy = max(fill[s] + M * (F[s] + I[s] + W[s]) + (M - 1) * inbound[s] + M * c[s] for s in range(K))
     drain = max(first_input_pass(s) + M * (I[s] + W[s]) + (M - 1) * c[s]

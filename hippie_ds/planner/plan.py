@@ -12,10 +12,10 @@ What is searched, for P devices and a global batch G:
   a stage may spend on re-computation what keeps it under the target, so stages that are not
   the bottleneck re-compute nearly for free; targets from the unchanged bottleneck up to
   "as much as saves memory";
-* the schedule (by default 1f1b, gpipe, hippie, hippie-1f1b; any built-in or schedule file
-  given) and the deferred stages of a schedule that declares them. The planner asks the
-  schedule (:mod:`.traits`: in-flight micro-batches, order, deferral, weight versions, from its
-  compiled streams); it knows no schedule by name.
+* the schedule (by default 1f1b, gpipe, hippie, hippie-1f1b, zb-h1; any built-in or schedule
+  file given) and the deferred stages of a schedule that declares them. The planner asks the
+  schedule (:mod:`.traits`: in-flight micro-batches, order, deferral, weight versions, a split
+  backward, from its compiled streams); it knows no schedule by name.
 
 Cost model (all of it in :class:`_Config.estimate`; the simulator refines the best few):
 
@@ -25,7 +25,11 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   Hippie does); ring all-reduce of stage s: a_s = 2 (r-1)/r W_s / bw + 2 (r-1) latency over
   the inter-node link when the group spans nodes, all stages sharing it;
 * compute of a flush pipeline: T_c = (M-1) max_s(F_s+B_s+2c_{s-1}+2c_s) + sum_s(F_s+B_s) +
-  2 sum_s c_s (GPipe order: the forward and backward maxima separately); flush schedules
+  2 sum_s c_s (GPipe order: the forward and backward maxima separately); a split backward
+  (zero-bubble: B_s = I_s + w_s, the input gradient and the parameter gradients, w_s from the
+  profile's ``backward_weight``) takes the largest of four lower bounds of the step
+  (:func:`.model.split_backward_time`; ZB-H1 with equal stages: M (F+I+w) + (K-1)
+  max(F, I, F+I-w)), so its bound never prunes wrongly; flush schedules
   all-reduce at the end (the link drains the work as stages finish, last stage first);
   Hippie's stage s all-reduces right after its last backward and must finish before the next
   step's first forward reaches it; a stage that cannot defers (the simulator's rule, see
@@ -34,6 +38,7 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   gradients, two moments = 16 bytes a parameter = 4 x the profiled parameter bytes)
   + W_s for the gradient buffer of a deferred stage + activations: the peak number of
   micro-batches in flight (1f1b: min(K-s, M); gpipe: M; hippie: M, the fused last stage 1;
+  zb-h1: K on every stage, activations are held until W;
   from the simulator when it runs) times the bytes kept per micro-batch, plus the largest
   re-computed run (``recompute.py``). Optimizer step time is not modelled (0);
 * throughput = G / step time (samples/s); single-device throughput = profile batch / the
