@@ -27,7 +27,7 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
 * compute of a flush pipeline: T_c = (M-1) max_s(F_s+B_s+2c_{s-1}+2c_s) + sum_s(F_s+B_s) +
   2 sum_s c_s (GPipe order: the forward and backward maxima separately); a split backward
   (zero-bubble: B_s = I_s + w_s, the input gradient and the parameter gradients, w_s from the
-  profile's ``backward_weight``) takes the largest of four lower bounds of the step
+  profile's ``backward_weight``) takes the largest of five lower bounds of the step
   (:func:`.model.split_backward_time`; ZB-H1 with equal stages: M (F+I+w) + (K-1)
   max(F, I, F+I-w)), so its bound never prunes wrongly; flush schedules
   all-reduce at the end (the link drains the work as stages finish, last stage first);
