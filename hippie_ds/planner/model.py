@@ -131,6 +131,11 @@ class _Model:
         return list(schedule_traits(schedule, K, M).in_flight)
 
     # -- time -----------------------------------------------------------------------------------
+    @staticmethod
+    def weight_time(lay: _Layout, f: float, ks: Sequence[int]) -> list[float]:
+        """W per stage of a split backward, with the prefixes ``ks`` re-computed."""
+        return [f * (lay.wgt[s] - lay.wgt_recomputed[s][ks[s]]) for s in range(lay.K)]
+
     def compute_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int]):
         """(T_c, per-stage forward, backward incl. re-computation, p2p) for one step."""
         K = lay.K
@@ -141,7 +146,7 @@ class _Model:
         fill = sum(F) + sum(B) + 2 * sum(c)
         traits = schedule_traits(schedule, K, M)
         if traits.splits_backward and not traits.continuous:
-            W = [f * (lay.wgt[s] - lay.wgt_recomputed[s][ks[s]]) for s in range(K)]
+            W = self.weight_time(lay, f, ks)
             return split_backward_time(F, [b - w for b, w in zip(B, W)], W, c, M, traits.in_flight), F, B, c
         if traits.interleaved:  # 1F1B order: one forward and one backward per micro-batch
             cycle = max(F[s] + B[s] + 2 * around[s] for s in range(K))
@@ -160,7 +165,7 @@ class _Model:
         traits = schedule_traits(schedule, K, M)
         drain = [B[s] + c[s] for s in range(K)]
         if traits.splits_backward:  # the postponed W's fill the drain: stages finish closer together
-            drain = [max(0.0, B[s] - 2 * f * (lay.wgt[s] - lay.wgt_recomputed[s][ks[s]]) + c[s]) for s in range(K)]
+            drain = [max(0.0, B[s] - 2 * w + c[s]) for s, w in enumerate(self.weight_time(lay, f, ks))]
         ready, acc = [], T
         for s in range(K):  # stage s's last backward ends before stage s-1's by B_{s-1} + c
             if s:
