@@ -11,6 +11,16 @@ detached tensor that requires grad when it is floating point). Per layer:
 
 * ``forward`` / ``backward``: medians over ``repeats`` runs after ``warmup`` runs; backward is
   ``torch.autograd.backward`` of the layer's output with a gradient of ones;
+* ``backward_weight``: W of a split backward (zero-bubble schedules), the part of the backward
+  that only the parameter gradients need. Two more passes are timed (medians): the input pass I,
+  ``autograd.grad`` towards the layer's floating-point inputs that require grad, and the
+  parameter pass, towards its parameters (the leaves of its autograd graph other than its
+  inputs: a tied module's weights count at every use). W = backward - I, the work the input
+  gradient does not need, clamped to [0, the parameter pass]: never negative (timing noise),
+  never more than the parameter pass, which bounds it from above (it also repeats the
+  propagation to inner parameters that the engine's W takes from what I kept). A layer without
+  parameters has W = 0; one whose inputs need no gradient (an embedding of token ids) runs its
+  whole backward as W, as the engine's split does;
 * ``recompute``: re-computation re-runs the forward with autograd recording, so the forward
   time (what a reentrant checkpoint adds to the backward);
 * ``output_bytes``: the bytes of the output tensors (what crosses a cut after the layer);
@@ -171,6 +181,51 @@ def _backward(out: Any) -> bool:
     return True
 
 
+def _grad_targets(out: Any, inp: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(outputs that require grad, inputs that require grad, parameters): the parameters are the
+    leaves of the outputs' autograd graph other than the inputs (whatever the layer closes over)."""
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    ins = [t for t in _tensors(inp) if t.requires_grad]
+    inputs = {id(t) for t in ins}
+    params, seen, todo = [], set(), [t.grad_fn for t in outs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad
+        if leaf is not None and id(leaf) not in inputs:
+            params.append(leaf)
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return outs, ins, params
+
+
+def _grad_towards(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    if outs and targets:
+        torch.autograd.grad(outs, targets, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+
+def _weight_time(fn, inp: Any, backward: float, repeats: int, warmup: int) -> float:
+    """W of the layer's backward (see the module docstring), from the medians of the input and
+    the parameter passes."""
+    outs, ins, params = _grad_targets(fn(inp), inp)
+    if not outs or not params:
+        return 0.0
+    if not ins:
+        return backward
+
+    def median_pass(towards_params: bool) -> float:
+        times = []
+        for k in range(warmup + repeats):
+            outs, ins, params = _grad_targets(fn(inp), inp)
+            t0 = time.perf_counter()
+            _grad_towards(outs, params if towards_params else ins)
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    return min(max(0.0, backward - median_pass(False)), median_pass(True))
+
+
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
@@ -240,6 +295,8 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
                 t0 = time.perf_counter()
                 backward(out)
                 backs.append(time.perf_counter() - t0)
+            weight = _guard(_weight_time, f"layer {i} ({name}) backward")(fn, inp, statistics.median(backs),
+                                                                          repeats, warmup)
             packed, out = saved_storages(fn, inp)
             for p in ps:
                 p.grad = None
@@ -249,7 +306,8 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
             inputs_saved.append(bool(ins & packed.keys()))
             outputs.append({k: k[2] for k in outs - ins})
             out_layers.append(dict(
-                name=name, forward=forward, backward=statistics.median(backs), recompute=forward,
+                name=name, forward=forward, backward=statistics.median(backs), backward_weight=weight,
+                recompute=forward,
                 output_bytes=float(_nbytes(out)), input_bytes=float(_nbytes(sample)) if i == 0 else None,
                 param_bytes=float(sum(p.numel() * p.element_size() for p in ps))))
             with torch.no_grad():

@@ -636,3 +636,65 @@ def test_deep_pipelines_extrapolate_by_distance_from_the_last_stage(name, monkey
             assert traits.schedule_traits(name, K, M) == traits._compiled_traits(name, K, M), (K, M)
     finally:
         traits.schedule_traits.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Split backward (zero-bubble: zb-h1)
+
+def _head_heavy_profile():
+    """Equal layers, W half the backward; the last layers' activations are large, so a schedule
+    holding K micro-batches on the last stages (zb-h1) needs far more memory there than 1F1B's."""
+    from hippie_ds.planner import LayerProfile
+    layers = [LayerProfile(name=f"l{i}", forward=1e-3, backward=2e-3, backward_weight=1e-3,
+                           output_bytes=1e9 if i >= 23 else 1e7, saved_bytes=2e9 if i >= 23 else 2e7, param_bytes=1e8)
+              for i in range(32)]
+    return Profile(model="head-heavy", batch_size=8, layers=layers)
+
+
+def test_zb_h1_is_chosen_when_the_bubble_dominates_and_memory_is_plentiful():
+    profile, cluster = _head_heavy_profile(), parse_cluster("1x8,80GB,100Gbit,2400Gbit")
+    kw = dict(objective="throughput", baselines=False, depths=[8], micro_batch_sizes=[8])  # M = K: bubble 7/15
+    plan = make_plan(profile, cluster, 64, **kw)
+    assert plan.schedule == "zb-h1" and plan.prediction.predicted_by == "simulator"
+    assert [s.in_flight for s in plan.stages] == [8] * 8
+    one = make_plan(profile, cluster, 64, schedules=["1f1b"], **kw)
+    assert plan.prediction.step_time < 0.8 * one.prediction.step_time
+    # too little memory for K micro-batches on the last stages: not even full re-computation fits
+    with pytest.raises(PlannerError, match="does not fit"):
+        make_plan(profile, cluster, 64, schedules=["zb-h1"], memory_cap=one.prediction.memory_max, **kw)
+    tight = make_plan(profile, cluster, 64, memory_cap=one.prediction.memory_max, **kw)
+    assert tight.schedule != "zb-h1" and tight.prediction.memory_max <= one.prediction.memory_max
+
+
+def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
+    """The analytic zb-h1 step time never exceeds the simulated one (the pruning bound is safe)
+    and is within the tolerance of the deferral rule's check; with equal stages it is ZB-H1's
+    M (F+I+W) + (K-1) max(F, I, F+I-W) (the paper's (K-1)(F+I-W) bubble when W <= I)."""
+    from hippie_ds.planner import plan as pl
+    from hippie_ds.planner.model import split_backward_time
+    from hippie_ds.planner.traits import schedule_traits
+    from hippie_ds.schedules import compile as compile_schedule
+    from hippie_ds.schedules.costs import CommCost, Costs, StageCost
+    from hippie_ds.schedules.simulator import simulate
+
+    free = CommCost(p2p_bandwidth=math.inf, allreduce_bandwidth=math.inf)
+    for K, M in ((4, 4), (4, 9), (6, 12)):
+        p = schedule_traits("zb-h1", K, M).in_flight
+        for F, I, W in ((1, 1, 1), (1, 1.5, 0.5), (1, 0.5, 1.5), (0.5, 2, 1), (1, 1, 0)):
+            costs = Costs(stages=[StageCost(forward=F, backward=I + W, backward_weight=W)] * K, comm=free)
+            sim = simulate(compile_schedule("zb-h1", K, M), costs, iterations=1, critical_path=False).step_time
+            paper = M * (F + I + W) + (K - 1) * max(F, I, F + I - W)
+            assert split_backward_time([F] * K, [I] * K, [W] * K, [0.0] * K, M, p) == pytest.approx(paper)
+            assert sim == pytest.approx(paper), (K, M, F, I, W)
+
+    profile = synthetic_profile(24, seed=2, batch_size=8)
+    for spec in ("2x4,40GB,10Gbit", "2x4,40GB,100Gbit"):
+        cluster = parse_cluster(spec)
+        model = pl._Model(profile, cluster, 64, 4.0, "mean", cluster.device_memory)
+        for K, b in ((2, 8), (4, 4), (8, 2)):
+            lay = model.layout(K)
+            M = 64 // (8 // K) // b
+            for ks in ([0] * K, [lay.rec[s].options - 1 for s in range(K)]):
+                step, deferred = model.step_time(lay, "zb-h1", b / 8, M, ks)
+                sim = pl._simulate(model, lay, b, M, "zb-h1", ks, deferred, auto_limit=10 ** 9)
+                assert step <= sim.step * (1 + 1e-9) and step == pytest.approx(sim.step, rel=0.25), (spec, K, ks)

@@ -5,6 +5,7 @@ import json
 import math
 
 from ..planner.objectives import OBJECTIVES
+from ..planner.plan_file import SCHEDULES
 from .base import (UsageError, _Formatter, _add_profile_options, _int_list, _non_negative_int, _positive_int,
                    _quantity, _read_profile, command)
 
@@ -45,9 +46,9 @@ def _plan_parser(subparsers) -> None:
     p.add_argument("--memory-cap", metavar="BYTES", help="memory a device may use, e.g. 12GB (default: all of it)")
     p.add_argument("--memory-metric", choices=["mean", "max"], default="mean",
                    help="memory in ME: the mean per-device peak (default; = total / devices) or the largest")
-    p.add_argument("--schedules", metavar="LIST", default="1f1b,gpipe,hippie,hippie-1f1b",
+    p.add_argument("--schedules", metavar="LIST", default=",".join(SCHEDULES),
                    help="schedules to consider, comma-separated: built-in names or schedule files "
-                        "(default: the four flush schedules)")
+                        "(default: the flush schedules, %(default)s)")
     p.add_argument("--stages", metavar="K[,K...]", help="only these pipeline depths (each must divide the devices)")
     p.add_argument("--micro-batch-size", metavar="B[,B...]", help="only these micro-batch sizes")
     p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",

@@ -25,6 +25,10 @@ class _Layout:
     parts: list[int]
     fwd: list[float]
     bwd: list[float]
+    wgt: list[float]                # W of a split backward: the first stage's whole backward (its data
+                                    # needs no gradient), else its layers' backward_weight
+    wgt_recomputed: list[list[float]]  # [s][k]: of that, what re-computing prefix k moves into the
+                                       # input pass (a re-entrant checkpoint's backward does it all)
     params: list[float]
     cut_out: list[float]            # bytes crossing the cut after the stage (0 for the last)
     inter_link: list[bool]          # the link to the next stage crosses nodes for some replica
@@ -58,6 +62,7 @@ class _Model:
         self.b0 = profile.batch_size
         self.fwd = [x.forward for x in layers]
         self.bwd = [x.backward for x in layers]
+        self.wgt = [x.weight_time for x in layers]
         self.rc = [x.recompute_time for x in layers]
         self.saved = [x.saved for x in layers]
         self.out = [x.output_bytes for x in layers]
@@ -84,7 +89,7 @@ class _Model:
             return cached
         c = self.cluster
         r = self.P // K
-        fwd, bwd, params, cut_out, inter, rec, ar = [], [], [], [], [], [], []
+        fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar = [], [], [], [], [], [], [], [], []
         dpn = c.devices_per_node
         # Stage s of replica q runs on device q*K + s: its group spans nodes unless all r fit in one.
         spans_nodes = r > 1 and ((r - 1) * K) // dpn != 0
@@ -104,8 +109,13 @@ class _Model:
             # A run after a layer whose output nobody saves keeps that output as its input.
             ins = [0.0] + [0.0 if self.out_saved[i - 1] else self.out[i - 1] for i in range(a + 1, b)]
             rec.append(StageRecompute(a, self.saved[a:b], self.rc[a:b], stage_input + held_output, outs, ins))
+            wgt.append(bwd[-1] if s == 0 else sum(self.wgt[a:b]))
+            moved = [0.0]
+            for i in rec[-1].order:
+                moved.append(moved[-1] + (0.0 if s == 0 else self.wgt[a + i]))
+            wgt_rec.append(moved)
             ar.append(0.0 if r == 1 else 2 * (r - 1) / r * w / ar_bw + 2 * (r - 1) * c.latency)
-        lay = _Layout(K, r, parts, fwd, bwd, params, cut_out, inter, rec, ar, spans_nodes)
+        lay = _Layout(K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes)
         self._layouts[key] = lay
         return lay
 
@@ -121,6 +131,11 @@ class _Model:
         return list(schedule_traits(schedule, K, M).in_flight)
 
     # -- time -----------------------------------------------------------------------------------
+    @staticmethod
+    def weight_time(lay: _Layout, f: float, ks: Sequence[int]) -> list[float]:
+        """W per stage of a split backward, with the prefixes ``ks`` re-computed."""
+        return [f * (lay.wgt[s] - lay.wgt_recomputed[s][ks[s]]) for s in range(lay.K)]
+
     def compute_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int]):
         """(T_c, per-stage forward, backward incl. re-computation, p2p) for one step."""
         K = lay.K
@@ -130,6 +145,9 @@ class _Model:
         around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
         fill = sum(F) + sum(B) + 2 * sum(c)
         traits = schedule_traits(schedule, K, M)
+        if traits.splits_backward and not traits.continuous:
+            W = self.weight_time(lay, f, ks)
+            return split_backward_time(F, [b - w for b, w in zip(B, W)], W, c, M, traits.in_flight), F, B, c
         if traits.interleaved:  # 1F1B order: one forward and one backward per micro-batch
             cycle = max(F[s] + B[s] + 2 * around[s] for s in range(K))
         else:  # GPipe order: the forward and backward maxima separately
@@ -144,12 +162,15 @@ class _Model:
         K = lay.K
         T, F, B, c = self.compute_time(lay, schedule, f, M, ks)
         a = lay.ar_work
+        traits = schedule_traits(schedule, K, M)
+        drain = [B[s] + c[s] for s in range(K)]
+        if traits.splits_backward:  # the postponed W's fill the drain: stages finish closer together
+            drain = [max(0.0, B[s] - 2 * w + c[s]) for s, w in enumerate(self.weight_time(lay, f, ks))]
         ready, acc = [], T
         for s in range(K):  # stage s's last backward ends before stage s-1's by B_{s-1} + c
             if s:
-                acc -= B[s - 1] + c[s - 1]
+                acc -= drain[s - 1]
             ready.append(acc)
-        traits = schedule_traits(schedule, K, M)
         if traits.continuous:  # all-reduces overlap the next micro-batches; the link must carry them
             return max(T, sum(a[s] * traits.updates_per_batch[s] for s in range(K))), []
         if not traits.defers:
@@ -197,6 +218,94 @@ class _Model:
         scal = thr / (self.P * self.single_throughput)
         m = self.summarize_memory(mem)
         return thr, scal, m, scal * thr / (m / GB) if m > 0 else math.inf
+
+
+def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
+    """hippie_ds Costs for a configuration (what the simulator runs), through Costs.from_layers.
+    A stage's activation_bytes is what crosses its cut (branched graphs: several tensors); a link
+    that crosses nodes is expressed as proportionally more bytes on the intra-node p2p bandwidth."""
+    from ..schedules.costs import CommCost, Costs
+
+    c, f = model.cluster, b / model.b0
+    layer_costs = []
+    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
+        chosen = set(lay.rec[s].layers(ks[s]))
+        scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
+        for i in range(a, e):
+            layer_costs.append({
+                # a re-computed layer's W runs in the input pass, the first stage's whole backward in W
+                "forward": f * model.fwd[i], "backward": f * model.bwd[i],
+                "backward_weight": f * (model.bwd[i] if s == 0 else 0.0 if i in chosen else model.wgt[i]),
+                "recompute": f * model.rc[i] if i in chosen else 0.0,
+                "param_bytes": model.params[i],
+                "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
+            })
+    comm = CommCost(p2p_bandwidth=c.intra_node_bandwidth, p2p_latency=c.latency,
+                    allreduce_bandwidth=c.inter_node_bandwidth if lay.ar_inter else c.intra_node_bandwidth,
+                    allreduce_latency=c.latency, data_parallel=lay.r, shared_link=True)
+    return Costs.from_layers(layer_costs, lay.parts, comm)
+
+
+def split_backward_time(F: Sequence[float], I: Sequence[float], W: Sequence[float], c: Sequence[float], M: int,
+                        in_flight: Sequence[int]) -> float:
+    """Compute time of a flush step whose backward is split into I (the input gradient the
+    previous stage waits for) and W (the parameter gradients nobody waits for), e.g. ZB-H1.
+
+    The largest of five lower bounds, each a path the step cannot shorten, so the estimate is
+    never more than the real step time (a safe bound for pruning) and, for equal stages, equals
+    ZB-H1's M (F+I+W) + (K-1) max(F, I, F+I-W): the paper's bubble (K-1)(F+I-W) when
+    W <= I, and a forward (or input pass) per stage when W is larger. ``c[s]`` is the transfer
+    from stage s to s+1 (its receiver waits for it); stage s holds at most ``in_flight[s]``
+    micro-batches (forwards whose W has not run).
+
+    1. stage s works M (F+I+W) after its first input arrives (the last stage's fill: (K-1) F);
+    2. stage s cannot start its first I before micro-batch 0 went through every forward and
+       back to it; it then still runs every I and W and the forwards beyond its in-flight
+       count (the first stage's wait: (K-1) I);
+    3. stage 0 starts the last forward only after the I and W of the M - in_flight[0]
+       micro-batches it no longer holds; the last micro-batch then goes through every
+       forward and input pass and stage 0 runs its W;
+    4. stage s ends its last I after all its F's and I's and the W's of the micro-batches it
+       no longer holds at its last forward; that micro-batch's I then goes back to stage 0,
+       which runs its W (from the last stage: the paper's (K-1)(F+I-W));
+    5. a slow link: the compiler posts a stage's activation send after the gradient receive of
+       the same step, so after its first I stage s waits, per further forward, for its gradient
+       and its activation to cross link s one after the other, with stage s+1's F and I (and
+       its own gradient receive) between them; then it still runs its remaining I's and W's.
+    """
+    K = len(F)
+    inbound = [c[s - 1] if s else 0.0 for s in range(K)]
+    fill = [0.0] * K  # when stage s's first input has arrived
+    for s in range(1, K):
+        fill[s] = fill[s - 1] + F[s - 1] + c[s - 1]
+    links, forwards = sum(c), sum(F)
+    back = [0.0] * (K + 1)  # back[s]: micro-batch 0's way back from the last stage to stage s
+    for s in range(K - 1, -1, -1):
+        back[s] = back[s + 1] + c[s] + (I[s + 1] if s + 1 < K else 0.0)
+
+    def first_input_pass(s: int) -> float:  # the earliest start of stage s's first I
+        return forwards + links + back[s]
+
+    busy = max(fill[s] + M * (F[s] + I[s] + W[s]) + (M - 1) * inbound[s] + M * c[s] for s in range(K))
+    drain = max(first_input_pass(s) + M * (I[s] + W[s]) + (M - 1) * c[s]
+                + max(0, M - in_flight[s]) * (F[s] + inbound[s]) for s in range(K))
+    done = max(0, M - in_flight[0])  # micro-batches stage 0 finished before its last forward
+    last_forward = (M - 1) * F[0] + done * (I[0] + W[0])
+    if done:
+        last_forward = max(last_forward, first_input_pass(0) + done * (I[0] + W[0]) + (done - 1) * c[0]
+                           + max(0, M - 1 - in_flight[0]) * F[0])
+    round_trip = last_forward + forwards + sum(I) + 2 * links + W[0]
+    back_to_0 = [0.0] * K  # the input passes and transfers from stage s back to stage 0
+    for s in range(1, K):
+        back_to_0[s] = back_to_0[s - 1] + I[s - 1] + c[s - 1]
+    last_input = max(fill[s] + M * (F[s] + I[s]) + max(0, M - in_flight[s]) * W[s] + (M - 1) * inbound[s]
+                     + M * c[s] + back_to_0[s] for s in range(K)) + W[0]
+    link = 0.0
+    for s in range(K - 1):
+        loops = max(0, M - in_flight[s])
+        link = max(link, first_input_pass(s) + loops * (2 * c[s] + F[s + 1] + I[s + 1] + c[s + 1])
+                   + (M - loops) * (I[s] + W[s]))
+    return max(busy, drain, round_trip, last_input, link)
 
 
 @dataclass(order=True)

@@ -12,10 +12,10 @@ What is searched, for P devices and a global batch G:
   a stage may spend on re-computation what keeps it under the target, so stages that are not
   the bottleneck re-compute nearly for free; targets from the unchanged bottleneck up to
   "as much as saves memory";
-* the schedule (by default 1f1b, gpipe, hippie, hippie-1f1b; any built-in or schedule file
-  given) and the deferred stages of a schedule that declares them. The planner asks the
-  schedule (:mod:`.traits`: in-flight micro-batches, order, deferral, weight versions, from its
-  compiled streams); it knows no schedule by name.
+* the schedule (by default 1f1b, gpipe, hippie, hippie-1f1b, zb-h1; any built-in or schedule
+  file given) and the deferred stages of a schedule that declares them. The planner asks the
+  schedule (:mod:`.traits`: in-flight micro-batches, order, deferral, weight versions, a split
+  backward, from its compiled streams); it knows no schedule by name.
 
 Cost model (all of it in :class:`_Config.estimate`; the simulator refines the best few):
 
@@ -25,7 +25,11 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   Hippie does); ring all-reduce of stage s: a_s = 2 (r-1)/r W_s / bw + 2 (r-1) latency over
   the inter-node link when the group spans nodes, all stages sharing it;
 * compute of a flush pipeline: T_c = (M-1) max_s(F_s+B_s+2c_{s-1}+2c_s) + sum_s(F_s+B_s) +
-  2 sum_s c_s (GPipe order: the forward and backward maxima separately); flush schedules
+  2 sum_s c_s (GPipe order: the forward and backward maxima separately); a split backward
+  (zero-bubble: B_s = I_s + w_s, the input gradient and the parameter gradients, w_s from the
+  profile's ``backward_weight``) takes the largest of five lower bounds of the step
+  (:func:`.model.split_backward_time`; ZB-H1 with equal stages: M (F+I+w) + (K-1)
+  max(F, I, F+I-w)), so its bound never prunes wrongly; flush schedules
   all-reduce at the end (the link drains the work as stages finish, last stage first);
   Hippie's stage s all-reduces right after its last backward and must finish before the next
   step's first forward reaches it; a stage that cannot defers (the simulator's rule, see
@@ -34,6 +38,7 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   gradients, two moments = 16 bytes a parameter = 4 x the profiled parameter bytes)
   + W_s for the gradient buffer of a deferred stage + activations: the peak number of
   micro-batches in flight (1f1b: min(K-s, M); gpipe: M; hippie: M, the fused last stage 1;
+  zb-h1: K on every stage, activations are held until W;
   from the simulator when it runs) times the bytes kept per micro-batch, plus the largest
   re-computed run (``recompute.py``). Optimizer step time is not modelled (0);
 * throughput = G / step time (samples/s); single-device throughput = profile batch / the
@@ -61,7 +66,7 @@ from typing import Any, Sequence
 from . import partition as part
 from .cluster import Cluster
 from .objectives import check_objective, score
-from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
+from .model import _Candidate, _costs, _divisors, _Estimate, _Layout, _Model
 from .plan_file import DEFAULT_STATE_FACTOR, GB, TARGETS, Baseline, Plan, Prediction, StagePlan
 from .plan_file import (SCHEDULES, PlanMismatchError, format_summary, load_plan,  # noqa: F401 (this module's API)
                         save_plan)
@@ -188,30 +193,6 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
 
 # ---------------------------------------------------------------------------------------------
 # Simulation of a candidate
-
-def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
-    """hippie_ds Costs for a configuration, through Costs.from_layers. A stage's
-    activation_bytes is what crosses its cut (branched graphs: several tensors); a link that
-    crosses nodes is expressed as proportionally more bytes on the intra-node p2p bandwidth."""
-    from ..schedules.costs import CommCost, Costs
-
-    c, f = model.cluster, b / model.b0
-    layer_costs = []
-    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
-        chosen = set(lay.rec[s].layers(ks[s]))
-        scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
-        for i in range(a, e):
-            layer_costs.append({
-                "forward": f * model.fwd[i], "backward": f * model.bwd[i],
-                "recompute": f * model.rc[i] if i in chosen else 0.0,
-                "param_bytes": model.params[i],
-                "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
-            })
-    comm = CommCost(p2p_bandwidth=c.intra_node_bandwidth, p2p_latency=c.latency,
-                    allreduce_bandwidth=c.inter_node_bandwidth if lay.ar_inter else c.intra_node_bandwidth,
-                    allreduce_latency=c.latency, data_parallel=lay.r, shared_link=True)
-    return Costs.from_layers(layer_costs, lay.parts, comm)
-
 
 def _simulate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
               deferred: Sequence[int], auto_limit: int) -> _Estimate:

@@ -16,7 +16,7 @@ from hippie_ds.formatting import table
 from .cluster import Cluster
 from .profile import PlannerError, Profile
 
-SCHEDULES = ("1f1b", "gpipe", "hippie", "hippie-1f1b")
+SCHEDULES = ("1f1b", "gpipe", "hippie", "hippie-1f1b", "zb-h1")
 DEFAULT_STATE_FACTOR = 4.0
 GB = 1e9
 # Bottleneck targets for re-computation, as a factor of the unchanged bottleneck (inf: every

@@ -5,6 +5,11 @@ micro-batch size. Times are seconds per micro-batch of ``batch_size`` samples, s
 
 * ``forward`` / ``backward``: compute time of the layer; ``recompute`` the extra backward time
   when the layer is re-computed (activation checkpointing); default: its forward time.
+* ``backward_weight``: the part of ``backward`` that computes the parameter gradients (W of a
+  split backward, zero-bubble schedules; the rest is the input gradient, the paper's B); at most
+  ``backward`` (a larger value is an error); default half of ``backward`` (the zero-bubble
+  paper's B = W). 0 for a layer without parameters; the whole backward for a layer whose input
+  needs no gradient (an embedding of token ids).
 * ``output_bytes``: the layer's output activation; ``saved_bytes``: what the layer keeps for
   its backward per in-flight micro-batch, attributed to the layer that produced it (default:
   ``output_bytes``); ``output_saved``: whether that includes the output (false when neither
@@ -27,6 +32,7 @@ A profile file (YAML or JSON)::
     batch_size: 8
     layers:
       - {name: embed, forward: 0.001, backward: 0.002, output_bytes: 4.0e6, param_bytes: 2.0e8}
+      - {name: block0, forward: 0.003, backward: 0.006, backward_weight: 0.003, ...}
       - ...
     cut_bytes: [...]   # optional, N-1 entries
 
@@ -63,6 +69,8 @@ class LayerProfile(_Strict):
     name: str = Field(min_length=1)
     forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
     backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
+    backward_weight: float | None = Field(None, ge=0, description="the parameter-gradient part of backward (W of a "
+                                          "split backward, s; default half of backward)")
     recompute: float | None = Field(None, ge=0, description="extra backward time when re-computed (default forward)")
     output_bytes: float = Field(0.0, ge=0, description="bytes of the layer's output activation")
     saved_bytes: float | None = Field(None, ge=0, description="bytes kept for backward (default output_bytes)")
@@ -71,9 +79,21 @@ class LayerProfile(_Strict):
     input_bytes: float | None = Field(None, ge=0, description="bytes entering the layer (default: previous output)")
     param_bytes: float = Field(0.0, ge=0, description="bytes of parameters (fp32: 4 per parameter)")
 
+    @model_validator(mode="after")
+    def _weight_within_backward(self) -> "LayerProfile":
+        if self.backward_weight is not None and self.backward_weight > self.backward:
+            raise ValueError(f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
+                             "(it is the parameter-gradient part of backward)")
+        return self
+
     @property
     def recompute_time(self) -> float:
         return self.forward if self.recompute is None else self.recompute
+
+    @property
+    def weight_time(self) -> float:
+        """W of a split backward (the zero-bubble paper's B = W when the profile does not say)."""
+        return self.backward / 2 if self.backward_weight is None else self.backward_weight
 
     @property
     def saved(self) -> float:
@@ -138,7 +158,8 @@ class Profile(_Strict):
         layers = []
         for layer in self.layers:
             d = layer.model_dump()
-            for key in ("forward", "backward", "recompute", "output_bytes", "saved_bytes", "input_bytes"):
+            for key in ("forward", "backward", "backward_weight", "recompute", "output_bytes", "saved_bytes",
+                        "input_bytes"):
                 if d[key] is not None:
                     d[key] *= f
             layers.append(LayerProfile(**d))

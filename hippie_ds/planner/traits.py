@@ -11,6 +11,9 @@ runs), so a new schedule file is plannable without touching the planner:
 * ``defers``: the file declares a ``deferred_stages`` stage list: the stages whose all-reduce
   does not fit their slack apply their gradient one step late (the simulator's rule);
 * ``continuous``: the pipeline stays full across steps (no fill or drain per step);
+* ``splits_backward``: the backward is split into its input gradient (``backward_input``, which
+  the previous stage waits for) and its parameter gradients (``backward_weight``, which nobody
+  waits for; zero-bubble schedules): the analytic model times the two apart;
 * ``weight_versions[s]``: the most weight versions stage s holds at once (the validator's count;
   1 = just the current weights);
 * ``late_update``: the update rule is not synchronous SGD (deferred stages, or compute on
@@ -35,6 +38,7 @@ class ScheduleTraits:
     interleaved: bool
     defers: bool
     continuous: bool
+    splits_backward: bool
     weight_versions: tuple[int, ...]
     late_update: bool
     updates_per_batch: tuple[int, ...]  # all-reduces + updates per stage per step (pipedream: M)
@@ -67,7 +71,8 @@ def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleT
         return tuple(u + (v - u) * (micro_batches - probe) for u, v in zip(x, y))
     return ScheduleTraits(name=a.name, stages=stages, micro_batches=micro_batches,
                           in_flight=extend(a.in_flight, b.in_flight), interleaved=a.interleaved, defers=a.defers,
-                          continuous=a.continuous, weight_versions=extend(a.weight_versions, b.weight_versions),
+                          continuous=a.continuous, splits_backward=a.splits_backward,
+                          weight_versions=extend(a.weight_versions, b.weight_versions),
                           late_update=a.late_update, updates_per_batch=extend(a.updates_per_batch, b.updates_per_batch))
 
 
@@ -108,7 +113,8 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
     versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages) for op in compiled.ops(s))
     return ScheduleTraits(name=compiled.name, stages=stages, micro_batches=micro_batches, in_flight=tuple(in_flight),
                           interleaved=interleaved, defers=defers, continuous=compiled.continuous,
-                          weight_versions=versions, late_update=defers or versioned,
+                          splits_backward=compiled.splits_backward, weight_versions=versions,
+                          late_update=defers or versioned,
                           updates_per_batch=tuple(compiled.updates_per_batch or (1,) * stages))
 
 
@@ -138,5 +144,6 @@ def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
         in_flight = tuple(min(x, micro_batches) for x in in_flight)
     return ScheduleTraits(name=base.name, stages=stages, micro_batches=micro_batches,
                           in_flight=in_flight, interleaved=base.interleaved, defers=base.defers,
-                          continuous=base.continuous, weight_versions=by_distance("weight_versions"),
+                          continuous=base.continuous, splits_backward=base.splits_backward,
+                          weight_versions=by_distance("weight_versions"),
                           late_update=base.late_update, updates_per_batch=by_distance("updates_per_batch"))
