@@ -16,7 +16,7 @@ from hippie_ds.planner import (Cluster, ClusterError, Plan, PlanMismatchError, P
 from hippie_ds.planner import partition as part
 from hippie_ds.schedules import available
 from hippie_ds.planner.pipedream import antichain_states, pipedream_optimizer
-from hippie_ds.planner.profile import parse_pipedream_graph
+from hippie_ds.planner.pipedream_profile import parse_pipedream_graph
 from hippie_ds.planner.recompute import StageRecompute, activations_of
 
 PROFILES = Path(__file__).resolve().parent / "data" / "pipedream"  # vendored PipeDream profiles (MIT)

@@ -4,8 +4,8 @@ from .cluster import Cluster, ClusterError, load_cluster, parse_cluster
 from .objectives import OBJECTIVES, Figures, register_objective
 from .plan import (SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, format_summary, load_plan,
                    make_plan, save_plan)
-from .profile import (LayerProfile, PlannerError, Profile, ProfileError, load_profile, read_pipedream, save_profile,
-                      synthetic_profile)
+from .pipedream_profile import read_pipedream
+from .profile import LayerProfile, PlannerError, Profile, ProfileError, load_profile, save_profile, synthetic_profile
 
 __all__ = ["Baseline", "Cluster", "ClusterError", "Figures", "LayerProfile", "OBJECTIVES", "Plan", "PlanMismatchError",
            "PlannerError", "Prediction", "Profile", "ProfileError", "SCHEDULES", "StagePlan", "format_summary",

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .profile import PipeDreamGraph, parse_pipedream_graph
+from .pipedream_profile import PipeDreamGraph, parse_pipedream_graph
 
 
 @dataclass
