@@ -29,7 +29,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule as _DSPipelineModule, TiedL
 
 from .checkpointing import checkpoint_run
 from .config import ConfigError, read_config
-from .planner.plan import Plan, PlanMismatchError, load_plan
+from .planner.plan_file import Plan, PlanMismatchError, load_plan
 from .planner.profile import PlannerError, fingerprint_of
 
 

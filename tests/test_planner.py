@@ -416,7 +416,7 @@ def test_tampered_plan_is_rejected(tmp_path, vgg_plan):
 @need_profiles
 def test_plan_memory_agrees_with_the_simulator(vgg, vgg_plan):
     """Rebuild the plan's costs and simulate: the per-stage peaks are the plan's in_flight."""
-    from hippie_ds.planner import plan as pl
+    from hippie_ds.planner import evaluate, model as pl
     from hippie_ds.schedules import compile as compile_schedule
     from hippie_ds.schedules.simulator import simulate
 
@@ -437,7 +437,7 @@ def test_plan_memory_agrees_with_the_simulator(vgg, vgg_plan):
 
 
 def test_analytic_deferral_rule_matches_the_simulators():
-    from hippie_ds.planner import plan as pl
+    from hippie_ds.planner import evaluate, model as pl
 
     profile = synthetic_profile(24, seed=2, batch_size=8)
     cluster = parse_cluster("2x4,40GB,10Gbit")
@@ -448,7 +448,7 @@ def test_analytic_deferral_rule_matches_the_simulators():
         for schedule in ("hippie", "hippie-1f1b"):
             ks = [0] * K
             step, deferred = model.step_time(lay, schedule, b / 8, M, ks)
-            sim = pl._simulate(model, lay, b, M, schedule, ks, deferred, auto_limit=10 ** 9)
+            sim = evaluate.simulate_configuration(model, lay, b, M, schedule, ks, deferred, auto_limit=10 ** 9)
             assert sim.deferred == deferred
             assert step == pytest.approx(sim.step, rel=0.25)
 
@@ -670,7 +670,7 @@ def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
     """The analytic zb-h1 step time never exceeds the simulated one (the pruning bound is safe)
     and is within the tolerance of the deferral rule's check; with equal stages it is ZB-H1's
     M (F+I+W) + (K-1) max(F, I, F+I-W) (the paper's (K-1)(F+I-W) bubble when W <= I)."""
-    from hippie_ds.planner import plan as pl
+    from hippie_ds.planner import evaluate, model as pl
     from hippie_ds.planner.model import split_backward_time
     from hippie_ds.planner.traits import schedule_traits
     from hippie_ds.schedules import compile as compile_schedule
@@ -696,5 +696,5 @@ def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
             M = 64 // (8 // K) // b
             for ks in ([0] * K, [lay.rec[s].options - 1 for s in range(K)]):
                 step, deferred = model.step_time(lay, "zb-h1", b / 8, M, ks)
-                sim = pl._simulate(model, lay, b, M, "zb-h1", ks, deferred, auto_limit=10 ** 9)
+                sim = evaluate.simulate_configuration(model, lay, b, M, "zb-h1", ks, deferred, auto_limit=10 ** 9)
                 assert step <= sim.step * (1 + 1e-9) and step == pytest.approx(sim.step, rel=0.25), (spec, K, ks)

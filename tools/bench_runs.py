@@ -194,7 +194,7 @@ def auto_plan(a, out: Path) -> dict:
     import bench_model
     import torch
     from hippie_ds.planner import Cluster, make_plan, save_plan, save_profile
-    from hippie_ds.planner.plan import SCHEDULES
+    from hippie_ds.planner.plan_file import SCHEDULES
     from hippie_ds.profiler import profile_layers
 
     wanted = [s for s in a.schedule_list if s in AUTO_PLAN_SCHEDULES and s in SCHEDULES and s not in a.plans]

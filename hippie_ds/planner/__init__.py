@@ -2,8 +2,9 @@
 Python (no torch): ``hippie-ds plan`` on the command line, :func:`make_plan` in code."""
 from .cluster import Cluster, ClusterError, load_cluster, parse_cluster
 from .objectives import OBJECTIVES, Figures, register_objective
-from .plan import (SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, format_summary, load_plan,
-                   make_plan, save_plan)
+from .plan import make_plan
+from .plan_file import (SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, format_summary, load_plan,
+                        save_plan)
 from .pipedream_profile import read_pipedream
 from .profile import LayerProfile, PlannerError, Profile, ProfileError, load_profile, save_profile, synthetic_profile
 

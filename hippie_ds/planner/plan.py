@@ -61,15 +61,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-from . import partition as part
 from .cluster import Cluster
 from .objectives import check_objective, score
-from .model import _Candidate, _costs, _divisors, _Estimate, _Layout, _Model
-from .plan_file import DEFAULT_STATE_FACTOR, GB, TARGETS, Baseline, Plan, Prediction, StagePlan
-from .plan_file import (SCHEDULES, PlanMismatchError, format_summary, load_plan,  # noqa: F401 (this module's API)
-                        save_plan)
+from .baselines import plan_baselines
+from .evaluate import choose_recompute, prediction, sim_cost, simulate_configuration
+from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
+from .plan_file import DEFAULT_STATE_FACTOR, GB, Baseline, Plan, StagePlan
+from .plan_file import SCHEDULES
 from .profile import PlannerError, Profile
 from .traits import schedule_traits
 
@@ -88,39 +88,6 @@ def _check_schedules(schedules: Sequence[str]) -> None:
             load_spec(name)
         except ScheduleError as exc:
             raise PlannerError(f"schedule {name!r}: {exc}; built-in: {', '.join(available())}") from None
-
-
-def _choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str,
-                      targets: Sequence[float] = TARGETS) -> tuple[float, list[int], _Estimate] | None:
-    """The best re-computation choice (over bottleneck targets) for a fixed configuration:
-    (score, prefix per stage, estimate), or None when nothing fits."""
-    K, f = lay.K, b / model.b0
-    p = model.in_flight(schedule, K, M)
-    zero = [0] * K
-    _, F, B, c = model.compute_time(lay, schedule, f, M, zero)
-    around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
-    base = [F[s] + B[s] + 2 * around[s] for s in range(K)]
-    bottleneck = max(base)
-    best, seen = None, set()
-    for t in targets:
-        if t == 0:
-            ks = list(zero)
-        elif math.isinf(t):
-            ks = [lay.rec[s].choose(p[s], math.inf) for s in range(K)]
-        else:
-            ks = [lay.rec[s].choose(p[s], (bottleneck * t - base[s]) / f) for s in range(K)]
-        key = tuple(ks)
-        if key in seen:
-            continue
-        seen.add(key)
-        step, deferred = model.step_time(lay, schedule, f, M, ks)
-        mem = model.memory(lay, f, p, ks, deferred, schedule_traits(schedule, K, M).weight_versions)
-        if max(mem) > model.cap:
-            continue
-        value = score(objective, *model.figures(step, mem))
-        if best is None or value > best[0] * (1 + 1e-12):
-            best = (value, ks, _Estimate(step, mem, p, deferred))
-    return best
 
 
 def _bound(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str) -> float | None:
@@ -181,7 +148,7 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
         if len(best) >= keep and bound <= best[-1].score:
             break
         evaluated += 1
-        got = _choose_recompute(model, lay, sched, b, M, objective)
+        got = choose_recompute(model, lay, sched, b, M, objective)
         if got is None:
             continue
         score, ks, est = got
@@ -193,37 +160,6 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
 
 # ---------------------------------------------------------------------------------------------
 # Simulation of a candidate
-
-def _simulate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
-              deferred: Sequence[int], auto_limit: int) -> _Estimate:
-    """Simulate a configuration: deferred stages by the simulator's rule when affordable
-    (``auto_limit`` micro-batch-stages of repeated simulation), else ``deferred`` (the
-    analytic rule's choice)."""
-    from ..schedules import compile as compile_schedule
-    from ..schedules.simulator import resolve_auto_params, simulate
-
-    costs = _costs(model, lay, b, ks)
-    traits = schedule_traits(schedule, lay.K, M)
-    params: dict[str, Any] = {}
-    if traits.defers:
-        if lay.K * M * (lay.K + 1) * 3 <= auto_limit:
-            params = resolve_auto_params(schedule, lay.K, M, costs, {"deferred_stages": "auto"})
-        else:
-            params = {"deferred_stages": list(deferred)}
-    compiled = compile_schedule(schedule, lay.K, M, validate=False, **params)
-    # flush schedules repeat identically; deferred and continuous ones reach their steady state
-    iterations = 3 if traits.defers or traits.continuous else 1
-    res = simulate(compiled, costs, iterations=iterations, critical_path=False)
-    p = [max(1, x["peak_activation_microbatches"]) for x in res.per_stage]
-    d = list(compiled.params.get("deferred_stages", []))
-    mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
-    return _Estimate(res.step_time, mem, p, d, "simulator")
-
-
-def _sim_cost(lay: _Layout, M: int, schedule: str) -> int:
-    traits = schedule_traits(schedule, lay.K, M)
-    return lay.K * M * (3 if traits.defers or traits.continuous else 1)
-
 
 # ---------------------------------------------------------------------------------------------
 # Public entry point
@@ -273,14 +209,27 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
                            f"{cap / GB:.3g} GB each (re-computing everything that helps) holds it;{detail}. "
                            "Use more devices, more memory, or a smaller global batch")
 
-    # Refine the best few with the simulator.
+    chosen, est, simulated = _refine(model, found, objective, simulate_top, simulate_budget, cap)
+    compared = plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget) if baselines else []
+    return _to_plan(model, chosen, est, objective, memory_cap, compared, {
+        "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
+        "configurations_evaluated": found.evaluated, "simulated": simulated,
+        "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
+        "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",
+    })
+
+
+def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: int, simulate_budget: int,
+            cap: float) -> tuple[_Candidate, _Estimate, int]:
+    """Simulate the best few analytic candidates and rank them by simulated figures: (the chosen
+    candidate, its estimate, how many were simulated)."""
     simulated = 0
     ranked = []
     for cand in found.best[:max(simulate_top, 0)]:
-        if _sim_cost(cand.lay, cand.M, cand.schedule) > simulate_budget:
+        if sim_cost(cand.lay, cand.M, cand.schedule) > simulate_budget:
             continue
-        est = _simulate(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
-                        auto_limit=simulate_budget)
+        est = simulate_configuration(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
+                                     auto_limit=simulate_budget)
         simulated += 1
         if max(est.memory) > cap:
             continue
@@ -291,21 +240,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
         _, chosen, est = ranked[0]
     else:
         chosen, est = found.best[0], found.best[0].est
-
-    plan_baselines = _baselines(model, chosen, est, objective, simulate_budget, baseline_budget) if baselines else []
-    return _to_plan(model, chosen, est, objective, memory_cap, plan_baselines, {
-        "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
-        "configurations_evaluated": found.evaluated, "simulated": simulated,
-        "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
-        "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",
-    })
-
-
-def _prediction(model: _Model, est: _Estimate) -> Prediction:
-    thr, scal, m, me = model.figures(est.step, est.memory)
-    return Prediction(step_time=est.step, throughput=thr, scalability=scal, memory=m, memory_max=max(est.memory),
-                      memory_per_stage=list(est.memory), me=me, fits=max(est.memory) <= model.cap,
-                      predicted_by=est.predicted_by)
+    return chosen, est, simulated
 
 
 def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, memory_cap: float | None,
@@ -329,7 +264,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
                 objective=objective, memory_metric=model.metric, memory_cap=memory_cap, pipeline_depth=lay.K,
                 data_parallel=lay.r, micro_batch_size=cand.b, micro_batches=cand.M, schedule=cand.schedule,
                 schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
-                stages=stages, prediction=_prediction(model, est), single_device_throughput=model.single_throughput,
+                stages=stages, prediction=prediction(model, est), single_device_throughput=model.single_throughput,
                 baselines=baselines, search=search,
                 assumptions={
                     "state_factor": model.state_factor,
@@ -345,89 +280,3 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
 
 # ---------------------------------------------------------------------------------------------
 # Baselines
-
-def _baselines(model: _Model, cand: _Candidate, est: _Estimate, objective: str, sim_budget: int,
-               budget: float) -> list[Baseline]:
-    out = [_data_parallel(model)]
-    lay, b, M = cand.lay, cand.b, cand.M
-    simulate = est.predicted_by == "simulator"
-
-    def evaluate(name, description, layout, schedule, ks=None, recompute=True):
-        if ks is None and recompute:
-            got = _choose_recompute(model, layout, schedule, b, M, objective)
-            ks = got[1] if got else [0] * layout.K
-        ks = ks if ks is not None else [0] * layout.K
-        f = b / model.b0
-        step, deferred = model.step_time(layout, schedule, f, M, ks)
-        if simulate and _sim_cost(layout, M, schedule) <= sim_budget:
-            e = _simulate(model, layout, b, M, schedule, ks, deferred, auto_limit=sim_budget)
-        else:
-            p = model.in_flight(schedule, layout.K, M)
-            e = _Estimate(step, model.memory(layout, f, p, ks, deferred,
-                                             schedule_traits(schedule, layout.K, M).weight_versions), p, deferred)
-        checkpointed = sorted(i for s in range(layout.K) for i in layout.rec[s].layers(ks[s]))
-        params = {"deferred_stages": e.deferred} if schedule_traits(schedule, layout.K, M).defers else {}
-        return Baseline(name=name, description=description, pipeline_depth=layout.K, data_parallel=layout.r,
-                        micro_batch_size=b, micro_batches=M, schedule=schedule, schedule_params=params,
-                        boundaries=list(layout.parts), checkpointed_layers=checkpointed,
-                        prediction=_prediction(model, e))
-
-    out.append(evaluate("gpipe+dp", "GPipe with data parallelism: same depth, width and micro-batches as the plan, "
-                                    "balanced stages, no re-computation, all-reduce at the end of the step",
-                        lay, "gpipe", recompute=False))
-    n, K = model.n, lay.K
-    partitions = [("uniform", "DeepSpeed 'uniform' partition (equal layer counts)",
-                   lambda: part.uniform(n, K), 0)]
-    partitions.append(("parameters", "DeepSpeed 'parameters' partition (partition_balanced over parameter counts)",
-                       lambda: part.deepspeed_parameters([round(w / 4) for w in model.params], K), n * n * K))
-    c = model.cluster
-    ar_bw = c.inter_node_bandwidth if c.nodes > 1 and lay.r > 1 else c.intra_node_bandwidth
-    partitions.append(("pipedream", "PipeDream's dynamic program for K stages each replicated r times "
-                                    "(compute + 4(r-1)W/(bw r), transfers 2A/(bw r))",
-                       lambda: part.pipedream_uniform(model.work, model.params, model.cuts, K, lay.r, ar_bw,
-                                                      c.intra_node_bandwidth)[0], n * n * K / 2))
-    for name, description, make, cost in partitions:
-        description += f"; the plan's schedule ({cand.schedule}), depth, width and micro-batches, re-computation " \
-                       "re-chosen"
-        if K == 1:
-            continue
-        if cost > budget:
-            out.append(Baseline(name=name, description=description, pipeline_depth=K, data_parallel=lay.r,
-                                micro_batch_size=b, micro_batches=M, schedule=cand.schedule,
-                                skipped=f"O(N^2 K) = {cost:.3g} operations exceeds the baseline budget {budget:.3g}"))
-            continue
-        parts = make()
-        if len(parts) != K + 1 or any(y <= x for x, y in zip(parts, parts[1:])):
-            out.append(Baseline(name=name, description=description, pipeline_depth=K, data_parallel=lay.r,
-                                micro_batch_size=b, micro_batches=M, schedule=cand.schedule,
-                                skipped=f"partition {parts} has empty stages"))
-            continue
-        out.append(evaluate(name, description, model.layout(K, parts), cand.schedule))
-    return out
-
-
-def _data_parallel(model: _Model) -> Baseline:
-    """Plain data parallelism on every device, all-reduce overlapped with the last micro-batch's
-    backward (bucketed, as PyTorch DDP). Micro-batch = G/P if it fits, else the fewest
-    accumulation steps that fit."""
-    P, G = model.P, model.G
-    description = ("data parallelism on all devices, gradient all-reduce overlapped with the backward of the last "
-                   "micro-batch, no re-computation")
-    if G % P:
-        return Baseline(name="dp", description=description, pipeline_depth=1, data_parallel=P, micro_batch_size=1,
-                        micro_batches=1, schedule="1f1b", skipped=f"global batch {G} is not divisible by {P} devices")
-    lay = model.layout(1, [0, model.n])
-    per = G // P
-    choice = None
-    for b in sorted(_divisors(per), reverse=True):
-        f, M = b / model.b0, per // b
-        mem = model.memory(lay, f, [1], [0], [])
-        choice = (b, M, f, mem)
-        if mem[0] <= model.cap:
-            break
-    b, M, f, mem = choice
-    compute_b = f * lay.bwd[0]
-    step = M * f * (lay.fwd[0] + lay.bwd[0]) + max(0.0, lay.ar_work[0] - compute_b)
-    pred = _prediction(model, _Estimate(step, mem, [1], []))
-    return Baseline(name="dp", description=description, pipeline_depth=1, data_parallel=P, micro_batch_size=b,
-                    micro_batches=M, schedule="1f1b", boundaries=[0, model.n], prediction=pred)

@@ -103,7 +103,7 @@ def pipeline_module(layers, loss_fn, num_stages: int, topology, plan: str | None
 
 def plan_depth(path: str) -> int:
     """The pipeline depth a plan file chose."""
-    from hippie_ds.planner.plan import load_plan
+    from hippie_ds.planner.plan_file import load_plan
     return load_plan(path).pipeline_depth
 
 

@@ -1,0 +1,83 @@
+"""Evaluating one planner configuration (depth, layout, micro-batches, schedule): the
+re-computation it should use, its analytic or simulated estimate, and the prediction a plan
+reports. Pure Python; the search (:mod:`.plan`) and the baselines (:mod:`.baselines`) share it."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from .model import _costs, _Estimate, _Layout, _Model
+from .objectives import score
+from .plan_file import TARGETS, Prediction
+from .traits import schedule_traits
+
+
+def choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str,
+                     targets: Sequence[float] = TARGETS) -> tuple[float, list[int], _Estimate] | None:
+    """The best re-computation choice (over bottleneck targets) for a fixed configuration:
+    (score, prefix per stage, estimate), or None when nothing fits."""
+    K, f = lay.K, b / model.b0
+    p = model.in_flight(schedule, K, M)
+    zero = [0] * K
+    _, F, B, c = model.compute_time(lay, schedule, f, M, zero)
+    around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
+    base = [F[s] + B[s] + 2 * around[s] for s in range(K)]
+    bottleneck = max(base)
+    best, seen = None, set()
+    for t in targets:
+        if t == 0:
+            ks = list(zero)
+        elif math.isinf(t):
+            ks = [lay.rec[s].choose(p[s], math.inf) for s in range(K)]
+        else:
+            ks = [lay.rec[s].choose(p[s], (bottleneck * t - base[s]) / f) for s in range(K)]
+        key = tuple(ks)
+        if key in seen:
+            continue
+        seen.add(key)
+        step, deferred = model.step_time(lay, schedule, f, M, ks)
+        mem = model.memory(lay, f, p, ks, deferred, schedule_traits(schedule, K, M).weight_versions)
+        if max(mem) > model.cap:
+            continue
+        value = score(objective, *model.figures(step, mem))
+        if best is None or value > best[0] * (1 + 1e-12):
+            best = (value, ks, _Estimate(step, mem, p, deferred))
+    return best
+
+
+def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
+                           deferred: Sequence[int], auto_limit: int) -> _Estimate:
+    """Simulate a configuration: deferred stages by the simulator's rule when affordable
+    (``auto_limit`` micro-batch-stages of repeated simulation), else ``deferred`` (the
+    analytic rule's choice)."""
+    from ..schedules import compile as compile_schedule
+    from ..schedules.simulator import resolve_auto_params, simulate
+
+    costs = _costs(model, lay, b, ks)
+    traits = schedule_traits(schedule, lay.K, M)
+    params: dict[str, Any] = {}
+    if traits.defers:
+        if lay.K * M * (lay.K + 1) * 3 <= auto_limit:
+            params = resolve_auto_params(schedule, lay.K, M, costs, {"deferred_stages": "auto"})
+        else:
+            params = {"deferred_stages": list(deferred)}
+    compiled = compile_schedule(schedule, lay.K, M, validate=False, **params)
+    # flush schedules repeat identically; deferred and continuous ones reach their steady state
+    iterations = 3 if traits.defers or traits.continuous else 1
+    res = simulate(compiled, costs, iterations=iterations, critical_path=False)
+    p = [max(1, x["peak_activation_microbatches"]) for x in res.per_stage]
+    d = list(compiled.params.get("deferred_stages", []))
+    mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
+    return _Estimate(res.step_time, mem, p, d, "simulator")
+
+
+def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
+    traits = schedule_traits(schedule, lay.K, M)
+    return lay.K * M * (3 if traits.defers or traits.continuous else 1)
+
+
+def prediction(model: _Model, est: _Estimate) -> Prediction:
+    thr, scal, m, me = model.figures(est.step, est.memory)
+    return Prediction(step_time=est.step, throughput=thr, scalability=scal, memory=m, memory_max=max(est.memory),
+                      memory_per_stage=list(est.memory), me=me, fits=max(est.memory) <= model.cap,
+                      predicted_by=est.predicted_by)
