@@ -288,15 +288,8 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
 
             for _ in range(warmup):
                 step()
-            forward = _median(lambda: fn(inp), repeats)
-            backs = []
-            for _ in range(repeats):
-                out = fn(inp)
-                t0 = time.perf_counter()
-                backward(out)
-                backs.append(time.perf_counter() - t0)
-            weight = _guard(_weight_time, f"layer {i} ({name}) backward")(fn, inp, statistics.median(backs),
-                                                                          repeats, warmup)
+            forward, back = _median(lambda: fn(inp), repeats), _backward_time(fn, backward, inp, repeats)
+            weight = _guard(_weight_time, f"layer {i} ({name}) backward")(fn, inp, back, repeats, warmup)
             packed, out = saved_storages(fn, inp)
             for p in ps:
                 p.grad = None
@@ -306,7 +299,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
             inputs_saved.append(bool(ins & packed.keys()))
             outputs.append({k: k[2] for k in outs - ins})
             out_layers.append(dict(
-                name=name, forward=forward, backward=statistics.median(backs), backward_weight=weight,
+                name=name, forward=forward, backward=back, backward_weight=weight,
                 recompute=forward,
                 output_bytes=float(_nbytes(out)), input_bytes=float(_nbytes(sample)) if i == 0 else None,
                 param_bytes=float(sum(p.numel() * p.element_size() for p in ps))))
@@ -319,8 +312,24 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
         raise
     finally:
         bar.close()
-    # Attribute to the producer: a layer's output counts when it or the next layer saves it
-    # (the last layer's: the loss holds it).
+    return Profile(model=model, batch_size=batch, source="hippie-ds profile",
+                   layers=_attribute_saved(out_layers, saved_sets, inputs_saved, outputs))
+
+
+def _backward_time(fn, backward, inp, repeats: int) -> float:
+    """Median time of the layer's whole backward (a fresh forward before each)."""
+    backs = []
+    for _ in range(repeats):
+        out = fn(inp)
+        t0 = time.perf_counter()
+        backward(out)
+        backs.append(time.perf_counter() - t0)
+    return statistics.median(backs)
+
+
+def _attribute_saved(out_layers, saved_sets, inputs_saved, outputs) -> list[LayerProfile]:
+    """Saved bytes attributed to the producer: a layer's output counts when it or the next layer
+    saves it (the last layer's: the loss holds it)."""
     layers_out = []
     for i, fields in enumerate(out_layers):
         own, out = saved_sets[i], outputs[i]
@@ -329,7 +338,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
         if output_saved:
             keep.update(out)
         layers_out.append(LayerProfile(saved_bytes=float(sum(keep.values())), output_saved=output_saved, **fields))
-    return Profile(model=model, batch_size=batch, layers=layers_out, source="hippie-ds profile")
+    return layers_out
 
 
 def _detach(x: Any) -> Any:
