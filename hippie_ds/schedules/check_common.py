@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Hashable, Iterable, Sequence
 
-from .ir import CompiledSchedule, Op
+from .ir import BUFFER_KINDS, CompiledSchedule, Op
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,40 @@ def scenario_ops(compiled: CompiledSchedule, stage: int, scenario) -> list[tuple
         if kind == "drain":
             first = t
     return out
+
+
+def check_slots(ops: Sequence[tuple[Hashable, Op]], num_buffers: int, add: Callable[[Op, str], None],
+                name: Callable[[Hashable], str]) -> None:
+    """Pipeline buffer slots of one stage's op sequence, ``(micro-batch key, op)`` in execution
+    order: every slot in range, one slot per micro-batch, and no slot rewritten while its
+    micro-batch still has ops to run. A micro-batch holds its slot from its first buffer op to its
+    last (a non-blocking send, when last, frees it at issue: the engine keeps the tensor).
+    ``name(key)`` words a micro-batch in messages."""
+    first: dict = {}
+    last: dict = {}
+    for i, (key, op) in enumerate(ops):
+        if op.kind in BUFFER_KINDS and op.micro_batch is not None:
+            first.setdefault(key, i)
+            last[key] = i
+    holder: dict[int, Hashable] = {}  # slot -> micro-batch that last started in it
+    slot_of: dict = {}
+    for i, (key, op) in enumerate(ops):
+        if op.kind not in BUFFER_KINDS or op.micro_batch is None:
+            continue
+        b = op.buffer
+        if b is None:
+            add(op, "no pipeline buffer slot")
+            continue
+        if not 0 <= b < num_buffers:
+            add(op, f"buffer {b} outside 0..{num_buffers - 1} ({num_buffers} slots)")
+            continue
+        if key not in slot_of:
+            slot_of[key] = b
+            other = holder.get(b)
+            if other is not None and last[other] > i:
+                later = ops[last[other]][1]
+                add(op, f"buffer overwritten while live: slot {b} still holds {name(other)} "
+                        f"(used again at step {later.step} by {short(later)})")
+            holder[b] = key
+        elif b != slot_of[key]:
+            add(op, f"micro-batch {op.micro_batch} in slot {b}, but its first op put it in slot {slot_of[key]}")

@@ -2,8 +2,8 @@
 whole scenario of calls and drains. Pure Python."""
 from __future__ import annotations
 
-from .check_common import Problem, problem, scenario_ops, short
-from .ir import BUFFER_KINDS, COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind
+from .check_common import Problem, check_slots, problem, scenario_ops
+from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind
 
 
 class ContinuousStageChecker:
@@ -190,29 +190,5 @@ class ContinuousStageChecker:
         return ""
 
     def _check_slots(self) -> None:
-        first: dict[tuple, int] = {}
-        last: dict[tuple, int] = {}
-        for i, (_, batch, op) in enumerate(self.seq):
-            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
-                first.setdefault((batch, op.micro_batch), i)
-                last[(batch, op.micro_batch)] = i
-        holder: dict[int, tuple] = {}
-        slot_of: dict[tuple, int] = {}
-        n = self.c.num_buffers[self.s]
-        for i, (_, batch, op) in enumerate(self.seq):
-            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
-                continue
-            key, b = (batch, op.micro_batch), op.buffer
-            if b is None or not 0 <= b < n:
-                self._add(op, f"buffer {b} outside 0..{n - 1} ({n} slots)")
-                continue
-            if key not in slot_of:
-                slot_of[key] = b
-                other = holder.get(b)
-                if other is not None and last[other] > i:
-                    later = self.seq[last[other]][2]
-                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other[1]} of "
-                                  f"batch {other[0]} (used again at step {later.step} by {short(later)})")
-                holder[b] = key
-            elif b != slot_of[key]:
-                self._add(op, f"micro-batch {op.micro_batch} in slot {b}, but its first op put it in slot {slot_of[key]}")
+        check_slots([((batch, op.micro_batch), op) for _, batch, op in self.seq], self.c.num_buffers[self.s],
+                    self._add, lambda key: f"micro-batch {key[1]} of batch {key[0]}")

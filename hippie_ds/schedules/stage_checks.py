@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .ir import (BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS, CompiledSchedule, Op,
                  OpKind)
-from .check_common import Problem, problem, short
+from .check_common import Problem, check_slots, problem
 
 _FORWARD_LIKE = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
 _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
@@ -209,34 +209,5 @@ class _StageChecker:
                                                         "(apply_buffered_update missing)"))
 
     def _check_slots(self) -> None:
-        """Slot range, one slot per micro-batch, and no slot rewritten while its micro-batch
-        still has ops to run. A micro-batch holds its slot from its first buffer op to its last
-        (a non-blocking send, when last, frees it at issue: the engine keeps the tensor)."""
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        slot_of: dict[int, int] = {}
-        for i, op in enumerate(self.ops):
-            if op.kind in BUFFER_KINDS and op.micro_batch is not None:
-                first.setdefault(op.micro_batch, i)
-                last[op.micro_batch] = i
-        holder: dict[int, int] = {}  # slot -> micro-batch that last started in it
-        for i, op in enumerate(self.ops):
-            if op.kind not in BUFFER_KINDS or op.micro_batch is None:
-                continue
-            mb, b = op.micro_batch, op.buffer
-            if b is None:
-                self._add(op, "no pipeline buffer slot")
-                continue
-            if not 0 <= b < self.num_buffers:
-                self._add(op, f"buffer {b} outside 0..{self.num_buffers - 1} ({self.num_buffers} slots)")
-                continue
-            if mb not in slot_of:
-                slot_of[mb] = b
-                other = holder.get(b)
-                if other is not None and last[other] > i:
-                    later = self.ops[last[other]]
-                    self._add(op, f"buffer overwritten while live: slot {b} still holds micro-batch {other} "
-                                  f"(used again at step {later.step} by {short(later)})")
-                holder[b] = mb
-            elif b != slot_of[mb]:
-                self._add(op, f"micro-batch {mb} in slot {b}, but its first op put it in slot {slot_of[mb]}")
+        check_slots([(op.micro_batch, op) for op in self.ops], self.num_buffers, self._add,
+                    lambda mb: f"micro-batch {mb}")
