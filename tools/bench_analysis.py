@@ -57,8 +57,12 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
         f, b = m.get("ForwardPass"), m.get("BackwardPass")
         if (f is None or b is None) and "ForwardBackwardPass" in m:  # fused last stage: split by the ratio
             f, b = ratio * m["ForwardBackwardPass"], (1 - ratio) * m["ForwardBackwardPass"]
+        split = {}
+        if b is None and "BackwardWeightPass" in m:  # a split backward (zb-h1, hippie-zb): B + W
+            w = m["BackwardWeightPass"]
+            b, split = m.get("BackwardInputPass", 0.0) + w, {"backward_weight": w}
         opt = sum(m.get(k, 0.0) for k in ("OptimizerStep", "StageOptimizerStep", "ApplyBufferedUpdate"))
-        stages.append({"forward": f or 0.0, "backward": b or 0.0, "optimizer_time": opt,
+        stages.append({"forward": f or 0.0, "backward": b or 0.0, **split, "optimizer_time": opt,
                        "param_bytes": 4.0 * timings[s]["params"],
                        "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
                        "saved_bytes": 0.0})
