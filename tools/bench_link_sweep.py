@@ -1,0 +1,139 @@
+"""Scaling against link speed: ``tools/bench.py`` once per inter-node rate, collated.
+
+For each rate (tc-shaped veth between the two emulated nodes) it runs the benchmark's one-node
+and two-node runs of every schedule (two-node runs in interleaved rounds), then reports, per
+schedule and rate: two-node step time, its ratio to stock 1F1B (median of rounds, min-max
+spread, "real" when the spread excludes 1), scaling efficiency from one node to two
+(throughput(two nodes) / (2 x throughput(one node))), and the simulator's predicted step time,
+its error, and the scaling it implies. Writes ``report.md``, ``results.json`` and
+``scaling.png`` (measured and predicted scaling efficiency against the rate). Needs root (as
+bench.py). Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+
+
+def rate_bits(rate: str) -> float:
+    for unit, scale in BITS.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise SystemExit(f"--rates: {rate!r}: expected a tc rate such as 10gbit, 1gbit or 250mbit")
+
+
+def run_rate(a, rate: str) -> None:
+    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--schedules", a.schedules, "--rounds", str(a.rounds),
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--no-single", "--no-projection", "--rate", rate,
+           "--out", str(Path(a.out, rate))]
+    print("running:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+
+
+def collate(a) -> dict:
+    rows = []
+    for rate in a.rates.split(","):
+        res = json.loads(Path(a.out, rate, "results.json").read_text())
+        two, one = res["runs"]["two_nodes"], res["runs"].get("one_node", {})
+        for name, fig in res["summary"]["schedules"].items():
+            run = two.get(name, {})
+            pred = run.get("prediction") or {}
+            one_thr = (one.get(name) or {}).get("throughput_samples_s")
+            pred_thr = run["samples_per_step"] / pred["step_time"] if pred.get("step_time") else None
+            rows.append({
+                "rate": rate, "rate_bits": rate_bits(rate), "schedule": name,
+                "step_s": run.get("median_step_s"), "ratio_to_1f1b": fig.get("ratio_to_1f1b"),
+                "ratio_min": fig.get("ratio_to_1f1b_min"), "ratio_max": fig.get("ratio_to_1f1b_max"),
+                "real_vs_1f1b": fig.get("real_vs_1f1b"), "scaling": fig.get("scaling_efficiency"),
+                "predicted_step_s": pred.get("step_time"), "prediction_error": pred.get("error"),
+                "predicted_scaling": pred_thr / (2 * one_thr) if pred_thr and one_thr else None,
+                "schedule_params": run.get("schedule_params", {}),
+            })
+    return {"rates": a.rates.split(","), "schedules": a.schedules.split(","), "rows": rows}
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def report(res: dict) -> str:
+    lines = ["# Scaling against link speed", "", "`python tools/bench_link_sweep.py` (two emulated nodes x 2 "
+             "ranks; ratios are throughput ratios to stock 1F1B per round: median [min, max]; real = the "
+             "spread excludes 1).", ""]
+    for rate in res["rates"]:
+        lines += [f"## {rate}", "", "| schedule | step (s) | vs 1f1b | real | scaling 1 -> 2 nodes | simulated step (s) "
+                  "| error | simulated scaling | params |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in res["rows"] if r["rate"] == rate):
+            ratio = f"{_f(r['ratio_to_1f1b'], '.3f')} [{_f(r['ratio_min'], '.3f')}, {_f(r['ratio_max'], '.3f')}]"
+            lines.append(f"| {r['schedule']} | {_f(r['step_s'], '.3f')} | {ratio} | {r['real_vs_1f1b']} | "
+                         f"{_f(r['scaling'], '.2f')} | {_f(r['predicted_step_s'], '.3f')} | "
+                         f"{_f(r['prediction_error'], '+.1%')} | {_f(r['predicted_scaling'], '.2f')} | "
+                         f"{r['schedule_params'] or ''} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(res["schedules"]):
+        rows = sorted((r for r in res["rows"] if r["schedule"] == name and r["scaling"] is not None),
+                      key=lambda r: r["rate_bits"])
+        if not rows:
+            continue
+        xs = [r["rate_bits"] / 1e9 for r in rows]
+        line, = ax.plot(xs, [r["scaling"] for r in rows], "o-", label=f"{name} measured")
+        pred = [(x, r["predicted_scaling"]) for x, r in zip(xs, rows) if r["predicted_scaling"] is not None]
+        if pred:
+            ax.plot(*zip(*pred), "x--", color=line.get_color(), label=f"{name} simulated")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-node link (Gbit/s)")
+    ax.set_ylabel("scaling efficiency, one node to two")
+    ax.axhline(0.9, color="grey", lw=0.6, ls=":")
+    ax.axhline(0.8, color="grey", lw=0.6, ls=":")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rates", default="10gbit,1gbit,250mbit", help="comma list of tc rates")
+    p.add_argument("--schedules", default="dp,1f1b,hippie-1f1b,zb-h1,hippie-zb")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default="out/bench_link")
+    p.add_argument("--publish", default=None, help="also copy report.md, results.json and scaling.png here")
+    p.add_argument("--analyze-only", action="store_true", help="collate earlier runs in --out")
+    a = p.parse_args()
+    for rate in a.rates.split(","):
+        rate_bits(rate)
+        if not a.analyze_only:
+            run_rate(a, rate)
+    res = collate(a)
+    out = Path(a.out)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    text = report(res)
+    (out / "report.md").write_text(text)
+    plot(res, out / "scaling.png")
+    print(text)
+    if a.publish:
+        Path(a.publish).mkdir(parents=True, exist_ok=True)
+        for name in ("report.md", "results.json", "scaling.png"):
+            shutil.copy(out / name, Path(a.publish, name))
+
+
+if __name__ == "__main__":
+    main()
