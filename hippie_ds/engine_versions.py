@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .schedules.ir import CompiledSchedule
+from .schedules.ir import CompiledSchedule, weight_version
 
 
 class WeightVersionsMixin:
@@ -40,7 +40,7 @@ class WeightVersionsMixin:
 
     def _abs_version(self, op) -> int:
         """Absolute weight version of an op (versions below 0 are the initial weights)."""
-        return max(0, (self._op_call + op.batch) * self._wv_updates + op.version)
+        return weight_version(self._op_call + op.batch, self._wv_updates, op.version)
 
     def _version_params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]

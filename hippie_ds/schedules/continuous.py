@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS
+from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS, weight_version
 from .placement import eval_expr, int_expr, lower_stage, place_compute
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
 
@@ -138,7 +138,7 @@ def _weight_ops(window: list[list[Op]], u: int, depth: int, s: int) -> list[list
     free_weights after the last use of a stashed version. Versions are relative to the call
     (batch b's version d is b * u + d); the next call sees this call's version v as v - u."""
     flat = [(t, op) for t, step in enumerate(window) for op in step]
-    uses = [(i, op.batch * u + op.version) for i, (_, op) in enumerate(flat)
+    uses = [(i, weight_version(op.batch, u, op.version, clamp=False)) for i, (_, op) in enumerate(flat)
             if op.kind in COMPUTE_KINDS and op.version is not None]
     # updates of earlier batches still to come in this call or later ones
     count = -sum(1 for _, op in flat for k in range(depth + 1) if op.kind in UPDATE_KINDS and op.batch < -k)
@@ -154,7 +154,7 @@ def _weight_ops(window: list[list[Op]], u: int, depth: int, s: int) -> list[list
             count += 1
         out[t].append(op)
         if op.kind in COMPUTE_KINDS and op.version is not None:
-            v = op.batch * u + op.version
+            v = weight_version(op.batch, u, op.version, clamp=False)
             if v < count and not used_later(i, v):
                 out[t].append(Op(OpKind.FREE_WEIGHTS, s, t, batch=op.batch, version=op.version))
     return out

@@ -3,7 +3,7 @@ whole scenario of calls and drains. Pure Python."""
 from __future__ import annotations
 
 from .check_common import Problem, check_slots, problem, scenario_ops
-from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind
+from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, weight_version
 
 
 class ContinuousStageChecker:
@@ -87,7 +87,7 @@ class ContinuousStageChecker:
         """The absolute weight version a compute op uses, checked to be current or stashed."""
         if op.version is None:
             return None
-        version = max(0, batch * self.U + op.version)
+        version = weight_version(batch, self.U, op.version)
         if version > self.count:
             self._add(op, f"uses weight version {version}, which does not exist yet (the stage has "
                           f"applied {self.count} update(s))")
@@ -130,13 +130,13 @@ class ContinuousStageChecker:
 
     def _weights(self, op: Op, batch: int) -> None:
         if op.kind == OpKind.STASH_WEIGHTS:
-            version = max(0, batch * self.U + op.version)
+            version = weight_version(batch, self.U, op.version)
             if version != self.count:
                 self._add(op, f"stash_weights of version {version}, but the current version is {self.count}")
             self.stashed.add(version)
             self.freed.pop(version, None)
             return
-        version = batch * self.U + op.version
+        version = weight_version(batch, self.U, op.version, clamp=False)
         if version >= 0:  # below 0: the initial weights, freed as version 0
             if version not in self.stashed:
                 self._add(op, f"free_weights of version {version}, which is not stashed")

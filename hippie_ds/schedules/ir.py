@@ -132,6 +132,15 @@ WEIGHT_KINDS = kinds(role="weights")
 CATEGORY = {k: info.category for k, info in OP_INFO.items()}  # timeline category of each op kind
 
 
+def weight_version(batch: int, updates_per_batch: int, version: int, clamp: bool = True) -> int:
+    """The absolute weight version meant by an op of ``batch`` (a call's index plus the op's
+    relative batch) declaring ``version``: ``batch * updates_per_batch + version``. Versions below
+    0 are the initial weights: version 0 with ``clamp``, the raw value without (free_weights of the
+    initial weights). The one place of this arithmetic: compiler, validator, simulator, engine."""
+    v = batch * updates_per_batch + version
+    return max(0, v) if clamp else v
+
+
 @dataclass(frozen=True)
 class Op:
     kind: OpKind

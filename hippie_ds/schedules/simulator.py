@@ -60,7 +60,8 @@ from typing import Iterator, Mapping
 from .costs import Costs
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
-from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, WEIGHT_GRAD_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
+from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
+                 WEIGHT_GRAD_KINDS, weight_version,
                  CompiledSchedule, Op, OpKind, op_name)
 
 
@@ -260,10 +261,10 @@ class _Sim:
         elif kind == OpKind.STAGE_OPTIMIZER_STEP:
             yield self.costs.stages[s].optimizer_time
         elif kind == OpKind.STASH_WEIGHTS:  # a copy of the stage's weights; its time is not modelled
-            st.stashed.add(max(0, (it + op.batch) * self.updates[s] + op.version))
+            st.stashed.add(weight_version(it + op.batch, self.updates[s], op.version))
             acc.versions = max(acc.versions, len(st.stashed) + 1)
         elif kind == OpKind.FREE_WEIGHTS:
-            st.stashed.discard((it + op.batch) * self.updates[s] + op.version)
+            st.stashed.discard(weight_version(it + op.batch, self.updates[s], op.version, clamp=False))
 
     # -- whole run -------------------------------------------------------------------------
     def run(self) -> None:
