@@ -19,8 +19,17 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .schedules.grad_buffer import FILLED, GradBuffer
 from .schedules.ir import CompiledSchedule, OpKind
 from .staleness import make_corrector
+
+
+def _checked(transition: tuple[bool, str | None]) -> bool:
+    """A buffer transition's outcome; an illegal one (the validator rules it out) is a bug here."""
+    does, error = transition
+    if error is not None:
+        raise RuntimeError(f"hippie-ds gradient buffer: {error}")
+    return does
 
 
 class GradientsMixin:
@@ -30,7 +39,7 @@ class GradientsMixin:
     def _init_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers: dict[int, int] | None) -> None:
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
         self._grad_buffer: torch.Tensor | None = None
-        self._grad_buffer_state = "empty"  # empty | filled | reducing | reduced
+        self._buffer_sm = GradBuffer()  # the buffer's state machine (hippie_ds.schedules.grad_buffer)
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
         self._delayed_params, self._synced_params = self._split_deferred(
             (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
@@ -133,12 +142,8 @@ class GradientsMixin:
             flat = _flatten_dense_tensors(grads)
             work = self._start_allreduce(flat) if self.is_data_parallel else None
             self._allreduce["grads"] = (work, flat, grads)
-        elif self._grad_buffer_state == "filled":
-            if self.is_data_parallel:
-                self._allreduce["buffer"] = (self._start_allreduce(self._grad_buffer), None, None)
-                self._grad_buffer_state = "reducing"
-            else:
-                self._grad_buffer_state = "reduced"
+        elif _checked(self._buffer_sm.start(reduce=self.is_data_parallel)):
+            self._allreduce["buffer"] = (self._start_allreduce(self._grad_buffer), None, None)
 
     def _exec_wait_allreduce(self, target):
         if target == "grads":
@@ -152,10 +157,9 @@ class GradientsMixin:
             self._wait_buffer()
 
     def _wait_buffer(self):
-        if self._grad_buffer_state == "reducing":
+        if _checked(self._buffer_sm.wait()):
             self._allreduce["buffer"][0].wait()
             self._allreduce["buffer"] = None
-            self._grad_buffer_state = "reduced"
 
     def _exec_copy_grads_to_buffer(self):
         grads = self._delayed_grads()
@@ -166,26 +170,26 @@ class GradientsMixin:
             self._grad_buffer.copy_(flat)
         for g in grads:
             g.zero_()
-        self._grad_buffer_state = "filled"
+        _checked((None, self._buffer_sm.copy()))
 
     def _exec_apply_buffered_update(self):
         if self._corrector is not None:
             self._corrector.restore()  # the update applies to the true weights, not the predicted ones
-        if self._grad_buffer_state != "reduced" and not self._synced_params:
+        applies = _checked(self._buffer_sm.apply())
+        if not applies and not self._synced_params:
             # First step: nothing buffered yet. Keep step counters and the LR schedule in
             # lock-step with the other stages (checkpoint tags use global_steps).
             self._stage_step(apply=False)
             return
         grads = self._delayed_grads()
         current = _flatten_dense_tensors(grads)  # this step's delayed gradient, buffered right after
-        if self._grad_buffer_state == "reduced":
+        if applies:
             for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
                 g.copy_(buffered)
         else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet
             for p in self._delayed_params:
                 p.grad = None  # the optimizer skips it
         self._stage_step(apply=True)
-        self._grad_buffer_state = "empty"
         grads = self._delayed_grads()
         for g, cur in zip(grads, _unflatten_dense_tensors(current, grads)):
             g.copy_(cur)
@@ -193,7 +197,16 @@ class GradientsMixin:
     # ------------------------------------------------------------------ deferred state
     def has_pending_update(self) -> bool:
         """True when this stage holds a buffered gradient not yet applied."""
-        return self._grad_buffer_state != "empty"
+        return self._buffer_sm.pending
+
+    @property
+    def _grad_buffer_state(self) -> str:
+        """The buffer's state name (checkpoints save and restore it)."""
+        return self._buffer_sm.state
+
+    @_grad_buffer_state.setter
+    def _grad_buffer_state(self, state: str) -> None:
+        self._buffer_sm.state = state
 
     def flush_deferred_update(self):
         """Apply the buffered gradient of the last step now (call once at the end of training
@@ -201,16 +214,16 @@ class GradientsMixin:
         Step counters and the LR schedule do not advance."""
         if self._continuous:  # 2bw / pipedream: what is pending is the batches in flight
             return self.drain()
-        if self._grad_buffer_state == "empty":
+        if not self._buffer_sm.pending:
             return False
-        if self._grad_buffer_state == "filled":
+        if self._buffer_sm.state == FILLED:
             self._exec_start_allreduce("buffer")
         self._wait_buffer()
+        _checked(self._buffer_sm.apply())
         grads = self._delayed_grads()
         for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
             g.copy_(buffered)
         for p in self._synced_params:
             p.grad = None  # applied in their own step already
         self._stage_step_without_counters()
-        self._grad_buffer_state = "empty"
         return True

@@ -408,3 +408,19 @@ def test_update_between_input_and_weight_pass_is_caught():
     step = _find(c, 0, OpKind.OPTIMIZER_STEP)
     c.streams[0][w1[0]].insert(w1[1], replace(_remove(c, 0, step), step=w1[0]))
     assert any("backward_weight after this iteration's optimizer_step" in p.reason for p in check(c))
+
+
+def test_gradient_buffer_state_machine_is_shared():
+    """The one state machine the validator, simulator and engine use: the first step's start /
+    wait / apply do nothing, one replica goes straight to reduced, and the illegal orders say why."""
+    from hippie_ds.schedules.grad_buffer import GradBuffer
+    b = GradBuffer()
+    assert b.start() == (False, None) and b.wait() == (False, None) and b.apply() == (False, None)
+    assert b.copy() is None and b.pending
+    assert b.start() == (True, None) and b.state == "reducing"
+    assert b.start()[1] == "start_allreduce(buffer) while the previous one is still in flight"
+    assert b.wait() == (True, None) and b.apply() == (True, None) and not b.pending
+    b.copy()
+    assert b.start(reduce=False) == (False, None) and b.state == "reduced"
+    assert b.copy() == "gradient buffer overwritten while live (state reduced)"
+    assert "before its all-reduce was waited for (buffer filled)" in b.apply()[1]

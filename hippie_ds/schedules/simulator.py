@@ -58,6 +58,7 @@ from __future__ import annotations
 from typing import Iterator, Mapping
 
 from .costs import Costs
+from .grad_buffer import GradBuffer
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
 from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
@@ -160,7 +161,7 @@ class _Sim:
         return channels[lo]
 
     def _start_allreduce(self, s: int, target: str, st: "_StageState") -> None:
-        if target == "buffer" and not st.buffer_full:
+        if target == "buffer" and not st.buffer.start()[0]:
             return  # first call: nothing buffered yet
         share = self.share[s, target]
         work, latency = self.costs.allreduce_work(s) * share, self.costs.allreduce_latency_total()
@@ -249,14 +250,15 @@ class _Sim:
             target = "grads" if kind == OpKind.REDUCE_GRADS else op.target
             if kind == OpKind.REDUCE_GRADS:
                 self._start_allreduce(s, "grads", st)
+            elif target == "buffer":
+                st.buffer.wait()
             yield from self._wait_allreduce(s, it, target, st)
             acc.allreduce += k.now - t0
         elif kind == OpKind.COPY_GRADS_TO_BUFFER:
-            st.buffer_full = True
+            st.buffer.copy()
             self.uses_buffer[s] = True
         elif kind == OpKind.APPLY_BUFFERED_UPDATE:
-            if st.buffer_full:  # nothing to apply at the first call
-                st.buffer_full = False
+            if st.buffer.apply()[0]:  # nothing to apply at the first call
                 yield self.costs.stages[s].optimizer_time
         elif kind == OpKind.STAGE_OPTIMIZER_STEP:
             yield self.costs.stages[s].optimizer_time
@@ -288,7 +290,7 @@ class _StageState:
         self.live = 0  # micro-batches whose forward started and backward has not ended
         self.isends: list[_Transfer] = []
         self.pending: dict[str, list[_AllReduce]] = {"grads": [], "buffer": []}
-        self.buffer_full = False
+        self.buffer = GradBuffer()  # the deferred stage's gradient buffer (state only; sizes are costs')
         self.collective_count: dict[OpKind, int] = {}
         self.stashed: set[int] = set()  # weight versions kept besides the current one
 

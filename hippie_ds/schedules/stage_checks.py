@@ -6,6 +6,7 @@ from __future__ import annotations
 from .ir import (BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS, CompiledSchedule, Op,
                  OpKind)
 from .check_common import Problem, check_slots, problem
+from .grad_buffer import REDUCED, GradBuffer
 
 _FORWARD_LIKE = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
 _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
@@ -27,8 +28,7 @@ class _StageChecker:
         # Parameter gradients: "empty" | "accumulating" | "reduced", plus an async all-reduce flag.
         self.grads = "empty"
         self.grads_reducing = False
-        # Gradient buffer: "empty" | "filled" | "reducing" | "reduced".
-        self.buffer = "empty"
+        self.buffer = GradBuffer()
 
     def run(self, iterations: int) -> list[Problem]:
         self._check_slots()  # the same in every iteration
@@ -126,6 +126,10 @@ class _StageChecker:
             self._add(op, f"{name} after this iteration's {self.weights_changed.kind.value} at step "
                           f"{self.weights_changed.step}: weights changed between forward and backward")
 
+    def _report(self, op: Op, error: str | None) -> None:
+        if error is not None:
+            self._add(op, error)
+
     def _all_backwards_done(self, op: Op) -> bool:
         missing = [m for m in range(self.M) if m not in self.bwd]
         if missing:
@@ -170,27 +174,16 @@ class _StageChecker:
             self._all_backwards_done(op)
             if self.grads_reducing:
                 self._add(op, "copy_grads_to_buffer while the gradients' all-reduce is in flight")
-            if self.buffer != "empty":
-                self._add(op, f"gradient buffer overwritten while live (state {self.buffer})")
-            self.buffer = "filled"
+            self._report(op, self.buffer.copy())
             self.grads = "empty"
         elif kind == OpKind.START_ALLREDUCE and op.target == "buffer":
-            if self.buffer == "reducing":
-                self._add(op, "start_allreduce(buffer) while the previous one is still in flight")
-            elif self.buffer != "empty":  # empty: the first step, nothing buffered yet
-                self.buffer = "reducing"
+            self._report(op, self.buffer.start()[1])
         elif kind == OpKind.WAIT_ALLREDUCE and op.target == "buffer":
-            if self.buffer == "reducing":
-                self.buffer = "reduced"
-            elif self.buffer != "empty":
-                self._add(op, f"wait_allreduce(buffer) with no all-reduce of the gradient buffer in flight "
-                              f"(buffer {self.buffer})")
+            self._report(op, self.buffer.wait()[1])
         elif kind == OpKind.APPLY_BUFFERED_UPDATE:
-            if self.buffer in ("filled", "reducing"):
-                self._add(op, f"buffered gradient read before its all-reduce was waited for (buffer {self.buffer})")
-            if self.buffer != "empty":  # empty: the first step, the update is skipped
+            if self.buffer.pending:  # empty: the first step, the update is skipped
                 self.weights_changed = self.weights_changed or op
-            self.buffer = "empty"
+            self._report(op, self.buffer.apply()[1])
 
     def _end_of_iteration(self) -> None:
         s = self.s
@@ -204,7 +197,7 @@ class _StageChecker:
         if self.grads_reducing:
             self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end of "
                                                         "the iteration (no wait_allreduce(grads))"))
-        if self.buffer == "reduced":
+        if self.buffer.state == REDUCED:
             self.problems.append(Problem(s, None, None, "gradient buffer all-reduced but never applied "
                                                         "(apply_buffered_update missing)"))
 
