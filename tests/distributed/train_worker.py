@@ -52,7 +52,7 @@ def config(args, schedule, dp, opts=()):
     return cfg
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -75,8 +75,11 @@ def main():
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section (bad-input tests)")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def main():
+    args = parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
