@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_analysis import load_run, stage_timings
 from hippie_ds.schedules import compile as compile_schedule
 from hippie_ds.schedules.costs import CommCost, Costs
 from hippie_ds.schedules.simulator import simulate
@@ -36,7 +37,8 @@ from hippie_ds.schedules.simulator import simulate
 REPO = Path(__file__).resolve().parents[1]
 
 LABELS = ("1f1b", "zb-h1")
-COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "forward_backward")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "forward_backward")  # categories
+SENDS = ("SendActivation", "SendGrad", "ISendActivation", "ISendGrad")
 
 
 def run_worker(a) -> None:
@@ -50,42 +52,26 @@ def run_worker(a) -> None:
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
 
 
-def load(out: str, label: str) -> list[dict]:
-    """Per rank: its steps file and timeline events, by stage."""
-    ranks = []
-    for steps_file in sorted(Path(out, "raw", label).glob("rank*.steps.json")):
-        steps = json.loads(steps_file.read_text())
-        timeline = json.loads(Path(out, "raw", label, "timeline", steps_file.name.replace(".steps", "")).read_text())
-        ranks.append({**steps, "events": timeline["events"]})
-    return sorted(ranks, key=lambda r: r["stage"])
-
-
-def analyse_label(ranks: list[dict]) -> dict:
-    timed = [s for s in ranks[0]["steps"] if not s["warmup"]]
+def analyse_label(ranks: dict) -> dict:
+    """One schedule's figures from its run (``bench_analysis.load_run``: {rank: (steps, timeline)})."""
+    by_stage = sorted(ranks.values(), key=lambda r: r[0]["stage"])
+    timed = [s for s in by_stage[0][0]["steps"] if not s["warmup"]]
     rounds = sorted({s["round"] for s in timed})
     per_round = {r: statistics.median(s["end"] - s["start"] for s in timed if s["round"] == r) for r in rounds}
     step = statistics.median(per_round.values())
-    ops, busy = [], []
-    kept = {s["index"] + 1000 * s["round"] for s in timed}
-    for rank in ranks:
-        by_kind: dict[str, list[float]] = {}
-        per_step: dict[int, float] = {}
-        steps = rank["steps"]
-        for e in rank["events"]:
+    timings = stage_timings(ranks)  # per stage: median of each instruction over the timed steps
+    busy = []
+    for steps, timeline in by_stage:
+        per_step: dict[int, float] = {}  # timeline steps count train_batch calls from 0, warm-up included
+        for e in timeline["events"]:
             if e["category"] in COMPUTE:
-                by_kind.setdefault(e["category"], []).append(e["end"] - e["start"])
                 per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"] - e["start"]
-        for e in rank["events"]:  # end-of-step and p2p instructions, by DeepSpeed instruction class
-            if e["kind"] in ("OptimizerStep", "ReduceGrads", "SendActivation", "SendGrad", "ISendActivation",
-                             "ISendGrad"):
-                by_kind.setdefault(e["kind"], []).append(e["end"] - e["start"])
-        ops.append({k: statistics.median(v) for k, v in by_kind.items()})
-        # timeline steps count train_batch calls from 0, warm-up included
-        timed_calls = [i for i, s in enumerate(steps) if not s["warmup"] and s["index"] + 1000 * s["round"] in kept]
-        busy.append(statistics.median(per_step[i] for i in timed_calls if i in per_step))
-    peaks = [statistics.median(s["saved_peak_bytes"] for s in rank["steps"] if not s["warmup"]) for rank in ranks]
-    return {"step_time": step, "per_round": per_round, "ops": ops, "busy": busy,
-            "bubble": 1 - statistics.mean(busy) / step, "peak_saved_bytes": peaks}
+        calls = [i for i, s in enumerate(steps["steps"]) if not s["warmup"] and i in per_step]
+        busy.append(statistics.median(per_step[i] for i in calls))
+    peaks = [statistics.median(s["saved_peak_bytes"] for s in steps["steps"] if not s["warmup"])
+             for steps, _ in by_stage]
+    return {"step_time": step, "per_round": per_round, "ops": [timings[s]["median"] for s in sorted(timings)],
+            "busy": busy, "bubble": 1 - statistics.mean(busy) / step, "peak_saved_bytes": peaks}
 
 
 def costs_of(label: str, ops: list[dict], saved: list[float], step_end: list[float], p2p: float) -> Costs:
@@ -93,12 +79,12 @@ def costs_of(label: str, ops: list[dict], saved: list[float], step_end: list[flo
     the end-of-step work (DeepSpeed's ReduceGrads and OptimizerStep), ``p2p``: one transfer."""
     stages = []
     for s, o in enumerate(ops):
-        common = {"forward": o["forward"], "saved_bytes": saved[s], "optimizer_time": step_end[s]}
+        common = {"forward": o["ForwardPass"], "saved_bytes": saved[s], "optimizer_time": step_end[s]}
         if label == "zb-h1":
-            w = o.get("backward_weight", 0.0)
-            stages.append({**common, "backward": o.get("backward_input", 0.0) + w, "backward_weight": w})
+            w = o.get("BackwardWeightPass", 0.0)
+            stages.append({**common, "backward": o.get("BackwardInputPass", 0.0) + w, "backward_weight": w})
         else:
-            stages.append({**common, "backward": o["backward"]})
+            stages.append({**common, "backward": o["BackwardPass"]})
     return Costs(stages=stages, comm=CommCost(p2p_bandwidth=float("inf"), p2p_latency=p2p, data_parallel=1))
 
 
@@ -111,12 +97,12 @@ def _end_of_step(got: dict, stages: int) -> list[float]:
 
 def _p2p(got: dict) -> float:
     """One activation or gradient transfer: the smallest median send (blocking or not)."""
-    sends = [v for r in got.values() for o in r["ops"] for k, v in o.items() if "Send" in k]
+    sends = [v for r in got.values() for o in r["ops"] for k, v in o.items() if k in SENDS]
     return min(sends) if sends else 0.0
 
 
 def analyse(a) -> dict:
-    got = {label: analyse_label(load(a.out, label)) for label in LABELS}
+    got = {label: analyse_label(load_run(Path(a.out), label)) for label in LABELS}
     K, M = a.stages, a.micro_batches
     in_flight_1f1b = [min(K - s, M) for s in range(K)]
     per_mb = [p / n for p, n in zip(got["1f1b"]["peak_saved_bytes"], in_flight_1f1b)]  # calibration
