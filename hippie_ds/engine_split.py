@@ -4,6 +4,8 @@ side: pipe buffers, the received gradient (``grad_layer``), the loss slots and D
 backward hooks."""
 from __future__ import annotations
 
+import contextlib
+
 from deepspeed.utils import logger
 
 from .schedules.ir import CompiledSchedule
@@ -39,8 +41,17 @@ class SplitBackwardMixin:
         the parameter ops (benchmarks compare it with the simulator's memory held until W)."""
         self._split_meter = meter
 
-    def _split_params(self) -> list:
-        return [p for p in self.module.parameters() if p.requires_grad]
+    @contextlib.contextmanager
+    def _engine_backward(self):
+        """What PipelineEngine's backward sets for DeepSpeed's output hooks: the flag they check,
+        and on the loss stage that the loss is already divided by the accumulation steps."""
+        self._running_engine_backward = True
+        self._loss_scaled_by_us = self.is_last_stage()
+        try:
+            yield
+        finally:
+            self._running_engine_backward = False
+            self._loss_scaled_by_us = False
 
     def _exec_backward_input_pass(self, buffer_id):
         """Roughly: ``buffers['inputs'][buf].grad = d out / d inputs`` (no parameter gradients)."""
@@ -52,17 +63,12 @@ class SplitBackwardMixin:
             outputs, grads = self._losses.pop(buffer_id) / self.gradient_accumulation_steps(), None
         else:
             outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
-        inputs, params = self.pipe_buffers["inputs"][buffer_id], self._split_params()
+        inputs, params = self.pipe_buffers["inputs"][buffer_id], self._version_params()
         if not self._coverage_checked:
             check_coverage(outputs, inputs, params, [n for n, p in self.module.named_parameters() if p.requires_grad])
             self._coverage_checked = True
-        self._running_engine_backward = True  # as PipelineEngine's backward: DeepSpeed's hooks expect it
-        self._loss_scaled_by_us = self.is_last_stage()
-        try:
+        with self._engine_backward():
             self._pending_weight_grads[buffer_id] = backward_input(outputs, grads, inputs, params)
-        finally:
-            self._running_engine_backward = False
-            self._loss_scaled_by_us = False
         if self._split_meter is not None:
             self._split_meter.hold(self._pending_weight_grads[buffer_id].tensors())
         if self.is_last_stage():
@@ -75,13 +81,8 @@ class SplitBackwardMixin:
         if self._whole_backward_in_input:
             return
         # A stage without input gradients runs its whole backward here, through DeepSpeed's hooks.
-        self._running_engine_backward = True
-        self._loss_scaled_by_us = self.is_last_stage()
-        try:
-            backward_weight(self._pending_weight_grads.pop(buffer_id), self._split_params())
-        finally:
-            self._running_engine_backward = False
-            self._loss_scaled_by_us = False
+        with self._engine_backward():
+            backward_weight(self._pending_weight_grads.pop(buffer_id), self._version_params())
 
     def _backward_prologue_per_tensor(self, grad):
         # DeepSpeed's output hook divides by the accumulation steps unless engine.backward(loss)

@@ -30,8 +30,10 @@ def _inputs(first: bool, mb: int):
     return torch.randn(4, 5, 8, generator=g).requires_grad_()
 
 
-def _run(first: bool, split: bool, micro_batches: int = 3, w_order=None):
-    model = _stage(first)
+def _run(first: bool, split: bool, micro_batches: int = 3, w_order=None, stage=None):
+    """Parameter and input gradients of ``micro_batches`` backwards (split: every I, then the W's
+    in ``w_order``) of ``stage()`` (default: the test stage)."""
+    model = stage() if stage is not None else _stage(first)
     params = list(model.parameters())
     pending, input_grads = {}, []
     for mb in range(micro_batches):
@@ -163,18 +165,5 @@ def test_plan_recomputation_inside_a_split_stage_is_exact():
         def forward(self, x):
             return self.b(checkpoint_run(self.a, x))
 
-    def run(split):
-        model = Stage()
-        params = list(model.parameters())
-        for mb in range(3):
-            x = _inputs(False, mb)
-            out = model(x)
-            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(mb))
-            if split:
-                backward_weight(backward_input(out, grad, x, params), params)
-            else:
-                out.backward(grad)
-        return [p.grad for p in params]
-
-    for a, b in zip(run(False), run(True)):
+    for a, b in zip(_run(False, split=False, stage=Stage)[0], _run(False, split=True, stage=Stage)[0]):
         assert torch.equal(a, b)
