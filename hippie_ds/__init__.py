@@ -9,21 +9,21 @@ __version__ = "0.1.0"
 
 
 def initialize(*args, **kwargs):
-    """Drop-in for ``deepspeed.initialize`` (see :func:`hippie_ds.integration.initialize`)."""
-    from .integration import initialize as _initialize
+    """Drop-in for ``deepspeed.initialize`` (see :func:`hippie_ds.adapter.integration.initialize`)."""
+    from .adapter.integration import initialize as _initialize
     return _initialize(*args, **kwargs)
 
 
 def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_in_node"):
-    """Process topology for a ``PipelineModule`` (see :func:`hippie_ds.integration.make_topology`)."""
-    from .integration import make_topology as _make_topology
+    """Process topology for a ``PipelineModule`` (see :func:`hippie_ds.adapter.integration.make_topology`)."""
+    from .adapter.integration import make_topology as _make_topology
     return _make_topology(num_stages, world_size, placement)
 
 
 def __getattr__(name):
     # Lazy: importing hippie_ds must not import DeepSpeed (the schedule tools do without it).
     if name == "PipelineModule":
-        from .pipeline_module import PipelineModule
+        from .adapter.pipeline_module import PipelineModule
         return PipelineModule
     raise AttributeError(f"module 'hippie_ds' has no attribute {name!r}")
 

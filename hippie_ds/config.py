@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 
 class StalenessConfig(BaseModel):
     """How a stage that applies its gradient one step late (hippie's deferred stages) corrects
-    for it; see :mod:`hippie_ds.staleness`."""
+    for it; see :mod:`hippie_ds.adapter.staleness`."""
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["none", "extrapolate"] = "extrapolate"

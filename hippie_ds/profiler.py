@@ -32,7 +32,7 @@ detached tensor that requires grad when it is floating point). Per layer:
   in-flight micro-batch (``hippie_ds.planner.recompute``);
 * ``param_bytes``: its parameters' bytes (a tied module at its first use only).
 
-Layer names are :func:`hippie_ds.pipeline_module.layer_names`, so a plan made from the profile
+Layer names are :func:`hippie_ds.adapter.pipeline_module.layer_names`, so a plan made from the profile
 recognises the model (``Profile.fingerprint``).
 
 What the target's own code raises (importing its module, calling its function, building a layer,
@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .memory import _tensors, storage_key
+from .adapter.memory import _tensors, storage_key
 from .planner.profile import LayerProfile, Profile, ProfileError
 
 
@@ -130,7 +130,7 @@ def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch
     constructor raises is a :class:`TargetError`."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    from .pipeline_module import layer_name
+    from .adapter.pipeline_module import layer_name
 
     funcs, params, tied = [], [], {}
     for layer in layers:
@@ -264,7 +264,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     bar over the layers on stderr (True) or on the given stream; erased when a layer raises."""
     from tqdm import tqdm
 
-    from .pipeline_module import layer_names
+    from .adapter.pipeline_module import layer_names
 
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")

@@ -67,7 +67,7 @@ def test_deferred_layers_checked_against_the_schedule():
     a schedule without deferred stages, a stage that is not deferred, a flat-gradient optimizer."""
     from types import SimpleNamespace
 
-    from hippie_ds.integration import deferred_layers
+    from hippie_ds.adapter.integration import deferred_layers
     from hippie_ds.schedules import compile as compile_schedule
 
     model = SimpleNamespace(parts=[0, 3, 6, 8, 10])  # 4 stages: 3, 3, 2 and 2 layers
@@ -98,7 +98,7 @@ def test_split_backward_refuses_what_it_cannot_run_exactly():
     backward, tests/test_dropin.py)."""
     from types import SimpleNamespace
 
-    from hippie_ds.integration import _check_split_backward
+    from hippie_ds.adapter.integration import _check_split_backward
     from hippie_ds.schedules import compile as compile_schedule
 
     off = SimpleNamespace(enabled=False)

@@ -216,7 +216,7 @@ def test_job_leaves_no_shared_memory(tmp_path):
     # DeepSpeed's CPU comm op creates a /dev/shm segment per rank and never removes it (about
     # 64 MB each: a few hundred jobs fill the machine); hippie_ds.initialize removes its own.
     from launch import free_port
-    from hippie_ds.integration import deepspeed_shm_segments
+    from hippie_ds.adapter.integration import deepspeed_shm_segments
     port = free_port()
     rc, log, _ = launch(2, tmp_path, "--stages", 2, "--steps", 1, "--engines", "hippie", port=port, clean_shm=False)
     assert rc == 0, log[-3000:]

@@ -1,4 +1,5 @@
 """Engine helpers that need DeepSpeed importable but no processes."""
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -29,7 +30,7 @@ def test_deepspeed_version_pin():
 
 def test_builtins_receive_each_gradient_in_its_backward_step():
     # The engine keeps DeepSpeed's single received-gradient slot; every compiled built-in fits it.
-    from hippie_ds.engine import check_single_grad_slot
+    from hippie_ds.adapter.engine import check_single_grad_slot
     for name in BUILTINS:
         for stages in range(1, 6):
             for micro_batches in (1, 3, 8):
@@ -41,3 +42,15 @@ def test_builtins_receive_each_gradient_in_its_backward_step():
     c.streams[0][rg.step - 1].insert(1, replace(rg, step=rg.step - 1))  # received one step early
     with pytest.raises(ValueError, match="receives the gradient of micro-batch 1 before the backward of micro-batch 0"):
         check_single_grad_slot(c, 0)
+
+
+def test_in_flight_state_pickled_under_the_old_module_path_still_loads():
+    # pickle.dumps(InFlightState({"step": 3}), protocol=2) (torch.save's protocol) as saved when the
+    # module was hippie_ds.checkpoint_state, before the move to hippie_ds.adapter.
+    from hippie_ds.adapter import checkpoint_state as ckpt
+    old = b"\x80\x02chippie_ds.checkpoint_state\n_unwrap\nq\x00}q\x01X\x04\x00\x00\x00stepq\x02K\x03s\x85q\x03Rq\x04."
+    with pytest.raises(ckpt.InFlightCheckpointError):
+        pickle.loads(old)  # outside hippie-ds's load_checkpoint: refused, as before the move
+    with ckpt.loading():
+        state = pickle.loads(old)
+    assert isinstance(state, ckpt.InFlightState) and state.payload == {"step": 3}

@@ -1,8 +1,8 @@
-"""The split backward (hippie_ds.split_backward) against torch's full backward, one process."""
+"""The split backward (hippie_ds.adapter.split_backward) against torch's full backward, one process."""
 import pytest
 import torch
 
-from hippie_ds.split_backward import (SplitBackwardError, backward_input, backward_weight, check_coverage,
+from hippie_ds.adapter.split_backward import (SplitBackwardError, backward_input, backward_weight, check_coverage,
                                       check_torch_version)
 
 
@@ -130,7 +130,7 @@ def test_activation_meter_sees_the_split_free_everything():
     """The meter keeps detached aliases: a loss stage's graph kept by I (retain_graph) and
     released by W is freed (log_softmax saves its own output: an alias carrying that node as
     grad_fn would make a cycle through C++ and leak), and gradients under the meter are the same."""
-    from hippie_ds.memory import ActivationMeter
+    from hippie_ds.adapter.memory import ActivationMeter
 
     def loss_stage(meter=None):
         model = _stage(False)
@@ -152,9 +152,9 @@ def test_activation_meter_sees_the_split_free_everything():
 
 
 def test_plan_recomputation_inside_a_split_stage_is_exact():
-    """hippie_ds.checkpointing (a plan's per-layer re-computation) accepts autograd.grad: its
+    """hippie_ds.adapter.checkpointing (a plan's per-layer re-computation) accepts autograd.grad: its
     layers' parameter gradients come during I, the rest during W, the sum is bit-identical."""
-    from hippie_ds.checkpointing import checkpoint_run
+    from hippie_ds.adapter.checkpointing import checkpoint_run
 
     class Stage(torch.nn.Module):
         def __init__(self):

@@ -18,7 +18,7 @@ from bench_model import BASE_SEED, DPModel, layer_specs, loss_fn
 
 
 # ---------------------------------------------------------------------------------- memory
-# Bytes held for backward: hippie_ds.memory.ActivationMeter (saved-tensor hooks, storage-
+# Bytes held for backward: hippie_ds.adapter.memory.ActivationMeter (saved-tensor hooks, storage-
 # deduplicated, parameters excluded) plus the stage's input and output, which the engine keeps in
 # its pipe buffers until the backward (what the planner's activation memory predicts).
 

@@ -17,7 +17,7 @@ them all alike. Nothing here adds a barrier inside or between timed steps. Label
   added later, e.g. ``2bw``, need only their config file), with ``--costs`` for ``auto``.
 
 With ``--memory`` every step also records the peak bytes held for backward
-(``hippie_ds.memory.ActivationMeter``: saved tensors counted once per storage until the autograd
+(``hippie_ds.adapter.memory.ActivationMeter``: saved tensors counted once per storage until the autograd
 graph releases them, parameters excluded, plus the stage's input and output that the engine
 keeps until the backward), and each rank its resident memory
 (VmRSS before the model is built, VmHWM at the end). Run one label per process for a
@@ -53,7 +53,7 @@ import hippie_ds
 from bench_engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
                            schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
 from bench_model import data_iter
-from hippie_ds.memory import ActivationMeter, hold_stage_io
+from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
 
 
 def log(rank, msg):

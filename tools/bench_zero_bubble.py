@@ -12,7 +12,7 @@ each round). Then, per schedule:
 * the simulator's step time and bubble with those measured per-op costs (each schedule with its
   own F/B or F/I/W; the end-of-step ReduceGrads + OptimizerStep and one p2p transfer from the
   runs) and its relative error;
-* peak bytes held for backward per stage (``hippie_ds.memory.ActivationMeter``; zb-h1 adds the
+* peak bytes held for backward per stage (``hippie_ds.adapter.memory.ActivationMeter``; zb-h1 adds the
   gradients its backward_input keeps until W) against the simulator's peak, the bytes per
   micro-batch calibrated on 1f1b (peak / micro-batches in flight).
 

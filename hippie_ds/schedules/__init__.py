@@ -16,7 +16,7 @@ def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True
 
 def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True, **params):
     """A DeepSpeed ``PipeSchedule`` for one stage of the named (or file) schedule."""
-    from .deepspeed_schedule import DeclaredSchedule
+    from ..adapter.instructions import DeclaredSchedule
     compiled = compile(name_or_path, stages, micro_batches, validate=validate, **params)
     return DeclaredSchedule(compiled, stage_id)
 

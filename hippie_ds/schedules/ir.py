@@ -51,7 +51,7 @@ class OpInfo:
     role: str  # load | compute | send | recv | comm | update | weights
     category: str  # timeline category and the simulator's cost kind
     doc: str  # "Roughly: ..." of what the engine does
-    instruction: str  # the DeepSpeed PipeInstruction class that runs it (deepspeed_schedule)
+    instruction: str  # the DeepSpeed PipeInstruction class that runs it (adapter/instructions.py)
     nonblocking_instruction: str | None = None  # sends with blocking: false
     micro_batch: bool = False  # concerns one micro-batch and its pipeline buffer slot
     placeable: bool = False  # a schedule file may place it in its prologue/epilogue

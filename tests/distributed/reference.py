@@ -2,7 +2,7 @@
 
 Gradient of step t: the mean over replicas of the sum over micro-batches of grad(loss / M),
 as DeepSpeed computes it. Immediate stages apply g(t) at step t; deferred stages apply g(t-1)
-(nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.engine). Staleness
+(nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.adapter.engine). Staleness
 correction ``extrapolate`` (``hippie.staleness``): a deferred stage computes step t on
 W(t) + c * (W(t) - W(t-1)) and its update applies to W(t). Partial deferral
 (``hippie.deferred_layers``): only the parameters of a deferred stage's first k layers follow the
@@ -114,7 +114,7 @@ def _micro_batch_grads(layers, stage_params, step, index, dp, micro_batches):
 
 
 def _apply(ps, opt, grads, clip):
-    if clip > 0:  # per stage, as hippie_ds.engine's per-stage updates
+    if clip > 0:  # per stage, as hippie_ds.adapter.engine's per-stage updates
         norm = torch.stack([g.norm(2) for g in grads if g is not None]).pow(2).sum().sqrt()
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         grads = [None if g is None else g * coef for g in grads]

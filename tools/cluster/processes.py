@@ -51,7 +51,7 @@ def node_env(veth: str, base: dict | None = None) -> dict:
 
 def remove_shm_segments(port: int):
     """DeepSpeed's CPU comm op leaves a ~64 MB /dev/shm segment per rank, named by master port
-    (``hippie_ds.integration.deepspeed_shm_segments``, without importing DeepSpeed here)."""
+    (``hippie_ds.adapter.integration.deepspeed_shm_segments``, without importing DeepSpeed here)."""
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
         try:
             os.unlink(path)

@@ -19,8 +19,8 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .schedules.grad_buffer import FILLED, GradBuffer
-from .schedules.ir import CompiledSchedule, OpKind
+from ..schedules.grad_buffer import FILLED, GradBuffer
+from ..schedules.ir import CompiledSchedule, OpKind
 from .staleness import make_corrector
 
 

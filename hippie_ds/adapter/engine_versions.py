@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .schedules.ir import CompiledSchedule, weight_version
+from ..schedules.ir import CompiledSchedule, weight_version
 
 
 class WeightVersionsMixin:

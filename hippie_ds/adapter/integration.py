@@ -12,10 +12,10 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from ._compat import check_deepspeed_version
-from .config import ConfigError, merge_plan, read_config, schedule_params, split_config
-from .schedules import compile as compile_schedule, load_spec
-from .schedules.ir import OpKind
+from .._compat import check_deepspeed_version
+from ..config import ConfigError, merge_plan, read_config, schedule_params, split_config
+from ..schedules import compile as compile_schedule, load_spec
+from ..schedules.ir import OpKind
 
 check_deepspeed_version()
 
@@ -142,8 +142,8 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     params = schedule_params(options, spec.params)
     if options.costs is not None and any(params.get(n, p.default) == "auto" for n, p in spec.params.items()
                                          if p.kind == "stage_list"):
-        from .schedules.costs import Costs
-        from .schedules.simulator import resolve_auto_params
+        from ..schedules.costs import Costs
+        from ..schedules.simulator import resolve_auto_params
         resolved = resolve_auto_params(schedule_name, stages, micro_batches,
                                        Costs.from_file(options.costs, num_stages=stages))
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from .ir import OP_INFO, CompiledSchedule, Op
+from ..schedules.ir import OP_INFO, CompiledSchedule, Op
 
 
 class ForwardBackwardPass(ds.BufferOpInstruction):

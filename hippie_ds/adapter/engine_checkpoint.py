@@ -1,7 +1,7 @@
 """Checkpoints of a ``HippiePipelineEngine``: DeepSpeed's, plus the in-flight training state
 (the deferred gradient buffer, weight versions, the staleness correction's previous weights)
 and the stage layout. In-flight state is wrapped so that stock DeepSpeed refuses it
-(:mod:`hippie_ds.checkpoint_state`); checkpoints of stock DeepSpeed and of other stage layouts
+(:mod:`hippie_ds.adapter.checkpoint_state`); checkpoints of stock DeepSpeed and of other stage layouts
 load (weights follow by layer).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ class CheckpointMixin:
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         # Continuous schedules: drain the batches in flight first (activations cannot be saved;
         # the math does not depend on the drain), then save the weight versions still needed.
-        # In-flight state is wrapped so that stock DeepSpeed refuses it (hippie_ds.checkpoint_state).
+        # In-flight state is wrapped so that stock DeepSpeed refuses it (hippie_ds.adapter.checkpoint_state).
         state = dict(client_state)
         state[ckpt.LAYOUT_KEY] = ckpt.layout(self.module.parts)
         if self._continuous:

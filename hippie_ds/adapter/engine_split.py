@@ -1,5 +1,5 @@
 """The engine's split backward (zero-bubble schedules): ``BackwardInputPass`` and
-``BackwardWeightPass``. The torch part is :mod:`hippie_ds.split_backward`; this is the DeepSpeed
+``BackwardWeightPass``. The torch part is :mod:`hippie_ds.adapter.split_backward`; this is the DeepSpeed
 side: pipe buffers, the received gradient (``grad_layer``), the loss slots and DeepSpeed's
 backward hooks."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import contextlib
 
 from deepspeed.utils import logger
 
-from .schedules.ir import CompiledSchedule
+from ..schedules.ir import CompiledSchedule
 from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage, check_torch_version
 
 
@@ -36,7 +36,7 @@ class SplitBackwardMixin:
                                  "partitioned pipeline activations or gradients (tensor-slice parallelism)")
 
     def count_split_state_in(self, meter) -> None:
-        """Also count in ``meter`` (a :class:`hippie_ds.memory.ActivationMeter`) what
+        """Also count in ``meter`` (a :class:`hippie_ds.adapter.memory.ActivationMeter`) what
         backward_input keeps for backward_weight beyond the graph's saved tensors: the gradients at
         the parameter ops (benchmarks compare it with the simulator's memory held until W)."""
         self._split_meter = meter

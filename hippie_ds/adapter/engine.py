@@ -1,7 +1,7 @@
 """``HippiePipelineEngine``: DeepSpeed's ``PipelineEngine`` running any declared schedule.
 
-With :mod:`~hippie_ds.engine_gradients` (all-reduces, gradient buffer, partial deferral),
-:mod:`~hippie_ds.engine_versions` (weight versions) and :mod:`~hippie_ds.engine_checkpoint`
+With :mod:`~hippie_ds.adapter.engine_gradients` (all-reduces, gradient buffer, partial deferral),
+:mod:`~hippie_ds.adapter.engine_versions` (weight versions) and :mod:`~hippie_ds.adapter.engine_checkpoint`
 (checkpoints), the only modules that touch DeepSpeed's engine internals. What it changes, and why:
 - ``_train_schedule`` returns the compiled, validated declaration instead of ``TrainSchedule``;
 - the loss lives in per-buffer slots (the stock engine keeps one, so any order but strict
@@ -9,14 +9,14 @@ With :mod:`~hippie_ds.engine_gradients` (all-reduces, gradient buffer, partial d
   DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and the
   engine refuses a schedule that would receive another gradient before using the one it holds;
 - handlers for the new instructions (fused forward+backward, split backward
-  (:mod:`~hippie_ds.engine_split`), non-blocking sends, async per-stage all-reduce, gradient
+  (:mod:`~hippie_ds.adapter.engine_split`), non-blocking sends, async per-stage all-reduce, gradient
   buffer, deferred update, per-stage optimizer step);
 - the gradient buffer of deferred stages is saved in checkpoints and restored;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
-  :mod:`hippie_ds.staleness`): compute runs on predicted weights, the update applies to the true ones;
+  :mod:`hippie_ds.adapter.staleness`): compute runs on predicted weights, the update applies to the true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls):
   ops of batches still in flight run in the next call, ``drain()`` completes them; weight
-  versions (:mod:`hippie_ds.engine_versions`);
+  versions (:mod:`hippie_ds.adapter.engine_versions`);
 - optional per-rank timeline of executed instructions (Chrome trace).
 
 Per-stage update semantics (``StageOptimizerStep`` / ``ApplyBufferedUpdate``): the gradient
@@ -38,13 +38,13 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ._compat import check_deepspeed_version
+from .._compat import check_deepspeed_version
+from ..schedules.ir import CATEGORY, COMPUTE_KINDS, CompiledSchedule, OpKind, op_name
+from . import instructions as hs
 from .engine_checkpoint import GRAD_BUFFER_KEY, WEIGHT_PREDICTION_KEY, WEIGHT_VERSIONS_KEY, CheckpointMixin
 from .engine_gradients import GradientsMixin
 from .engine_split import SplitBackwardMixin
 from .engine_versions import WeightVersionsMixin
-from .schedules import deepspeed_schedule as hs
-from .schedules.ir import CATEGORY, COMPUTE_KINDS, CompiledSchedule, OpKind, op_name
 
 check_deepspeed_version()
 

@@ -5,7 +5,7 @@ re-runs it in the backward. It is reentrant (an ``autograd.Function``, like Deep
 Megatron's), with two differences that matter here:
 
 * the run's inputs are kept with ``ctx.save_for_backward``, so they are visible to
-  saved-tensor hooks (:class:`hippie_ds.memory.ActivationMeter` measures what a plan
+  saved-tensor hooks (:class:`hippie_ds.adapter.memory.ActivationMeter` measures what a plan
   predicts); DeepSpeed's ``checkpointing.checkpoint`` keeps them on ``ctx`` where no hook sees
   them;
 * a zero-size tensor that requires grad is passed along, so the output requires grad even

@@ -11,7 +11,7 @@ explicit boundaries: DeepSpeed issue #2974) and checkpoints every ``interval`` l
   layer specs on the meta device) and this job (world size, stage count);
 * uses the plan's ``boundaries`` as DeepSpeed's ``parts``;
 * re-computes exactly the plan's ``checkpointed_layers``: each maximal run of consecutive
-  checkpointed layers of a stage is one :func:`hippie_ds.checkpointing.checkpoint_run`.
+  checkpointed layers of a stage is one :func:`hippie_ds.adapter.checkpointing.checkpoint_run`.
 
 Without a plan it is DeepSpeed's ``PipelineModule`` unchanged. Layer names and the
 fingerprint are shared with the profiler (:func:`layer_names`, :func:`model_fingerprint`), so
@@ -27,10 +27,10 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, PipelineModule as _DSPipelineModule, TiedLayerSpec
 
+from ..config import ConfigError, read_config
+from ..planner.plan_file import Plan, PlanMismatchError, load_plan
+from ..planner.profile import PlannerError, fingerprint_of
 from .checkpointing import checkpoint_run
-from .config import ConfigError, read_config
-from .planner.plan_file import Plan, PlanMismatchError, load_plan
-from .planner.profile import PlannerError, fingerprint_of
 
 
 def layer_name(layer: Any) -> str:

@@ -18,7 +18,7 @@ W frees all of it.
 A stage whose inputs need no gradient (the first stage, fed token ids) has no input gradient to
 compute: I keeps the output and its gradient, W runs the whole backward.
 
-Parameters inside a re-entrant activation checkpoint (:mod:`hippie_ds.checkpointing`) get their
+Parameters inside a re-entrant activation checkpoint (:mod:`hippie_ds.adapter.checkpointing`) get their
 gradients during I: the checkpoint's backward re-runs its layers and back-propagates through
 them at once. Values and accumulation order are unchanged; only W has less to do.
 

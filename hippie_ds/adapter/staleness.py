@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import StalenessConfig
+from ..config import StalenessConfig
 
 
 class WeightExtrapolation:
