@@ -67,11 +67,11 @@ Usage::
 Needs root and ``ip netns`` for the measured part (refuses with exit code 2 otherwise). The
 namespaces are always removed: at exit, on SIGINT/SIGTERM/SIGHUP, and leftovers at start.
 
-This module is the entry point (``main``); the parts live in sibling modules: bench_config.py
-(command line, results.json's config record), bench_runs.py (run plan, rounds, running the jobs,
-``--auto-plan``), bench_analysis.py (a run's files -> its record, rounds combined),
-bench_figures.py (ratios, ME, scaling efficiency), bench_projection.py, bench_report.py
-(report.md) and bench_plots.py; the rank worker is bench_worker.py.
+This module is the entry point (``main``); the parts live in the package tools/benchmarks/:
+config.py (command line, results.json's config record), runs.py (run plan, rounds, running the
+jobs, ``--auto-plan``), analysis.py (a run's files -> its record, rounds combined), figures.py
+(ratios, ME, scaling efficiency), projection.py, report.py (report.md) and plots.py; the rank
+worker is bench_worker.py.
 """
 from __future__ import annotations
 from __future__ import annotations
@@ -82,20 +82,20 @@ import sys
 import time
 from pathlib import Path
 
-from bench_analysis import analyse_all
-from bench_config import parse_args, config_record
-from bench_figures import summarize
-from bench_plots import plots
-from bench_projection import projection
-from bench_report import report_markdown
-from bench_runs import auto_plan, measure, preflight, run_plan
+from benchmarks.analysis import analyse_all
+from benchmarks.config import parse_args, config_record
+from benchmarks.figures import summarize
+from benchmarks.plots import plots
+from benchmarks.projection import projection
+from benchmarks.report import report_markdown
+from benchmarks.runs import auto_plan, measure, preflight, run_plan
 from cluster import Refuse, fix_owner
 
 # The pure parts, importable from here as they always were (tests/test_bench.py uses them so).
-from bench_analysis import analyse_job, combine_rounds, measured_costs, predict
-from bench_figures import ranges_overlap, round_ratios, spread_excludes
-from bench_report import projection_pivot, spread_cell
-from bench_runs import round_orders
+from benchmarks.analysis import analyse_job, combine_rounds, measured_costs, predict
+from benchmarks.figures import ranges_overlap, round_ratios, spread_excludes
+from benchmarks.report import projection_pivot, spread_cell
+from benchmarks.runs import round_orders
 
 __all__ = ["main", "parse_args", "config_record", "run_plan", "round_orders", "analyse_all", "analyse_job",
            "combine_rounds", "measured_costs", "predict", "summarize", "round_ratios", "spread_excludes",

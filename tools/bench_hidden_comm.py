@@ -78,9 +78,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_config import parameter_count
+from benchmarks.config import parameter_count
 # The analysis of the run (instruction groups, exposed all-reduce, traces, tables).
-from bench_hidden_comm_analysis import analyse
+from benchmarks.hidden_comm_analysis import analyse
 # The emulated cluster (namespaces, link, launchers, noise) is tools/cluster/, shared with bench.py.
 from cluster import (ForeignCpu, Network, Refuse, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate,
                      preflight as cluster_preflight)

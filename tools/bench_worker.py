@@ -34,8 +34,8 @@ Per schedule and rank it writes, under ``--out``/raw/<label>/:
   ``_INSTRUCTION_MAP`` whose functions time the original handlers (``_exec_schedule`` looks
   the map up on ``self``, so the class and every other engine are left untouched).
 
-The model and its data are in bench_model.py, the engines and the memory figures in
-bench_engines.py; this module runs them.
+The model and its data are in benchmarks/model.py, the engines and the memory figures in
+benchmarks/engines.py; this module runs them.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ import deepspeed
 import torch
 
 import hippie_ds
-from bench_engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
-                           schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
-from bench_model import data_iter
+from benchmarks.engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
+                                schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
+from benchmarks.model import data_iter
 from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
 
 

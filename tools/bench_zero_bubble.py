@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_analysis import load_run, stage_timings
+from benchmarks.analysis import load_run, stage_timings
 from hippie_ds.schedules import compile as compile_schedule
 from hippie_ds.schedules.costs import CommCost, Costs
 from hippie_ds.schedules.simulator import simulate
@@ -53,7 +53,7 @@ def run_worker(a) -> None:
 
 
 def analyse_label(ranks: dict) -> dict:
-    """One schedule's figures from its run (``bench_analysis.load_run``: {rank: (steps, timeline)})."""
+    """One schedule's figures from its run (``benchmarks.analysis.load_run``: {rank: (steps, timeline)})."""
     by_stage = sorted(ranks.values(), key=lambda r: r[0]["stage"])
     timed = [s for s in by_stage[0][0]["steps"] if not s["warmup"]]
     rounds = sorted({s["round"] for s in timed})

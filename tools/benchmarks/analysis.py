@@ -7,8 +7,8 @@ import json
 import statistics
 from pathlib import Path
 
-from bench_figures import mean_or_none, median_or_none
 from cluster import parse_rate
+from .figures import mean_or_none, median_or_none
 
 
 def load_run(run_dir: Path, label: str):

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench_runs import round_orders
+from .runs import round_orders
 
 DEFAULT_SCHEDULES = "dp,gpipe,1f1b,hippie,hippie-1f1b"
 
@@ -123,7 +123,7 @@ def _check(p: argparse.ArgumentParser, a):
 
 
 def parameter_count(a) -> int:
-    """Parameters of the worker's GPT-like model (tools/bench_model.py) at the shape of ``a``:
+    """Parameters of the worker's GPT-like model (tools/benchmarks/model.py) at the shape of ``a``:
     embeddings, ``layers`` pre-LN blocks (attention + 4x MLP, 12 d^2 + 13 d each), the final
     LayerNorm and the untied head."""
     block = 12 * a.d_model ** 2 + 13 * a.d_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench_report import DISPLAY
+from .report import DISPLAY
 
 
 def plots(results: dict, out: Path) -> list[str]:

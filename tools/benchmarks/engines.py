@@ -14,7 +14,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 import hippie_ds
-from bench_model import BASE_SEED, DPModel, layer_specs, loss_fn
+from .model import BASE_SEED, DPModel, layer_specs, loss_fn
 
 
 # ---------------------------------------------------------------------------------- memory

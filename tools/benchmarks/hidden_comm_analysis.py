@@ -9,8 +9,8 @@ import re
 import statistics
 from pathlib import Path
 
-from bench_analysis import load_run
 from cluster import foreign_cpu_between
+from .analysis import load_run
 
 GROUPS = {
     "compute": {"ForwardPass", "BackwardPass", "ForwardBackwardPass"},

@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench_analysis import analyse_all, analyse_job
-from bench_figures import mean_or_none
 from cluster import (ForeignCpu, Network, WorkerJob, check_cores, cleanup_on_signals, foreign_cpu_between, parse_rate,
                      preflight as cluster_preflight)
+from .analysis import analyse_all, analyse_job
+from .figures import mean_or_none
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tools" / "bench_worker.py"
 # Which engine a schedule name runs on (anything else: hippie_ds.initialize with that schedule).
 WORKER_LABEL = {"1f1b": "stock", "hds-1f1b": "1f1b", "dp": "dp"}
@@ -191,7 +191,7 @@ def auto_plan(a, out: Path) -> dict:
     re-computation chosen by the planner for ME. Returns {schedule: plan file}."""
     import types
 
-    import bench_model
+    from . import model as bench_model
     import torch
     from hippie_ds.planner import Cluster, make_plan, save_plan, save_profile
     from hippie_ds.planner.plan_file import SCHEDULES

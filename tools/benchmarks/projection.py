@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench_figures import GB
+from .figures import GB
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROJECTION_MODELS = (("vgg16", "VGG-16"), ("gnmt", "GNMT-8"), ("gnmt_large", "GNMT-16"))
 PROJECTION_SCHEDULES = ("dp", "gpipe", "1f1b", "hippie", "hippie-1f1b")
 
