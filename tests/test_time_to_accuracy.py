@@ -20,31 +20,67 @@ def test_target_and_first_step_at_or_below_it():
     assert tta.steps_to_target(curve, 1.0) is None
 
 
+def times(link, *rounds):
+    return tta.StepTimes(link, [dict(r) for r in rounds])
+
+
 def test_summary_wall_time_and_not_reached():
     runs = {"dp": [run(1.00, [(100, 1.2), (200, 1.0)]), run(2.00, [(100, 2.2), (200, 2.0)], seed=1)],
             "fast": [run(0.99, [(100, 1.0), (200, 0.99)]), run(2.00, [(100, 2.1), (200, 2.0)], seed=1)],
             "stale": [run(1.10, [(100, 1.3), (200, 1.1)]), run(2.00, [(100, 2.2), (200, 2.0)], seed=1)]}
-    out = tta.summarize(runs, "dp", {"dp": 2.0, "fast": 1.0, "stale": 1.0})
+    out = tta.summarize(runs, "dp", [times("1gbit", {"dp": 2.0, "fast": 1.0, "stale": 1.0})])
     assert out["targets_per_seed"] == {0: pytest.approx(1.01), 1: pytest.approx(2.02)}  # paired by seed
     assert out["target_loss"] == pytest.approx(1.515)
     rows = out["rows"]
-    assert rows["dp"]["steps_per_seed"] == [200, 200] and rows["dp"]["wall_s_mean"] == 400
+    assert rows["dp"]["steps_per_seed"] == [200, 200] and rows["dp"]["links"]["1gbit"]["wall_s_mean"] == 400
     assert rows["fast"]["steps_per_seed"] == [100, 200] and rows["fast"]["steps_mean"] == 150
-    assert rows["fast"]["wall_s_mean"] == 150 and rows["fast"]["wall_vs_baseline"] == pytest.approx(0.375)
-    assert rows["stale"]["reached"] == 1 and rows["stale"]["steps_mean"] is None and "wall_s_mean" not in rows["stale"]
+    fast = rows["fast"]["links"]["1gbit"]
+    assert fast["wall_s_mean"] == 150 and fast["wall_vs_baseline"] == pytest.approx(0.375)
+    assert "vs_reference" not in fast  # no 1f1b run: nothing to compare with
+    assert rows["stale"]["reached"] == 1 and rows["stale"]["steps_mean"] is None
+    assert "wall_s_mean" not in rows["stale"]["links"]["1gbit"]
     table = "\n".join(tta.markdown("x", out, "dp"))
-    assert "not reached by 1 of 2 seeds" in table and "0.38x" in table
+    assert "not reached by 1 of 2 seeds" in table and "| 150.0 (100.0-200.0) |" in table
 
 
-def test_step_times_from_a_bench_results_file(tmp_path):
+def test_ratio_to_stock_1f1b_per_round_and_per_link():
+    """Wall-time ratio = steps ratio x the step ratio of each round; real only when every round's
+    ratio is on the same side of 1."""
+    runs = {"dp": [run(1.0, [(100, 1.2), (200, 1.0)])], "1f1b": [run(1.0, [(100, 1.2), (200, 1.0)])],
+            "hippie": [run(1.0, [(100, 1.2), (200, 1.0)])], "slow": [run(0.9, [(100, 1.0), (200, 0.9)])]}
+    fast_link = times("1gbit", {"1f1b": 1.0, "hippie": 0.9, "slow": 2.4}, {"1f1b": 1.0, "hippie": 1.1, "slow": 2.2})
+    slow_link = times("250mbit", {"1f1b": 2.0, "hippie": 1.0}, {"1f1b": 2.0, "hippie": 1.2},
+                      {"1f1b": 2.0, "hippie": 1.4})
+    out = tta.summarize(runs, "dp", [fast_link, slow_link])
+    assert out["links"] == ["1gbit", "250mbit"]
+    hippie = out["rows"]["hippie"]["links"]
+    assert hippie["1gbit"]["vs_reference"] == pytest.approx(1.0)
+    assert hippie["1gbit"]["vs_reference_range"] == [pytest.approx(0.9), pytest.approx(1.1)]
+    assert not hippie["1gbit"]["vs_reference_real"]
+    assert hippie["250mbit"]["vs_reference"] == pytest.approx(0.6) and hippie["250mbit"]["vs_reference_real"]
+    slow = out["rows"]["slow"]["links"]["1gbit"]  # half the steps at 2.2-2.4x the step: slower
+    assert slow["vs_reference_range"] == [pytest.approx(1.1), pytest.approx(1.2)] and slow["vs_reference_real"]
+    table = "\n".join(tta.markdown("x", out, "dp"))
+    assert "0.60x [0.50, 0.70] **real**" in table and "1.00x [0.90, 1.10] |" in table
+
+
+def test_step_times_from_bench_results_files(tmp_path):
     f = tmp_path / "results.json"
-    f.write_text(json.dumps({"runs": {"two_nodes": {"dp": {"median_step_s": 0.5}, "hippie": {"median_step_s": 0.4}},
+    f.write_text(json.dumps({"config": {"link": "tbf 1gbit"},
+                             "runs": {"two_nodes": {"dp": {"median_step_s": 0.5}, "hippie": {"median_step_s": 0.4}},
                                       "one_node": {"dp": {"median_step_s": 9.0}}}}))
-    assert tta.load_step_times(f) == {"dp": 0.5, "hippie": 0.4}
+    [one] = tta.load_step_times(f)
+    assert one.link == "1gbit" and one.median("dp") == 0.5 and one.median("hippie") == 0.4
     g, h = tmp_path / "r2.json", tmp_path / "r3.json"
-    g.write_text(json.dumps({"runs": {"two_nodes": {"dp": {"median_step_s": 0.7}, "hippie": {"median_step_s": 0.3}}}}))
-    h.write_text(json.dumps({"runs": {"two_nodes": {"dp": {"median_step_s": 0.6}}}}))
-    assert tta.load_step_times(f"{f}+{g}+{h}") == {"dp": 0.6, "hippie": 0.35}  # median over rounds
+    g.write_text(json.dumps({"config": {"link": "tbf 1gbit"}, "runs": {"two_nodes": {
+        "dp": {"median_step_s": 0.7}, "hippie": {"median_step_s": 0.3}}}}))
+    h.write_text(json.dumps({"config": {"link": "tbf 250mbit"}, "runs": {"two_nodes": {
+        "dp": {"median_step_s": 0.6, "round_median_step_s": [0.6, 0.8, 0.5]},
+        "hippie": {"median_step_s": 0.3, "round_median_step_s": [0.3, None, 0.2]}}}}))
+    fast, slow = tta.load_step_times(f"{f}+{g}+{h}")
+    assert fast.link == "1gbit" and fast.median("dp") == pytest.approx(0.6)  # median over the files' rounds
+    assert slow.link == "250mbit" and slow.median("dp") == 0.6 and slow.median("hippie") == pytest.approx(0.25)
+    assert slow.round_ratios("hippie", "dp") == [pytest.approx(0.5), pytest.approx(0.4)]  # rounds where both ran
     assert tta.bench_name("hippie:none") == "hippie"
     f.write_text(json.dumps({"runs": {}}))
     with pytest.raises(SystemExit, match="no 'two_nodes' runs"):

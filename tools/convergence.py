@@ -89,9 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     p.add_argument("--reuse", action="store_true", help="skip runs whose metrics.json is already there")
     p.add_argument("--plot-only", action="store_true", help="run nothing; draw and tabulate the existing runs")
-    p.add_argument("--step-times", default=None, metavar="EXAMPLE=FILE[,...]",
+    p.add_argument("--step-times", default=None, metavar="EXAMPLE=FILE[+FILE...][,...]",
                    help="tools/bench.py results.json measured at an example's shape: the median step times that "
-                        "turn steps to target into wall time on the emulated two-node cluster")
+                        "turn steps to target into wall time on the emulated two-node cluster; files of "
+                        "different link speeds give one column group each, a file's rounds give the spread "
+                        "of the ratio to stock 1F1B")
     p.add_argument("--publish", default=None, metavar="DIR",
                    help="also copy the pictures, results.json and results.md to DIR (e.g. docs/convergence)")
     return p.parse_args(argv)

@@ -36,8 +36,9 @@ def _mean_curves(runs: list[dict]) -> dict:
     return {"train_loss": train, "eval": evals}
 
 
-def summarize(runs: dict[str, dict[str, list[dict]]], step_times: dict[str, dict] | None = None) -> dict:
-    """runs[example][name] = the metrics of that run, one per seed."""
+def summarize(runs: dict[str, dict[str, list[dict]]], step_times: dict[str, list] | None = None) -> dict:
+    """runs[example][name] = the metrics of that run, one per seed; step_times[example] = the
+    bench's step times per link (tools/time_to_accuracy.py's StepTimes)."""
     results = {}
     for example, by_name in runs.items():
         base = by_name.get(BASELINE)
@@ -109,22 +110,24 @@ def markdown(results: dict, clipping: str | None = None) -> str:
 LINES, MARKERS = ["-", "--", "-.", ":"], ["o", "s", "^", "D", "v", "P", "X"]
 
 
-def plot(example: str, res: dict, path: Path, step_times: dict | None = None):
-    """Identical curves (hippie and hippie-1f1b apply the same updates) stay visible: each run has its
-    own line style and marker."""
+def plot(example: str, res: dict, path: Path, step_times: list | None = None):
+    """Loss (and accuracy) against steps, and held-out loss against emulated wall time, one panel
+    per link speed of ``step_times``. Identical curves (hippie and hippie-1f1b apply the same
+    updates) stay visible: each run has its own line style and marker."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     curves = res["curves"]
     with_accuracy = any(e.get("accuracy") is not None for c in curves.values() for e in c["eval"])
-    panels = 1 + with_accuracy + (step_times is not None and "time_to_accuracy" in res)
+    links = step_times if "time_to_accuracy" in res else []
+    panels = 1 + with_accuracy + len(links or [])
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     _loss_panel(axes[0][0], example, res)
     if with_accuracy:
         _accuracy_panel(axes[0][1], example, res)
-    if panels > 1 + with_accuracy:
-        tta.plot_wall(axes[0][-1], curves, step_times, res["time_to_accuracy"]["target_loss"])
-        axes[0][-1].set_title(f"{example}: held-out loss against emulated wall time")
+    for ax, times in zip(axes[0][1 + with_accuracy:], links or []):
+        tta.plot_wall(ax, curves, times, res["time_to_accuracy"]["target_loss"])
+        ax.set_title(f"{example}: held-out loss against emulated wall time ({times.link})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
