@@ -74,7 +74,6 @@ jobs, ``--auto-plan``), analysis.py (a run's files -> its record, rounds combine
 worker is bench_worker.py.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import json
 import shutil
