@@ -21,11 +21,14 @@ class ScheduleError(ValueError):
     """A schedule that cannot be loaded, compiled or run; the message says where and why."""
 
 
-def _expression(value, field_name: str) -> Expression:
+def _expression(value, info, optional: bool = False) -> Expression | None:
+    """A field validator's value as an Expression (already parsed ones pass; None too where optional)."""
+    if isinstance(value, Expression) or (optional and value is None):
+        return value
     try:
         return Expression(value)
     except ExpressionError as exc:
-        raise ValueError(f"{field_name}: {exc}") from None
+        raise ValueError(f"{info.field_name}: {exc}") from None
 
 
 class _Strict(BaseModel):
@@ -63,7 +66,7 @@ class PlacedOp(_Strict):
     @field_validator("when", mode="before")
     @classmethod
     def _parse(cls, v, info):
-        return v if isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info)
 
     def model_post_init(self, __context) -> None:
         kind = OpKind(self.op)
@@ -97,12 +100,12 @@ class ComputeRule(_Strict):
     @field_validator("at", "when", mode="before")
     @classmethod
     def _parse(cls, v, info):
-        return v if isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info)
 
     @field_validator("version", mode="before")
     @classmethod
     def _parse_version(cls, v, info):
-        return v if v is None or isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info, optional=True)
 
     @field_validator("after")
     @classmethod
@@ -126,7 +129,7 @@ class SteadyState(_Strict):
     @field_validator("period", "offset", mode="before")
     @classmethod
     def _parse(cls, v, info):
-        return v if isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info)
 
 
 class ParamSpec(_Strict):
@@ -139,7 +142,7 @@ class ParamSpec(_Strict):
     @field_validator("auto", mode="before")
     @classmethod
     def _parse(cls, v, info):
-        return v if v is None or isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info, optional=True)
 
 
 class Requirement(_Strict):
@@ -149,7 +152,7 @@ class Requirement(_Strict):
     @field_validator("check", mode="before")
     @classmethod
     def _parse(cls, v, info):
-        return v if isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info)
 
 
 class ScheduleSpec(_Strict):
@@ -166,7 +169,7 @@ class ScheduleSpec(_Strict):
     @field_validator("steps", mode="before")
     @classmethod
     def _parse(cls, v, info):
-        return v if v is None or isinstance(v, Expression) else _expression(v, info.field_name)
+        return _expression(v, info, optional=True)
 
     @field_validator("params")
     @classmethod
