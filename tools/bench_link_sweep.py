@@ -5,7 +5,10 @@ and two-node runs of every schedule (two-node runs in interleaved rounds), then 
 schedule and rate: two-node step time, its ratio to stock 1F1B (median of rounds, min-max
 spread, "real" when the spread excludes 1), scaling efficiency from one node to two
 (throughput(two nodes) / (2 x throughput(one node))), and the simulator's predicted step time,
-its error, and the scaling it implies. Writes ``report.md``, ``results.json`` and
+its error, and the scaling it implies. Where the all-reduce goes: the exposed all-reduce per step
+(the slowest stage's wait on it) and each compute op's inflation, its median duration on two nodes
+over one node (the one-node run is node 0's ranks alone: the same stages on the same core, with
+no inter-node link, so an inflation above 1 is compute slowed by the communication it overlaps). Writes ``report.md``, ``results.json`` and
 ``scaling.png`` (measured and predicted scaling efficiency against the rate). Needs root (as
 bench.py). Not a test.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+COMPUTE_OPS = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
 
 
 def rate_bits(rate: str) -> float:
@@ -37,6 +41,15 @@ def run_rate(a, rate: str) -> None:
     subprocess.run(cmd, check=True, cwd=REPO)
 
 
+def compute_inflation(two: dict, one: dict) -> dict[str, dict[str, float]]:
+    """{stage: {op: median on two nodes / median on one node}} for the compute ops."""
+    out = {}
+    for stage, ops in (two.get("stage_timings_s") or {}).items():
+        base = (one.get("stage_timings_s") or {}).get(stage, {})
+        out[stage] = {op: ops[op] / base[op] for op in COMPUTE_OPS if ops.get(op) and base.get(op)}
+    return out
+
+
 def collate(a) -> dict:
     rows = []
     for rate in a.rates.split(","):
@@ -46,6 +59,8 @@ def collate(a) -> dict:
             run = two.get(name, {})
             pred = run.get("prediction") or {}
             one_thr = (one.get(name) or {}).get("throughput_samples_s")
+            inflation = compute_inflation(run, one.get(name) or {})
+            exposed = (run.get("exposed_allreduce_s_per_step") or {}).values()
             pred_thr = run["samples_per_step"] / pred["step_time"] if pred.get("step_time") else None
             rows.append({
                 "rate": rate, "rate_bits": rate_bits(rate), "schedule": name,
@@ -55,6 +70,8 @@ def collate(a) -> dict:
                 "predicted_step_s": pred.get("step_time"), "prediction_error": pred.get("error"),
                 "predicted_scaling": pred_thr / (2 * one_thr) if pred_thr and one_thr else None,
                 "schedule_params": run.get("schedule_params", {}),
+                "exposed_allreduce_s": max(exposed, default=None), "compute_inflation": inflation,
+                "max_compute_inflation": max((x for ops in inflation.values() for x in ops.values()), default=None),
             })
     return {"rates": a.rates.split(","), "schedules": a.schedules.split(","), "rows": rows}
 
@@ -69,15 +86,30 @@ def report(res: dict) -> str:
              "spread excludes 1).", ""]
     for rate in res["rates"]:
         lines += [f"## {rate}", "", "| schedule | step (s) | vs 1f1b | real | scaling 1 -> 2 nodes | simulated step (s) "
-                  "| error | simulated scaling | params |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| error | simulated scaling | exposed all-reduce (s/step) | compute inflation (max) | params |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in res["rows"] if r["rate"] == rate):
             ratio = f"{_f(r['ratio_to_1f1b'], '.3f')} [{_f(r['ratio_min'], '.3f')}, {_f(r['ratio_max'], '.3f')}]"
             lines.append(f"| {r['schedule']} | {_f(r['step_s'], '.3f')} | {ratio} | {r['real_vs_1f1b']} | "
                          f"{_f(r['scaling'], '.2f')} | {_f(r['predicted_step_s'], '.3f')} | "
                          f"{_f(r['prediction_error'], '+.1%')} | {_f(r['predicted_scaling'], '.2f')} | "
+                         f"{_f(r.get('exposed_allreduce_s'), '.3f')} | {_f(r.get('max_compute_inflation'), '.3f')} | "
                          f"{r['schedule_params'] or ''} |")
         lines.append("")
-    return "\n".join(lines)
+    lines += ["## Compute inflation per op", "", "Median duration on two nodes over one node, per stage "
+              "(F forward, B backward, I/W its input and weight halves).", "",
+              "| rate | schedule | " + " | ".join(f"stage {s}" for s in _stages(res)) + " |",
+              "|---|---|" + "---|" * len(_stages(res))]
+    short = {"ForwardPass": "F", "BackwardPass": "B", "BackwardInputPass": "I", "BackwardWeightPass": "W"}
+    for r in res["rows"]:
+        cells = [", ".join(f"{short[op]} {x:.2f}" for op, x in (r.get("compute_inflation") or {}).get(s, {}).items())
+                 for s in _stages(res)]
+        lines.append(f"| {r['rate']} | {r['schedule']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _stages(res: dict) -> list[str]:
+    return sorted({s for r in res["rows"] for s in (r.get("compute_inflation") or {})})
 
 
 def plot(res: dict, path: Path) -> None:
