@@ -171,7 +171,7 @@ def plot_wall(ax, curves: dict, times: StepTimes, target: float):
         ax.plot([e["step"] * step_s for e in c["eval"]], [e["loss"] for e in c["eval"]], color=f"C{i}", lw=1.2,
                 marker="o", ms=3, mfc="none", label=name)
     ax.axhline(target, color="k", lw=0.8, ls=":", label="target")
-    ax.set_xlabel(f"emulated wall time, two nodes at {times.link} (s) = steps x bench median step")
+    ax.set_xlabel(f"emulated wall time, 2 nodes at {times.link} (s): steps x median step")
     ax.set_ylabel("held-out loss")
     ax.set_yscale("log")
     ax.grid(alpha=0.3, which="both")
