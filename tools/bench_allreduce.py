@@ -1,0 +1,92 @@
+"""All-reduce bandwidth on the emulated two-node link: one data-parallel pair alone, and the two
+pairs of a 2-stage pipeline at once (what a schedule does when both stages all-reduce together).
+
+For each tc rate it starts 2 emulated nodes x 2 ranks (tools/bench_allreduce_worker.py) and
+reports the median time of a gloo all-reduce of ``--megabytes`` MB and its efficiency: the bytes
+each rank sends across the link (a two-rank all-reduce sends the whole buffer each way; two pairs
+share the link) over the shaped rate, divided by the time. The benchmark's simulator takes one
+efficiency (``tools/bench.py --link-efficiency``); this measures whether one flow and two flows
+get the same. Needs root. Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+from cluster import Network, WorkerJob, cleanup_on_signals, parse_rate, preflight
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tools" / "bench_allreduce_worker.py"
+NETWORK = Network(("hdsa-node0", "hdsa-node1"), ("hdsa-veth0", "hdsa-veth1"), ("10.79.0.1", "10.79.0.2"))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rates", default="10gbit,1gbit,250mbit", help="comma list of tc rates")
+    p.add_argument("--megabytes", type=float, default=25.0, help="all-reduce size (the bench model's stage: 25 MB)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1")
+    p.add_argument("--port", type=int, default=29710)
+    p.add_argument("--out", default="out/bench_allreduce")
+    p.add_argument("--publish", default=None, metavar="DIR", help="also copy results.json and report.md to DIR")
+    return p.parse_args(argv)
+
+
+def report(rows: list[dict], megabytes: float) -> str:
+    lines = ["# All-reduce on the emulated link", "", "`sudo python tools/bench_allreduce.py` (2 emulated nodes x 2 "
+             "ranks; median of the repeats; efficiency = bytes each rank sends across the link, per pair sharing "
+             "it, over the shaped rate, divided by the time).", "",
+             f"| rate | {megabytes:g} MB, one pair (s) | efficiency | two pairs at once (s) | efficiency |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rate']} | {r['one_pair_s']:.3f} | {r['one_pair_efficiency']:.2f} | "
+                     f"{r['two_pairs_s']:.3f} | {r['two_pairs_efficiency']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def summarize(records: list[dict], rate: str) -> dict:
+    """Median seconds and efficiency of one pair alone and of two pairs at once."""
+    n_bytes = records[0]["bytes"]
+    line = parse_rate(rate)  # bytes/s
+    one = statistics.median(t for r in records for t in r["one"] if t is not None)
+    two = statistics.median(t for r in records for t in r["two"])
+    return {"rate": rate, "bytes": n_bytes, "one_pair_s": one, "two_pairs_s": two,
+            "one_pair_efficiency": n_bytes / line / one, "two_pairs_efficiency": 2 * n_bytes / line / two}
+
+
+def run_rate(a, rate: str, i: int) -> dict:
+    out = Path(a.out, rate)
+    NETWORK.setup(rate)
+    job = WorkerJob(NETWORK, WORKER, ["--out", str(out), "--megabytes", str(a.megabytes), "--repeats",
+                                      str(a.repeats)], out / "logs", 2, 2, a.cores.split(","), a.port + i)
+    job.start()
+    try:
+        job.wait(600)  # RuntimeError with the logs' last lines if a launcher fails
+    finally:
+        job.stop()
+        NETWORK.teardown()
+    return summarize([json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))], rate)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    preflight("this benchmark", ("ip", "tc", "taskset"))
+    with cleanup_on_signals(NETWORK.teardown):
+        rows = [run_rate(a, rate, i) for i, rate in enumerate(a.rates.split(","))]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "report.md").write_text(report(rows, a.megabytes))
+    print(report(rows, a.megabytes))
+    if a.publish:
+        Path(a.publish).mkdir(parents=True, exist_ok=True)
+        for name in ("results.json", "report.md"):
+            shutil.copy(out / name, Path(a.publish, name))
+
+
+if __name__ == "__main__":
+    main()
