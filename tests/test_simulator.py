@@ -121,6 +121,26 @@ def test_zb_h1_bubble_and_memory(weight):
             assert [p["peak_activation_microbatches"] for p in res.per_stage] == [K] * K, (K, M)
 
 
+def test_issuing_communication_holds_the_caller():
+    """A non-blocking send holds its stage for send_issue_time and starting an all-reduce for
+    allreduce_issue_time (a core shared with gloo); blocking sends are timed as transfers only."""
+    K, M, issue = 2, 4, 0.25
+
+    def issuing(costs, **update):
+        return Costs(stages=[s.model_copy(update=update) for s in costs.stages], comm=costs.comm)
+
+    base = Costs.uniform(K, 1.0, 2.0, comm=FREE)
+    zb, zb_issuing = sim("zb-h1", K, M, base), sim("zb-h1", K, M, issuing(base, send_issue_time=issue))
+    assert zb.step_time + issue <= zb_issuing.step_time + 1e-9  # every send of the critical path pays
+    assert zb_issuing.step_time <= zb.step_time + 2 * M * issue + 1e-9
+    blocking = sim("1f1b", K, M, issuing(base, send_issue_time=issue))
+    assert blocking.step_time == pytest.approx(sim("1f1b", K, M, base).step_time, **EXACT)
+    link = slow_link(K)
+    hidden = sim("hippie", K, M, link, deferred_stages=[0])
+    started = sim("hippie", K, M, issuing(link, allreduce_issue_time=issue), deferred_stages=[0])
+    assert hidden.step_time + issue <= started.step_time + 1e-9 <= hidden.step_time + 2 * K * issue + 2e-9
+
+
 def test_split_costs_are_checked():
     assert StageCost(forward=1, backward=2).input_time == StageCost(forward=1, backward=2).weight_time == 1.0
     assert StageCost(forward=1, backward=2, backward_weight=0.5).input_time == 1.5

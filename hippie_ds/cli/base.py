@@ -185,6 +185,9 @@ _STAGE_COST_OPTIONS = [  # option, StageCost field, kind, help
     ("--saved-bytes", "saved_bytes", "bytes", "activation bytes a stage keeps per in-flight micro-batch"),
     ("--param-bytes", "param_bytes", "bytes", "bytes of the stage's parameters (= its gradients)"),
     ("--optimizer-time", "optimizer_time", "time", "time of the stage's optimizer step (s)"),
+    ("--send-issue-time", "send_issue_time", "time", "time the stage spends in one non-blocking send call (s)"),
+    ("--allreduce-issue-time", "allreduce_issue_time", "time", "time the stage spends starting one "
+                                                               "asynchronous all-reduce (s)"),
 ]
 _COMM_COST_OPTIONS = [  # option, CommCost field, kind, help
     ("--p2p-bandwidth", "p2p_bandwidth", "rate", "bandwidth between neighbouring stages (bytes/s; inf = free; "

@@ -44,6 +44,12 @@ class StageCost(_Strict):
     saved_bytes: float = Field(0.0, ge=0, description="activation memory held per in-flight micro-batch")
     param_bytes: float = Field(0.0, ge=0, description="bytes of this stage's parameters (= its gradients)")
     optimizer_time: float = Field(0.0, ge=0, description="time of one optimizer step of this stage (s)")
+    # What handing work to the communication threads costs the caller: on GPUs a kernel launch
+    # (nothing), on a CPU core shared with gloo a copy and a hand-off of milliseconds.
+    send_issue_time: float = Field(0.0, ge=0, description="time the stage spends in one non-blocking send "
+                                   "call (s); a blocking send is timed as its transfer")
+    allreduce_issue_time: float = Field(0.0, ge=0, description="time the stage spends starting one "
+                                        "asynchronous all-reduce (s)")
 
     @model_validator(mode="after")
     def _weight_within_backward(self):

@@ -13,10 +13,10 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   receive. A transfer starts when both sides have posted and takes
   ``p2p_latency + activation_bytes / p2p_bandwidth`` (stage s's output size both ways on the
   s <-> s+1 link). A blocking send holds its sender until the transfer ends (rendezvous); a
-  non-blocking send lets it go on at once and WAIT_SENDS waits for all of them.
+  non-blocking send lets it go on after ``send_issue_time`` and WAIT_SENDS waits for all of them.
 * all-reduce: START_ALLREDUCE starts a ring all-reduce of the stage's ``param_bytes`` over its
   data-parallel group (nothing when ``data_parallel == 1``, or for target 'buffer' while the
-  gradient buffer is empty); WAIT_ALLREDUCE waits for it; REDUCE_GRADS is both. With
+  gradient buffer is empty) and holds the stage for ``allreduce_issue_time``; WAIT_ALLREDUCE waits for it; REDUCE_GRADS is both. With
   ``shared_link`` the all-reduces in flight split the link's bandwidth equally (fluid model:
   rates are recomputed whenever one starts or ends); the latency part is not shared.
 * updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
@@ -160,17 +160,18 @@ class _Sim:
             raise IndexError
         return channels[lo]
 
-    def _start_allreduce(self, s: int, target: str, st: "_StageState") -> None:
+    def _start_allreduce(self, s: int, target: str, st: "_StageState") -> bool:
         if target == "buffer" and not st.buffer.start()[0]:
-            return  # first call: nothing buffered yet
+            return False  # first call: nothing buffered yet
         share = self.share[s, target]
         work, latency = self.costs.allreduce_work(s) * share, self.costs.allreduce_latency_total()
         if share <= 0 or (work <= 0 and latency <= 0):
-            return  # data_parallel == 1: no data-parallel peers
+            return False  # data_parallel == 1: no data-parallel peers
         ar = _AllReduce(s, target, work, latency, self.k.now)
         self.allreduces.append(ar)
         st.pending[target].append(ar)
         self.link.start(ar)
+        return True
 
     def _wait_allreduce(self, s: int, it: int, target: str, st: "_StageState") -> Iterator:
         for ar in st.pending[target]:
@@ -221,6 +222,9 @@ class _Sim:
             if side == "send" and not op.blocking:
                 st.isends.append(tr)
                 self.isend_events.append((s, op, t0, tr))
+                if self.costs.stages[s].send_issue_time:
+                    yield self.costs.stages[s].send_issue_time
+                    acc.p2p += k.now - t0
                 return True
             yield tr.done
         acc.p2p += k.now - t0
@@ -245,7 +249,8 @@ class _Sim:
         (loads, ops whose time is not modelled) takes no simulated time."""
         k, t0, kind = self.k, self.k.now, op.kind
         if kind == OpKind.START_ALLREDUCE:
-            self._start_allreduce(s, op.target, st)
+            if self._start_allreduce(s, op.target, st) and self.costs.stages[s].allreduce_issue_time:
+                yield self.costs.stages[s].allreduce_issue_time
         elif kind in (OpKind.WAIT_ALLREDUCE, OpKind.REDUCE_GRADS):
             target = "grads" if kind == OpKind.REDUCE_GRADS else op.target
             if kind == OpKind.REDUCE_GRADS:

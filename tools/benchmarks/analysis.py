@@ -46,7 +46,9 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
                    p2p_latency: float) -> dict:
     """A hippie-ds cost dict from measured stage timings (``Costs.from_dict`` format). Moving
     gradients into the deferred buffer counts as update time: the simulator's copy_grads_to_buffer
-    is free, the engine's takes 10-20 ms a step on the bench model."""
+    is free, the engine's takes 10-20 ms a step on the bench model. Issuing a non-blocking send and
+    starting an all-reduce cost the caller their measured medians (on a core shared with gloo,
+    up to several ms)."""
     fb = []
     for st in timings.values():
         f, b = st["median"].get("ForwardPass"), st["median"].get("BackwardPass")
@@ -65,7 +67,10 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
             b, split = m.get("BackwardInputPass", 0.0) + w, {"backward_weight": w}
         opt = sum(m.get(k, 0.0) for k in ("OptimizerStep", "StageOptimizerStep", "ApplyBufferedUpdate",
                                           "CopyGradsToBuffer"))
+        isends = [m[k] for k in ("ISendActivation", "ISendGrad") if m.get(k)]
         stages.append({"forward": f or 0.0, "backward": b or 0.0, **split, "optimizer_time": opt,
+                       "send_issue_time": mean_or_none(isends) or 0.0,
+                       "allreduce_issue_time": m.get("StartAllReduce", 0.0),
                        "param_bytes": 4.0 * timings[s]["params"],
                        "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
                        "saved_bytes": 0.0})
