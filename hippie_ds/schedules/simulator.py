@@ -16,7 +16,8 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   non-blocking send lets it go on after ``send_issue_time`` and WAIT_SENDS waits for all of them.
 * all-reduce: START_ALLREDUCE starts a ring all-reduce of the stage's ``param_bytes`` over its
   data-parallel group (nothing when ``data_parallel == 1``, or for target 'buffer' while the
-  gradient buffer is empty) and holds the stage for ``allreduce_issue_time``; WAIT_ALLREDUCE waits for it; REDUCE_GRADS is both. With
+  gradient buffer is empty) and holds the stage for ``allreduce_issue_time``; WAIT_ALLREDUCE
+  waits for it; REDUCE_GRADS is both. With
   ``shared_link`` the all-reduces in flight split the link's bandwidth equally (fluid model:
   rates are recomputed whenever one starts or ends); the latency part is not shared.
 * updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
