@@ -1,16 +1,16 @@
 """Scaling against link speed: ``tools/bench.py`` once per inter-node rate, collated.
 
-For each rate (tc-shaped veth between the two emulated nodes) it runs the benchmark's one-node
-and two-node runs of every schedule (two-node runs in interleaved rounds), then reports, per
-schedule and rate: two-node step time, its ratio to stock 1F1B (median of rounds, min-max
-spread, "real" when the spread excludes 1), scaling efficiency from one node to two
-(throughput(two nodes) / (2 x throughput(one node))), and the simulator's predicted step time,
-its error, and the scaling it implies. Where the all-reduce goes: the exposed all-reduce per step
-(the slowest stage's wait on it) and each compute op's inflation, its median duration on two nodes
-over one node (the one-node run is node 0's ranks alone: the same stages on the same core, with
-no inter-node link, so an inflation above 1 is compute slowed by the communication it overlaps). Writes ``report.md``, ``results.json`` and
-``scaling.png`` (measured and predicted scaling efficiency against the rate). Needs root (as
-bench.py). Not a test.
+For each rate (tc-shaped veth between the two emulated nodes) it runs the benchmark's one-node and
+two-node runs of every schedule (two-node runs in interleaved rounds), then reports, per schedule
+and rate: two-node step time, its ratio to stock 1F1B (median of rounds, min-max spread, "real"
+when the spread excludes 1), scaling efficiency from one node to two (throughput(two nodes) / (2 x
+throughput(one node))), and the simulator's predicted step time, its error, and the scaling it
+implies. Where the all-reduce goes: the exposed all-reduce per step (the slowest stage's wait on
+it) and each compute op's inflation, its median duration on two nodes over one node (the one-node
+run is node 0's ranks alone: the same stages on the same core, with no inter-node link, so an
+inflation above 1 is compute slowed by the communication it overlaps). Writes ``report.md``,
+``results.json`` and ``scaling.png`` (measured and predicted scaling efficiency against the rate).
+Needs root (as bench.py). Not a test.
 """
 from __future__ import annotations
 
