@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-COMPUTE_OPS = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
+COMPUTE_OPS = {"ForwardPass": "F", "BackwardPass": "B", "BackwardInputPass": "I", "BackwardWeightPass": "W"}
 
 
 def rate_bits(rate: str) -> float:
@@ -96,20 +96,15 @@ def report(res: dict) -> str:
                          f"{_f(r.get('exposed_allreduce_s'), '.3f')} | {_f(r.get('max_compute_inflation'), '.3f')} | "
                          f"{r['schedule_params'] or ''} |")
         lines.append("")
+    stages = sorted({s for r in res["rows"] for s in (r.get("compute_inflation") or {})})
     lines += ["## Compute inflation per op", "", "Median duration on two nodes over one node, per stage "
               "(F forward, B backward, I/W its input and weight halves).", "",
-              "| rate | schedule | " + " | ".join(f"stage {s}" for s in _stages(res)) + " |",
-              "|---|---|" + "---|" * len(_stages(res))]
-    short = {"ForwardPass": "F", "BackwardPass": "B", "BackwardInputPass": "I", "BackwardWeightPass": "W"}
+              "| rate | schedule | " + " | ".join(f"stage {s}" for s in stages) + " |", "|---|---|" + "---|" * len(stages)]
     for r in res["rows"]:
-        cells = [", ".join(f"{short[op]} {x:.2f}" for op, x in (r.get("compute_inflation") or {}).get(s, {}).items())
-                 for s in _stages(res)]
+        inflation = r.get("compute_inflation") or {}
+        cells = [", ".join(f"{COMPUTE_OPS[op]} {x:.2f}" for op, x in inflation.get(s, {}).items()) for s in stages]
         lines.append(f"| {r['rate']} | {r['schedule']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _stages(res: dict) -> list[str]:
-    return sorted({s for r in res["rows"] for s in (r.get("compute_inflation") or {})})
 
 
 def plot(res: dict, path: Path) -> None:

@@ -119,13 +119,13 @@ def plot(example: str, res: dict, path: Path, step_times: list | None = None):
     import matplotlib.pyplot as plt
     curves = res["curves"]
     with_accuracy = any(e.get("accuracy") is not None for c in curves.values() for e in c["eval"])
-    links = step_times if "time_to_accuracy" in res else []
-    panels = 1 + with_accuracy + len(links or [])
+    links = (step_times or []) if "time_to_accuracy" in res else []
+    panels = 1 + with_accuracy + len(links)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     _loss_panel(axes[0][0], example, res)
     if with_accuracy:
         _accuracy_panel(axes[0][1], example, res)
-    for ax, times in zip(axes[0][1 + with_accuracy:], links or []):
+    for ax, times in zip(axes[0][1 + with_accuracy:], links):
         tta.plot_wall(ax, curves, times, res["time_to_accuracy"]["target_loss"])
         ax.set_title(f"{example}: held-out loss against emulated wall time ({times.link})")
     fig.tight_layout()
