@@ -15,12 +15,12 @@ import contextlib
 import time
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from ..schedules.ir import CompiledSchedule, OpKind
+from .allreduce_stream import AllReduceStream
 from .staleness import make_corrector
 
 
@@ -38,6 +38,8 @@ class GradientsMixin:
 
     def _init_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers: dict[int, int] | None) -> None:
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
+        # on CUDA a side stream (see allreduce_stream); on the CPU gloo's own threads
+        self._allreduce_stream = AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size)
         self._grad_buffer: torch.Tensor | None = None
         self._buffer_sm = GradBuffer()  # the buffer's state machine (hippie_ds.schedules.grad_buffer)
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
@@ -127,10 +129,6 @@ class GradientsMixin:
         """The gradients a deferred stage buffers and applies one step late."""
         return self._stage_grads() if not self._synced_params else self._grads_of(self._delayed_params)
 
-    def _start_allreduce(self, flat: torch.Tensor):
-        flat.div_(self.dp_world_size)
-        return dist.all_reduce(flat, group=self.grid.get_data_parallel_group(), async_op=True)
-
     def _exec_start_allreduce(self, target):
         if target == "grads":
             if self._allreduce["grads"] is not None:
@@ -140,16 +138,16 @@ class GradientsMixin:
                 self._allreduce["grads"] = (None, None, grads)
                 return
             flat = _flatten_dense_tensors(grads)
-            work = self._start_allreduce(flat) if self.is_data_parallel else None
+            work = self._allreduce_stream.start(flat) if self.is_data_parallel else None
             self._allreduce["grads"] = (work, flat, grads)
         elif _checked(self._buffer_sm.start(reduce=self.is_data_parallel)):
-            self._allreduce["buffer"] = (self._start_allreduce(self._grad_buffer), None, None)
+            self._allreduce["buffer"] = (self._allreduce_stream.start(self._grad_buffer), None, None)
 
     def _exec_wait_allreduce(self, target):
         if target == "grads":
             work, flat, grads = self._allreduce["grads"]
             if work is not None:
-                work.wait()
+                self._allreduce_stream.wait(work)
                 for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                     grad.copy_(reduced)
             self._allreduce["grads"] = None
@@ -158,7 +156,7 @@ class GradientsMixin:
 
     def _wait_buffer(self):
         if _checked(self._buffer_sm.wait()):
-            self._allreduce["buffer"][0].wait()
+            self._allreduce_stream.wait(self._allreduce["buffer"][0])
             self._allreduce["buffer"] = None
 
     def _exec_copy_grads_to_buffer(self):
