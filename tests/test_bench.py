@@ -334,3 +334,11 @@ def test_spread_cell(bench):
     assert bench.spread_cell(1.2, 1.1, 1.3, real=True) == "1.20x (1.10-1.30) **real**"
     assert bench.spread_cell(1.2, None, None) == "1.20x"
     assert bench.spread_cell(None, 1, 2) == "-"
+
+
+def test_gpu_link_scaling_falls_with_the_link_and_stays_below_one():
+    from benchmarks.projection import link_scaling
+    rows = link_scaling(models=(("vgg16", "VGG-16"),), rates=("10Gbit", "250Mbit"), schedules=("1f1b",))
+    fast, slow = (r["scaling"] for r in rows)
+    assert 0 < slow < fast <= 1.0 + 1e-9
+    assert rows[0]["step_two_nodes_s"] < rows[1]["step_two_nodes_s"]

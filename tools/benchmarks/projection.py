@@ -76,3 +76,31 @@ def _profile_dir() -> Path:
         if (d / "vgg16.txt").exists():
             return d
     raise FileNotFoundError("no PipeDream profiles (tests/data/pipedream/ is vendored in the repository)")
+
+
+def link_scaling(models=PROJECTION_MODELS[:2], rates=("10Gbit", "1Gbit", "250Mbit"), devices_per_node=4,
+                 schedules=("1f1b", "hippie", "hippie-1f1b"), device_memory="16GB", profile_dir=None,
+                 progress=None) -> list[dict]:
+    """Scaling efficiency from one node to two against the inter-node rate on GPUs, as the
+    simulator predicts it: throughput(2 nodes) / (2 x throughput(1 node)), a pipeline of
+    ``devices_per_node`` stages per node (weak scaling: the profile's batch per device), the
+    planner choosing micro-batches, partition, re-computation and the deferred stages for
+    throughput. The analogue of tools/bench_link_sweep.py's measurement, where no CPU core is
+    shared between compute and communication. Pure Python."""
+    from hippie_ds.planner import make_plan, parse_cluster, read_pipedream
+    profile_dir = Path(profile_dir) if profile_dir else _profile_dir()
+    rows = []
+    for key, title in models:
+        prof = read_pipedream(profile_dir / f"{key}.txt")
+        for rate in rates:
+            for s in schedules:
+                if progress:
+                    progress(f"{title}, {rate}, {s}")
+                plans = {n: make_plan(prof, parse_cluster(f"{n}x{devices_per_node},{device_memory},{rate}"),
+                                      prof.batch_size * devices_per_node * n, schedules=[s], objective="throughput",
+                                      depths=[devices_per_node], baselines=False) for n in (1, 2)}
+                one, two = plans[1].prediction, plans[2].prediction
+                rows.append({"model": title, "rate": rate, "schedule": s, "step_one_node_s": one.step_time,
+                             "step_two_nodes_s": two.step_time, "scaling": two.throughput / (2 * one.throughput),
+                             "deferred_stages": plans[2].schedule_params.get("deferred_stages")})
+    return rows
