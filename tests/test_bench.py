@@ -86,7 +86,7 @@ def test_report_tables(bench):
 
 def test_measured_costs_and_prediction(bench):
     class A:
-        micro_batch_size, seq, d_model = 2, 8, 16
+        micro_batch_size, seq, d_model, allreduce_cpu_per_mb = 2, 8, 16, 0.002
     timings = {0: {"params": 1000, "median": {"ForwardPass": 0.01, "BackwardPass": 0.02, "OptimizerStep": 0.004}},
                1: {"params": 2000, "median": {"ForwardBackwardPass": 0.03, "StageOptimizerStep": 0.006}}}
     costs = bench.measured_costs(timings, A, 2, 1.25e8, float("inf"), 0.0)
@@ -95,6 +95,7 @@ def test_measured_costs_and_prediction(bench):
     # the fused last stage is split with the other stages' forward share (1/3)
     assert s1["forward"] == pytest.approx(0.01) and s1["backward"] == pytest.approx(0.02)
     assert s0["activation_bytes"] == 4 * 2 * 8 * 16
+    assert s1["allreduce_cpu_time"] == pytest.approx(0.002 * 8000 / 1e6)  # per MB of the stage's gradient
     # 1F1B, 2 stages x 4 micro-batches, no all-reduce: (M + K - 1)(F + B) + the optimizer step
     free = {**costs, "comm": {**costs["comm"], "data_parallel": 1}}
     pred = bench.predict("1f1b", {}, 2, 4, free)
@@ -103,7 +104,7 @@ def test_measured_costs_and_prediction(bench):
 
 
 class _A:
-    micro_batch_size, seq, d_model, link_efficiency = 2, 8, 16, 0.9
+    micro_batch_size, seq, d_model, link_efficiency, allreduce_cpu_per_mb = 2, 8, 16, 0.9, 0.0
     intra_allreduce_bandwidth, p2p_bandwidth, p2p_latency = 1e9, 4e9, 0.0
     no_shape, rate = True, "1gbit"
 
@@ -342,3 +343,16 @@ def test_gpu_link_scaling_falls_with_the_link_and_stays_below_one():
     fast, slow = (r["scaling"] for r in rows)
     assert 0 < slow < fast <= 1.0 + 1e-9
     assert rows[0]["step_two_nodes_s"] < rows[1]["step_two_nodes_s"]
+
+
+def test_allreduce_cpu_cost_option_reads_the_measurement_at_the_rate():
+    import json
+
+    from benchmarks.config import ALLREDUCE_MEASURED, parse_args
+    measured = {r["rate"]: r["cpu_per_mb"] for r in json.loads(ALLREDUCE_MEASURED.read_text())}
+    assert parse_args(["--rate", "250mbit"]).allreduce_cpu_per_mb == measured["250mbit"] > 0
+    assert parse_args(["--rate", "3gbit"]).allreduce_cpu_per_mb == 0.0  # not measured there
+    assert parse_args(["--no-shape"]).allreduce_cpu_per_mb == 0.0
+    assert parse_args(["--allreduce-cpu-per-mb", "0.001"]).allreduce_cpu_per_mb == 0.001
+    with pytest.raises(SystemExit):
+        parse_args(["--allreduce-cpu-per-mb", "fast"])

@@ -141,6 +141,26 @@ def test_issuing_communication_holds_the_caller():
     assert hidden.step_time + issue <= started.step_time + 1e-9 <= hidden.step_time + 2 * K * issue + 2e-9
 
 
+def test_an_allreduce_in_flight_takes_compute_from_its_stage():
+    """allreduce_cpu_time lengthens a stage whose all-reduce is hidden behind its compute; a
+    blocking all-reduce's transfer covers it, and without data-parallel peers nothing is charged."""
+    K, M, cpu = 2, 4, 0.25
+
+    def charging(costs, stages):
+        return Costs(stages=[c.model_copy(update={"allreduce_cpu_time": cpu}) if s in stages else c
+                             for s, c in enumerate(costs.stages)], comm=costs.comm)
+
+    link = slow_link(K)  # 4 s all-reduces: longer than any stage's compute
+    hidden = sim("hippie", K, M, link, deferred_stages=[0])
+    charged = sim("hippie", K, M, charging(link, {0}), deferred_stages=[0])
+    assert hidden.step_time + cpu <= charged.step_time + 1e-9 <= hidden.step_time + 2 * K * cpu + 2e-9
+    covered = sim("hippie", K, M, charging(link, {1}), deferred_stages=[0])  # stage 1 waits for its own
+    assert covered.step_time == pytest.approx(hidden.step_time, **EXACT)
+    alone = Costs.uniform(K, 1.0, 2.0, comm=FREE)
+    assert sim("hippie", K, M, charging(alone, {0, 1})).step_time == pytest.approx(sim("hippie", K, M, alone).step_time,
+                                                                               **EXACT)
+
+
 def test_split_costs_are_checked():
     assert StageCost(forward=1, backward=2).input_time == StageCost(forward=1, backward=2).weight_time == 1.0
     assert StageCost(forward=1, backward=2, backward_weight=0.5).input_time == 1.5

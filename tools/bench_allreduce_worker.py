@@ -1,7 +1,10 @@
 """Rank worker of tools/bench_allreduce.py: 2 nodes x 2 ranks, the two data-parallel pairs of a
 2-stage pipeline ({0, 2} and {1, 3}, one rank of each per node). Times a gloo all-reduce of
 ``--megabytes`` MB in one pair alone, then in both pairs at once, ``--repeats`` times each, a world
-barrier before every repeat. Writes OUT/rank{R}.json with the seconds of its own all-reduces."""
+barrier before every repeat. Writes OUT/rank{R}.json with the seconds of its own all-reduces, the
+CPU seconds its process spent in them (all threads: gloo's included) and, on rank 0, the machine's
+busy core-seconds over each repeat (/proc/stat: what the all-reduces take from compute on a shared
+machine, the kernel's network work included)."""
 from __future__ import annotations
 
 import argparse
@@ -23,13 +26,25 @@ def parse_args():
     return p.parse_args()
 
 
-def timed(group, tensor, active: bool) -> float | None:
+def machine_busy_seconds() -> float:
+    """Core-seconds this machine has been busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(group, tensor, active: bool) -> dict:
+    """One repeat between two world barriers: this rank's wall and CPU seconds in its all-reduce
+    (None when it sits this one out) and the machine's busy core-seconds over the whole repeat."""
     dist.barrier()
-    if not active:
-        return None
-    t0 = time.perf_counter()
-    dist.all_reduce(tensor, group=group)
-    return time.perf_counter() - t0
+    busy0 = machine_busy_seconds()
+    wall = cpu = None
+    if active:
+        t0, c0 = time.perf_counter(), time.process_time()
+        dist.all_reduce(tensor, group=group)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    dist.barrier()
+    return {"s": wall, "cpu_s": cpu, "machine_busy_s": machine_busy_seconds() - busy0}
 
 
 def main():
@@ -41,9 +56,14 @@ def main():
     mine = rank % 2  # pair 0: ranks 0 and 2 (stage 0); pair 1: ranks 1 and 3 (stage 1)
     tensor = torch.ones(int(a.megabytes * 1e6 / 4))
     timed(pairs[mine], tensor, True)  # warm-up: connections made
+    one = [timed(pairs[mine], tensor, mine == 0) for _ in range(a.repeats)]
+    two = [timed(pairs[mine], tensor, True) for _ in range(a.repeats)]
     record = {"rank": rank, "pair": mine, "bytes": tensor.numel() * 4,
-              "one": [timed(pairs[mine], tensor, mine == 0) for _ in range(a.repeats)],
-              "two": [timed(pairs[mine], tensor, True) for _ in range(a.repeats)]}
+              "one": [r["s"] for r in one], "two": [r["s"] for r in two],
+              "one_cpu": [r["cpu_s"] for r in one], "two_cpu": [r["cpu_s"] for r in two]}
+    if rank == 0:  # the same machine for every rank: one reading is enough
+        record["one_machine_busy"] = [r["machine_busy_s"] for r in one]
+        record["two_machine_busy"] = [r["machine_busy_s"] for r in two]
     dist.barrier()
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:

@@ -34,11 +34,12 @@ def rate_bits(rate: str) -> float:
 
 
 def run_rate(a, rate: str) -> None:
+    """tools/bench.py at one rate (with --analyze-only: its analysis of the earlier run again)."""
     cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--schedules", a.schedules, "--rounds", str(a.rounds),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--no-single", "--no-projection", "--rate", rate,
-           "--out", str(Path(a.out, rate))]
+           "--out", str(Path(a.out, rate))] + (["--analyze-only"] if a.analyze_only else [])
     print("running:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO)
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL if a.analyze_only else None)
 
 
 def compute_inflation(two: dict, one: dict) -> dict[str, dict[str, float]]:
@@ -143,12 +144,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default="out/bench_link")
     p.add_argument("--publish", default=None, help="also copy report.md, results.json and scaling.png here")
-    p.add_argument("--analyze-only", action="store_true", help="collate earlier runs in --out")
+    p.add_argument("--analyze-only", action="store_true", help="analyse the earlier runs in --out again (no root)")
     a = p.parse_args()
     for rate in a.rates.split(","):
         rate_bits(rate)
-        if not a.analyze_only:
-            run_rate(a, rate)
+        run_rate(a, rate)
     res = collate(a)
     out = Path(a.out)
     (out / "results.json").write_text(json.dumps(res, indent=1))

@@ -188,6 +188,9 @@ _STAGE_COST_OPTIONS = [  # option, StageCost field, kind, help
     ("--send-issue-time", "send_issue_time", "time", "time the stage spends in one non-blocking send call (s)"),
     ("--allreduce-issue-time", "allreduce_issue_time", "time", "time the stage spends starting one "
                                                                "asynchronous all-reduce (s)"),
+    ("--allreduce-cpu-time", "allreduce_cpu_time", "time", "compute time an all-reduce of the stage's whole "
+                                                           "gradient takes from it while in flight (s; a CPU core "
+                                                           "shared with the communication)"),
 ]
 _COMM_COST_OPTIONS = [  # option, CommCost field, kind, help
     ("--p2p-bandwidth", "p2p_bandwidth", "rate", "bandwidth between neighbouring stages (bytes/s; inf = free; "

@@ -50,6 +50,9 @@ class StageCost(_Strict):
                                    "call (s); a blocking send is timed as its transfer")
     allreduce_issue_time: float = Field(0.0, ge=0, description="time the stage spends starting one "
                                         "asynchronous all-reduce (s)")
+    allreduce_cpu_time: float = Field(0.0, ge=0, description="compute time an all-reduce of this stage's "
+                                      "whole gradient takes from the stage while in flight (s): copies, "
+                                      "reductions and network work on a core compute shares; 0 on GPUs")
 
     @model_validator(mode="after")
     def _weight_within_backward(self):

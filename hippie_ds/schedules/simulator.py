@@ -16,8 +16,9 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   non-blocking send lets it go on after ``send_issue_time`` and WAIT_SENDS waits for all of them.
 * all-reduce: START_ALLREDUCE starts a ring all-reduce of the stage's ``param_bytes`` over its
   data-parallel group (nothing when ``data_parallel == 1``, or for target 'buffer' while the
-  gradient buffer is empty) and holds the stage for ``allreduce_issue_time``; WAIT_ALLREDUCE
-  waits for it; REDUCE_GRADS is both. With
+  gradient buffer is empty) and holds the stage for ``allreduce_issue_time`` plus its share of
+  ``allreduce_cpu_time`` (the compute the all-reduce in flight takes from a core it shares; a
+  blocking one's transfer covers it); WAIT_ALLREDUCE waits for it; REDUCE_GRADS is both. With
   ``shared_link`` the all-reduces in flight split the link's bandwidth equally (fluid model:
   rates are recomputed whenever one starts or ends); the latency part is not shared.
 * updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
@@ -161,18 +162,20 @@ class _Sim:
             raise IndexError
         return channels[lo]
 
-    def _start_allreduce(self, s: int, target: str, st: "_StageState") -> bool:
+    def _start_allreduce(self, s: int, target: str, st: "_StageState") -> float:
+        """Starts stage ``s``'s all-reduce of ``target``; its share of the stage's gradient, 0 when
+        nothing starts."""
         if target == "buffer" and not st.buffer.start()[0]:
-            return False  # first call: nothing buffered yet
+            return 0.0  # first call: nothing buffered yet
         share = self.share[s, target]
         work, latency = self.costs.allreduce_work(s) * share, self.costs.allreduce_latency_total()
         if share <= 0 or (work <= 0 and latency <= 0):
-            return False  # data_parallel == 1: no data-parallel peers
+            return 0.0  # data_parallel == 1: no data-parallel peers
         ar = _AllReduce(s, target, work, latency, self.k.now)
         self.allreduces.append(ar)
         st.pending[target].append(ar)
         self.link.start(ar)
-        return True
+        return share
 
     def _wait_allreduce(self, s: int, it: int, target: str, st: "_StageState") -> Iterator:
         for ar in st.pending[target]:
@@ -250,8 +253,10 @@ class _Sim:
         (loads, ops whose time is not modelled) takes no simulated time."""
         k, t0, kind = self.k, self.k.now, op.kind
         if kind == OpKind.START_ALLREDUCE:
-            if self._start_allreduce(s, op.target, st) and self.costs.stages[s].allreduce_issue_time:
-                yield self.costs.stages[s].allreduce_issue_time
+            cost, share = self.costs.stages[s], self._start_allreduce(s, op.target, st)
+            hold = cost.allreduce_issue_time + share * cost.allreduce_cpu_time if share else 0.0
+            if hold:
+                yield hold
         elif kind in (OpKind.WAIT_ALLREDUCE, OpKind.REDUCE_GRADS):
             target = "grads" if kind == OpKind.REDUCE_GRADS else op.target
             if kind == OpKind.REDUCE_GRADS:

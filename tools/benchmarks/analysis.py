@@ -71,6 +71,7 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
         stages.append({"forward": f or 0.0, "backward": b or 0.0, **split, "optimizer_time": opt,
                        "send_issue_time": mean_or_none(isends) or 0.0,
                        "allreduce_issue_time": m.get("StartAllReduce", 0.0),
+                       "allreduce_cpu_time": a.allreduce_cpu_per_mb * 4.0 * timings[s]["params"] / 1e6,
                        "param_bytes": 4.0 * timings[s]["params"],
                        "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
                        "saved_bytes": 0.0})

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from .runs import round_orders
 
 DEFAULT_SCHEDULES = "dp,gpipe,1f1b,hippie,hippie-1f1b"
+REPO = Path(__file__).resolve().parents[2]
+ALLREDUCE_MEASURED = REPO / "docs" / "bench" / "allreduce" / "results.json"  # tools/bench_allreduce.py's
 
 
 def parse_args(argv=None):
@@ -78,6 +81,10 @@ def _add_cluster_arguments(p: argparse.ArgumentParser):
                    help="all-reduce bandwidth / shaped rate for the prediction (measured here by "
                         "tools/bench_allreduce.py: 0.96-0.97 for one pair and for two at once, 250 Mbit/s to "
                         "10 Gbit/s; the brief's 64 MB in 561 ms at 1 Gbit/s is 0.91)")
+    p.add_argument("--allreduce-cpu-per-mb", default="auto",
+                   help="seconds of compute an all-reduce in flight takes from its stage per MB of gradient, for "
+                        "the prediction; 'auto': tools/bench_allreduce.py's measurement at --rate "
+                        f"({ALLREDUCE_MEASURED.relative_to(REPO)}), 0 where it has none")
     p.add_argument("--intra-allreduce-bandwidth", type=float, default=1.1e9,
                    help="bytes/s of an all-reduce inside a node (prediction of one-node DP; the brief: 64 MB in ~60 ms)")
     p.add_argument("--p2p-bandwidth", type=float, default=4e9, help="bytes/s of a pipeline send inside a node "
@@ -122,6 +129,18 @@ def _check(p: argparse.ArgumentParser, a):
         a.sizes = [int(x) for x in a.projection_sizes.split(",") if x.strip()]
     except ValueError:
         p.error(f"--projection-sizes {a.projection_sizes!r}: expected integers, e.g. 16,64,1024")
+    a.allreduce_cpu_per_mb = _allreduce_cpu_per_mb(p, a.allreduce_cpu_per_mb, None if a.no_shape else a.rate)
+
+
+def _allreduce_cpu_per_mb(p: argparse.ArgumentParser, value: str, rate: str | None) -> float:
+    """--allreduce-cpu-per-mb as seconds per MB: a number, or 'auto' (the measurement at ``rate``)."""
+    if value != "auto":
+        try:
+            return float(value)
+        except ValueError:
+            p.error(f"--allreduce-cpu-per-mb {value!r}: expected seconds per MB or 'auto'")
+    rows = json.loads(ALLREDUCE_MEASURED.read_text()) if ALLREDUCE_MEASURED.exists() else []
+    return next((r.get("cpu_per_mb", 0.0) for r in rows if r["rate"] == rate), 0.0)
 
 
 def parameter_count(a) -> int:
@@ -139,7 +158,8 @@ def config_record(a) -> dict:
             "global_batch": a.micro_batch_size * a.micro_batches * 2, "seq": a.seq, "d_model": a.d_model,
             "layers": a.layers, "vocab": a.vocab, "heads": a.heads, "warmup": a.warmup, "steps": a.steps,
             "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else f"tbf {a.rate}",
-            "link_efficiency": a.link_efficiency, "cores": a.cores, "schedules": a.schedule_list,
+            "link_efficiency": a.link_efficiency,
+            "allreduce_cpu_per_mb": a.allreduce_cpu_per_mb, "cores": a.cores, "schedules": a.schedule_list,
             "plans": a.plans, "rounds": a.rounds, "round_orders": round_orders(a.schedule_list, a.rounds),
             "command": " ".join(["tools/bench.py"] + sys.argv[1:])}
 

@@ -209,7 +209,9 @@ def definitions(results: dict) -> list[str]:
                 "does not depend on that choice. Scaling 1->2 nodes = two-node throughput / (2 x one-node "
                 "throughput), one node = node 0's ranks alone with the same per-replica batch. The prediction "
                 "is hippie-ds's simulator on the run's own measured per-stage times (below), parameter bytes "
-                f"and the link ({cfg.get('link_efficiency', 1):.2f} x the shaped rate for the all-reduce).", ""]
+                f"and the link ({cfg.get('link_efficiency', 1):.2f} x the shaped rate for the all-reduce; an "
+                f"all-reduce in flight takes {cfg.get('allreduce_cpu_per_mb', 0) * 1e3:.2f} ms of its stage's "
+                "compute per MB).", ""]
 
 
 def rounds_section(results: dict) -> list[str]:
