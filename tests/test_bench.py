@@ -117,7 +117,7 @@ def _write_raw(run_dir, durations=((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])),
         t, steps, events = 10.0, [], []
         for i, d in enumerate(dur):
             steps.append({"round": 0 if i else -1, "index": i, "warmup": i == 0, "start": t, "end": t + d, "loss": 1.0,
-                          "saved_peak_bytes": 1000 * (rank + 1) * (i + 1)})
+                          "saved_peak_bytes": 1000 * (rank + 1) * (i + 1), "core_busy": 0.5 + 0.1 * rank + 0.01 * i})
             events += [{"kind": "ForwardPass", "name": "F", "start": t - 10.0, "end": t - 10.0 + 0.1, "step": i},
                        {"kind": "BackwardPass", "name": "B", "start": t - 9.8, "end": t - 9.6, "step": i}]
             t += d
@@ -138,6 +138,7 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     assert r["samples_per_step"] == 2 * 4 * 1 and r["throughput_samples_s"] == pytest.approx(8 / 1.25)
     assert r["memory_per_rank"]["1"]["peak_saved_bytes"] == 6000   # max over steps
     assert r["mean_peak_training_rss_bytes"] == 500
+    assert r["core_busy"] == pytest.approx(0.565)  # median of the timed steps over ranks: .51 .52 .61 .62
     assert r["stage_timings_s"]["0"]["ForwardPass"] == pytest.approx(0.1)
     assert r["prediction"]["step_time"] == pytest.approx(5 * 0.3, rel=1e-4)  # (M+K-1)(F+B) + tiny p2p, dp = 1
     assert r["prediction"]["error"] == pytest.approx((1.5 - 1.25) / 1.25, rel=1e-4)
@@ -356,3 +357,18 @@ def test_allreduce_cpu_cost_option_reads_the_measurement_at_the_rate():
     assert parse_args(["--allreduce-cpu-per-mb", "0.001"]).allreduce_cpu_per_mb == 0.001
     with pytest.raises(SystemExit):
         parse_args(["--allreduce-cpu-per-mb", "fast"])
+
+
+def test_core_ticks_count_this_machines_busy_time():
+    import os
+    import time
+
+    from bench_worker import core_ticks
+    cores = os.sched_getaffinity(0)
+    busy0, total0 = core_ticks(cores)
+    end = time.process_time() + 0.1
+    while time.process_time() < end:  # keep one of them busy for 0.1 s (10 ticks)
+        pass
+    busy1, total1 = core_ticks(cores)
+    assert 0 < busy1 - busy0 <= total1 - total0
+    assert core_ticks(set()) == (0, 0)

@@ -6,9 +6,11 @@ and rate: two-node step time, its ratio to stock 1F1B (median of rounds, min-max
 when the spread excludes 1), scaling efficiency from one node to two (throughput(two nodes) / (2 x
 throughput(one node))), and the simulator's predicted step time, its error, and the scaling it
 implies. Where the all-reduce goes: the exposed all-reduce per step (the slowest stage's wait on
-it) and each compute op's inflation, its median duration on two nodes over one node (the one-node
-run is node 0's ranks alone: the same stages on the same core, with no inter-node link, so an
-inflation above 1 is compute slowed by the communication it overlaps). Writes ``report.md``,
+it), how busy the ranks' cores were over a step (median; all processes and the kernel: 1 leaves
+no idle time for hidden communication to use), and each compute op's inflation, its median
+duration on two nodes over one node (the one-node run is node 0's ranks alone: the same stages on
+the same core, with no inter-node link, so an inflation above 1 is compute slowed by the
+communication it overlaps). Writes ``report.md``,
 ``results.json`` and ``scaling.png`` (measured and predicted scaling efficiency against the rate).
 Needs root (as bench.py). Not a test.
 """
@@ -71,7 +73,8 @@ def collate(a) -> dict:
                 "predicted_step_s": pred.get("step_time"), "prediction_error": pred.get("error"),
                 "predicted_scaling": pred_thr / (2 * one_thr) if pred_thr and one_thr else None,
                 "schedule_params": run.get("schedule_params", {}),
-                "exposed_allreduce_s": max(exposed, default=None), "compute_inflation": inflation,
+                "exposed_allreduce_s": max(exposed, default=None), "core_busy": run.get("core_busy"),
+                "compute_inflation": inflation,
                 "max_compute_inflation": max((x for ops in inflation.values() for x in ops.values()), default=None),
             })
     return {"rates": a.rates.split(","), "schedules": a.schedules.split(","), "rows": rows}
@@ -87,14 +90,15 @@ def report(res: dict) -> str:
              "spread excludes 1).", ""]
     for rate in res["rates"]:
         lines += [f"## {rate}", "", "| schedule | step (s) | vs 1f1b | real | scaling 1 -> 2 nodes | simulated step (s) "
-                  "| error | simulated scaling | exposed all-reduce (s/step) | compute inflation (max) | params |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| error | simulated scaling | exposed all-reduce (s/step) | core busy | compute inflation (max) | params |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in res["rows"] if r["rate"] == rate):
             ratio = f"{_f(r['ratio_to_1f1b'], '.3f')} [{_f(r['ratio_min'], '.3f')}, {_f(r['ratio_max'], '.3f')}]"
             lines.append(f"| {r['schedule']} | {_f(r['step_s'], '.3f')} | {ratio} | {r['real_vs_1f1b']} | "
                          f"{_f(r['scaling'], '.2f')} | {_f(r['predicted_step_s'], '.3f')} | "
                          f"{_f(r['prediction_error'], '+.1%')} | {_f(r['predicted_scaling'], '.2f')} | "
-                         f"{_f(r.get('exposed_allreduce_s'), '.3f')} | {_f(r.get('max_compute_inflation'), '.3f')} | "
+                         f"{_f(r.get('exposed_allreduce_s'), '.3f')} | {_f(r.get('core_busy'), '.2f')} | "
+                         f"{_f(r.get('max_compute_inflation'), '.3f')} | "
                          f"{r['schedule_params'] or ''} |")
         lines.append("")
     stages = sorted({s for r in res["rows"] for s in (r.get("compute_inflation") or {})})

@@ -151,9 +151,22 @@ def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world
             "micro_batch_size": a.micro_batch_size}
 
 
+def core_ticks(cores: set[int]) -> tuple[int, int]:
+    """(busy, total) clock ticks of ``cores`` since boot (/proc/stat; busy = all but idle and iowait)."""
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                ticks = [int(v) for v in fields]
+                busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
+    return busy, total
+
+
 class Steps:
     """The engines by label and their step records: ``run`` times one ``train_batch`` (and, with
-    ``--memory``, the peak bytes held for backward during it)."""
+    ``--memory``, the peak bytes held for backward during it), and how busy this rank's cores were
+    over it (all processes and the kernel: the idle time hidden communication could use)."""
 
     def __init__(self, tracker: ActivationMeter | None):
         self.tracker = tracker
@@ -165,6 +178,8 @@ class Steps:
             # DeepSpeed's output-hook managers sit in reference cycles with the outputs they hook:
             # collect them now (untimed) so the peak is this step's, not what the collector left.
             gc.collect()
+        cores = os.sched_getaffinity(0)
+        ticks0 = core_ticks(cores)
         start = time.perf_counter()
         if tracker is not None:
             tracker.reset_peak()
@@ -173,7 +188,9 @@ class Steps:
         else:
             loss = engine.train_batch(self.iters[label])
         end = time.perf_counter()
-        rec = {"round": rnd, "index": index, "warmup": warmup, "start": start, "end": end, "loss": float(loss)}
+        busy, total = (b - a for a, b in zip(ticks0, core_ticks(cores)))
+        rec = {"round": rnd, "index": index, "warmup": warmup, "start": start, "end": end, "loss": float(loss),
+               "core_busy": busy / total if total else None}
         if tracker is not None:
             rec["saved_peak_bytes"], rec["saved_after_bytes"] = tracker.peak, tracker.current
         self.records[label].append(rec)

@@ -137,6 +137,8 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
                                                       if v["peak_training_rss_bytes"]]),
         "max_peak_training_rss_bytes": max((v["peak_training_rss_bytes"] or 0 for v in mem.values()), default=None),
         "mean_state_bytes": mean_or_none([v["state_bytes"] for v in mem.values() if v["state_bytes"]]),
+        "core_busy": median_or_none([s["core_busy"] for st, _ in ranks.values() for s in st["steps"]
+                                     if not s["warmup"] and s.get("core_busy") is not None]),
         "stage_timings_s": {str(s): st["median"] for s, st in timings.items()},
         "exposed_allreduce_s_per_step": exposed,
         "prediction": {**pred, "costs": costs, "error": err},
