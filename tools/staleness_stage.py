@@ -13,7 +13,8 @@ class Stage:
     rule's correction. Per step: ``before_compute`` (weights the forward/backward uses),
     ``after_backward`` (restore, update), ``end_step`` (LR schedule); ``flush`` at the end."""
 
-    def __init__(self, params, delayed: bool, methods: dict, lr: float, steps: int):
+    def __init__(self, params, delayed: bool, methods: dict, lr: float, steps: int, muon: set | None = None,
+                 muon_lr: float = 0.02):
         import torch
         from deepspeed.runtime.lr_schedules import WarmupDecayLR
         self.torch = torch
@@ -21,10 +22,15 @@ class Stage:
         self.delayed = delayed
         self.methods = methods if delayed else {}
         beta1 = self.methods.get("beta1", 0.9)
-        peak = lr * self.methods.get("lrscale", 1.0)
-        # DeepSpeed "AdamW" with torch_adam: torch.optim.AdamW(lr, weight_decay=0.01), default betas/eps
-        self.opt = torch.optim.AdamW(params, lr=peak, weight_decay=0.01, betas=(beta1, 0.999))
-        self.sched = WarmupDecayLR(self.opt, total_num_steps=steps, warmup_min_lr=0.0, warmup_max_lr=peak,
+        scale = self.methods.get("lrscale", 1.0)
+        peak = lr * scale
+        if muon is None:
+            # DeepSpeed "AdamW" with torch_adam: torch.optim.AdamW(lr, weight_decay=0.01), default betas/eps
+            self.opt = torch.optim.AdamW(params, lr=peak, weight_decay=0.01, betas=(beta1, 0.999))
+            peaks = peak
+        else:
+            self.opt, peaks = self._muon(params, muon, muon_lr * scale, peak, beta1)
+        self.sched = WarmupDecayLR(self.opt, total_num_steps=steps, warmup_min_lr=0.0, warmup_max_lr=peaks,
                                    warmup_num_steps=max(1, steps // 20), warmup_type="linear")
         self.pending = None  # the delayed gradient
         self.saved = None  # the true weights while the parameters hold the predicted ones
@@ -33,6 +39,20 @@ class Stage:
         self.last_update = None  # ef: u(t-1)
         self.correction_seconds = 0.0
         self.dc_ratio = []  # dcasgd: |correction| / |g| per step
+
+    def _muon(self, params, muon: set, muon_lr: float, adam_lr: float, beta1: float):
+        """DeepSpeed's "Muon" optimizer (MuonWithAuxAdam, torch's AdamW for the rest): Muon (momentum
+        0.95, Newton-Schulz) on the parameters whose ids are in ``muon``, AdamW on the others; weight
+        decay 0.01 on both. Returns it and the per-group peak learning rates."""
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+        torch = self.torch
+        groups = [dict(params=[p for p in params if id(p) in muon], use_muon=True, lr=muon_lr, momentum=0.95,
+                       weight_decay=0.01, ns_method="gram"),
+                  dict(params=[p for p in params if id(p) not in muon], use_muon=False, lr=adam_lr,
+                       betas=(beta1, 0.999), eps=1e-8, weight_decay=0.01)]
+        groups = [g for g in groups if g["params"]]
+        opt = MuonWithAuxAdam(groups, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"lr": adam_lr})
+        return opt, [g["lr"] for g in groups]
 
     # weights used by the forward/backward
     def before_compute(self):

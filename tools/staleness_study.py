@@ -71,6 +71,10 @@ def parse_args(argv=None):
                    help="comma-separated rules (see below)")
     p.add_argument("--seeds", default="0", help="comma-separated data-order seeds (the examples' --seed)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: DeepSpeed's Muon (MuonWithAuxAdam) on the matrices of the hidden layers, AdamW "
+                        "(--lr) on the first and last layers and on vectors")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices")
     p.add_argument("--steps", default=None, help="override the budgets, e.g. gpt=800,vgg=500 (default)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages the layers are cut into")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -167,18 +171,23 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
     stages = []
     def params_of(lo, hi):
         return [p for layer in layers[lo:hi] for p in layer.parameters() if p.requires_grad]
+    # Muon: the hidden layers' matrices (conv filters too); the input and output layers stay on AdamW
+    muon = None if args.optimizer == "adamw" else {
+        id(p) for layer in layers[1:-1] for p in layer.parameters() if p.requires_grad and p.ndim >= 2}
     for s in range(args.stages):
         lo, hi = bounds[s], bounds[s + 1]
         cut = lo + rule["delayed_layers"] if s in rule["delayed"] and rule.get("delayed_layers") is not None else hi
-        # AdamW is elementwise (no clipping): one optimizer per part equals one per stage
+        # AdamW and Muon act per parameter (no clipping): one optimizer per part equals one per stage
         if cut > lo:
-            stages.append(Stage(params_of(lo, min(cut, hi)), s in rule["delayed"], rule["methods"], args.lr, steps))
+            stages.append(Stage(params_of(lo, min(cut, hi)), s in rule["delayed"], rule["methods"], args.lr, steps,
+                                muon, args.muon_lr))
         if cut < hi:
-            stages.append(Stage(params_of(cut, hi), False, rule["methods"], args.lr, steps))
+            stages.append(Stage(params_of(cut, hi), False, rule["methods"], args.lr, steps, muon, args.muon_lr))
     eval_every = EXAMPLES[example]["eval_every"]
     train = train_fn(seed)
     record = {"example": example, "rule": rule["name"], "layout": rule["layout"], "delayed_stages": rule["delayed"],
               "methods": rule["methods"], "seed": seed, "steps": steps, "lr": args.lr, "stage_bounds": bounds,
+              "optimizer": args.optimizer, "muon_lr": args.muon_lr if muon is not None else None,
               "stage_params": [sum(p.numel() for p in st.params) for st in stages],
               "delayed_layers": rule.get("delayed_layers"),
               "delayed_params": sum(p.numel() for st in stages if st.delayed for p in st.params), "device": args.device,
