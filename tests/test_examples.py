@@ -114,6 +114,10 @@ def test_convergence_config_and_table(tmp_path):
     assert "scheduler" not in convergence.make_config("dp", configs, 1e-3, "constant", 10)
     assert cfg["gradient_clipping"] == 1.0  # the config's
     assert convergence.make_config("1f1b", configs, 1e-3, "decay", 10, "0")["gradient_clipping"] == 0.0
+    muon = convergence.make_config("2bw", configs, 1e-3, "decay", 10, "0", muon_lr=0.02)
+    assert muon["optimizer"]["type"] == "Muon" and muon["optimizer"]["params"]["muon_lr"] == 0.02
+    assert muon["optimizer"]["params"]["adam_lr"] == 1e-3
+    assert muon["scheduler"]["params"]["warmup_max_lr"] == [0.02, 1e-3]  # DeepSpeed's Muon half, then AdamW half
     run = {"final": {"loss": 1.0, "accuracy": 0.9}, "steps": 10, "mode": "data-parallel", "replicas": 4, "stages": 1,
            "global_batch": 32, "seed": 0, "train_loss": [2.0, 1.0], "eval": [{"step": 10, "loss": 1.0,
                                                                               "accuracy": 0.9}]}
@@ -130,3 +134,19 @@ def test_convergence_config_and_table(tmp_path):
     row = two["vgg"]["runs"]["dp"]
     assert (row["loss"], row["accuracy"], row["seeds"]) == (pytest.approx(1.1), pytest.approx(0.85), [0, 1])
     assert "1.1000 (1.0000-1.2000)" in convergence.markdown(two)
+
+
+def test_gpt_example_gives_muon_its_hidden_matrices_only():
+    # DeepSpeed's "Muon" tags parameters by name (deepspeed.set_optimizer_flags): the GPT example's
+    # embeddings and output head keep AdamW, as Muon's recipes have it.
+    from types import SimpleNamespace
+
+    import deepspeed
+    from examples import gpt
+    model = torch.nn.Sequential(*[spec.build() for spec in gpt.layer_specs(vocab=50)])  # names as PipelineModule's
+    deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
+    adamw = {n for n, p in model.named_parameters() if not p.use_muon}
+    assert {"0.embed.weight", "0.pos_embed", "5.lm_head.weight"} <= adamw
+    assert all(p.ndim == 1 for n, p in model.named_parameters() if n in adamw - {"0.embed.weight", "0.pos_embed",
+                                                                               "5.lm_head.weight"})
+    assert {n for n, p in model.named_parameters() if p.use_muon} >= {"1.mlp.0.weight", "4.attn.out_proj.weight"}

@@ -72,6 +72,11 @@ def parse_args(argv=None):
                    help="decay: DeepSpeed's WarmupDecayLR, linear warm-up over 5%% of the steps, then linear "
                         "decay to 0 at the last step (the end point is then not a random point of an SGD "
                         "walk); constant: the config's learning rate throughout")
+    p.add_argument("--optimizer", choices=["config", "muon"], default="config",
+                   help="config: the config's (AdamW); muon: DeepSpeed's Muon optimizer type (Muon with momentum "
+                        "0.95 on the parameters DeepSpeed tags use_muon, AdamW at --lr on the rest; weight decay "
+                        "0.01), the LR schedule scaling both")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices (--optimizer muon)")
     p.add_argument("--gradient-clipping", default="0", metavar="NORM|config",
                    help="gradient_clipping of every run (default 0: off); 'config' keeps the config's (1.0 in "
                         "configs/). The engines clip differently: data parallelism by the whole model's norm, "
@@ -134,7 +139,8 @@ def split_layers(name: str) -> tuple[str, int | None]:
     return schedule + colon + variant, "all" if layers == "all" else int(layers)
 
 
-def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config") -> dict:
+def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config",
+                muon_lr: float | None = None) -> dict:
     name, layers = split_layers(name)
     name, staleness = split_name(name)
     base = configs / f"{name}.json"
@@ -145,9 +151,14 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
     else:
         config = json.loads(base.read_text())
     config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = lr
+    peak = lr
+    if muon_lr is not None:  # DeepSpeed's groups: the Muon half, then the AdamW half
+        config["optimizer"] = {"type": "Muon", "params": {"lr": lr, "muon_lr": muon_lr, "adam_lr": lr, "momentum": 0.95,
+                                                          "weight_decay": 0.01, "torch_adam": True}}
+        peak = [muon_lr, lr]
     if lr_schedule == "decay":
         config["scheduler"] = {"type": "WarmupDecayLR",
-                               "params": {"total_num_steps": steps, "warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                               "params": {"total_num_steps": steps, "warmup_min_lr": 0.0, "warmup_max_lr": peak,
                                           "warmup_num_steps": max(1, steps // 20), "warmup_type": "linear"}}
     if clipping != "config":
         config["gradient_clipping"] = float(clipping)
@@ -179,8 +190,9 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     out.mkdir(parents=True, exist_ok=True)
     metrics_file.unlink(missing_ok=True)
     config_file = out / "config.json"
+    muon_lr = args.muon_lr if args.optimizer == "muon" else None
     config_file.write_text(json.dumps(make_config(name, Path(args.configs), lr, args.lr_schedule, steps,
-                                                       args.gradient_clipping), indent=1))
+                                                       args.gradient_clipping, muon_lr), indent=1))
     job = LocalJob(spec["script"], args.ranks,
                    ["--deepspeed_config", config_file, "--steps", steps, "--eval-every", eval_every, "--seed", seed,
                     "--out", out, *spec["extra"]]
@@ -238,6 +250,7 @@ def main(argv=None):
     meta = {"command": " ".join(["tools/convergence.py"] + (sys.argv[1:] if argv is None else list(argv))),
             "ranks": args.ranks, "seeds": args.seed_list, "gradient_clipping": args.gradient_clipping,
             "stages": args.stages, "lr_schedule": args.lr_schedule, "step_times": args.step_times,
+            "optimizer": args.optimizer, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
             "total_seconds": None if args.plot_only else time.monotonic() - start}
     previous = out / "results.json"
     if args.plot_only and previous.exists():  # keep what the runs were made with

@@ -72,8 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0", help="comma-separated data-order seeds (the examples' --seed)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="muon: DeepSpeed's Muon (MuonWithAuxAdam) on the matrices of the hidden layers, AdamW "
-                        "(--lr) on the first and last layers and on vectors")
+                   help="muon: DeepSpeed's Muon (MuonWithAuxAdam) on the matrices DeepSpeed gives it (every "
+                        "parameter of 2 or more dims not named embed or lm_head), AdamW (--lr) on the rest")
     p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices")
     p.add_argument("--steps", default=None, help="override the budgets, e.g. gpt=800,vgg=500 (default)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages the layers are cut into")
@@ -171,9 +171,11 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
     stages = []
     def params_of(lo, hi):
         return [p for layer in layers[lo:hi] for p in layer.parameters() if p.requires_grad]
-    # Muon: the hidden layers' matrices (conv filters too); the input and output layers stay on AdamW
+    # Muon: DeepSpeed's rule (deepspeed.set_optimizer_flags) on the PipelineModule's parameter names
+    # ("<layer>.<name>"): matrices and conv filters, but no "embed" or "lm_head"; AdamW on the rest
     muon = None if args.optimizer == "adamw" else {
-        id(p) for layer in layers[1:-1] for p in layer.parameters() if p.requires_grad and p.ndim >= 2}
+        id(p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()
+        if p.requires_grad and p.ndim >= 2 and not any(k in f"{i}.{n}".lower() for k in ("embed", "lm_head"))}
     for s in range(args.stages):
         lo, hi = bounds[s], bounds[s + 1]
         cut = lo + rule["delayed_layers"] if s in rule["delayed"] and rule.get("delayed_layers") is not None else hi

@@ -54,12 +54,13 @@ class CharData:
 class Embedding(nn.Module):
     def __init__(self, vocab, dim, seq_len):
         super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
-        nn.init.normal_(self.pos, std=0.02)
+        # "embed" / "lm_head" in the names: DeepSpeed's Muon leaves these to its AdamW half
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(seq_len, dim))
+        nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, ids):
-        return self.tok(ids) + self.pos[:ids.shape[1]]
+        return self.embed(ids) + self.pos_embed[:ids.shape[1]]
 
 
 class Block(nn.Module):
@@ -83,10 +84,10 @@ class Head(nn.Module):
     def __init__(self, dim, vocab):
         super().__init__()
         self.ln = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, vocab)
+        self.lm_head = nn.Linear(dim, vocab)
 
     def forward(self, x):
-        return self.out(self.ln(x))
+        return self.lm_head(self.ln(x))
 
 
 def lm_loss(logits, targets):
