@@ -161,12 +161,8 @@ def evaluate(layers, batches, n, metrics, device):
     return {k: v / n for k, v in sums.items()}
 
 
-def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
-    import torch
-    specs, loss_fn, metrics, train_fn, eval_fn = load_example(example)
-    device = torch.device(args.device)
-    torch.manual_seed(seed)  # as the examples' Trainer (nothing random is drawn after the build)
-    layers = build_layers(specs, device)
+def build_stages(layers, rule: dict, args, steps: int) -> tuple[list[Stage], list[int]]:
+    """The rule's stages (a partially deferred stage as two parts) and the stage boundaries."""
     bounds = stage_bounds(len(layers), args.stages)
     stages = []
     def params_of(lo, hi):
@@ -185,11 +181,21 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
                                 muon, args.muon_lr))
         if cut < hi:
             stages.append(Stage(params_of(cut, hi), False, rule["methods"], args.lr, steps, muon, args.muon_lr))
+    return stages, bounds
+
+
+def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
+    import torch
+    specs, loss_fn, metrics, train_fn, eval_fn = load_example(example)
+    device = torch.device(args.device)
+    torch.manual_seed(seed)  # as the examples' Trainer (nothing random is drawn after the build)
+    layers = build_layers(specs, device)
+    stages, bounds = build_stages(layers, rule, args, steps)
     eval_every = EXAMPLES[example]["eval_every"]
     train = train_fn(seed)
     record = {"example": example, "rule": rule["name"], "layout": rule["layout"], "delayed_stages": rule["delayed"],
               "methods": rule["methods"], "seed": seed, "steps": steps, "lr": args.lr, "stage_bounds": bounds,
-              "optimizer": args.optimizer, "muon_lr": args.muon_lr if muon is not None else None,
+              "optimizer": args.optimizer, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
               "stage_params": [sum(p.numel() for p in st.params) for st in stages],
               "delayed_layers": rule.get("delayed_layers"),
               "delayed_params": sum(p.numel() for st in stages if st.delayed for p in st.params), "device": args.device,
