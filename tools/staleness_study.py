@@ -6,7 +6,8 @@ layers of tools/examples/gpt.py and vgg.py built under DeepSpeed's seed_layers r
 1234; the data order of --seed; global batch 32; AdamW lr 1e-3, weight decay 0.01, DeepSpeed's
 WarmupDecayLR with 5% linear warm-up and linear decay to 0 at the last step; no clipping; GPT 800
 steps, VGG 500 steps; the same held-out evaluation) with the layers cut into 2 stages as
-DeepSpeed's PipelineModule cuts them (partition_method "uniform"), one AdamW per stage. The
+DeepSpeed's PipelineModule cuts them (partition_method "uniform"), one AdamW per stage (with
+--optimizer muon: DeepSpeed's Muon, as tools/convergence.py --optimizer muon has it). The
 gradient of the whole global batch is computed in one pass: data parallelism's update, without
 the processes. A rule says, per stage, whether it applies its gradient one step late and how it
 corrects for that:
