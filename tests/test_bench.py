@@ -363,7 +363,7 @@ def test_core_ticks_count_this_machines_busy_time():
     import os
     import time
 
-    from bench_worker import core_ticks
+    from cluster import core_ticks
     cores = os.sched_getaffinity(0)
     busy0, total0 = core_ticks(cores)
     end = time.process_time() + 0.1
@@ -372,3 +372,5 @@ def test_core_ticks_count_this_machines_busy_time():
     busy1, total1 = core_ticks(cores)
     assert 0 < busy1 - busy0 <= total1 - total0
     assert core_ticks(set()) == (0, 0)
+    every = set(range(os.cpu_count()))  # the machine's line is the sum of its cores' lines
+    assert abs(core_ticks()[1] - core_ticks(every)[1]) <= 5 * len(every)

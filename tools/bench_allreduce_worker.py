@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cluster import core_ticks
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,25 +28,18 @@ def parse_args():
     return p.parse_args()
 
 
-def machine_busy_seconds() -> float:
-    """Core-seconds this machine has been busy since boot (/proc/stat: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def timed(group, tensor, active: bool) -> dict:
     """One repeat between two world barriers: this rank's wall and CPU seconds in its all-reduce
     (None when it sits this one out) and the machine's busy core-seconds over the whole repeat."""
     dist.barrier()
-    busy0 = machine_busy_seconds()
+    busy0 = core_ticks()[0]
     wall = cpu = None
     if active:
         t0, c0 = time.perf_counter(), time.process_time()
         dist.all_reduce(tensor, group=group)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     dist.barrier()
-    return {"s": wall, "cpu_s": cpu, "machine_busy_s": machine_busy_seconds() - busy0}
+    return {"s": wall, "cpu_s": cpu, "machine_busy_s": (core_ticks()[0] - busy0) / os.sysconf("SC_CLK_TCK")}
 
 
 def main():

@@ -53,6 +53,7 @@ import hippie_ds
 from benchmarks.engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
                                 schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
 from benchmarks.model import data_iter
+from cluster import core_ticks
 from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
 
 
@@ -149,18 +150,6 @@ def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world
             "micro_batches": (engine.engine.gradient_accumulation_steps() if schedule == "dp"
                               else a.micro_batches),
             "micro_batch_size": a.micro_batch_size}
-
-
-def core_ticks(cores: set[int]) -> tuple[int, int]:
-    """(busy, total) clock ticks of ``cores`` since boot (/proc/stat; busy = all but idle and iowait)."""
-    busy = total = 0
-    with open("/proc/stat") as f:
-        for line in f:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-                ticks = [int(v) for v in fields]
-                busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
-    return busy, total
 
 
 class Steps:

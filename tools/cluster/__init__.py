@@ -18,13 +18,13 @@ tools/soak.py and tests/distributed/launch.py (local jobs).
   SIGINT/SIGTERM/SIGHUP end the body with ``SystemExit(128 + n)``; the clean-up runs with those
   signals ignored, then the previous handlers come back.
 * :mod:`cluster.noise`: :class:`ForeignCpu`, CPU used by processes outside the job, sampled while
-  it runs.
+  it runs; :func:`core_ticks`, the busy and total clock ticks of some cores or the machine.
 """
 from .network import Network, Refuse, burst_for, check_cores, parse_rate, preflight, sh
-from .noise import ForeignCpu, foreign_cpu_between
+from .noise import ForeignCpu, core_ticks, foreign_cpu_between
 from .processes import (REPO, LocalJob, LocalRun, NodeProcesses, WorkerJob, cleanup_on_signals, fix_owner,
                         free_port, local_env, node_env, remove_shm_segments)
 
 __all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "WorkerJob",
-           "burst_for", "check_cores", "cleanup_on_signals", "fix_owner", "foreign_cpu_between", "free_port",
+           "burst_for", "check_cores", "cleanup_on_signals", "core_ticks", "fix_owner", "foreign_cpu_between", "free_port",
            "local_env", "node_env", "parse_rate", "preflight", "remove_shm_segments", "sh"]

@@ -1,5 +1,5 @@
 """Noise: CPU used by processes outside a job while it runs (with 4 busy ranks on 2 cores,
-anything else running slows the steps)."""
+anything else running slows the steps), and how busy the machine's cores are."""
 from __future__ import annotations
 
 import json
@@ -63,3 +63,19 @@ def foreign_cpu_between(samples, start, end):
                 return c0 + (c1 - c0) * (t - t0) / ((t1 - t0) or 1)
         return samples[-1][1]
     return at(end) - at(start)
+
+
+def core_ticks(cores: set[int] | None = None) -> tuple[int, int]:
+    """(busy, total) clock ticks (``os.sysconf("SC_CLK_TCK")`` a second) of ``cores`` (None: the
+    whole machine) since boot, from /proc/stat: busy is all but idle and iowait, every process and
+    the kernel's own work included."""
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if not name.startswith("cpu"):
+                break  # the cpu lines come first
+            if name == "cpu" if cores is None else name[3:].isdigit() and int(name[3:]) in cores:
+                ticks = [int(v) for v in fields]
+                busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
+    return busy, total
