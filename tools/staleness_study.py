@@ -162,17 +162,26 @@ def evaluate(layers, batches, n, metrics, device):
     return {k: v / n for k, v in sums.items()}
 
 
+def muon_parameters(layers) -> set[int]:
+    """Ids of the parameters DeepSpeed's "Muon" type gives to Muon (the rest go to its AdamW):
+    deepspeed.set_optimizer_flags itself, on the layers named as a PipelineModule names them
+    ("<layer>.<name>")."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    import torch
+    model = torch.nn.Sequential(*layers)
+    deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
+    return {id(p) for p in model.parameters() if p.requires_grad and p.use_muon}
+
+
 def build_stages(layers, rule: dict, args, steps: int) -> tuple[list[Stage], list[int]]:
     """The rule's stages (a partially deferred stage as two parts) and the stage boundaries."""
     bounds = stage_bounds(len(layers), args.stages)
     stages = []
     def params_of(lo, hi):
         return [p for layer in layers[lo:hi] for p in layer.parameters() if p.requires_grad]
-    # Muon: DeepSpeed's rule (deepspeed.set_optimizer_flags) on the PipelineModule's parameter names
-    # ("<layer>.<name>"): matrices and conv filters, but no "embed" or "lm_head"; AdamW on the rest
-    muon = None if args.optimizer == "adamw" else {
-        id(p) for i, layer in enumerate(layers) for n, p in layer.named_parameters()
-        if p.requires_grad and p.ndim >= 2 and not any(k in f"{i}.{n}".lower() for k in ("embed", "lm_head"))}
+    muon = None if args.optimizer == "adamw" else muon_parameters(layers)
     for s in range(args.stages):
         lo, hi = bounds[s], bounds[s + 1]
         cut = lo + rule["delayed_layers"] if s in rule["delayed"] and rule.get("delayed_layers") is not None else hi
