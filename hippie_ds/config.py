@@ -3,9 +3,10 @@
     "pipeline": {"schedule": "hippie"},          # a built-in name or a path to a schedule file
     "hippie": {
         "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
-        "deferred_layers": null,                # partial deferral: a deferred stage delays only its first
+        "deferred_layers": 1,                   # partial deferral: a deferred stage delays only its first
                                                 #   this many layers (an int, or {"stage": int}); the rest
-                                                #   of its gradient is all-reduced and applied in-step
+                                                #   of its gradient is all-reduced and applied in-step;
+                                                #   "all": the whole stage (the paper's rule)
         "schedule_params": {},                  # other parameters a schedule file declares
         "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
         "placement": null,                      # checked against the module's topology when given:
@@ -29,6 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_DEFERRED_LAYERS = 1
+WHOLE_STAGE = "all"  # hippie.deferred_layers: delay a deferred stage's whole gradient
 
 
 class ConfigError(ValueError):
@@ -49,9 +52,10 @@ class HippieConfig(BaseModel):
 
     # 'auto' or a list of stage ids (checked against the stage count when the schedule compiles)
     deferred_stages: Any = None
-    # None: a deferred stage delays its whole gradient; an int (every deferred stage) or
-    # {stage: int}: only the stage's first that many layers (PipelineModule layer indices)
-    deferred_layers: Any = None
+    # An int (every deferred stage) or {stage: int}: a deferred stage delays only the gradient of
+    # its first that many layers (PipelineModule layer indices); "all": its whole gradient. The
+    # default, 1, is the rule that trains as well as data parallelism (docs/results.md).
+    deferred_layers: Any = DEFAULT_DEFERRED_LAYERS
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
     # None: whatever layout the PipelineModule was built with (DeepSpeed's default topology keeps
@@ -78,7 +82,7 @@ class HippieConfig(BaseModel):
     def _layers(cls, v):
         def count(x):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-        if v is None or count(v):
+        if v == WHOLE_STAGE or count(v):
             return v
         if isinstance(v, dict):
             out = {}
@@ -89,8 +93,8 @@ class HippieConfig(BaseModel):
                 out[key] = x
             else:
                 return out
-        raise ValueError('allowed: a non-negative layer count (every deferred stage), or a mapping '
-                         'of deferred stage to layer count, e.g. {"0": 1}')
+        raise ValueError('allowed: a non-negative layer count (every deferred stage), "all" (the whole stage), '
+                         'or a mapping of deferred stage to layer count, e.g. {"0": 1}')
 
 
 def _describe(err: dict, section: str) -> str:

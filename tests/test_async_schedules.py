@@ -318,10 +318,3 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
         noclip, _ = _reference(name, parts, 2, 3, 4, optimizer="AdamW", lr=0.01)
         assert _max_diff(full, noclip) > 1e-4, "clipping had no effect: the test would not catch a wrong rule"
         assert any(Path(tmp_path, name + "+ckpt2", "ckpt").iterdir())
-
-
-@pytest.mark.distributed
-def test_bf16_is_refused_on_every_rank(tmp_path):
-    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--engines", "2bw", "--bf16", timeout=120)
-    assert rc != 0
-    assert log.count("schedule '2bw' keeps weight versions") >= 2, log[-3000:]

@@ -64,50 +64,86 @@ def test_unknown_schedule_params():
 
 def test_deferred_layers_checked_against_the_schedule():
     """Partial deferral (hippie.deferred_layers) names its key before any process group exists:
-    a schedule without deferred stages, a stage that is not deferred, a flat-gradient optimizer."""
+    a schedule without deferred stages, a stage that is not deferred. The default (1) applies to
+    schedules with deferred stages and is ignored by the others; "all" delays whole stages."""
     from types import SimpleNamespace
 
     from hippie_ds.adapter.integration import deferred_layers
     from hippie_ds.schedules import compile as compile_schedule
 
     model = SimpleNamespace(parts=[0, 3, 6, 8, 10])  # 4 stages: 3, 3, 2 and 2 layers
-    fp32 = SimpleNamespace(bfloat16_config=SimpleNamespace(enabled=False), float16_config=SimpleNamespace(enabled=False),
-                           zero_optimization_stage=0)
-    bf16 = SimpleNamespace(**{**vars(fp32), "bfloat16_config": SimpleNamespace(enabled=True)})
     hippie = compile_schedule("hippie", 4, 4, deferred_stages=[0, 1])
 
-    def run(value, compiled=hippie, config=fp32):
-        return deferred_layers(model, split_config({"hippie": {"deferred_layers": value}})[2], compiled, config)
+    def run(value, compiled=hippie):
+        return deferred_layers(model, split_config({"hippie": {"deferred_layers": value}})[2], compiled)
 
     assert run(1) == {0: 1, 1: 1}
     assert run({"1": 2}) == {1: 2}
     assert run(3) == {}  # as many layers as the stages hold: all of them delayed, nothing partial
-    assert deferred_layers(model, split_config({})[2], hippie, fp32) == {}
-    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' has no deferred stages'):
+    assert run("all") == {}
+    assert deferred_layers(model, split_config({})[2], hippie) == {0: 1, 1: 1}  # the default rule
+    assert deferred_layers(model, split_config({})[2], compile_schedule("1f1b", 4, 4)) == {}
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' has no deferred stages '
+                       r"\(partial deferral applies to the deferred stages of hippie, hippie-1f1b, hippie-zb\)"):
         run(1, compile_schedule("1f1b", 4, 4))
     assert run(1, compile_schedule("hippie", 4, 4, deferred_stages=[])) == {}  # 'auto' may defer none
     with pytest.raises(ConfigError, match=r"stage\(s\) \[2\] are not deferred; deferred stages: \[0, 1\]"):
         run({"2": 1})
-    with pytest.raises(ConfigError, match="fp32 without ZeRO only"):
-        run(1, config=bf16)
 
 
-def test_split_backward_refuses_what_it_cannot_run_exactly():
-    """zb-h1 sets parameter gradients itself: bf16 / fp16 / ZeRO are refused by name before any
-    process group exists; DeepSpeed's activation checkpointing is not (B then runs the whole
-    backward, tests/test_dropin.py)."""
-    from types import SimpleNamespace
+def _ds_config(**keys):
+    """A DeepSpeedConfig of the tiny shape (2 stages x 1 replica, 4 micro-batches) with ``keys``."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    return DeepSpeedConfig({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, **keys},
+                           mpu=_OneReplica())
 
-    from hippie_ds.adapter.integration import _check_split_backward
+
+class _OneReplica:
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 2
+
+    def get_model_parallel_rank(self):
+        return 0
+
+
+def test_precision_paths_and_refusals():
+    """Which optimizer path DeepSpeed takes for a config (hippie_ds.adapter.precision), and what
+    each schedule refuses on it, by key, value and what is allowed, before any process group."""
+    from hippie_ds.adapter.precision import check_precision, optimizer_path
     from hippie_ds.schedules import compile as compile_schedule
 
-    off = SimpleNamespace(enabled=False)
-    fp32 = SimpleNamespace(bfloat16_config=off, float16_config=off, zero_optimization_stage=0)
-    zb = compile_schedule("zb-h1", 2, 4)
-    _check_split_backward(SimpleNamespace(activation_checkpoint_interval=0), zb, fp32)
-    for config, shown in ((SimpleNamespace(**{**vars(fp32), "bfloat16_config": SimpleNamespace(enabled=True)}), "bf16"),
-                          (SimpleNamespace(**{**vars(fp32), "float16_config": SimpleNamespace(enabled=True)}), "fp16"),
-                          (SimpleNamespace(**{**vars(fp32), "zero_optimization_stage": 1}), "zero_optimization.stage = 1")):
-        with pytest.raises(ConfigError, match=f"'zb-h1' splits the backward.*fp32 without ZeRO only; got {shown}"):
-            _check_split_backward(SimpleNamespace(activation_checkpoint_interval=0), zb, config)
-    _check_split_backward(SimpleNamespace(activation_checkpoint_interval=2), zb, fp32)  # B runs it all
+    bf16 = {"bf16": {"enabled": True}}
+    fp32_accumulation = {"data_types": {"grad_accum_dtype": "fp32"}}
+    zero1 = {"zero_optimization": {"stage": 1}}
+    assert optimizer_path(_ds_config()) == "fp32"
+    assert optimizer_path(_ds_config(**bf16)) == "bf16"
+    assert optimizer_path(_ds_config(**bf16, **zero1, **fp32_accumulation)) == "bf16"
+    assert optimizer_path(_ds_config(**bf16, **zero1)) == "zero"  # accumulated in bf16: DeepSpeedZeroOptimizer
+    assert optimizer_path(_ds_config(**zero1)) == "zero"
+    assert optimizer_path(_ds_config(fp16={"enabled": True})) == "fp16"
+    schedules = {name: compile_schedule(name, 2, 4) for name in
+                 ("1f1b", "gpipe", "zb-h1", "hippie", "hippie-1f1b", "hippie-zb", "2bw", "pipedream")}
+    for config in (_ds_config(), _ds_config(**bf16), _ds_config(**bf16, **zero1, **fp32_accumulation)):
+        for compiled in schedules.values():
+            check_precision(compiled, config)  # every schedule runs on the fp32 and bf16 paths
+    for config in (_ds_config(**zero1), _ds_config(fp16={"enabled": True})):
+        for name in ("1f1b", "gpipe"):  # DeepSpeed's own gradient path: stock behaviour
+            check_precision(schedules[name], config)
+    with pytest.raises(ConfigError, match=r'^config key "zero_optimization.stage" = 1 with "data_types.grad_accum_dtype" '
+                       r"= None: schedule 'hippie' handles gradients itself .* set \"bf16\": \{\"enabled\": true\} and "
+                       r'"data_types": \{"grad_accum_dtype": "fp32"\}.*any ZeRO-1 configuration: 1f1b, gpipe$'):
+        check_precision(schedules["hippie"], _ds_config(**bf16, **zero1))
+    with pytest.raises(ConfigError, match=r'"zero_optimization.stage" = 1 without bf16: schedule \'2bw\''):
+        check_precision(schedules["2bw"], _ds_config(**zero1))
+    with pytest.raises(ConfigError, match=r'"fp16.enabled" = true: schedule \'zb-h1\'.*its input pass does not apply '
+                       r"fp16's loss scale; use bf16, or a schedule that runs with fp16: 1f1b, gpipe$"):
+        check_precision(schedules["zb-h1"], _ds_config(fp16={"enabled": True}))
+    for name in ("hippie", "hippie-1f1b", "hippie-zb", "2bw", "pipedream"):
+        with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*dynamic loss scale"):
+            check_precision(schedules[name], _ds_config(fp16={"enabled": True}))

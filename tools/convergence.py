@@ -23,7 +23,7 @@ dp's final loss + 1% and, with --step-times, the wall time on the emulated two-n
 A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHOD, "coefficient":
 C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
 NAME@L sets hippie.deferred_layers = L (partial deferral: a deferred stage delays only its first
-L layers), e.g. hippie@1 or hippie@1:none; NAME@all removes the key (the whole deferred stage is
+L layers), e.g. hippie@1 or hippie@1:none; NAME@all sets it to "all" (the whole deferred stage is
 delayed: the paper's rule); its runs go to NAME@L.
 """
 from __future__ import annotations
@@ -76,6 +76,9 @@ def parse_args(argv=None):
                    help="config: the config's (AdamW); muon: DeepSpeed's Muon optimizer type (Muon with momentum "
                         "0.95 on the parameters DeepSpeed tags use_muon, AdamW at --lr on the rest; weight decay "
                         "0.01), the LR schedule scaling both")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help='bf16: every run (dp too) with "bf16": {"enabled": true} (DeepSpeed\'s BF16_Optimizer: bf16 '
+                        "model, fp32 master weights)")
     p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices (--optimizer muon)")
     p.add_argument("--gradient-clipping", default="0", metavar="NORM|config",
                    help="gradient_clipping of every run (default 0: off); 'config' keeps the config's (1.0 in "
@@ -140,7 +143,7 @@ def split_layers(name: str) -> tuple[str, int | None]:
 
 
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config",
-                muon_lr: float | None = None) -> dict:
+                muon_lr: float | None = None, precision: str = "fp32") -> dict:
     name, layers = split_layers(name)
     name, staleness = split_name(name)
     base = configs / f"{name}.json"
@@ -164,10 +167,10 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
         config["gradient_clipping"] = float(clipping)
     if staleness is not None:
         config.setdefault("hippie", {})["staleness"] = staleness
-    if layers == "all":  # the whole deferred stage delayed (the paper's rule)
-        config.setdefault("hippie", {}).pop("deferred_layers", None)
-    elif layers is not None:
+    if layers is not None:  # "all": the whole deferred stage delayed (the paper's rule)
         config.setdefault("hippie", {})["deferred_layers"] = layers
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
     config["steps_per_print"] = 10 ** 9  # the scripts print their own progress
     return config
 
@@ -192,7 +195,7 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     config_file = out / "config.json"
     muon_lr = args.muon_lr if args.optimizer == "muon" else None
     config_file.write_text(json.dumps(make_config(name, Path(args.configs), lr, args.lr_schedule, steps,
-                                                       args.gradient_clipping, muon_lr), indent=1))
+                                                       args.gradient_clipping, muon_lr, args.precision), indent=1))
     job = LocalJob(spec["script"], args.ranks,
                    ["--deepspeed_config", config_file, "--steps", steps, "--eval-every", eval_every, "--seed", seed,
                     "--out", out, *spec["extra"]]
@@ -250,7 +253,7 @@ def main(argv=None):
     meta = {"command": " ".join(["tools/convergence.py"] + (sys.argv[1:] if argv is None else list(argv))),
             "ranks": args.ranks, "seeds": args.seed_list, "gradient_clipping": args.gradient_clipping,
             "stages": args.stages, "lr_schedule": args.lr_schedule, "step_times": args.step_times,
-            "optimizer": args.optimizer, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
+            "optimizer": args.optimizer, "precision": args.precision, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
             "total_seconds": None if args.plot_only else time.monotonic() - start}
     previous = out / "results.json"
     if args.plot_only and previous.exists():  # keep what the runs were made with

@@ -74,11 +74,12 @@ class CheckpointMixin:
                                  "to resume with new stage boundaries")
             prediction = None  # the previous weights of other stages: the prediction restarts
         if buffer is not None and buffer["buffer"] is not None:
-            delayed = sum(p.numel() for p in self._delayed_params)
+            delayed = sum(g.numel() for g in self._delayed_grads())  # bf16: the accumulator, padding included
             if buffer["buffer"].numel() != delayed:
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage_id}'s buffered gradient has "
                                  f"{buffer['buffer'].numel()} elements, this run delays {delayed} (config key "
-                                 '"hippie.deferred_layers" differs from the saved run\'s); resume with the same '
+                                 '"hippie.deferred_layers" differs from the saved run\'s; '
+                                 'before it defaulted to 1, a deferred stage delayed "all"); resume with the same '
                                  "value, or save after engine.drain()")
         if buffer is not None:
             self._grad_buffer_state = buffer["state"]

@@ -21,6 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from ..schedules.ir import CompiledSchedule, OpKind
 from .allreduce_stream import AllReduceStream
+from .grad_store import GradStore
 from .staleness import make_corrector
 
 
@@ -42,6 +43,7 @@ class GradientsMixin:
         self._allreduce_stream = AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size)
         self._grad_buffer: torch.Tensor | None = None
         self._buffer_sm = GradBuffer()  # the buffer's state machine (hippie_ds.schedules.grad_buffer)
+        self._grads = GradStore(self.optimizer, self._version_params())  # where gradients live (fp32 / bf16)
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
         self._delayed_params, self._synced_params = self._split_deferred(
             (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
@@ -91,6 +93,7 @@ class GradientsMixin:
         """Post-accumulate-grad hook of a partially deferred stage's synchronous parameters."""
         if self._early_pending is None:
             return
+        self._grads.finalize(param)  # bf16: into the accumulator the all-reduce reads
         self._early_pending.discard(id(param))
         if not self._early_pending:
             self._early_pending = None
@@ -100,34 +103,22 @@ class GradientsMixin:
 
     # ------------------------------------------------------------------ gradients
     def _stage_grads(self) -> list[torch.Tensor]:
-        """This stage's accumulated (fp32) gradients, materialised as zeros where missing."""
-        if self.using_bf16_optimizer:
-            grads, _ = self.optimizer.get_grads_for_reduction()
-            return list(grads)
-        grads = []
-        for p in self.module.parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        return grads
-
-    @staticmethod
-    def _grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The (fp32) gradients of ``params``, materialised as zeros where missing."""
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in params]
+        """This stage's accumulated gradients (fp32, or BF16_Optimizer's accumulators)."""
+        return self._grads.whole()
 
     def _synced_grads(self) -> list[torch.Tensor]:
         """The gradients this step's all-reduce covers: the whole stage, or none of a deferred
         stage but its undelayed part (partial deferral)."""
-        return self._stage_grads() if not self._delayed_params else self._grads_of(self._synced_params)
+        return self._stage_grads() if not self._delayed_params else self._grads.of(self._synced_params)
+
+    def _delayed_subset(self) -> list[torch.Tensor] | None:
+        """The parameters a deferred stage delays; None: all of them (the whole accumulator)."""
+        return self._delayed_params if self._synced_params else None
 
     def _delayed_grads(self) -> list[torch.Tensor]:
         """The gradients a deferred stage buffers and applies one step late."""
-        return self._stage_grads() if not self._synced_params else self._grads_of(self._delayed_params)
+        subset = self._delayed_subset()
+        return self._stage_grads() if subset is None else self._grads.of(subset)
 
     def _exec_start_allreduce(self, target):
         if target == "grads":
@@ -179,18 +170,13 @@ class GradientsMixin:
             # lock-step with the other stages (checkpoint tags use global_steps).
             self._stage_step(apply=False)
             return
-        grads = self._delayed_grads()
-        current = _flatten_dense_tensors(grads)  # this step's delayed gradient, buffered right after
+        current = _flatten_dense_tensors(self._delayed_grads())  # this step's delayed gradient, buffered next
         if applies:
-            for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
-                g.copy_(buffered)
+            self._grads.load(self._delayed_subset(), self._grad_buffer)
         else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet
-            for p in self._delayed_params:
-                p.grad = None  # the optimizer skips it
+            self._grads.skip(self._delayed_params)
         self._stage_step(apply=True)
-        grads = self._delayed_grads()
-        for g, cur in zip(grads, _unflatten_dense_tensors(current, grads)):
-            g.copy_(cur)
+        self._grads.load(self._delayed_subset(), current)
 
     # ------------------------------------------------------------------ deferred state
     def has_pending_update(self) -> bool:
@@ -218,10 +204,7 @@ class GradientsMixin:
             self._exec_start_allreduce("buffer")
         self._wait_buffer()
         _checked(self._buffer_sm.apply())
-        grads = self._delayed_grads()
-        for g, buffered in zip(grads, _unflatten_dense_tensors(self._grad_buffer, grads)):
-            g.copy_(buffered)
-        for p in self._synced_params:
-            p.grad = None  # applied in their own step already
+        self._grads.load(self._delayed_subset(), self._grad_buffer)
+        self._grads.skip(self._synced_params)  # applied in their own step already
         self._stage_step_without_counters()
         return True

@@ -83,6 +83,7 @@ class SplitBackwardMixin:
         # A stage without input gradients runs its whole backward here, through DeepSpeed's hooks.
         with self._engine_backward():
             backward_weight(self._pending_weight_grads.pop(buffer_id), self._version_params())
+        self._grads.collect_weight_pass()  # bf16: into the optimizer's accumulator
 
     def _backward_prologue_per_tensor(self, grad):
         # DeepSpeed's output hook divides by the accumulation steps unless engine.backward(loss)

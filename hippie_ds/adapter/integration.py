@@ -13,9 +13,9 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed_version
-from ..config import ConfigError, merge_plan, read_config, schedule_params, split_config
-from ..schedules import compile as compile_schedule, load_spec
-from ..schedules.ir import OpKind
+from ..config import WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
+from ..schedules import builtins_where, compile as compile_schedule, load_spec
+from .precision import check_precision
 
 check_deepspeed_version()
 
@@ -158,61 +158,49 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
                           f"with the {placement!r} layout; build it with "
                           f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
     if model.tied_comms and not compiled.uses_tied_reduction:
-        raise ConfigError(f"schedule {compiled.name!r} has no reduce_tied_grads, but the model ties modules across "
-                          f"stages ({', '.join(model.tied_comms)}); use 1f1b or gpipe, or untie them")
-    per_stage_updates = any(op.kind in (OpKind.STAGE_OPTIMIZER_STEP, OpKind.APPLY_BUFFERED_UPDATE)
-                            for s in range(stages) for op in compiled.ops(s))
-    if config_class.float16_config.enabled and per_stage_updates:
-        raise ConfigError("fp16 with per-stage updates is not supported (the loss-scale overflow check spans the "
-                          "pipeline); use bf16 or fp32")
+        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r}: the schedule has no reduce_tied_grads '
+                          f"(its stages update apart), but the model ties modules across stages "
+                          f"({', '.join(model.tied_comms)}), whose copies must stay equal; use "
+                          f"{', '.join(builtins_where(lambda c: c.uses_tied_reduction, stages, micro_batches))}, or untie them")
+    check_precision(compiled, config_class)
     if compiled.splits_backward:
-        _check_split_backward(model, compiled, config_class)
-    if compiled.continuous and (config_class.bfloat16_config.enabled or config_class.zero_optimization_stage > 0):
-        what = "bf16" if config_class.bfloat16_config.enabled else f"zero_optimization.stage = {config_class.zero_optimization_stage}"
-        raise ConfigError(f"schedule {compiled.name!r} keeps weight versions of the stage's parameters and runs "
-                          f"fp32 without ZeRO only; got {what}")
+        from .split_backward import check_torch_version
+        try:
+            check_torch_version()
+        except ImportError as exc:
+            raise ConfigError(str(exc)) from None
     return ds_config, config_class, compiled, options
 
 
-def _check_split_backward(model: PipelineModule, compiled, config_class) -> None:
-    """A split backward (backward_input / backward_weight) sets parameter gradients itself: the
-    bf16/fp16/ZeRO optimizers' gradient hooks would not see them."""
-    from .split_backward import check_torch_version
-    precision = [what for what, on in (("bf16", config_class.bfloat16_config.enabled),
-                                       ("fp16", config_class.float16_config.enabled),
-                                       (f"zero_optimization.stage = {config_class.zero_optimization_stage}",
-                                        config_class.zero_optimization_stage > 0)) if on]
-    if precision:
-        raise ConfigError(f"schedule {compiled.name!r} splits the backward (backward_input / backward_weight), "
-                          f"which runs fp32 without ZeRO only; got {', '.join(precision)}")
-    try:
-        check_torch_version()
-    except ImportError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def deferred_layers(model: PipelineModule, options, compiled, config_class) -> dict[int, int]:
+def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
     """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
-    stages it delays partly; checked before any process group exists."""
+    stages it delays partly; checked before any process group exists. The default applies to the
+    schedules that have deferred stages and is ignored by the others; a value the config sets is
+    checked against the schedule."""
     value = options.deferred_layers
-    if value is None:
-        return {}
+    explicit = "deferred_layers" in options.model_fields_set
     deferred = compiled.deferred_stages()
     shown = f'config key "hippie.deferred_layers" = {value!r}'
     if "deferred_stages" not in compiled.params:
-        raise ConfigError(f"{shown}: schedule {compiled.name!r} has no deferred stages (partial deferral applies to "
-                          "the deferred stages of hippie and hippie-1f1b)")
+        if explicit and value != WHOLE_STAGE:
+            raise ConfigError(f"{shown}: schedule {compiled.name!r} has no deferred stages (partial deferral applies "
+                              f"to the deferred stages of {', '.join(schedules_with_param('deferred_stages'))})")
+        return {}
+    if value == WHOLE_STAGE:
+        return {}
     if isinstance(value, dict):
         extra = sorted(set(value) - set(deferred))
         if extra:
             raise ConfigError(f"{shown}: stage(s) {extra} are not deferred; deferred stages: {deferred}")
-    if config_class.bfloat16_config.enabled or config_class.float16_config.enabled or \
-            config_class.zero_optimization_stage > 0:
-        raise ConfigError(f"{shown}: partial deferral runs fp32 without ZeRO only (the bf16/fp16/ZeRO optimizers keep "
-                          "one flat gradient per stage)")
     counts = {s: value if isinstance(value, int) else value.get(s) for s in deferred}
     layers = {s: model.parts[s + 1] - model.parts[s] for s in deferred}
     return {s: k for s, k in counts.items() if k is not None and k < layers[s]}
+
+
+def schedules_with_param(param: str) -> list[str]:
+    """The built-in schedules that declare ``param`` (asked of their specs)."""
+    from ..schedules.spec import available
+    return [name for name in available() if param in load_spec(name).params]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -241,7 +229,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config_path = _config_path(args, config, config_params)
     config = _load_config(args, config, config_params)
     ds_config, config_class, compiled, options = prepare(model, config, config_path)
-    partial = deferred_layers(model, options, compiled, config_class)
+    partial = deferred_layers(model, options, compiled)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),

@@ -14,6 +14,20 @@ def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True
     return compiled
 
 
+def builtins_where(predicate, stages: int, micro_batches: int) -> list[str]:
+    """The built-in schedules whose compiled form at this shape satisfies ``predicate`` (error
+    messages list what is allowed by asking the schedules, not by naming them)."""
+    names = []
+    for name in available():
+        try:
+            compiled = compile(name, stages, micro_batches)
+        except ScheduleError:  # a shape the schedule does not run (its `requires`)
+            continue
+        if predicate(compiled):
+            names.append(name)
+    return names
+
+
 def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True, **params):
     """A DeepSpeed ``PipeSchedule`` for one stage of the named (or file) schedule."""
     from ..adapter.instructions import DeclaredSchedule
@@ -21,5 +35,5 @@ def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate
     return DeclaredSchedule(compiled, stage_id)
 
 
-__all__ = ["available", "build", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
+__all__ = ["available", "build", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
            "Op", "OpKind", "ScheduleError", "ScheduleSpec"]

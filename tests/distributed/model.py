@@ -43,3 +43,21 @@ def data_iter(replica, micro_batches, start_step=0):
         for m in range(micro_batches):
             yield micro_batch(step, replica, m)
         step += 1
+
+
+def _tied_head(module, x):
+    """The tied first layer used backwards, as a head: (B, WIDTH) -> (B, IN)."""
+    return x @ module.weight
+
+
+def tied_layer_specs():
+    """The tiny model with its first layer's weight tied to a head near the end (an embedding tied
+    to the output layer, as in Megatron-DeepSpeed's GPT): the first and the last stage each hold a
+    copy, DeepSpeed sums their gradients in ``reduce_tied_grads``."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    specs = [TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False)]
+    for _ in range(DEPTH - 2):
+        specs += [LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH)]
+    specs += [LayerSpec(torch.nn.Tanh), TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False, forward_fn=_tied_head),
+              LayerSpec(torch.nn.Linear, IN, OUT)]
+    return specs

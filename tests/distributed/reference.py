@@ -19,15 +19,17 @@ def stage_of_layers(parts):
 
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None):
+        delayed_layers=None, precision=None):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
-    ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all)."""
-    layers = tiny.build_layers()
+    ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
+    ``precision``: a :class:`Precision` (default fp32)."""
+    precision = precision or FP32
+    layers = precision.model(tiny.build_layers())
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
     delayed_layers = delayed_layers or {}
     delayed = [[s in deferred and (s not in delayed_layers or i < a + delayed_layers[s])
                 for i in range(a, b) for _ in layers[i].parameters()] for s, (a, b) in enumerate(parts)]
-    opts = _make_optimizers(stage_params, optimizer, lr)
+    opts = precision.optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
     true_weights = [None] * len(parts)  # W(t) of a deferred stage while it computes on the prediction
@@ -41,11 +43,12 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                     if late:
                         p.add_(w - q, alpha=staleness.coefficient)
             previous[s] = true_weights[s]
-        grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
+        grads = [[precision.zeros(p) for p in ps] for ps in stage_params]
         total = 0.0
         for r in range(dp):
+            rank = [[precision.zeros(p) for p in ps] for ps in stage_params]  # this replica's accumulation
             for m in range(micro_batches):
-                x, y = tiny.micro_batch(t, r, m)
+                x, y = precision.data(*tiny.micro_batch(t, r, m))
                 out = x
                 for layer in layers:
                     out = layer(out)
@@ -55,8 +58,15 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                     p.grad = None
                 (loss / micro_batches).backward()
                 for s, ps in enumerate(stage_params):
-                    for g, p in zip(grads[s], ps):
-                        g += p.grad / dp
+                    for g, acc, p in zip(grads[s], rank[s], ps):
+                        if precision.bf16:
+                            acc += p.grad.to(acc.dtype)
+                        else:
+                            g += p.grad / dp
+            if precision.bf16:  # hippie-ds's all-reduce: each rank's sum divided by dp, then summed
+                for s in range(len(parts)):
+                    for g, acc in zip(grads[s], rank[s]):
+                        g += acc / dp
         losses.append(total)
         for s, ps in enumerate(stage_params):
             apply = grads[s]
@@ -68,7 +78,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                 pending[s] = grads[s]
                 if all(g is None for g in apply):
                     continue
-            _apply(ps, opts[s], apply, clip)
+            precision.apply(ps, opts[s], apply, clip)
     return _result(layers), losses
 
 
@@ -80,6 +90,48 @@ def _make_optimizers(stage_params, optimizer, lr):
     make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
             "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr)}[optimizer]
     return [make(ps) for ps in stage_params]
+
+
+class Precision:
+    """How a reference keeps weights and gradients.
+
+    fp32: a torch optimizer steps the model's parameters. bf16: DeepSpeed's BF16_Optimizer (bf16
+    and bf16 + ZeRO-1): a bf16 model computes; each rank adds each micro-batch's bf16 gradient into
+    an accumulator of dtype ``accumulate``; the replicas' accumulators are averaged (each divided by
+    dp, then summed); the optimizer steps fp32 master copies (made from the bf16 initial weights)
+    and the model takes their bf16 rounding. Flat optimizer partitions cannot skip a parameter: a
+    part with nothing to apply yet (partial deferral's first step) takes a zero gradient."""
+
+    def __init__(self, bf16=False, accumulate=torch.float32):
+        self.bf16, self.accumulate = bf16, accumulate
+
+    def model(self, layers):
+        return [layer.to(torch.bfloat16) for layer in layers] if self.bf16 else layers
+
+    def data(self, x, y):
+        return (x.bfloat16(), y.bfloat16()) if self.bf16 else (x, y)
+
+    def zeros(self, p):
+        return torch.zeros_like(p, dtype=self.accumulate if self.bf16 else p.dtype)
+
+    def optimizers(self, stage_params, optimizer, lr):
+        """Per stage: (optimizer, the tensors it steps: the parameters or their fp32 masters)."""
+        steps = [[p.detach().float().clone() for p in ps] for ps in stage_params] if self.bf16 else stage_params
+        return list(zip(_make_optimizers(steps, optimizer, lr), steps))
+
+    def apply(self, ps, opt, grads, clip):
+        optimizer, steps = opt
+        if self.bf16:
+            grads = [None if g is None else g.float() for g in grads]
+            grads = [torch.zeros_like(m) if g is None else g for g, m in zip(grads, steps)]
+        _apply(steps, optimizer, grads, clip)
+        if self.bf16:
+            with torch.no_grad():
+                for p, m in zip(ps, steps):
+                    p.copy_(m)
+
+
+FP32 = Precision()
 
 
 def _snapshot(ps):
@@ -113,6 +165,33 @@ def _micro_batch_grads(layers, stage_params, step, index, dp, micro_batches):
     return grads, total
 
 
+def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precision):
+    """bf16 path: the gradient of micro-batches ``indices`` of batch ``step`` as the engine
+    computes it (each rank accumulates its micro-batches, the replicas' sums are averaged); and
+    the mean loss per micro-batch over replicas."""
+    grads = [[precision.zeros(p) for p in ps] for ps in stage_params]
+    losses = [0.0] * len(indices)
+    for r in range(dp):
+        rank = [[precision.zeros(p) for p in ps] for ps in stage_params]
+        for n, index in enumerate(indices):
+            x, y = precision.data(*tiny.micro_batch(step, r, index))
+            out = x
+            for layer in layers:
+                out = layer(out)
+            loss = tiny.loss_fn(out, y)
+            losses[n] += loss.item() / dp
+            for p in (q for ps in stage_params for q in ps):
+                p.grad = None
+            (loss / micro_batches).backward()
+            for s, ps in enumerate(stage_params):
+                for acc, p in zip(rank[s], ps):
+                    acc += p.grad.to(acc.dtype)
+        for s in range(len(stage_params)):
+            for g, acc in zip(grads[s], rank[s]):
+                g += acc / dp
+    return grads, losses
+
+
 def _apply(ps, opt, grads, clip):
     if clip > 0:  # per stage, as hippie_ds.adapter.engine's per-stage updates
         norm = torch.stack([g.norm(2) for g in grads if g is not None]).pow(2).sum().sqrt()
@@ -128,16 +207,17 @@ def _result(layers):
             if isinstance(layer, torch.nn.Module) and list(layer.parameters())}
 
 
-def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None):
+def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None, precision=None):
     """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
     W(0)); the batch's gradient (summed over micro-batches, averaged over replicas) is applied
     to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage. With ``staleness`` extrapolate
     (``hippie.staleness``), batch t computes on W(t-1) + c * (W(t-1) - W(t-2)) instead (no
     prediction while t-1 < 1: version 0 has no previous update)."""
-    layers = tiny.build_layers()
+    precision = precision or FP32
+    layers = precision.model(tiny.build_layers())
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
     everything = [p for ps in stage_params for p in ps]
-    opts = _make_optimizers(stage_params, optimizer, lr)
+    opts = precision.optimizers(stage_params, optimizer, lr)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
     history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
     losses = []
@@ -148,18 +228,23 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         if extrapolate and v >= 1:
             compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
         _load(everything, compute)
-        grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
-        total = 0.0
-        for m in range(micro_batches):
-            g, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
-            total += loss / micro_batches
-            for s in range(len(parts)):
-                for acc, x in zip(grads[s], g[s]):
-                    acc += x
+        if precision.bf16:
+            grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
+                                               precision)
+            total = sum(batch_losses) / micro_batches
+        else:
+            grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
+            total = 0.0
+            for m in range(micro_batches):
+                g, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
+                total += loss / micro_batches
+                for s in range(len(parts)):
+                    for acc, x in zip(grads[s], g[s]):
+                        acc += x
         losses.append(total)
         _load(everything, current)
         for s, ps in enumerate(stage_params):
-            _apply(ps, opts[s], grads[s], clip)
+            precision.apply(ps, opts[s], grads[s], clip)
         history[t + 1] = _snapshot(everything)
     return _result(layers), losses
 
@@ -173,26 +258,31 @@ def pipedream_version(stage, stages, index, vertical_sync=False):
     return max(0, index - warmup)
 
 
-def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimizer="SGD", lr=0.05, clip=0.0):
+def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimizer="SGD", lr=0.05, clip=0.0,
+                  precision=None):
     """PipeDream with weight stashing: micro-batch i runs forward and backward on stage s with
     weight version ``pipedream_version(s, K, i)``; each stage applies micro-batch i's gradient
     (grad(loss / M), averaged over replicas) as its (i+1)-th update."""
     K = len(parts)
-    layers = tiny.build_layers()
+    precision = precision or FP32
+    layers = precision.model(tiny.build_layers())
     stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
-    opts = _make_optimizers(stage_params, optimizer, lr)
+    opts = precision.optimizers(stage_params, optimizer, lr)
     history = [[_snapshot(ps)] for ps in stage_params]  # stage -> version -> values
     losses = []
     for i in range(steps * micro_batches):
         t, m = divmod(i, micro_batches)
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][pipedream_version(s, K, i, vertical_sync)])
-        grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
+        if precision.bf16:
+            grads, (loss,) = _batch_grads(layers, stage_params, t, [m], dp, micro_batches, precision)
+        else:
+            grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
         if m == 0:
             losses.append(0.0)
         losses[-1] += loss / micro_batches
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][-1])
-            _apply(ps, opts[s], grads[s], clip)
+            precision.apply(ps, opts[s], grads[s], clip)
             history[s].append(_snapshot(ps))
     return _result(layers), losses

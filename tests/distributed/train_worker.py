@@ -33,11 +33,19 @@ def config(args, schedule, dp, opts=()):
         cfg["gradient_clipping"] = args.clip
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
+    if args.zero:
+        # DeepSpeed's bf16 + ZeRO-1 pipeline path (BF16_Optimizer) needs fp32 gradient accumulation
+        cfg["zero_optimization"] = {"stage": args.zero}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        cfg["zero_allow_untested_optimizer"] = True  # SGD
     if schedule != "stock":
         cfg["pipeline"]["schedule"] = schedule
         cfg["hippie"] = {}
         if schedule.startswith("hippie") and args.deferred is not None:
             cfg["hippie"]["deferred_stages"] = [int(s) for s in args.deferred.split(",") if s]
+        if schedule.startswith("hippie") and args.deferred_layers != "default":
+            layers = args.deferred_layers
+            cfg["hippie"]["deferred_layers"] = int(layers) if layers.isdigit() else layers
         if args.staleness is not None:
             method, _, coefficient = args.staleness.partition(":")
             cfg["hippie"]["staleness"] = {"method": method, **({"coefficient": float(coefficient)} if coefficient else {})}
@@ -46,6 +54,7 @@ def config(args, schedule, dp, opts=()):
         if args.schedule_override:
             override = json.loads(args.schedule_override)
             cfg["pipeline"].update(override.pop("pipeline", {}))
+            cfg.update(override.pop("deepspeed", {}))
             cfg["hippie"].update(override)
         if args.timeline:
             cfg["hippie"]["timeline_dir"] = os.path.join(args.out, schedule, "timeline")
@@ -64,17 +73,22 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--tied", action="store_true", help="the model with its first layer tied to a head (last stage)")
+    p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")
     p.add_argument("--deferred", default=None)
+    p.add_argument("--deferred-layers", default="all", help='hippie.deferred_layers of hippie schedules: a count, '
+                   '"all" (the whole deferred stage, the references\' default) or "default" (the key left out)')
     p.add_argument("--staleness", default=None, help="hippie.staleness as METHOD[:COEFFICIENT] (default: the "
                    "config's default)")
     p.add_argument("--flush", action="store_true")
-    p.add_argument("--drain", action="store_true", help="engine.drain() after the last step")
+    p.add_argument("--drain", action="store_true", help="engine.drain() after the last step (batches in flight)")
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None)
-    p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section (bad-input tests)")
+    p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section; its "
+                   "'pipeline' and 'deepspeed' keys into the pipeline section and the top level (bad-input tests)")
     return p.parse_args()
 
 
@@ -86,13 +100,18 @@ def main():
     dp = world // args.stages
     def build(name):
         schedule, opts = split_name(name)
-        module = PipelineModule(layers=tiny.layer_specs(), num_stages=args.stages, loss_fn=tiny.loss_fn,
+        specs = tiny.tied_layer_specs() if args.tied else tiny.layer_specs()
+        module = PipelineModule(layers=specs, num_stages=args.stages, loss_fn=tiny.loss_fn,
                                 topology=hippie_ds.make_topology(args.stages, world),
                                 partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
                           config=config(args, schedule, dp, opts))
         return engine
+
+    def data(replica, start):
+        it = tiny.data_iter(replica, args.micro_batches, start_step=start)
+        return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 else it
 
     for name in args.engines.split(","):
         _, opts = split_name(name)
@@ -103,9 +122,7 @@ def main():
         if args.resume:
             _, client = engine.load_checkpoint(args.resume)
             start = client["next_step"]
-        it = tiny.data_iter(replica, args.micro_batches, start_step=start)
-        if args.bf16:
-            it = ((x.bfloat16(), y.bfloat16()) for x, y in it)
+        it = data(replica, start)
         losses = []
         step = start
         while step < args.steps:
@@ -124,17 +141,24 @@ def main():
                 engine = build(name)
                 _, client = engine.load_checkpoint(ckpt)
                 assert client["next_step"] == step
-                it = tiny.data_iter(replica, args.micro_batches, start_step=step)
+                it = data(replica, step)
         if args.flush and hasattr(engine, "flush_deferred_update"):
             engine.flush_deferred_update()
-        drained = bool(engine.drain()) if args.drain and hasattr(engine, "drain") else None
+        # --drain completes the batches of continuous schedules (2bw, pipedream); a deferred
+        # stage's pending gradient stays pending unless --flush
+        drained = bool(engine.drain()) if args.drain and getattr(engine, "has_in_flight", lambda: False)() else None
         state = {engine.module._local_start + i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
                  for i, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
                     if hasattr(engine, "compiled_schedule") else {}, "drained": drained,
-                    "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None},
+                    "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
+                    "optimizer": type(engine.optimizer).__name__,
+                    "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
+                             for k, m in engine.module.tied_modules.items()},
+                    # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
+                    "partitions": getattr(engine.optimizer, "partition_count", None)},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()

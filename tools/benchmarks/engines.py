@@ -103,7 +103,7 @@ def schedule_config(a, label):
     A label NAME@L is NAME with ``hippie.deferred_layers`` = L (partial deferral; NAME@all: the
     whole deferred stage)."""
     name, at, layers = label.partition("@")
-    extra = {"deferred_layers": None if layers == "all" else int(layers)} if at else {}
+    extra = {"deferred_layers": "all" if layers == "all" else int(layers)} if at else {}
     if not a.schedule_configs:
         return name, extra
     path = os.path.join(a.schedule_configs, f"{name}.json")

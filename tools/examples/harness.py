@@ -173,9 +173,13 @@ class Trainer:
                         "train_loss": [], "step_seconds": [], "eval": []}
 
     def share(self, global_batches: Iterable[tuple]) -> Iterator[tuple]:
-        """This rank's micro-batches of a stream of global batches."""
-        return replica_micro_batches(global_batches, self.micro_batch, self.micro_batches, self.replica,
-                                     self.replicas)
+        """This rank's micro-batches of a stream of global batches (floating-point inputs in the
+        model's dtype: bf16 under ``"bf16": {"enabled": true}``)."""
+        batches = replica_micro_batches(global_batches, self.micro_batch, self.micro_batches, self.replica,
+                                        self.replicas)
+        if not self.engine.bfloat16_enabled():
+            return batches
+        return (tuple(t.bfloat16() if t.is_floating_point() else t for t in batch) for batch in batches)
 
     def describe(self) -> str:
         if self.data_parallel_only:

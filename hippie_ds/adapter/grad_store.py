@@ -1,0 +1,115 @@
+"""Where a stage's accumulated gradients live, for each optimizer path DeepSpeed picks.
+
+- fp32 (a torch optimizer, no wrapper): each parameter's ``.grad``.
+- bf16, with or without ZeRO-1 (DeepSpeed's ``BF16_Optimizer``): the bf16 ``.grad`` of a backward
+  is added into the optimizer's flat accumulator (fp32 with ``data_types.grad_accum_dtype: fp32``,
+  else bf16) after each backward, or by DeepSpeed's own hooks with ``immediate_grad_update``. A
+  parameter's accumulated gradient is its view into that buffer; the fp32 master weights and the
+  optimizer state are partitioned over the stage's data-parallel group (ZeRO-1), every rank keeps
+  the whole accumulator. DeepSpeed's stock pipeline all-reduces that whole accumulator too.
+
+Everything the engine does to gradients (the early and the deferred all-reduce, the gradient
+buffer, the split backward's weight pass) goes through :class:`GradStore`, so that each path acts
+on the gradients DeepSpeed's own step reads, never on both copies. DeepSpeed's other wrappers
+(``DeepSpeedZeroOptimizer``: fp32 or bf16-accumulated ZeRO; ``FP16_Optimizer``) reduce and scale
+gradients inside their own step; schedules that need this store refuse them at ``initialize``
+(:func:`hippie_ds.adapter.integration.check_precision`).
+"""
+from __future__ import annotations
+
+import torch
+from torch._utils import _unflatten_dense_tensors
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+
+def supports(optimizer) -> bool:
+    """True when :class:`GradStore` knows where ``optimizer`` keeps gradients."""
+    # every DeepSpeed wrapper (ZeRO, fp16) derives from DeepSpeedOptimizer; fp32 gets the bare one
+    return isinstance(optimizer, BF16_Optimizer) or not isinstance(optimizer, DeepSpeedOptimizer)
+
+
+class GradStore:
+    """The accumulated gradients of one stage's parameters, wherever the optimizer keeps them."""
+
+    def __init__(self, optimizer, params: list[torch.Tensor]):
+        self.params = params
+        self.bf16 = isinstance(optimizer, BF16_Optimizer)
+        self._optimizer = optimizer
+        # BF16_Optimizer: parameter -> (group, index) of its view into the flat accumulator
+        self._slot = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)
+                      for j, p in enumerate(group)} if self.bf16 else {}
+
+    @property
+    def moves_after_backward(self) -> bool:
+        """bf16 without ``immediate_grad_update``: a backward's bf16 gradients reach the
+        accumulator only after it (so a hook inside it must move them itself)."""
+        return self.bf16 and not self._optimizer.immediate_grad_update
+
+    def whole(self) -> list[torch.Tensor]:
+        """All of the stage's accumulated gradients (bf16 path: the flat accumulators, padding
+        included, which is what DeepSpeed's own reduction all-reduces)."""
+        if self.bf16:
+            grads, _ = self._optimizer.get_grads_for_reduction()
+            return list(grads)
+        return self.of(self.params)
+
+    def of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The accumulated gradients of ``params`` (fp32 path: materialised as zeros where missing)."""
+        if self.bf16:
+            groups = self._optimizer.fp32_groups_gradients
+            return [groups[i][j] for i, j in (self._slot[id(p)] for p in params)]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in params]
+
+    @torch.no_grad()
+    def load(self, params: list[torch.Tensor] | None, flat: torch.Tensor) -> None:
+        """Set the accumulated gradients of ``params`` (None: the whole stage, as :meth:`whole`)
+        from the flat tensor ``flat``; the next step counts them (bf16: its gradient norm too)."""
+        grads = self.whole() if params is None else self.of(params)
+        for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(value)
+        if self.bf16:
+            for p in self.params if params is None else params:
+                i, j = self._slot[id(p)]
+                self._optimizer.fp32_groups_has_gradients[i][j] = True
+
+    @torch.no_grad()
+    def finalize(self, param: torch.Tensor) -> None:
+        """Called once ``param``'s gradient of the running backward is complete (its
+        post-accumulate-grad hook): make the accumulator hold it now."""
+        if self.moves_after_backward and param.grad is not None:
+            i, j = self._slot[id(param)]
+            # adds the bf16 grad into the accumulator and zeroes it: the move after the backward adds 0
+            self._optimizer._update_hp_grad(param, i, j, clear_lp_grads=True)
+
+    @torch.no_grad()
+    def skip(self, params: list[torch.Tensor]) -> None:
+        """Leave ``params`` out of the next optimizer step. A torch optimizer skips a parameter
+        whose ``.grad`` is None. BF16_Optimizer steps one flat partition, so those parameters get a
+        zero gradient instead (SGD: no change; Adam: zero moments' input, weight decay still
+        applies) and drop out of the gradient norm."""
+        if not self.bf16:
+            for p in params:
+                p.grad = None
+            return
+        for p in params:
+            i, j = self._slot[id(p)]
+            self._optimizer.fp32_groups_gradients[i][j].zero_()
+            self._optimizer.fp32_groups_has_gradients[i][j] = False
+
+    @torch.no_grad()
+    def collect_weight_pass(self) -> None:
+        """After a split backward's weight pass, which sets the parameters' ``.grad`` itself
+        (``autograd.grad``, so DeepSpeed's gradient hooks do not see it): move each bf16 gradient
+        left on a parameter into the accumulator and drop it."""
+        if not self.bf16:
+            return
+        for group in self._optimizer.bf16_groups:
+            for p in group:
+                if p.grad is not None:
+                    i, j = self._slot[id(p)]
+                    self._optimizer._update_hp_grad(p, i, j, clear_lp_grads=False)
+                    p.grad = None

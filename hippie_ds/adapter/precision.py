@@ -1,0 +1,103 @@
+"""Which precision and ZeRO configurations each schedule runs, decided before any process group.
+
+DeepSpeed 0.19 picks the optimizer wrapper from the config alone
+(``DeepSpeedEngine._do_optimizer_sanity_check``); :func:`optimizer_path` repeats that choice:
+
+=========  ==========================================================================  ==============
+path       config                                                                      wrapper
+=========  ==========================================================================  ==============
+fp32       no ``bf16``/``fp16``, ZeRO stage 0                                          the torch one
+bf16       ``bf16``; ZeRO 0, or ZeRO 1 with ``data_types.grad_accum_dtype: fp32``      BF16_Optimizer
+zero       ZeRO 1 otherwise (fp32, or bf16 accumulated in bf16)                        DeepSpeedZeroOptimizer
+fp16       ``fp16``                                                                    FP16_Optimizer / ZeRO
+=========  ==========================================================================  ==============
+
+Schedules made only of DeepSpeed's own gradient ops (backward, ``reduce_grads``,
+``optimizer_step``: 1f1b, gpipe) run on every path, as stock DeepSpeed does. The others reduce,
+buffer or apply gradients themselves (:mod:`hippie_ds.adapter.grad_store`), which hippie-ds does on
+the fp32 and bf16 paths. BF16_Optimizer keeps fp32 master weights and optimizer state partitioned
+over the stage's data-parallel group (ZeRO-1) and a whole gradient accumulator on every rank, so
+hippie-ds's early and deferred all-reduces act on that accumulator, as DeepSpeed's own pipeline
+reduction does. The refusals, with their reasons:
+
+- ``zero`` path: DeepSpeedZeroOptimizer reduces gradients into its partitions inside its own
+  step machinery (``reduce_gradients``); an all-reduce outside it would be repeated or lost.
+- ``fp16``: the dynamic loss scale skips a step when any stage overflows, so every stage must
+  know every stage's overflow flag before it applies; a stage that updates early (or late, from a
+  buffer, or from a weight version) cannot, without a pipeline-wide wait that would undo the
+  schedule. A split backward's input pass also does not apply the loss scale.
+"""
+from __future__ import annotations
+
+from ..config import ConfigError
+from ..schedules import builtins_where
+from ..schedules.ir import CompiledSchedule, OpKind
+
+# ops whose handlers read or write gradients outside DeepSpeed's backward / reduce_grads / step
+OWN_GRADIENT_KINDS = frozenset({OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE, OpKind.COPY_GRADS_TO_BUFFER,
+                                OpKind.APPLY_BUFFERED_UPDATE, OpKind.STAGE_OPTIMIZER_STEP, OpKind.BACKWARD_INPUT,
+                                OpKind.BACKWARD_WEIGHT, OpKind.STASH_WEIGHTS})
+PATHS = ("fp32", "bf16", "zero", "fp16")
+
+
+def _fp32_accumulation(config_class) -> bool:
+    from deepspeed.runtime.config import DtypeEnum
+    import torch
+    dtype = config_class.grad_accum_dtype
+    return dtype is not None and DtypeEnum(dtype).value == torch.float32
+
+
+def _offloads_optimizer(config_class) -> bool:
+    offload = config_class.zero_config.offload_optimizer
+    return offload is not None and str(getattr(offload.device, "value", offload.device)) != "none"
+
+
+def optimizer_path(config_class) -> str:
+    """The optimizer path (:data:`PATHS`) DeepSpeed takes for this config."""
+    if config_class.float16_config.enabled:
+        return "fp16"
+    zero = config_class.zero_optimization_stage
+    if config_class.bfloat16_config.enabled:
+        if zero == 0 or (zero == 1 and _fp32_accumulation(config_class) and not _offloads_optimizer(config_class)):
+            return "bf16"
+        return "zero"
+    return "zero" if zero > 0 else "fp32"
+
+
+def own_gradient_ops(compiled: CompiledSchedule) -> set[OpKind]:
+    """The op kinds of ``compiled`` that handle gradients outside DeepSpeed's own path."""
+    return {op.kind for s in range(compiled.stages) for op in compiled.ops(s)} & OWN_GRADIENT_KINDS
+
+
+def _config_key(config_class, path: str) -> str:
+    if path == "fp16":
+        return '"fp16.enabled" = true'
+    if config_class.bfloat16_config.enabled:
+        return (f'"zero_optimization.stage" = {config_class.zero_optimization_stage} with '
+                f'"data_types.grad_accum_dtype" = {config_class.grad_accum_dtype!r}'
+                f'{" and optimizer offload" if _offloads_optimizer(config_class) else ""}')
+    return f'"zero_optimization.stage" = {config_class.zero_optimization_stage} without bf16'
+
+
+def check_precision(compiled: CompiledSchedule, config_class) -> None:
+    """Raise :class:`ConfigError` (one line: the key, the value, what is allowed) when
+    ``compiled`` cannot run on the optimizer path the config selects."""
+    path = optimizer_path(config_class)
+    own = own_gradient_ops(compiled)
+    if path in ("fp32", "bf16") or not own:
+        return
+    ops = ", ".join(sorted(k.value for k in own))
+    allowed = ", ".join(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches))
+    key = _config_key(config_class, path)
+    if path == "zero":
+        raise ConfigError(f"config key {key}: schedule {compiled.name!r} handles gradients itself ({ops}), which "
+                          "hippie-ds does with ZeRO-1 only through DeepSpeed's BF16_Optimizer: set "
+                          '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
+                          "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
+                          f"schedules that run on any ZeRO-1 configuration: {allowed}")
+    reason = ("its input pass does not apply fp16's loss scale" if compiled.splits_backward and
+              not own - {OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT} else
+              "fp16's dynamic loss scale skips a step when any stage overflows, which a stage that updates apart "
+              "from the others cannot know without a pipeline-wide wait")
+    raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
+                      f"use bf16, or a schedule that runs with fp16: {allowed}")

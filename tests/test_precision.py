@@ -1,0 +1,160 @@
+"""Every built-in schedule in bf16 and in bf16 + ZeRO-1 (DeepSpeed's BF16_Optimizer: bf16 model, fp32
+master weights and optimizer state partitioned over the stage's data-parallel group), with real
+ranks: 2 stages x 2 replicas, the ``deepspeed`` launcher, gloo.
+
+- ``1f1b``, ``gpipe`` and ``zb-h1``: parameters and losses bit-identical to stock DeepSpeed.
+- ``hippie``, ``hippie-1f1b``, ``hippie-zb`` (their default partial deferral), ``2bw`` and
+  ``pipedream``: match the single-process reference of their rule computed with the same precision
+  policy (``reference.Precision``) within ``BF16_TOLERANCE``, and are farther than that from the
+  synchronous rule (so the comparison can fail).
+
+What the configurations that cannot run say is in tests/test_config.py (pure) and
+``test_refused_on_every_rank`` below (real ranks).
+"""
+import json
+
+import pytest
+import torch
+
+import reference
+from launch import collect, launch
+
+from hippie_ds.config import StalenessConfig
+
+pytestmark = pytest.mark.distributed
+
+STEPS, MICRO_BATCHES, LR, CLIP = 4, 4, 0.01, 0.5
+SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1")
+DEFERRED = ("hippie", "hippie-1f1b", "hippie-zb")
+CONTINUOUS = {"2bw": reference.run_2bw, "pipedream": reference.run_pipedream}
+ENGINES = ",".join(("stock",) + SYNCHRONOUS + DEFERRED + tuple(CONTINUOUS))
+# The distributed run and its reference do the same bf16 forward/backward and the same fp32
+# optimizer math; they differ in the order of a few fp32 sums (the per-stage gradient norm over
+# flat partitions, the optimizer over one flat tensor instead of per-parameter ones). Such a
+# difference can flip the bf16 rounding of a weight by one unit: 2**-8 is one bf16 unit in the
+# last place at |w| in [0.5, 1) and two below (the tiny model's weights are under 1). Measured:
+# 0 to 2**-9. The rules differ from one another by 4x to 15x more (asserted below).
+BF16_TOLERANCE = 2 ** -8
+
+
+def _max_diff(a, b):
+    return max((a[i][k] - b[i][k]).abs().max().item() for i in b for k in b[i])
+
+
+def _assert_equal(a, b, what):
+    for i in a:
+        for k in a[i]:
+            assert torch.equal(a[i][k], b[i][k]), f"{what}: layer {i} {k} differs by {(a[i][k] - b[i][k]).abs().max()}"
+
+
+@pytest.mark.parametrize("stages,zero", [(2, 0), (2, 1), (4, 1)], ids=["2x2-bf16", "2x2-bf16+zero1", "4x2-bf16+zero1"])
+def test_every_schedule_in_bf16(tmp_path, stages, zero):
+    rc, log, _ = launch(2 * stages, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
+                        "--engines", ENGINES, "--bf16", "--zero", zero, "--optimizer", "AdamW", "--lr", LR,
+                        "--clip", CLIP, "--deferred-layers", "default", "--drain", timeout=420)
+    assert rc == 0, log[-4000:]
+    for f in sorted((tmp_path / "hippie").glob("rank*.pt")):  # DeepSpeed's bf16 (+ ZeRO-1) path, not its ZeRO optimizer
+        saved = torch.load(f)
+        assert saved["optimizer"] == "BF16_Optimizer" and saved["partitions"] == [2], (saved["optimizer"],
+                                                                                       saved["partitions"])
+    precision = reference.Precision(bf16=True, accumulate=torch.float32 if zero else torch.bfloat16)
+    stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
+    for name in SYNCHRONOUS:
+        ours, losses, _, _, replicas = collect(tmp_path, name)
+        _assert_equal(stock, ours, f"bf16 {name} vs stock DeepSpeed")
+        assert losses == stock_losses
+    common = dict(optimizer="AdamW", lr=LR, clip=CLIP, precision=precision)
+    sync, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, **common)
+    staleness = StalenessConfig()
+    for name in DEFERRED:
+        ours, losses, _, params, replicas = collect(tmp_path, name)
+        deferred = params["deferred_stages"]
+        assert deferred == list(range(stages // 2))
+        # the default rule: a deferred stage delays its first layer's gradient, the rest is applied in-step
+        ref, ref_losses = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, staleness=staleness,
+                                        delayed_layers={s: 1 for s in deferred}, **common)
+        whole, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, staleness=staleness, **common)
+        diff = _max_diff(ours, ref)
+        print(f"{name} {stages}x2 bf16 zero={zero}: |ours - reference| = {diff:.3g}, sync {_max_diff(sync, ref):.3g}, "
+              f"whole stage {_max_diff(whole, ref):.3g}")
+        assert diff <= BF16_TOLERANCE, f"{name}: differs from its bf16 reference by {diff}"
+        assert _max_diff(sync, ref) > 2 * BF16_TOLERANCE and _max_diff(whole, ref) > 2 * BF16_TOLERANCE
+        for rank_losses in losses.values():
+            if rank_losses:
+                assert rank_losses == pytest.approx(ref_losses, rel=2 ** -6)  # the loss is a bf16 value
+        _assert_equal(replicas[0], replicas[1], f"{name} replicas")
+    for name, rule in CONTINUOUS.items():
+        ours, _, _, _, replicas = collect(tmp_path, name)
+        ref, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **common,
+                      **({"staleness": staleness} if name == "2bw" else {}))
+        diff = _max_diff(ours, ref)
+        print(f"{name} {stages}x2 bf16 zero={zero}: |ours - reference| = {diff:.3g}, sync {_max_diff(sync, ref):.3g}")
+        assert diff <= BF16_TOLERANCE, f"{name}: differs from its bf16 reference by {diff}"
+        assert _max_diff(sync, ref) > 2 * BF16_TOLERANCE
+        _assert_equal(replicas[0], replicas[1], f"{name} replicas")
+
+
+def test_checkpoint_resume_in_bf16_zero1(tmp_path):
+    """bf16 + ZeRO-1, 2 x 2: a checkpoint saved after 2 steps with state in flight (a deferred
+    gradient, stashed weight versions) and loaded into a fresh engine continues bit-identically to
+    the uninterrupted run."""
+    names = ("hippie", "hippie-zb", "2bw", "pipedream")
+    engines = ",".join(n + suffix for n in names for suffix in ("", "+ckpt2"))
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", 3, "--steps", STEPS, "--engines", engines,
+                        "--bf16", "--zero", 1, "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
+                        "--deferred-layers", "default", "--drain", timeout=420)
+    assert rc == 0, log[-4000:]
+    for name in names:
+        full, full_losses, *_ = collect(tmp_path, name)
+        resumed, resumed_losses, *_ = collect(tmp_path, name + "+ckpt2")
+        _assert_equal(full, resumed, f"bf16 {name}: resumed vs uninterrupted")
+        assert resumed_losses == full_losses
+        assert any((tmp_path / (name + "+ckpt2") / "ckpt").iterdir())
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"fp16": {"enabled": True}}, 'config key "fp16.enabled" = true: schedule \'hippie\''),
+    ({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True},
+     'config key "zero_optimization.stage" = 1 without bf16: schedule \'hippie\''),
+])
+def test_refused_on_every_rank(tmp_path, override, message):
+    """A configuration hippie-ds cannot run fails on every rank before any collective, in one line."""
+    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--schedule-override",
+                        json.dumps({"deepspeed": override}), timeout=120)
+    assert rc != 0
+    assert log.count(message) >= 2, log[-3000:]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16+zero1"])
+def test_tied_weights(tmp_path, precision):
+    """A module tied across the first and the last stage (TiedLayerSpec, an embedding tied to a
+    head): with the schedules that reduce tied gradients, both copies stay bit-identical, and
+    everything is bit-identical to stock DeepSpeed."""
+    engines = ("stock",) + SYNCHRONOUS
+    extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
+                        "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP, *extra,
+                        timeout=300)
+    assert rc == 0, log[-4000:]
+    copies = {}
+    for name in engines:
+        files = [torch.load(f) for f in sorted((tmp_path / name).glob("rank*.pt"))]
+        assert {f["stage"] for f in files} == {0, 1} and all("tied" in f["tied"] for f in files)
+        copies[name] = [f["tied"]["tied"]["weight"] for f in files]  # every rank's copy: both stages, both replicas
+        for copy in copies[name][1:]:
+            assert torch.equal(copy, copies[name][0]), f"{name}: the tied copies differ"
+    for name in SYNCHRONOUS:
+        assert torch.equal(copies[name][0], copies["stock"][0]), f"{name}: tied weight differs from stock DeepSpeed"
+        ours, losses, *_ = collect(tmp_path, name)
+        stock, stock_losses, *_ = collect(tmp_path, "stock")
+        _assert_equal(stock, ours, f"tied {name} vs stock DeepSpeed")
+        assert losses == stock_losses
+
+
+def test_tied_weights_refused_where_stages_update_apart(tmp_path):
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--tied", "--engines", "hippie", timeout=120)
+    assert rc != 0
+    message = ("config key \"pipeline.schedule\" = 'hippie': the schedule has no reduce_tied_grads (its stages update "
+               "apart), but the model ties modules across stages (tied), whose copies must stay equal; use 1f1b, gpipe, "
+               "zb-h1, or untie them")
+    assert log.count(message) >= 4, log[-3000:]
