@@ -121,7 +121,6 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         self._first_batch = 0
         self._op_call = 0  # the call an op's relative batch refers to
         self._in_flight = False
-        self._current_op = None
         self._init_weight_versions(compiled_schedule, staleness)
         self._init_gradients(compiled_schedule, staleness, deferred_layers)
         self._init_split_backward(compiled_schedule)
@@ -148,9 +147,8 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
                 start = time.perf_counter()
-                self._current_op = op
                 if self._versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
-                    self._use_version(self._abs_version(op), predicted=self._wv_deltas is not None)
+                    self._use_version(self._abs_version(op.batch, op.version), predicted=self._wv_deltas is not None)
                 MethodType(handler, self)(**cmd.kwargs)
                 if record:
                     self._record(cmd, start, time.perf_counter())
@@ -172,6 +170,7 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
     def train_batch(self, data_iter=None):
         self._training = True
         self._op_call = self._call
+        self._count_backwards_from_zero()
         try:
             if not self._continuous:
                 if self._corrector is not None:

@@ -19,7 +19,7 @@ from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.grad_buffer import FILLED, GradBuffer
-from ..schedules.ir import CompiledSchedule, OpKind
+from ..schedules.ir import WHOLE_BACKWARD_KINDS, CompiledSchedule
 from .allreduce_stream import AllReduceStream
 from .grad_store import GradStore
 from .staleness import make_corrector
@@ -48,8 +48,9 @@ class GradientsMixin:
         self._delayed_params, self._synced_params = self._split_deferred(
             (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
         self._early_pending: set[int] | None = None
-        self._last_backward_mb = max((op.micro_batch for op in compiled.ops(self.stage_id)
-                                      if op.kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD)), default=None)
+        # the stage's whole backwards per train_batch call; the early all-reduce arms in the last
+        self._backwards_per_call = sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id))
+        self._backwards_done = 0
         if self._delayed_params and self._synced_params:
             for p in self._synced_params:
                 p.register_post_accumulate_grad_hook(self._on_grad_final)
@@ -62,12 +63,16 @@ class GradientsMixin:
         if staleness is not None and deferred and self._delayed_params:
             self._corrector = make_corrector(staleness, self._delayed_params)
 
+    def _count_backwards_from_zero(self) -> None:
+        """At the start of a train_batch call (the early all-reduce arms in its last backward)."""
+        self._backwards_done = 0
+
     @contextlib.contextmanager
     def _early_allreduce_window(self):
-        """Around a backward: arms the synchronous part's early all-reduce in the stage's last one."""
-        op = self._current_op
-        if self._delayed_params and self._synced_params and op is not None and \
-                op.micro_batch == self._last_backward_mb:
+        """Around a whole backward: arms the synchronous part's early all-reduce in the stage's
+        last one of the call."""
+        self._backwards_done += 1
+        if self._delayed_params and self._synced_params and self._backwards_done == self._backwards_per_call:
             self._early_pending = {id(p) for p in self._synced_params}
         try:
             yield

@@ -38,9 +38,10 @@ class WeightVersionsMixin:
                 and compiled.one_version_behind(self.stage_id)):
             self._wv_deltas, self._wv_coefficient = {}, staleness.coefficient
 
-    def _abs_version(self, op) -> int:
-        """Absolute weight version of an op (versions below 0 are the initial weights)."""
-        return weight_version(self._op_call + op.batch, self._wv_updates, op.version)
+    def _abs_version(self, batch: int, version: int, clamp: bool = True) -> int:
+        """Absolute weight version of an op of ``batch`` (relative to the running call) declaring
+        ``version`` (``ir.weight_version``; below 0: the initial weights, unless ``clamp``)."""
+        return weight_version(self._op_call + batch, self._wv_updates, version, clamp)
 
     def _version_params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -68,9 +69,8 @@ class WeightVersionsMixin:
             dst.copy_(src)
         self._wv_loaded, self._wv_predicted = version, predicted
 
-    def _exec_stash_weights(self):
-        op = self._current_op
-        version = self._abs_version(op)
+    def _exec_stash_weights(self, batch: int, version: int):
+        version = self._abs_version(batch, version)
         if version != self._wv_count:
             raise RuntimeError(f"stage {self.stage_id}: stash_weights of version {version}, current is "
                                f"{self._wv_count}")
@@ -80,9 +80,8 @@ class WeightVersionsMixin:
         self._wv_stashed.add(version)
         self._wv_peak = max(self._wv_peak, len(self._wv_stashed) + 1)
 
-    def _exec_free_weights(self):
-        op = self._current_op
-        version = (self._op_call + op.batch) * self._wv_updates + op.version
+    def _exec_free_weights(self, batch: int, version: int):
+        version = self._abs_version(batch, version, clamp=False)
         if version < 0:
             return  # the initial weights are freed as version 0
         self._wv_stashed.discard(version)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ..schedules.ir import OP_INFO, CompiledSchedule, Op
+from ..schedules.ir import OP_INFO, WEIGHT_KINDS, CompiledSchedule, Op
 
 
 class ForwardBackwardPass(ds.BufferOpInstruction):
@@ -78,9 +78,13 @@ def instruction_class(op: Op) -> type:
 
 
 def to_instruction(op: Op) -> ds.PipeInstruction:
+    """``op`` as an instruction whose arguments are all its handler needs: DeepSpeed's
+    ``buffer_id``, an all-reduce's ``target``, a weight version's ``batch`` and ``version``."""
     cls = instruction_class(op)
     if OP_INFO[op.kind].micro_batch:
         return cls(op.buffer)
+    if op.kind in WEIGHT_KINDS:
+        return cls(batch=op.batch, version=op.version)
     return cls(target=op.target) if op.target is not None else cls()
 
 
@@ -100,7 +104,7 @@ class DeclaredSchedule(ds.PipeSchedule):
     @staticmethod
     def _instruction(op: Op) -> ds.PipeInstruction:
         inst = to_instruction(op)
-        inst.op = op  # not a kwarg: handlers never see it; timelines label with it
+        inst.op = op  # not a kwarg: handlers never see it; the engine's loop and timelines use it
         return inst
 
     def steps(self):

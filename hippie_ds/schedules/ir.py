@@ -118,6 +118,8 @@ COMPUTE_KINDS = kinds(role="compute")
 INPUT_GRAD_KINDS = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD, OpKind.BACKWARD_INPUT})
 # ops after which a micro-batch's parameter gradients are accumulated
 WEIGHT_GRAD_KINDS = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD, OpKind.BACKWARD_WEIGHT})
+# ops that run a micro-batch's whole backward (both of the above in one)
+WHOLE_BACKWARD_KINDS = INPUT_GRAD_KINDS & WEIGHT_GRAD_KINDS
 SEND_KINDS = kinds(role="send", micro_batch=True)
 RECV_KINDS = kinds(role="recv")
 BUFFER_KINDS = kinds(micro_batch=True)  # ops that concern one micro-batch
