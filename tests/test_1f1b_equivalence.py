@@ -2,7 +2,7 @@
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from hippie_ds import schedules
+from hippie_ds.adapter.instructions import build
 
 
 def _as_data(steps):
@@ -13,7 +13,7 @@ def _as_data(steps):
 def test_1f1b_is_deepspeed_train_schedule(stages):
     for micro_batches in range(1, 33):
         for stage_id in range(stages):
-            ours = schedules.build("1f1b", micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+            ours = build("1f1b", micro_batches=micro_batches, stages=stages, stage_id=stage_id)
             ref = TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
             assert ours.num_pipe_buffers() == ref.num_pipe_buffers(), (stages, micro_batches, stage_id)
             assert _as_data(ours.steps()) == _as_data(ref.steps()), (stages, micro_batches, stage_id)

@@ -88,6 +88,14 @@ def to_instruction(op: Op) -> ds.PipeInstruction:
     return cls(target=op.target) if op.target is not None else cls()
 
 
+def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True,
+          **params) -> "DeclaredSchedule":
+    """A DeepSpeed ``PipeSchedule`` for one stage of the named (or file) schedule."""
+    from ..schedules import compile as compile_schedule
+    compiled = compile_schedule(name_or_path, stages, micro_batches, validate=validate, **params)
+    return DeclaredSchedule(compiled, stage_id)
+
+
 class DeclaredSchedule(ds.PipeSchedule):
     """One stage's view of a compiled schedule, as DeepSpeed's engine consumes it."""
 

@@ -143,7 +143,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     if options.costs is not None and any(params.get(n, p.default) == "auto" for n, p in spec.params.items()
                                          if p.kind == "stage_list"):
         from ..schedules.costs import Costs
-        from ..schedules.simulator import resolve_auto_params
+        from ..schedules.auto_params import resolve_auto_params
         resolved = resolve_auto_params(schedule_name, stages, micro_batches,
                                        Costs.from_file(options.costs, num_stages=stages))
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}

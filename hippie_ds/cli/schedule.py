@@ -196,13 +196,14 @@ def _simulate_one(name: str, args, costs, only_declared: bool):
     several schedules compared), validate it, resolve its 'auto' parameters from the costs, and
     simulate it."""
     from ..schedules import simulator
+    from ..schedules.auto_params import resolve_auto_params
     spec = _load(name)
     given = _parse_params(args.param, spec)
     if only_declared:
         given = {k: v for k, v in given.items() if k in spec.params}
     # Compile and validate first: a broken schedule is reported as such, not as a failed simulation.
     compiled = _compile(name, args, validate=True, params=given)
-    params = simulator.resolve_auto_params(spec, args.stages, args.micro_batches, costs, params=given,
+    params = resolve_auto_params(spec, args.stages, args.micro_batches, costs, params=given,
                                            iterations=args.iterations)
     if params != compiled.params:
         compiled = _compile(name, args, validate=True, params=params)

@@ -6,7 +6,8 @@ from .plan import make_plan
 from .plan_file import (SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, format_summary, load_plan,
                         save_plan)
 from .pipedream_profile import read_pipedream
-from .profile import LayerProfile, PlannerError, Profile, ProfileError, load_profile, save_profile, synthetic_profile
+from .profile import LayerProfile, PlannerError, Profile, ProfileError, save_profile, synthetic_profile
+from .profile_io import load_profile
 
 __all__ = ["Baseline", "Cluster", "ClusterError", "Figures", "LayerProfile", "OBJECTIVES", "Plan", "PlanMismatchError",
            "PlannerError", "Prediction", "Profile", "ProfileError", "SCHEDULES", "StagePlan", "format_summary",

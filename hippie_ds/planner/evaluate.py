@@ -51,7 +51,8 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
     (``auto_limit`` micro-batch-stages of repeated simulation), else ``deferred`` (the
     analytic rule's choice)."""
     from ..schedules import compile as compile_schedule
-    from ..schedules.simulator import resolve_auto_params, simulate
+    from ..schedules.auto_params import resolve_auto_params
+    from ..schedules.simulator import simulate
 
     costs = _costs(model, lay, b, ks)
     traits = schedule_traits(schedule, lay.K, M)

@@ -36,7 +36,8 @@ A profile file (YAML or JSON)::
       - ...
     cut_bytes: [...]   # optional, N-1 entries
 
-PipeDream ``graph.txt`` profiles are read by :func:`.pipedream_profile.read_pipedream`.
+PipeDream ``graph.txt`` profiles are read by :func:`.pipedream_profile.read_pipedream`; either
+format by :func:`.profile_io.load_profile`.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hippie_ds.data_files import describe, read_data_file
+from hippie_ds.data_files import describe
 
 
 class PlannerError(ValueError):
@@ -192,23 +193,6 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
         return Profile.model_validate(data)
     except ValidationError as exc:
         raise ProfileError("invalid profile:\n  " + _format(exc, where)) from None
-
-
-def load_profile(path: str | Path, fmt: str | None = None, batch_size: int | None = None) -> Profile:
-    """Read a profile: ``fmt`` 'pipedream' (graph.txt) or 'hippie' (YAML/JSON); by default
-    from the suffix (.txt is PipeDream). ``batch_size`` overrides the recorded profiled size."""
-    path = Path(path)
-    if fmt is None:
-        fmt = "pipedream" if path.suffix.lower() == ".txt" else "hippie"
-    if fmt == "pipedream":
-        from .pipedream_profile import read_pipedream  # it builds Profiles: imported when used
-        return read_pipedream(path, batch_size=batch_size)
-    if fmt != "hippie":
-        raise ProfileError(f"profile format {fmt!r}: expected 'pipedream' or 'hippie'")
-    profile = profile_from_dict(read_data_file(path, "profile", ProfileError), str(path))
-    if batch_size is not None:
-        profile = profile.model_copy(update={"batch_size": batch_size})
-    return profile
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

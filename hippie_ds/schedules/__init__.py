@@ -1,4 +1,5 @@
-"""Declarative pipeline schedules: load, compile, validate, simulate, run on DeepSpeed."""
+"""Declarative pipeline schedules: load, compile, validate, simulate (pure: no torch, no DeepSpeed;
+:func:`hippie_ds.adapter.instructions.build` turns one into DeepSpeed instructions)."""
 from .compiler import compile_schedule, resolve_params
 from .ir import CompiledSchedule, Op, OpKind
 from .spec import ScheduleError, ScheduleSpec, available, load_spec
@@ -28,12 +29,5 @@ def builtins_where(predicate, stages: int, micro_batches: int) -> list[str]:
     return names
 
 
-def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True, **params):
-    """A DeepSpeed ``PipeSchedule`` for one stage of the named (or file) schedule."""
-    from ..adapter.instructions import DeclaredSchedule
-    compiled = compile(name_or_path, stages, micro_batches, validate=validate, **params)
-    return DeclaredSchedule(compiled, stage_id)
-
-
-__all__ = ["available", "build", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
+__all__ = ["available", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
            "Op", "OpKind", "ScheduleError", "ScheduleSpec"]

@@ -31,7 +31,7 @@ def _check_counts(stages: Any, micro_batches: Any) -> None:
 
 def resolve_params(spec: ScheduleSpec, stages: int, micro_batches: int, given: Mapping[str, Any]) -> dict:
     """Declared defaults overlaid with ``given``, type- and range-checked; 'auto' lists resolved
-    with the declaration's no-cost rule (cost-based choice: ``simulator.resolve_auto_params``)."""
+    with the declaration's no-cost rule (cost-based choice: ``auto_params.resolve_auto_params``)."""
     unknown = set(given) - set(spec.params)
     if unknown:
         allowed = ", ".join(sorted(spec.params)) or "none"

@@ -345,4 +345,3 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
                      allreduce_on_critical_path=critical, timeline=timeline)
 
 
-from .auto_params import resolve_auto_params  # noqa: E402,F401 (re-exported: simulator API)
