@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import time_to_accuracy as tta
+from labels import split_layers, split_name  # noqa: F401 (split_*: this module's API too)
 from cluster import LocalJob
 # The results (tables, pictures) of the runs; summarize, markdown and plot are also this module's API.
 from convergence_report import BASELINE, markdown, plot, summarize
@@ -120,26 +121,6 @@ def per_example(value, examples, key, cast):
             raise SystemExit(f"--{key.replace('_', '-')}: unknown example {name!r}")
         result[name] = cast(v)
     return {e: result[e] for e in examples}
-
-
-def split_name(name: str) -> tuple[str, dict | None]:
-    """'hippie:extrapolate=1.5' -> ('hippie', {'method': 'extrapolate', 'coefficient': 1.5})."""
-    schedule, _, variant = name.partition(":")
-    if not variant:
-        return schedule, None
-    method, _, value = variant.partition("=")
-    return schedule, {"method": method, **({"coefficient": float(value)} if value else {})}
-
-
-def split_layers(name: str) -> tuple[str, int | None]:
-    """'hippie@1:none' -> ('hippie:none', 1): hippie.deferred_layers of a name, and the rest."""
-    schedule, at, rest = name.partition("@")
-    if not at:
-        return name, None
-    layers, colon, variant = rest.partition(":")
-    if not (layers.isdigit() or layers == "all"):
-        raise SystemExit(f"{name!r}: expected NAME@L[:METHOD[=C]] with L a layer count or 'all'")
-    return schedule + colon + variant, "all" if layers == "all" else int(layers)
 
 
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config",

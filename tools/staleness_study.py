@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 import time_to_accuracy as tta
+from labels import split_layers
 from staleness_stage import Stage
 
 GLOBAL_BATCH = 32
@@ -91,9 +92,9 @@ def parse_rule(text: str, stages: int) -> dict:
     """'sync' | 'hippie:M[=x][+M[=x]...]' | '2bw:...' -> {'name', 'delayed': [stage ids], 'methods'}."""
     if text == "sync":
         return {"name": text, "layout": "sync", "delayed": [], "methods": {}}
-    layout, _, spec = text.partition(":")
-    layout, _, leading = layout.partition("@")
-    if layout not in ("hippie", "2bw") or not spec or (leading and (layout != "hippie" or not leading.isdigit())):
+    rest, leading = split_layers(text)
+    layout, _, spec = rest.partition(":")
+    if layout not in ("hippie", "2bw") or not spec or (leading is not None and (layout != "hippie" or leading == "all")):
         raise SystemExit(f"rule {text!r}: expected sync, hippie[@L]:METHOD or 2bw:METHOD")
     methods = {}
     for item in spec.split("+"):
@@ -106,7 +107,7 @@ def parse_rule(text: str, stages: int) -> dict:
             methods[name] = float(value)
     delayed = [0] if layout == "hippie" else list(range(stages))
     return {"name": text, "layout": layout, "delayed": delayed, "methods": methods,
-            "delayed_layers": int(leading) if leading else None}
+            "delayed_layers": leading}
 
 
 # ----------------------------------------------------------------------------------------- examples

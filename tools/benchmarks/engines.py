@@ -14,6 +14,8 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 import hippie_ds
+from labels import split_layers
+
 from .model import BASE_SEED, DPModel, layer_specs, loss_fn
 
 
@@ -102,8 +104,8 @@ def schedule_config(a, label):
     """(schedule name, hippie section) from ``--schedule-configs``/LABEL.json, if there is one.
     A label NAME@L is NAME with ``hippie.deferred_layers`` = L (partial deferral; NAME@all: the
     whole deferred stage)."""
-    name, at, layers = label.partition("@")
-    extra = {"deferred_layers": "all" if layers == "all" else int(layers)} if at else {}
+    name, layers = split_layers(label)
+    extra = {"deferred_layers": layers} if layers is not None else {}
     if not a.schedule_configs:
         return name, extra
     path = os.path.join(a.schedule_configs, f"{name}.json")
