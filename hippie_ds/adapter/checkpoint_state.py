@@ -20,7 +20,7 @@ import threading
 
 LAYOUT_KEY = "hippie_ds_layout"
 STOCK_MESSAGE = ("this checkpoint holds hippie-ds in-flight training state that stock DeepSpeed would drop: resume it "
-                 "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b), "
+                 "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b, hippie-zb), "
                  "call engine.drain() on every rank before save_checkpoint; 2bw/pipedream always keep the stashed "
                  "weight version their next batch uses")
 
