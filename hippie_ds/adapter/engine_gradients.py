@@ -7,7 +7,9 @@ reduced (wait_allreduce(buffer)) -> empty (apply_buffered_update). A deferred st
 gradient of ``_delayed_params`` (all its parameters, or with partial deferral those of its first
 layers); ``_synced_params`` are all-reduced and applied in-step, their all-reduce started inside
 the stage's last backward once their gradients are final (the delayed layers come later in
-backward); the declared ``start_allreduce(grads)`` then finds it in flight.
+backward); the declared ``start_allreduce(grads)`` then finds it in flight. Every gradient is
+read and written through :class:`~hippie_ds.adapter.grad_store.GradStore` (fp32: ``.grad``; bf16
+and bf16 + ZeRO-1: BF16_Optimizer's accumulator).
 """
 from __future__ import annotations
 
