@@ -47,9 +47,13 @@ def _assert_equal(a, b, what):
             assert torch.equal(a[i][k], b[i][k]), f"{what}: layer {i} {k} differs by {(a[i][k] - b[i][k]).abs().max()}"
 
 
-@pytest.mark.parametrize("stages,zero", [(2, 0), (2, 1), (4, 1)], ids=["2x2-bf16", "2x2-bf16+zero1", "4x2-bf16+zero1"])
-def test_every_schedule_in_bf16(tmp_path, stages, zero):
+@pytest.mark.parametrize("stages,zero,immediate", [(2, 0, False), (2, 1, False), (2, 1, True), (4, 1, False)],
+                         ids=["2x2-bf16", "2x2-bf16+zero1", "2x2-bf16+zero1-immediate", "4x2-bf16+zero1"])
+def test_every_schedule_in_bf16(tmp_path, stages, zero, immediate):
+    """``immediate``: DeepSpeed's ``immediate_grad_update`` (its hooks move each gradient into the
+    accumulator during the backward, where hippie-ds's early all-reduce hook runs too)."""
     rc, log, _ = launch(2 * stages, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
+                        *(["--bf16-immediate"] if immediate else []),
                         "--engines", ENGINES, "--bf16", "--zero", zero, "--optimizer", "AdamW", "--lr", LR,
                         "--clip", CLIP, "--deferred-layers", "default", "--drain", timeout=420)
     assert rc == 0, log[-4000:]
