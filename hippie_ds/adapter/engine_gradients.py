@@ -109,14 +109,10 @@ class GradientsMixin:
             self._exec_start_allreduce("grads")
 
     # ------------------------------------------------------------------ gradients
-    def _stage_grads(self) -> list[torch.Tensor]:
-        """This stage's accumulated gradients (fp32, or BF16_Optimizer's accumulators)."""
-        return self._grads.whole()
-
     def _synced_grads(self) -> list[torch.Tensor]:
         """The gradients this step's all-reduce covers: the whole stage, or none of a deferred
         stage but its undelayed part (partial deferral)."""
-        return self._stage_grads() if not self._delayed_params else self._grads.of(self._synced_params)
+        return self._grads.of(self._synced_params if self._delayed_params else None)
 
     def _delayed_subset(self) -> list[torch.Tensor] | None:
         """The parameters a deferred stage delays; None: all of them (the whole accumulator)."""
@@ -124,8 +120,7 @@ class GradientsMixin:
 
     def _delayed_grads(self) -> list[torch.Tensor]:
         """The gradients a deferred stage buffers and applies one step late."""
-        subset = self._delayed_subset()
-        return self._stage_grads() if subset is None else self._grads.of(subset)
+        return self._grads.of(self._delayed_subset())
 
     def _exec_start_allreduce(self, target):
         if target == "grads":

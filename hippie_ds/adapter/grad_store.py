@@ -46,16 +46,15 @@ class GradStore:
         accumulator only after it (so a hook inside it must move them itself)."""
         return self.bf16 and not self._optimizer.immediate_grad_update
 
-    def whole(self) -> list[torch.Tensor]:
-        """All of the stage's accumulated gradients (bf16 path: the flat accumulators, padding
-        included, which is what DeepSpeed's own reduction all-reduces)."""
-        if self.bf16:
-            grads, _ = self._optimizer.get_grads_for_reduction()
-            return list(grads)
-        return self.of(self.params)
-
-    def of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The accumulated gradients of ``params`` (fp32 path: materialised as zeros where missing)."""
+    def of(self, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The accumulated gradients of ``params`` (fp32 path: materialised as zeros where
+        missing). None: all of the stage's (bf16 path: the flat accumulators, padding included,
+        which is what DeepSpeed's own reduction all-reduces)."""
+        if params is None:
+            if self.bf16:
+                grads, _ = self._optimizer.get_grads_for_reduction()
+                return list(grads)
+            params = self.params
         if self.bf16:
             groups = self._optimizer.fp32_groups_gradients
             return [groups[i][j] for i, j in (self._slot[id(p)] for p in params)]
@@ -66,9 +65,9 @@ class GradStore:
 
     @torch.no_grad()
     def load(self, params: list[torch.Tensor] | None, flat: torch.Tensor) -> None:
-        """Set the accumulated gradients of ``params`` (None: the whole stage, as :meth:`whole`)
+        """Set the accumulated gradients of ``params`` (None: the whole stage, as :meth:`of`)
         from the flat tensor ``flat``; the next step counts them (bf16: its gradient norm too)."""
-        grads = self.whole() if params is None else self.of(params)
+        grads = self.of(params)
         for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(value)
         if self.bf16:
