@@ -131,14 +131,14 @@ def split_config(config: dict) -> tuple[dict, str, HippieConfig]:
     return ds_config, schedule, options
 
 
-def schedule_params(options: HippieConfig, declared: dict, declaring: list[str] | None = None) -> dict:
+def schedule_params(options: HippieConfig, declared: dict, declaring=None) -> dict:
     """The parameters passed to the schedule: ``schedule_params`` plus ``deferred_stages``.
-    ``declaring``: the schedules that declare ``deferred_stages`` (named in the error; the caller
-    asks the schedule specs, which this layer does not import)."""
+    ``declaring(param)``: the schedules that declare ``param``, named in the error (the caller
+    asks the schedule specs, which this layer does not import; called only on that error)."""
     params = dict(options.schedule_params)
     if options.deferred_stages is not None:
         if "deferred_stages" not in declared:
-            which = f" ({', '.join(declaring)})" if declaring else ""
+            which = f" ({', '.join(declaring('deferred_stages'))})" if declaring else ""
             raise ConfigError(f'config key "hippie.deferred_stages" = {options.deferred_stages!r}: the chosen '
                               f"schedule has no deferred stages; it applies to schedules that declare it{which}")
         params["deferred_stages"] = options.deferred_stages

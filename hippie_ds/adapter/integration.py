@@ -139,7 +139,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     stages = model.num_stages
     micro_batches = config_class.gradient_accumulation_steps
     spec = load_spec(schedule_name)
-    params = schedule_params(options, spec.params, schedules_with_param("deferred_stages"))
+    params = schedule_params(options, spec.params, schedules_with_param)
     if options.costs is not None and any(params.get(n, p.default) == "auto" for n, p in spec.params.items()
                                          if p.kind == "stage_list"):
         from ..schedules.costs import Costs

@@ -43,31 +43,28 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                     if late:
                         p.add_(w - q, alpha=staleness.coefficient)
             previous[s] = true_weights[s]
-        grads = [[precision.zeros(p) for p in ps] for ps in stage_params]
-        total = 0.0
-        for r in range(dp):
-            rank = [[precision.zeros(p) for p in ps] for ps in stage_params]  # this replica's accumulation
-            for m in range(micro_batches):
-                x, y = precision.data(*tiny.micro_batch(t, r, m))
-                out = x
-                for layer in layers:
-                    out = layer(out)
-                loss = tiny.loss_fn(out, y)
-                total += loss.item() / (micro_batches * dp)
-                for p in (q for ps in stage_params for q in ps):
-                    p.grad = None
-                (loss / micro_batches).backward()
-                for s, ps in enumerate(stage_params):
-                    for g, acc, p in zip(grads[s], rank[s], ps):
-                        if precision.bf16:
-                            acc += p.grad.to(acc.dtype)
-                        else:
+        if precision.bf16:
+            grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
+                                               precision)
+            losses.append(sum(batch_losses) / micro_batches)
+        else:
+            grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
+            total = 0.0
+            for r in range(dp):
+                for m in range(micro_batches):
+                    x, y = tiny.micro_batch(t, r, m)
+                    out = x
+                    for layer in layers:
+                        out = layer(out)
+                    loss = tiny.loss_fn(out, y)
+                    total += loss.item() / (micro_batches * dp)
+                    for p in (q for ps in stage_params for q in ps):
+                        p.grad = None
+                    (loss / micro_batches).backward()
+                    for s, ps in enumerate(stage_params):
+                        for g, p in zip(grads[s], ps):
                             g += p.grad / dp
-            if precision.bf16:  # hippie-ds's all-reduce: each rank's sum divided by dp, then summed
-                for s in range(len(parts)):
-                    for g, acc in zip(grads[s], rank[s]):
-                        g += acc / dp
-        losses.append(total)
+            losses.append(total)
         for s, ps in enumerate(stage_params):
             apply = grads[s]
             if s in deferred:
