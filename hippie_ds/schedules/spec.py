@@ -3,7 +3,7 @@
 A schedule file declares *where* each stage runs its compute (forward, backward, or fused
 forward+backward of every micro-batch, placed at a step given by an expression) and what it
 runs before and after (gradient reduction, buffering, updates). The compiler derives the
-loads, sends, receives and buffer ids from that; see docs in README.md ("Schedule files").
+loads, sends, receives and buffer ids from that; see docs/reference.md ("Schedule files").
 """
 from __future__ import annotations
 
