@@ -3,6 +3,9 @@
 hippie-ds checkpoints are DeepSpeed checkpoints (layer files + one ``mp_rank_XX`` file per stage);
 its own state rides in the client state:
 
+- ``hippie_ds_state`` (:data:`STATE_KEY`): the training state below, one dict with a ``format``
+  field (:func:`training_state`; checkpoints of format 1 kept three keys and still load,
+  :func:`read_training_state`);
 - ``hippie_ds_layout``: the stage boundaries, so a run re-planned to other boundaries or another
   depth can resume (weights are matched by layer by DeepSpeed's layer files; see
   :func:`check_layout`);
@@ -19,6 +22,11 @@ import contextlib
 import threading
 
 LAYOUT_KEY = "hippie_ds_layout"
+STATE_KEY = "hippie_ds_state"
+STATE_FORMAT = 2
+# format 1: one client-state key per part
+_FORMAT1_KEYS = {"grad_buffer": "hippie_ds_grad_buffer", "weight_versions": "hippie_ds_weight_versions",
+                 "prediction": "hippie_ds_weight_prediction"}
 STOCK_MESSAGE = ("this checkpoint holds hippie-ds in-flight training state that stock DeepSpeed would drop: resume it "
                  "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b, hippie-zb), "
                  "call engine.drain() on every rank before save_checkpoint; 2bw/pipedream always keep the stashed "
@@ -61,6 +69,29 @@ def loading():
 def unwrap(value):
     """The payload of an :class:`InFlightState`, or ``value`` itself."""
     return value.payload if isinstance(value, InFlightState) else value
+
+
+def training_state(grad_buffer: dict, weight_versions: dict | None, prediction: dict | None):
+    """The client-state value of :data:`STATE_KEY`: {format, grad_buffer, weight_versions,
+    prediction}, wrapped in :class:`InFlightState` when a gradient or a weight version is in flight
+    (the staleness correction's deltas alone are not: stock DeepSpeed may drop them)."""
+    state = {"format": STATE_FORMAT, "grad_buffer": grad_buffer, "weight_versions": weight_versions,
+             "prediction": prediction}
+    in_flight = grad_buffer["state"] != "empty" or bool(weight_versions and weight_versions["stashed"])
+    return InFlightState(state) if in_flight else state
+
+
+def read_training_state(client_state: dict) -> dict:
+    """Pop hippie-ds's training state from a loaded client state, in either format:
+    {grad_buffer, weight_versions, prediction}, each None when absent."""
+    state = unwrap(client_state.pop(STATE_KEY, None))
+    old = {part: unwrap(client_state.pop(key, None)) for part, key in _FORMAT1_KEYS.items()}
+    if state is None:
+        return old
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"hippie-ds checkpoint state of format {state.get('format')!r}; this version reads "
+                         f"formats 1 and {STATE_FORMAT}")
+    return {part: state.get(part) for part in _FORMAT1_KEYS}
 
 
 def layout(parts: list[int]) -> dict:

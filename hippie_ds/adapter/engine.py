@@ -1,8 +1,12 @@
 """``HippiePipelineEngine``: DeepSpeed's ``PipelineEngine`` running any declared schedule.
 
-With :mod:`~hippie_ds.adapter.engine_gradients` (all-reduces, gradient buffer, partial deferral),
-:mod:`~hippie_ds.adapter.engine_versions` (weight versions) and :mod:`~hippie_ds.adapter.engine_checkpoint`
-(checkpoints), the only modules that touch DeepSpeed's engine internals. What it changes, and why:
+The engine wires components that each own their state, behind named interfaces:
+:class:`~hippie_ds.adapter.engine_gradients.StageGradients` (all-reduces, gradient buffer, partial
+deferral), :class:`~hippie_ds.adapter.engine_versions.WeightVersions` (weight versions),
+:mod:`~hippie_ds.adapter.staleness` (the one staleness correction), the split backward
+(:mod:`~hippie_ds.adapter.engine_split`) and checkpoint I/O (:mod:`~hippie_ds.adapter.engine_checkpoint`);
+with them, the only modules that touch DeepSpeed's engine internals. Handlers receive what they
+need as instruction arguments, as DeepSpeed's do. What it changes, and why:
 - ``_train_schedule`` returns the compiled, validated declaration instead of ``TrainSchedule``;
 - the loss lives in per-buffer slots (the stock engine keeps one, so any order but strict
   F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
@@ -27,8 +31,6 @@ for the others, and a deferred stage applies last step's gradient. DeepSpeed's `
 """
 from __future__ import annotations
 
-import collections
-import json
 import os
 import time
 from types import MethodType
@@ -39,17 +41,20 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .._compat import check_deepspeed_version
-from ..schedules.ir import CATEGORY, COMPUTE_KINDS, CompiledSchedule, OpKind, op_name
+from ..schedules.ir import COMPUTE_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule, OpKind
 from . import instructions as hs
-from .engine_checkpoint import GRAD_BUFFER_KEY, WEIGHT_PREDICTION_KEY, WEIGHT_VERSIONS_KEY, CheckpointMixin
-from .engine_gradients import GradientsMixin
+from .allreduce_stream import AllReduceStream
+from .engine_checkpoint import CheckpointMixin
+from .engine_gradients import StageGradients, split_deferred
 from .engine_split import SplitBackwardMixin
-from .engine_versions import WeightVersionsMixin
+from .engine_versions import WeightVersions
+from .grad_store import GradStore
+from .staleness import make_prediction
+from .timeline import Timeline
 
 check_deepspeed_version()
 
-__all__ = ["HippiePipelineEngine", "check_single_grad_slot", "GRAD_BUFFER_KEY", "WEIGHT_PREDICTION_KEY",
-           "WEIGHT_VERSIONS_KEY"]
+__all__ = ["HippiePipelineEngine", "check_single_grad_slot"]
 
 
 def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
@@ -90,7 +95,7 @@ class _StageLocalMPU:
         return getattr(self._mpu, name)
 
 
-class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin, SplitBackwardMixin, PipelineEngine):
+class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
@@ -106,14 +111,9 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         self._losses: dict[int, object] = {}
         self._pending_sends: list = []
         self._timeline_dir = timeline_dir
-        # events of the last `timeline_steps` train_batch calls only: a long run's memory stays flat
-        self._timeline: collections.deque[dict] = collections.deque()
-        self._timeline_steps = timeline_steps
-        self._inflight: dict[str, float] = {}
+        self._timeline = Timeline(timeline_steps)
         self._batch_index = 0
         self._training = False  # timelines cover train_batch only
-        self._t0 = time.perf_counter()
-        self._t0_unix = time.time()  # to align ranks' timelines (same host clock)
         # continuous schedules: calls run so far, the earliest batch not yet drained, whether
         # batches are in flight; weight versions (see the module docstring)
         self._continuous = compiled_schedule.continuous
@@ -121,9 +121,37 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         self._first_batch = 0
         self._op_call = 0  # the call an op's relative batch refers to
         self._in_flight = False
-        self._init_weight_versions(compiled_schedule, staleness)
-        self._init_gradients(compiled_schedule, staleness, deferred_layers)
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._versions = self._make_versions(compiled_schedule, staleness)
+        self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers)
         self._init_split_backward(compiled_schedule)
+
+    def _make_versions(self, compiled: CompiledSchedule, staleness) -> WeightVersions:
+        # 2bw's stages compute one update behind: corrected per version (hippie.staleness)
+        behind = compiled.versioned and compiled.one_version_behind(self.stage_id)
+        return WeightVersions(self._params, self.stage_id,
+                              compiled.updates_per_batch[self.stage_id] if compiled.continuous else 0,
+                              compiled.versioned, make_prediction(staleness) if behind else None)
+
+    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers) -> StageGradients:
+        deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
+        delayed, synced = (split_deferred(self._params, self.module.forward_funcs,
+                                          (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._params))
+        gradients = StageGradients(
+            GradStore(self.optimizer, self._params),
+            AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size),
+            reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced,
+            backwards_per_call=sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id)),
+            step=self._stage_step, step_without_counters=self._stage_step_without_counters,
+            prediction=make_prediction(staleness, delayed) if deferred and delayed else None,
+            on_early_start=self._mark_early_allreduce)
+        if deferred and self.grid.data_parallel_id == 0:
+            gradients.log_delayed_share(self.stage_id)
+        return gradients
+
+    def _mark_early_allreduce(self):
+        if self._timeline_dir is not None and self._training:
+            self._timeline.mark_start("grads")
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -147,34 +175,21 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
                 start = time.perf_counter()
-                if self._versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
-                    self._use_version(self._abs_version(op.batch, op.version), predicted=self._wv_deltas is not None)
+                if self._versions.versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
+                    self._versions.use_for_compute(self._abs_version(op.batch, op.version))
                 MethodType(handler, self)(**cmd.kwargs)
                 if record:
-                    self._record(cmd, start, time.perf_counter())
-
-    def _record(self, cmd, start, end):
-        op = getattr(cmd, "op", None)
-        event = {"name": op_name(op) if op else repr(cmd), "kind": type(cmd).__name__,
-                 "category": CATEGORY.get(op.kind, "other") if op else "other", "start": start - self._t0,
-                 "end": end - self._t0, "step": self._batch_index, "micro_batch": op.micro_batch if op else None}
-        self._timeline.append(event)
-        if op is not None and op.kind == OpKind.START_ALLREDUCE:
-            self._inflight.setdefault(op.target, start)  # set earlier when the all-reduce started early
-        elif op is not None and op.kind == OpKind.WAIT_ALLREDUCE and op.target in self._inflight:
-            # In flight from its start until its wait returned (gloo reports no completion time).
-            self._timeline.append({"name": f"allreduce({op.target})", "kind": "AllReduceInFlight", "category": "comm",
-                                   "start": self._inflight.pop(op.target) - self._t0, "end": end - self._t0,
-                                   "step": self._batch_index, "micro_batch": None})
+                    self._timeline.record(cmd, start, time.perf_counter(), self._batch_index)
 
     def train_batch(self, data_iter=None):
         self._training = True
         self._op_call = self._call
-        self._count_backwards_from_zero()
+        self._gradients.count_backwards_from_zero()
+        prediction = self._gradients.prediction
         try:
             if not self._continuous:
-                if self._corrector is not None:
-                    self._corrector.predict()  # restored by apply_buffered_update, before the step
+                if prediction is not None:
+                    prediction.predict()  # restored by apply_buffered_update, before the step
                 return super().train_batch(data_iter)
             # Updates of a continuous schedule keep the step counters still; the call advances
             # them once, on every stage alike (checkpoint tags and LR schedules count batches).
@@ -184,12 +199,11 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
             self._in_flight = True
             return loss
         finally:
-            if self._corrector is not None:
-                self._corrector.restore()  # no-op after a normal step; a failed one keeps true weights
+            if prediction is not None:
+                prediction.restore()  # no-op after a normal step; a failed one keeps true weights
             self._training = False
+            self._timeline.keep_after(self._batch_index)
             self._batch_index += 1
-            while self._timeline and self._timeline[0]["step"] <= self._batch_index - 1 - self._timeline_steps:
-                self._timeline.popleft()
 
     # ------------------------------------------------------------------ continuous schedules
     def drain(self) -> bool:
@@ -198,9 +212,11 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         once; call it on every rank at the end of training. The math does not depend on where
         drains happen (a batch's weight versions are declared), so training may continue
         afterwards: the next call fills the pipeline again. For ``hippie``/``hippie-1f1b`` it
-        applies the buffered gradient (``flush_deferred_update``). True if anything was done."""
+        applies the buffered gradient: on every rank, since its all-reduce is a collective of the
+        stage's data-parallel group; step counters and the LR schedule do not advance. True if
+        anything was done."""
         if not self._continuous:
-            return self.flush_deferred_update()
+            return self._gradients.flush()
         if not self._in_flight:
             return False
         self._training = True
@@ -212,6 +228,22 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         self._first_batch = self._call
         self._in_flight = False
         return True
+
+    def flush_deferred_update(self) -> bool:
+        """Same as :meth:`drain` (its earlier name)."""
+        return self.drain()
+
+    def has_pending_update(self) -> bool:
+        """True when this stage holds a buffered gradient not yet applied."""
+        return self._gradients.has_pending_update()
+
+    def delayed_fraction(self) -> float:
+        """The fraction of this stage's gradient (by elements) that is applied one step late."""
+        return self._gradients.delayed_fraction()
+
+    def weight_versions(self) -> dict:
+        """This stage's weight versions: current (updates applied), stashed, the most held at once."""
+        return self._versions.summary()
 
     def has_in_flight(self) -> bool:
         """True when batches of a continuous schedule are still in flight (``drain()`` has work)."""
@@ -227,13 +259,9 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         train_batch calls; returns the path."""
         if self._timeline_dir is None and path is None:
             return None
-        path = path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"rank": self.global_rank, "stage": self.stage_id, "data_parallel_id": self.grid.data_parallel_id,
-                       "schedule": self.compiled_schedule.name, "t0_unix": self._t0_unix,
-                       "steps_kept": self._timeline_steps, "events": list(self._timeline)}, f)
-        return path
+        return self._timeline.write(path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json"),
+                                    rank=self.global_rank, stage=self.stage_id,
+                                    data_parallel_id=self.grid.data_parallel_id, schedule=self.compiled_schedule.name)
 
     # ------------------------------------------------------------------ per-buffer slots
     def _exec_forward_pass(self, buffer_id):
@@ -244,7 +272,7 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
-        with self._early_allreduce_window():  # partial deferral (engine_gradients)
+        with self._gradients.early_allreduce_window():  # partial deferral (engine_gradients)
             super()._exec_backward_pass(buffer_id)
 
     def _exec_forward_backward_pass(self, buffer_id):
@@ -284,9 +312,34 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
             work.wait()
         self._pending_sends = []
 
+    # ------------------------------------------------------------------ handlers of the components
+    def _abs_version(self, batch: int, version: int, clamp: bool = True) -> int:
+        """Absolute weight version of an op of ``batch`` (relative to the running call)."""
+        return self._versions.absolute(self._op_call + batch, version, clamp)
+
+    def _exec_start_allreduce(self, target):
+        self._gradients.start_allreduce(target)
+
+    def _exec_wait_allreduce(self, target):
+        self._gradients.wait_allreduce(target)
+
+    def _exec_copy_grads_to_buffer(self):
+        self._gradients.copy_to_buffer()
+
+    def _exec_apply_buffered_update(self):
+        self._gradients.apply_buffered_update()
+
+    def _exec_stash_weights(self, batch: int, version: int):
+        self._versions.stash(self._abs_version(batch, version))
+
+    def _exec_free_weights(self, batch: int, version: int):
+        self._versions.free(self._abs_version(batch, version, clamp=False))
+
     def _exec_stage_optimizer_step(self):
         if self._continuous:
-            self._continuous_step()
+            # a per-stage update of a continuous schedule: on the current version, per-stage
+            # clipping, no step counters (the call advances them)
+            self._versions.update(self._stage_step_without_counters)
         else:
             self._stage_step(apply=True)
 
@@ -336,11 +389,11 @@ class HippiePipelineEngine(GradientsMixin, WeightVersionsMixin, CheckpointMixin,
         hs.ISendActivation: _exec_isend_activations,
         hs.ISendGrad: _exec_isend_grads,
         hs.WaitSends: _exec_wait_sends,
-        hs.StartAllReduce: GradientsMixin._exec_start_allreduce,
-        hs.WaitAllReduce: GradientsMixin._exec_wait_allreduce,
-        hs.CopyGradsToBuffer: GradientsMixin._exec_copy_grads_to_buffer,
-        hs.ApplyBufferedUpdate: GradientsMixin._exec_apply_buffered_update,
+        hs.StartAllReduce: _exec_start_allreduce,
+        hs.WaitAllReduce: _exec_wait_allreduce,
+        hs.CopyGradsToBuffer: _exec_copy_grads_to_buffer,
+        hs.ApplyBufferedUpdate: _exec_apply_buffered_update,
         hs.StageOptimizerStep: _exec_stage_optimizer_step,
-        hs.StashWeights: WeightVersionsMixin._exec_stash_weights,
-        hs.FreeWeights: WeightVersionsMixin._exec_free_weights,
+        hs.StashWeights: _exec_stash_weights,
+        hs.FreeWeights: _exec_free_weights,
     }

@@ -1,5 +1,5 @@
 """Checkpoints of a ``HippiePipelineEngine``: DeepSpeed's, plus the in-flight training state
-(the deferred gradient buffer, weight versions, the staleness correction's previous weights)
+(the deferred gradient buffer, weight versions, the staleness correction's deltas)
 and the stage layout. In-flight state is wrapped so that stock DeepSpeed refuses it
 (:mod:`hippie_ds.adapter.checkpoint_state`); checkpoints of stock DeepSpeed and of other stage layouts
 load (weights follow by layer).
@@ -12,40 +12,30 @@ import torch
 
 from . import checkpoint_state as ckpt
 
-GRAD_BUFFER_KEY = "hippie_ds_grad_buffer"
-WEIGHT_PREDICTION_KEY = "hippie_ds_weight_prediction"
-WEIGHT_VERSIONS_KEY = "hippie_ds_weight_versions"
-
 
 class CheckpointMixin:
-    """``save_checkpoint`` / ``load_checkpoint`` with hippie-ds's state."""
+    """``save_checkpoint`` / ``load_checkpoint`` with hippie-ds's state: what the components
+    (gradients, weight versions, their staleness correction) return from ``state_dict``, in one
+    client-state entry with a format field (:func:`~hippie_ds.adapter.checkpoint_state.training_state`)."""
+
+    def _prediction(self):
+        """This stage's staleness correction (deferred stage or versioned stage), or None."""
+        return self._gradients.prediction or self._versions.prediction
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         # Continuous schedules: drain the batches in flight first (activations cannot be saved;
         # the math does not depend on the drain), then save the weight versions still needed.
-        # In-flight state is wrapped so that stock DeepSpeed refuses it (hippie_ds.adapter.checkpoint_state).
         state = dict(client_state)
         state[ckpt.LAYOUT_KEY] = ckpt.layout(self.module.parts)
+        versions = None
         if self._continuous:
             self.drain()
-            if self._versioned:
-                self._use_version(self._wv_count)  # the module's states are the current version
-            versions = {"call": self._call, "count": self._wv_count,
-                        "stashed": {v: self._wv_store[v].clone() for v in sorted(self._wv_stashed)}}
-            state[WEIGHT_VERSIONS_KEY] = ckpt.InFlightState(versions) if versions["stashed"] else versions
-        # The pending gradient is part of the training state: finish its all-reduce (identical on
-        # every replica afterwards) and save it with this stage's model states.
+            versions = {"call": self._call, **self._versions.state_dict()}  # the module holds the current version
+        # The pending gradient is part of the training state: its all-reduce finishes first.
         self._exec_wait_sends()
-        if self._grad_buffer_state == "filled":  # each replica holds its own part: reduce it now
-            self._exec_start_allreduce("buffer")
-        self._wait_buffer()
-        empty = self._grad_buffer_state == "empty" or self._grad_buffer is None  # a spare buffer is not state
-        buffer = {"state": self._grad_buffer_state, "buffer": None if empty else self._grad_buffer.clone()}
-        state[GRAD_BUFFER_KEY] = buffer if self._grad_buffer_state == "empty" else ckpt.InFlightState(buffer)
-        if self._corrector is not None:
-            state[WEIGHT_PREDICTION_KEY] = self._corrector.state_dict()
-        if self._wv_deltas is not None:  # drained above: the module holds the true current version
-            state[WEIGHT_PREDICTION_KEY] = {"deltas": {v: d.clone() for v, d in self._wv_deltas.items()}}
+        prediction = self._prediction()
+        state[ckpt.STATE_KEY] = ckpt.training_state(self._gradients.state_dict(), versions,
+                                                    None if prediction is None else prediction.state_dict())
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -54,7 +44,7 @@ class CheckpointMixin:
         DeepSpeed and of other stage layouts (re-planned runs): weights follow by layer; optimizer
         state cannot, so a layout change needs ``load_optimizer_states=False`` (an explicit
         restart of the optimizer state) and a checkpoint with nothing in flight."""
-        self._wait_buffer()
+        self._gradients.wait_buffer()
         changed, why = self._checkpoint_layout_change(load_dir, tag)
         if changed and load_optimizer_states:
             raise ValueError(f"load_checkpoint({str(load_dir)!r}): {why}")
@@ -64,9 +54,8 @@ class CheckpointMixin:
         if client_state is None:
             return path, client_state
         client_state.pop(ckpt.LAYOUT_KEY, None)
-        buffer = ckpt.unwrap(client_state.pop(GRAD_BUFFER_KEY, None))
-        versions = ckpt.unwrap(client_state.pop(WEIGHT_VERSIONS_KEY, None))
-        prediction = client_state.pop(WEIGHT_PREDICTION_KEY, None)
+        saved = ckpt.read_training_state(client_state)
+        buffer, versions, prediction = saved["grad_buffer"], saved["weight_versions"], saved["prediction"]
         if changed:
             if (buffer and buffer["state"] != "empty") or (versions and versions["stashed"]):
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
@@ -74,7 +63,7 @@ class CheckpointMixin:
                                  "to resume with new stage boundaries")
             prediction = None  # the previous weights of other stages: the prediction restarts
         if buffer is not None and buffer["buffer"] is not None:
-            delayed = sum(g.numel() for g in self._delayed_grads())  # bf16: the accumulator, padding included
+            delayed = sum(g.numel() for g in self._gradients.delayed_grads())  # bf16: the accumulator, padding included
             if buffer["buffer"].numel() != delayed:
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage_id}'s buffered gradient has "
                                  f"{buffer['buffer'].numel()} elements, this run delays {delayed} (config key "
@@ -82,21 +71,17 @@ class CheckpointMixin:
                                  'before it defaulted to 1, a deferred stage delayed "all"); resume with the same '
                                  "value, or save after engine.drain()")
         if buffer is not None:
-            self._grad_buffer_state = buffer["state"]
-            # an empty buffer is re-allocated at this layout's size on first use
-            self._grad_buffer = None if buffer["buffer"] is None else buffer["buffer"].to(self.device)
-        if prediction is not None and self._corrector is not None and "deltas" not in prediction:
-            self._corrector.load_state_dict(prediction, self.device)
-        if self._wv_deltas is not None:
-            deltas = (prediction or {}).get("deltas", {})
-            self._wv_deltas = {int(v): d.to(self.device) for v, d in deltas.items()}
+            self._gradients.load_state_dict(buffer, self.device)
+        own = self._prediction()
+        if own is not None:  # a checkpoint without a prediction (or of another layout) restarts it
+            if prediction is not None:
+                own.load_state_dict(prediction, self.device)
+            else:
+                own.deltas = {}
         if versions is not None:
             self._call = self._op_call = self._first_batch = versions["call"]
             self._in_flight = False
-            self._wv_count = self._wv_loaded = versions["count"]
-            self._wv_predicted = False
-            self._wv_store = {int(v): t.to(self.device) for v, t in versions["stashed"].items()}
-            self._wv_stashed = set(self._wv_store)
+            self._versions.load_state_dict(versions, self.device)
         return path, client_state
 
     def _checkpoint_layout_change(self, load_dir, tag) -> tuple[bool, str]:
@@ -119,7 +104,7 @@ class CheckpointMixin:
         shapes_match = True
         if saved_layout is None and os.path.exists(own) and isinstance(saved.get("optimizer"), dict):
             states = saved["optimizer"].get("state", {})
-            params = self._version_params()
+            params = self._params
             shapes_match = all(not torch.is_tensor(t) or t.dim() == 0 or (int(i) < len(params) and
                                                                           t.shape == params[int(i)].shape)
                                for i, st in states.items() for t in st.values())

@@ -1,30 +1,35 @@
-"""Gradient reduction and the deferred update of a ``HippiePipelineEngine`` stage: the async
-per-stage all-reduce, the gradient buffer of deferred stages (applied one step late, with the
-``hippie.staleness`` correction), partial deferral (``hippie.deferred_layers``) and the flush.
+"""Gradient reduction and the deferred update of one ``HippiePipelineEngine`` stage
+(:class:`StageGradients`): the async per-stage all-reduce, the gradient buffer of deferred stages
+(applied one step late, with the ``hippie.staleness`` correction), partial deferral
+(``hippie.deferred_layers``) and the flush.
 
-Buffer states: empty -> filled (copy_grads_to_buffer) -> reducing (start_allreduce(buffer)) ->
+Buffer states: empty -> filled (copy_to_buffer) -> reducing (start_allreduce(buffer)) ->
 reduced (wait_allreduce(buffer)) -> empty (apply_buffered_update). A deferred stage delays the
-gradient of ``_delayed_params`` (all its parameters, or with partial deferral those of its first
-layers); ``_synced_params`` are all-reduced and applied in-step, their all-reduce started inside
+gradient of ``delayed`` (all its parameters, or with partial deferral those of its first
+layers); ``synced`` are all-reduced and applied in-step, their all-reduce started inside
 the stage's last backward once their gradients are final (the delayed layers come later in
 backward); the declared ``start_allreduce(grads)`` then finds it in flight. Every gradient is
 read and written through :class:`~hippie_ds.adapter.grad_store.GradStore` (fp32: ``.grad``; bf16
 and bf16 + ZeRO-1: BF16_Optimizer's accumulator).
+
+From the config to the wire: ``hippie.deferred_layers`` -> ``integration.deferred_layers`` ({stage:
+layers}) -> ``HippiePipelineEngine(deferred_layers=)`` -> :func:`split_deferred` (delayed, synced)
+-> :class:`StageGradients`: the synced part's hooks start the ``grads`` all-reduce inside the last backward,
+the delayed part goes through ``copy_to_buffer`` and the ``buffer`` all-reduce across the next step.
 """
 from __future__ import annotations
 
 import contextlib
-import time
+from typing import Callable
 
 import torch
 from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.grad_buffer import FILLED, GradBuffer
-from ..schedules.ir import WHOLE_BACKWARD_KINDS, CompiledSchedule
 from .allreduce_stream import AllReduceStream
 from .grad_store import GradStore
-from .staleness import make_corrector
+from .staleness import InPlacePrediction
 
 
 def _checked(transition: tuple[bool, str | None]) -> bool:
@@ -35,94 +40,102 @@ def _checked(transition: tuple[bool, str | None]) -> bool:
     return does
 
 
-class GradientsMixin:
-    """The engine's gradient state and handlers (``StartAllReduce``, ``WaitAllReduce``,
-    ``CopyGradsToBuffer``, ``ApplyBufferedUpdate``)."""
+def split_deferred(params: list[torch.Tensor], layers: list, count: int | None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(delayed, synchronous) parameters of a deferred stage whose layers (``forward_funcs``) are
+    ``layers``: those of its first ``count`` layers are delayed (all of them when None)."""
+    if count is None:
+        return params, []
+    delayed = {id(p) for i, layer in enumerate(layers) if i < count and isinstance(layer, torch.nn.Module)
+               for p in layer.parameters()}
+    return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
 
-    def _init_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers: dict[int, int] | None) -> None:
+
+class StageGradients:
+    """One stage's gradient state: what the ``StartAllReduce``, ``WaitAllReduce``,
+    ``CopyGradsToBuffer`` and ``ApplyBufferedUpdate`` handlers act on.
+
+    ``step(apply)`` is the engine's per-stage optimizer step (``apply=False``: step counters only),
+    ``step_without_counters()`` an update outside them (the flush); ``on_early_start()`` is called
+    when the synced part's all-reduce starts inside a backward (the timeline marks it)."""
+
+    def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
+                 delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
+                 step: Callable[[bool], None], step_without_counters: Callable[[], None],
+                 prediction: InPlacePrediction | None = None, on_early_start: Callable[[], None] | None = None):
+        self.store = store  # where gradients live (fp32 / bf16)
+        self._stream = stream  # on CUDA a side stream (see allreduce_stream); on the CPU gloo's own threads
+        self._reduce = reduce  # the stage has data-parallel peers
+        self.deferred = deferred
+        self.delayed, self.synced = (delayed, synced) if deferred else ([], store.params)
+        self.prediction = prediction  # the deferred stage's staleness correction (None: plain delayed rule)
+        self._step, self._step_without_counters = step, step_without_counters
+        self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
-        # on CUDA a side stream (see allreduce_stream); on the CPU gloo's own threads
-        self._allreduce_stream = AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size)
-        self._grad_buffer: torch.Tensor | None = None
-        self._buffer_sm = GradBuffer()  # the buffer's state machine (hippie_ds.schedules.grad_buffer)
-        self._grads = GradStore(self.optimizer, self._version_params())  # where gradients live (fp32 / bf16)
-        deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
-        self._delayed_params, self._synced_params = self._split_deferred(
-            (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._version_params())
+        self.buffer: torch.Tensor | None = None
+        self.buffer_sm = GradBuffer()  # the buffer's state machine (hippie_ds.schedules.grad_buffer)
         self._early_pending: set[int] | None = None
         # the stage's whole backwards per train_batch call; the early all-reduce arms in the last
-        self._backwards_per_call = sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id))
+        self._backwards_per_call = backwards_per_call
         self._backwards_done = 0
-        if self._delayed_params and self._synced_params:
-            for p in self._synced_params:
+        if self.delayed and self.synced:
+            for p in self.synced:
                 p.register_post_accumulate_grad_hook(self._on_grad_final)
-        if deferred and self.grid.data_parallel_id == 0:
-            delayed = sum(p.numel() for p in self._delayed_params)
-            logger.info(f"hippie-ds: stage {self.stage_id} applies {self.delayed_fraction():.1%} of its gradient one "
-                        f"step late ({delayed} of {sum(p.numel() for p in self._version_params())} elements)")
-        # staleness correction of a deferred stage (None: the plain one-step-delayed rule)
-        self._corrector = None
-        if staleness is not None and deferred and self._delayed_params:
-            self._corrector = make_corrector(staleness, self._delayed_params)
 
-    def _count_backwards_from_zero(self) -> None:
+    def log_delayed_share(self, stage: int) -> None:
+        delayed = sum(p.numel() for p in self.delayed)
+        logger.info(f"hippie-ds: stage {stage} applies {self.delayed_fraction():.1%} of its gradient one step late "
+                    f"({delayed} of {sum(p.numel() for p in self.store.params)} elements)")
+
+    def count_backwards_from_zero(self) -> None:
         """At the start of a train_batch call (the early all-reduce arms in its last backward)."""
         self._backwards_done = 0
 
     @contextlib.contextmanager
-    def _early_allreduce_window(self):
+    def early_allreduce_window(self):
         """Around a whole backward: arms the synchronous part's early all-reduce in the stage's
         last one of the call."""
         self._backwards_done += 1
-        if self._delayed_params and self._synced_params and self._backwards_done == self._backwards_per_call:
-            self._early_pending = {id(p) for p in self._synced_params}
+        if self.delayed and self.synced and self._backwards_done == self._backwards_per_call:
+            self._early_pending = {id(p) for p in self.synced}
         try:
             yield
         finally:
             self._early_pending = None  # unused parameters: the declared start_allreduce starts it
 
-    def _split_deferred(self, layers: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(delayed, synchronous) parameters of this deferred stage: those of its first ``layers``
-        layers are delayed (all of them when ``layers`` is None)."""
-        params = self._version_params()
-        if layers is None:
-            return params, []
-        delayed = {id(p) for i, layer in enumerate(self.module.forward_funcs) if i < layers and
-                   isinstance(layer, torch.nn.Module) for p in layer.parameters()}
-        return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
-
     def delayed_fraction(self) -> float:
         """The fraction of this stage's gradient (by elements) that is applied one step late."""
-        total = sum(p.numel() for p in self._version_params())
-        return sum(p.numel() for p in self._delayed_params) / total if total else 0.0
+        total = sum(p.numel() for p in self.store.params)
+        return sum(p.numel() for p in self.delayed) / total if total else 0.0
 
     def _on_grad_final(self, param):
         """Post-accumulate-grad hook of a partially deferred stage's synchronous parameters."""
         if self._early_pending is None:
             return
-        self._grads.finalize(param)  # bf16: into the accumulator the all-reduce reads
+        self.store.finalize(param)  # bf16: into the accumulator the all-reduce reads
         self._early_pending.discard(id(param))
         if not self._early_pending:
             self._early_pending = None
-            if self._timeline_dir is not None and self._training:
-                self._inflight["grads"] = time.perf_counter()
-            self._exec_start_allreduce("grads")
+            if self._on_early_start is not None:
+                self._on_early_start()
+            self.start_allreduce("grads")
 
     # ------------------------------------------------------------------ gradients
     def _synced_grads(self) -> list[torch.Tensor]:
         """The gradients this step's all-reduce covers: the whole stage, or none of a deferred
         stage but its undelayed part (partial deferral)."""
-        return self._grads.of(self._synced_params if self._delayed_params else None)
+        return self.store.of(self.synced if self.delayed else None)
 
     def _delayed_subset(self) -> list[torch.Tensor] | None:
         """The parameters a deferred stage delays; None: all of them (the whole accumulator)."""
-        return self._delayed_params if self._synced_params else None
+        return self.delayed if self.synced else None
 
-    def _delayed_grads(self) -> list[torch.Tensor]:
+    def delayed_grads(self) -> list[torch.Tensor]:
         """The gradients a deferred stage buffers and applies one step late."""
-        return self._grads.of(self._delayed_subset())
+        return self.store.of(self._delayed_subset())
 
-    def _exec_start_allreduce(self, target):
+    def start_allreduce(self, target: str) -> None:
+        """Roughly: start the data-parallel all-reduce of ``target`` ("grads" or "buffer")."""
         if target == "grads":
             if self._allreduce["grads"] is not None:
                 return  # started early, inside the last backward (_on_grad_final)
@@ -131,82 +144,95 @@ class GradientsMixin:
                 self._allreduce["grads"] = (None, None, grads)
                 return
             flat = _flatten_dense_tensors(grads)
-            work = self._allreduce_stream.start(flat) if self.is_data_parallel else None
+            work = self._stream.start(flat) if self._reduce else None
             self._allreduce["grads"] = (work, flat, grads)
-        elif _checked(self._buffer_sm.start(reduce=self.is_data_parallel)):
-            self._allreduce["buffer"] = (self._allreduce_stream.start(self._grad_buffer), None, None)
+        elif _checked(self.buffer_sm.start(reduce=self._reduce)):
+            self._allreduce["buffer"] = (self._stream.start(self.buffer), None, None)
 
-    def _exec_wait_allreduce(self, target):
+    def wait_allreduce(self, target: str) -> None:
         if target == "grads":
             work, flat, grads = self._allreduce["grads"]
             if work is not None:
-                self._allreduce_stream.wait(work)
+                self._stream.wait(work)
                 for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                     grad.copy_(reduced)
             self._allreduce["grads"] = None
         else:
-            self._wait_buffer()
+            self.wait_buffer()
 
-    def _wait_buffer(self):
-        if _checked(self._buffer_sm.wait()):
-            self._allreduce_stream.wait(self._allreduce["buffer"][0])
+    def wait_buffer(self) -> None:
+        if _checked(self.buffer_sm.wait()):
+            self._stream.wait(self._allreduce["buffer"][0])
             self._allreduce["buffer"] = None
 
-    def _exec_copy_grads_to_buffer(self):
-        grads = self._delayed_grads()
+    def copy_to_buffer(self) -> None:
+        grads = self.delayed_grads()
         flat = _flatten_dense_tensors(grads)
-        if self._grad_buffer is None:
-            self._grad_buffer = flat
+        if self.buffer is None:
+            self.buffer = flat
         else:
-            self._grad_buffer.copy_(flat)
+            self.buffer.copy_(flat)
         for g in grads:
             g.zero_()
-        _checked((None, self._buffer_sm.copy()))
+        _checked((None, self.buffer_sm.copy()))
 
-    def _exec_apply_buffered_update(self):
-        if self._corrector is not None:
-            self._corrector.restore()  # the update applies to the true weights, not the predicted ones
-        applies = _checked(self._buffer_sm.apply())
-        if not applies and not self._synced_params:
+    def apply_buffered_update(self) -> None:
+        if self.prediction is not None:
+            self.prediction.begin_update()  # the update applies to the true weights, not the predicted ones
+        try:
+            self._apply_buffered_update()
+        finally:
+            if self.prediction is not None:
+                self.prediction.end_update()  # the update just applied: the next step's prediction
+
+    def _apply_buffered_update(self) -> None:
+        applies = _checked(self.buffer_sm.apply())
+        if not applies and not self.synced:
             # First step: nothing buffered yet. Keep step counters and the LR schedule in
             # lock-step with the other stages (checkpoint tags use global_steps).
-            self._stage_step(apply=False)
+            self._step(False)
             return
-        current = _flatten_dense_tensors(self._delayed_grads())  # this step's delayed gradient, buffered next
+        current = _flatten_dense_tensors(self.delayed_grads())  # this step's delayed gradient, buffered next
         if applies:
-            self._grads.load(self._delayed_subset(), self._grad_buffer)
+            self.store.load(self._delayed_subset(), self.buffer)
         else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet
-            self._grads.skip(self._delayed_params)
-        self._stage_step(apply=True)
-        self._grads.load(self._delayed_subset(), current)
+            self.store.skip(self.delayed)
+        self._step(True)
+        self.store.load(self._delayed_subset(), current)
 
     # ------------------------------------------------------------------ deferred state
     def has_pending_update(self) -> bool:
         """True when this stage holds a buffered gradient not yet applied."""
-        return self._buffer_sm.pending
+        return self.buffer_sm.pending
 
-    @property
-    def _grad_buffer_state(self) -> str:
-        """The buffer's state name (checkpoints save and restore it)."""
-        return self._buffer_sm.state
-
-    @_grad_buffer_state.setter
-    def _grad_buffer_state(self, state: str) -> None:
-        self._buffer_sm.state = state
-
-    def flush_deferred_update(self):
-        """Apply the buffered gradient of the last step now (call once at the end of training
-        on every rank: its all-reduce is a collective of the stage's data-parallel group).
-        Step counters and the LR schedule do not advance."""
-        if self._continuous:  # 2bw / pipedream: what is pending is the batches in flight
-            return self.drain()
-        if not self._buffer_sm.pending:
+    def flush(self) -> bool:
+        """Apply the buffered gradient now (a collective of the stage's data-parallel group)."""
+        if not self.buffer_sm.pending:
             return False
-        if self._buffer_sm.state == FILLED:
-            self._exec_start_allreduce("buffer")
-        self._wait_buffer()
-        _checked(self._buffer_sm.apply())
-        self._grads.load(self._delayed_subset(), self._grad_buffer)
-        self._grads.skip(self._synced_params)  # applied in their own step already
-        self._stage_step_without_counters()
+        if self.buffer_sm.state == FILLED:
+            self.start_allreduce("buffer")
+        self.wait_buffer()
+        _checked(self.buffer_sm.apply())
+        if self.prediction is not None:
+            self.prediction.begin_update()
+        self.store.load(self._delayed_subset(), self.buffer)
+        self.store.skip(self.synced)  # applied in their own step already
+        self._step_without_counters()
+        if self.prediction is not None:
+            self.prediction.end_update()
         return True
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The buffer, reduced first (each replica holds its own part until then; identical on
+        every replica afterwards), and its state."""
+        if self.buffer_sm.state == FILLED:
+            self.start_allreduce("buffer")
+        self.wait_buffer()
+        empty = self.buffer_sm.state == "empty" or self.buffer is None  # a spare buffer is not state
+        return {"state": self.buffer_sm.state, "buffer": None if empty else self.buffer.clone()}
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.buffer_sm.state = state["state"]
+        # an empty buffer is re-allocated at this layout's size on first use
+        self.buffer = None if state["buffer"] is None else state["buffer"].to(device)

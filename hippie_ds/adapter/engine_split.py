@@ -63,7 +63,7 @@ class SplitBackwardMixin:
             outputs, grads = self._losses.pop(buffer_id) / self.gradient_accumulation_steps(), None
         else:
             outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
-        inputs, params = self.pipe_buffers["inputs"][buffer_id], self._version_params()
+        inputs, params = self.pipe_buffers["inputs"][buffer_id], self._params
         if not self._coverage_checked:
             check_coverage(outputs, inputs, params, [n for n, p in self.module.named_parameters() if p.requires_grad])
             self._coverage_checked = True
@@ -82,8 +82,8 @@ class SplitBackwardMixin:
             return
         # A stage without input gradients runs its whole backward here, through DeepSpeed's hooks.
         with self._engine_backward():
-            backward_weight(self._pending_weight_grads.pop(buffer_id), self._version_params())
-        self._grads.collect_weight_pass()  # bf16: into the optimizer's accumulator
+            backward_weight(self._pending_weight_grads.pop(buffer_id), self._params)
+        self._gradients.store.collect_weight_pass()  # bf16: into the optimizer's accumulator
 
     def _backward_prologue_per_tensor(self, grad):
         # DeepSpeed's output hook divides by the accumulation steps unless engine.backward(loss)

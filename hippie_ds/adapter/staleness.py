@@ -1,22 +1,27 @@
-"""Staleness correction for stages that apply their gradient one step late (``hippie.staleness``).
+"""Staleness correction for updates that apply a gradient computed one update earlier
+(``hippie.staleness``): one rule, one state, one checkpoint format, for every schedule that has it.
 
-A deferred stage follows W(t+1) = W(t) - lr * g(.), where the gradient applied at the end of
-step t was computed during step t-1. Without correction it was computed on W(t-1), one update
-behind the weights it is applied to. ``extrapolate`` computes it on a prediction of those
-weights instead (SpecTrain / PipeMare style weight prediction):
+A delayed stage follows W(v+1) = W(v) - lr * g(.), where the gradient was computed while the
+stage was one update behind. ``extrapolate`` runs that compute on a prediction of the weights
+instead (SpecTrain / PipeMare style weight prediction)::
 
-    roughly: W_hat(t) = W(t) + c * (W(t) - W(t-1))     forward and backward of step t run on W_hat
-             params <- W(t) before the update           the optimizer updates the true weights
+    roughly: W_hat(v) = W(v) + c * delta(v),   delta(v) = W(v) - W(v-1)  (the last update)
+             the optimizer updates the true W(v), never W_hat(v)
 
-With c = 1 the prediction is the last applied update repeated. It costs one weight-sized buffer
-(W(t-1), kept between steps and saved in checkpoints) and, per step, three in-place passes over
-the stage's parameters; at t = 0 and t = 1 the difference is zero (no update applied yet).
+With c = 1 the prediction repeats the last update. Version 0 has no delta (nothing predicted);
+an update that changed nothing gives a zero delta.
 
-PipeDream-2BW (``2bw``) follows the same rule on every stage, W(t+1) = W(t) - lr * g(W(t-1)),
-with its compute on a stashed weight version; there the engine predicts that version instead
-(W(t-1) + c * (W(t-1) - W(t-2)), the delta kept per version still computed on, at most two
-weight-sized buffers per stage; ``HippiePipelineEngine._use_version``). Schedules whose stages
-are more than one update behind (``pipedream``) are not corrected.
+Two ways a stage holds its versions, one :class:`WeightPrediction` state (``deltas``):
+
+- **in place** (hippie's deferred stages, :class:`InPlacePrediction`): the module's parameters
+  hold W(v) between steps and W_hat(v) during one; a single weight-sized buffer holds delta(v)
+  between steps and the true W(v) during the step (swapped per parameter, see ``predict``), so
+  the correction costs one buffer, as before it was unified.
+- **per version** (2bw, :class:`~hippie_ds.adapter.engine_versions.WeightVersions`): the true
+  versions live in the version store; the delta of each version still computed on is kept
+  (at most two per stage) and applied when the version is swapped in.
+
+Schedules whose stages are more than one update behind (``pipedream``) are not corrected.
 """
 from __future__ import annotations
 
@@ -24,53 +29,125 @@ import torch
 
 from ..config import StalenessConfig
 
+# The state saved in checkpoints: {"format": 2, "coefficient": c, "deltas": {version: [tensors]}}.
+# Format 1 had two shapes: hippie's {"coefficient", "previous": [W(v-1)] | None} and 2bw's
+# {"deltas": {version: flat}}; both still load (load_state_dict).
+STATE_FORMAT = 2
 
-class WeightExtrapolation:
-    """Runs a deferred stage's compute on W + c * (W - W_previous) and restores W before its
-    update. ``predict`` at the start of a step, ``restore`` before the optimizer step."""
+
+class WeightPrediction:
+    """delta(v) of the versions still computed on, and the prediction W(v) + c * delta(v)."""
+
+    def __init__(self, coefficient: float):
+        self.coefficient = coefficient
+        self.deltas: dict[int, list[torch.Tensor]] = {}
+
+    def knows(self, version: int) -> bool:
+        """Whether delta(version) is known (else the version is computed on unpredicted)."""
+        return version in self.deltas
+
+    @torch.no_grad()
+    def predicted(self, version: int, true: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """W_hat(version) from the true values, or None when its delta is not known."""
+        delta = self.deltas.get(version)
+        if delta is None:
+            return None
+        return [torch.add(w, d, alpha=self.coefficient) for w, d in zip(true, delta)]
+
+    def record(self, version: int, delta: list[torch.Tensor]) -> None:
+        """delta(version) = W(version) - W(version - 1), known once that update is applied."""
+        self.deltas[version] = delta
+
+    def keep_only(self, versions) -> None:
+        """Forget the deltas of versions that compute will not use again."""
+        for v in [v for v in self.deltas if v not in versions]:
+            del self.deltas[v]
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "coefficient": self.coefficient,
+                "deltas": {v: [d.clone() for d in ds] for v, ds in self.deltas.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, device, params: list[torch.Tensor] | None = None) -> None:
+        """Format 2, or format 1's two shapes (hippie's previous weights need ``params``, the
+        current weights, already loaded: delta = W - W_previous, the subtraction the old
+        prediction made, so a resumed run stays bit-identical)."""
+        if state.get("format") == STATE_FORMAT or ("deltas" in state and "format" not in state):
+            deltas = {int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds]) for v, ds in state["deltas"].items()}
+        elif "previous" in state:
+            previous = state["previous"]
+            deltas = {} if previous is None else {0: [p.detach() - q.to(device) for p, q in zip(params, previous)]}
+        else:
+            raise ValueError(f"staleness correction state of unknown format: keys {sorted(state)}")
+        self.deltas = {v: [d.to(device) for d in ds] for v, ds in deltas.items()}
+
+
+class InPlacePrediction(WeightPrediction):
+    """A deferred stage's prediction on its own parameters, one buffer (module docstring).
+
+    Per step: ``predict`` (step start) -> compute on W_hat -> ``restore`` (before the update) ->
+    ``begin_update`` -> the optimizer step -> ``end_update``. Versions are counted from 0 at
+    construction; the one delta kept is stored under version 0 (it is always the latest)."""
 
     def __init__(self, params: list[torch.Tensor], coefficient: float):
+        super().__init__(coefficient)
         self.params = params
-        self.coefficient = coefficient
-        self.previous: list[torch.Tensor] | None = None  # W(t-1) between steps, W(t) while predicted
-        self.predicted = False
+        self._true: list[torch.Tensor] | None = None  # the buffer while it holds W (during a step)
+        self.predicted_now = False
 
     @torch.no_grad()
     def predict(self) -> None:
-        """Roughly: ``previous, params = params, params + c * (params - previous)``."""
-        if self.predicted:
+        """Roughly: ``buffer, params = params, params + c * delta`` (no-op when already predicted)."""
+        if self._true is not None:
             return
-        if self.previous is None:
-            self.previous = [p.detach().clone() for p in self.params]
-        else:
-            for p, q in zip(self.params, self.previous):
-                delta = p - q
-                q.copy_(p)
-                p.add_(delta, alpha=self.coefficient)
-        self.predicted = True
+        delta = self.deltas.pop(0, None)
+        if delta is None:
+            self._true = [p.detach().clone() for p in self.params]
+            return
+        for p, buf in zip(self.params, delta):
+            d = buf.clone()  # one parameter at a time: the buffer turns into W
+            buf.copy_(p)
+            p.add_(d, alpha=self.coefficient)
+        self._true, self.predicted_now = delta, True
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Roughly: ``params = previous`` (the true weights the update applies to)."""
-        if not self.predicted:
-            return
-        for p, q in zip(self.params, self.previous):
-            p.copy_(q)
-        self.predicted = False
+        """Roughly: ``params = buffer`` (the true weights), keeping the buffer for the update."""
+        if self.predicted_now:
+            for p, w in zip(self.params, self._true):
+                p.copy_(w)
+            self.predicted_now = False
+
+    @torch.no_grad()
+    def begin_update(self) -> None:
+        """Before an optimizer step on the true weights: the buffer holds them (an update outside
+        a step, e.g. the final flush, moves the buffer from delta to W first)."""
+        self.restore()
+        if self._true is None:
+            self.predict()
+            self.restore()
+
+    @torch.no_grad()
+    def end_update(self) -> None:
+        """After the optimizer step: the buffer becomes the update just applied, W_new - W."""
+        for p, w in zip(self.params, self._true):
+            torch.sub(p, w, out=w)
+        self.deltas[0], self._true = self._true, None
 
     def state_dict(self) -> dict:
-        if self.predicted:
-            raise RuntimeError("weight extrapolation: cannot save while the parameters hold predicted weights")
-        return {"coefficient": self.coefficient,
-                "previous": None if self.previous is None else [q.clone() for q in self.previous]}
+        if self._true is not None:
+            raise RuntimeError("weight prediction: cannot save during a step (the parameters may hold predicted "
+                               "weights)")
+        return super().state_dict()
 
-    def load_state_dict(self, state: dict, device) -> None:
-        self.previous = None if state["previous"] is None else [q.to(device) for q in state["previous"]]
-        self.predicted = False
+    def load_state_dict(self, state: dict, device, params: list[torch.Tensor] | None = None) -> None:
+        super().load_state_dict(state, device, self.params)
+        self._true, self.predicted_now = None, False
 
 
-def make_corrector(config: StalenessConfig, params: list[torch.Tensor]) -> WeightExtrapolation | None:
-    """The correction a delayed stage applies, or None (``method: none``)."""
-    if config.method == "none":
+def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None = None):
+    """The correction a delayed stage applies (:class:`InPlacePrediction` on ``params``, or a
+    per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction)."""
+    if config is None or config.method == "none":
         return None
-    return WeightExtrapolation(params, config.coefficient)
+    return WeightPrediction(config.coefficient) if params is None else InPlacePrediction(params, config.coefficient)

@@ -139,7 +139,7 @@ def timeline_of(engine):
     """(t0, events) in the engine's timeline format."""
     if hasattr(engine, "_bench_events"):
         return engine._bench_t0, engine._bench_events
-    return getattr(engine, "_t0", None), list(engine._timeline)
+    return engine._timeline.t0, list(engine._timeline)
 
 
 def stage_costs(a, engine, steps_from):

@@ -1,0 +1,124 @@
+"""The one staleness correction (hippie_ds/adapter/staleness.py) and hippie-ds's checkpoint state
+format, without processes: the in-place form on a deferred stage's parameters and the per-version
+form of 2bw follow the same rule, W_hat(v) = W(v) + c * (W(v) - W(v-1)); checkpoints of both
+earlier shapes (format 1) load into it."""
+import torch
+
+from hippie_ds.adapter import checkpoint_state as ckpt
+from hippie_ds.adapter.staleness import InPlacePrediction, WeightPrediction, make_prediction
+from hippie_ds.config import StalenessConfig
+
+C = 1.5
+
+
+def _updates(steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(3, 4, generator=g), torch.randn(5, generator=g)] for _ in range(steps)]
+
+
+def _run_in_place(params, updates, prediction, seen):
+    """One deferred stage's steps: predict, compute (record what it sees), restore, update."""
+    for u in updates:
+        prediction.predict()
+        seen.append([p.detach().clone() for p in params])
+        prediction.begin_update()
+        with torch.no_grad():
+            for p, d in zip(params, u):
+                p.sub_(d)
+        prediction.end_update()
+
+
+def _reference(w0, updates, c=C):
+    """The rule written out: step t computes on W(t) + c (W(t) - W(t-1)) (W(t) at t = 0)."""
+    history, seen = [w0], []
+    for t, u in enumerate(updates):
+        w = history[-1]
+        seen.append(w if t == 0 else [x.clone().add_(x - q, alpha=c) for x, q in zip(w, history[-2])])
+        history.append([x - d for x, d in zip(w, u)])
+    return seen, history[-1]
+
+
+def test_in_place_prediction_is_the_rule_and_restores_exactly():
+    w0 = [torch.randn(3, 4), torch.randn(5)]
+    params = [w.clone() for w in w0]
+    prediction, seen = InPlacePrediction(params, C), []
+    _run_in_place(params, _updates(5), prediction, seen)
+    ref_seen, ref_final = _reference(w0, _updates(5))
+    for ours, ref in zip(seen, ref_seen):
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_final)), "the updates applied to predicted weights"
+    assert len(prediction.deltas) == 1  # one weight-sized buffer between steps
+
+
+def test_in_place_checkpoint_resumes_bit_identically_in_both_formats():
+    w0 = [torch.randn(3, 4), torch.randn(5)]
+    updates = _updates(6, seed=1)
+    full = [w.clone() for w in w0]
+    full_seen = []
+    _run_in_place(full, updates, InPlacePrediction(full, C), full_seen)
+
+    params = [w.clone() for w in w0]
+    first = InPlacePrediction(params, C)
+    _run_in_place(params, updates[:3], first, [])
+    state = first.state_dict()
+    assert state["format"] == 2
+    # format 1 of a deferred stage saved W(t-1), the weights before the last update
+    previous = [p - d for p, d in zip(params, first.deltas[0])]
+    old_state = {"coefficient": C, "previous": [q.clone() for q in previous]}
+    for saved in (state, old_state):
+        resumed_params = [p.clone() for p in params]
+        resumed, seen = InPlacePrediction(resumed_params, C), []
+        resumed.load_state_dict(saved, "cpu")
+        _run_in_place(resumed_params, updates[3:], resumed, seen)
+        if saved is state:  # format 2 carries the delta itself: bit-identical
+            assert all(torch.equal(a, b) for a, b in zip(resumed_params, full))
+        else:  # format 1: delta = W - W_previous, as the old prediction computed it; W_previous
+            # here is made from the delta, W - (W - delta), so equal within rounding
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(resumed_params, full))
+
+
+def test_per_version_prediction_and_its_format1_state():
+    prediction = WeightPrediction(C)
+    w = torch.randn(7)
+    assert prediction.predicted(1, [w]) is None and not prediction.knows(1)
+    delta = torch.randn(7)
+    prediction.record(1, [delta])
+    [hat] = prediction.predicted(1, [w])
+    assert torch.equal(hat, torch.add(w, delta, alpha=C))
+    prediction.record(2, [torch.randn(7)])
+    prediction.keep_only({2})
+    assert sorted(prediction.deltas) == [2]
+    # 2bw's format 1: {"deltas": {version: flat}}
+    old = WeightPrediction(C)
+    old.load_state_dict({"deltas": {"3": delta}}, "cpu")
+    assert torch.equal(old.predicted(3, [w])[0], hat)
+    new = WeightPrediction(C)
+    new.load_state_dict(old.state_dict(), "cpu")
+    assert torch.equal(new.predicted(3, [w])[0], hat)
+
+
+def test_no_correction_is_none():
+    assert make_prediction(StalenessConfig(method="none"), [torch.zeros(1)]) is None
+    assert make_prediction(None) is None
+    assert isinstance(make_prediction(StalenessConfig(), [torch.zeros(1)]), InPlacePrediction)
+    assert type(make_prediction(StalenessConfig())) is WeightPrediction
+
+
+def test_checkpoint_state_format_and_format1_keys():
+    empty = {"state": "empty", "buffer": None}
+    state = ckpt.training_state(empty, None, {"format": 2, "coefficient": 1.0, "deltas": {}})
+    assert not isinstance(state, ckpt.InFlightState) and state["format"] == ckpt.STATE_FORMAT
+    filled = ckpt.training_state({"state": "reduced", "buffer": torch.ones(2)}, None, None)
+    assert isinstance(filled, ckpt.InFlightState)
+    stashed = ckpt.training_state(empty, {"call": 1, "count": 2, "stashed": {1: torch.ones(1)}}, None)
+    assert isinstance(stashed, ckpt.InFlightState)
+    client = {ckpt.STATE_KEY: filled, "user": 1}
+    read = ckpt.read_training_state(client)
+    assert read["grad_buffer"]["state"] == "reduced" and client == {"user": 1}
+    # format 1: three keys, the in-flight ones wrapped
+    client = {"hippie_ds_grad_buffer": ckpt.InFlightState({"state": "reduced", "buffer": None}),
+              "hippie_ds_weight_versions": {"call": 0, "count": 0, "stashed": {}},
+              "hippie_ds_weight_prediction": {"coefficient": 1.0, "previous": None}}
+    read = ckpt.read_training_state(client)
+    assert read["grad_buffer"]["state"] == "reduced" and read["weight_versions"]["count"] == 0
+    assert read["prediction"]["previous"] is None and client == {}
