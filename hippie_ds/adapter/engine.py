@@ -74,19 +74,24 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
 
 class _StageLocalMPU:
     """Proxy mpu whose model-parallel group is this stage's tensor-slice group: gradient norms
-    (clipping, bf16 overflow) of a per-stage step reduce over the stage, not the pipeline."""
+    (clipping, bf16 overflow) of a per-stage step reduce over the stage, not the pipeline. A stage
+    holding a tied module reduces over the tie group instead (``clip_group``: the stages that hold
+    it clip by their joint norm, so every copy is scaled alike; adapter/tied.py), every holder
+    counting its own gradients (rank 0)."""
 
-    def __init__(self, mpu, grid):
-        self._mpu, self._grid = mpu, grid
+    def __init__(self, mpu, grid, clip_group=None):
+        self._mpu, self._grid, self._clip_group = mpu, grid, clip_group
 
     def get_model_parallel_group(self):
-        return self._grid.get_slice_parallel_group()
+        return self._clip_group if self._clip_group is not None else self._grid.get_slice_parallel_group()
 
     def get_model_parallel_world_size(self):
+        if self._clip_group is not None:
+            return dist.get_world_size(group=self._clip_group)
         return self._grid.get_slice_parallel_world_size()
 
     def get_model_parallel_rank(self):
-        return self._grid.get_slice_parallel_rank()
+        return 0 if self._clip_group is not None else self._grid.get_slice_parallel_rank()
 
     def get_pipeline_model_parallel_world_size(self):
         return 1
@@ -98,9 +103,11 @@ class _StageLocalMPU:
 class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
+    _clip_group = None  # the tie group whose joint norm a per-stage step clips by (adapter/tied.py)
+
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
                  timeline_steps: int = 100, staleness=None, deferred_layers: dict[int, int] | None = None,
-                 **kwargs):
+                 tied_delayed: set[str] | frozenset = frozenset(), **kwargs):
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -123,7 +130,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
         self._in_flight = False
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._versions = self._make_versions(compiled_schedule, staleness)
-        self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers)
+        self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers, tied_delayed)
         self._init_split_backward(compiled_schedule)
 
     def _make_versions(self, compiled: CompiledSchedule, staleness) -> WeightVersions:
@@ -133,14 +140,26 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
                               compiled.updates_per_batch[self.stage_id] if compiled.continuous else 0,
                               compiled.versioned, make_prediction(staleness) if behind else None)
 
-    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers) -> StageGradients:
+    def _tied_weights(self, keys=None) -> list[tuple[torch.Tensor, object]]:
+        """(weight, tie group) of this stage's tied modules (``keys``: only those), in DeepSpeed's
+        order, the same on every holder."""
+        return [(self.module._recursive_getattr(self.module.tied_modules[key], attr), comm["group"])
+                for key, comm in self.module.tied_comms.items() if keys is None or key in keys
+                for attr in comm["weight_attr"]]
+
+    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers, tied_delayed) -> StageGradients:
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
+        # schedules without reduce_tied_grads sum tied gradients themselves (adapter/tied.py)
+        ties = [] if compiled.uses_tied_reduction else self._tied_weights()
+        self._clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
         delayed, synced = (split_deferred(self._params, self.module.forward_funcs,
-                                          (deferred_layers or {}).get(self.stage_id)) if deferred else ([], self._params))
+                                          (deferred_layers or {}).get(self.stage_id),
+                                          also=[w for w, _ in self._tied_weights(tied_delayed)])
+                           if deferred else ([], self._params))
         gradients = StageGradients(
             GradStore(self.optimizer, self._params),
             AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size),
-            reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced,
+            reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced, ties=ties,
             backwards_per_call=sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id)),
             step=self._stage_step, step_without_counters=self._stage_step_without_counters,
             prediction=make_prediction(staleness, delayed) if deferred and delayed else None,
@@ -349,7 +368,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
             self._step_bookkeeping()
             return
         saved = getattr(self.optimizer, "mpu", None)
-        local = _StageLocalMPU(self.mpu, self.grid)
+        local = _StageLocalMPU(self.mpu, self.grid, self._clip_group)
         mpu = self.mpu
         try:
             self.mpu = local

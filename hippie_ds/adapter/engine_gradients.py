@@ -23,12 +23,13 @@ import contextlib
 from typing import Callable
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
-from .grad_store import GradStore
+from .grad_store import GradStore, flat_copy
 from .staleness import InPlacePrediction
 
 
@@ -40,14 +41,15 @@ def _checked(transition: tuple[bool, str | None]) -> bool:
     return does
 
 
-def split_deferred(params: list[torch.Tensor], layers: list, count: int | None
+def split_deferred(params: list[torch.Tensor], layers: list, count: int | None, also: list[torch.Tensor] = ()
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(delayed, synchronous) parameters of a deferred stage whose layers (``forward_funcs``) are
-    ``layers``: those of its first ``count`` layers are delayed (all of them when None)."""
+    ``layers``: those of its first ``count`` layers and ``also`` (tied weights another holder
+    delays) are delayed; all of them when ``count`` is None."""
     if count is None:
         return params, []
     delayed = {id(p) for i, layer in enumerate(layers) if i < count and isinstance(layer, torch.nn.Module)
-               for p in layer.parameters()}
+               for p in layer.parameters()} | {id(p) for p in also}
     return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
 
 
@@ -61,6 +63,7 @@ class StageGradients:
 
     def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
                  delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
+                 ties: list[tuple[torch.Tensor, object]] = (),
                  step: Callable[[bool], None], step_without_counters: Callable[[], None],
                  prediction: InPlacePrediction | None = None, on_early_start: Callable[[], None] | None = None):
         self.store = store  # where gradients live (fp32 / bf16)
@@ -69,6 +72,7 @@ class StageGradients:
         self.deferred = deferred
         self.delayed, self.synced = (delayed, synced) if deferred else ([], store.params)
         self.prediction = prediction  # the deferred stage's staleness correction (None: plain delayed rule)
+        self._ties = list(ties)  # (tied weight, tie group): summed over the tie group (adapter/tied.py)
         self._step, self._step_without_counters = step, step_without_counters
         self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
@@ -134,11 +138,20 @@ class StageGradients:
         """The gradients a deferred stage buffers and applies one step late."""
         return self.store.of(self._delayed_subset())
 
+    def _sum_ties(self, params: list[torch.Tensor]) -> None:
+        """Sum the gradients of the tied weights among ``params`` over their tie groups (every
+        copy's contribution), before the data-parallel all-reduce; blocking, in DeepSpeed's order."""
+        among = {id(p) for p in params}
+        for weight, group in self._ties:
+            if id(weight) in among:
+                dist.all_reduce(self.store.of([weight])[0], group=group)
+
     def start_allreduce(self, target: str) -> None:
         """Roughly: start the data-parallel all-reduce of ``target`` ("grads" or "buffer")."""
         if target == "grads":
             if self._allreduce["grads"] is not None:
                 return  # started early, inside the last backward (_on_grad_final)
+            self._sum_ties(self.synced)
             grads = self._synced_grads()
             if not grads:  # a wholly deferred stage: everything waits for the buffer
                 self._allreduce["grads"] = (None, None, grads)
@@ -166,8 +179,9 @@ class StageGradients:
             self._allreduce["buffer"] = None
 
     def copy_to_buffer(self) -> None:
+        self._sum_ties(self.delayed)
         grads = self.delayed_grads()
-        flat = _flatten_dense_tensors(grads)
+        flat = flat_copy(grads)
         if self.buffer is None:
             self.buffer = flat
         else:
@@ -192,7 +206,7 @@ class StageGradients:
             # lock-step with the other stages (checkpoint tags use global_steps).
             self._step(False)
             return
-        current = _flatten_dense_tensors(self.delayed_grads())  # this step's delayed gradient, buffered next
+        current = flat_copy(self.delayed_grads())  # this step's delayed gradient, buffered next
         if applies:
             self.store.load(self._delayed_subset(), self.buffer)
         else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from ..schedules.ir import weight_version
+from .grad_store import flat_copy
 from .staleness import WeightPrediction
 
 
@@ -52,7 +53,7 @@ class WeightVersions:
         data = [p.data for p in self.params]
         loaded = self.loaded
         if not self._predicted and (loaded == self.count or loaded in self.stashed) and loaded not in self.store:
-            self.store[loaded] = _flatten_dense_tensors(data)
+            self.store[loaded] = flat_copy(data)
         if version not in self.store:
             raise RuntimeError(f"stage {self.stage}: weight version {version} is not available (current "
                                f"{self.count}, stashed {sorted(self.stashed)}); the validator should "
@@ -73,7 +74,7 @@ class WeightVersions:
             raise RuntimeError(f"stage {self.stage}: stash_weights of version {version}, current is {self.count}")
         self.use(version)
         if version not in self.store:
-            self.store[version] = _flatten_dense_tensors([p.data for p in self.params])
+            self.store[version] = flat_copy([p.data for p in self.params])
         self.stashed.add(version)
         self.peak = max(self.peak, len(self.stashed) + 1)
 
@@ -98,10 +99,10 @@ class WeightVersions:
         if self.versioned:
             self.use(self.count)
         versions = tuple(p._version for p in self.params)
-        before = None if self.prediction is None else _flatten_dense_tensors([p.data for p in self.params])
+        before = None if self.prediction is None else flat_copy([p.data for p in self.params])
         step()
         if before is not None:
-            after = _flatten_dense_tensors([p.data for p in self.params])
+            after = flat_copy([p.data for p in self.params])
             self.prediction.record(self.count + 1, [torch.sub(after, before, out=after)])
         if self.versioned:
             # Saved tensors of forwards still awaiting their backward refer to these parameters;

@@ -18,9 +18,17 @@ gradients inside their own step; schedules that need this store refuse them at `
 from __future__ import annotations
 
 import torch
-from torch._utils import _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+
+def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor holding a copy of ``tensors``. torch's ``_flatten_dense_tensors`` returns a
+    view of a lone tensor, not a copy: a buffer or a saved version made of one parameter (a
+    bias-free embedding delayed alone) would change with it."""
+    flat = _flatten_dense_tensors(tensors)
+    return flat.clone() if len(tensors) == 1 else flat
 
 
 def supports(optimizer) -> bool:

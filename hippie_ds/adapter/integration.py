@@ -14,8 +14,9 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed_version
 from ..config import WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
-from ..schedules import builtins_where, compile as compile_schedule, load_spec
+from ..schedules import compile as compile_schedule, load_spec
 from .precision import check_precision
+from .tied import check_tied, delay_ties
 
 check_deepspeed_version()
 
@@ -157,11 +158,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
         raise ConfigError(f'config key "hippie.placement" = {options.placement!r}, but the PipelineModule was built '
                           f"with the {placement!r} layout; build it with "
                           f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
-    if model.tied_comms and not compiled.uses_tied_reduction:
-        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r}: the schedule has no reduce_tied_grads '
-                          f"(its stages update apart), but the model ties modules across stages "
-                          f"({', '.join(model.tied_comms)}), whose copies must stay equal; use "
-                          f"{', '.join(builtins_where(lambda c: c.uses_tied_reduction, stages, micro_batches))}, or untie them")
+    check_tied(model, compiled)
     check_precision(compiled, config_class)
     if compiled.splits_backward:
         from .split_backward import check_torch_version
@@ -230,6 +227,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config = _load_config(args, config, config_params)
     ds_config, config_class, compiled, options = prepare(model, config, config_path)
     partial = deferred_layers(model, options, compiled)
+    compiled, partial, tied_delayed = delay_ties(model, compiled, partial)  # tied copies: one rule
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
@@ -246,7 +244,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   config_class=config_class, compiled_schedule=compiled,
                                   timeline_dir=options.timeline_dir,
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
-                                  deferred_layers=partial)
+                                  deferred_layers=partial, tied_delayed=tied_delayed)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -9,6 +9,7 @@ W(t) + c * (W(t) - W(t-1)) and its update applies to W(t). Partial deferral
 delayed rule (and the correction); the rest of the stage applies g(t) at step t, at t = 0 alone.
 """
 import torch
+from deepspeed.runtime import utils as ds_utils
 
 import model as tiny
 
@@ -18,17 +19,78 @@ def stage_of_layers(parts):
     return {i: s for s, (a, b) in enumerate(parts) for i in range(a, b)}
 
 
+def build_tied_layers(parts):
+    """The tied model (``tiny.tied_layer_specs``) as its stages hold it: one copy of the tied
+    module per stage that holds it, each initialised from the first holder's (DeepSpeed
+    broadcasts it), seeded per layer as PipelineModule(seed_layers=True)."""
+    import functools
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    stage = stage_of_layers(parts)
+    layers, copies = [], {}
+    for idx, spec in enumerate(tiny.tied_layer_specs()):
+        ds_utils.set_random_seed(tiny.BASE_SEED + idx)
+        if not isinstance(spec, TiedLayerSpec):
+            layers.append(spec.build())
+            continue
+        if (spec.key, stage[idx]) not in copies:
+            module = spec.build()
+            first = next((m for (k, _), m in copies.items() if k == spec.key), None)
+            if first is not None:
+                module.load_state_dict(first.state_dict())
+            module.tied_key = spec.key
+            copies[spec.key, stage[idx]] = module
+        module = copies[spec.key, stage[idx]]
+        layers.append(module if spec.forward_fn is None else functools.partial(spec.forward_fn, module))
+    return layers
+
+
+def _stage_params(layers, parts):
+    """Per stage: [(layer index, parameter)], each parameter once (a tied copy under its first use)."""
+    out = []
+    for a, b in parts:
+        seen, ps = set(), []
+        for i in range(a, b):
+            module = layers[i].args[0] if hasattr(layers[i], "args") else layers[i]
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    ps.append((i, p))
+        out.append(ps)
+    return out
+
+
+def _tied_slots(stage_params, layers):
+    """[(stage, index)] of the tied copies' weights (the one tied module of the tiny model)."""
+    modules = (layer.args[0] if hasattr(layer, "args") else layer for layer in layers)
+    tied = {id(m.weight) for m in modules if hasattr(m, "tied_key")}
+    return [(s, j) for s, ps in enumerate(stage_params) for j, p in enumerate(ps) if id(p) in tied]
+
+
+def _sum_tied(grads, slots):
+    """Every tied copy gets the sum of the copies' gradients (DeepSpeed's reduce_tied_grads)."""
+    if slots:
+        total = sum(grads[s][j] for s, j in slots)
+        for s, j in slots:
+            grads[s][j] = total.clone()
+
+
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None, precision=None):
+        delayed_layers=None, precision=None, tied=False):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
-    ``precision``: a :class:`Precision` (default fp32)."""
+    ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
+    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py)."""
     precision = precision or FP32
-    layers = precision.model(tiny.build_layers())
-    stage_params = [[p for i in range(a, b) for p in layers[i].parameters()] for a, b in parts]
+    layers = precision.model(build_tied_layers(parts) if tied else tiny.build_layers())
+    indexed = _stage_params(layers, parts)
+    stage_params = [[p for _, p in ps] for ps in indexed]
+    slots = _tied_slots(stage_params, layers) if tied else []
     delayed_layers = delayed_layers or {}
-    delayed = [[s in deferred and (s not in delayed_layers or i < a + delayed_layers[s])
-                for i in range(a, b) for _ in layers[i].parameters()] for s, (a, b) in enumerate(parts)]
+    delayed = [[s in deferred and (s not in delayed_layers or i < a + delayed_layers[s]) for i, _ in indexed[s]]
+               for s, (a, b) in enumerate(parts)]
+    if any(delayed[s][j] for s, j in slots):
+        for s, j in slots:
+            delayed[s][j] = True
     opts = precision.optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
@@ -65,6 +127,8 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                         for g, p in zip(grads[s], ps):
                             g += p.grad / dp
             losses.append(total)
+        _sum_tied(grads, slots)
+        applies = []
         for s, ps in enumerate(stage_params):
             apply = grads[s]
             if s in deferred:
@@ -73,9 +137,14 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                 buffered = pending[s] or [None] * len(ps)
                 apply = [b if late else g for b, g, late in zip(buffered, grads[s], delayed[s])]
                 pending[s] = grads[s]
-                if all(g is None for g in apply):
-                    continue
-            precision.apply(ps, opts[s], apply, clip)
+            applies.append(apply)
+        # the holders of a tied module clip by their joint norm (each holder's gradients counted)
+        holders = {s for s, _ in slots}
+        joint = _norm([g for s in holders for g in applies[s]]) if holders and clip > 0 else None
+        for s, ps in enumerate(stage_params):
+            if all(g is None for g in applies[s]):
+                continue
+            precision.apply(ps, opts[s], applies[s], clip, joint if s in holders else None)
     return _result(layers), losses
 
 
@@ -103,7 +172,10 @@ class Precision:
         self.bf16, self.accumulate = bf16, accumulate
 
     def model(self, layers):
-        return [layer.to(torch.bfloat16) for layer in layers] if self.bf16 else layers
+        if self.bf16:  # in place; a tied copy used through a function (build_tied_layers) too
+            for layer in layers:
+                (layer.args[0] if hasattr(layer, "args") else layer).to(torch.bfloat16)
+        return layers
 
     def data(self, x, y):
         return (x.bfloat16(), y.bfloat16()) if self.bf16 else (x, y)
@@ -116,12 +188,12 @@ class Precision:
         steps = [[p.detach().float().clone() for p in ps] for ps in stage_params] if self.bf16 else stage_params
         return list(zip(_make_optimizers(steps, optimizer, lr), steps))
 
-    def apply(self, ps, opt, grads, clip):
+    def apply(self, ps, opt, grads, clip, norm=None):
         optimizer, steps = opt
         if self.bf16:
             grads = [None if g is None else g.float() for g in grads]
             grads = [torch.zeros_like(m) if g is None else g for g, m in zip(grads, steps)]
-        _apply(steps, optimizer, grads, clip)
+        _apply(steps, optimizer, grads, clip, norm)
         if self.bf16:
             with torch.no_grad():
                 for p, m in zip(ps, steps):
@@ -189,9 +261,15 @@ def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precisi
     return grads, losses
 
 
-def _apply(ps, opt, grads, clip):
-    if clip > 0:  # per stage, as hippie_ds.adapter.engine's per-stage updates
-        norm = torch.stack([g.norm(2) for g in grads if g is not None]).pow(2).sum().sqrt()
+def _norm(grads):
+    return torch.stack([g.norm(2) for g in grads if g is not None]).pow(2).sum().sqrt()
+
+
+def _apply(ps, opt, grads, clip, norm=None):
+    """``norm``: the norm to clip by (default: these gradients', per stage as hippie_ds.adapter.engine's
+    per-stage updates)."""
+    if clip > 0:
+        norm = _norm(grads) if norm is None else norm
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         grads = [None if g is None else g * coef for g in grads]
     for p, g in zip(ps, grads):
