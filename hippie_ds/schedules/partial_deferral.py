@@ -17,6 +17,10 @@ from .costs import Costs, CostsError
 from .ir import CompiledSchedule
 from .simulator import SimResult, simulate
 
+# An overrun of the slack this small (a share of the step time) is not worth a stale layer: a
+# first stage has no slack at all, so without it any link would delay one of its layers.
+TOLERANCE = 1e-3
+
 
 @dataclass(frozen=True)
 class LayersChoice:
@@ -41,8 +45,8 @@ class LayersChoice:
                 f"all-reduce {self.exposed_allreduce:.4g} s (slack {self.slack:.4g} s), step {self.step_time:.4g} s")
 
 
-def _fits(exposed: float, slack: float) -> bool:
-    return exposed <= slack * (1 + 1e-9) + 1e-12
+def _fits(need: float, slack: float, step_time: float) -> bool:
+    return need <= slack + TOLERANCE * step_time
 
 
 def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3) -> dict[int, LayersChoice]:
@@ -53,7 +57,8 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     picks the deferred stages):
 
     * a stage's choice fits when, simulated as the engine runs it, the time it waits for its
-      all-reduces after its last backward plus its ``optimizer_time`` is within its slack. That
+      all-reduces after its last backward plus its ``optimizer_time`` is within its slack
+      (:data:`TOLERANCE` of the step time over it still fits). That
       covers both parts: (a) the in-step part, started inside the last backward once its
       gradients are final (the delayed layers' backward earlier than the backward's end), must
       end within the slack; (b) the delayed part, all-reduced from the next step's start, must
@@ -77,7 +82,7 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     while True:
         res = simulate(compiled, costs, iterations, critical_path=False, deferred_layers=layers)
         over = [(_need(res, costs, s) - slack[s], -s) for s in deferred
-                if layers[s] < total[s] and not _fits(_need(res, costs, s), slack[s])]
+                if layers[s] < total[s] and not _fits(_need(res, costs, s), slack[s], res.step_time)]
         if not over:
             break
         layers[-max(over)[1]] += 1
@@ -85,7 +90,7 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
                             delayed_share=costs.stages[s].delayed_part(layers[s]).fraction,
                             exposed_allreduce=res.per_stage[s]["exposed_allreduce"],
                             slack=slack[s] - costs.stages[s].optimizer_time, step_time=res.step_time,
-                            fits=_fits(_need(res, costs, s), slack[s]))
+                            fits=_fits(_need(res, costs, s), slack[s], res.step_time))
             for s in deferred}
 
 
