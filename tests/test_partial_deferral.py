@@ -196,3 +196,24 @@ def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, c
     assert compiled.deferred_stages() == [] and partial == {}
     compiled, partial = without_undelayed(HIPPIE, {0: 2, 1: 0})
     assert compiled.deferred_stages() == [0] and partial == {0: 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+def test_cli_simulate_deferred_layers(tmp_path, capsys):
+    from hippie_ds.cli import main
+    path = tmp_path / "costs.json"
+    path.write_text(costs(5e8).model_dump_json(exclude_none=True))
+    common = ["schedule", "simulate", "hippie", "-K", "4", "-M", "8", "--costs", str(path),
+              "--param", "deferred_stages=0,1"]
+    assert main(common + ["--deferred-layers", "auto"]) == 0
+    out = capsys.readouterr().out
+    picks = chosen(5e8)
+    assert f"deferred_layers auto, stage 0: delays {picks[0]} of 8 layers" in out
+    assert main(common + ["--deferred-layers", "2"]) == 0
+    assert main(common + ["--deferred-layers", "some"]) == 2
+    assert "'some': allowed auto, all or a layer count" in capsys.readouterr().err
+    path.write_text(costs(5e8, per_layer=False).model_dump_json(exclude_none=True))
+    assert main(common[:-2] + ["--deferred-layers", "auto", "--param", "deferred_stages=0"]) != 0
+    assert "stage(s) [0] have no per-layer costs" in capsys.readouterr().err
