@@ -4,6 +4,7 @@ Pure: no process group."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hippie_ds.config import ConfigError, merge_plan, split_config
 from hippie_ds.schedules import compile
@@ -150,11 +151,23 @@ def test_config_accepts_auto_and_names_it_in_errors():
         merge_plan({"hippie": {"deferred_layers": 1}}, planned, "p.json")
 
 
-def _model(stage_id=0, parts=(0, 8, 16, 24, 32)):
-    import torch
+def _model(stage_id=0, parts=(0, 8, 16, 24, 32), specs=True):
+    """What integration reads of a PipelineModule: its layer specs (every stage's) and this
+    rank's built layers; equal Linear layers, so the same shares as the per-layer cost files."""
+    from deepspeed.pipe import LayerSpec
     layers = [torch.nn.Linear(4, 4) for _ in range(parts[stage_id + 1] - parts[stage_id])]
+    specs = [LayerSpec(torch.nn.Linear, 4, 4) if specs else LayerSpec(_NeedsData) for _ in range(parts[-1])]
     return SimpleNamespace(parts=list(parts), num_stages=len(parts) - 1, stage_id=stage_id, forward_funcs=layers,
-                           global_rank=0, _topo=SimpleNamespace(get_coord=lambda rank: SimpleNamespace(data=0)))
+                           _layer_specs=specs, global_rank=0,
+                           _topo=SimpleNamespace(get_coord=lambda rank: SimpleNamespace(data=0)))
+
+
+class _NeedsData(torch.nn.Module):
+    """A layer that cannot be built on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        raise RuntimeError("needs real tensors")
 
 
 def _options(tmp_path, c=None, **hippie):
@@ -180,13 +193,17 @@ def test_integration_auto_needs_costs(tmp_path):
 
 
 def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, caplog):
-    """A per-stage cost file: this rank's stage takes its own layers' parameter counts (equal
-    Linear layers here, so the same as the per-layer file); the choice matches the chooser's."""
+    """A per-stage cost file: the stages take the model's own layers' parameter bytes (from its
+    layer specs; when those cannot be built, this rank's layers); the choice matches the
+    chooser's on the per-layer file."""
     from hippie_ds.adapter.integration import deferred_layers, without_undelayed
     expected = chosen(5e8)
     got = deferred_layers(_model(), _options(tmp_path, costs(5e8, per_layer=False)), HIPPIE)
     assert got == {s: k for s, k in expected.items() if k < LAYERS}
     assert deferred_layers(_model(stage_id=1), _options(tmp_path, costs(5e8)), HIPPIE) == got
+    for stage_id in (0, 1):
+        assert deferred_layers(_model(stage_id, specs=False), _options(tmp_path, costs(5e8, per_layer=False)),
+                               HIPPIE) == got
     with pytest.raises(ConfigError, match="stage 0 lists 8 layers, the model's stage 0 has 2"):
         deferred_layers(_model(parts=(0, 2, 16, 24, 32)), _options(tmp_path, costs(5e8)), HIPPIE)
     # a fast link: nothing delayed, and the stages are then ordinary (no gradient buffer)

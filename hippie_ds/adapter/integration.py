@@ -204,10 +204,11 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict[int, 
     """``hippie.deferred_layers: "auto"``: {deferred stage: layers}, by
     :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``hippie.costs``
     (a plan carries its own choice, merged into the config before this). A deferred stage whose
-    costs have no per-layer breakdown takes this rank's own layers when it is this rank's stage
-    (parameter counts from ``model.forward_funcs``, the layers the engine splits, so every
-    replica of the stage chooses alike) and its layer count with equal layers otherwise: a
-    stage's choice depends on the others' only through the link they share."""
+    costs have no per-layer breakdown takes the model's own layers' parameter bytes, built on the
+    meta device from the layer specs, the same on every rank. When a layer cannot be built there,
+    this rank's stage counts its built layers (``model.forward_funcs``, which the engine splits)
+    and another stage is taken as equal layers (a stage's choice depends on the others' only
+    through the link they share); every replica of a stage still chooses alike."""
     from ..schedules.costs import Costs, CostsError, LayerShare
     from ..schedules.partial_deferral import choose_deferred_layers
 
@@ -222,11 +223,15 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict[int, 
         costs = Costs.from_file(options.costs, num_stages=model.num_stages)
     except CostsError as exc:
         raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: {exc}') from None
-    stages = list(costs.stages)
+    from .pipeline_module import layer_param_bytes
+
+    stages, every = list(costs.stages), None
     for s in compiled.deferred_stages():
         count = model.parts[s + 1] - model.parts[s]
         if stages[s].layers is None:
-            sizes = _layer_sizes(model) if s == model.stage_id else [1.0] * count
+            every = layer_param_bytes(model._layer_specs) if every is None else every
+            sizes = (every[model.parts[s]:model.parts[s + 1]] if every is not None else
+                     _layer_sizes(model) if s == model.stage_id else [1.0] * count)
             stages[s] = stages[s].model_copy(update={"layers": [LayerShare(param_bytes=x) for x in sizes]})
         elif len(stages[s].layers) != count:
             raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
