@@ -172,12 +172,14 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     return ds_config, config_class, compiled, options
 
 
-def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
+def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
     """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
     stages it delays partly (0: nothing, see :func:`without_undelayed`); checked before any
     process group exists. The default applies to the schedules that have deferred stages and is
     ignored by the others; a value the config sets is checked against the schedule; "auto" is
-    chosen from costs (:func:`auto_deferred_layers`)."""
+    chosen from costs (:func:`auto_deferred_layers`); ``choices``, when given, receives them
+    ({stage: LayersChoice}; :func:`initialize` logs them once the engine has set DeepSpeed's log
+    level from the config)."""
     value = options.deferred_layers
     explicit = "deferred_layers" in options.model_fields_set
     deferred = compiled.deferred_stages()
@@ -190,7 +192,9 @@ def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
     if value == WHOLE_STAGE:
         return {}
     if value == AUTO_LAYERS:
-        value = auto_deferred_layers(model, options, compiled)
+        auto = auto_deferred_layers(model, options, compiled)
+        (choices if choices is not None else {}).update(auto)
+        value = {s: c.layers for s, c in auto.items()}
     if isinstance(value, dict):
         extra = sorted(set(value) - set(deferred))
         if extra:
@@ -200,8 +204,8 @@ def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
     return {s: k for s, k in counts.items() if k is not None and k < layers[s]}
 
 
-def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
-    """``hippie.deferred_layers: "auto"``: {deferred stage: layers}, by
+def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
+    """``hippie.deferred_layers: "auto"``: {deferred stage: LayersChoice}, by
     :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``hippie.costs``
     (a plan carries its own choice, merged into the config before this). A deferred stage whose
     costs have no per-layer breakdown takes the model's own layers' parameter bytes, built on the
@@ -236,12 +240,15 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict[int, 
         elif len(stages[s].layers) != count:
             raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
                               f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
-    choices = choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}))
+    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}))
+
+
+def _log_choice(model: PipelineModule, choices: dict) -> None:
+    """The 'auto' choice of this rank's stage, on its first replica (DeepSpeed logger, INFO)."""
     mine = choices.get(model.stage_id)
     if mine is not None and model._topo.get_coord(model.global_rank).data == 0:
         from deepspeed.utils import logger
         logger.info(f"hippie-ds: deferred_layers auto, {mine.describe()}")
-    return {s: c.layers for s, c in choices.items()}
 
 
 def _layer_sizes(model: PipelineModule) -> list[float]:
@@ -296,7 +303,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config_path = _config_path(args, config, config_params)
     config = _load_config(args, config, config_params)
     ds_config, config_class, compiled, options = prepare(model, config, config_path)
-    compiled, partial = without_undelayed(compiled, deferred_layers(model, options, compiled))
+    choices: dict = {}
+    compiled, partial = without_undelayed(compiled, deferred_layers(model, options, compiled, choices))
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
@@ -315,5 +323,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
                                   deferred_layers=partial)
     zero.partition_parameters.restore_init_context()
+    _log_choice(model, choices)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
