@@ -6,7 +6,8 @@
         "deferred_layers": 1,                   # partial deferral: a deferred stage delays only its first
                                                 #   this many layers (an int, or {"stage": int}); the rest
                                                 #   of its gradient is all-reduced and applied in-step;
-                                                #   "all": the whole stage (the paper's rule)
+                                                #   "all": the whole stage (the paper's rule); "auto":
+                                                #   the fewest that hide its all-reduce (needs costs)
         "schedule_params": {},                  # other parameters a schedule file declares
         "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
         "placement": null,                      # checked against the module's topology when given:
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_DEFERRED_LAYERS = 1
 WHOLE_STAGE = "all"  # hippie.deferred_layers: delay a deferred stage's whole gradient
+AUTO_LAYERS = "auto"  # hippie.deferred_layers: chosen from costs (schedules.partial_deferral)
 
 
 class ConfigError(ValueError):
@@ -54,7 +56,8 @@ class HippieConfig(BaseModel):
     deferred_stages: Any = None
     # An int (every deferred stage) or {stage: int}: a deferred stage delays only the gradient of
     # its first that many layers (PipelineModule layer indices); "all": its whole gradient. The
-    # default, 1, is the rule that trains as well as data parallelism (docs/results.md).
+    # default, 1, is the rule that trains as well as data parallelism (docs/results.md). "auto":
+    # per stage the fewest that hide its all-reduce, from hippie.costs or the plan.
     deferred_layers: Any = DEFAULT_DEFERRED_LAYERS
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
@@ -82,7 +85,7 @@ class HippieConfig(BaseModel):
     def _layers(cls, v):
         def count(x):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-        if v == WHOLE_STAGE or count(v):
+        if v in (WHOLE_STAGE, AUTO_LAYERS) or count(v):
             return v
         if isinstance(v, dict):
             out = {}
@@ -94,7 +97,8 @@ class HippieConfig(BaseModel):
             else:
                 return out
         raise ValueError('allowed: a non-negative layer count (every deferred stage), "all" (the whole stage), '
-                         'or a mapping of deferred stage to layer count, e.g. {"0": 1}')
+                         '"auto" (per stage the fewest that hide its all-reduce, from "hippie.costs" or '
+                         '"hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')
 
 
 def _describe(err: dict, section: str) -> str:
@@ -167,7 +171,7 @@ def read_config(config: str | os.PathLike | dict) -> dict:
 
 def merge_plan(config: dict, planned: dict, plan_path: str, _prefix: str = "") -> dict:
     """``config`` with the keys a plan sets (``Plan.deepspeed_config()``) filled in. A key the
-    config already sets must agree with the plan ('auto' deferred stages take the plan's)."""
+    config already sets must agree with the plan ('auto' deferred stages and layers take the plan's)."""
     out = dict(config)
     for key, value in planned.items():
         name = f"{_prefix}{key}"
@@ -175,7 +179,7 @@ def merge_plan(config: dict, planned: dict, plan_path: str, _prefix: str = "") -
             out[key] = value
         elif isinstance(value, dict) and isinstance(out[key], dict):
             out[key] = merge_plan(out[key], value, plan_path, name + ".")
-        elif name == "hippie.deferred_stages" and out[key] == "auto":
+        elif name in ("hippie.deferred_stages", "hippie.deferred_layers") and out[key] == "auto":
             out[key] = value
         elif out[key] != value:
             raise ConfigError(f'config key "{name}" = {out[key]!r}, but the plan {plan_path} (config key "hippie.plan") '

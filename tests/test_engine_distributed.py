@@ -145,6 +145,26 @@ def test_partial_deferral_matches_its_rule(tmp_path):
         "partial deferral changed nothing"
 
 
+def test_auto_deferred_layers_on_a_fast_link_delays_nothing(tmp_path):
+    """``hippie.deferred_layers: "auto"`` with a per-stage cost file (the layers' shares from the
+    model's own layer specs): on a link fast enough to hide stage 0's all-reduce it delays 0
+    layers, so stage 0 runs as an ordinary stage (no gradient buffer): synchronous training,
+    equal to the reference without deferral. The first replica of stage 0 logs the choice."""
+    costs = tmp_path / "costs.yaml"
+    costs.write_text("stages: {forward: 0.01, backward: 0.02, param_bytes: 1.0e4}\n"
+                     "comm: {allreduce_bandwidth: 1.0e15, data_parallel: 2}\n")
+    args = ("--stages", 2, "--micro-batches", 3, "--steps", 3, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
+            "--schedule-override", json.dumps({"deferred_layers": "auto", "costs": str(costs),
+                                               "deepspeed": {"log_level": "info"}}))
+    rc, log, _ = launch(4, tmp_path, *args, "--engines", "hippie")
+    assert rc == 0, log[-4000:]
+    assert "deferred_layers auto, stage 0: delays 0 of" in log, log[-4000:]
+    ours, _, parts, _, replicas = collect(tmp_path, "hippie")
+    ref, _ = reference.run(parts, 2, 3, 3, deferred=[], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS)
+    _assert_close(ours, ref, "hippie auto deferred_layers (0 layers) vs synchronous reference")
+    _replicas_identical(replicas)
+
+
 def test_flush_applies_pending_gradient(tmp_path):
     rc, log, _ = launch(2, tmp_path, "--stages", 2, "--steps", 3, "--engines", "hippie", "--deferred", "0", "--flush")
     assert rc == 0, log[-4000:]

@@ -362,3 +362,17 @@ def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
                 step, deferred = model.step_time(lay, "zb-h1", b / 8, M, ks)
                 sim = evaluate.simulate_configuration(model, lay, b, M, "zb-h1", ks, deferred, auto_limit=10 ** 9)
                 assert step <= sim.step * (1 + 1e-9) and step == pytest.approx(sim.step, rel=0.25), (spec, K, ks)
+
+
+@need_profiles
+def test_hippie_plan_states_its_deferred_layers(vgg):
+    """A plan with deferred stages carries the engine's "auto" choice of delayed layers (the same
+    function, schedules.partial_deferral) into the config it sets and its summary."""
+    plan = make_plan(vgg, parse_cluster("4x4,16GB,10Gbit"), 2048, schedules=["hippie"], depths=[2], baselines=False)
+    deferred = [st for st in plan.stages if st.deferred]
+    assert deferred and plan.prediction.predicted_by == "simulator"
+    for st in deferred:
+        assert 1 <= st.deferred_layers <= st.end_layer - st.first_layer and 0 < st.delayed_share <= 1
+    assert plan.deepspeed_config()["hippie"]["deferred_layers"] == {str(st.stage): st.deferred_layers
+                                                                    for st in deferred}
+    assert f"layers, {deferred[0].delayed_share:.0%}" in plan.summary()

@@ -13,7 +13,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed_version
-from ..config import WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
+from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
 from ..schedules import compile as compile_schedule, load_spec
 from .precision import check_precision
 from .tied import check_tied, delay_ties
@@ -169,11 +169,14 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     return ds_config, config_class, compiled, options
 
 
-def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
+def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
     """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
-    stages it delays partly; checked before any process group exists. The default applies to the
-    schedules that have deferred stages and is ignored by the others; a value the config sets is
-    checked against the schedule."""
+    stages it delays partly (0: nothing, see :func:`without_undelayed`); checked before any
+    process group exists. The default applies to the schedules that have deferred stages and is
+    ignored by the others; a value the config sets is checked against the schedule; "auto" is
+    chosen from costs (:func:`auto_deferred_layers`); ``choices``, when given, receives them
+    ({stage: LayersChoice}; :func:`initialize` logs them once the engine has set DeepSpeed's log
+    level from the config)."""
     value = options.deferred_layers
     explicit = "deferred_layers" in options.model_fields_set
     deferred = compiled.deferred_stages()
@@ -185,6 +188,10 @@ def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
         return {}
     if value == WHOLE_STAGE:
         return {}
+    if value == AUTO_LAYERS:
+        auto = auto_deferred_layers(model, options, compiled)
+        (choices if choices is not None else {}).update(auto)
+        value = {s: c.layers for s, c in auto.items()}
     if isinstance(value, dict):
         extra = sorted(set(value) - set(deferred))
         if extra:
@@ -192,6 +199,73 @@ def deferred_layers(model: PipelineModule, options, compiled) -> dict[int, int]:
     counts = {s: value if isinstance(value, int) else value.get(s) for s in deferred}
     layers = {s: model.parts[s + 1] - model.parts[s] for s in deferred}
     return {s: k for s, k in counts.items() if k is not None and k < layers[s]}
+
+
+def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
+    """``hippie.deferred_layers: "auto"``: {deferred stage: LayersChoice}, by
+    :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``hippie.costs``
+    (a plan carries its own choice, merged into the config before this). A deferred stage whose
+    costs have no per-layer breakdown takes the model's own layers' parameter bytes, built on the
+    meta device from the layer specs, the same on every rank. When a layer cannot be built there,
+    this rank's stage counts its built layers (``model.forward_funcs``, which the engine splits)
+    and another stage is taken as equal layers (a stage's choice depends on the others' only
+    through the link they share); every replica of a stage still chooses alike."""
+    from ..schedules.costs import Costs, CostsError, LayerShare
+    from ..schedules.partial_deferral import choose_deferred_layers
+
+    shown = f'config key "hippie.deferred_layers" = {AUTO_LAYERS!r}'
+    if options.costs is None:
+        made = (f'; the plan {options.plan!r} ("hippie.plan") states no choice (made before "auto" existed): make it '
+                "again with `hippie-ds plan`" if options.plan is not None else
+                '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)')
+        raise ConfigError(f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
+                          f"(per-layer ones optional, see docs/reference.md){made}")
+    try:
+        costs = Costs.from_file(options.costs, num_stages=model.num_stages)
+    except CostsError as exc:
+        raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: {exc}') from None
+    from .pipeline_module import layer_param_bytes
+
+    stages, every = list(costs.stages), None
+    for s in compiled.deferred_stages():
+        count = model.parts[s + 1] - model.parts[s]
+        if stages[s].layers is None:
+            every = layer_param_bytes(model._layer_specs) if every is None else every
+            sizes = (every[model.parts[s]:model.parts[s + 1]] if every is not None else
+                     _layer_sizes(model) if s == model.stage_id else [1.0] * count)
+            stages[s] = stages[s].model_copy(update={"layers": [LayerShare(param_bytes=x) for x in sizes]})
+        elif len(stages[s].layers) != count:
+            raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
+                              f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
+    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}))
+
+
+def _log_choice(model: PipelineModule, choices: dict) -> None:
+    """The 'auto' choice of this rank's stage, on its first replica (DeepSpeed logger, INFO)."""
+    mine = choices.get(model.stage_id)
+    if mine is not None and model._topo.get_coord(model.global_rank).data == 0:
+        from deepspeed.utils import logger
+        logger.info(f"hippie-ds: deferred_layers auto, {mine.describe()}")
+
+
+def _layer_sizes(model: PipelineModule) -> list[float]:
+    """Parameter count of each of this rank's stage's layers (0 for functions and tied modules
+    reached through a function, which the engine never delays either)."""
+    import torch
+    return [float(sum(p.numel() for p in f.parameters())) if isinstance(f, torch.nn.Module) else 0.0
+            for f in model.forward_funcs]
+
+
+def without_undelayed(compiled, partial: dict[int, int]):
+    """(schedule, partial) with the deferred stages that delay 0 layers made ordinary stages:
+    delaying nothing is all-reducing and updating in-step, with no gradient buffer to keep."""
+    idle = sorted(s for s, k in partial.items() if k == 0)
+    if not idle:
+        return compiled, partial
+    kept = [s for s in compiled.deferred_stages() if s not in idle]
+    params = {**compiled.params, "deferred_stages": kept}
+    recompiled = compile_schedule(compiled.source or compiled.name, compiled.stages, compiled.micro_batches, **params)
+    return recompiled, {s: k for s, k in partial.items() if k}
 
 
 def schedules_with_param(param: str) -> list[str]:
@@ -226,7 +300,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config_path = _config_path(args, config, config_params)
     config = _load_config(args, config, config_params)
     ds_config, config_class, compiled, options = prepare(model, config, config_path)
-    partial = deferred_layers(model, options, compiled)
+    choices: dict = {}
+    compiled, partial = without_undelayed(compiled, deferred_layers(model, options, compiled, choices))
     compiled, partial, tied_delayed = delay_ties(model, compiled, partial)  # tied copies: one rule
 
     zero.partition_parameters.shutdown_init_context()
@@ -246,5 +321,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
                                   deferred_layers=partial, tied_delayed=tied_delayed)
     zero.partition_parameters.restore_init_context()
+    _log_choice(model, choices)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

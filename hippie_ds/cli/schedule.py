@@ -79,11 +79,13 @@ def _add_simulate_command(sub) -> None:
                                    "--param is given to every schedule that declares it.\n\nexamples:\n"
                                    "  hippie-ds schedule simulate 1f1b gpipe hippie -K 4 -M 8 --forward 1 "
                                    "--backward 2\n"
-                                   "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml --json")
+                                   "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml --json\n"
+                                   "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml --deferred-layers auto")
     q.add_argument("schedule", nargs="+", metavar="NAME|PATH", help="built-in schedule names or schedule files")
     _add_shape(q)
     _add_params(q)
     _add_costs(q)
+    _add_deferred_layers(q)
     q.add_argument("--iterations", "-n", type=_positive_int, default=3, metavar="N",
                    help="training steps to simulate (the last gives the steady state; default 3)")
     q.add_argument("--json", action="store_true", help="print the results as JSON (without the event list)")
@@ -102,11 +104,49 @@ def _add_trace_command(sub) -> None:
     _add_shape(q)
     _add_params(q)
     _add_costs(q)
+    _add_deferred_layers(q)
     q.add_argument("--iterations", "-n", type=_positive_int, default=3, metavar="N",
                    help="training steps to simulate (default 3)")
     q.add_argument("--out", "-o", required=True, metavar="FILE.json", help="Chrome trace to write")
     q.add_argument("--png", metavar="FILE.png", help="timeline picture to write (default: FILE.png beside --out)")
     q.set_defaults(func=_cmd_trace)
+
+
+def _add_deferred_layers(q) -> None:
+    q.add_argument("--deferred-layers", metavar="auto|N|all", type=_deferred_layers_value, default="all",
+                   help="partial deferral (hippie.deferred_layers) of the deferred stages: 'all' delays their whole "
+                        "gradient (default), N their first N layers, 'auto' the fewest that hide their all-reduce "
+                        "(the engine's rule; prints each stage's choice). N and auto need per-layer costs: a "
+                        "--costs file whose stages list 'layers'")
+
+
+def _deferred_layers_value(text: str):
+    if text in ("auto", "all"):
+        return text
+    if text.isdigit():
+        return int(text)
+    import argparse
+    raise argparse.ArgumentTypeError(f"{text!r}: allowed auto, all or a layer count >= 0")
+
+
+def _partial_deferral(compiled, costs, value, iterations: int) -> tuple[dict[int, int], list]:
+    """--deferred-layers for ``compiled``: ({deferred stage: layers delayed}, the 'auto' choices)."""
+    from ..schedules.costs import CostsError
+    from ..schedules.partial_deferral import choose_deferred_layers
+    deferred = [] if compiled.continuous else compiled.deferred_stages()
+    if value == "all" or not deferred:
+        return {}, []
+    missing = [s for s in deferred if not costs.stages[s].layers]
+    if missing:
+        raise UsageError(f"--deferred-layers {value}: stage(s) {missing} have no per-layer costs; give a --costs file "
+                         "whose stages list 'layers' (param_bytes, optionally backward, per layer)")
+    if value == "auto":
+        try:
+            choices = choose_deferred_layers(compiled, costs, iterations)
+        except CostsError as exc:
+            raise UsageError(f"--deferred-layers auto: {exc}") from None
+        return {s: c.layers for s, c in choices.items()}, list(choices.values())
+    return {s: min(value, len(costs.stages[s].layers)) for s in deferred}, []
 
 
 def _cmd_list(args) -> int:
@@ -207,7 +247,9 @@ def _simulate_one(name: str, args, costs, only_declared: bool):
                                            iterations=args.iterations)
     if params != compiled.params:
         compiled = _compile(name, args, validate=True, params=params)
-    return compiled, simulator.simulate(compiled, costs, iterations=args.iterations)
+    layers, choices = _partial_deferral(compiled, costs, args.deferred_layers, args.iterations)
+    result = simulator.simulate(compiled, costs, iterations=args.iterations, deferred_layers=layers)
+    return compiled, result, choices
 
 
 def _cmd_simulate(args) -> int:
@@ -220,13 +262,17 @@ def _cmd_simulate(args) -> int:
                 raise UsageError(f"--param {key}: none of the schedules {', '.join(names)} has this parameter")
     results = [(name, *_simulate_one(name, args, costs, only_declared=len(names) > 1)) for name in names]
     if args.json:
-        data = [result.to_dict(events=False) for _, _, result in results]
+        data = [{**result.to_dict(events=False),
+                 **({"deferred_layers": [vars(c) for c in choices]} if choices else {})}
+                for _, _, result, choices in results]
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2, default=_json_default))
         return 0
-    for i, (name, compiled, result) in enumerate(results):
+    for i, (name, compiled, result, choices) in enumerate(results):
         if i:
             print()
         print(_report(name, compiled, result, costs))
+        for choice in choices:
+            print(f"deferred_layers auto, {choice.describe()}")
     if len(results) > 1:
         print()
         print(_comparison(results))
@@ -270,7 +316,7 @@ def _report(name: str, compiled, result, costs) -> str:
 def _comparison(results) -> str:
     base = results[0][2].step_time
     rows = []
-    for name, _, result in results:
+    for name, _, result, _ in results:
         rel = f"{result.step_time / base:.3f}x" if base > 0 else "-"
         rows.append([name, _fmt_time(result.step_time), rel, f"{result.bubble_fraction:.1%}",
                      f"{result.throughput:.4g}", _fmt_time(result.allreduce_on_critical_path)])
@@ -283,7 +329,7 @@ def _cmd_trace(args) -> int:
     out = Path(args.out)
     png = Path(args.png) if args.png else out.with_suffix(".png")
     costs = _build_costs(args, args.stages)
-    compiled, result = _simulate_one(args.schedule, args, costs, only_declared=False)
+    compiled, result, _ = _simulate_one(args.schedule, args, costs, only_declared=False)
     for path in (out, png):
         path.parent.mkdir(parents=True, exist_ok=True)
     trace.chrome_trace(result.events, out)

@@ -3,6 +3,7 @@ re-computation it should use, its analytic or simulated estimate, and the predic
 reports. Pure Python; the search (:mod:`.plan`) and the baselines (:mod:`.baselines`) share it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -70,6 +71,28 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
     d = list(compiled.params.get("deferred_stages", []))
     mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
     return _Estimate(res.step_time, mem, p, d, "simulator")
+
+
+def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
+                    est: _Estimate) -> tuple[_Estimate, dict]:
+    """``hippie.deferred_layers: "auto"`` for a simulated configuration with deferred stages:
+    (the estimate, {deferred stage: LayersChoice}) by the engine's own rule
+    (:func:`hippie_ds.schedules.partial_deferral.choose_deferred_layers`). A stage that delays
+    nothing is no longer deferred, and the step is the one simulated with the chosen layers (what
+    runs); memory keeps each deferred stage's whole gradient buffer (an upper bound). Analytic
+    estimates (too large to simulate) choose nothing: the config's value applies."""
+    if est.predicted_by != "simulator" or not est.deferred:
+        return est, {}
+    from ..schedules import compile as compile_schedule
+    from ..schedules.partial_deferral import choose_deferred_layers
+
+    compiled = compile_schedule(schedule, lay.K, M, validate=False, deferred_stages=list(est.deferred))
+    choices = choose_deferred_layers(compiled, _costs(model, lay, b, ks))
+    kept = [s for s in est.deferred if choices[s].layers]
+    memory = est.memory if kept == list(est.deferred) else model.memory(
+        lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions)
+    step = next(iter(choices.values())).step_time
+    return dataclasses.replace(est, step=step, memory=memory, deferred=kept), {s: choices[s] for s in kept}
 
 
 def sim_cost(lay: _Layout, M: int, schedule: str) -> int:

@@ -66,7 +66,7 @@ from typing import Sequence
 from .cluster import Cluster
 from .objectives import check_objective, score
 from .baselines import plan_baselines
-from .evaluate import choose_recompute, prediction, sim_cost, simulate_configuration
+from .evaluate import choose_recompute, deferred_layers, prediction, sim_cost, simulate_configuration
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
 from .plan_file import DEFAULT_STATE_FACTOR, GB, Baseline, Plan, StagePlan
 from .plan_file import SCHEDULES
@@ -247,6 +247,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
              baselines: list[Baseline], search: dict) -> Plan:
     lay, f = cand.lay, cand.b / model.b0
     stages, checkpointed = [], []
+    est, delayed = deferred_layers(model, lay, cand.b, cand.M, cand.schedule, cand.ks, est)
     deferred = set(est.deferred)
     for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
         rec = lay.rec[s]
@@ -257,6 +258,8 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
                                 backward=f * lay.bwd[s], recompute=f * rec.time(cand.ks[s]),
                                 param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
                                 in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s],
+                                deferred_layers=delayed[s].layers if s in delayed else None,
+                                delayed_share=delayed[s].delayed_share if s in delayed else 0.0,
                                 activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s])))
     params = {"deferred_stages": sorted(deferred)} if schedule_traits(cand.schedule, lay.K, cand.M).defers else {}
     return Plan(model=model.profile.model, num_layers=model.n, fingerprint=model.profile.fingerprint(),

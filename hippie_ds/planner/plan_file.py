@@ -61,6 +61,11 @@ class StagePlan(_Strict):
     kept_bytes: float = Field(ge=0, description="activation bytes kept per in-flight micro-batch")
     in_flight: int = Field(ge=1, description="peak micro-batches whose activations are held")
     deferred: bool = Field(False, description="all-reduce deferred to the next step (gradient buffer)")
+    deferred_layers: int | None = Field(None, ge=1, description="of a deferred stage: its leading layers whose "
+                                        "gradient is applied one step late (hippie.deferred_layers 'auto'; "
+                                        "its layer count: the whole stage); none: not chosen")
+    delayed_share: float = Field(0.0, ge=0, le=1, description="share of the stage's gradient bytes applied one "
+                                                               "step late")
     memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes)")
     activation_memory: float = Field(0.0, ge=0, description="of which activations held for backward: in-flight "
                                                             "micro-batches x kept bytes + the largest re-computed run")
@@ -157,6 +162,9 @@ class Plan(_Strict):
         params = dict(self.schedule_params)
         if "deferred_stages" in params:
             hippie["deferred_stages"] = params.pop("deferred_stages")
+        layers = {str(st.stage): st.deferred_layers for st in self.stages if st.deferred_layers is not None}
+        if layers:
+            hippie["deferred_layers"] = layers
         if params:
             hippie["schedule_params"] = params
         return {"train_batch_size": self.global_batch, "train_micro_batch_size_per_gpu": self.micro_batch_size,
@@ -215,6 +223,17 @@ def _ranges(xs: Sequence[int]) -> str:
     return ",".join(out)
 
 
+def _deferred(st: StagePlan) -> str:
+    """A stage's deferral: '-', 'yes', or the layers it delays and their share of its gradient."""
+    if not st.deferred:
+        return "-"
+    if st.deferred_layers is None:
+        return "yes"
+    layers = st.end_layer - st.first_layer
+    what = "all" if st.deferred_layers >= layers else f"{st.deferred_layers}/{layers}"
+    return f"{what} layers, {st.delayed_share:.0%}"
+
+
 def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
     """A readable summary: the configuration, one line a stage (the first and last ones of a deep
     pipeline), and the plan beside its baselines."""
@@ -243,7 +262,7 @@ def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
             continue
         rows.append([str(st.stage), f"{st.first_layer}-{st.end_layer - 1}", f"{st.forward * 1e3:.4g}",
                      f"{st.backward * 1e3:.4g}", f"{st.recompute * 1e3:.4g}", f"{st.param_bytes / 1e6:.4g}",
-                     str(st.in_flight), f"{st.kept_bytes / 1e6:.4g}", "yes" if st.deferred else "-",
+                     str(st.in_flight), f"{st.kept_bytes / 1e6:.4g}", _deferred(st),
                      _gb(st.memory)])
     lines.append(table(rows[0], rows[1:]))
     lines.append("")

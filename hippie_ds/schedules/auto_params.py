@@ -15,10 +15,7 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
 
     Rule (the brief's "a stage defers when its all-reduce time exceeds its slack"):
 
-    * slack of stage s = T + o_s - b_s, from a simulation with nothing deferred and free
-      all-reduces (the pipeline's compute shape, last call): T = the latest end of any stage's
-      compute, b_s = the end of stage s's last backward, o_s = the start of stage s's first
-      forward minus stage 0's, i.e. how long after the next call starts stage s computes again;
+    * slack of stage s (:func:`stage_slack`), from a simulation with nothing deferred;
     * need of stage s = its simulated all-reduce duration (link sharing with the all-reduces
       running beside it included) + its optimizer_time;
     * greedily: simulate with the current deferred set, defer the non-deferred stage whose need
@@ -45,11 +42,8 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
         compiled = compile_schedule(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})
         return simulate(compiled, c, iterations, critical_path=False)
 
-    free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
-    shape = run([], free).timeline[-1]
-    t_end = max(shape["compute_end"])
-    first = shape["first_forward"]
-    slack = [t_end + (first[s] - first[0]) - shape["last_backward"][s] for s in range(stages)]
+    slack = stage_slack(compile_schedule(spec, stages, micro_batches, {**given, **{n: [] for n in auto}}), costs,
+                        iterations)
 
     deferred: list[int] = []
     while True:
@@ -65,3 +59,17 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
             break
         deferred = sorted(deferred + [-max(over)[1]])
     return resolve_params(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})
+
+
+def stage_slack(compiled, costs: Costs, iterations: int = 3) -> list[float]:
+    """Per stage, how long its all-reduce and update may take after its last backward without
+    holding anyone up: T + o_s - b_s, from a simulation of ``compiled`` with free all-reduces (the
+    pipeline's compute shape, last call): T = the latest end of any stage's compute, b_s = the end
+    of stage s's last backward, o_s = the start of stage s's first forward minus stage 0's, i.e.
+    how long after the next call starts stage s computes again. Deferring stages does not change
+    the compute shape, so any deferred set gives the same slack."""
+    free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
+    shape = simulate(compiled, free, iterations, critical_path=False).timeline[-1]
+    t_end = max(shape["compute_end"])
+    first = shape["first_forward"]
+    return [t_end + (first[s] - first[0]) - shape["last_backward"][s] for s in range(compiled.stages)]

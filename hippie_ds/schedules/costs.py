@@ -7,7 +7,12 @@ A cost file (YAML or JSON) looks like::
 
     stages:                 # one mapping per stage, or a single mapping for every stage
       - {forward: 0.020, backward: 0.040, activation_bytes: 4.2e6, saved_bytes: 3.0e7, param_bytes: 1.37e7}
-      - ...
+      - forward: 0.020
+        backward: 0.040
+        param_bytes: 1.37e7
+        layers:             # optional, in PipelineModule order: what partial deferral
+          - {param_bytes: 0.6e7, backward: 0.010}   # (hippie.deferred_layers) delays
+          - {param_bytes: 0.77e7, backward: 0.030}
     comm:
       p2p_bandwidth: 10.0e9
       allreduce_bandwidth: 1.25e8   # 1 Gbit/s inter-node link
@@ -16,7 +21,7 @@ A cost file (YAML or JSON) looks like::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,6 +34,26 @@ class CostsError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LayerShare(_Strict):
+    """One layer of a stage, for partial deferral (``hippie.deferred_layers``): what delaying it
+    moves out of the step (its gradient bytes) and how much earlier the rest of the stage's
+    gradient is final (its backward time; the first layers' backward runs last)."""
+
+    param_bytes: float = Field(ge=0, description="bytes of this layer's parameters; only their share of the "
+                               "stage's layers matters (parameter counts do)")
+    backward: float | None = Field(None, ge=0, description="backward time of one micro-batch through this layer "
+                                   "(s); default: the stage's backward split by parameter share")
+
+
+class DelayedPart(NamedTuple):
+    """A deferred stage's delayed part: ``fraction`` of its gradient bytes is buffered and applied
+    one step late; the rest is final ``lead`` seconds before its last backward ends (the engine
+    starts that part's all-reduce then)."""
+
+    fraction: float
+    lead: float = 0.0
 
 
 class StageCost(_Strict):
@@ -53,6 +78,8 @@ class StageCost(_Strict):
     allreduce_cpu_time: float = Field(0.0, ge=0, description="compute time an all-reduce of this stage's "
                                       "whole gradient takes from the stage while in flight (s): copies, "
                                       "reductions and network work on a core compute shares; 0 on GPUs")
+    layers: list[LayerShare] | None = Field(None, min_length=1, description="per-layer breakdown in "
+                                            "PipelineModule order (partial deferral); none: not known")
 
     @model_validator(mode="after")
     def _weight_within_backward(self):
@@ -60,6 +87,24 @@ class StageCost(_Strict):
             raise ValueError(f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
                              "(it is the weight-gradient part of backward)")
         return self
+
+    def delayed_part(self, layers: int) -> DelayedPart:
+        """What delaying the first ``layers`` layers (``hippie.deferred_layers``) means in costs.
+        The share is by gradient bytes (all of it for a stage without parameters once every layer
+        is delayed); the lead is those layers' backward time, each layer's own or, when not
+        given, the stage's backward split by parameter share. Needs :attr:`layers`."""
+        if not self.layers:
+            raise CostsError("stage costs have no per-layer breakdown (field layers): partial deferral needs each "
+                             "layer's param_bytes (and optionally backward)")
+        n = len(self.layers)
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 0 <= layers <= n:
+            raise CostsError(f"delayed layers = {layers!r}: allowed 0..{n} for a stage of {n} layers")
+        total = sum(x.param_bytes for x in self.layers)
+        head = self.layers[:layers]
+        fraction = (sum(x.param_bytes for x in head) / total if total > 0 else float(layers == n))
+        lead = sum(x.backward if x.backward is not None else
+                   (self.backward * x.param_bytes / total if total > 0 else self.backward / n) for x in head)
+        return DelayedPart(fraction, min(lead, self.backward))
 
     @property
     def weight_time(self) -> float:
@@ -162,7 +207,8 @@ class Costs(_Strict):
         """Stages from per-layer costs. Each layer: forward, backward, and optionally recompute,
         backward_weight (summed when every layer of the stage has it), saved_bytes, param_bytes,
         optimizer_time (summed over the stage's layers) and
-        output_bytes (the stage's activation_bytes is its last layer's). ``boundaries`` are
+        output_bytes (the stage's activation_bytes is its last layer's); each stage keeps its
+        layers' param_bytes and backward (``StageCost.layers``, for partial deferral). ``boundaries`` are
         DeepSpeed-style ``parts`` [0, b1, ..., N] (K+1 entries) or the K stage start indices
         [0, b1, ..., b_{K-1}]."""
         layers = []
@@ -190,6 +236,7 @@ class Costs(_Strict):
                                     else sum(x.backward_weight for x in seg)),
                 "param_bytes": sum(x.param_bytes for x in seg), "optimizer_time": sum(x.optimizer_time for x in seg),
                 "activation_bytes": seg[-1].output_bytes,
+                "layers": [{"param_bytes": x.param_bytes, "backward": x.backward} for x in seg],
             })
         return cls._build({"stages": stages, "comm": _comm_dict(comm)}, "Costs.from_layers")
 

@@ -21,6 +21,13 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   blocking one's transfer covers it); WAIT_ALLREDUCE waits for it; REDUCE_GRADS is both. With
   ``shared_link`` the all-reduces in flight split the link's bandwidth equally (fluid model:
   rates are recomputed whenever one starts or ends); the latency part is not shared.
+* partial deferral (``hippie.deferred_layers``): a deferred stage's 'buffer' all-reduce carries
+  the delayed share of its gradient, its 'grads' all-reduce the rest. Given per-layer costs
+  (``deferred_layers``), the 'grads' one starts as the engine starts it: inside the stage's last
+  whole backward of the call, once the later layers' gradients are final, i.e. the delayed
+  layers' backward time (``StageCost.delayed_part``) before that backward ends, as one bucket;
+  the declared START_ALLREDUCE(grads) then finds it in flight. Given only shares
+  (``delayed_fraction``), it starts at the declared op, after the last backward.
 * updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
   ``optimizer_time`` (APPLY nothing while the buffer is empty). OPTIMIZER_STEP and
   REDUCE_TIED_GRADS are pipeline-wide collectives: a stage's k-th one waits until every stage
@@ -59,12 +66,12 @@ from __future__ import annotations
 
 from typing import Iterator, Mapping
 
-from .costs import Costs
+from .costs import Costs, CostsError, DelayedPart
 from .grad_buffer import GradBuffer
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
 from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
-                 WEIGHT_GRAD_KINDS, weight_version,
+                 WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
                  CompiledSchedule, Op, OpKind, op_name)
 
 
@@ -86,12 +93,16 @@ class _Acc:
 
 class _Sim:
     def __init__(self, compiled: CompiledSchedule, costs: Costs, iterations: int,
-                 delayed_fraction: Mapping[int, float] | None = None) -> None:
+                 delayed: Mapping[int, DelayedPart]) -> None:
         self.c, self.costs, self.iterations = compiled, costs, iterations
         # the share of each stage's gradient that the 'grads' and 'buffer' all-reduces carry
-        deferred, fraction = set(compiled.deferred_stages()), dict(delayed_fraction or {})
+        deferred = set(compiled.deferred_stages())
         self.share = {(s, t): (1.0 if s not in deferred else (f if t == "buffer" else 1.0 - f))
-                      for s in range(compiled.stages) for f in [fraction.get(s, 1.0)] for t in ALLREDUCE_TARGETS}
+                      for s in range(compiled.stages) for f in [delayed[s].fraction if s in delayed else 1.0]
+                      for t in ALLREDUCE_TARGETS}
+        # partial deferral: how long before its last whole backward of a call ends a stage starts
+        # its 'grads' all-reduce (only when part of the gradient is delayed, as the engine does)
+        self.lead = {s: p.lead for s, p in delayed.items() if s in deferred and 0 < p.fraction < 1 and p.lead > 0}
         self.K = compiled.stages
         self.k = _Kernel()
         self.link = _Link(self.k, costs.comm.shared_link)
@@ -111,6 +122,9 @@ class _Sim:
         self.ops = [[list(compiled.call_ops(s, i)) if compiled.continuous else list(compiled.ops(s))
                      for i in range(iterations)] for s in range(self.K)]
         self.updates = [compiled.updates_per_batch[s] if compiled.updates_per_batch else 0 for s in range(self.K)]
+        self.last_whole_backward = {(s, i): [op for op in self.ops[s][i] if op.kind in WHOLE_BACKWARD_KINDS][-1]
+                                    for s in self.lead for i in range(iterations)
+                                    if any(op.kind in WHOLE_BACKWARD_KINDS for op in self.ops[s][i])}
 
     # -- one stage -------------------------------------------------------------------------
     def stage(self, s: int) -> Iterator:
@@ -162,6 +176,13 @@ class _Sim:
             raise IndexError
         return channels[lo]
 
+    def _issue_allreduce(self, s: int, target: str, st: "_StageState") -> Iterator:
+        """START_ALLREDUCE: starts it and holds the stage while it issues it."""
+        cost, share = self.costs.stages[s], self._start_allreduce(s, target, st)
+        hold = cost.allreduce_issue_time + share * cost.allreduce_cpu_time if share else 0.0
+        if hold:
+            yield hold
+
     def _start_allreduce(self, s: int, target: str, st: "_StageState") -> float:
         """Starts stage ``s``'s all-reduce of ``target``; its share of the stage's gradient, 0 when
         nothing starts."""
@@ -187,7 +208,7 @@ class _Sim:
         k, acc, kind = self.k, self.acc[s][it], op.kind
         t0 = k.now
         if kind in COMPUTE_KINDS:
-            yield from self._exec_compute(s, kind, st, acc)
+            yield from self._exec_compute(s, it, op, st, acc)
         elif kind in SEND_KINDS or kind in RECV_KINDS or kind == OpKind.WAIT_SENDS:
             if (yield from self._exec_p2p(s, op, st, acc)):
                 return  # a non-blocking send: drawn on the comm track once it has completed
@@ -197,15 +218,21 @@ class _Sim:
             yield from self._exec_stage_op(s, it, op, st, acc)
         self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
 
-    def _exec_compute(self, s: int, kind: OpKind, st: "_StageState", acc) -> Iterator:
-        k, t0 = self.k, self.k.now
+    def _exec_compute(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        k, t0, kind = self.k, self.k.now, op.kind
         acc.versions = max(acc.versions, len(st.stashed) + 1)
         if kind in _FORWARD_LIKE:  # its activations are held from the forward's start ...
             st.live += 1
             acc.peak = max(acc.peak, st.live)
             if acc.first_forward is None:
                 acc.first_forward = t0
-        yield self._compute_time(s, kind)
+        duration = self._compute_time(s, kind)
+        lead = min(self.lead[s], duration) if self.last_whole_backward.get((s, it)) is op else 0.0
+        yield duration - lead
+        if lead:  # partial deferral: the synchronous part is final, the delayed layers' backward still runs
+            yield from self._issue_allreduce(s, "grads", st)
+            st.started_early = True
+            yield lead
         if kind in WEIGHT_GRAD_KINDS:  # ... until its parameter gradients are computed
             st.live -= 1
             acc.last_backward = k.now
@@ -253,10 +280,10 @@ class _Sim:
         (loads, ops whose time is not modelled) takes no simulated time."""
         k, t0, kind = self.k, self.k.now, op.kind
         if kind == OpKind.START_ALLREDUCE:
-            cost, share = self.costs.stages[s], self._start_allreduce(s, op.target, st)
-            hold = cost.allreduce_issue_time + share * cost.allreduce_cpu_time if share else 0.0
-            if hold:
-                yield hold
+            if op.target == "grads" and st.started_early:
+                st.started_early = False  # in flight since the last backward (partial deferral)
+            else:
+                yield from self._issue_allreduce(s, op.target, st)
         elif kind in (OpKind.WAIT_ALLREDUCE, OpKind.REDUCE_GRADS):
             target = "grads" if kind == OpKind.REDUCE_GRADS else op.target
             if kind == OpKind.REDUCE_GRADS:
@@ -304,22 +331,38 @@ class _StageState:
         self.buffer = GradBuffer()  # the deferred stage's gradient buffer (state only; sizes are costs')
         self.collective_count: dict[OpKind, int] = {}
         self.stashed: set[int] = set()  # weight versions kept besides the current one
+        self.started_early = False  # the 'grads' all-reduce was started inside the last backward
 
 
 def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
-             critical_path: bool = True, delayed_fraction: Mapping[int, float] | None = None) -> SimResult:
+             critical_path: bool = True, delayed_fraction: Mapping[int, float] | None = None,
+             deferred_layers: Mapping[int, int] | None = None) -> SimResult:
     """Simulate ``iterations`` consecutive train_batch calls of ``compiled`` under ``costs``;
     figures are of the last call (see the module docstring for the definitions).
     ``critical_path=False`` skips the second, all-reduce-free run behind
-    ``allreduce_on_critical_path``. ``delayed_fraction``: {deferred stage: the share of its
-    gradient that is delayed} (partial deferral, ``hippie.deferred_layers``; default 1: all of it);
-    the rest is all-reduced by its in-step ``grads`` all-reduce, the buffer holds the delayed share."""
+    ``allreduce_on_critical_path``. Partial deferral (``hippie.deferred_layers``; default: a
+    deferred stage delays all of its gradient), per deferred stage, one of:
+    ``deferred_layers``: {stage: leading layers delayed}, from the stage's per-layer costs
+    (``StageCost.layers``): the delayed share and the in-step part's early start, as the engine
+    runs it; ``delayed_fraction``: {stage: share of its gradient delayed}, when only that is
+    known (the in-step part then starts after the last backward, which over-states what stays
+    exposed). The rest is all-reduced by the in-step ``grads`` all-reduce, the buffer holds the
+    delayed share."""
     if costs.num_stages != compiled.stages:
         raise SimulationError(f"costs describe {costs.num_stages} stages, schedule {compiled.name!r} "
                               f"was compiled for {compiled.stages}")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise SimulationError(f"iterations = {iterations!r}: must be an integer >= 1")
-    sim = _Sim(compiled, costs, iterations, delayed_fraction)
+    both = sorted(set(delayed_fraction or {}) & set(deferred_layers or {}))
+    if both:
+        raise SimulationError(f"stage(s) {both}: given both delayed_fraction and deferred_layers; give one")
+    delayed = {s: DelayedPart(f) for s, f in (delayed_fraction or {}).items()}
+    for s, layers in (deferred_layers or {}).items():
+        try:
+            delayed[s] = costs.stages[s].delayed_part(layers)
+        except CostsError as exc:
+            raise SimulationError(f"deferred_layers of stage {s}: {exc}") from None
+    sim = _Sim(compiled, costs, iterations, delayed)
     sim.run()
 
     K, last = compiled.stages, iterations - 1
@@ -337,7 +380,8 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
     if critical_path and any(costs.allreduce_time(s) > 0 for s in range(K)):
         free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
         critical = step_time - simulate(compiled, free, iterations, critical_path=False,
-                                        delayed_fraction=delayed_fraction).step_time
+                                        delayed_fraction=delayed_fraction,
+                                        deferred_layers=deferred_layers).step_time
 
     return SimResult(schedule=compiled.name, stages=K, micro_batches=compiled.micro_batches,
                      params=dict(compiled.params), step_time=step_time, bubble_fraction=bubble, per_stage=per_stage,

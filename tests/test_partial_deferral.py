@@ -1,0 +1,236 @@
+"""``hippie.deferred_layers: "auto"``: the per-layer costs, the simulator's early in-step
+all-reduce, the chooser (schedules/partial_deferral.py) and its wiring (config, integration).
+Pure: no process group."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hippie_ds.config import ConfigError, merge_plan, split_config
+from hippie_ds.schedules import compile
+from hippie_ds.schedules.costs import Costs, CostsError, StageCost
+from hippie_ds.schedules.partial_deferral import choose_deferred_layers
+from hippie_ds.schedules.simulator import SimulationError, simulate
+
+K, M, LAYERS = 4, 8, 8
+
+
+def costs(bandwidth, data_parallel=2, per_layer=True, stages=K):
+    """Balanced stages of 8 equal layers (8 MB of gradient a stage), ``data_parallel`` replicas
+    over a shared link of ``bandwidth`` bytes/s."""
+    stage = dict(forward=0.01, backward=0.02, param_bytes=8e6)
+    if per_layer:
+        stage["layers"] = [{"param_bytes": 1e6}] * LAYERS
+    return Costs.from_dict({"stages": [stage] * stages,
+                            "comm": {"allreduce_bandwidth": bandwidth, "data_parallel": data_parallel}})
+
+
+HIPPIE = compile("hippie", K, M, validate=False, deferred_stages=[0, 1])
+
+
+def chosen(bandwidth, **kw):
+    return {s: c.layers for s, c in choose_deferred_layers(HIPPIE, costs(bandwidth, **kw)).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs
+
+def test_delayed_part_from_per_layer_costs():
+    """The share is by gradient bytes; the lead is the delayed layers' backward, their own when
+    given, else the stage's backward split by parameter share."""
+    stage = StageCost(forward=1, backward=4, layers=[{"param_bytes": 3}, {"param_bytes": 1, "backward": 0.5}])
+    assert stage.delayed_part(0) == (0.0, 0.0)
+    assert stage.delayed_part(1) == (pytest.approx(0.75), pytest.approx(3.0))
+    assert stage.delayed_part(2) == (pytest.approx(1.0), pytest.approx(3.5))
+    with pytest.raises(CostsError, match=r"delayed layers = 3: allowed 0..2 for a stage of 2 layers"):
+        stage.delayed_part(3)
+    with pytest.raises(CostsError, match="no per-layer breakdown"):
+        StageCost(forward=1, backward=1).delayed_part(1)
+
+
+def test_old_cost_files_stay_valid():
+    """``layers`` is optional: a per-stage cost file without it loads and simulates as before."""
+    c = costs(1e8, per_layer=False)
+    assert c.stages[0].layers is None
+    assert simulate(HIPPIE, c).step_time > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulator: the in-step part starts inside the last backward
+
+def test_early_allreduce_exposure_falls_with_more_delayed_layers():
+    """The in-step part is all-reduced from the moment its gradients are final, the delayed
+    layers' backward before the last backward ends: the more layers delayed, the earlier it
+    starts and the smaller it is, so the stage waits less for it."""
+    c = costs(2e8)  # only stage 0 all-reduces: nobody else's traffic on the link
+    c = c.model_copy(update={"stages": [c.stages[0]] + [x.model_copy(update={"param_bytes": 0}) for x in c.stages[1:]]})
+    exposed = [simulate(HIPPIE, c, deferred_layers={0: L, 1: LAYERS}).per_stage[0]["exposed_allreduce"]
+               for L in range(LAYERS + 1)]
+    assert all(a >= b for a, b in zip(exposed, exposed[1:])) and exposed[0] > exposed[3] > exposed[-1] == 0
+    # by share alone (no per-layer costs) the same part starts after the last backward: more exposed
+    share = c.stages[0].delayed_part(3).fraction
+    late = simulate(HIPPIE, c, delayed_fraction={0: share, 1: 1.0}).per_stage[0]["exposed_allreduce"]
+    assert exposed[3] < late
+
+
+def test_nothing_delayed_is_an_ordinary_stage():
+    """0 layers on a deferred stage delays nothing: its all-reduce and step time are those of the
+    same stage not deferred."""
+    c = costs(2e8)
+    zero = simulate(HIPPIE, c, deferred_layers={0: 0, 1: 0})
+    eager = simulate(compile("hippie", K, M, validate=False, deferred_stages=[]), c)
+    assert zero.step_time == pytest.approx(eager.step_time)
+    assert zero.per_stage[0]["exposed_allreduce"] == pytest.approx(eager.per_stage[0]["exposed_allreduce"])
+    assert zero.per_stage[0]["gradient_buffer_bytes"] == 0
+
+
+def test_simulator_partial_deferral_errors():
+    with pytest.raises(SimulationError, match=r"deferred_layers of stage 0: .*no per-layer breakdown"):
+        simulate(HIPPIE, costs(1e8, per_layer=False), deferred_layers={0: 1})
+    with pytest.raises(SimulationError, match=r"stage\(s\) \[0\]: given both delayed_fraction and deferred_layers"):
+        simulate(HIPPIE, costs(1e8), deferred_layers={0: 1}, delayed_fraction={0: 0.5})
+
+
+# ---------------------------------------------------------------------------------------------
+# The chooser
+
+def test_nothing_to_hide_delays_nothing():
+    """One replica (no all-reduce) or a link fast enough to hide it in the slack: 0 layers."""
+    assert chosen(1e8, data_parallel=1) == {0: 0, 1: 0}
+    assert chosen(1e15) == {0: 0, 1: 0}
+
+
+def test_slower_links_delay_more_layers_monotonically():
+    bandwidths = [1e15, 1e10, 1e9, 5e8, 2e8, 1e8]
+    picks = [chosen(b) for b in bandwidths]
+    for s in (0, 1):
+        counts = [p[s] for p in picks]
+        assert counts == sorted(counts), (s, counts)
+    assert 0 < picks[2][0] < LAYERS  # 1 Gbit/s: some of stage 0, not all of it
+    assert picks[2][0] >= picks[2][1]  # stage 0 has the least slack
+
+
+def test_choice_hides_the_allreduce_and_reports_what_it_predicts():
+    c = costs(5e8)
+    choice = choose_deferred_layers(HIPPIE, c)
+    first = choice[0]
+    assert first.fits and first.exposed_allreduce <= first.slack + 1e-3 * first.step_time
+    assert first.delayed_share == pytest.approx(first.layers / LAYERS)
+    res = simulate(HIPPIE, c, deferred_layers={s: x.layers for s, x in choice.items()})
+    assert first.step_time == pytest.approx(res.step_time)
+    if first.layers:  # one layer fewer does not fit
+        fewer = simulate(HIPPIE, c, deferred_layers={0: first.layers - 1, 1: choice[1].layers})
+        assert fewer.per_stage[0]["exposed_allreduce"] > first.slack + 1e-3 * first.step_time
+    assert "stage 0: delays" in first.describe() and "predicted exposed all-reduce" in first.describe()
+
+
+def test_a_link_too_slow_for_any_count_delays_every_layer():
+    choice = choose_deferred_layers(HIPPIE, costs(1e7))
+    assert all(c.layers == LAYERS and c.whole and not c.fits for c in choice.values())
+    assert choice[0].delayed_share == 1.0
+
+
+def test_chooser_needs_per_layer_costs_and_deferred_stages():
+    with pytest.raises(CostsError, match=r"stage\(s\) \[0, 1\]: no per-layer costs"):
+        choose_deferred_layers(HIPPIE, costs(1e8, per_layer=False))
+    assert choose_deferred_layers(compile("1f1b", K, M, validate=False), costs(1e8)) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and integration
+
+def test_config_accepts_auto_and_names_it_in_errors():
+    assert split_config({"hippie": {"deferred_layers": "auto"}})[2].deferred_layers == "auto"
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'some\': .*allowed: .*"auto"'):
+        split_config({"hippie": {"deferred_layers": "some"}})
+    # a plan's choice replaces "auto", a different explicit value is a conflict
+    planned = {"hippie": {"deferred_layers": {"0": 3}}}
+    assert merge_plan({"hippie": {"deferred_layers": "auto"}}, planned, "p.json")["hippie"]["deferred_layers"] == \
+        {"0": 3}
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1, but the plan p.json'):
+        merge_plan({"hippie": {"deferred_layers": 1}}, planned, "p.json")
+
+
+def _model(stage_id=0, parts=(0, 8, 16, 24, 32), specs=True):
+    """What integration reads of a PipelineModule: its layer specs (every stage's) and this
+    rank's built layers; equal Linear layers, so the same shares as the per-layer cost files."""
+    from deepspeed.pipe import LayerSpec
+    layers = [torch.nn.Linear(4, 4) for _ in range(parts[stage_id + 1] - parts[stage_id])]
+    specs = [LayerSpec(torch.nn.Linear, 4, 4) if specs else LayerSpec(_NeedsData) for _ in range(parts[-1])]
+    return SimpleNamespace(parts=list(parts), num_stages=len(parts) - 1, stage_id=stage_id, forward_funcs=layers,
+                           _layer_specs=specs, global_rank=0,
+                           _topo=SimpleNamespace(get_coord=lambda rank: SimpleNamespace(data=0)))
+
+
+class _NeedsData(torch.nn.Module):
+    """A layer that cannot be built on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        raise RuntimeError("needs real tensors")
+
+
+def _options(tmp_path, c=None, **hippie):
+    if c is not None:
+        path = tmp_path / "costs.json"
+        path.write_text(c.model_dump_json())
+        hippie["costs"] = str(path)
+    return split_config({"hippie": {"deferred_layers": "auto", **hippie}})[2]
+
+
+def test_integration_auto_needs_costs(tmp_path):
+    from hippie_ds.adapter.integration import deferred_layers
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'auto\': needs costs to choose from: '
+                                          r'"hippie.costs".*or "hippie.plan"'):
+        deferred_layers(_model(), _options(tmp_path), HIPPIE)
+    with pytest.raises(ConfigError, match=r'the plan \'p.json\' \("hippie.plan"\) states no choice'):
+        deferred_layers(_model(), _options(tmp_path, plan="p.json"), HIPPIE)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: {forward: 1}\n")
+    with pytest.raises(ConfigError, match=r'(?s)"hippie.costs" = .*bad.yaml.*field stages.0.backward'):
+        deferred_layers(_model(), split_config({"hippie": {"deferred_layers": "auto", "costs": str(bad)}})[2],
+                        HIPPIE)
+
+
+def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, caplog):
+    """A per-stage cost file: the stages take the model's own layers' parameter bytes (from its
+    layer specs; when those cannot be built, this rank's layers); the choice matches the
+    chooser's on the per-layer file."""
+    from hippie_ds.adapter.integration import deferred_layers, without_undelayed
+    expected = chosen(5e8)
+    got = deferred_layers(_model(), _options(tmp_path, costs(5e8, per_layer=False)), HIPPIE)
+    assert got == {s: k for s, k in expected.items() if k < LAYERS}
+    assert deferred_layers(_model(stage_id=1), _options(tmp_path, costs(5e8)), HIPPIE) == got
+    for stage_id in (0, 1):
+        assert deferred_layers(_model(stage_id, specs=False), _options(tmp_path, costs(5e8, per_layer=False)),
+                               HIPPIE) == got
+    with pytest.raises(ConfigError, match="stage 0 lists 8 layers, the model's stage 0 has 2"):
+        deferred_layers(_model(parts=(0, 2, 16, 24, 32)), _options(tmp_path, costs(5e8)), HIPPIE)
+    # a fast link: nothing delayed, and the stages are then ordinary (no gradient buffer)
+    fast = deferred_layers(_model(), _options(tmp_path, costs(1e15)), HIPPIE)
+    assert fast == {0: 0, 1: 0}
+    compiled, partial = without_undelayed(HIPPIE, fast)
+    assert compiled.deferred_stages() == [] and partial == {}
+    compiled, partial = without_undelayed(HIPPIE, {0: 2, 1: 0})
+    assert compiled.deferred_stages() == [0] and partial == {0: 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+def test_cli_simulate_deferred_layers(tmp_path, capsys):
+    from hippie_ds.cli import main
+    path = tmp_path / "costs.json"
+    path.write_text(costs(5e8).model_dump_json(exclude_none=True))
+    common = ["schedule", "simulate", "hippie", "-K", "4", "-M", "8", "--costs", str(path),
+              "--param", "deferred_stages=0,1"]
+    assert main(common + ["--deferred-layers", "auto"]) == 0
+    out = capsys.readouterr().out
+    picks = chosen(5e8)
+    assert f"deferred_layers auto, stage 0: delays {picks[0]} of 8 layers" in out
+    assert main(common + ["--deferred-layers", "2"]) == 0
+    assert main(common + ["--deferred-layers", "some"]) == 2
+    assert "'some': allowed auto, all or a layer count" in capsys.readouterr().err
+    path.write_text(costs(5e8, per_layer=False).model_dump_json(exclude_none=True))
+    assert main(common[:-2] + ["--deferred-layers", "auto", "--param", "deferred_stages=0"]) != 0
+    assert "stage(s) [0] have no per-layer costs" in capsys.readouterr().err
