@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed_version
 from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
-from ..schedules import compile as compile_schedule, load_spec
+from ..schedules import compile as compile_schedule, load_spec, recompile
 from .precision import check_precision
 from .tied import check_tied, delay_ties
 
@@ -263,9 +263,7 @@ def without_undelayed(compiled, partial: dict[int, int]):
     if not idle:
         return compiled, partial
     kept = [s for s in compiled.deferred_stages() if s not in idle]
-    params = {**compiled.params, "deferred_stages": kept}
-    recompiled = compile_schedule(compiled.source or compiled.name, compiled.stages, compiled.micro_batches, **params)
-    return recompiled, {s: k for s, k in partial.items() if k}
+    return recompile(compiled, deferred_stages=kept), {s: k for s, k in partial.items() if k}
 
 
 def schedules_with_param(param: str) -> list[str]:

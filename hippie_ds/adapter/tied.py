@@ -31,7 +31,7 @@ from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
 from ..config import ConfigError
 from ..schedules import builtins_where
-from ..schedules import compile as compile_schedule
+from ..schedules import recompile
 from ..schedules.ir import CompiledSchedule
 
 
@@ -82,10 +82,10 @@ def delay_ties(model: PipelineModule, compiled: CompiledSchedule,
         count = deferred_layers.get(stage)  # None: the whole stage
         return count is None or any(i < model.parts[stage] + count for i in layers)
 
-    delayed = {key for key, stages in tie_holders(model).items() if any(delays(s, ls) for s, ls in stages.items())}
-    added = sorted({s for key in delayed for s in tie_holders(model)[key]} - deferred)
+    holders = tie_holders(model)
+    delayed = {key for key, stages in holders.items() if any(delays(s, ls) for s, ls in stages.items())}
+    added = sorted({s for key in delayed for s in holders[key]} - deferred)
     if not added:
         return compiled, deferred_layers, delayed
-    params = {**compiled.params, "deferred_stages": sorted(deferred | set(added))}
-    recompiled = compile_schedule(compiled.source or compiled.name, compiled.stages, compiled.micro_batches, **params)
-    return recompiled, {**deferred_layers, **{s: 0 for s in added}}, delayed
+    return (recompile(compiled, deferred_stages=sorted(deferred | set(added))),
+            {**deferred_layers, **{s: 0 for s in added}}, delayed)

@@ -15,6 +15,13 @@ def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True
     return compiled
 
 
+def recompile(compiled: CompiledSchedule, **params) -> CompiledSchedule:
+    """The same schedule compiled (and validated) again at its shape with ``params`` changed, e.g.
+    other deferred stages."""
+    return compile(compiled.source or compiled.name, compiled.stages, compiled.micro_batches,
+                   **{**compiled.params, **params})
+
+
 def builtins_where(predicate, stages: int, micro_batches: int) -> list[str]:
     """The built-in schedules whose compiled form at this shape satisfies ``predicate`` (error
     messages list what is allowed by asking the schedules, not by naming them)."""
@@ -29,5 +36,5 @@ def builtins_where(predicate, stages: int, micro_batches: int) -> list[str]:
     return names
 
 
-__all__ = ["available", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
+__all__ = ["available", "builtins_where", "compile", "compile_schedule", "recompile", "load_spec", "resolve_params", "CompiledSchedule",
            "Op", "OpKind", "ScheduleError", "ScheduleSpec"]
