@@ -56,14 +56,17 @@ schedule-demo: $(STAMP)
 	$(HIPPIE) schedule trace 1f1b $(DEMO_SHAPE) $(DEMO_COSTS) --out $(OUT)/1f1b.json
 	@echo "Chrome traces (open in chrome://tracing or ui.perfetto.dev) and timelines: $(OUT)/{hippie,1f1b}.{json,png}"
 
-# The benchmark report (needs root: network namespaces + tc): DP, GPipe+DP, stock 1F1B, hippie,
-# hippie-1f1b, 2bw and pipedream on an emulated two-node cluster (1 Gbit/s link); hippie and
-# hippie-1f1b in the layout the planner chooses from a profile taken first (--auto-plan); one-node and
-# one-device reference runs, simulator predictions and a projection to 16/64/1,024 V100s. Writes
-# $(OUT)/bench/ (results.json, report.md, *.png) and the committed copy in docs/bench/. The two-node
-# runs repeat in 3 interleaved rounds (order rotated; ratios as median and min-max): about 35 minutes.
+# The benchmark report (needs root: network namespaces + tc): DP, GPipe+DP, stock 1F1B, hippie
+# (deferred_layers 1, configs/hippie.json), hippie@auto (deferred_layers "auto", chosen from the stock
+# 1F1B run's measured costs), hippie-1f1b, 2bw and pipedream on an emulated two-node cluster (1 Gbit/s
+# link); the hippie family in the layout the planner chooses from a profile taken first (--auto-plan);
+# one-node runs (scaling 1->2 nodes) and a one-device reference run, simulator predictions and a
+# projection to 16/64/1,024 V100s. Writes $(OUT)/bench/ (results.json, report.md, *.png) and the
+# committed copy in docs/bench/. Two-node and one-node runs repeat in 3 interleaved rounds (each
+# round every schedule on two nodes, then on one; order rotated; ratios and scaling as median and
+# min-max over rounds): about 45 minutes.
 # e.g. `sudo make bench BENCH_ARGS="--schedules 1f1b,hippie --steps 4"`.
-BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie-1f1b,2bw,pipedream
+BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie@auto,hippie-1f1b,2bw,pipedream
 BENCH_ARGS ?=
 bench: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench \

@@ -221,13 +221,17 @@ def test_round_orders_rotate(bench):
 def test_run_plan_with_rounds(bench):
     a = bench.parse_args(["--schedules", "dp,1f1b,hippie", "--rounds", "2", "--no-single"])
     jobs = bench.run_plan(a)
-    two = [(j["round"], j["schedule"], j["dir"]) for j in jobs if j["config"] == "two_nodes"]
-    assert two == [(0, "1f1b", "two_nodes/1f1b/round0"), (0, "dp", "two_nodes/dp/round0"),
-                   (0, "hippie", "two_nodes/hippie/round0"), (1, "dp", "two_nodes/dp/round1"),
-                   (1, "hippie", "two_nodes/hippie/round1"), (1, "1f1b", "two_nodes/1f1b/round1")]
-    # the one-node runs stay single (no round directory), once each
-    assert [j["dir"] for j in jobs if j["config"] == "one_node"] == ["one_node/1f1b", "one_node/dp", "one_node/hippie"]
+    # each round: every schedule on two nodes, then on one node, in the round's order
+    assert [j["dir"] for j in jobs] == [
+        "two_nodes/1f1b/round0", "two_nodes/dp/round0", "two_nodes/hippie/round0",
+        "one_node/1f1b/round0", "one_node/dp/round0", "one_node/hippie/round0",
+        "two_nodes/dp/round1", "two_nodes/hippie/round1", "two_nodes/1f1b/round1",
+        "one_node/dp/round1", "one_node/hippie/round1", "one_node/1f1b/round1"]
+    assert [j["round"] for j in jobs] == [0] * 6 + [1] * 6
     assert bench.config_record(a)["round_orders"] == [["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"]]
+    # the one-device run once, at the end
+    a = bench.parse_args(["--schedules", "dp,1f1b", "--rounds", "2"])
+    assert [j["dir"] for j in bench.run_plan(a)][-2:] == ["one_node/1f1b/round1", "one_device/dp"]
 
 
 def test_combine_rounds(bench):
@@ -374,3 +378,21 @@ def test_core_ticks_count_this_machines_busy_time():
     assert core_ticks(set()) == (0, 0)
     every = set(range(os.cpu_count()))  # the machine's line is the sum of its cores' lines
     assert abs(core_ticks()[1] - core_ticks(every)[1]) <= 5 * len(every)
+
+
+def test_scaling_efficiency_per_round(bench):
+    """With one-node runs in rounds, the scaling 1->2 nodes is taken per round (runs of the same
+    round) with its spread; the report shows it and no longer calls the one-node runs single."""
+    def run(thr_rounds):
+        med = sorted(thr_rounds)[len(thr_rounds) // 2]
+        return {**_run(med, 100e6), "rounds": len(thr_rounds), "round_throughput_samples_s": thr_rounds,
+                "throughput_samples_s_min": min(thr_rounds), "throughput_samples_s_max": max(thr_rounds)}
+    runs = {"two_nodes": {"1f1b": run([18.0, 16.0, 20.0])}, "one_node": {"1f1b": run([10.0, 10.0, 10.0])},
+            "one_device": {"dp": _run(6.0, 100e6)}}
+    s = bench.summarize(runs)["schedules"]["1f1b"]
+    assert s["scaling_efficiency_rounds"] == pytest.approx([0.9, 0.8, 1.0])
+    assert s["scaling_efficiency"] == pytest.approx(0.9)
+    assert (s["scaling_efficiency_min"], s["scaling_efficiency_max"]) == pytest.approx((0.8, 1.0))
+    from benchmarks.report import single_runs_note
+    note = single_runs_note({"runs": runs})
+    assert "one-device run" in note and "one-node" not in note

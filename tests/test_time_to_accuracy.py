@@ -92,6 +92,7 @@ def test_staleness_variant_names_set_the_config(tmp_path):
     assert convergence.split_name("hippie") == ("hippie", None)
     assert convergence.split_layers("hippie@1:none") == ("hippie:none", 1)
     assert convergence.split_layers("hippie") == ("hippie", None)
+    assert convergence.split_layers("hippie@auto") == ("hippie", "auto")
     assert convergence.make_config("hippie@2", Path(convergence.REPO / "configs"), 1e-3, "decay",
                                    100)["hippie"]["deferred_layers"] == 2
     config = convergence.make_config("hippie:none", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)

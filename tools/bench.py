@@ -27,8 +27,9 @@ One command (``make bench``, as root) that
    and DP are taken per round (runs of the same round) and reported as median (min-max); a
    difference counts as real only when it holds in every round (``summarize``);
 3. runs the same schedules on node 0 alone (its 2 ranks, same per-replica batch) for the scaling
-   efficiency from one node to two, and the whole model on one rank (core 0) for the
-   single-device throughput;
+   efficiency from one node to two, inside the same rounds (each round: every schedule on two
+   nodes, then on one), so the scaling is taken per round and has its spread too; and the whole
+   model on one rank (core 0), once, for the single-device throughput;
 4. predicts every run's step time with hippie-ds's simulator from the run's own measured
    per-stage forward/backward/optimizer times, parameter bytes and the link bandwidth;
 5. projects scaling efficiency to 16, 64 and 1,024 V100s with the planner's cost model and

@@ -3,7 +3,7 @@
     NAME[@L][:METHOD[=C]]
 
 NAME is a schedule (or ``dp``); ``@L`` sets ``hippie.deferred_layers`` = L (a layer count, or
-``all``: whole deferred stages); ``:METHOD[=C]`` sets ``hippie.staleness`` {"method": METHOD,
+``all``: whole deferred stages; ``auto``: chosen from costs, which the tool must supply); ``:METHOD[=C]`` sets ``hippie.staleness`` {"method": METHOD,
 "coefficient": C}. e.g. ``hippie@1``, ``hippie@all:none``, ``2bw:extrapolate=1.5``.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ def split_layers(label: str) -> tuple[str, int | str | None]:
     if not at:
         return label, None
     layers, colon, variant = rest.partition(":")
-    if not (layers.isdigit() or layers == "all"):
-        raise SystemExit(f"{label!r}: expected NAME@L[:METHOD[=C]] with L a layer count or 'all'")
-    return schedule + colon + variant, "all" if layers == "all" else int(layers)
+    if not (layers.isdigit() or layers in ("all", "auto")):
+        raise SystemExit(f"{label!r}: expected NAME@L[:METHOD[=C]] with L a layer count, 'all' or 'auto'")
+    return schedule + colon + variant, int(layers) if layers.isdigit() else layers
 
 
 def split_name(label: str) -> tuple[str, dict | None]:

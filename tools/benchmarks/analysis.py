@@ -141,6 +141,9 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
                                      if not s["warmup"] and s.get("core_busy") is not None]),
         "stage_timings_s": {str(s): st["median"] for s, st in timings.items()},
         "exposed_allreduce_s_per_step": exposed,
+        # {stage: share of its gradient applied one step late} where the engine delays a part
+        "delayed_fraction": {str(st["stage"]): st["delayed_fraction"] for st, _ in ranks.values()
+                             if st.get("delayed_fraction") is not None},
         "prediction": {**pred, "costs": costs, "error": err},
     }
 

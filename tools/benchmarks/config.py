@@ -46,10 +46,10 @@ def _add_run_arguments(p: argparse.ArgumentParser):
     p.add_argument("--steps", type=int, default=8, help="timed steps per schedule and run (after the warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule (per run)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of the two-node runs: each round runs every schedule once (its own job: warm-up + "
-                        "--steps), the order rotated each round; figures are medians over rounds, ratios to 1F1B/DP "
-                        "taken per round with their min-max spread (1: one run per schedule); one-node and "
-                        "one-device runs run once")
+                   help="rounds: each round runs every schedule once on two nodes, then once on one node (its "
+                        "own job each: warm-up + --steps), the order rotated each round; figures are medians over "
+                        "rounds, ratios to 1F1B/DP and the scaling 1->2 nodes taken per round with their min-max "
+                        "spread (1: one run per schedule); the one-device run runs once")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser):

@@ -49,7 +49,9 @@ def summarize(runs: dict, devices: dict | None = None) -> dict:
     * me = scalability x throughput / memory (memory: mean per-rank peak training RSS, GB);
       me_vs_dp = me / DP's me (and me_saved_vs_dp with the peak bytes saved for backward +
       the rank's parameter/gradient/optimizer state instead);
-    * scaling_efficiency = throughput(two_nodes) / (2 x throughput(one_node)).
+    * scaling_efficiency = throughput(two_nodes) / (2 x throughput(one_node)); with both in rounds,
+      taken per round (``scaling_efficiency_rounds``, between runs of the same round) as median
+      and ``scaling_efficiency_min``/``_max``.
 
     With rounds (``round_throughput_samples_s`` in the two-node records, ``combine_rounds``) the
     ratios are taken per round, between runs of the same round: ``ratio_to_1f1b`` is the median of
@@ -67,15 +69,17 @@ def summarize(runs: dict, devices: dict | None = None) -> dict:
                   "range": (dp.get("throughput_samples_s_min"), dp.get("throughput_samples_s_max")),
                   "several": (dp.get("rounds") or 1) > 1}
     for name, r in two.items():
-        out["schedules"][name] = _schedule_figures(name, r, two, (one.get(name) or {}).get("throughput_samples_s"),
-                                                   thr1, devices["two_nodes"], dp_figures)
+        out["schedules"][name] = _schedule_figures(name, r, two, one.get(name) or {}, thr1, devices["two_nodes"],
+                                                   dp_figures)
     return out
 
 
-def _schedule_figures(name: str, r: dict, two: dict, one_thr, thr1, devices: int, dp: dict) -> dict:
-    """One schedule's row of ``summarize``: ``two`` the two-node runs, ``one_thr`` its one-node
-    throughput, ``dp`` DP's ME (both kinds), throughput range and whether it ran in rounds."""
+def _schedule_figures(name: str, r: dict, two: dict, one: dict, thr1, devices: int, dp: dict) -> dict:
+    """One schedule's row of ``summarize``: ``two`` the two-node runs, ``one`` its one-node run,
+    ``dp`` DP's ME (both kinds), throughput range and whether it ran in rounds."""
     thr = r.get("throughput_samples_s")
+    one_thr = one.get("throughput_samples_s")
+    scaling = _ratios_per_round(r, one, one_thr)
     scal, me = _me_of(r, thr1, devices)
     me_t = _me_tensor(r, thr1, devices)
     v1 = _ratios_per_round(r, two.get("1f1b"), (two.get("1f1b") or {}).get("throughput_samples_s"))
@@ -94,7 +98,10 @@ def _schedule_figures(name: str, r: dict, two: dict, one_thr, thr1, devices: int
         "scalability": scal, "me": me, "me_vs_dp": me / dp["me"] if me and dp["me"] else None,
         "me_tensors_vs_dp": me_t / dp["me_t"] if me_t and dp["me_t"] else None,
         "one_node_throughput_samples_s": one_thr,
-        "scaling_efficiency": thr / (2 * one_thr) if thr and one_thr else None,
+        "scaling_efficiency": scaling["median"] / 2 if scaling["median"] else None,
+        "scaling_efficiency_rounds": [x / 2 if x else None for x in scaling["rounds"]],
+        "scaling_efficiency_min": scaling["min"] / 2 if scaling["min"] else None,
+        "scaling_efficiency_max": scaling["max"] / 2 if scaling["max"] else None,
     }
 
 

@@ -37,13 +37,26 @@ def rounds_of(results: dict) -> int:
 def single_runs_note(results: dict) -> str:
     """The sentence saying which reference runs were not repeated in rounds ('' if none ran)."""
     runs = results.get("runs", {})
+    once = lambda c: runs.get(c) and max((r.get("rounds") or 1) for r in runs[c].values()) == 1  # noqa: E731
     which = [w for c, w in (("one_node", "the one-node runs (1-node samples/s, scaling 1->2 nodes)"),
                             ("one_device", "the one-device run (single-device throughput, scalability, ME)"))
-             if runs.get(c)]
+             if once(c)]
     if not which:
         return ""
     text = " and ".join(which)
     return f" Not repeated in rounds: {text} ran once each, so their figures carry no spread."
+
+
+def _layout(name: str, r: dict) -> str:
+    """DP xN, or STAGES x REPLICAS with the deferred stages and the share of each one's gradient
+    applied one step late (hippie.deferred_layers)."""
+    if name == "dp":
+        return f"DP x{r['world']}"
+    d = r["schedule_params"].get("deferred_stages")
+    shares = r.get("delayed_fraction") or {}
+    delayed = ", ".join(f"s{s} {v:.0%}" for s, v in sorted(shares.items()))
+    return (f"{r['stages']} stages x {r['world'] // r['stages']}" + (f", deferred {d}" if d is not None else "")
+            + (f" (delayed: {delayed})" if delayed else ""))
 
 
 def main_table(results: dict) -> list[str]:
@@ -55,11 +68,7 @@ def main_table(results: dict) -> list[str]:
     rows = []
     for name, r in two.items():
         s = summ.get(name, {})
-        if name == "dp":
-            layout = f"DP x{r['world']}"
-        else:
-            d = r["schedule_params"].get("deferred_stages")
-            layout = f"{r['stages']} stages x {r['world'] // r['stages']}" + (f", deferred {d}" if d is not None else "")
+        layout = _layout(name, r)
         pred = r.get("prediction") or {}
         several = (r.get("rounds") or 1) > 1
         step = spread_cell(r["median_step_s"], r.get("median_step_s_min") if several else None,
@@ -72,7 +81,8 @@ def main_table(results: dict) -> list[str]:
                      _mb(r["mean_peak_saved_bytes"]), _mb(r["mean_peak_rss_bytes"]),
                      _mb(r["mean_peak_training_rss_bytes"]), _f(s.get("me_vs_dp"), "{:.2f}x"),
                      _f(s.get("me_tensors_vs_dp"), "{:.2f}x"), _f(s.get("one_node_throughput_samples_s"), "{:.2f}"),
-                     _f(s.get("scaling_efficiency"), "{:.2f}"), _f(pred.get("step_time")),
+                     spread_cell(s.get("scaling_efficiency"), s.get("scaling_efficiency_min"),
+                                 s.get("scaling_efficiency_max"), "{:.2f}", ""), _f(pred.get("step_time")),
                      _f(pred.get("error"), "{:+.1%}")])
     return table(head, rows)
 
@@ -233,12 +243,17 @@ def rounds_section(results: dict) -> list[str]:
 def exposure_and_noise(results: dict) -> list[str]:
     """Exposed all-reduce per stage, CPU used by other processes, wall time."""
     lines = []
-    exposed = [[DISPLAY.get(n, n)] + [f"s{s}: {v:.3f}" for s, v in sorted(r["exposed_allreduce_s_per_step"].items())]
+    def stage(v, step):
+        return f"{v:.3f} s ({v / step:.1%})" if step else f"{v:.3f} s"
+
+    exposed = [f"{DISPLAY.get(n, n)}: " + ", ".join(f"s{s} {stage(v, r.get('median_step_s'))}"
+                                                     for s, v in sorted(r["exposed_allreduce_s_per_step"].items()))
                for n, r in results["runs"].get("two_nodes", {}).items()]
     if exposed:
-        lines += ["", "Exposed all-reduce per step (s, time the rank's stream spends in ReduceGrads / "
-                      "StartAllReduce / WaitAllReduce, mean over the stage's ranks):", ""]
-        lines += ["- " + " ".join(r) for r in exposed]
+        lines += ["", "Exposed all-reduce per step (s, and its share of the median step: time the rank's stream "
+                      "spends in ReduceGrads / StartAllReduce / WaitAllReduce, mean over the stage's ranks; of "
+                      "the median round):", ""]
+        lines += ["- " + r for r in exposed]
     noisy = results.get("noise", {}).get("foreign_cpu_cores_mean")
     if noisy is not None:
         lines += ["", f"CPU used by other processes during the runs: {noisy:.2f} cores on average"

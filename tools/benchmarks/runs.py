@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cluster import (ForeignCpu, Network, WorkerJob, check_cores, cleanup_on_signals, foreign_cpu_between, parse_rate,
                      preflight as cluster_preflight)
+from labels import split_layers
 from .analysis import analyse_all, analyse_job
 from .figures import mean_or_none
 
@@ -67,15 +68,19 @@ def run_dir_name(config: str, schedule: str, rnd: int | None = None) -> str:
 
 def run_plan(args) -> list[dict]:
     """The jobs to run, in order: (config, schedule, nodes, ranks per node, worker label, round,
-    run directory). The two-node runs come in ``--rounds`` rounds (``round_orders``); the
-    one-node and one-device runs once each, after them."""
+    run directory). The two-node and one-node runs come in ``--rounds`` rounds
+    (``round_orders``): each round runs every schedule on two nodes, then on one node, so the
+    scaling from one node to two is taken per round and has a spread too; the one-device run
+    (the single-device throughput every schedule's scalability divides by) once, at the end."""
     rounds = getattr(args, "rounds", 1)
-    ordered = schedule_order(args.schedule_list)
-    jobs = [{"config": "two_nodes", "schedule": s, "nodes": 2, "rpn": args.stages, "round": r,
-             "dir": run_dir_name("two_nodes", s, r if rounds > 1 else None)}
-            for r, order in enumerate(round_orders(args.schedule_list, rounds)) for s in order]
-    if not args.no_scaling:
-        jobs += [{"config": "one_node", "schedule": s, "nodes": 1, "rpn": args.stages} for s in ordered]
+    per_round = []
+    for r, order in enumerate(round_orders(args.schedule_list, rounds)):
+        per_round += [{"config": "two_nodes", "schedule": s, "nodes": 2, "rpn": args.stages, "round": r} for s in order]
+        if not args.no_scaling:
+            per_round += [{"config": "one_node", "schedule": s, "nodes": 1, "rpn": args.stages, "round": r}
+                          for s in order]
+    jobs = [{**j, "dir": run_dir_name(j["config"], j["schedule"], j["round"] if rounds > 1 else None)}
+            for j in per_round]
     if not args.no_single:
         jobs.append({"config": "one_device", "schedule": "dp", "nodes": 1, "rpn": 1})
     for j in jobs:
@@ -105,7 +110,8 @@ def worker_args(a, job: dict, out: Path, costs: Path | None) -> list[str]:
             "--memory", "--schedule-configs", str(REPO / "configs"), "--partition-method", a.partition_method]
     if costs is not None:
         args += ["--costs", str(costs)]
-    plan = a.plans.get(job["schedule"])
+    # NAME@L runs in NAME's planned layout (the label changes only hippie.deferred_layers)
+    plan = a.plans.get(job["schedule"]) or a.plans.get(split_layers(job["schedule"])[0])
     if plan and job["config"] == "two_nodes":  # a plan is made for one world size: the two-node job's
         args += ["--plan", f"{job['label']}={plan}"]
     return args
@@ -197,7 +203,8 @@ def auto_plan(a, out: Path) -> dict:
     from hippie_ds.planner.plan_file import SCHEDULES
     from hippie_ds.profiler import profile_layers
 
-    wanted = [s for s in a.schedule_list if s in AUTO_PLAN_SCHEDULES and s in SCHEDULES and s not in a.plans]
+    names = dict.fromkeys(split_layers(s)[0] for s in a.schedule_list)  # hippie@auto: hippie's layout
+    wanted = [s for s in names if s in AUTO_PLAN_SCHEDULES and s in SCHEDULES and s not in a.plans]
     if not wanted:
         return {}
     d = out / "plans"
