@@ -94,35 +94,41 @@ soak: $(STAMP)
 # Convergence and time to accuracy: both examples (GPT on Python's docs, VGG on scikit-learn's
 # digits) trained to a fixed budget with data parallelism (4 replicas) and with 1f1b (synchronous,
 # stock DeepSpeed's update: the time-to-target reference), hippie (configs/hippie.json: partial
-# deferral of stage 0's first layer, default staleness correction), hippie@all (all of stage 0
-# delayed: the paper's rule), hippie@all:none (no correction), 2bw and 2bw:none (2 stages x 2
-# replicas), seeds 0,1,2, one 4-rank job after another; same global batch, weights and data order.
+# deferral of stage 0's first layer, default staleness correction), hippie@auto (the layers chosen
+# from the example's costs at 1 Gbit/s: GPT's measured by `make bench-gpt`, VGG's from a profile,
+# tools/example_costs.py), hippie@all (all of stage 0 delayed: the paper's rule), hippie@all:none
+# (no correction), 2bw and 2bw:none (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after
+# another; same global batch, weights and data order.
 # Time to accuracy uses the GPT-shape step times at 1 Gbit/s and 250 Mbit/s in
 # docs/convergence/bench_gpt/ (re-measure: `sudo make bench-gpt`). Writes $(OUT)/convergence/ and
-# copies the pictures and results to docs/convergence/. About 100 minutes on 2 cores; e.g. `make
+# copies the pictures and results to docs/convergence/. About 110 minutes on 2 cores; e.g. `make
 # convergence CONVERGENCE_ARGS="--examples vgg --seeds 0"`.
-CONVERGENCE_SCHEDULES ?= dp,1f1b,hippie,hippie@all,hippie@all:none,2bw,2bw:none
+CONVERGENCE_SCHEDULES ?= dp,1f1b,hippie,hippie@auto,hippie@all,hippie@all:none,2bw,2bw:none
 CONVERGENCE_STEP_TIMES ?= gpt=docs/convergence/bench_gpt/1gbit.json+docs/convergence/bench_gpt/250mbit.json
+CONVERGENCE_COSTS ?= gpt=docs/convergence/bench_gpt/1gbit.costs.json,vgg=docs/convergence/costs/vgg-1gbit.json
 CONVERGENCE_ARGS ?=
 .PHONY: convergence bench-gpt
 convergence: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/convergence.py --out $(OUT)/convergence \
 		--schedules $(CONVERGENCE_SCHEDULES) --seeds 0,1,2 --step-times $(CONVERGENCE_STEP_TIMES) \
-		--publish docs/convergence $(CONVERGENCE_ARGS)
+		--costs $(CONVERGENCE_COSTS) --publish docs/convergence $(CONVERGENCE_ARGS)
 
 # Step times at the GPT example's shape on the emulated two-node cluster (needs root), at 1 Gbit/s
-# and 250 Mbit/s: 7 interleaved rounds each (schedule order rotated per round), into
-# docs/convergence/bench_gpt/LINK.json. About 20 minutes.
+# and 250 Mbit/s: 5 interleaved rounds each (schedule order rotated per round), into
+# docs/convergence/bench_gpt/LINK.json, and the stock 1F1B run's measured costs (what hippie@auto
+# chose from there, and what `make convergence` gives its GPT hippie@auto runs) into
+# docs/convergence/bench_gpt/LINK.costs.json. About 30 minutes.
 BENCH_GPT_SHAPE := --d-model 128 --layers 4 --heads 4 --vocab 103 --seq 64 --micro-batch-size 4 \
-	--micro-batches 4 --steps 12 --warmup 2 --no-scaling --no-single --no-projection --rounds 7 \
-	--schedules dp,1f1b,hippie,hippie@all,2bw
+	--micro-batches 4 --steps 12 --warmup 2 --no-scaling --no-single --no-projection --rounds 5 \
+	--schedules dp,1f1b,hippie,hippie@auto,hippie@all,2bw
 BENCH_GPT_RATES ?= 1gbit 250mbit
 bench-gpt: $(STAMP)
 	mkdir -p docs/convergence/bench_gpt
 	for rate in $(BENCH_GPT_RATES); do \
 		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench-gpt/$$rate \
 			--rate $$rate $(BENCH_GPT_SHAPE) && cp $(OUT)/bench-gpt/$$rate/results.json \
-			docs/convergence/bench_gpt/$$rate.json || exit 1; \
+			docs/convergence/bench_gpt/$$rate.json && cp $(OUT)/bench-gpt/$$rate/runs/two_nodes/costs.json \
+			docs/convergence/bench_gpt/$$rate.costs.json || exit 1; \
 	done
 
 clean:

@@ -93,6 +93,11 @@ def test_staleness_variant_names_set_the_config(tmp_path):
     assert convergence.split_layers("hippie@1:none") == ("hippie:none", 1)
     assert convergence.split_layers("hippie") == ("hippie", None)
     assert convergence.split_layers("hippie@auto") == ("hippie", "auto")
+    with pytest.raises(SystemExit, match="--costs"):  # 'auto' without costs to choose from
+        convergence.make_config("hippie@auto", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)
+    auto = convergence.make_config("hippie@auto", Path(convergence.REPO / "configs"), 1e-3, "decay", 100,
+                                   costs="costs.json")["hippie"]
+    assert auto["deferred_layers"] == "auto" and auto["costs"].endswith("costs.json")
     assert convergence.make_config("hippie@2", Path(convergence.REPO / "configs"), 1e-3, "decay",
                                    100)["hippie"]["deferred_layers"] == 2
     config = convergence.make_config("hippie:none", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)

@@ -24,7 +24,10 @@ A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHO
 C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
 NAME@L sets hippie.deferred_layers = L (partial deferral: a deferred stage delays only its first
 L layers), e.g. hippie@1 or hippie@1:none; NAME@all sets it to "all" (the whole deferred stage is
-delayed: the paper's rule); its runs go to NAME@L.
+delayed: the paper's rule); its runs go to NAME@L. NAME@auto sets it to "auto" (chosen per deferred
+stage from costs, as the engine does): it needs --costs EXAMPLE=FILE, the example's cost file
+(tools/example_costs.py, or a tools/bench.py run's measured costs), given to the run as
+hippie.costs.
 """
 from __future__ import annotations
 
@@ -103,6 +106,9 @@ def parse_args(argv=None):
                         "turn steps to target into wall time on the emulated two-node cluster; files of "
                         "different link speeds give one column group each, a file's rounds give the spread "
                         "of the ratio to stock 1F1B")
+    p.add_argument("--costs", default=None, metavar="EXAMPLE=FILE[,...]",
+                   help="hippie.costs of an example's NAME@auto runs (what 'auto' chooses from): a cost file, "
+                        "e.g. from tools/example_costs.py")
     p.add_argument("--publish", default=None, metavar="DIR",
                    help="also copy the pictures, results.json and results.md to DIR (e.g. docs/convergence)")
     return p.parse_args(argv)
@@ -124,7 +130,8 @@ def per_example(value, examples, key, cast):
 
 
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config",
-                muon_lr: float | None = None, precision: str = "fp32") -> dict:
+                muon_lr: float | None = None, precision: str = "fp32", costs: str | None = None) -> dict:
+    label = name
     name, layers = split_layers(name)
     name, staleness = split_name(name)
     base = configs / f"{name}.json"
@@ -150,6 +157,11 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
         config.setdefault("hippie", {})["staleness"] = staleness
     if layers is not None:  # "all": the whole deferred stage delayed (the paper's rule)
         config.setdefault("hippie", {})["deferred_layers"] = layers
+    if layers == "auto":
+        if costs is None:
+            raise SystemExit(f"{label!r}: 'auto' chooses from costs: give the example's cost file with --costs "
+                             "EXAMPLE=FILE (tools/example_costs.py writes one)")
+        config["hippie"]["costs"] = str(Path(costs).resolve())
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     config["steps_per_print"] = 10 ** 9  # the scripts print their own progress
@@ -175,8 +187,10 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     metrics_file.unlink(missing_ok=True)
     config_file = out / "config.json"
     muon_lr = args.muon_lr if args.optimizer == "muon" else None
+    costs = dict(item.split("=", 1) for item in (args.costs or "").split(",") if item).get(example)
     config_file.write_text(json.dumps(make_config(name, Path(args.configs), lr, args.lr_schedule, steps,
-                                                       args.gradient_clipping, muon_lr, args.precision), indent=1))
+                                                       args.gradient_clipping, muon_lr, args.precision, costs),
+                                      indent=1))
     job = LocalJob(spec["script"], args.ranks,
                    ["--deepspeed_config", config_file, "--steps", steps, "--eval-every", eval_every, "--seed", seed,
                     "--out", out, *spec["extra"]]

@@ -54,7 +54,7 @@ def _layout(name: str, r: dict) -> str:
         return f"DP x{r['world']}"
     d = r["schedule_params"].get("deferred_stages")
     shares = r.get("delayed_fraction") or {}
-    delayed = ", ".join(f"s{s} {v:.0%}" for s, v in sorted(shares.items()))
+    delayed = ", ".join(f"s{s} {v:.0%}" for s, v in sorted(shares.items())) if any(shares.values()) else ""
     return (f"{r['stages']} stages x {r['world'] // r['stages']}" + (f", deferred {d}" if d is not None else "")
             + (f" (delayed: {delayed})" if delayed else ""))
 
