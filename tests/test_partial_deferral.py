@@ -124,6 +124,21 @@ def test_choice_hides_the_allreduce_and_reports_what_it_predicts():
     assert "stage 0: delays" in first.describe() and "predicted exposed all-reduce" in first.describe()
 
 
+def test_a_first_stages_own_update_is_not_an_allreduce_to_hide():
+    """Stage 0 has no slack, and its update follows its last backward in every schedule: the
+    chooser asks only that its all-reduce be hidden, so an update time does not push it to delay
+    every layer (it did: the GPT example at 1 Gbit/s chose 'all' for stage 0 where 2 of 3 layers
+    hid the all-reduce)."""
+    c = costs(5e8)
+    slow = c.model_copy(update={"stages": [st.model_copy(update={"optimizer_time": 0.05}) for st in c.stages]})
+    choice = choose_deferred_layers(HIPPIE, slow)
+    first = choice[0]
+    assert 0 < first.layers < LAYERS and first.fits
+    assert first.exposed_allreduce <= 1e-3 * first.step_time
+    fewer = simulate(HIPPIE, slow, deferred_layers={0: first.layers - 1, 1: choice[1].layers})
+    assert fewer.per_stage[0]["exposed_allreduce"] > 1e-3 * first.step_time  # one layer fewer stays exposed
+
+
 def test_a_link_too_slow_for_any_count_delays_every_layer():
     choice = choose_deferred_layers(HIPPIE, costs(1e7))
     assert all(c.layers == LAYERS and c.whole and not c.fits for c in choice.values())

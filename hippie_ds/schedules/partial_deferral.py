@@ -45,8 +45,15 @@ class LayersChoice:
                 f"all-reduce {self.exposed_allreduce:.4g} s (slack {self.slack:.4g} s), step {self.step_time:.4g} s")
 
 
-def _fits(need: float, slack: float, step_time: float) -> bool:
-    return need <= slack + TOLERANCE * step_time
+def _allowed(slack: float, optimizer_time: float) -> float:
+    """What a stage may spend after its last backward: its slack, and at least its own update,
+    which runs there whatever it delays (a first stage has no slack, yet its update is no
+    all-reduce to hide: counting it against the slack would delay every layer of it)."""
+    return max(slack, optimizer_time)
+
+
+def _fits(need: float, allowed: float, step_time: float) -> bool:
+    return need <= allowed + TOLERANCE * step_time
 
 
 def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3) -> dict[int, LayersChoice]:
@@ -58,7 +65,8 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
 
     * a stage's choice fits when, simulated as the engine runs it, the time it waits for its
       all-reduces after its last backward plus its ``optimizer_time`` is within its slack
-      (:data:`TOLERANCE` of the step time over it still fits). That
+      (:data:`TOLERANCE` of the step time over it still fits), or within its update's time when
+      that exceeds the slack (stage 0: the update follows the last backward in any schedule). That
       covers both parts: (a) the in-step part, started inside the last backward once its
       gradients are final (the delayed layers' backward earlier than the backward's end), must
       end within the slack; (b) the delayed part, all-reduced from the next step's start, must
@@ -77,20 +85,21 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     if not deferred:
         return {}
     slack = stage_slack(compiled, costs, iterations)
+    allowed = {s: _allowed(slack[s], costs.stages[s].optimizer_time) for s in deferred}
     total = {s: len(costs.stages[s].layers) for s in deferred}
     layers = {s: 0 for s in deferred}
     while True:
         res = simulate(compiled, costs, iterations, critical_path=False, deferred_layers=layers)
-        over = [(_need(res, costs, s) - slack[s], -s) for s in deferred
-                if layers[s] < total[s] and not _fits(_need(res, costs, s), slack[s], res.step_time)]
+        over = [(_need(res, costs, s) - allowed[s], -s) for s in deferred
+                if layers[s] < total[s] and not _fits(_need(res, costs, s), allowed[s], res.step_time)]
         if not over:
             break
         layers[-max(over)[1]] += 1
     return {s: LayersChoice(stage=s, layers=layers[s], total_layers=total[s],
                             delayed_share=costs.stages[s].delayed_part(layers[s]).fraction,
                             exposed_allreduce=res.per_stage[s]["exposed_allreduce"],
-                            slack=slack[s] - costs.stages[s].optimizer_time, step_time=res.step_time,
-                            fits=_fits(_need(res, costs, s), slack[s], res.step_time))
+                            slack=allowed[s] - costs.stages[s].optimizer_time, step_time=res.step_time,
+                            fits=_fits(_need(res, costs, s), allowed[s], res.step_time))
             for s in deferred}
 
 
