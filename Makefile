@@ -114,13 +114,13 @@ convergence: $(STAMP)
 		--costs $(CONVERGENCE_COSTS) --publish docs/convergence $(CONVERGENCE_ARGS)
 
 # Step times at the GPT example's shape on the emulated two-node cluster (needs root), at 1 Gbit/s
-# and 250 Mbit/s: 5 interleaved rounds each (schedule order rotated per round), into
-# docs/convergence/bench_gpt/LINK.json, and the stock 1F1B run's measured costs (what hippie@auto
-# chose from there, and what `make convergence` gives its GPT hippie@auto runs) into
-# docs/convergence/bench_gpt/LINK.costs.json. About 30 minutes.
+# and 250 Mbit/s: 7 interleaved rounds each (schedule order rotated per round), into
+# docs/convergence/bench_gpt/LINK.json, and the stock 1F1B run's measured costs (what `make
+# convergence` gives its GPT hippie@auto runs at 1 Gbit/s) into docs/convergence/bench_gpt/LINK.costs.json.
+# About 20 minutes.
 BENCH_GPT_SHAPE := --d-model 128 --layers 4 --heads 4 --vocab 103 --seq 64 --micro-batch-size 4 \
-	--micro-batches 4 --steps 12 --warmup 2 --no-scaling --no-single --no-projection --rounds 5 \
-	--schedules dp,1f1b,hippie,hippie@auto,hippie@all,2bw
+	--micro-batches 4 --steps 12 --warmup 2 --no-scaling --no-single --no-projection --rounds 7 \
+	--schedules dp,1f1b,hippie,hippie@all,2bw
 BENCH_GPT_RATES ?= 1gbit 250mbit
 bench-gpt: $(STAMP)
 	mkdir -p docs/convergence/bench_gpt
