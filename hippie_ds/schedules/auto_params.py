@@ -68,8 +68,7 @@ def stage_slack(compiled, costs: Costs, iterations: int = 3) -> list[float]:
     of stage s's last backward, o_s = the start of stage s's first forward minus stage 0's, i.e.
     how long after the next call starts stage s computes again. Deferring stages does not change
     the compute shape, so any deferred set gives the same slack."""
-    free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
-    shape = simulate(compiled, free, iterations, critical_path=False).timeline[-1]
+    shape = simulate(compiled, costs.without_allreduce(), iterations, critical_path=False).timeline[-1]
     t_end = max(shape["compute_end"])
     first = shape["first_forward"]
     return [t_end + (first[s] - first[0]) - shape["last_backward"][s] for s in range(compiled.stages)]

@@ -138,6 +138,11 @@ class Costs(_Strict):
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def without_allreduce(self) -> "Costs":
+        """The same costs with one replica: every all-reduce free, the pipeline's compute shape
+        alone (what the all-reduces are measured against)."""
+        return self.model_copy(update={"comm": self.comm.model_copy(update={"data_parallel": 1})})
+
     # -- derived times ---------------------------------------------------------------------
     def allreduce_work(self, stage: int) -> float:
         """Seconds the ring all-reduce of ``stage``'s gradients occupies the link at full

@@ -378,8 +378,7 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
 
     critical = 0.0
     if critical_path and any(costs.allreduce_time(s) > 0 for s in range(K)):
-        free = costs.model_copy(update={"comm": costs.comm.model_copy(update={"data_parallel": 1})})
-        critical = step_time - simulate(compiled, free, iterations, critical_path=False,
+        critical = step_time - simulate(compiled, costs.without_allreduce(), iterations, critical_path=False,
                                         delayed_fraction=delayed_fraction,
                                         deferred_layers=deferred_layers).step_time
 
