@@ -141,9 +141,7 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
                                      if not s["warmup"] and s.get("core_busy") is not None]),
         "stage_timings_s": {str(s): st["median"] for s, st in timings.items()},
         "exposed_allreduce_s_per_step": exposed,
-        # {stage: share of its gradient applied one step late} where the engine delays a part
-        "delayed_fraction": {str(st["stage"]): st["delayed_fraction"] for st, _ in ranks.values()
-                             if st.get("delayed_fraction") is not None},
+        "delayed_fraction": {str(s): f for s, f in delayed_fractions(ranks).items()},
         "prediction": {**pred, "costs": costs, "error": err},
     }
 
@@ -178,9 +176,13 @@ def job_prediction(ranks: dict, job: dict, a, link_bw: float, timings: dict) -> 
         stages, params = 1, {}
     else:
         stages, params = meta["stages"], meta.get("schedule_params") or {}
-    fractions = {st["stage"]: st["delayed_fraction"] for st, _ in ranks.values()
-                 if st.get("delayed_fraction") is not None}
-    return costs, predict(sched_name, params, stages, meta["micro_batches"], costs, fractions)
+    return costs, predict(sched_name, params, stages, meta["micro_batches"], costs, delayed_fractions(ranks))
+
+
+def delayed_fractions(ranks: dict) -> dict[int, float]:
+    """{stage: share of its gradient applied one step late} where the engine reports one
+    (``engine.delayed_fraction()``, hippie.deferred_layers), from the ranks' step records."""
+    return {st["stage"]: st["delayed_fraction"] for st, _ in ranks.values() if st.get("delayed_fraction") is not None}
 
 
 def round_dirs(base: Path) -> list[tuple[int, Path]]:

@@ -37,7 +37,10 @@ def rounds_of(results: dict) -> int:
 def single_runs_note(results: dict) -> str:
     """The sentence saying which reference runs were not repeated in rounds ('' if none ran)."""
     runs = results.get("runs", {})
-    once = lambda c: runs.get(c) and max((r.get("rounds") or 1) for r in runs[c].values()) == 1  # noqa: E731
+
+    def once(config):
+        return runs.get(config) and max((r.get("rounds") or 1) for r in runs[config].values()) == 1
+
     which = [w for c, w in (("one_node", "the one-node runs (1-node samples/s, scaling 1->2 nodes)"),
                             ("one_device", "the one-device run (single-device throughput, scalability, ME)"))
              if once(c)]
