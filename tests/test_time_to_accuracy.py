@@ -98,6 +98,9 @@ def test_staleness_variant_names_set_the_config(tmp_path):
     auto = convergence.make_config("hippie@auto", Path(convergence.REPO / "configs"), 1e-3, "decay", 100,
                                    costs="costs.json")["hippie"]
     assert auto["deferred_layers"] == "auto" and auto["costs"].endswith("costs.json")
+    assert convergence.example_files("gpt=a.json,vgg=b.json", "--costs") == {"gpt": "a.json", "vgg": "b.json"}
+    with pytest.raises(SystemExit, match="--costs: unknown example"):
+        convergence.example_files("bert=a.json", "--costs")
     assert convergence.make_config("hippie@2", Path(convergence.REPO / "configs"), 1e-3, "decay",
                                    100)["hippie"]["deferred_layers"] == 2
     config = convergence.make_config("hippie:none", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)

@@ -129,6 +129,15 @@ def per_example(value, examples, key, cast):
     return {e: result[e] for e in examples}
 
 
+def example_files(value: str | None, option: str) -> dict[str, str]:
+    """'gpt=A,vgg=B' -> {example: value} (--step-times, --costs)."""
+    files = dict(item.split("=", 1) for item in (value or "").split(",") if item)
+    unknown = sorted(set(files) - set(EXAMPLES))
+    if unknown:
+        raise SystemExit(f"{option}: unknown example(s) {unknown} (known: {', '.join(EXAMPLES)})")
+    return files
+
+
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config",
                 muon_lr: float | None = None, precision: str = "fp32", costs: str | None = None) -> dict:
     label = name
@@ -176,7 +185,8 @@ def run_dir(out: Path, example: str, name: str, seed: int, seeds: list[int]) -> 
     return path if len(seeds) == 1 else path / f"seed{seed}"
 
 
-def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: int, lr: float) -> dict:
+def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: int, lr: float,
+            costs: str | None = None) -> dict:
     spec = EXAMPLES[example]
     out = run_dir(Path(args.out), example, name, seed, args.seed_list)
     metrics_file = out / "metrics.json"
@@ -187,7 +197,6 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     metrics_file.unlink(missing_ok=True)
     config_file = out / "config.json"
     muon_lr = args.muon_lr if args.optimizer == "muon" else None
-    costs = dict(item.split("=", 1) for item in (args.costs or "").split(",") if item).get(example)
     config_file.write_text(json.dumps(make_config(name, Path(args.configs), lr, args.lr_schedule, steps,
                                                        args.gradient_clipping, muon_lr, args.precision, costs),
                                       indent=1))
@@ -222,6 +231,8 @@ def main(argv=None):
     eval_every = per_example(args.eval_every, examples, "eval_every", int)
     lrs = per_example(args.lr, examples, "lr", float)
     args.seed_list = [int(x) for x in args.seeds.split(",") if x]
+    cost_files = example_files(args.costs, "--costs")
+    step_time_files = example_files(args.step_times, "--step-times")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs, start = {}, time.monotonic()
@@ -235,14 +246,14 @@ def main(argv=None):
                     if f.exists():
                         found.append(json.loads(f.read_text()))
                     continue
-                found.append(run_one(example, name, seed, args, steps[example], eval_every[example], lrs[example]))
+                found.append(run_one(example, name, seed, args, steps[example], eval_every[example], lrs[example],
+                                     cost_files.get(example)))
             if found:
                 runs[example][name] = found
     runs = {e: r for e, r in runs.items() if r}
     if not runs:
         raise SystemExit(f"no runs under {out}")
-    step_times = {e: tta.load_step_times(f) for e, f in
-                  (item.split("=", 1) for item in (args.step_times or "").split(",") if item)}
+    step_times = {e: tta.load_step_times(f) for e, f in step_time_files.items()}
     results = summarize(runs, step_times)
     pictures = [plot(example, res, out / f"{example}.png", step_times.get(example)) for example, res in results.items()]
     meta = {"command": " ".join(["tools/convergence.py"] + (sys.argv[1:] if argv is None else list(argv))),
