@@ -144,6 +144,25 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     assert r["prediction"]["error"] == pytest.approx((1.5 - 1.25) / 1.25, rel=1e-4)
 
 
+def test_exposed_allreduce_sums_a_steps_waits_before_the_median(bench, tmp_path):
+    """hippie waits twice a step (its in-step part, then its buffer, which is usually done): the
+    exposed all-reduce is the median of each step's sum, not the median of the pooled waits
+    (which is about halfway between the two)."""
+    _write_raw(tmp_path, durations=((0, [1.0, 1.2, 1.1, 1.3]), ))
+    tl = tmp_path / "raw" / "stock" / "timeline" / "rank0.json"
+    record = json.loads(tl.read_text())
+    starts = [0.0, 1.0, 2.2, 3.3]  # each step's start, relative to t0
+    for i, (grads, buffer) in enumerate([(0.5, 0.0), (0.03, 0.001), (0.04, 0.0), (0.05, 0.002)]):
+        record["events"] += [{"kind": "WaitAllReduce", "name": "wait_allreduce(grads)", "start": starts[i] + 0.5,
+                              "end": starts[i] + 0.5 + grads, "step": i},
+                             {"kind": "WaitAllReduce", "name": "wait_allreduce(buffer)", "start": starts[i] + 0.9,
+                              "end": starts[i] + 0.9 + buffer, "step": i}]
+    tl.write_text(json.dumps(record))
+    r = bench.analyse_job(tmp_path, {"config": "one_node", "schedule": "hippie", "label": "stock"}, _A, 1.25e8)
+    # timed steps 1-3 (step 0 is warm-up): sums 0.031, 0.04, 0.052 -> median 0.04
+    assert r["exposed_allreduce_s_per_step"]["0"] == pytest.approx(0.04)
+
+
 def test_analyse_all_reads_both_layouts(bench, tmp_path):
     """--analyze-only: round<R>/ directories when the runs came in rounds, the plain directory
     otherwise, whatever --rounds says now."""

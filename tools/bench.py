@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     results: dict = {"config": config_record(a), "runs": {}}
     if a.analyze_only:
         old = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-        results["config"] = old.get("config", results["config"])
+        results["config"] = {**old.get("config", results["config"]), "reanalysed_by": results["config"]["command"]}
         results["runs"] = analyse_all(out, a, run_plan(a))
         results["wall_s"], results["noise"] = old.get("wall_s"), old.get("noise", {})
         results["projection"] = old.get("projection")

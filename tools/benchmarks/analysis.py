@@ -22,23 +22,37 @@ def load_run(run_dir: Path, label: str):
     return ranks
 
 
+# The instructions a stage spends blocked on its data-parallel all-reduces (the exposed part).
+ALLREDUCE_KINDS = ("ReduceGrads", "ReduceTiedGrads", "StartAllReduce", "WaitAllReduce")
+
+
 def stage_timings(ranks: dict) -> dict:
-    """Per stage: median durations (s) of its instructions over its ranks' timed steps."""
+    """Per stage: median durations (s) of its instructions over its ranks' timed steps, and
+    ``exposed_allreduce``: the median over timed steps of the time blocked in all-reduce
+    instructions in that step (summed first: hippie waits twice a step, for its in-step part and
+    its buffer, and a median of the pooled waits would mix the two), averaged over its ranks."""
     out = {}
     for r, (steps, tl) in ranks.items():
         timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
         t0 = steps.get("t0") or 0.0
-        st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "_d": {}})
+        st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "_d": {}, "_exposed": []})
         st["ranks"].append(r)
+        per_step = [0.0] * len(timed)
         for e in tl.get("events", []):
             start = e["start"] + t0
-            if e.get("category") == "comm" or not any(a <= start < b for a, b in timed):
+            i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
+            if e.get("category") == "comm" or i is None:
                 continue
             st["_d"].setdefault(e["kind"], []).append(e["end"] - e["start"])
+            if e["kind"] in ALLREDUCE_KINDS:
+                per_step[i] += e["end"] - e["start"]
+        if timed:
+            st["_exposed"].append(statistics.median(per_step))
     for st in out.values():
-        d = st.pop("_d")
+        d, exposed = st.pop("_d"), st.pop("_exposed")
         st["median"] = {k: statistics.median(v) for k, v in d.items()}
         st["count"] = {k: len(v) for k, v in d.items()}
+        st["exposed_allreduce"] = statistics.mean(exposed) if exposed else 0.0
     return out
 
 
@@ -117,11 +131,7 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
     timings = stage_timings(ranks)
     costs, pred = job_prediction(ranks, job, a, link_bw, timings)
     err = (pred["step_time"] - median) / median if pred.get("step_time") and median else None
-    exposed = {}
-    for s, st in timings.items():
-        exp = sum(st["median"].get(k, 0.0) * st["count"].get(k, 0) for k in
-                  ("ReduceGrads", "ReduceTiedGrads", "StartAllReduce", "WaitAllReduce"))
-        exposed[str(s)] = exp / max(1, len(keys) * len(st["ranks"]))
+    exposed = {str(s): st["exposed_allreduce"] for s, st in timings.items()}
     return {
         "config": job["config"], "schedule": job["schedule"], "engine_schedule": meta["schedule"],
         "schedule_params": meta.get("schedule_params") or {}, "world": world, "stages": meta["stages"],
