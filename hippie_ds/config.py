@@ -7,7 +7,9 @@
                                                 #   this many layers (an int, or {"stage": int}); the rest
                                                 #   of its gradient is all-reduced and applied in-step;
                                                 #   "all": the whole stage (the paper's rule); "auto":
-                                                #   the fewest that hide its all-reduce (needs costs)
+                                                #   chosen from costs for the least time to a loss
+        "staleness_price": null,                # "auto"'s price of a stale gradient: extra steps (a share)
+                                                #   when the whole model's gradient is stale; null: 0.5
         "schedule_params": {},                  # other parameters a schedule file declares
         "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
         "placement": null,                      # checked against the module's topology when given:
@@ -57,8 +59,10 @@ class HippieConfig(BaseModel):
     # An int (every deferred stage) or {stage: int}: a deferred stage delays only the gradient of
     # its first that many layers (PipelineModule layer indices); "all": its whole gradient. The
     # default, 1, is the rule that trains as well as data parallelism (docs/results.md). "auto":
-    # per stage the fewest that hide its all-reduce, from hippie.costs or the plan.
+    # per stage, from hippie.costs or the plan, the count with the least predicted time to a loss.
     deferred_layers: Any = DEFAULT_DEFERRED_LAYERS
+    # "auto"'s price of staleness (schedules.partial_deferral); None: its measured default.
+    staleness_price: float | None = Field(None, ge=0.0)
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
     # None: whatever layout the PipelineModule was built with (DeepSpeed's default topology keeps
@@ -97,8 +101,8 @@ class HippieConfig(BaseModel):
             else:
                 return out
         raise ValueError('allowed: a non-negative layer count (every deferred stage), "all" (the whole stage), '
-                         '"auto" (per stage the fewest that hide its all-reduce, from "hippie.costs" or '
-                         '"hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')
+                         '"auto" (per stage the count with the least predicted time to a loss, from '
+                         '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')
 
 
 def _describe(err: dict, section: str) -> str:

@@ -186,6 +186,9 @@ def deferred_layers(model: PipelineModule, options, compiled, choices: dict | No
             raise ConfigError(f"{shown}: schedule {compiled.name!r} has no deferred stages (partial deferral applies "
                               f"to the deferred stages of {', '.join(schedules_with_param('deferred_stages'))})")
         return {}
+    if options.staleness_price is not None and value != AUTO_LAYERS:
+        raise ConfigError(f'config key "hippie.staleness_price" = {options.staleness_price!r}: it prices only '
+                          f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them')
     if value == WHOLE_STAGE:
         return {}
     if value == AUTO_LAYERS:
@@ -237,7 +240,8 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
         elif len(stages[s].layers) != count:
             raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
                               f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
-    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}))
+    price = {} if options.staleness_price is None else {"staleness_price": options.staleness_price}
+    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}), **price)
 
 
 def _log_choice(model: PipelineModule, choices: dict) -> None:

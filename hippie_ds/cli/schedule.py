@@ -115,9 +115,12 @@ def _add_trace_command(sub) -> None:
 def _add_deferred_layers(q) -> None:
     q.add_argument("--deferred-layers", metavar="auto|N|all", type=_deferred_layers_value, default="all",
                    help="partial deferral (hippie.deferred_layers) of the deferred stages: 'all' delays their whole "
-                        "gradient (default), N their first N layers, 'auto' the fewest that hide their all-reduce "
-                        "(the engine's rule; prints each stage's choice). N and auto need per-layer costs: a "
-                        "--costs file whose stages list 'layers'")
+                        "gradient (default), N their first N layers, 'auto' the count with the least predicted time "
+                        "to a loss (the engine's rule; prints each stage's choice). N and auto need per-layer costs: "
+                        "a --costs file whose stages list 'layers'")
+    q.add_argument("--staleness-price", type=float, default=None, metavar="P",
+                   help="with --deferred-layers auto: the extra steps (a share) a fully stale gradient costs "
+                        "(hippie.staleness_price; default 0.5, measured on the GPT example; 0: the step time alone)")
 
 
 def _deferred_layers_value(text: str):
@@ -129,7 +132,8 @@ def _deferred_layers_value(text: str):
     raise argparse.ArgumentTypeError(f"{text!r}: allowed auto, all or a layer count >= 0")
 
 
-def _partial_deferral(compiled, costs, value, iterations: int) -> tuple[dict[int, int], list]:
+def _partial_deferral(compiled, costs, value, iterations: int, staleness_price: float | None = None
+                      ) -> tuple[dict[int, int], list]:
     """--deferred-layers for ``compiled``: ({deferred stage: layers delayed}, the 'auto' choices)."""
     from ..schedules.costs import CostsError
     from ..schedules.partial_deferral import choose_deferred_layers
@@ -142,7 +146,8 @@ def _partial_deferral(compiled, costs, value, iterations: int) -> tuple[dict[int
                          "whose stages list 'layers' (param_bytes, optionally backward, per layer)")
     if value == "auto":
         try:
-            choices = choose_deferred_layers(compiled, costs, iterations)
+            price = {} if staleness_price is None else {"staleness_price": staleness_price}
+            choices = choose_deferred_layers(compiled, costs, iterations, **price)
         except CostsError as exc:
             raise UsageError(f"--deferred-layers auto: {exc}") from None
         return {s: c.layers for s, c in choices.items()}, list(choices.values())
@@ -247,7 +252,10 @@ def _simulate_one(name: str, args, costs, only_declared: bool):
                                            iterations=args.iterations)
     if params != compiled.params:
         compiled = _compile(name, args, validate=True, params=params)
-    layers, choices = _partial_deferral(compiled, costs, args.deferred_layers, args.iterations)
+    if args.staleness_price is not None and args.deferred_layers != "auto":
+        raise UsageError(f"--staleness-price {args.staleness_price}: it prices only --deferred-layers auto")
+    layers, choices = _partial_deferral(compiled, costs, args.deferred_layers, args.iterations,
+                                        args.staleness_price)
     result = simulator.simulate(compiled, costs, iterations=args.iterations, deferred_layers=layers)
     return compiled, result, choices
 

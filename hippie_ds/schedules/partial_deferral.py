@@ -1,82 +1,87 @@
 """``hippie.deferred_layers: "auto"``: how many leading layers each deferred stage delays, chosen
-by simulating the schedule under measured costs. Pure Python.
+by simulating the schedule under measured costs and pricing staleness. Pure Python.
 
 Partial deferral trades convergence for hidden communication: every delayed layer follows the
-one-step-stale rule W(t+1) = W(t) - lr * g(W(t-1)), so the fewer the better, but what is not
-delayed must be all-reduced within the step. Which is why the rule takes the fewest layers that
-hide the stage's all-reduce, and every layer (the paper's whole-stage rule) only when no count
-hides it. The engine, the planner and ``hippie-ds schedule simulate --deferred-layers auto`` all
-call :func:`choose_deferred_layers`.
+one-step-stale rule W(t+1) = W(t) - lr * g(W(t-1)), which costs steps to reach a given loss;
+what is not delayed must be all-reduced within the step, which costs time per step. What a user
+waits for is their product, the time to a target loss, so the rule minimises
+
+    predicted step time x (1 + staleness_price x stale share)
+
+where the stale share is the fraction of the whole model's gradient bytes that is delayed (every
+deferred stage's choice together) and ``staleness_price`` the extra steps, as a share, that a
+fully stale gradient costs. Measured (docs/convergence/auto/): on the GPT example, delaying half
+of the model's gradient (all of stage 0, or 2/3 of stage 0 and 1/3 of stage 1) ends 800 steps at
+the loss data parallelism reached after 631-640, i.e. 1.25-1.27x the steps: a price of 0.5
+(:data:`STALENESS_PRICE`). Price 0 minimises the step time alone (hide every all-reduce the
+layers can hide, whatever the staleness). The engine, the planner and ``hippie-ds schedule
+simulate --deferred-layers auto`` all call :func:`choose_deferred_layers`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .auto_params import stage_slack
 from .costs import Costs, CostsError
 from .ir import CompiledSchedule
-from .simulator import SimResult, simulate
+from .simulator import simulate
 
-# An overrun of the slack this small (a share of the step time) is not worth a stale layer: a
-# first stage has no slack at all, so without it any link would delay one of its layers.
+# Extra steps to reach a loss, as a share, when the whole model's gradient is one step stale
+# (measured on the GPT example: half of it stale took 1.25-1.27x data parallelism's steps).
+STALENESS_PRICE = 0.5
+# Objectives this close (a share) count as equal, and the fewer delayed layers win: a gain in
+# the simulator's noise is not worth a stale layer.
 TOLERANCE = 1e-3
+# Passes over the deferred stages (each stage's count re-chosen with the others fixed) at most.
+PASSES = 4
 
 
 @dataclass(frozen=True)
 class LayersChoice:
-    """One deferred stage's choice and what the simulator predicts for it."""
+    """One deferred stage's choice and what the simulator predicts for it (with every deferred
+    stage's choice)."""
 
     stage: int
     layers: int                 # leading layers whose gradient is applied one step late
     total_layers: int           # the stage's layers (layers == total_layers: the whole stage)
     delayed_share: float        # fraction of the stage's gradient bytes that is delayed
     exposed_allreduce: float    # s the stage waits for its all-reduces after its last backward
-    slack: float                # s it may wait for them without holding anyone up (its update's time taken off)
-    step_time: float            # s, the pipeline's step with every stage's choice
-    fits: bool                  # its all-reduces end within the slack (hidden from the step)
+    step_time: float            # s, the pipeline's step
+    stale_share: float          # fraction of the whole model's gradient bytes delayed (all stages)
+    staleness_price: float      # the price the choice was made with
+    nothing_delayed_step_time: float  # s, the step with no layer delayed, for comparison
 
     @property
     def whole(self) -> bool:
         return self.layers == self.total_layers
 
+    @property
+    def steps_factor(self) -> float:
+        """The steps to a loss, relative to no staleness, as the price models them."""
+        return 1.0 + self.staleness_price * self.stale_share
+
     def describe(self) -> str:
         what = "every layer (the whole stage)" if self.whole else f"{self.layers} of {self.total_layers} layers"
         return (f"stage {self.stage}: delays {what}, {self.delayed_share:.1%} of its gradient; predicted exposed "
-                f"all-reduce {self.exposed_allreduce:.4g} s (slack {self.slack:.4g} s), step {self.step_time:.4g} s")
+                f"all-reduce {self.exposed_allreduce:.4g} s, step {self.step_time:.4g} s (nothing delayed: "
+                f"{self.nothing_delayed_step_time:.4g} s); {self.stale_share:.1%} of the model's gradient stale, "
+                f"priced at {self.steps_factor:.3f}x the steps (staleness_price {self.staleness_price:g})")
 
 
-def _allowed(slack: float, optimizer_time: float) -> float:
-    """What a stage may spend after its last backward: its slack, and at least its own update,
-    which runs there whatever it delays (a first stage has no slack, yet its update is no
-    all-reduce to hide: counting it against the slack would delay every layer of it)."""
-    return max(slack, optimizer_time)
-
-
-def _fits(need: float, allowed: float, step_time: float) -> bool:
-    return need <= allowed + TOLERANCE * step_time
-
-
-def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3) -> dict[int, LayersChoice]:
-    """Per deferred stage of ``compiled``, the fewest leading layers to delay (needs the stage's
+def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3,
+                           staleness_price: float = STALENESS_PRICE) -> dict[int, LayersChoice]:
+    """Per deferred stage of ``compiled``, the leading layers to delay (needs the stage's
     per-layer costs, ``StageCost.layers``; :class:`CostsError` names the stages without them).
 
-    Rule, with the slack of :func:`~hippie_ds.schedules.auto_params.stage_slack` (the rule that
-    picks the deferred stages):
-
-    * a stage's choice fits when, simulated as the engine runs it, the time it waits for its
-      all-reduces after its last backward plus its ``optimizer_time`` is within its slack
-      (:data:`TOLERANCE` of the step time over it still fits), or within its update's time when
-      that exceeds the slack (stage 0: the update follows the last backward in any schedule). That
-      covers both parts: (a) the in-step part, started inside the last backward once its
-      gradients are final (the delayed layers' backward earlier than the backward's end), must
-      end within the slack; (b) the delayed part, all-reduced from the next step's start, must
-      end by then too (it hides behind the next step's compute);
-    * every deferred stage starts at 0 layers; while some stage does not fit, the one that
-      overruns its slack most delays one more layer, and all are simulated again (the stages'
-      all-reduces share the link, so one stage's choice moves the others'). A stage that fits at
-      no count ends at every layer, where its whole gradient has the next step to all-reduce.
-      A stage without an all-reduce to hide (one replica, no parameters) delays nothing.
-    """
+    The choice minimises ``step_time x (1 + staleness_price x stale_share)`` (module docstring),
+    with the step simulated as the engine runs it: the in-step part all-reduced from inside the
+    last backward once its gradients are final, the delayed part across the next step, both on
+    the link the stages share. Search: in turn, each deferred stage takes its best count with
+    the others fixed, until a pass changes nothing (the stages' all-reduces share the link, so
+    one stage's choice moves the others'), once from no layer delayed and once from every layer;
+    the better end wins. Objectives within :data:`TOLERANCE` are equal and the fewer layers win. A stage without an all-reduce to hide
+    (one replica, no parameters) delays nothing."""
+    if staleness_price < 0:
+        raise CostsError(f"staleness_price = {staleness_price!r}: allowed a number >= 0")
     deferred = [] if compiled.continuous else compiled.deferred_stages()
     missing = [s for s in deferred if not costs.stages[s].layers]
     if missing:
@@ -84,26 +89,45 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
                          "optionally backward); the delayed layers cannot be chosen without them")
     if not deferred:
         return {}
-    slack = stage_slack(compiled, costs, iterations)
-    allowed = {s: _allowed(slack[s], costs.stages[s].optimizer_time) for s in deferred}
-    total = {s: len(costs.stages[s].layers) for s in deferred}
-    layers = {s: 0 for s in deferred}
-    while True:
-        res = simulate(compiled, costs, iterations, critical_path=False, deferred_layers=layers)
-        over = [(_need(res, costs, s) - allowed[s], -s) for s in deferred
-                if layers[s] < total[s] and not _fits(_need(res, costs, s), allowed[s], res.step_time)]
-        if not over:
-            break
-        layers[-max(over)[1]] += 1
-    return {s: LayersChoice(stage=s, layers=layers[s], total_layers=total[s],
+    model_bytes = sum(st.param_bytes for st in costs.stages) or 1.0
+    runs: dict[tuple, tuple] = {}
+
+    def evaluate(layers: dict[int, int]) -> tuple[float, float, object]:
+        key = tuple(layers[s] for s in deferred)
+        if key not in runs:
+            res = simulate(compiled, costs, iterations, critical_path=False, deferred_layers=dict(layers))
+            stale = sum(costs.stages[s].delayed_part(n).fraction * costs.stages[s].param_bytes
+                        for s, n in layers.items()) / model_bytes
+            runs[key] = (res.step_time * (1.0 + staleness_price * stale), stale, res)
+        return runs[key]
+
+    def descend(layers: dict[int, int]) -> dict[int, int]:
+        for _ in range(PASSES):
+            changed = False
+            for s in deferred:
+                best, best_obj = layers[s], evaluate(layers)[0]
+                for n in range(len(costs.stages[s].layers) + 1):
+                    obj = evaluate({**layers, s: n})[0]
+                    if obj < best_obj * (1 - TOLERANCE) or (n < best and obj <= best_obj * (1 + TOLERANCE)):
+                        best, best_obj = n, obj
+                changed |= best != layers[s]
+                layers = {**layers, s: best}
+            if not changed:
+                break
+        return layers
+
+    # From nothing delayed and from everything delayed: on a shared link one stage alone delaying
+    # more may not pay where all of them together do.
+    ends = [descend({s: 0 for s in deferred}), descend({s: len(costs.stages[s].layers) for s in deferred})]
+    (obj_a, stale_a, _), (obj_b, stale_b, _) = evaluate(ends[0]), evaluate(ends[1])
+    if abs(obj_a - obj_b) <= TOLERANCE * min(obj_a, obj_b):
+        layers = ends[0] if stale_a <= stale_b else ends[1]
+    else:
+        layers = ends[0] if obj_a < obj_b else ends[1]
+    _, stale, res = evaluate(layers)
+    base = evaluate({s: 0 for s in deferred})[2].step_time
+    return {s: LayersChoice(stage=s, layers=layers[s], total_layers=len(costs.stages[s].layers),
                             delayed_share=costs.stages[s].delayed_part(layers[s]).fraction,
-                            exposed_allreduce=res.per_stage[s]["exposed_allreduce"],
-                            slack=allowed[s] - costs.stages[s].optimizer_time, step_time=res.step_time,
-                            fits=_fits(_need(res, costs, s), allowed[s], res.step_time))
+                            exposed_allreduce=res.per_stage[s]["exposed_allreduce"], step_time=res.step_time,
+                            stale_share=stale, staleness_price=staleness_price, nothing_delayed_step_time=base)
             for s in deferred}
-
-
-def _need(res: SimResult, costs: Costs, stage: int) -> float:
-    """What a stage spends after its last backward on gradients: waiting for its all-reduces,
-    then its update."""
-    return res.per_stage[stage]["exposed_allreduce"] + costs.stages[stage].optimizer_time
