@@ -415,3 +415,17 @@ def test_scaling_efficiency_per_round(bench):
     from benchmarks.report import single_runs_note
     note = single_runs_note({"runs": runs})
     assert "one-device run" in note and "one-node" not in note
+
+
+def test_tbf_burst_default_and_min(bench):
+    """tbf's token bucket: the default keeps the brief's 1mb where the kernel allows it; "min" is
+    just above rate/250 (the least this kernel takes), so an all-reduce after an idle spell gets
+    no more than that at veth speed; anything else is refused by name."""
+    from cluster import Refuse, burst_for, parse_rate
+    assert burst_for(parse_rate("1gbit")) == "1mb" and burst_for(parse_rate("250mbit")) == "1mb"
+    assert burst_for(parse_rate("10gbit")) == str(2 * 1_250_000_000 // 250)
+    assert int(burst_for(parse_rate("250mbit"), "min")) == 137500  # 31.25 MB/s / 250 x 1.1
+    assert int(burst_for(parse_rate("1gbit"), "min")) == 550000
+    with pytest.raises(Refuse, match=r"--burst 'small': allowed default"):
+        burst_for(parse_rate("1gbit"), "small")
+    assert bench.parse_args(["--burst", "min", "--no-shape"]).burst == "min"

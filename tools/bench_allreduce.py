@@ -32,6 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--rates", default="10gbit,1gbit,250mbit", help="comma list of tc rates")
     p.add_argument("--megabytes", type=float, default=25.0, help="all-reduce size (the bench model's stage: 25 MB)")
     p.add_argument("--repeats", type=int, default=12, help="timed all-reduces per setting and rate")
+    p.add_argument("--burst", choices=["default", "min"], default="default",
+                   help="tbf's token bucket (tools/cluster burst_for): default 1mb, min the least the kernel takes")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="seconds the link idles before each timed all-reduce (tc's token bucket, --burst of the "
+                        "cluster, refills meanwhile, as between a pipeline step's all-reduces)")
     p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1")
     p.add_argument("--port", type=int, default=29710)
     p.add_argument("--out", default="out/bench_allreduce")
@@ -86,9 +91,9 @@ def load_rate(a, rate: str) -> dict:
 
 def run_rate(a, rate: str, i: int) -> dict:
     out = Path(a.out, rate)
-    NETWORK.setup(rate)
+    NETWORK.setup(rate, a.burst)
     job = WorkerJob(NETWORK, WORKER, ["--out", str(out), "--megabytes", str(a.megabytes), "--repeats",
-                                      str(a.repeats)], out / "logs", 2, 2, a.cores.split(","), a.port + i)
+                                      str(a.repeats), "--idle-s", str(a.idle_s)], out / "logs", 2, 2, a.cores.split(","), a.port + i)
     job.start()
     try:
         job.wait(600)  # RuntimeError with the logs' last lines if a launcher fails

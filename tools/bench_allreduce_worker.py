@@ -25,13 +25,17 @@ def parse_args():
     p.add_argument("--out", required=True)
     p.add_argument("--megabytes", type=float, default=25.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--idle-s", type=float, default=0.0)
     return p.parse_args()
 
 
-def timed(group, tensor, active: bool) -> dict:
+def timed(group, tensor, active: bool, idle_s: float = 0.0) -> dict:
     """One repeat between two world barriers: this rank's wall and CPU seconds in its all-reduce
-    (None when it sits this one out) and the machine's busy core-seconds over the whole repeat."""
+    (None when it sits this one out) and the machine's busy core-seconds over the whole repeat.
+    ``idle_s``: the link idles that long first (tc's token bucket refills, as between a
+    pipeline step's all-reduces)."""
     dist.barrier()
+    time.sleep(idle_s)
     busy0 = core_ticks()[0]
     wall = cpu = None
     if active:
@@ -51,8 +55,8 @@ def main():
     mine = rank % 2  # pair 0: ranks 0 and 2 (stage 0); pair 1: ranks 1 and 3 (stage 1)
     tensor = torch.ones(int(a.megabytes * 1e6 / 4))
     timed(pairs[mine], tensor, True)  # warm-up: connections made
-    one = [timed(pairs[mine], tensor, mine == 0) for _ in range(a.repeats)]
-    two = [timed(pairs[mine], tensor, True) for _ in range(a.repeats)]
+    one = [timed(pairs[mine], tensor, mine == 0, a.idle_s) for _ in range(a.repeats)]
+    two = [timed(pairs[mine], tensor, True, a.idle_s) for _ in range(a.repeats)]
     record = {"rank": rank, "pair": mine, "bytes": tensor.numel() * 4,
               "one": [r["s"] for r in one], "two": [r["s"] for r in two],
               "one_cpu": [r["cpu_s"] for r in one], "two_cpu": [r["cpu_s"] for r in two]}

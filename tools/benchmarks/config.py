@@ -71,6 +71,9 @@ def _add_model_arguments(p: argparse.ArgumentParser):
 def _add_cluster_arguments(p: argparse.ArgumentParser):
     """The emulated cluster, the reference runs and the prediction's link figures."""
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of each veth end")
+    p.add_argument("--burst", choices=["default", "min"], default="default",
+                   help="tbf's token bucket: default 1mb (passes 1 MB at veth speed after the link idles), min the "
+                        "least the kernel takes (rate/250 x 1.1; the more faithful to a real link)")
     p.add_argument("--no-shape", action="store_true", help="do not shape the link")
     p.add_argument("--cores", default="0,1", help="core of node 0, core of node 1 (taskset)")
     p.add_argument("--port", type=int, default=29610, help="first master port (one per job)")
@@ -157,7 +160,8 @@ def config_record(a) -> dict:
     return {"stages": a.stages, "micro_batches": a.micro_batches, "micro_batch_size": a.micro_batch_size,
             "global_batch": a.micro_batch_size * a.micro_batches * 2, "seq": a.seq, "d_model": a.d_model,
             "layers": a.layers, "vocab": a.vocab, "heads": a.heads, "warmup": a.warmup, "steps": a.steps,
-            "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else f"tbf {a.rate}",
+            "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else
+            f"tbf {a.rate}" + ("" if a.burst == "default" else f" burst {a.burst}"),
             "link_efficiency": a.link_efficiency,
             "allreduce_cpu_per_mb": a.allreduce_cpu_per_mb, "cores": a.cores, "schedules": a.schedule_list,
             "plans": a.plans, "rounds": a.rounds, "round_orders": round_orders(a.schedule_list, a.rounds),

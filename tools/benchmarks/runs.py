@@ -146,7 +146,7 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
         sampler.stop()
 
     with cleanup_on_signals(cleanup):
-        qdiscs = NETWORK.setup(None if a.no_shape else a.rate)
+        qdiscs = NETWORK.setup(None if a.no_shape else a.rate, a.burst)
         print(f"emulated cluster: {NETWORK.describe(None if a.no_shape else qdiscs, with_veths=False)}", flush=True)
         print(f"{len(jobs)} runs: " + ", ".join(job_name(j) for j in jobs)
               + f"; {a.warmup} warm-up + {a.steps} timed steps each", flush=True)
