@@ -34,6 +34,8 @@ def test_vgg_hippie_learns(tmp_path):
     assert rc == 0, log[-4000:]
     assert (m["schedule"], m["stages"], m["replicas"], m["global_batch"]) == ("hippie", 2, 2, 32)
     assert m["schedule_params"]["deferred_stages"] == [0]
+    # deferred_layers 1: stage 0 delays its first layer's share of its gradient, stage 1 nothing
+    assert 0 < m["delayed_fraction"]["0"] < 0.5 and m["delayed_fraction"]["1"] == 0.0, m["delayed_fraction"]
     losses = m["train_loss"]
     assert len(losses) == 60
     assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10, losses
@@ -61,6 +63,7 @@ def test_data_parallel_matches_pipeline(tmp_path):
     rc, log, pipe = run_example("train_vgg.py", 2, tmp_path / "pipe", *common, "--stages", 2)
     assert rc == 0, log[-4000:]
     assert (pipe["mode"], pipe["stages"], pipe["replicas"], pipe["micro_batches"]) == ("pipeline", 2, 1, 8)
+    assert pipe["delayed_fraction"] == {"0": 0.0, "1": 0.0} and "delayed_fraction" not in dp
     assert dp["train_loss"] == pytest.approx(pipe["train_loss"], abs=1e-4)
     assert dp["train_loss"][-1] < dp["train_loss"][0]
     for a, b in zip(dp["eval"], pipe["eval"], strict=True):

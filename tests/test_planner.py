@@ -199,8 +199,9 @@ def test_cli_plan_and_import(capsys, tmp_path):
     assert plan.schedule in ("1f1b", "hippie") and plan.model == "gnmt"
     code, out, _ = run(capsys, "plan", "--profile", PROFILES / "gnmt.txt", "--cluster", V100_CLUSTER,
                        "--global-batch", 512, "--no-baselines", "--json", "--objective", "throughput",
-                       "--memory-cap", "8GB")
+                       "--memory-cap", "8GB", "--staleness-price", "0")
     assert code == 0 and json.loads(out)["memory_cap"] == 8e9
+    assert json.loads(out)["assumptions"]["staleness_price"] == 0.0
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -209,6 +210,7 @@ def test_cli_plan_and_import(capsys, tmp_path):
     (["--memory-cap", "lots"], "--memory-cap 'lots'"),
     (["--stages", "3"], "do(es) not divide"),
     (["--cluster", "1x1,1MB,1Gbit"], "does not fit"),
+    (["--staleness-price", "-1"], "--staleness-price -1.0: must be a number >= 0"),
 ])
 def test_cli_plan_errors(capsys, tmp_path, extra, message):
     profile = tmp_path / "p.yaml"
@@ -377,3 +379,18 @@ def test_hippie_plan_states_its_deferred_layers(vgg):
     assert plan.deepspeed_config()["hippie"]["deferred_layers"] == {str(st.stage): st.deferred_layers
                                                                     for st in deferred}
     assert f"layers, {deferred[0].delayed_share:.0%}" in plan.summary()
+
+
+@need_profiles
+def test_plan_prices_staleness_and_records_the_price(vgg):
+    """The plan's deferred layers come from the engine's "auto" rule at the given
+    ``staleness_price``: priced at 0 it delays more of the gradient for a shorter step than at the
+    default 0.5, and a high price delays less; the plan records the price it used."""
+    from hippie_ds.planner import make_plan, parse_cluster
+    cluster = parse_cluster(V100_CLUSTER)
+    plans = {price: make_plan(vgg, cluster, 2048, schedules=["hippie"], baselines=False, staleness_price=price)
+             for price in (None, 0.0, 5.0)}
+    share = {price: sum(st.delayed_share * st.param_bytes for st in p.stages) for price, p in plans.items()}
+    assert [p.assumptions["staleness_price"] for p in plans.values()] == [0.5, 0.0, 5.0]
+    assert share[0.0] > share[None] >= share[5.0]
+    assert plans[0.0].prediction.step_time < plans[None].prediction.step_time

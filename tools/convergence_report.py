@@ -55,6 +55,8 @@ def summarize(runs: dict[str, dict[str, list[dict]]], step_times: dict[str, list
                    "seeds": [r["seed"] for r in ms], "loss_per_seed": losses, "accuracy_per_seed": accs,
                    "samples_per_s": None if None in speeds else _mean(speeds),
                    "job_seconds": [r.get("job_seconds") for r in ms], "schedule_params": m.get("schedule_params"),
+                   # per stage, the share of its gradient applied one step late (runs before it: absent)
+                   "delayed_fraction": m.get("delayed_fraction"),
                    "layout": (f"{m['replicas']} replicas" if m["mode"] == "data-parallel"
                               else f"{m['stages']} stages x {m['replicas']} replicas")}
             if base_loss is not None:

@@ -60,6 +60,10 @@ def _plan_parser(subparsers) -> None:
     p.add_argument("--simulate-top", type=_non_negative_int, default=4, metavar="N",
                    help="simulate the N best analytic candidates (default 4; 0: analytic only)")
     p.add_argument("--no-baselines", action="store_true", help="do not evaluate the baselines")
+    p.add_argument("--staleness-price", type=float, default=None, metavar="P",
+                   help="price of a stale gradient for the plan's deferred layers (hippie.staleness_price: extra "
+                        "steps, as a share, when the whole gradient is one step stale; default 0.5; 0: step time "
+                        "alone); the plan records it")
     p.add_argument("--out", "-o", metavar="FILE", help="write the plan (.json, or .yaml/.yml)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
     p.set_defaults(func=_cmd_plan)
@@ -88,11 +92,13 @@ def _cmd_plan(args) -> int:
         if bad:
             raise UsageError(f"--stages {args.stages}: {bad} do(es) not divide the {cluster.devices} devices")
     sizes = _int_list(args.micro_batch_size, "--micro-batch-size") if args.micro_batch_size else None
+    if args.staleness_price is not None and not (args.staleness_price >= 0 and math.isfinite(args.staleness_price)):
+        raise UsageError(f"--staleness-price {args.staleness_price}: must be a number >= 0")
     plan = make_plan(profile, cluster, args.global_batch, objective=args.objective, memory_cap=cap,
                      schedules=schedules, depths=depths, micro_batch_sizes=sizes,
                      min_micro_batch=args.min_micro_batch, state_factor=args.state_factor,
                      memory_metric=args.memory_metric, simulate_top=args.simulate_top,
-                     baselines=not args.no_baselines)
+                     baselines=not args.no_baselines, staleness_price=args.staleness_price)
     if args.out:
         save_plan(plan, args.out)
     if args.json:

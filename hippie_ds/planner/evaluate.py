@@ -74,7 +74,7 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
 
 
 def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
-                    est: _Estimate) -> tuple[_Estimate, dict]:
+                    est: _Estimate, staleness_price: float) -> tuple[_Estimate, dict]:
     """``hippie.deferred_layers: "auto"`` for a simulated configuration with deferred stages:
     (the estimate, {deferred stage: LayersChoice}) by the engine's own rule
     (:func:`hippie_ds.schedules.partial_deferral.choose_deferred_layers`). A stage that delays
@@ -87,7 +87,7 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     from ..schedules.partial_deferral import choose_deferred_layers
 
     compiled = compile_schedule(schedule, lay.K, M, validate=False, deferred_stages=list(est.deferred))
-    choices = choose_deferred_layers(compiled, _costs(model, lay, b, ks))
+    choices = choose_deferred_layers(compiled, _costs(model, lay, b, ks), staleness_price=staleness_price)
     kept = [s for s in est.deferred if choices[s].layers]
     memory = est.memory if kept == list(est.deferred) else model.memory(
         lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions)

@@ -169,7 +169,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
               depths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
               min_micro_batch: int | None = None, state_factor: float = DEFAULT_STATE_FACTOR, memory_metric: str = "mean",
               simulate_top: int = 4, simulate_budget: int = 4096, baselines: bool = True,
-              baseline_budget: float = 2e6) -> Plan:
+              baseline_budget: float = 2e6, staleness_price: float | None = None) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
     ``objective`` names what is maximized (:mod:`.objectives`: 'me' memory efficiency,
@@ -178,7 +178,9 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     from below unless ``micro_batch_sizes`` lists sizes.
     ``simulate_top`` best analytic candidates are simulated, within ``simulate_budget``
     micro-batch-stages each (larger ones keep their analytic figures). ``baseline_budget``
-    caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped."""
+    caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped.
+    ``staleness_price``: what the chosen plan's deferred layers are priced with
+    (``hippie.staleness_price``; None: the rule's default); the plan records it."""
     t0 = time.perf_counter()
     check_objective(objective)
     if memory_metric not in ("mean", "max"):
@@ -211,7 +213,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
 
     chosen, est, simulated = _refine(model, found, objective, simulate_top, simulate_budget, cap)
     compared = plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget) if baselines else []
-    return _to_plan(model, chosen, est, objective, memory_cap, compared, {
+    return _to_plan(model, chosen, est, objective, memory_cap, compared, staleness_price, {
         "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
         "configurations_evaluated": found.evaluated, "simulated": simulated,
         "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
@@ -244,10 +246,12 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
 
 
 def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, memory_cap: float | None,
-             baselines: list[Baseline], search: dict) -> Plan:
+             baselines: list[Baseline], staleness_price: float | None, search: dict) -> Plan:
+    from ..schedules.partial_deferral import STALENESS_PRICE
     lay, f = cand.lay, cand.b / model.b0
     stages, checkpointed = [], []
-    est, delayed = deferred_layers(model, lay, cand.b, cand.M, cand.schedule, cand.ks, est)
+    price = STALENESS_PRICE if staleness_price is None else staleness_price
+    est, delayed = deferred_layers(model, lay, cand.b, cand.M, cand.schedule, cand.ks, est, price)
     deferred = set(est.deferred)
     for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
         rec = lay.rec[s]
@@ -271,6 +275,9 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
                 baselines=baselines, search=search,
                 assumptions={
                     "state_factor": model.state_factor,
+                    "staleness_price": price,
+                    "staleness_price_meaning": "deferred layers chosen for the least step x (1 + price x stale "
+                                               "share of the gradient) (hippie.staleness_price)",
                     "state_factor_meaning": "training-state bytes per profiled parameter byte (4: fp32 weights, "
                                             "gradients and two Adam moments)",
                     "time_scaling": "times and activations linear in the micro-batch size",

@@ -10,10 +10,10 @@ waits for is their product, the time to a target loss, so the rule minimises
 
 where the stale share is the fraction of the whole model's gradient bytes that is delayed (every
 deferred stage's choice together) and ``staleness_price`` the extra steps, as a share, that a
-fully stale gradient costs. Measured (docs/convergence/auto/): on the GPT example, delaying half
-of the model's gradient (all of stage 0, or 2/3 of stage 0 and 1/3 of stage 1) ends 800 steps at
-the loss data parallelism reached after 631-640, i.e. 1.25-1.27x the steps: a price of 0.5
-(:data:`STALENESS_PRICE`). Price 0 minimises the step time alone (hide every all-reduce the
+fully stale gradient costs. Measured on the GPT example (docs/results.md, "priced staleness"):
+27% of the model's gradient delayed ends 800 steps at the loss data parallelism reached after 673
+(1.19x the steps), half of it (all of stage 0, or 2/3 of stage 0 and 1/3 of stage 1) after
+631-640 (1.25-1.27x): a slope of about 0.5 (:data:`STALENESS_PRICE`). Price 0 minimises the step time alone (hide every all-reduce the
 layers can hide, whatever the staleness). The engine, the planner and ``hippie-ds schedule
 simulate --deferred-layers auto`` all call :func:`choose_deferred_layers`.
 """
@@ -26,7 +26,7 @@ from .ir import CompiledSchedule
 from .simulator import simulate
 
 # Extra steps to reach a loss, as a share, when the whole model's gradient is one step stale
-# (measured on the GPT example: half of it stale took 1.25-1.27x data parallelism's steps).
+# (the GPT example's least-squares slope through the origin: 0.54).
 STALENESS_PRICE = 0.5
 # Objectives this close (a share) count as equal, and the fewer delayed layers win: a gain in
 # the simulator's noise is not worth a stale layer.

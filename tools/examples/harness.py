@@ -283,6 +283,12 @@ class Trainer:
         picture = None
         if not self.data_parallel_only:
             self.engine.write_timeline()
+            # each stage's share of its gradient applied one step late (partial deferral, "auto")
+            mine = (self.engine.stage_id, self.engine.delayed_fraction() if hasattr(self.engine, "delayed_fraction")
+                    else 0.0)
+            shares = [None] * self.world
+            torch.distributed.all_gather_object(shares, mine)
+            self.metrics["delayed_fraction"] = {str(s): f for s, f in sorted(set(shares))}
         torch.distributed.barrier()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
