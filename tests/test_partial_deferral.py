@@ -29,8 +29,8 @@ HIPPIE = compile("hippie", K, M, validate=False, deferred_stages=[0, 1])
 
 
 def chosen(bandwidth, staleness_price=None, **kw):
-    price = {} if staleness_price is None else {"staleness_price": staleness_price}
-    return {s: c.layers for s, c in choose_deferred_layers(HIPPIE, costs(bandwidth, **kw), **price).items()}
+    return {s: c.layers for s, c in
+            choose_deferred_layers(HIPPIE, costs(bandwidth, **kw), staleness_price=staleness_price).items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -240,8 +240,8 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
         elif len(stages[s].layers) != count:
             raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
                               f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
-    price = {} if options.staleness_price is None else {"staleness_price": options.staleness_price}
-    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}), **price)
+    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}),
+                                  staleness_price=options.staleness_price)
 
 
 def _log_choice(model: PipelineModule, choices: dict) -> None:

@@ -146,8 +146,7 @@ def _partial_deferral(compiled, costs, value, iterations: int, staleness_price: 
                          "whose stages list 'layers' (param_bytes, optionally backward, per layer)")
     if value == "auto":
         try:
-            price = {} if staleness_price is None else {"staleness_price": staleness_price}
-            choices = choose_deferred_layers(compiled, costs, iterations, **price)
+            choices = choose_deferred_layers(compiled, costs, iterations, staleness_price)
         except CostsError as exc:
             raise UsageError(f"--deferred-layers auto: {exc}") from None
         return {s: c.layers for s, c in choices.items()}, list(choices.values())

@@ -250,7 +250,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, me
     from ..schedules.partial_deferral import STALENESS_PRICE
     lay, f = cand.lay, cand.b / model.b0
     stages, checkpointed = [], []
-    price = STALENESS_PRICE if staleness_price is None else staleness_price
+    price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
     est, delayed = deferred_layers(model, lay, cand.b, cand.M, cand.schedule, cand.ks, est, price)
     deferred = set(est.deferred)
     for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):

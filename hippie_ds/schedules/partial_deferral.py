@@ -13,9 +13,10 @@ deferred stage's choice together) and ``staleness_price`` the extra steps, as a 
 fully stale gradient costs. Measured on the GPT example (docs/results.md, "priced staleness"):
 27% of the model's gradient delayed ends 800 steps at the loss data parallelism reached after 673
 (1.19x the steps), half of it (all of stage 0, or 2/3 of stage 0 and 1/3 of stage 1) after
-631-640 (1.25-1.27x): a slope of about 0.5 (:data:`STALENESS_PRICE`). Price 0 minimises the step time alone (hide every all-reduce the
-layers can hide, whatever the staleness). The engine, the planner and ``hippie-ds schedule
-simulate --deferred-layers auto`` all call :func:`choose_deferred_layers`.
+631-640 (1.25-1.27x): a slope of about 0.5 (:data:`STALENESS_PRICE`). Price 0 minimises the
+step time alone (hide every all-reduce the layers can hide, whatever the staleness). The engine,
+the planner and ``hippie-ds schedule simulate --deferred-layers auto`` all call
+:func:`choose_deferred_layers`.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class LayersChoice:
 
 
 def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3,
-                           staleness_price: float = STALENESS_PRICE) -> dict[int, LayersChoice]:
+                           staleness_price: float | None = None) -> dict[int, LayersChoice]:
     """Per deferred stage of ``compiled``, the leading layers to delay (needs the stage's
     per-layer costs, ``StageCost.layers``; :class:`CostsError` names the stages without them).
 
@@ -78,8 +79,10 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     the link the stages share. Search: in turn, each deferred stage takes its best count with
     the others fixed, until a pass changes nothing (the stages' all-reduces share the link, so
     one stage's choice moves the others'), once from no layer delayed and once from every layer;
-    the better end wins. Objectives within :data:`TOLERANCE` are equal and the fewer layers win. A stage without an all-reduce to hide
-    (one replica, no parameters) delays nothing."""
+    the better end wins. Objectives within :data:`TOLERANCE` are equal and the fewer layers win.
+    A stage without an all-reduce to hide (one replica, no parameters) delays nothing.
+    ``staleness_price`` None: :data:`STALENESS_PRICE` (``hippie.staleness_price`` unset)."""
+    staleness_price = STALENESS_PRICE if staleness_price is None else staleness_price
     if staleness_price < 0:
         raise CostsError(f"staleness_price = {staleness_price!r}: allowed a number >= 0")
     deferred = [] if compiled.continuous else compiled.deferred_stages()
