@@ -206,6 +206,30 @@ def test_simulator_counts_weight_versions_and_no_flush():
     assert r2bw.step_time == pytest.approx(M * 3.0 + (K - 1) * 1.0)
 
 
+@pytest.mark.parametrize("name,stages,holders,lag", [
+    ("2bw", 2, (0, 1), 1), ("2bw", 4, (0, 3), 1), ("2bw", 6, (0, 5), 1),
+    ("pipedream", 2, (0, 1), 1), ("pipedream", 3, (0, 2), 2), ("pipedream", 4, (0, 3), 3), ("pipedream", 4, (1, 2), 1),
+    ("pipedream", 6, (0, 5), 5), ("pipedream", 6, (1, 4), 3),
+])
+def test_sum_lag_waits_only_for_earlier_updates(name, stages, holders, lag):
+    """The lag of a sum over stages of a schedule that never flushes (the tie sum of a tied
+    module): 2bw's last stage updates a batch after stage 0's previous update. Pipedream's stage s
+    applies micro-batch m's update at step 2m + 2K - 1 - s (K stages), in the next call once that
+    step is past the stage's call window: holders d stages apart need a lag of d, so that no
+    holder waits in a call for an update the other makes only after DeepSpeed's end-of-call loss
+    broadcast."""
+    from hippie_ds.schedules.continuous import sum_lag, update_times
+    compiled = schedules.compile(name, stages, max(stages, 4))
+    assert sum_lag(compiled, holders) == lag
+    if name == "pipedream":
+        K, M = stages, compiled.micro_batches
+        s = holders[0]
+        assert [t for t, _ in update_times(compiled, s)] == [2 * m + 2 * K - 1 - s for m in range(M)]
+        # the call a micro-batch's update runs in: the batch's own, or the next once past the window
+        assert [c for _, c in update_times(compiled, s)] == [int(2 * m + 2 * K - 1 - s >= s + 2 * M)
+                                                              for m in range(M)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Real ranks
 

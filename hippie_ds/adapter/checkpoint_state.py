@@ -10,7 +10,8 @@ its own state rides in the client state:
   depth can resume (weights are matched by layer by DeepSpeed's layer files; see
   :func:`check_layout`);
 - in-flight training state, which the next step needs to be exact: a deferred stage's gradient
-  (``hippie``), stashed weight versions (``2bw``, ``pipedream``). It is wrapped in
+  (``hippie``), stashed weight versions and the lagged sum of tied gradients (``2bw``,
+  ``pipedream``; :class:`~hippie_ds.adapter.tied.LaggedTieSums`). It is wrapped in
   :class:`InFlightState`, which unpickles only inside :func:`loading`: stock DeepSpeed loading
   such a checkpoint stops with :data:`STOCK_MESSAGE` instead of silently dropping the gradient.
   With nothing in flight (after ``engine.drain()``) nothing is wrapped, and stock DeepSpeed loads
@@ -77,7 +78,8 @@ def training_state(grad_buffer: dict, weight_versions: dict | None, prediction: 
     (the staleness correction's deltas alone are not: stock DeepSpeed may drop them)."""
     state = {"format": STATE_FORMAT, "grad_buffer": grad_buffer, "weight_versions": weight_versions,
              "prediction": prediction}
-    in_flight = grad_buffer["state"] != "empty" or bool(weight_versions and weight_versions["stashed"])
+    in_flight = (grad_buffer["state"] != "empty" or grad_buffer.get("tie_sums") is not None
+                 or bool(weight_versions and weight_versions["stashed"]))
     return InFlightState(state) if in_flight else state
 
 

@@ -51,6 +51,7 @@ from .engine_versions import WeightVersions
 from .grad_store import GradStore
 from .staleness import make_prediction
 from .timeline import Timeline
+from .tied import LaggedTieSums, tie_sum_lag
 
 check_deepspeed_version()
 
@@ -151,15 +152,22 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
         # schedules without reduce_tied_grads sum tied gradients themselves (adapter/tied.py)
         ties = [] if compiled.uses_tied_reduction else self._tied_weights()
+        store = GradStore(self.optimizer, self._params)
+        # never flushing: the tie sum lags (tie_sum_lag updates), clipped apart from the rest (adapter/tied.py)
+        lagged = (LaggedTieSums(store, ties, tie_sum_lag(self.module, compiled), self.grid.get_data_parallel_group(),
+                                self.grid.data_parallel_id) if ties and compiled.continuous else None)
+        if lagged is not None:
+            ties = []
         self._clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
         delayed, synced = (split_deferred(self._params, self.module.forward_funcs,
                                           (deferred_layers or {}).get(self.stage_id),
                                           also=[w for w, _ in self._tied_weights(tied_delayed)])
                            if deferred else ([], self._params))
         gradients = StageGradients(
-            GradStore(self.optimizer, self._params),
+            store,
             AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size),
             reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced, ties=ties,
+            lagged_ties=lagged, tie_clip=self.gradient_clipping(),
             backwards_per_call=sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id)),
             step=self._stage_step, step_without_counters=self._stage_step_without_counters,
             prediction=make_prediction(staleness, delayed) if deferred and delayed else None,
@@ -370,10 +378,15 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
         saved = getattr(self.optimizer, "mpu", None)
         local = _StageLocalMPU(self.mpu, self.grid, self._clip_group)
         mpu = self.mpu
+        clip = self._config.gradient_clipping, getattr(self.optimizer, "clip_grad", None)
         try:
             self.mpu = local
             if hasattr(self.optimizer, "mpu"):
                 self.optimizer.mpu = local
+            if self._gradients.clips_itself:  # clipped already (the lagged tie sum, adapter/tied.py)
+                self._config.gradient_clipping = 0.0
+                if clip[1] is not None:
+                    self.optimizer.clip_grad = 0.0
             self._force_grad_boundary = True
             self._take_model_step(None)
         finally:
@@ -381,6 +394,9 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
             self.mpu = mpu
             if hasattr(self.optimizer, "mpu"):
                 self.optimizer.mpu = saved
+            self._config.gradient_clipping = clip[0]
+            if clip[1] is not None:
+                self.optimizer.clip_grad = clip[1]
 
     def _stage_step_without_counters(self):
         """A per-stage optimizer step that leaves the LR schedule, ``global_steps`` and

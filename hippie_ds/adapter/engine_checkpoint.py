@@ -57,7 +57,8 @@ class CheckpointMixin:
         saved = ckpt.read_training_state(client_state)
         buffer, versions, prediction = saved["grad_buffer"], saved["weight_versions"], saved["prediction"]
         if changed:
-            if (buffer and buffer["state"] != "empty") or (versions and versions["stashed"]):
+            if (buffer and (buffer["state"] != "empty" or buffer.get("tie_sums") is not None)) or \
+                    (versions and versions["stashed"]):
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
                                  "gradient or weight versions) of another stage layout; save it after engine.drain() "
                                  "to resume with new stage boundaries")

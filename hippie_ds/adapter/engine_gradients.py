@@ -63,7 +63,7 @@ class StageGradients:
 
     def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
                  delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
-                 ties: list[tuple[torch.Tensor, object]] = (),
+                 ties: list[tuple[torch.Tensor, object]] = (), lagged_ties=None, tie_clip: float = 0.0,
                  step: Callable[[bool], None], step_without_counters: Callable[[], None],
                  prediction: InPlacePrediction | None = None, on_early_start: Callable[[], None] | None = None):
         self.store = store  # where gradients live (fp32 / bf16)
@@ -73,6 +73,9 @@ class StageGradients:
         self.delayed, self.synced = (delayed, synced) if deferred else ([], store.params)
         self.prediction = prediction  # the deferred stage's staleness correction (None: plain delayed rule)
         self._ties = list(ties)  # (tied weight, tie group): summed over the tie group (adapter/tied.py)
+        self._lagged_ties = lagged_ties  # schedules that never flush: tied.LaggedTieSums instead
+        self._skip_ties = False  # the lagged tie sum's first update: the tied weights have nothing yet
+        self._tie_clip = tie_clip  # > 0: the lagged tie sum's clipping, apart from the rest (the step's is off)
         self._step, self._step_without_counters = step, step_without_counters
         self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
@@ -152,6 +155,8 @@ class StageGradients:
             if self._allreduce["grads"] is not None:
                 return  # started early, inside the last backward (_on_grad_final)
             self._sum_ties(self.synced)
+            if self._lagged_ties is not None:
+                self._skip_ties = not self._lagged_ties.exchange()
             grads = self._synced_grads()
             if not grads:  # a wholly deferred stage: everything waits for the buffer
                 self._allreduce["grads"] = (None, None, grads)
@@ -170,8 +175,19 @@ class StageGradients:
                 for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                     grad.copy_(reduced)
             self._allreduce["grads"] = None
+            if self.clips_itself:
+                self._lagged_ties.clip_apart(self._tie_clip)
+            if self._skip_ties:  # after clipping: the fp32 store would materialise a skipped gradient again
+                self.store.skip(self._lagged_ties.weights)
+                self._skip_ties = False
         else:
             self.wait_buffer()
+
+    @property
+    def clips_itself(self) -> bool:
+        """True when the gradients come clipped out of ``wait_allreduce("grads")`` (a lagged tie
+        sum, clipped apart): the step must not clip again."""
+        return self._lagged_ties is not None and self._tie_clip > 0
 
     def wait_buffer(self) -> None:
         if _checked(self.buffer_sm.wait()):
@@ -244,9 +260,12 @@ class StageGradients:
             self.start_allreduce("buffer")
         self.wait_buffer()
         empty = self.buffer_sm.state == "empty" or self.buffer is None  # a spare buffer is not state
-        return {"state": self.buffer_sm.state, "buffer": None if empty else self.buffer.clone()}
+        return {"state": self.buffer_sm.state, "buffer": None if empty else self.buffer.clone(),
+                "tie_sums": None if self._lagged_ties is None else self._lagged_ties.state_dict()}
 
     def load_state_dict(self, state: dict, device) -> None:
         self.buffer_sm.state = state["state"]
         # an empty buffer is re-allocated at this layout's size on first use
         self.buffer = None if state["buffer"] is None else state["buffer"].to(device)
+        if self._lagged_ties is not None:  # a checkpoint without them: the lag restarts (nothing applied first)
+            self._lagged_ties.load_state_dict(state.get("tie_sums"), device)

@@ -22,7 +22,7 @@ def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, reso
     if period < 1:
         raise ScheduleError(f"schedule {name!r}: steady_state.period = {period}: must be >= 1")
 
-    streams, drains, num_buffers, updates = [], [], [], []
+    streams, drains, num_buffers, updates, offsets = [], [], [], [], []
     for s in range(stages):
         stage_env = dict(env, stage=s)
         offset = int_expr(ss.offset, stage_env, f"schedule {name!r} steady_state.offset")
@@ -61,12 +61,57 @@ def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, reso
         drains.append(drain)
         num_buffers.append(n)
         updates.append(u)
+        offsets.append(offset)
     length = max(len(d) for d in drains)
     drains = [d + [[] for _ in range(length - len(d))] for d in drains]
     return CompiledSchedule(name=name, stages=stages, micro_batches=micro_batches, params=resolved, streams=streams,
                             num_buffers=num_buffers, source=source, description=spec.description,
                             uses_tied_reduction=False, continuous=True, drain=drains, updates_per_batch=updates,
-                            period=period)
+                            period=period, offsets=offsets)
+
+
+def update_times(compiled: CompiledSchedule, stage: int) -> list[tuple[int, int]]:
+    """When ``stage`` of a continuous schedule applies each update of a batch, in order: the k-th
+    update of batch B happens at timeline step ``B * period + times[k][0]``, in train_batch call
+    ``B + times[k][1]``."""
+    times = []
+    for t, step in enumerate(compiled.streams[stage]):
+        for op in step:
+            if op.kind in UPDATE_KINDS:
+                times.append((compiled.offsets[stage] + t - op.batch * compiled.period, -op.batch))
+    return sorted(times)
+
+
+def sum_lag(compiled: CompiledSchedule, stages) -> int:
+    """The fewest updates L >= 1 by which a sum over ``stages`` (e.g. the holders of a tied
+    module) must lag so that, at its update u, each stage waits only for contributions the others
+    can make without it: every stage's update u - L comes, on every other stage, in the same or an
+    earlier train_batch call (a call ends with DeepSpeed's pipeline-wide loss broadcast, which
+    the waiting stage would never reach) and at an earlier step of the timeline (a stage blocked at
+    step y holds up nothing the others need before y)."""
+    stages = sorted(set(stages))
+    times = {s: update_times(compiled, s) for s in stages}
+    per_batch = {len(t) for t in times.values()}
+    if len(per_batch) != 1 or 0 in per_batch:
+        raise ScheduleError(f"schedule {compiled.name!r}: stages {stages} update {sorted(per_batch)} times a batch; "
+                            "a sum over them needs the same count on each")
+    (u_per_batch,) = per_batch
+
+    def at(s: int, u: int) -> tuple[int, int]:
+        """(call, timeline step) of update u of stage s."""
+        batch, k = divmod(u, u_per_batch)
+        step, call = times[s][k]
+        return batch + call, batch * compiled.period + step
+
+    def waits_for_later(x: int, y: int, u: int, lag: int) -> bool:
+        (call_x, step_x), (call_y, step_y) = at(x, u - lag), at(y, u)
+        return call_x > call_y or step_x >= step_y
+
+    base = 4 * u_per_batch * len(compiled.streams)  # any u far from the start; the pattern repeats per batch
+    lag = 1
+    while any(waits_for_later(x, y, u, lag) for x in stages for y in stages for u in range(base, base + u_per_batch)):
+        lag += 1
+    return lag
 
 
 def _check_continuous_spec(spec: ScheduleSpec) -> None:

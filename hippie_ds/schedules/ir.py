@@ -206,6 +206,7 @@ class CompiledSchedule:
     drain: list[list[list[Op]]] | None = None
     updates_per_batch: list[int] = field(default_factory=list)
     period: int = 0
+    offsets: list[int] = field(default_factory=list)  # per stage: where its call window starts on the timeline
 
     @property
     def versioned(self) -> bool:
