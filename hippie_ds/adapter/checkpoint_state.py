@@ -78,9 +78,14 @@ def training_state(grad_buffer: dict, weight_versions: dict | None, prediction: 
     (the staleness correction's deltas alone are not: stock DeepSpeed may drop them)."""
     state = {"format": STATE_FORMAT, "grad_buffer": grad_buffer, "weight_versions": weight_versions,
              "prediction": prediction}
-    in_flight = (grad_buffer["state"] != "empty" or grad_buffer.get("tie_sums") is not None
-                 or bool(weight_versions and weight_versions["stashed"]))
-    return InFlightState(state) if in_flight else state
+    return InFlightState(state) if holds_in_flight(grad_buffer, weight_versions) else state
+
+
+def holds_in_flight(grad_buffer: dict | None, weight_versions: dict | None) -> bool:
+    """True when the saved gradient state or weight versions hold something the next step needs:
+    a deferred gradient, lagged tied-gradient sums, stashed weight versions."""
+    return bool(grad_buffer and (grad_buffer["state"] != "empty" or grad_buffer.get("tie_sums") is not None)
+                or weight_versions and weight_versions["stashed"])
 
 
 def read_training_state(client_state: dict) -> dict:

@@ -57,11 +57,10 @@ class CheckpointMixin:
         saved = ckpt.read_training_state(client_state)
         buffer, versions, prediction = saved["grad_buffer"], saved["weight_versions"], saved["prediction"]
         if changed:
-            if (buffer and (buffer["state"] != "empty" or buffer.get("tie_sums") is not None)) or \
-                    (versions and versions["stashed"]):
+            if ckpt.holds_in_flight(buffer, versions):
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
-                                 "gradient or weight versions) of another stage layout; save it after engine.drain() "
-                                 "to resume with new stage boundaries")
+                                 "gradient, tied-gradient sums or weight versions) of another stage layout; save it "
+                                 "after engine.drain() to resume with new stage boundaries")
             prediction = None  # the previous weights of other stages: the prediction restarts
         if buffer is not None and buffer["buffer"] is not None:
             delayed = sum(g.numel() for g in self._gradients.delayed_grads())  # bf16: the accumulator, padding included

@@ -31,11 +31,11 @@ asynchronously and applies the sum of u - L in its place (nothing before u = L).
 lag at which every holder's update u - L comes before every holder's update u on the schedule's
 timeline and in no later ``train_batch`` call (DeepSpeed ends a call with a pipeline-wide loss
 broadcast; :func:`~hippie_ds.schedules.continuous.sum_lag`): 1 for 2bw, the holders' distance
-in stages for pipedream (3 for stages 0 and 3). Every copy applies the same gradients in
-the same order, L updates later than its stage's other parameters, and stays bit-identical. Clipping cannot use a joint norm there (another blocking collective), and
-each stage's own norm would scale the copies apart: a holder clips its tied weights by the norm
-of their summed gradient (the same on every holder) and its other parameters by theirs
-(:meth:`LaggedTieSums.clip_apart`).
+in stages for pipedream (3 for stages 0 and 3). Every copy applies the same gradients in the
+same order, L updates later than its stage's other parameters, and stays bit-identical. Clipping
+cannot use a joint norm there (another blocking collective), and each stage's own norm would
+scale the copies apart: a holder clips its tied weights by the norm of their summed gradient (the
+same on every holder) and its other parameters by theirs (:meth:`LaggedTieSums.clip_apart`).
 
 All of this is decided before any process group exists, from the layer specs every rank has.
 """
@@ -46,6 +46,7 @@ import collections
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import clip_tensors_by_global_norm
 
 from ..config import ConfigError
 from ..schedules import builtins_where
@@ -155,21 +156,17 @@ class LaggedTieSums:
         for g, total in zip(grads, self._wait(self._pending.popleft())):
             g.copy_(total)
         return True
+
     @torch.no_grad()
     def clip_apart(self, clip: float) -> None:
         """Roughly: after the data-parallel all-reduce, clip the tied weights' gradients by their
-        norm and the stage's other gradients by theirs (DeepSpeed's rule, coefficient
-        clip / (norm + 1e-6) when below 1), instead of the optimizer's clipping by the whole stage's norm."""
+        norm and the stage's other gradients by theirs (DeepSpeed's own clipping function, local
+        norms), instead of the optimizer's clipping by the whole stage's norm."""
         tied = {id(w) for w in self._weights}
         for part in (self._weights, [p for p in self._store.params if id(p) not in tied]):
             grads = self._store.of(part)
-            if not grads:
-                continue
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            coefficient = clip / (norm + 1e-6)
-            if coefficient < 1:
-                for g in grads:
-                    g.mul_(coefficient)
+            if grads:
+                clip_tensors_by_global_norm(grads, max_norm=clip)
 
     def state_dict(self) -> dict | None:
         """The sums the next updates apply, of every replica (each replica's own until the next

@@ -265,13 +265,19 @@ def _norm(grads):
     return torch.stack([g.norm(2) for g in grads if g is not None]).pow(2).sum().sqrt()
 
 
+def _clipped(grads, clip, norm=None):
+    """``grads`` scaled by min(1, clip / (norm + 1e-6)), DeepSpeed's clipping rule (``norm``:
+    default these gradients')."""
+    norm = _norm(grads) if norm is None else norm
+    coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+    return [None if g is None else g * coef for g in grads]
+
+
 def _apply(ps, opt, grads, clip, norm=None):
     """``norm``: the norm to clip by (default: these gradients', per stage as hippie_ds.adapter.engine's
     per-stage updates)."""
     if clip > 0:
-        norm = _norm(grads) if norm is None else norm
-        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        grads = [None if g is None else g * coef for g in grads]
+        grads = _clipped(grads, clip, norm)
     for p, g in zip(ps, grads):
         p.grad = None if g is None else g.clone()  # None: the optimizer skips it
     opt.step()
@@ -315,11 +321,8 @@ def _clip_apart(grads, slots, clip):
             present = [stage[j] for j in part if stage[j] is not None]
             if not present:
                 continue
-            coefficient = clip / (_norm(present) + 1e-6)
-            if coefficient < 1:
-                for j in part:
-                    if stage[j] is not None:
-                        stage[j] = stage[j] * coefficient
+            for j, g in zip((j for j in part if stage[j] is not None), _clipped(present, clip)):
+                stage[j] = g
     return 0.0
 
 
