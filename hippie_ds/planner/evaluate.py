@@ -78,9 +78,10 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     """``hippie.deferred_layers: "auto"`` for a simulated configuration with deferred stages:
     (the estimate, {deferred stage: LayersChoice}) by the engine's own rule
     (:func:`hippie_ds.schedules.partial_deferral.choose_deferred_layers`). A stage that delays
-    nothing is no longer deferred, and the step is the one simulated with the chosen layers (what
-    runs); memory keeps each deferred stage's whole gradient buffer (an upper bound). Analytic
-    estimates (too large to simulate) choose nothing: the config's value applies."""
+    nothing is no longer deferred, the step is the one simulated with the chosen layers (what
+    runs) and ``steps_factor`` prices what stays stale; memory keeps each deferred stage's whole
+    gradient buffer (an upper bound). Analytic estimates (too large to simulate) choose nothing:
+    the config's value applies, unpriced."""
     if est.predicted_by != "simulator" or not est.deferred:
         return est, {}
     from ..schedules import compile as compile_schedule
@@ -91,8 +92,9 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     kept = [s for s in est.deferred if choices[s].layers]
     memory = est.memory if kept == list(est.deferred) else model.memory(
         lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions)
-    step = next(iter(choices.values())).step_time
-    return dataclasses.replace(est, step=step, memory=memory, deferred=kept), {s: choices[s] for s in kept}
+    first = next(iter(choices.values()))  # the step and the stale share are the pipeline's, on every choice
+    return (dataclasses.replace(est, step=first.step_time, memory=memory, deferred=kept,
+                                steps_factor=first.steps_factor), {s: choices[s] for s in kept})
 
 
 def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
@@ -102,6 +104,7 @@ def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
 
 def prediction(model: _Model, est: _Estimate) -> Prediction:
     thr, scal, m, me = model.figures(est.step, est.memory)
-    return Prediction(step_time=est.step, throughput=thr, scalability=scal, memory=m, memory_max=max(est.memory),
+    return Prediction(step_time=est.step, steps_factor=est.steps_factor, throughput=thr, scalability=scal, memory=m,
+                      memory_max=max(est.memory),
                       memory_per_stage=list(est.memory), me=me, fits=max(est.memory) <= model.cap,
                       predicted_by=est.predicted_by)

@@ -211,9 +211,11 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
                            f"{cap / GB:.3g} GB each (re-computing everything that helps) holds it;{detail}. "
                            "Use more devices, more memory, or a smaller global batch")
 
-    chosen, est, simulated = _refine(model, found, objective, simulate_top, simulate_budget, cap)
+    from ..schedules.partial_deferral import STALENESS_PRICE
+    price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
+    chosen, est, delayed, simulated = _refine(model, found, objective, simulate_top, simulate_budget, cap, price)
     compared = plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget) if baselines else []
-    return _to_plan(model, chosen, est, objective, memory_cap, compared, staleness_price, {
+    return _to_plan(model, chosen, est, delayed, objective, memory_cap, compared, price, {
         "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
         "configurations_evaluated": found.evaluated, "simulated": simulated,
         "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
@@ -222,9 +224,11 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
 
 
 def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: int, simulate_budget: int,
-            cap: float) -> tuple[_Candidate, _Estimate, int]:
-    """Simulate the best few analytic candidates and rank them by simulated figures: (the chosen
-    candidate, its estimate, how many were simulated)."""
+            cap: float, staleness_price: float) -> tuple[_Candidate, _Estimate, dict, int]:
+    """Simulate the best few analytic candidates, choose each one's deferred layers (priced with
+    ``staleness_price``), and rank them by the simulated figures at the priced step (step x steps
+    factor: a layout that is fast only while whole stages are stale does not win): (the chosen
+    candidate, its estimate, its {deferred stage: LayersChoice}, how many were simulated)."""
     simulated = 0
     ranked = []
     for cand in found.best[:max(simulate_top, 0)]:
@@ -233,25 +237,22 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
         est = simulate_configuration(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
                                      auto_limit=simulate_budget)
         simulated += 1
+        est, delayed = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, staleness_price)
         if max(est.memory) > cap:
             continue
-        ranked.append((score(objective, *model.figures(est.step, est.memory)), cand, est))
+        ranked.append((score(objective, *model.figures(est.time_to_loss_step, est.memory)), cand, est, delayed))
     if ranked:
         # Equal objective values (within rounding): prefer less memory, then a shallower pipeline.
         ranked.sort(key=lambda x: (-round(x[0], 9), model.summarize_memory(x[2].memory), x[1].lay.K, x[1].b))
-        _, chosen, est = ranked[0]
-    else:
-        chosen, est = found.best[0], found.best[0].est
-    return chosen, est, simulated
+        _, chosen, est, delayed = ranked[0]
+        return chosen, est, delayed, simulated
+    return found.best[0], found.best[0].est, {}, simulated
 
 
-def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, objective: str, memory_cap: float | None,
-             baselines: list[Baseline], staleness_price: float | None, search: dict) -> Plan:
-    from ..schedules.partial_deferral import STALENESS_PRICE
+def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, objective: str,
+             memory_cap: float | None, baselines: list[Baseline], price: float, search: dict) -> Plan:
     lay, f = cand.lay, cand.b / model.b0
     stages, checkpointed = [], []
-    price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
-    est, delayed = deferred_layers(model, lay, cand.b, cand.M, cand.schedule, cand.ks, est, price)
     deferred = set(est.deferred)
     for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
         rec = lay.rec[s]

@@ -38,6 +38,9 @@ class _Strict(BaseModel):
 
 class Prediction(_Strict):
     step_time: float = Field(ge=0, description="seconds per training step (global batch)")
+    steps_factor: float = Field(1.0, ge=1.0, description="steps to a loss relative to no staleness, as "
+                                "hippie.staleness_price models the delayed layers; the planner ranks by "
+                                "step_time x this")
     throughput: float = Field(ge=0, description="samples per second")
     scalability: float = Field(ge=0, description="throughput / (devices x single-device throughput)")
     memory: float = Field(ge=0, description="memory the objective uses (bytes): mean or max per device")
@@ -289,4 +292,7 @@ def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
     lines.extend(skipped)
     lines.append(f"ME = scalability x throughput / memory (samples/s per GB); single device {plan.single_device_throughput:.4g} "
                  f"samples/s; figures by {p.predicted_by}; planned in {plan.search.get('seconds', 0):.3g} s")
+    if p.steps_factor > 1.0:
+        lines.append(f"the delayed layers are priced at {p.steps_factor:.3f}x the steps to a loss (staleness_price "
+                     f"{plan.assumptions.get('staleness_price')}); candidates were ranked by step x that")
     return "\n".join(lines)
