@@ -66,7 +66,7 @@ schedule-demo: $(STAMP)
 # round every schedule on two nodes, then on one; order rotated; ratios and scaling as median and
 # min-max over rounds): about 45 minutes.
 # e.g. `sudo make bench BENCH_ARGS="--schedules 1f1b,hippie --steps 4"`.
-BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie@auto,hippie-1f1b,2bw,pipedream
+BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie@auto,hippie@all,hippie-1f1b,2bw,pipedream
 BENCH_ARGS ?=
 bench: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench \
