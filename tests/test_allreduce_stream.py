@@ -32,6 +32,18 @@ def _cpu_worker(rank: int, port: int):
     work = stream.start(flat)
     stream.wait(work)
     assert torch.equal(flat, torch.full((1000,), 1.5))  # (1 + 2) / 2
+    # DeepSpeed's communication_data_type: an fp32 gradient crosses the wire in bf16, in its
+    # rounding, and comes back into the same fp32 tensor
+    wire = AllReduceStream("cpu", None, 2, torch.bfloat16)
+    value = 1 + 2 ** -12 * (rank + 1)  # below bf16's resolution at 1: rounds to 1 on the wire
+    flat = torch.full((1000,), value)
+    started = wire.start(flat)
+    assert started.wire.dtype == torch.bfloat16 and started.wire.element_size() * 2 == flat.element_size()
+    wire.wait(started)
+    assert flat.dtype == torch.float32 and torch.equal(flat, torch.full((1000,), 1.0))
+    flat = torch.full((1000,), value)
+    stream.wait(stream.start(flat))  # the same in fp32 keeps the bits bf16 drops
+    assert torch.equal(flat, torch.full((1000,), 1 + 1.5 * 2 ** -12))
     dist.destroy_process_group()
 
 

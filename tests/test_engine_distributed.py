@@ -25,6 +25,7 @@ NO_CORRECTION = StalenessConfig(method="none")
 
 STEPS, MICRO_BATCHES = 3, 4
 ENGINES = "stock,1f1b,gpipe,zb-h1,hippie,hippie-1f1b,hippie-zb"
+COMM_TOLERANCE = 1e-6  # fp32 model, bf16 on the wire (communication_data_type)
 
 
 def _assert_equal(a, b, what):
@@ -143,6 +144,31 @@ def test_partial_deferral_matches_its_rule(tmp_path):
     whole, _ = reference.run(parts, 2, 3, 5, deferred=[0], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS)
     assert any((whole[i][k] - ours[i][k]).abs().max() > 1e-4 for i in whole for k in whole[i]), \
         "partial deferral changed nothing"
+
+
+def test_communication_data_type_is_the_wire(tmp_path):
+    """DeepSpeed's ``communication_data_type`` (bf16 on an fp32 model) is the dtype of hippie's own
+    all-reduces too, as of stock DeepSpeed's: 1f1b stays bit-identical to stock, and hippie with
+    partial deferral (its in-step part and its buffer both cross the wire) matches the reference
+    of its rule with each replica's gradient rounded to bf16 on the wire, not the fp32 one."""
+    args = ("--stages", 2, "--micro-batches", 3, "--steps", 5, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
+            "--deferred-layers", 3, "--comm-dtype", "bf16")
+    rc, log, _ = launch(4, tmp_path, *args, "--engines", "stock,1f1b,hippie")
+    assert rc == 0, log[-4000:]
+    stock, stock_losses, *_ = collect(tmp_path, "stock")
+    ours, losses, *_ = collect(tmp_path, "1f1b")
+    _assert_equal(ours, stock, "1f1b vs stock, bf16 on the wire")
+    assert losses == stock_losses
+    ours, losses, parts, _, replicas = collect(tmp_path, "hippie")
+    rule = dict(deferred=[0], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS, delayed_layers={0: 3})
+    ref, ref_losses = reference.run(parts, 2, 3, 5, comm=torch.bfloat16, **rule)
+    _assert_close(ours, ref, "hippie with bf16 on the wire vs reference", atol=COMM_TOLERANCE)
+    for rank_losses in losses.values():
+        assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
+    _replicas_identical(replicas)
+    wide, _ = reference.run(parts, 2, 3, 5, **rule)  # the fp32 wire: farther than the tolerance
+    assert any((wide[i][k] - ours[i][k]).abs().max() > 10 * COMM_TOLERANCE for i in wide for k in wide[i]), \
+        "bf16 on the wire changed nothing"
 
 
 def test_auto_deferred_layers_on_a_fast_link_delays_nothing(tmp_path):

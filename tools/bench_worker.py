@@ -83,6 +83,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--comm-dtype", default=None, help="DeepSpeed's communication_data_type (every schedule)")
     p.add_argument("--allreduce-bandwidth", type=float, default=1.25e8, help="bytes/s, for the 'auto' cost file")
     p.add_argument("--timeout-s", type=int, default=600)
     p.add_argument("--memory", action="store_true", help="record bytes saved for backward and resident memory")

@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help='bf16: every run (dp too) with "bf16": {"enabled": true} (DeepSpeed\'s BF16_Optimizer: bf16 '
                         "model, fp32 master weights)")
+    p.add_argument("--comm-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="DeepSpeed's communication_data_type of every run (the all-reduce's wire; default: "
+                        "the precision's)")
     p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices (--optimizer muon)")
     p.add_argument("--gradient-clipping", default="0", metavar="NORM|config",
                    help="gradient_clipping of every run (default 0: off); 'config' keeps the config's (1.0 in "
@@ -139,7 +142,8 @@ def example_files(value: str | None, option: str) -> dict[str, str]:
 
 
 def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: int, clipping: str = "config",
-                muon_lr: float | None = None, precision: str = "fp32", costs: str | None = None) -> dict:
+                muon_lr: float | None = None, precision: str = "fp32", costs: str | None = None,
+                comm_dtype: str | None = None) -> dict:
     label = name
     name, layers = split_layers(name)
     name, staleness = split_name(name)
@@ -173,6 +177,8 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
         config["hippie"]["costs"] = str(Path(costs).resolve())
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if comm_dtype is not None:
+        config["communication_data_type"] = comm_dtype
     config["steps_per_print"] = 10 ** 9  # the scripts print their own progress
     return config
 
@@ -198,7 +204,8 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     config_file = out / "config.json"
     muon_lr = args.muon_lr if args.optimizer == "muon" else None
     config_file.write_text(json.dumps(make_config(name, Path(args.configs), lr, args.lr_schedule, steps,
-                                                       args.gradient_clipping, muon_lr, args.precision, costs),
+                                                       args.gradient_clipping, muon_lr, args.precision, costs,
+                                                       args.comm_dtype),
                                       indent=1))
     job = LocalJob(spec["script"], args.ranks,
                    ["--deepspeed_config", config_file, "--steps", steps, "--eval-every", eval_every, "--seed", seed,
@@ -259,7 +266,7 @@ def main(argv=None):
     meta = {"command": " ".join(["tools/convergence.py"] + (sys.argv[1:] if argv is None else list(argv))),
             "ranks": args.ranks, "seeds": args.seed_list, "gradient_clipping": args.gradient_clipping,
             "stages": args.stages, "lr_schedule": args.lr_schedule, "step_times": args.step_times,
-            "optimizer": args.optimizer, "precision": args.precision, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
+            "optimizer": args.optimizer, "precision": args.precision, "comm_dtype": args.comm_dtype, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
             "total_seconds": None if args.plot_only else time.monotonic() - start}
     previous = out / "results.json"
     if args.plot_only and previous.exists():  # keep what the runs were made with

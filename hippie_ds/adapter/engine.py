@@ -165,7 +165,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
                            if deferred else ([], self._params))
         gradients = StageGradients(
             store,
-            AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size),
+            AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size,
+                            self.communication_data_type),
             reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced, ties=ties,
             lagged_ties=lagged, tie_clip=self.gradient_clipping(),
             backwards_per_call=sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id)),

@@ -75,11 +75,13 @@ def _sum_tied(grads, slots):
 
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None, precision=None, tied=False):
+        delayed_layers=None, precision=None, tied=False, comm=None):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
-    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py)."""
+    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py);
+    ``comm``: fp32 model, DeepSpeed's ``communication_data_type``: each replica's summed gradient
+    crosses the wire divided by dp and rounded to ``comm``, and their sum is rounded to it."""
     precision = precision or FP32
     layers = precision.model(build_tied_layers(parts) if tied else tiny.build_layers())
     indexed = _stage_params(layers, parts)
@@ -113,6 +115,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
             total = 0.0
             for r in range(dp):
+                rank = [[torch.zeros_like(p) for p in ps] for ps in stage_params] if comm else None
                 for m in range(micro_batches):
                     x, y = tiny.micro_batch(t, r, m)
                     out = x
@@ -124,8 +127,13 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                         p.grad = None
                     (loss / micro_batches).backward()
                     for s, ps in enumerate(stage_params):
-                        for g, p in zip(grads[s], ps):
-                            g += p.grad / dp
+                        for g, p in zip(rank[s] if comm else grads[s], ps):
+                            g += p.grad if comm else p.grad / dp
+                for s in range(len(stage_params)) if comm else ():
+                    for g, acc in zip(grads[s], rank[s]):
+                        g += (acc / dp).to(comm).float()
+            for g in (g for gs in grads for g in gs) if comm else ():
+                g.copy_(g.to(comm).float())
             losses.append(total)
         _sum_tied(grads, slots)
         applies = []
@@ -163,13 +171,16 @@ class Precision:
 
     fp32: a torch optimizer steps the model's parameters. bf16: DeepSpeed's BF16_Optimizer (bf16
     and bf16 + ZeRO-1): a bf16 model computes; each rank adds each micro-batch's bf16 gradient into
-    an accumulator of dtype ``accumulate``; the replicas' accumulators are averaged (each divided by
-    dp, then summed); the optimizer steps fp32 master copies (made from the bf16 initial weights)
+    an accumulator of dtype ``accumulate``; the replicas' accumulators are averaged in bf16 on the
+    wire (DeepSpeed's default communication_data_type under bf16: each divided by dp and rounded,
+    then summed and rounded); the optimizer steps fp32 master copies (made from the bf16 initial weights)
     and the model takes their bf16 rounding. Flat optimizer partitions cannot skip a parameter: a
     part with nothing to apply yet (partial deferral's first step) takes a zero gradient."""
 
     def __init__(self, bf16=False, accumulate=torch.float32):
         self.bf16, self.accumulate = bf16, accumulate
+        # the all-reduce's wire: DeepSpeed's communication_data_type defaults to bf16 under bf16
+        self.comm = torch.bfloat16 if bf16 else None
 
     def model(self, layers):
         if self.bf16:  # in place; a tied copy used through a function (build_tied_layers) too
@@ -257,7 +268,9 @@ def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precisi
                     acc += p.grad.to(acc.dtype)
         for s in range(len(stage_params)):
             for g, acc in zip(grads[s], rank[s]):
-                g += acc / dp
+                g += (acc / dp).to(precision.comm).to(g.dtype)  # each replica's share, rounded on the wire
+    for g in (g for gs in grads for g in gs):
+        g.copy_(g.to(precision.comm))  # their sum, rounded on the wire
     return grads, losses
 
 

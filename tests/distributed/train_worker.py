@@ -31,6 +31,8 @@ def config(args, schedule, dp, opts=()):
     }
     if args.clip:
         cfg["gradient_clipping"] = args.clip
+    if args.comm_dtype:
+        cfg["communication_data_type"] = args.comm_dtype
     if args.bf16:
         # immediate: DeepSpeed's hooks move each bf16 gradient into the accumulator during backward
         cfg["bf16"] = {"enabled": True, **({"immediate_grad_update": True} if args.bf16_immediate else {})}
@@ -74,6 +76,7 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--comm-dtype", default=None, help="DeepSpeed's communication_data_type (every engine)")
     p.add_argument("--bf16-immediate", action="store_true", help='bf16 with "immediate_grad_update": true')
     p.add_argument("--tied", action="store_true", help="the model with its first layer tied to a head (last stage)")
     p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")

@@ -11,6 +11,11 @@ from cluster import parse_rate
 from .figures import mean_or_none, median_or_none
 
 
+def wire_bytes(a) -> float:
+    """Bytes per gradient element on the all-reduce's wire (``--comm-dtype``; the model is fp32)."""
+    return 2.0 if getattr(a, "comm_dtype", None) in ("bf16", "fp16") else 4.0
+
+
 def load_run(run_dir: Path, label: str):
     """{rank: (steps record, timeline)} of one job."""
     ranks = {}
@@ -85,8 +90,8 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
         stages.append({"forward": f or 0.0, "backward": b or 0.0, **split, "optimizer_time": opt,
                        "send_issue_time": mean_or_none(isends) or 0.0,
                        "allreduce_issue_time": m.get("StartAllReduce", 0.0),
-                       "allreduce_cpu_time": a.allreduce_cpu_per_mb * 4.0 * timings[s]["params"] / 1e6,
-                       "param_bytes": 4.0 * timings[s]["params"],
+                       "allreduce_cpu_time": a.allreduce_cpu_per_mb * wire_bytes(a) * timings[s]["params"] / 1e6,
+                       "param_bytes": wire_bytes(a) * timings[s]["params"],  # what the all-reduce sends
                        "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
                        "saved_bytes": 0.0})
     return {"stages": stages, "comm": {"allreduce_bandwidth": allreduce_bandwidth, "data_parallel": data_parallel,

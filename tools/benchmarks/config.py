@@ -80,6 +80,9 @@ def _add_cluster_arguments(p: argparse.ArgumentParser):
     p.add_argument("--timeout", type=int, default=600, help="seconds before one job is killed")
     p.add_argument("--no-scaling", action="store_true", help="skip the one-node runs (no scaling efficiency)")
     p.add_argument("--no-single", action="store_true", help="skip the one-device run (no scalability / ME)")
+    p.add_argument("--comm-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="DeepSpeed's communication_data_type for every schedule (the all-reduce's wire; "
+                        "default: the model's fp32); the cost files' gradient bytes follow it")
     p.add_argument("--link-efficiency", type=float, default=0.97,
                    help="all-reduce bandwidth / shaped rate for the prediction (measured here by "
                         "tools/bench_allreduce.py: 0.96-0.97 for one pair and for two at once, 250 Mbit/s to "
@@ -162,7 +165,7 @@ def config_record(a) -> dict:
             "layers": a.layers, "vocab": a.vocab, "heads": a.heads, "warmup": a.warmup, "steps": a.steps,
             "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else
             f"tbf {a.rate}" + ("" if a.burst == "default" else f" burst {a.burst}"),
-            "link_efficiency": a.link_efficiency,
+            "link_efficiency": a.link_efficiency, "comm_dtype": a.comm_dtype or "fp32",
             "allreduce_cpu_per_mb": a.allreduce_cpu_per_mb, "cores": a.cores, "schedules": a.schedule_list,
             "plans": a.plans, "rounds": a.rounds, "round_orders": round_orders(a.schedule_list, a.rounds),
             "command": " ".join(["tools/bench.py"] + sys.argv[1:])}

@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 import hippie_ds
 from labels import split_layers
 
+from .analysis import wire_bytes
 from .model import BASE_SEED, DPModel, layer_specs, loss_fn
 
 
@@ -86,6 +87,8 @@ def ds_config(a, label, schedule, dp, out, costs=None, hippie_section=None):
         "steps_per_print": 10 ** 9,
         "pipeline": {},
     }
+    if getattr(a, "comm_dtype", None):
+        cfg["communication_data_type"] = a.comm_dtype
     if schedule == "dp":
         cfg.pop("pipeline")
         cfg["train_batch_size"] = a.global_batch or a.micro_batch_size * a.micro_batches * dp
@@ -152,7 +155,7 @@ def stage_costs(a, engine, steps_from):
 
     params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     return {"stage": engine.stage_id, "forward": mean({"ForwardPass"}), "backward": mean({"BackwardPass"}),
-            "optimizer_time": mean({"OptimizerStep"}), "param_bytes": 4.0 * params,
+            "optimizer_time": mean({"OptimizerStep"}), "param_bytes": wire_bytes(a) * params,
             "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model}
 
 

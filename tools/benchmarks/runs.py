@@ -110,6 +110,8 @@ def worker_args(a, job: dict, out: Path, costs: Path | None) -> list[str]:
             "--memory", "--schedule-configs", str(REPO / "configs"), "--partition-method", a.partition_method]
     if costs is not None:
         args += ["--costs", str(costs)]
+    if a.comm_dtype:
+        args += ["--comm-dtype", a.comm_dtype]
     # NAME@L runs in NAME's planned layout (the label changes only hippie.deferred_layers)
     plan = a.plans.get(job["schedule"]) or a.plans.get(split_layers(job["schedule"])[0])
     if plan and job["config"] == "two_nodes":  # a plan is made for one world size: the two-node job's
