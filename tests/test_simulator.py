@@ -41,6 +41,9 @@ def test_allreduce_time_is_ring_formula():
     costs = Costs.uniform(2, param_bytes=8e9, comm=comm)
     assert costs.allreduce_time(0) == pytest.approx(2 * 3 / 4 * 8 + 2 * 3 * 1e-3, **EXACT)
     assert Costs.uniform(2, param_bytes=8e9).allreduce_time(1) == 0.0  # r = 1
+    # a bf16 wire under fp32 gradients (communication_data_type): half the bytes cross the link
+    half = Costs.uniform(2, param_bytes=8e9, comm=comm.model_copy(update={"wire_ratio": 0.5}))
+    assert half.allreduce_work(0) == pytest.approx(costs.allreduce_work(0) / 2, **EXACT)
 
 
 def test_costs_from_file_single_mapping_and_list(tmp_path):

@@ -111,8 +111,9 @@ def write_auto_costs(a, stock, world: int, rank: int, dp: int) -> str:
         stages = [{k: sum(c[k] for c in cs) / len(cs) for k in cs[0] if k != "stage"}
                   for _, cs in sorted(per_stage.items())]
         with open(costs_path, "w") as f:
+            wire = 0.5 if a.comm_dtype in ("bf16", "fp16") else 1.0  # the model is fp32
             json.dump({"stages": stages, "comm": {"allreduce_bandwidth": a.allreduce_bandwidth,
-                                                  "data_parallel": dp}}, f, indent=1)
+                                                  "data_parallel": dp, "wire_ratio": wire}}, f, indent=1)
     torch.distributed.barrier()  # setup only, before any timed step
     return costs_path
 

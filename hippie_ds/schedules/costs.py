@@ -125,6 +125,8 @@ class CommCost(_Strict):
     allreduce_bandwidth: float = Field(1.25e8, gt=0, description="inter-node link bandwidth (bytes/s), 1 Gbit/s")
     allreduce_latency: float = Field(0.0, ge=0)
     data_parallel: int = Field(1, ge=1, description="replicas of every stage (the all-reduce group size)")
+    wire_ratio: float = Field(1.0, gt=0, description="bytes the all-reduce sends per gradient byte (param_bytes): "
+                              "0.5 when DeepSpeed's communication_data_type is bf16 or fp16 and the gradients fp32")
     # Pipeline inside a node, data parallelism across nodes (brief section 4): every stage's
     # all-reduce crosses the same inter-node link, so concurrent ones split its bandwidth.
     shared_link: bool = True
@@ -146,11 +148,12 @@ class Costs(_Strict):
     # -- derived times ---------------------------------------------------------------------
     def allreduce_work(self, stage: int) -> float:
         """Seconds the ring all-reduce of ``stage``'s gradients occupies the link at full
-        bandwidth: 2(r-1)/r * |W| / bandwidth (0 when r = 1)."""
+        bandwidth: 2(r-1)/r * |W| * wire_ratio / bandwidth (0 when r = 1)."""
         r = self.comm.data_parallel
         if r == 1:
             return 0.0
-        return 2 * (r - 1) / r * self.stages[stage].param_bytes / self.comm.allreduce_bandwidth
+        wire = self.stages[stage].param_bytes * self.comm.wire_ratio
+        return 2 * (r - 1) / r * wire / self.comm.allreduce_bandwidth
 
     def allreduce_latency_total(self) -> float:
         """The latency part of a ring all-reduce: 2(r-1) message start-ups."""

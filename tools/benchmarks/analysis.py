@@ -91,10 +91,11 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
                        "send_issue_time": mean_or_none(isends) or 0.0,
                        "allreduce_issue_time": m.get("StartAllReduce", 0.0),
                        "allreduce_cpu_time": a.allreduce_cpu_per_mb * wire_bytes(a) * timings[s]["params"] / 1e6,
-                       "param_bytes": wire_bytes(a) * timings[s]["params"],  # what the all-reduce sends
+                       "param_bytes": 4.0 * timings[s]["params"],
                        "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
                        "saved_bytes": 0.0})
     return {"stages": stages, "comm": {"allreduce_bandwidth": allreduce_bandwidth, "data_parallel": data_parallel,
+                                       "wire_ratio": wire_bytes(a) / 4.0,
                                        "p2p_bandwidth": p2p_bandwidth, "p2p_latency": p2p_latency,
                                        "shared_link": True}}
 
