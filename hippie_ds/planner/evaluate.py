@@ -105,6 +105,5 @@ def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
 def prediction(model: _Model, est: _Estimate) -> Prediction:
     thr, scal, m, me = model.figures(est.step, est.memory)
     return Prediction(step_time=est.step, steps_factor=est.steps_factor, throughput=thr, scalability=scal, memory=m,
-                      memory_max=max(est.memory),
-                      memory_per_stage=list(est.memory), me=me, fits=max(est.memory) <= model.cap,
-                      predicted_by=est.predicted_by)
+                      memory_max=max(est.memory), memory_per_stage=list(est.memory), me=me,
+                      fits=max(est.memory) <= model.cap, predicted_by=est.predicted_by)
