@@ -161,7 +161,7 @@ def test_communication_data_type_is_the_wire(tmp_path):
     assert losses == stock_losses
     ours, losses, parts, _, replicas = collect(tmp_path, "hippie")
     rule = dict(deferred=[0], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS, delayed_layers={0: 3})
-    ref, ref_losses = reference.run(parts, 2, 3, 5, comm=torch.bfloat16, **rule)
+    ref, ref_losses = reference.run(parts, 2, 3, 5, precision=reference.Precision(comm=torch.bfloat16), **rule)
     _assert_close(ours, ref, "hippie with bf16 on the wire vs reference", atol=COMM_TOLERANCE)
     for rank_losses in losses.values():
         assert rank_losses == pytest.approx(ref_losses, abs=1e-6)

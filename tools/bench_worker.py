@@ -52,6 +52,7 @@ import torch
 import hippie_ds
 from benchmarks.engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
                                 schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
+from benchmarks.analysis import wire_bytes
 from benchmarks.model import data_iter
 from cluster import core_ticks
 from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
@@ -111,9 +112,8 @@ def write_auto_costs(a, stock, world: int, rank: int, dp: int) -> str:
         stages = [{k: sum(c[k] for c in cs) / len(cs) for k in cs[0] if k != "stage"}
                   for _, cs in sorted(per_stage.items())]
         with open(costs_path, "w") as f:
-            wire = 0.5 if a.comm_dtype in ("bf16", "fp16") else 1.0  # the model is fp32
             json.dump({"stages": stages, "comm": {"allreduce_bandwidth": a.allreduce_bandwidth,
-                                                  "data_parallel": dp, "wire_ratio": wire}}, f, indent=1)
+                                                  "data_parallel": dp, "wire_ratio": wire_bytes(a) / 4.0}}, f, indent=1)
     torch.distributed.barrier()  # setup only, before any timed step
     return costs_path
 

@@ -75,13 +75,11 @@ def _sum_tied(grads, slots):
 
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None, precision=None, tied=False, comm=None):
+        delayed_layers=None, precision=None, tied=False):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
-    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py);
-    ``comm``: fp32 model, DeepSpeed's ``communication_data_type``: each replica's summed gradient
-    crosses the wire divided by dp and rounded to ``comm``, and their sum is rounded to it."""
+    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py)."""
     precision = precision or FP32
     layers = precision.model(build_tied_layers(parts) if tied else tiny.build_layers())
     indexed = _stage_params(layers, parts)
@@ -107,7 +105,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                     if late:
                         p.add_(w - q, alpha=staleness.coefficient)
             previous[s] = true_weights[s]
-        if precision.bf16:
+        if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
                                                precision)
             losses.append(sum(batch_losses) / micro_batches)
@@ -115,7 +113,6 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
             total = 0.0
             for r in range(dp):
-                rank = [[torch.zeros_like(p) for p in ps] for ps in stage_params] if comm else None
                 for m in range(micro_batches):
                     x, y = tiny.micro_batch(t, r, m)
                     out = x
@@ -127,13 +124,8 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                         p.grad = None
                     (loss / micro_batches).backward()
                     for s, ps in enumerate(stage_params):
-                        for g, p in zip(rank[s] if comm else grads[s], ps):
-                            g += p.grad if comm else p.grad / dp
-                for s in range(len(stage_params)) if comm else ():
-                    for g, acc in zip(grads[s], rank[s]):
-                        g += (acc / dp).to(comm).float()
-            for g in (g for gs in grads for g in gs) if comm else ():
-                g.copy_(g.to(comm).float())
+                        for g, p in zip(grads[s], ps):
+                            g += p.grad / dp
             losses.append(total)
         _sum_tied(grads, slots)
         applies = []
@@ -177,10 +169,17 @@ class Precision:
     and the model takes their bf16 rounding. Flat optimizer partitions cannot skip a parameter: a
     part with nothing to apply yet (partial deferral's first step) takes a zero gradient."""
 
-    def __init__(self, bf16=False, accumulate=torch.float32):
+    def __init__(self, bf16=False, accumulate=torch.float32, comm=None):
         self.bf16, self.accumulate = bf16, accumulate
-        # the all-reduce's wire: DeepSpeed's communication_data_type defaults to bf16 under bf16
-        self.comm = torch.bfloat16 if bf16 else None
+        # the all-reduce's wire (DeepSpeed's communication_data_type): bf16 under bf16 unless given;
+        # None: the fp32 model's gradients averaged unrounded
+        self.comm = comm if comm is not None else (torch.bfloat16 if bf16 else None)
+
+    @property
+    def accumulates_per_rank(self) -> bool:
+        """Whether each rank's accumulated gradient is averaged as a whole (:func:`_batch_grads`):
+        it is rounded (bf16 accumulators, or a rounding wire), so the order of sums shows."""
+        return self.bf16 or self.comm is not None
 
     def model(self, layers):
         if self.bf16:  # in place; a tied copy used through a function (build_tied_layers) too
@@ -246,7 +245,7 @@ def _micro_batch_grads(layers, stage_params, step, index, dp, micro_batches):
 
 
 def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precision):
-    """bf16 path: the gradient of micro-batches ``indices`` of batch ``step`` as the engine
+    """bf16 or a rounding wire: the gradient of micro-batches ``indices`` of batch ``step`` as the engine
     computes it (each rank accumulates its micro-batches, the replicas' sums are averaged); and
     the mean loss per micro-batch over replicas."""
     grads = [[precision.zeros(p) for p in ps] for ps in stage_params]
@@ -362,7 +361,7 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         if extrapolate and v >= 1:
             compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
         _load(everything, compute)
-        if precision.bf16:
+        if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
                                                precision)
             total = sum(batch_losses) / micro_batches
@@ -411,7 +410,7 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
         t, m = divmod(i, micro_batches)
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][pipedream_version(s, K, i, vertical_sync)])
-        if precision.bf16:
+        if precision.accumulates_per_rank:
             grads, (loss,) = _batch_grads(layers, stage_params, t, [m], dp, micro_batches, precision)
         else:
             grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
