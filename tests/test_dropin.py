@@ -2,10 +2,11 @@
 ``tests/distributed/client_train.py`` (argparse + ``deepspeed.add_config_arguments``,
 ``--deepspeed_config``, DeepSpeed's default topology with data parallelism, ``partition_method=
 "parameters"``, ``activation_checkpoint_interval``, ``training_data=`` a Dataset, ``train_batch()``
-without an iterator, ``eval_batch``) run by the ``deepspeed`` launcher on 2 stages x 2 replicas,
-with no ``hippie`` key in the config. Checkpoints cross between stock DeepSpeed and hippie-ds
-both ways, and across stage layouts. Launches are shared where one run can serve two checks
-(each launch costs ~17 s of CI).
+without an iterator, ``eval_batch``, an optimizer of two parameter groups as Megatron-DeepSpeed
+builds it) run by the ``deepspeed`` launcher on 2 stages x 2 replicas, with no ``hippie`` key in
+the config. Checkpoints cross between stock DeepSpeed and hippie-ds both ways, across stage
+layouts, and from a tensor x pipeline model; DeepSpeed's own ``DualPipeVModule`` runs as stock.
+Launches are shared where one run can serve two checks (each launch costs ~17 s of CI).
 """
 import json
 from pathlib import Path
@@ -136,3 +137,48 @@ def test_replanned_resume(tmp_path, drained):
     assert {r["stage"] for r in after["records"].values()} == {0, 1, 2, 3}
     assert all(r["global_steps"] == STEPS + 2 for r in after["records"].values())
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in after["records"].values())
+
+
+def test_tensor_x_pipeline_stock_checkpoint(tmp_path):
+    """Stock DeepSpeed's checkpoint of a tensor x pipeline model built as Megatron-DeepSpeed builds
+    it (2 stages x 2 ranks of a ``model`` axis, an optimizer of two parameter groups), in fp32 and
+    in bf16 + ZeRO-1, has 4 ``mp_rank_XX`` files for 2 stages: DeepSpeed numbers them stage x TP
+    degree + TP rank. hippie-ds ``1f1b`` loads it and goes on bit-identically to stock DeepSpeed
+    resuming the same checkpoint (tests/distributed/stock_checkpoint_worker.py: the layers are
+    whole on each model-axis rank, not sliced, since the file layout is what counts; every engine
+    of both precisions runs in one launch)."""
+    worker = Path(__file__).parent / "distributed" / "stock_checkpoint_worker.py"
+    rc, log, _ = launch(4, tmp_path, "--precisions", "fp32,bf16+zero1", worker=worker, timeout=240)
+    assert rc == 0, log[-4000:]
+    for precision in ("fp32", "bf16+zero1"):
+        ckpt = tmp_path / precision / "ckpt"
+        assert len(list((ckpt / (ckpt / "latest").read_text().strip()).glob("mp_rank_*_model_states.pt"))) == 4
+        runs = {name: [torch.load(f) for f in sorted((tmp_path / precision / name).glob("rank*.pt"))]
+                for name in ("stock", "hippie_ds")}
+        assert len(runs["hippie_ds"]) == 4 and {r["engine"] for r in runs["hippie_ds"]} == {"HippiePipelineEngine"}
+        for ours, theirs in zip(runs["hippie_ds"], runs["stock"], strict=True):
+            assert ours["global_steps"] == theirs["global_steps"] == 4
+            assert ours["losses"] == theirs["losses"], precision
+            _same_weights(ours["layers"], theirs["layers"])
+
+
+def test_dualpipev_module_runs_as_stock(tmp_path):
+    """DeepSpeed 0.19.8's own ``DualPipeVModule`` (two stages per pipeline rank) through
+    ``hippie_ds.initialize``: DeepSpeed's ``DualPipeVEngine``, as ``deepspeed.initialize`` picks it,
+    and bit-identical training; naming a hippie-ds schedule for it is refused at start-up on
+    every rank, with the key, the value and what works."""
+    rc, log, _ = launch(2, tmp_path, "--steps", 3, worker=Path(__file__).parent / "distributed" / "dualpipev_worker.py",
+                        timeout=180)
+    assert rc == 0, log[-4000:]
+    results = [torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))]
+    assert len(results) == 2
+    for r in results:
+        assert r["stock"]["engine"] == r["hippie_ds"]["engine"] == "DualPipeVEngine"
+        assert r["hippie_ds"]["losses"] == r["stock"]["losses"]
+        _same_weights(r["hippie_ds"]["layers"], r["stock"]["layers"])
+        refused = r["refused"]
+        assert refused is not None and 'config key "pipeline.schedule" = \'hippie\'' in refused, refused
+        assert "DualPipeVModule" in refused and "DualPipeVEngine" in refused and "PipelineModule" in refused
+        assert (r["refused_options"] or "").startswith('config key "hippie" = {\'timeline_dir\': \'t\'}: the model is '
+                                                       "a DualPipeVModule"), r["refused_options"]
+    assert all(torch.isfinite(torch.tensor(r["stock"]["losses"])).all() for r in results)

@@ -117,11 +117,12 @@ def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
 
 
 def test_partial_deferral_matches_its_rule(tmp_path):
-    """2 stages x 2 replicas, stage 0 deferred but only its first 3 layers delayed
-    (``hippie.deferred_layers``), the rest of it all-reduced and applied in-step: matches the
-    reference of that rule (AdamW, default correction), which differs from delaying all of stage 0."""
+    """2 stages x 2 replicas, stage 0 deferred but only its first 2 layers with parameters delayed
+    (``hippie.deferred_layers: 2``: Linear, Tanh, Linear, the reference's first 3 layers), the rest
+    of it all-reduced and applied in-step: matches the reference of that rule (AdamW, default
+    correction), which differs from delaying all of stage 0."""
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 5, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
-            "--schedule-override", json.dumps({"deferred_layers": 3}), "--timeline")
+            "--schedule-override", json.dumps({"deferred_layers": 2}), "--timeline")
     rc, log, _ = launch(4, tmp_path, *args, "--engines", "hippie,hippie-1f1b")
     assert rc == 0, log[-4000:]
     # stage 0's synchronous part is all-reduced from inside its last backward, not after it
@@ -152,7 +153,7 @@ def test_communication_data_type_is_the_wire(tmp_path):
     partial deferral (its in-step part and its buffer both cross the wire) matches the reference
     of its rule with each replica's gradient rounded to bf16 on the wire, not the fp32 one."""
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 5, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
-            "--deferred-layers", 3, "--comm-dtype", "bf16")
+            "--deferred-layers", 2, "--comm-dtype", "bf16")  # 2 layers with parameters: the first 3 layers
     rc, log, _ = launch(4, tmp_path, *args, "--engines", "stock,1f1b,hippie")
     assert rc == 0, log[-4000:]
     stock, stock_losses, *_ = collect(tmp_path, "stock")

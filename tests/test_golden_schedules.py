@@ -1,7 +1,9 @@
 """Golden files: every built-in schedule's compiled streams at 4 stages x 8 micro-batches in the
-compact notation of ``CompiledSchedule.compact`` (tests/golden/NAME-K4-M8.txt). A change to the
-compiler or a schedule file that moves an op shows up here as a readable diff; regenerate with
-``UPDATE_GOLDEN=1 pytest tests/test_golden_schedules.py`` after checking the diff is intended."""
+compact notation of ``CompiledSchedule.compact`` (tests/golden/NAME-K4-M8.txt), and the
+zero-bubble schedules' at 4 stages x 2 micro-batches (fewer micro-batches than stages, as stock
+1F1B runs them). A change to the compiler or a schedule file that moves an op shows up here as a
+readable diff; regenerate with ``UPDATE_GOLDEN=1 pytest tests/test_golden_schedules.py`` after
+checking the diff is intended."""
 import os
 from pathlib import Path
 
@@ -10,12 +12,13 @@ import pytest
 from hippie_ds.schedules import available, compile as compile_schedule
 
 GOLDEN = Path(__file__).parent / "golden"
+SHAPES = [(name, 4, 8) for name in available()] + [("zb-h1", 4, 2), ("hippie-zb", 4, 2)]
 
 
-@pytest.mark.parametrize("name", available())
-def test_compiled_streams_match_golden(name):
-    text = compile_schedule(name, 4, 8).compact()
-    path = GOLDEN / f"{name}-K4-M8.txt"
+@pytest.mark.parametrize("name,stages,micro_batches", SHAPES)
+def test_compiled_streams_match_golden(name, stages, micro_batches):
+    text = compile_schedule(name, stages, micro_batches).compact()
+    path = GOLDEN / f"{name}-K{stages}-M{micro_batches}.txt"
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(text)
     assert path.exists(), f"no golden file {path}: run with UPDATE_GOLDEN=1 to write it"
@@ -23,4 +26,4 @@ def test_compiled_streams_match_golden(name):
 
 
 def test_every_golden_file_is_a_builtin_schedule():
-    assert sorted(p.name for p in GOLDEN.glob("*.txt")) == sorted(f"{n}-K4-M8.txt" for n in available())
+    assert sorted(p.name for p in GOLDEN.glob("*.txt")) == sorted(f"{n}-K{k}-M{m}.txt" for n, k, m in SHAPES)

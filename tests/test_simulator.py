@@ -126,6 +126,20 @@ def test_zb_h1_bubble_and_memory(weight):
             assert [p["peak_activation_microbatches"] for p in res.per_stage] == [K] * K, (K, M)
 
 
+def test_zb_h1_with_fewer_micro_batches_than_stages():
+    """M < K (stock 1F1B runs it, so zb-h1 does): faster than 1f1b whenever W takes time (the W's
+    still fill the cool-down), every stage holding its M micro-batches."""
+    F, backward = 1.0, 2.0
+    for weight in (0.5, 1.0, 1.5):
+        for K in range(2, 7):
+            costs = Costs.uniform(K, F, backward, saved_bytes=10.0, comm=FREE)
+            costs = Costs(stages=[s.model_copy(update={"backward_weight": weight}) for s in costs.stages], comm=FREE)
+            for M in range(1, K):
+                res = sim("zb-h1", K, M, costs)
+                assert res.step_time < sim("1f1b", K, M, costs).step_time, (K, M, weight)
+                assert [p["peak_activation_microbatches"] for p in res.per_stage] == [M] * K, (K, M)
+
+
 def test_issuing_communication_holds_the_caller():
     """A non-blocking send holds its stage for send_issue_time and starting an all-reduce for
     allreduce_issue_time (a core shared with gloo); blocking sends are timed as transfers only."""

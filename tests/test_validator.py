@@ -375,10 +375,27 @@ def test_problem_str():
 
 def test_zb_h1_is_valid():
     for stages in range(1, 9):
-        for micro_batches in range(stages, 17):
+        for micro_batches in range(1, 17):
             assert check(schedules.compile("zb-h1", stages, micro_batches, validate=False)) == [], (stages, micro_batches)
-    with pytest.raises(ScheduleError, match="at least as many micro-batches as stages"):
-        schedules.compile("zb-h1", 4, 3)
+
+
+def test_zero_bubble_schedules_run_fewer_micro_batches_than_stages():
+    """M < K (e.g. 4 stages x 2 micro-batches, 2 x 1), as stock 1F1B runs it: zb-h1 and hippie-zb
+    (every deferred set) compile, validate, keep W in micro-batch order (zb-h1 stays bit-identical
+    to 1f1b) and hold at most the M micro-batches on every stage."""
+    from hippie_ds.planner.traits import _compiled_traits
+    for stages in range(2, 9):
+        for micro_batches in range(1, stages):
+            shape = (stages, micro_batches)
+            for name, deferred in (("zb-h1", None), ("hippie-zb", []), ("hippie-zb", "auto"),
+                                   ("hippie-zb", list(range(stages)))):
+                params = {} if deferred is None else {"deferred_stages": deferred}
+                compiled = schedules.compile(name, stages, micro_batches, validate=False, **params)
+                assert check(compiled) == [], (name, shape, deferred)
+                for s in range(stages):
+                    ws = [op.micro_batch for op in compiled.ops(s) if op.kind == OpKind.BACKWARD_WEIGHT]
+                    assert ws == list(range(micro_batches)), (name, shape, s)
+            assert _compiled_traits("zb-h1", stages, micro_batches).in_flight == (micro_batches,) * stages
 
 
 def test_weight_pass_before_its_input_pass_is_caught():

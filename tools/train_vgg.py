@@ -65,3 +65,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    import torch.distributed
+    if torch.distributed.is_initialized():  # torn down before exit: no rank dies at teardown (rc 250)
+        torch.distributed.destroy_process_group()

@@ -31,8 +31,10 @@ for the others, and a deferred stage applies last step's gradient. DeepSpeed's `
 """
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from types import MethodType
 
 import torch
@@ -48,6 +50,7 @@ from .engine_checkpoint import CheckpointMixin
 from .engine_gradients import StageGradients, split_deferred
 from .engine_split import SplitBackwardMixin
 from .engine_versions import WeightVersions
+from .failure import end_job_on_failure
 from .grad_store import GradStore
 from .staleness import make_prediction
 from .timeline import Timeline
@@ -71,6 +74,22 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
             holding = op.micro_batch
         elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and op.micro_batch == holding:
             holding = None
+
+
+def _warn_in_flight_at_exit(ref) -> None:
+    """A training loop need not call ``drain()`` (stock DeepSpeed has no such call): checkpoints
+    keep what is in flight, ``eval_batch`` drains first. Weights read straight from the module
+    after the last ``train_batch`` lack it; say so once, from each such stage's first replica."""
+    engine = ref()
+    if engine is None or engine.grid.data_parallel_id != 0:
+        return
+    what = ("batches in flight" if engine.has_in_flight() else
+            "the last step's delayed gradient" if engine.has_pending_update() else None)
+    if what is not None:
+        from deepspeed.utils import logger
+        logger.warning(f"hippie-ds: schedule {engine.compiled_schedule.name!r} stage {engine.stage_id} exits with "
+                       f"{what} not applied to the weights in memory; engine.drain() on every rank applies them, "
+                       "save_checkpoint keeps them")
 
 
 class _StageLocalMPU:
@@ -129,10 +148,12 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
         self._first_batch = 0
         self._op_call = 0  # the call an op's relative batch refers to
         self._in_flight = False
+        self._batch_lrs: dict[int, list[float]] = {}  # continuous: each batch's learning rates, by call
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._versions = self._make_versions(compiled_schedule, staleness)
         self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers, tied_delayed)
         self._init_split_backward(compiled_schedule)
+        atexit.register(_warn_in_flight_at_exit, weakref.ref(self))
 
     def _make_versions(self, compiled: CompiledSchedule, staleness) -> WeightVersions:
         # 2bw's stages compute one update behind: corrected per version (hippie.staleness)
@@ -205,7 +226,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
                 start = time.perf_counter()
                 if self._versions.versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
                     self._versions.use_for_compute(self._abs_version(op.batch, op.version))
-                MethodType(handler, self)(**cmd.kwargs)
+                try:
+                    MethodType(handler, self)(**cmd.kwargs)
+                except BaseException as exc:  # the others would wait for this rank: end the job now
+                    end_job_on_failure(exc, self.global_rank, f"stage {self.stage_id}'s {cmd!r}")
+                    raise
                 if record:
                     self._timeline.record(cmd, start, time.perf_counter(), self._batch_index)
 
@@ -221,6 +246,9 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
                 return super().train_batch(data_iter)
             # Updates of a continuous schedule keep the step counters still; the call advances
             # them once, on every stage alike (checkpoint tags and LR schedules count batches).
+            # A batch's updates take the learning rates set for its call (kept while in flight).
+            self._batch_lrs = {b: r for b, r in self._batch_lrs.items() if b >= self._call - 2}
+            self._batch_lrs[self._call] = [g["lr"] for g in self.optimizer.param_groups]
             loss = super().train_batch(data_iter)
             self._step_bookkeeping()
             self._call += 1
@@ -312,8 +340,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
     # ------------------------------------------------------------------ non-blocking sends
     def _isend(self, tensor, stage):
         # Keep the tensor with its work handle: the buffer slot may be reused before completion.
+        # A detached alias (same storage): an output the split backward cannot detach in place
+        # (a view) must not keep its micro-batch's graph alive until the sends are waited for.
         work = dist.isend(tensor, self.grid.stage_to_global(stage))
-        self._pending_sends.append((work, tensor))
+        self._pending_sends.append((work, tensor.detach()))
 
     def _exec_isend_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -363,17 +393,29 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
     def _exec_free_weights(self, batch: int, version: int):
         self._versions.free(self._abs_version(batch, version, clamp=False))
 
-    def _exec_stage_optimizer_step(self):
-        if self._continuous:
-            # a per-stage update of a continuous schedule: on the current version, per-stage
-            # clipping, no step counters (the call advances them)
-            self._versions.update(self._stage_step_without_counters)
-        else:
+    def _exec_stage_optimizer_step(self, batch: int = 0):
+        if not self._continuous:
             self._stage_step(apply=True)
+            return
+        # a per-stage update of a continuous schedule: on the current version, per-stage
+        # clipping, no step counters (the call advances them), at its batch's learning rates
+        # (an update may run in the next call: every stage, and every holder of a tied module,
+        # applies a batch's gradient at the same rate wherever the call boundary falls)
+        groups = self.optimizer.param_groups
+        rates = self._batch_lrs.get(self._op_call + batch)
+        now = [g["lr"] for g in groups]
+        try:
+            for g, lr in zip(groups, rates or now):
+                g["lr"] = lr
+            self._versions.update(self._stage_step_without_counters)
+        finally:
+            for g, lr in zip(groups, now):
+                g["lr"] = lr
 
     def _stage_step(self, apply: bool):
         """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only."""
         if not apply:
+            self._join_tie_norm()
             self._step_bookkeeping()
             return
         saved = getattr(self.optimizer, "mpu", None)
@@ -389,6 +431,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
                 if clip[1] is not None:
                     self.optimizer.clip_grad = 0.0
             self._force_grad_boundary = True
+            self._gradients.store.count_for_norm()
             self._take_model_step(None)
         finally:
             self._force_grad_boundary = False
@@ -398,6 +441,22 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
             self._config.gradient_clipping = clip[0]
             if clip[1] is not None:
                 self.optimizer.clip_grad = clip[1]
+
+    def _join_tie_norm(self):
+        """A holder of a tied module that has nothing to apply (a whole deferred stage's first
+        step) still joins the gradient-norm reduction its tie group's other holders make in their
+        steps, with a zero gradient: DeepSpeed's own norm function under the per-stage mpu (bf16
+        reduces the norm for its overflow check always, fp32 only to clip)."""
+        if self._clip_group is None:
+            return
+        from deepspeed.runtime.utils import clip_grad_norm_, get_global_norm_of_tensors
+        local = _StageLocalMPU(self.mpu, self.grid, self._clip_group)
+        zero = torch.nn.Parameter(torch.zeros(1, device=self.device))
+        zero.grad = torch.zeros_like(zero)
+        if self.bfloat16_enabled():
+            get_global_norm_of_tensors([zero.grad], mpu=local, norm_type=getattr(self.optimizer, "norm_type", 2))
+        elif self.gradient_clipping() > 0:
+            clip_grad_norm_([zero], self.gradient_clipping(), mpu=local)
 
     def _stage_step_without_counters(self):
         """A per-stage optimizer step that leaves the LR schedule, ``global_steps`` and
@@ -411,7 +470,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, PipelineEngine):
 
     def _step_bookkeeping(self):
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            try:
+                self.lr_scheduler.step()
+            except TypeError:  # as DeepSpeed's _take_model_step: Megatron's scheduler takes the samples
+                self.lr_scheduler.step(self.train_batch_size())
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 

@@ -1,8 +1,8 @@
 """Checkpoints of a ``HippiePipelineEngine``: DeepSpeed's, plus the in-flight training state
-(the deferred gradient buffer, weight versions, the staleness correction's deltas)
-and the stage layout. In-flight state is wrapped so that stock DeepSpeed refuses it
-(:mod:`hippie_ds.adapter.checkpoint_state`); checkpoints of stock DeepSpeed and of other stage layouts
-load (weights follow by layer).
+(the deferred gradient buffer, weight versions, the staleness correction's deltas, each holder's
+copy of a tied module under schedules that never flush) and the stage layout. In-flight state is
+wrapped so that stock DeepSpeed refuses it (:mod:`hippie_ds.adapter.checkpoint_state`);
+checkpoints of stock DeepSpeed and of other stage layouts load (weights follow by layer).
 """
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ class CheckpointMixin:
         # The pending gradient is part of the training state: its all-reduce finishes first.
         self._exec_wait_sends()
         prediction = self._prediction()
+        # tied copies: the schedules that never flush update them apart, the others keep them equal
         state[ckpt.STATE_KEY] = ckpt.training_state(self._gradients.state_dict(), versions,
-                                                    None if prediction is None else prediction.state_dict())
+                                                    None if prediction is None else prediction.state_dict(),
+                                                    self._tied_copies(clone=True) if self._continuous else None)
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -56,6 +58,8 @@ class CheckpointMixin:
         client_state.pop(ckpt.LAYOUT_KEY, None)
         saved = ckpt.read_training_state(client_state)
         buffer, versions, prediction = saved["grad_buffer"], saved["weight_versions"], saved["prediction"]
+        if saved["tied_copies"] is not None and self._continuous and not changed:
+            self._restore_tied_copies(saved["tied_copies"], load_dir)  # else DeepSpeed's: stage 0's copy
         if changed:
             if ckpt.holds_in_flight(buffer, versions):
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
@@ -84,8 +88,32 @@ class CheckpointMixin:
             self._versions.load_state_dict(versions, self.device)
         return path, client_state
 
+    def _tied_copies(self, clone: bool = False) -> dict[str, torch.Tensor] | None:
+        """{"key.attr": this stage's copy of a tied weight}, None without any. Under ``2bw`` and
+        ``pipedream`` the holders apply the same tie sums at other times of the pipeline (and so,
+        under an LR schedule, at other learning rates): the copies differ, and DeepSpeed's load
+        overwrites every copy with the first holder's (``_synchronize_tied_weights``)."""
+        copies = {f"{key}.{attr}": (w.detach().clone() if clone else w)
+                  for key, comm in self.module.tied_comms.items() for attr in comm["weight_attr"]
+                  for w in (self.module._recursive_getattr(self.module.tied_modules[key], attr), )}
+        return copies or None
+
+    @torch.no_grad()
+    def _restore_tied_copies(self, saved: dict, load_dir) -> None:
+        """Put this stage's saved tied copies back over the first holder's (under bf16 the module's
+        bf16 copy; the fp32 master weights come with the stage's own optimizer state)."""
+        own = self._tied_copies() or {}
+        if set(saved) != set(own):
+            raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage_id} saved tied weights "
+                             f"{sorted(saved)}, this model ties {sorted(own)} here")
+        for name, weight in own.items():
+            weight.copy_(saved[name].to(weight.device, weight.dtype))
+
     def _checkpoint_layout_change(self, load_dir, tag) -> tuple[bool, str]:
-        """Whether the checkpoint's stage layout differs from this model's, and the message."""
+        """Whether the checkpoint's stage layout differs from this model's, and the message. A
+        stock checkpoint carries no layout: its stage count (DeepSpeed's, tensor parallelism
+        included: :func:`~hippie_ds.adapter.checkpoint_state.checkpoint_stages`) and whether
+        this rank's optimizer state fits its parameters tell."""
         import glob
         if tag is None:
             latest = os.path.join(load_dir, "latest")
@@ -93,20 +121,20 @@ class CheckpointMixin:
                 return False, ""  # DeepSpeed warns and loads nothing
             with open(latest) as f:
                 tag = f.read().strip()
-        files = sorted(glob.glob(os.path.join(load_dir, str(tag), "mp_rank_*_model_states.pt")))
+        files = self._get_all_ckpt_names(load_dir, tag)  # the model-state files DeepSpeed reads (mp_rank_XX)
         if not files:
             return False, ""
-        own = os.path.join(load_dir, str(tag), f"mp_rank_{self.stage_id:02d}_model_states.pt")
+        own = self._get_ckpt_name(load_dir, tag)  # the one this rank's DeepSpeed load reads
         with ckpt.loading():
             saved = torch.load(own if os.path.exists(own) else files[0], map_location="cpu", weights_only=False)
         current = ckpt.layout(self.module.parts)
         saved_layout = saved.get(ckpt.LAYOUT_KEY)
+        stages = ckpt.checkpoint_stages(saved, files, glob.glob(os.path.join(load_dir, str(tag), "layer_*")))
         shapes_match = True
-        if saved_layout is None and os.path.exists(own) and isinstance(saved.get("optimizer"), dict):
-            states = saved["optimizer"].get("state", {})
-            params = self._params
-            shapes_match = all(not torch.is_tensor(t) or t.dim() == 0 or (int(i) < len(params) and
-                                                                          t.shape == params[int(i)].shape)
-                               for i, st in states.items() for t in st.values())
-        changed = ckpt.layout_changed(saved_layout, current, len(files), shapes_match)
-        return changed, ckpt.layout_change_message(saved_layout, current, len(files)) if changed else ""
+        optimizer = saved.get("optimizer")
+        if saved_layout is None and os.path.exists(own) and isinstance(optimizer, dict) and \
+                {"state", "param_groups"} <= set(optimizer) and hasattr(self.optimizer, "param_groups"):
+            shapes_match = ckpt.optimizer_state_fits(optimizer["state"], optimizer["param_groups"],
+                                                     [g["params"] for g in self.optimizer.param_groups])
+        changed = ckpt.layout_changed(saved_layout, current, stages, shapes_match)
+        return changed, ckpt.layout_change_message(saved_layout, current, stages) if changed else ""

@@ -26,7 +26,10 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat tensor holding a copy of ``tensors``. torch's ``_flatten_dense_tensors`` returns a
     view of a lone tensor, not a copy: a buffer or a saved version made of one parameter (a
-    bias-free embedding delayed alone) would change with it."""
+    bias-free embedding delayed alone) would change with it. No tensors: an empty one (a deferred
+    stage without parameters)."""
+    if not tensors:
+        return torch.empty(0)
     flat = _flatten_dense_tensors(tensors)
     return flat.clone() if len(tensors) == 1 else flat
 
@@ -106,6 +109,21 @@ class GradStore:
             i, j = self._slot[id(p)]
             self._optimizer.fp32_groups_gradients[i][j].zero_()
             self._optimizer.fp32_groups_has_gradients[i][j] = False
+
+    def count_for_norm(self) -> None:
+        """Before a step: BF16_Optimizer's gradient norm stacks the gradients it counts and fails
+        on none, as when a tie holder applies only its tied weight, which DeepSpeed leaves out of
+        every holder's norm but the first (``ds_pipe_replicated``). Count one zero gradient then:
+        the norm is the same (0), the step applies what it would."""
+        if not self.bf16 or self._optimizer.get_grads_for_norm()[0]:
+            return
+        flags = self._optimizer.fp32_groups_has_gradients
+        for i, group in enumerate(self._optimizer.bf16_groups):
+            for j, p in enumerate(group):
+                if not flags[i][j] and not getattr(p, "ds_pipe_replicated", False):
+                    self._optimizer.fp32_groups_gradients[i][j].zero_()
+                    flags[i][j] = True
+                    return
 
     @torch.no_grad()
     def collect_weight_pass(self) -> None:

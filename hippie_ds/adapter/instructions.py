@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ..schedules.ir import OP_INFO, WEIGHT_KINDS, CompiledSchedule, Op
+from ..schedules.ir import OP_INFO, WEIGHT_KINDS, CompiledSchedule, Op, OpKind
 
 
 class ForwardBackwardPass(ds.BufferOpInstruction):
@@ -85,6 +85,8 @@ def to_instruction(op: Op) -> ds.PipeInstruction:
         return cls(op.buffer)
     if op.kind in WEIGHT_KINDS:
         return cls(batch=op.batch, version=op.version)
+    if op.kind == OpKind.STAGE_OPTIMIZER_STEP:
+        return cls(batch=op.batch)  # continuous schedules: the update takes its batch's learning rate
     return cls(target=op.target) if op.target is not None else cls()
 
 

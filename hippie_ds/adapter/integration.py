@@ -14,7 +14,8 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed_version
 from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
-from ..schedules import compile as compile_schedule, load_spec, recompile
+from ..schedules import compile as compile_schedule, load_spec
+from .deferred_layers import deferred_layers, schedules_with_param, without_undelayed, log_choice
 from .precision import check_precision
 from .tied import check_tied, delay_ties
 
@@ -169,120 +170,42 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     return ds_config, config_class, compiled, options
 
 
-def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
-    """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
-    stages it delays partly (0: nothing, see :func:`without_undelayed`); checked before any
-    process group exists. The default applies to the schedules that have deferred stages and is
-    ignored by the others; a value the config sets is checked against the schedule; "auto" is
-    chosen from costs (:func:`auto_deferred_layers`); ``choices``, when given, receives them
-    ({stage: LayersChoice}; :func:`initialize` logs them once the engine has set DeepSpeed's log
-    level from the config)."""
-    value = options.deferred_layers
-    explicit = "deferred_layers" in options.model_fields_set
-    deferred = compiled.deferred_stages()
-    shown = f'config key "hippie.deferred_layers" = {value!r}'
-    if "deferred_stages" not in compiled.params:
-        if explicit and value != WHOLE_STAGE:
-            raise ConfigError(f"{shown}: schedule {compiled.name!r} has no deferred stages (partial deferral applies "
-                              f"to the deferred stages of {', '.join(schedules_with_param('deferred_stages'))})")
-        return {}
-    if options.staleness_price is not None and value != AUTO_LAYERS:
-        raise ConfigError(f'config key "hippie.staleness_price" = {options.staleness_price!r}: it prices only '
-                          f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them')
-    if value == WHOLE_STAGE:
-        return {}
-    if value == AUTO_LAYERS:
-        auto = auto_deferred_layers(model, options, compiled)
-        (choices if choices is not None else {}).update(auto)
-        value = {s: c.layers for s, c in auto.items()}
-    if isinstance(value, dict):
-        extra = sorted(set(value) - set(deferred))
-        if extra:
-            raise ConfigError(f"{shown}: stage(s) {extra} are not deferred; deferred stages: {deferred}")
-    counts = {s: value if isinstance(value, int) else value.get(s) for s in deferred}
-    layers = {s: model.parts[s + 1] - model.parts[s] for s in deferred}
-    return {s: k for s, k in counts.items() if k is not None and k < layers[s]}
-
-
-def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
-    """``hippie.deferred_layers: "auto"``: {deferred stage: LayersChoice}, by
-    :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``hippie.costs``
-    (a plan carries its own choice, merged into the config before this). A deferred stage whose
-    costs have no per-layer breakdown takes the model's own layers' parameter bytes, built on the
-    meta device from the layer specs, the same on every rank. When a layer cannot be built there,
-    this rank's stage counts its built layers (``model.forward_funcs``, which the engine splits)
-    and another stage is taken as equal layers (a stage's choice depends on the others' only
-    through the link they share); every replica of a stage still chooses alike."""
-    from ..schedules.costs import Costs, CostsError, LayerShare
-    from ..schedules.partial_deferral import choose_deferred_layers
-
-    shown = f'config key "hippie.deferred_layers" = {AUTO_LAYERS!r}'
-    if options.costs is None:
-        made = (f'; the plan {options.plan!r} ("hippie.plan") states no choice (made before "auto" existed): make it '
-                "again with `hippie-ds plan`" if options.plan is not None else
-                '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)')
-        raise ConfigError(f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
-                          f"(per-layer ones optional, see docs/reference.md){made}")
+def _is_dualpipev(model) -> bool:
     try:
-        costs = Costs.from_file(options.costs, num_stages=model.num_stages)
-    except CostsError as exc:
-        raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: {exc}') from None
-    from .pipeline_module import layer_param_bytes
-
-    stages, every = list(costs.stages), None
-    for s in compiled.deferred_stages():
-        count = model.parts[s + 1] - model.parts[s]
-        if stages[s].layers is None:
-            every = layer_param_bytes(model._layer_specs) if every is None else every
-            sizes = (every[model.parts[s]:model.parts[s + 1]] if every is not None else
-                     _layer_sizes(model) if s == model.stage_id else [1.0] * count)
-            stages[s] = stages[s].model_copy(update={"layers": [LayerShare(param_bytes=x) for x in sizes]})
-        elif len(stages[s].layers) != count:
-            raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
-                              f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
-    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}),
-                                  staleness_price=options.staleness_price)
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    except ImportError:  # DeepSpeed before DualPipeV
+        return False
+    return isinstance(model, DualPipeVModule)
 
 
-def _log_choice(model: PipelineModule, choices: dict) -> None:
-    """The 'auto' choice of this rank's stage, on its first replica (DeepSpeed logger, INFO)."""
-    mine = choices.get(model.stage_id)
-    if mine is not None and model._topo.get_coord(model.global_rank).data == 0:
-        from deepspeed.utils import logger
-        logger.info(f"hippie-ds: deferred_layers auto, {mine.describe()}")
-
-
-def _layer_sizes(model: PipelineModule) -> list[float]:
-    """Parameter count of each of this rank's stage's layers (0 for functions and tied modules
-    reached through a function, which the engine never delays either)."""
-    import torch
-    return [float(sum(p.numel() for p in f.parameters())) if isinstance(f, torch.nn.Module) else 0.0
-            for f in model.forward_funcs]
-
-
-def without_undelayed(compiled, partial: dict[int, int]):
-    """(schedule, partial) with the deferred stages that delay 0 layers made ordinary stages:
-    delaying nothing is all-reducing and updating in-step, with no gradient buffer to keep."""
-    idle = sorted(s for s, k in partial.items() if k == 0)
-    if not idle:
-        return compiled, partial
-    kept = [s for s in compiled.deferred_stages() if s not in idle]
-    return recompile(compiled, deferred_stages=kept), {s: k for s, k in partial.items() if k}
-
-
-def schedules_with_param(param: str) -> list[str]:
-    """The built-in schedules that declare ``param`` (asked of their specs)."""
-    from ..schedules.spec import available
-    return [name for name in available() if param in load_spec(name).params]
+def check_dualpipev_config(config: dict) -> None:
+    """A ``DualPipeVModule`` (two stages per pipeline rank) is DeepSpeed's own schedule: stock
+    ``deepspeed.initialize`` runs it with ``DualPipeVEngine``, and so does ``hippie_ds.initialize``.
+    A config that asks hippie-ds for something there is refused, before any collective."""
+    pipeline = config.get("pipeline")
+    what = ('the model is a DualPipeVModule, which DeepSpeed trains with its own DualPipeV schedule '
+            "(DualPipeVEngine, two stages per pipeline rank); hippie-ds schedules run on a "
+            "deepspeed.pipe.PipelineModule")
+    if isinstance(pipeline, dict) and "schedule" in pipeline:
+        raise ConfigError(f'config key "pipeline.schedule" = {pipeline["schedule"]!r}: {what}. Remove '
+                          '"pipeline.schedule" to train the DualPipeVModule as stock DeepSpeed does, or build a '
+                          "PipelineModule to run a hippie-ds schedule")
+    if config.get("hippie"):
+        raise ConfigError(f'config key "hippie" = {config["hippie"]!r}: {what}, and these options configure only '
+                          'those. Remove "hippie" to train the DualPipeVModule as stock DeepSpeed does, or build a '
+                          "PipelineModule to run a hippie-ds schedule")
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
     """Same arguments and return value as ``deepspeed.initialize``. A ``PipelineModule`` gets a
-    :class:`HippiePipelineEngine` running ``config["pipeline"]["schedule"]``; anything else goes
-    to ``deepspeed.initialize`` unchanged."""
-    if not isinstance(model, PipelineModule):
+    :class:`HippiePipelineEngine` running ``config["pipeline"]["schedule"]``; anything else, and
+    DeepSpeed's ``DualPipeVModule`` (:func:`check_dualpipev_config`), goes to
+    ``deepspeed.initialize`` unchanged."""
+    if not isinstance(model, PipelineModule) or _is_dualpipev(model):
+        if isinstance(model, PipelineModule):
+            check_dualpipev_config(_load_config(args, config, config_params))
         kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                       training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                       dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
@@ -323,6 +246,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
                                   deferred_layers=partial, tied_delayed=tied_delayed)
     zero.partition_parameters.restore_init_context()
-    _log_choice(model, choices)
+    log_choice(model, choices)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -20,8 +20,11 @@ over the stage's data-parallel group (ZeRO-1) and a whole gradient accumulator o
 hippie-ds's early and deferred all-reduces act on that accumulator, as DeepSpeed's own pipeline
 reduction does. The refusals, with their reasons:
 
-- ``zero`` path: DeepSpeedZeroOptimizer reduces gradients into its partitions inside its own
-  step machinery (``reduce_gradients``); an all-reduce outside it would be repeated or lost.
+- ``zero`` path: DeepSpeedZeroOptimizer reduces gradients into its partitions, and their norm
+  over the whole pipeline, inside its own step machinery (``reduce_gradients``); an all-reduce or
+  a per-stage step outside it would be repeated, lost or hang. A split backward alone runs
+  (``zb-h1``): ZeRO-1 keeps the gradients on ``.grad`` until its reduce, where the weight pass
+  adds them (not with ``overlap_comm`` or a separate accumulation dtype).
 - ``fp16``: the dynamic loss scale skips a step when any stage overflows, so every stage must
   know every stage's overflow flag before it applies; a stage that updates early (or late, from a
   buffer, or from a weight version) cannot, without a pipeline-wide wait that would undo the
@@ -38,6 +41,7 @@ OWN_GRADIENT_KINDS = frozenset({OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE, O
                                 OpKind.APPLY_BUFFERED_UPDATE, OpKind.STAGE_OPTIMIZER_STEP, OpKind.BACKWARD_INPUT,
                                 OpKind.BACKWARD_WEIGHT, OpKind.STASH_WEIGHTS})
 PATHS = ("fp32", "bf16", "zero", "fp16")
+SPLIT_BACKWARD_KINDS = frozenset({OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT})
 
 
 def _fp32_accumulation(config_class) -> bool:
@@ -50,6 +54,18 @@ def _fp32_accumulation(config_class) -> bool:
 def _offloads_optimizer(config_class) -> bool:
     offload = config_class.zero_config.offload_optimizer
     return offload is not None and str(getattr(offload.device, "value", offload.device)) != "none"
+
+
+def _grads_on_params(config_class) -> bool:
+    """DeepSpeedZeroOptimizer stage 1 leaves a backward's gradients on the parameters' ``.grad``
+    until DeepSpeed's own ``reduce_grads`` (no ``overlap_comm`` hooks reducing them during the
+    backward, no separate accumulation dtype): a split backward's weight pass may add to them."""
+    import torch
+    from deepspeed.runtime.config import DtypeEnum
+    model = torch.bfloat16 if config_class.bfloat16_config.enabled else torch.float32
+    accumulation = config_class.grad_accum_dtype
+    separate = accumulation is not None and DtypeEnum(accumulation).value != model
+    return config_class.zero_optimization_stage == 1 and not config_class.zero_config.overlap_comm and not separate
 
 
 def optimizer_path(config_class) -> str:
@@ -86,15 +102,23 @@ def check_precision(compiled: CompiledSchedule, config_class) -> None:
     own = own_gradient_ops(compiled)
     if path in ("fp32", "bf16") or not own:
         return
+    if path == "zero" and own <= SPLIT_BACKWARD_KINDS and _grads_on_params(config_class):
+        return
     ops = ", ".join(sorted(k.value for k in own))
     allowed = ", ".join(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches))
     key = _config_key(config_class, path)
     if path == "zero":
-        raise ConfigError(f"config key {key}: schedule {compiled.name!r} handles gradients itself ({ops}), which "
-                          "hippie-ds does with ZeRO-1 only through DeepSpeed's BF16_Optimizer: set "
+        splits = _grads_on_params(config_class)
+        allowed = ", ".join(builtins_where(lambda c: own_gradient_ops(c) <= (SPLIT_BACKWARD_KINDS if splits else
+                                                                             frozenset()),
+                                           compiled.stages, compiled.micro_batches))
+        raise ConfigError(f"config key {key}: schedule {compiled.name!r} handles gradients itself ({ops}); "
+                          "DeepSpeedZeroOptimizer, which DeepSpeed picks here, reduces gradients and their norm over "
+                          "the whole pipeline inside its own step, so a stage cannot all-reduce, defer or update "
+                          "apart from the others. hippie-ds does that with ZeRO-1 through DeepSpeed's BF16_Optimizer: set "
                           '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
                           "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
-                          f"schedules that run on any ZeRO-1 configuration: {allowed}")
+                          f"schedules that run on this configuration: {allowed}")
     reason = ("its input pass does not apply fp16's loss scale" if compiled.splits_backward and
               not own - {OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT} else
               "fp16's dynamic loss scale skips a step when any stage overflows, which a stage that updates apart "

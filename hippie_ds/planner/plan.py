@@ -249,6 +249,12 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
     return found.best[0], found.best[0].est, {}, simulated
 
 
+def _with_parameters(model: _Model, first: int, count: int) -> int:
+    """The layers with parameters among a stage's ``count`` leading layers: what
+    ``hippie.deferred_layers`` counts (adapter/deferred_layers.py)."""
+    return sum(1 for i in range(first, first + count) if model.params[i] > 0) or count
+
+
 def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, objective: str,
              memory_cap: float | None, baselines: list[Baseline], price: float, search: dict) -> Plan:
     lay, f = cand.lay, cand.b / model.b0
@@ -263,7 +269,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
                                 backward=f * lay.bwd[s], recompute=f * rec.time(cand.ks[s]),
                                 param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
                                 in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s],
-                                deferred_layers=delayed[s].layers if s in delayed else None,
+                                deferred_layers=_with_parameters(model, a, delayed[s].layers) if s in delayed else None,
                                 delayed_share=delayed[s].delayed_share if s in delayed else 0.0,
                                 activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s])))
     params = {"deferred_stages": sorted(deferred)} if schedule_traits(cand.schedule, lay.K, cand.M).defers else {}

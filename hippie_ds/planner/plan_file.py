@@ -64,8 +64,8 @@ class StagePlan(_Strict):
     kept_bytes: float = Field(ge=0, description="activation bytes kept per in-flight micro-batch")
     in_flight: int = Field(ge=1, description="peak micro-batches whose activations are held")
     deferred: bool = Field(False, description="all-reduce deferred to the next step (gradient buffer)")
-    deferred_layers: int | None = Field(None, ge=1, description="of a deferred stage: its leading layers whose "
-                                        "gradient is applied one step late (hippie.deferred_layers 'auto'; "
+    deferred_layers: int | None = Field(None, ge=1, description="of a deferred stage: its leading layers with "
+                                        "parameters whose gradient is applied one step late (hippie.deferred_layers 'auto'; "
                                         "its layer count: the whole stage); none: not chosen")
     delayed_share: float = Field(0.0, ge=0, le=1, description="share of the stage's gradient bytes applied one "
                                                                "step late")

@@ -2,7 +2,9 @@
 ``training/pipeline_parallelism/train.py``: argparse with ``deepspeed.add_config_arguments``,
 ``--deepspeed_config``, DeepSpeed's default topology (``PipelineModule(num_stages=...)``),
 ``partition_method="parameters"``, ``activation_checkpoint_interval``, ``training_data=`` a torch
-Dataset and ``engine.train_batch()`` without an iterator, ``engine.eval_batch``, checkpoints.
+Dataset and ``engine.train_batch()`` without an iterator, ``engine.eval_batch``, checkpoints, and
+the optimizer's two parameter groups of Megatron-DeepSpeed's ``get_param_groups`` (weight decay on
+the weights, off on the biases: the groups interleave the module's parameter order).
 
 The only hippie-ds line is the choice of ``initialize`` (``--initialize hippie_ds``): that is
 the one import a user changes. The rest is what a stock DeepSpeed user already has.
@@ -53,6 +55,13 @@ def layers():
             torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
 
 
+def param_groups(net):
+    """Megatron-DeepSpeed's two optimizer groups: weight decay on the weights, off on the biases."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
 def main():
     args = get_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -63,8 +72,7 @@ def main():
         import hippie_ds as initializer
     else:
         initializer = deepspeed
-    engine, _, _, _ = initializer.initialize(args=args, model=net,
-                                             model_parameters=[p for p in net.parameters() if p.requires_grad],
+    engine, _, _, _ = initializer.initialize(args=args, model=net, model_parameters=param_groups(net),
                                              training_data=RandomDataset())
     eval_data = [RandomDataset(n=8, seed=1)[i] for i in range(8)]
 
@@ -98,3 +106,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    import torch.distributed
+    if torch.distributed.is_initialized():  # torn down before exit: no rank dies at teardown (rc 250)
+        torch.distributed.destroy_process_group()

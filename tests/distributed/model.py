@@ -61,3 +61,63 @@ def tied_layer_specs():
     specs += [LayerSpec(torch.nn.Tanh), TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False, forward_fn=_tied_head),
               LayerSpec(torch.nn.Linear, IN, OUT)]
     return specs
+
+
+# ------------------------------------------------------------------ the Megatron-shaped model
+# What real clients (Megatron-DeepSpeed's GPTModelPipe) do that the tiny model does not, for the
+# split backward's regressions (tests/test_split_backward.py): activations of 3 dimensions, so a
+# Linear's output is a view (and a layer returns ``x.view(...)``); an embedding tied to the head
+# whose head copy leaves a parameter unused (the position table: only the word weight projects).
+SEQ = 3
+
+
+class Embedding(torch.nn.Module):
+    """Megatron's EmbeddingPipe in small: a word projection (float inputs, so that stage 0 also
+    back-propagates to its input) plus a position table; (B, SEQ, IN) -> (B, SEQ, WIDTH)."""
+
+    def __init__(self):
+        super().__init__()
+        self.word = torch.nn.Linear(IN, WIDTH, bias=False)
+        self.position = torch.nn.Parameter(0.1 * torch.randn(SEQ, WIDTH))
+
+    def forward(self, x):
+        return self.word(x) + self.position
+
+
+def _word_head(module, x):
+    """The tied embedding as the output projection (B, SEQ, WIDTH) -> (B, SEQ, IN): the word
+    weight only; the head's copy of the position table takes no part."""
+    return x @ module.word.weight
+
+
+class Fold(torch.nn.Module):
+    """(B, SEQ, WIDTH) <-> (B, SEQ * WIDTH) by ``view``: a layer whose output is a view."""
+
+    def __init__(self, unfold=False):
+        super().__init__()
+        self.unfold = unfold
+
+    def forward(self, x):
+        return x.view(x.shape[0], SEQ, WIDTH) if self.unfold else x.view(x.shape[0], SEQ * WIDTH)
+
+
+def megatron_layer_specs():
+    """8 layers; on 2 stages: [embedding, Tanh, Linear (a view of 3-D), Fold (x.view)] and
+    [Fold back, Linear, head tied to the embedding, Linear]."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    return [TiedLayerSpec("embed", Embedding, tied_weight_attr=["word.weight"]), LayerSpec(torch.nn.Tanh),
+            LayerSpec(torch.nn.Linear, WIDTH, WIDTH), LayerSpec(Fold),
+            LayerSpec(Fold, unfold=True), LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
+            TiedLayerSpec("embed", Embedding, forward_fn=_word_head, tied_weight_attr=["word.weight"]),
+            LayerSpec(torch.nn.Linear, IN, OUT)]
+
+
+def megatron_data_iter(replica, micro_batches, start_step=0):
+    """The tiny model's data with a sequence dimension: (B, SEQ, IN), (B, SEQ, OUT)."""
+    step = start_step
+    while True:
+        for m in range(micro_batches):
+            g = torch.Generator().manual_seed(1_000_003 * step + 1_009 * replica + m)
+            yield (torch.randn(MICRO_BATCH_SIZE, SEQ, IN, generator=g),
+                   torch.randn(MICRO_BATCH_SIZE, SEQ, OUT, generator=g))
+        step += 1

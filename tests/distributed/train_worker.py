@@ -16,7 +16,9 @@ import hippie_ds
 
 def split_name(name):
     """Engine name -> (schedule, options): "pipedream+vs" runs pipedream with vertical_sync,
-    "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine."""
+    "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine,
+    "zb-h1+bf16" in bf16 and "zb-h1+bf16+zero1" in bf16 + ZeRO-1 whatever --bf16 / --zero say
+    (several precisions in one launch)."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -33,12 +35,13 @@ def config(args, schedule, dp, opts=()):
         cfg["gradient_clipping"] = args.clip
     if args.comm_dtype:
         cfg["communication_data_type"] = args.comm_dtype
-    if args.bf16:
+    bf16, zero = args.bf16 or "bf16" in opts, args.zero or (1 if "zero1" in opts else 0)
+    if bf16:
         # immediate: DeepSpeed's hooks move each bf16 gradient into the accumulator during backward
         cfg["bf16"] = {"enabled": True, **({"immediate_grad_update": True} if args.bf16_immediate else {})}
-    if args.zero:
+    if zero:
         # DeepSpeed's bf16 + ZeRO-1 pipeline path (BF16_Optimizer) needs fp32 gradient accumulation
-        cfg["zero_optimization"] = {"stage": args.zero}
+        cfg["zero_optimization"] = {"stage": zero}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         cfg["zero_allow_untested_optimizer"] = True  # SGD
     if schedule != "stock":
@@ -64,6 +67,22 @@ def config(args, schedule, dp, opts=()):
     return cfg
 
 
+def crash_in_first_backward(engine, at_step):
+    """The engine's first backward (BackwardPass, BackwardInputPass or ForwardBackwardPass) of
+    step ``at_step`` raises inside its handler, mid-schedule, as a model the handler cannot serve
+    would."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from hippie_ds.adapter import instructions as hs
+    table = dict(engine._INSTRUCTION_MAP)
+    for kind in (ds_schedule.BackwardPass, hs.BackwardInputPass, hs.ForwardBackwardPass):
+        def crashing(self, *args, _handler=table[kind], **kwargs):
+            if self.global_steps == at_step:
+                raise RuntimeError(f"rank {self.global_rank} crashes on purpose inside its handler at step {at_step}")
+            return _handler(self, *args, **kwargs)
+        table[kind] = crashing
+    engine._INSTRUCTION_MAP = table  # the instance's: looked up before the class's
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)
@@ -79,6 +98,8 @@ def parse_args():
     p.add_argument("--comm-dtype", default=None, help="DeepSpeed's communication_data_type (every engine)")
     p.add_argument("--bf16-immediate", action="store_true", help='bf16 with "immediate_grad_update": true')
     p.add_argument("--tied", action="store_true", help="the model with its first layer tied to a head (last stage)")
+    p.add_argument("--megatron", action="store_true", help="the Megatron-shaped model (model.megatron_layer_specs): "
+                   "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last stage")
     p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")
     p.add_argument("--deferred", default=None)
     p.add_argument("--deferred-layers", default="all", help='hippie.deferred_layers of hippie schedules: a count, '
@@ -92,6 +113,9 @@ def parse_args():
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--crash-in-handler", action="store_true", help="--crash-rank raises inside the handler of its "
+                   "first backward of step 1, and every rank's script catches what train_batch raises and calls a "
+                   "barrier before re-raising")
     p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section; its "
                    "'pipeline' and 'deepspeed' keys into the pipeline section and the top level (bad-input tests)")
     return p.parse_args()
@@ -105,7 +129,8 @@ def main():
     dp = world // args.stages
     def build(name):
         schedule, opts = split_name(name)
-        specs = tiny.tied_layer_specs() if args.tied else tiny.layer_specs()
+        specs = (tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied else
+                 tiny.layer_specs())
         module = PipelineModule(layers=specs, num_stages=args.stages, loss_fn=tiny.loss_fn,
                                 topology=hippie_ds.make_topology(args.stages, world),
                                 partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED)
@@ -114,9 +139,9 @@ def main():
                           config=config(args, schedule, dp, opts))
         return engine
 
-    def data(replica, start):
-        it = tiny.data_iter(replica, args.micro_batches, start_step=start)
-        return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 else it
+    def data(replica, start, opts):
+        it = (tiny.megatron_data_iter if args.megatron else tiny.data_iter)(replica, args.micro_batches, start_step=start)
+        return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 or "bf16" in opts else it
 
     for name in args.engines.split(","):
         _, opts = split_name(name)
@@ -127,15 +152,22 @@ def main():
         if args.resume:
             _, client = engine.load_checkpoint(args.resume)
             start = client["next_step"]
-        it = data(replica, start)
+        it = data(replica, start, opts)
         losses = []
         step = start
+        if args.crash_in_handler and args.crash_rank == rank:
+            crash_in_first_backward(engine, at_step=1)
         while step < args.steps:
-            if args.crash_rank == rank and step == 1:
+            if args.crash_rank == rank and step == 1 and not args.crash_in_handler:
                 raise RuntimeError(f"rank {rank} crashes on purpose at step {step}")
             if args.kill_rank == rank and step == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            losses.append(float(engine.train_batch(it)))
+            try:
+                losses.append(float(engine.train_batch(it)))
+            except BaseException:
+                if args.crash_in_handler:  # a script's clean-up collective (a barrier, a checkpoint)
+                    torch.distributed.barrier()
+                raise
             step += 1
             if args.checkpoint_at is not None and step == args.checkpoint_at:
                 engine.save_checkpoint(os.path.join(args.out, name, "ckpt"), client_state={"next_step": step})
@@ -146,7 +178,7 @@ def main():
                 engine = build(name)
                 _, client = engine.load_checkpoint(ckpt)
                 assert client["next_step"] == step
-                it = data(replica, step)
+                it = data(replica, step, opts)
         if args.flush and hasattr(engine, "flush_deferred_update"):
             engine.flush_deferred_update()
         # --drain completes the batches of continuous schedules (2bw, pipedream); a deferred
@@ -175,3 +207,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    import torch.distributed
+    if torch.distributed.is_initialized():  # torn down before exit: no rank dies at teardown (rc 250)
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,89 @@
+"""Checkpoints that must resume exactly, beyond the ones ``tests/test_dropin.py`` crosses with stock
+DeepSpeed: how hippie-ds reads a stock checkpoint's layout (pure), and modules tied across stages
+under the schedules that never flush, resumed under an LR schedule (real ranks)."""
+import json
+
+import pytest
+import torch
+
+from hippie_ds.adapter import checkpoint_state as ckpt
+
+
+# ---------------------------------------------------------------------------------------------
+# A stock checkpoint's layout (pure)
+
+def test_checkpoint_stages_of_tensor_parallel_files():
+    """DeepSpeed names one ``mp_rank_XX`` file per stage and tensor-parallel rank (stage x TP degree
+    + TP rank): 2 stages x 2 TP ranks are 4 files of 2 stages."""
+    files = [f"mp_rank_{i:02d}_model_states.pt" for i in range(4)]
+    layers = [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(6) for t in range(2)]
+    dims = {ckpt.PARALLEL_DIMS: {"pp_degree": 2, "tp_degree": 2}}
+    assert ckpt.checkpoint_stages(dims, files, layers) == 2
+    assert ckpt.checkpoint_stages({}, files, layers) == 2  # without the metadata: the layer files' TP ranks
+    assert ckpt.checkpoint_stages({}, files, [f"layer_{i:02d}-model_states.pt" for i in range(6)]) == 4
+    assert not ckpt.layout_changed(None, ckpt.layout([0, 3, 6]), ckpt.checkpoint_stages(dims, files, layers))
+
+
+def test_optimizer_state_pairs_by_parameter_group():
+    """Megatron-DeepSpeed's optimizer has two groups (weight decay on / off): torch numbers its
+    state group by group, not in the module's order."""
+    w0, b0, w1, b1 = torch.zeros(4, 2), torch.zeros(4), torch.zeros(3, 4), torch.zeros(3)
+    groups = [[w0, w1], [b0, b1]]
+    saved = [{"params": [0, 1]}, {"params": [2, 3]}]
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)} for i, p in enumerate([w0, w1, b0, b1])}
+    assert ckpt.optimizer_state_fits(state, saved, groups)
+    assert not ckpt.optimizer_state_fits(state, saved, [[w0, b0], [w1, b1]])  # another stage's parameters
+    assert not ckpt.optimizer_state_fits(state, saved, [[w0, w1, b0, b1]])
+
+
+def test_training_state_of_format_2_still_loads():
+    client = {ckpt.STATE_KEY: {"format": 2, "grad_buffer": None, "weight_versions": None, "prediction": None}}
+    assert ckpt.read_training_state(client) == {"grad_buffer": None, "weight_versions": None, "prediction": None,
+                                                "tied_copies": None}
+    copies = {"tied.weight": torch.ones(2)}
+    state = ckpt.training_state({"state": "empty", "buffer": None}, None, None, copies)
+    assert state["format"] == 3 and ckpt.read_training_state({ckpt.STATE_KEY: state})["tied_copies"] is copies
+
+
+# ---------------------------------------------------------------------------------------------
+# Tied modules under an LR schedule (real ranks)
+
+LR_SCHEDULE = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                            "warmup_num_steps": 10, "warmup_type": "linear"}}}
+TIED_ENGINES = ("2bw", "pipedream", "hippie")
+RESUMED = {"2bw": ("ckpt1", "ckpt2"), "pipedream": ("ckpt2", ), "hippie": ("ckpt2", )}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["fp32", "bf16+zero1"])
+def test_tied_module_resumes_exactly_under_lr_schedule(tmp_path, precision):
+    """A module tied across the first and the last stage, trained under a warm-up LR schedule and
+    resumed from a checkpoint saved right after a ``train_batch`` (no ``drain()`` by the script):
+    the resumed run is bit-identical to the uninterrupted one, losses, layers and every rank's
+    tied copy. Under ``2bw`` and ``pipedream`` the last stage applies a batch's tie sum a call
+    before stage 0 (at another learning rate), so the two copies differ when the checkpoint is
+    saved, and DeepSpeed's load overwrites the last stage's with stage 0's: the checkpoint
+    carries each copy. ``hippie`` updates both copies in the same call."""
+    from launch import collect, launch
+    extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
+    engines = [n for n in TIED_ENGINES] + [f"{n}+{c}" for n in TIED_ENGINES for c in RESUMED[n]]
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", 4, "--steps", 4, "--tied",
+                        "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", 0.01, "--clip", 0.05,
+                        "--drain", "--schedule-override", json.dumps({"deepspeed": LR_SCHEDULE}), *extra, timeout=420)
+    assert rc == 0, log[-4000:]
+
+    def tied_copies(name):
+        files = [torch.load(f) for f in sorted((tmp_path / name).glob("rank*.pt"))]
+        return [f["tied"]["tied"]["weight"] for f in files if "tied" in f["tied"]]
+
+    for name in TIED_ENGINES:
+        full, full_losses, *_ = collect(tmp_path, name)
+        for suffix in RESUMED[name]:
+            resumed, resumed_losses, *_ = collect(tmp_path, f"{name}+{suffix}")
+            for i in full:
+                for k in full[i]:
+                    diff = (full[i][k] - resumed[i][k]).abs().max()
+                    assert torch.equal(full[i][k], resumed[i][k]), f"{name}+{suffix} {precision}: layer {i} {k}: {diff}"
+            assert resumed_losses == full_losses, f"{name}+{suffix} {precision}: losses differ"
+            for a, b in zip(tied_copies(name), tied_copies(f"{name}+{suffix}"), strict=True):
+                assert torch.equal(a, b), f"{name}+{suffix} {precision}: a tied copy differs"
