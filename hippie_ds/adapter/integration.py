@@ -13,7 +13,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed_version
-from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError, merge_plan, read_config, schedule_params, split_config
+from ..config import ConfigError, merge_plan, read_config, schedule_params, split_config
 from ..schedules import compile as compile_schedule, load_spec
 from .deferred_layers import deferred_layers, schedules_with_param, without_undelayed, log_choice
 from .precision import check_precision
