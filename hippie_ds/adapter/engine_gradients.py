@@ -217,7 +217,7 @@ class StageGradients:
 
     def _apply_buffered_update(self) -> None:
         applies = _checked(self.buffer_sm.apply())
-        if not applies and not self.synced:
+        if not applies and not self.synced and not self._steps_first:
             # First step: nothing buffered yet. Keep step counters and the LR schedule in
             # lock-step with the other stages (checkpoint tags use global_steps).
             self._step(False)
@@ -225,10 +225,21 @@ class StageGradients:
         current = flat_copy(self.delayed_grads())  # this step's delayed gradient, buffered next
         if applies:
             self.store.load(self._delayed_subset(), self.buffer)
-        else:  # partial deferral, first step: the synchronous part updates, the delayed part has nothing yet
-            self.store.skip(self.delayed)
+        else:  # first step, partial deferral (or a bf16 tie holder: _steps_first): the synchronous part
+            self.store.skip(self.delayed)  # updates, the delayed part has nothing yet
         self._step(True)
         self.store.load(self._delayed_subset(), current)
+
+    @property
+    def _steps_first(self) -> bool:
+        """Whether a wholly deferred stage takes its first step (nothing buffered yet) with zero
+        gradients rather than none: a holder of tied weights under bf16. Its tie group's partially
+        deferred holders (a holder added to the deferred stages delays the tied weights only,
+        adapter/tied.py) step then for their synchronous part, and BF16_Optimizer steps one flat
+        partition: their tied copy takes a zero gradient, still decays (AdamW) and advances the
+        partition's step count (Adam's bias correction). Stepping every holder alike keeps the
+        copies bit-identical. fp32 skips a parameter outright (``.grad`` None) on every holder."""
+        return bool(self._ties) and self.store.bf16
 
     # ------------------------------------------------------------------ deferred state
     def has_pending_update(self) -> bool:

@@ -10,7 +10,11 @@ own, so every copy must get the same gradient, the same update rule and the same
   delayed layers include it), every holder delays it, applying the summed gradient one step late
   with the same staleness correction. A holder that is not deferred becomes a deferred stage
   that delays only the tied weights (its other parameters stay in-step), so the buffer is
-  declared in its op stream like any deferred stage's;
+  declared in its op stream like any deferred stage's. At the first step (nothing buffered
+  yet) such a holder steps its in-step part, and under bf16 (one flat partition) its tied copy
+  takes a zero gradient, which still decays (AdamW) and advances the step count; so under bf16 a
+  wholly deferred holder steps then too, with zero gradients, instead of not at all
+  (:meth:`~hippie_ds.adapter.engine_gradients.StageGradients._steps_first`);
 - **the sum**: each holder all-reduces its tied weights' gradients over the tie group (the
   copies of one data-parallel replica) before its data-parallel all-reduce: at
   ``copy_grads_to_buffer`` for a delayed tie, at ``start_allreduce(grads)`` otherwise
