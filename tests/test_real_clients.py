@@ -33,16 +33,23 @@ def _load(out, name):
     return [torch.load(f) for f in sorted(Path(out, name).glob("rank*.pt"))]
 
 
-@pytest.fixture(scope="module", params=sorted(OTHERS))
-def matrix(request, tmp_path_factory):
-    precision = request.param
-    out = tmp_path_factory.mktemp(precision)
-    engines = ["stock", *SYNCHRONOUS, *OTHERS[precision]]
-    rc, log, _ = launch(4, out, "--precision", precision, "--steps", STEPS, "--engines", ",".join(engines),
-                        worker=WORKER, timeout=420)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One launch, every precision's engines in turn (each launch costs ~15 s of start-up)."""
+    out = tmp_path_factory.mktemp("clients")
+    engines = [f"{p}:{name}" for p in sorted(OTHERS) for name in ["stock", *SYNCHRONOUS, *OTHERS[p]]]
+    rc, log, _ = launch(4, out, "--steps", STEPS, "--engines", ",".join(engines), worker=WORKER, timeout=600)
     assert rc == 0, log[-5000:]
     assert "terminate called" not in log, log[-3000:]
-    return precision, {name: _load(out, name) for name in engines}, log
+    return out, log
+
+
+@pytest.fixture(params=sorted(OTHERS))
+def matrix(request, launched):
+    out, log = launched
+    precision = request.param
+    names = ["stock", *SYNCHRONOUS, *OTHERS[precision]]
+    return precision, {name: _load(out, f"{precision}:{name}") for name in names}, log
 
 
 def _ranks_by_stage(ranks):
@@ -79,11 +86,11 @@ def test_every_schedule_trains_with_tied_copies_equal_and_the_clients_scheduler(
         assert all(r["global_steps"] == STEPS for r in ranks), name
 
 
-def test_a_loop_that_never_drains_is_told_at_exit(matrix):
+def test_a_loop_that_never_drains_is_told_at_exit(launched):
     """Nothing requires drain() (Megatron never calls it); a process that exits with updates in
     flight says so once per stage, and one that drained says nothing."""
-    precision, _, log = matrix
+    _, log = launched
     warned = {line.split("schedule ")[1].split()[0].strip("'") for line in log.splitlines()
               if "not applied to the weights in memory" in line}
-    undrained = {name for name in OTHERS[precision] if "drain" not in name}
+    undrained = {name for names in OTHERS.values() for name in names if "drain" not in name}
     assert warned == undrained, (warned, undrained)

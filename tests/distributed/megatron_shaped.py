@@ -10,10 +10,10 @@ hippie-ds is accepted against, with each of its traits that broke a schedule onc
 - gradient clipping 1.0; the training loop never calls ``drain()``;
 - partition by layer type (``partition_method="type:Block"``).
 
-Each engine name in ``--engines`` is trained in turn in this one launch (``stock`` is
-``deepspeed.initialize``; ``SCHEDULE+all`` sets ``hippie.deferred_layers: "all"``; ``SCHEDULE+drain``
+Each engine name in ``--engines`` (``[PRECISION:]NAME``) is trained in turn in this one launch
+(``stock`` is ``deepspeed.initialize``; ``SCHEDULE+all`` sets ``hippie.deferred_layers: "all"``; ``SCHEDULE+drain``
 calls ``drain()`` after the last step). Per rank and engine it writes losses, this rank's layers and
-its copy of the tied word embedding to ``OUT/NAME/rankR.pt``.
+its copy of the tied word embedding to ``OUT/[PRECISION:]NAME/rankR.pt``.
 """
 import argparse
 import math
@@ -26,6 +26,8 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 import hippie_ds
 
 VOCAB, HIDDEN, SEQ, MICRO = 32, 16, 8, 2
+# bf16-zero1: BF16_Optimizer (fp32 accumulation); bf16-plain-zero1: as users write it, DeepSpeedZeroOptimizer
+PRECISIONS = ("fp32", "bf16", "bf16-zero1", "bf16-plain-zero1", "fp32-zero1")
 
 
 def _to_float(x):
@@ -132,14 +134,17 @@ def main():
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--precision", choices=["fp32", "bf16", "bf16-zero1", "bf16-plain-zero1", "fp32-zero1"], default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="of engines named without PRECISION:")
     p.add_argument("--engines", default="stock,1f1b")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     kept = []
     for name in args.engines.split(","):
-        schedule, *opts = name.split("+")
+        precision, _, engine = name.rpartition(":")
+        precision = precision or args.precision
+        assert precision in PRECISIONS, f"{name}: precision {precision!r}, allowed {PRECISIONS}"
+        schedule, *opts = engine.split("+")
         torch.manual_seed(1234)  # every engine starts from the same weights
         module = PipelineModule(layers=specs(args.blocks), num_stages=args.stages, loss_fn=loss_fn,
                                 partition_method="type:Block")
@@ -150,7 +155,7 @@ def main():
         scheduler = ParamScheduler(optimizer, 1e-2, warmup=2, total=args.steps)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                          config=config(args.precision, schedule, opts, args.micro_batches, world // args.stages))
+                          config=config(precision, schedule, opts, args.micro_batches, world // args.stages))
         it = data(engine.grid.data_parallel_id, args.micro_batches)
         losses = [float(engine.train_batch(it)) for _ in range(args.steps)]
         if "drain" in opts:
