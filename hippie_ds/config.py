@@ -1,6 +1,7 @@
 """hippie-ds's part of a DeepSpeed JSON config, validated before any process group is touched.
 
-    "pipeline": {"schedule": "hippie"},          # a built-in name or a path to a schedule file
+    "pipeline": {"schedule": "hippie",          # a built-in name or a path to a schedule file
+                 "virtual_stages": 2},          # model chunks per stage (interleaved-1f1b, ...); default: the schedule's
     "hippie": {
         "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
         "deferred_layers": 1,                   # partial deferral: a deferred stage delays only its first
@@ -74,6 +75,8 @@ class HippieConfig(BaseModel):
     # config file's directory.
     plan: str | None = None
     staleness: StalenessConfig = StalenessConfig()
+    # Set from "pipeline.virtual_stages" (model chunks per stage); None: the schedule's own.
+    virtual_stages: int | None = None
 
     @field_validator("deferred_stages", mode="before")
     @classmethod
@@ -131,9 +134,15 @@ def split_config(config: dict) -> tuple[dict, str, HippieConfig]:
     if not isinstance(schedule, str) or not schedule:
         raise ConfigError(f'config key "pipeline.schedule" = {schedule!r}: must be a schedule name '
                           "(see `hippie-ds schedule list`) or a path to a schedule file")
+    virtual = pipeline.pop("virtual_stages", None)
+    if virtual is not None and (isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1):
+        raise ConfigError(f'config key "pipeline.virtual_stages" = {virtual!r}: must be an integer >= 1 (model '
+                          "chunks per stage, for schedules with virtual stages such as interleaved-1f1b)")
+    if "virtual_stages" in raw:
+        raise ConfigError('config key "hippie.virtual_stages" is not known; set "pipeline.virtual_stages"')
     ds_config["pipeline"] = pipeline
     try:
-        options = HippieConfig.model_validate(raw)
+        options = HippieConfig.model_validate({**raw, "virtual_stages": virtual})
     except ValidationError as exc:
         raise ConfigError("; ".join(_describe(e, "hippie") for e in exc.errors())) from None
     return ds_config, schedule, options

@@ -137,17 +137,17 @@ def test_precision_paths_and_refusals():
             check_precision(schedules[name], config)
     for config in (_ds_config(**zero1), _ds_config(**bf16, **zero1)):  # DeepSpeedZeroOptimizer: .grad until its reduce
         check_precision(schedules["zb-h1"], config)
-    with pytest.raises(ConfigError, match=r"schedule 'zb-h1'.*this configuration: 1f1b, gpipe$"):
+    with pytest.raises(ConfigError, match=r"schedule 'zb-h1'.*this configuration: 1f1b, gpipe, interleaved-1f1b$"):
         check_precision(schedules["zb-h1"], _ds_config(**bf16, zero_optimization={"stage": 1, "overlap_comm": True}))
     with pytest.raises(ConfigError, match=r'^config key "zero_optimization.stage" = 1 with "data_types.grad_accum_dtype" '
                        r"= None: schedule 'hippie' handles gradients itself .*whole pipeline inside its own step.* set "
                        r'\"bf16\": \{\"enabled\": true\} and "data_types": \{"grad_accum_dtype": "fp32"\}.*this '
-                       r"configuration: 1f1b, gpipe, zb-h1$"):
+                       r"configuration: 1f1b, gpipe, interleaved-1f1b, zb-h1$"):
         check_precision(schedules["hippie"], _ds_config(**bf16, **zero1))
     with pytest.raises(ConfigError, match=r'"zero_optimization.stage" = 1 without bf16: schedule \'2bw\''):
         check_precision(schedules["2bw"], _ds_config(**zero1))
     with pytest.raises(ConfigError, match=r'"fp16.enabled" = true: schedule \'zb-h1\'.*its input pass does not apply '
-                       r"fp16's loss scale; use bf16, or a schedule that runs with fp16: 1f1b, gpipe$"):
+                       r"fp16's loss scale; use bf16, or a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b$"):
         check_precision(schedules["zb-h1"], _ds_config(fp16={"enabled": True}))
     for name in ("hippie", "hippie-1f1b", "hippie-zb", "2bw", "pipedream"):
         with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*dynamic loss scale"):

@@ -48,6 +48,7 @@ from ..schedules.ir import COMPUTE_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule
 from . import instructions as hs
 from .allreduce_stream import AllReduceStream
 from .engine_checkpoint import CheckpointMixin
+from .engine_chunks import ChunkSelection
 from .engine_gradients import StageGradients, split_deferred
 from .engine_split import SplitBackwardMixin
 from .engine_step import StageStepMixin
@@ -71,10 +72,10 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
         if op.kind == OpKind.RECV_GRAD:
             if holding is not None:
                 raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
-                                 f"micro-batch {op.micro_batch} before the backward of micro-batch {holding}; "
+                                 f"micro-batch {op.micro_batch} before the backward of micro-batch {holding[1]}; "
                                  "hippie-ds receives a gradient in the step of its backward")
-            holding = op.micro_batch
-        elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and op.micro_batch == holding:
+            holding = (op.chunk, op.micro_batch)
+        elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and (op.chunk, op.micro_batch) == holding:
             holding = None
 
 
@@ -94,7 +95,7 @@ def _warn_in_flight_at_exit(ref) -> None:
                        "save_checkpoint keeps them")
 
 
-class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, PipelineEngine):
+class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, ChunkSelection, PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
@@ -107,6 +108,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                              f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
                              f"{self.micro_batches}")
         self._declared = hs.DeclaredSchedule(compiled_schedule, self.stage_id)
+        self._init_chunk_selection(compiled_schedule)
         self._losses: dict[int, object] = {}
         self._pending_sends: list = []
         self._timeline_dir = timeline_dir
@@ -187,11 +189,19 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
     def _exec_steps(self, steps):
         record = self._timeline_dir is not None and self._training
         continuous = self._continuous and self._training
+        try:
+            self._exec_steps_of(steps, record, continuous)
+        finally:
+            self._select_chunk(None)  # outside ops DeepSpeed sees the stage as one part (the loss broadcast)
+
+    def _exec_steps_of(self, steps, record: bool, continuous: bool):
         for step_cmds in steps:
             for cmd in step_cmds:
                 op = getattr(cmd, "op", None)
                 if continuous and op is not None and self._op_call + op.batch < self._first_batch:
                     continue  # a batch that does not exist (pipeline fill) or was drained
+                if op is not None and op.micro_batch is not None:
+                    self._select_chunk(op.chunk)  # virtual stages (engine_chunks)
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")

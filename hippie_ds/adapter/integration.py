@@ -149,7 +149,8 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
         resolved = resolve_auto_params(schedule_name, stages, micro_batches,
                                        Costs.from_file(options.costs, num_stages=stages))
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
-    compiled = compile_schedule(schedule_name, stages, micro_batches, **params)
+    compiled = compile_schedule(schedule_name, stages, micro_batches, virtual_stages=options.virtual_stages, **params)
+    check_chunks(model, compiled)
     from .engine import check_single_grad_slot
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
@@ -168,6 +169,16 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
         except ImportError as exc:
             raise ConfigError(str(exc)) from None
     return ds_config, config_class, compiled, options
+
+
+def check_chunks(model: PipelineModule, compiled) -> None:
+    """The module holds the model chunks the schedule runs (virtual stages are built with the layers)."""
+    held = (getattr(model, "virtual_stages", 1), getattr(model, "layout_kind", "interleaved"))
+    wanted = (compiled.virtual_stages, compiled.layout_kind)
+    if held != wanted and (held[0] > 1 or wanted[0] > 1):
+        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r} runs {wanted[0]} model chunks per stage '
+                          f"({wanted[1]} layout), but the PipelineModule was built with {held[0]} ({held[1]}); build it "
+                          "with hippie_ds.PipelineModule(layers, ..., config=<this config>) (or virtual_stages=, layout=)")
 
 
 def _is_dualpipev(model) -> bool:

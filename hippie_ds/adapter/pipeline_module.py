@@ -27,10 +27,11 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, PipelineModule as _DSPipelineModule, TiedLayerSpec
 
-from ..config import ConfigError, read_config
+from ..config import ConfigError, read_config, split_config
 from ..planner.plan_file import Plan, PlanMismatchError, load_plan
 from ..planner.profile import PlannerError, fingerprint_of
 from .checkpointing import checkpoint_run
+from .module_chunks import ChunkedLayers
 
 
 def layer_name(layer: Any) -> str:
@@ -127,6 +128,18 @@ def _short(names: list[str], limit: int = 6) -> str:
     return ", ".join(names if len(names) <= limit else names[:limit] + [f"... ({len(names)} layers)"])
 
 
+def virtual_stages_of(config: str | os.PathLike | dict | None, num_stages: int | None) -> tuple[int, str]:
+    """(model chunks per stage, layout) the config's schedule runs: ``pipeline.virtual_stages`` or the
+    schedule's own; (1, 'interleaved') without a config."""
+    if config is None:
+        return 1, "interleaved"
+    from ..schedules.compiler import resolve_virtual_stages
+    from ..schedules.spec import load_spec
+    _, schedule, options = split_config(read_config(config))
+    spec = load_spec(schedule)
+    return resolve_virtual_stages(spec, num_stages or 1, 1, options.virtual_stages), spec.layout
+
+
 def checkpoint_runs(local: Sequence[int]) -> list[tuple[int, int]]:
     """Maximal runs [start, stop) of consecutive local layer indices."""
     runs = []
@@ -138,22 +151,31 @@ def checkpoint_runs(local: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-class PipelineModule(_DSPipelineModule):
+class PipelineModule(ChunkedLayers, _DSPipelineModule):
     """DeepSpeed's ``PipelineModule`` plus ``plan=`` / ``config=`` (see the module docstring).
 
-    ``checkpointed_layers`` (global layer indices) re-computes those layers without a plan."""
+    ``checkpointed_layers`` (global layer indices) re-computes those layers without a plan.
+    ``virtual_stages`` (default: what ``config``'s schedule runs, else 1) builds that many model
+    chunks per stage, placed by ``layout`` (:mod:`hippie_ds.adapter.module_chunks`)."""
 
     def __init__(self, layers, num_stages=None, topology=None, *, plan: str | os.PathLike | Plan | None = None,
                  config: str | os.PathLike | dict | None = None, checkpointed_layers: Sequence[int] | None = None,
-                 **kwargs):
+                 virtual_stages: int | None = None, layout: str | None = None, **kwargs):
         layers = list(layers)
         resolved = resolve_plan(plan, config)
+        stages = topology.get_dim("pipe") if topology is not None else num_stages
+        if virtual_stages is None:
+            virtual_stages, found = virtual_stages_of(config, stages)
+            layout = layout or found
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages = {virtual_stages!r}: must be an integer >= 1")
+        self._init_chunks(virtual_stages, layout or "interleaved")
         if resolved is not None:
             world = dist.get_world_size() if dist.is_initialized() else None
-            stages = topology.get_dim("pipe") if topology is not None else num_stages
-            check_plan(resolved, layers, world_size=world, num_stages=stages)
+            check_plan(resolved, layers, world_size=world,
+                       num_stages=None if stages is None else stages * virtual_stages)
             if topology is None and num_stages is None:
-                num_stages = resolved.pipeline_depth
+                num_stages = resolved.pipeline_depth // virtual_stages
             if checkpointed_layers is not None and sorted(checkpointed_layers) != resolved.checkpointed_layers:
                 raise PlanMismatchError(f"checkpointed_layers={sorted(checkpointed_layers)} differs from the plan's "
                                         f"{resolved.checkpointed_layers}; give one or the other")
@@ -168,14 +190,39 @@ class PipelineModule(_DSPipelineModule):
         object.__setattr__(self, "hippie_plan", resolved)
         object.__setattr__(self, "_checkpointed", sorted({int(i) for i in checkpointed_layers or ()}))
         super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
-        local = [i - self._local_start for i in self._checkpointed if self._local_start <= i < self._local_stop]
-        self._local_runs = checkpoint_runs(local)
+        if not self.chunked:
+            self._local_runs = self._chunk_extra(self._local_start, self._local_stop)["_local_runs"]
+
+    def _chunk_extra(self, start: int, stop: int) -> dict:
+        local = [i - start for i in self._checkpointed if start <= i < stop]
+        return {"_local_runs": checkpoint_runs(local)}
+
+    def _build(self):
+        if not self.chunked:
+            return super()._build()
+        self._build_chunks(super()._build)
+
+    def stage_owner(self, layer_idx):
+        return self.chunk_owner(layer_idx) if self.chunked else super().stage_owner(layer_idx)
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        if not self.chunked:
+            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+        self._each_chunk(lambda: super(PipelineModule, self).save_state_dict(save_dir, checkpoint_engine,
+                                                                             exclude_frozen_params))
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        if not self.chunked:
+            return super().load_state_dir(load_dir, checkpoint_engine, strict)
+        self._each_chunk(lambda: super(PipelineModule, self).load_state_dir(load_dir, checkpoint_engine, strict))
 
     @property
     def checkpointed_layers(self) -> list[int]:
         return list(self._checkpointed)
 
     def _partition_layers(self, method="uniform"):
+        if self.chunked:
+            return self._partition_chunks(method, None if self.hippie_plan is None else self.hippie_plan.boundaries)
         if self.hippie_plan is None:
             return super()._partition_layers(method=method)
         self.parts = list(self.hippie_plan.boundaries)
@@ -186,6 +233,9 @@ class PipelineModule(_DSPipelineModule):
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
     def forward(self, forward_input):
+        if self.chunked and self.current_chunk is None:
+            raise RuntimeError(f"this stage holds {self.virtual_stages} model chunks: the engine selects one "
+                               "(set_chunk) before running it")
         if not self._local_runs:
             return super().forward(forward_input)
         if self.activation_checkpoint_interval:

@@ -5,10 +5,13 @@ from .ir import CompiledSchedule, Op, OpKind
 from .spec import ScheduleError, ScheduleSpec, available, load_spec
 
 
-def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True, **params) -> CompiledSchedule:
-    """Load and compile a schedule for every stage; validate it unless told not to."""
+def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True, virtual_stages: int | None = None,
+            **params) -> CompiledSchedule:
+    """Load and compile a schedule for every stage (``virtual_stages``: model chunks per stage, default
+    the schedule's); validate it unless told not to."""
     spec = load_spec(name_or_path)
-    compiled = compile_schedule(spec, stages, micro_batches, params, source=str(name_or_path))
+    compiled = compile_schedule(spec, stages, micro_batches, params, source=str(name_or_path),
+                                virtual_stages=virtual_stages)
     if validate:
         from .validator import validate as _validate
         _validate(compiled)
@@ -19,6 +22,7 @@ def recompile(compiled: CompiledSchedule, **params) -> CompiledSchedule:
     """The same schedule compiled (and validated) again at its shape with ``params`` changed, e.g.
     other deferred stages."""
     return compile(compiled.source or compiled.name, compiled.stages, compiled.micro_batches,
+                   virtual_stages=compiled.virtual_stages if compiled.virtual_stages > 1 else None,
                    **{**compiled.params, **params})
 
 

@@ -34,7 +34,8 @@ def problem(op: Op, reason: str, stage: int | None = None) -> Problem:
 
 def short(op: Op) -> str:
     """``recv_grad(mb=3)``: the op as the reasons name it (slot and flags omitted)."""
-    return f"{op.kind.value}(mb={op.micro_batch})" if op.micro_batch is not None else op.kind.value
+    chunk = f", chunk={op.chunk}" if op.chunk else ""
+    return f"{op.kind.value}(mb={op.micro_batch}{chunk})" if op.micro_batch is not None else op.kind.value
 
 
 # A scenario of a continuous schedule: a list of phases, each ("call", t) or ("drain", t) (the
@@ -96,4 +97,4 @@ def check_slots(ops: Sequence[tuple[Hashable, Op]], num_buffers: int, add: Calla
                         f"(used again at step {later.step} by {short(later)})")
             holder[b] = key
         elif b != slot_of[key]:
-            add(op, f"micro-batch {op.micro_batch} in slot {b}, but its first op put it in slot {slot_of[key]}")
+            add(op, f"{name(key)} in slot {b}, but its first op put it in slot {slot_of[key]}")

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from .continuous import compile_continuous
 from .ir import CompiledSchedule, Op, OpKind, SEND_KINDS
+from .layout import Layout
 from .placement import eval_expr as _eval, int_expr as _int, lower_stage, place_compute
 from .spec import ScheduleError, ScheduleSpec
 
@@ -73,16 +74,16 @@ def resolve_params(spec: ScheduleSpec, stages: int, micro_batches: int, given: M
     return out
 
 
-def _allocate_buffers(ops: list[Op]) -> tuple[dict[int, int], int]:
-    """Map micro-batch -> buffer slot. A micro-batch occupies its slot from its first buffer op
-    to its last one; a non-blocking send releases it at issue (the engine keeps the tensor)."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
+def _allocate_buffers(ops: list[Op]) -> tuple[dict[tuple[int, int], int], int]:
+    """Map (chunk, micro-batch) -> buffer slot. A micro-batch occupies its slot from its first
+    buffer op to its last one; a non-blocking send releases it at issue (the engine keeps the tensor)."""
+    first: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], int] = {}
     for i, op in enumerate(ops):
         if op.micro_batch is None:
             continue
-        first.setdefault(op.micro_batch, i)
-        last[op.micro_batch] = i
+        first.setdefault((op.chunk, op.micro_batch), i)
+        last[(op.chunk, op.micro_batch)] = i
     order = sorted(first, key=first.get)
     events = sorted([(first[m], 1) for m in order] + [(last[m], -1) for m in order], key=lambda e: (e[0], -e[1]))
     live = peak = 0
@@ -100,7 +101,8 @@ def _allocate_buffers(ops: list[Op]) -> tuple[dict[int, int], int]:
             holder[b] = m
         return False
 
-    cyclic = {m: m % n for m in order}
+    index = {key: i for i, key in enumerate(sorted(first))}  # one chunk: the micro-batch, as DeepSpeed
+    cyclic = {m: index[m] % n for m in order}
     if not conflicts(cyclic):
         return cyclic, n
     # Interval-graph colouring by start time is optimal: uses exactly `peak` slots.
@@ -116,17 +118,41 @@ def _allocate_buffers(ops: list[Op]) -> tuple[dict[int, int], int]:
     return assign, n
 
 
+def resolve_virtual_stages(spec: ScheduleSpec, stages: int, micro_batches: int, given: Any = None) -> int:
+    """The chunks per stage: ``given`` (the job's ``pipeline.virtual_stages``) or the schedule's own."""
+    declared = spec.virtual_stages
+    if given is None:
+        if declared is None:
+            return 1
+        given = _int(declared, {"stages": stages, "micro_batches": micro_batches},
+                     f"schedule {spec.name!r} virtual_stages")
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise ScheduleError(f"virtual_stages = {given!r}: must be an integer >= 1")
+    if given > 1 and declared is None:
+        raise ScheduleError(f"virtual_stages = {given}: schedule {spec.name!r} runs one model chunk per stage; "
+                            "schedules with virtual stages declare virtual_stages (e.g. interleaved-1f1b)")
+    if spec.layout == "v" and given != 2:
+        raise ScheduleError(f"virtual_stages = {given}: schedule {spec.name!r} has the V-shape layout, "
+                            "which holds exactly 2 chunks per stage")
+    return given
+
+
 def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params: Mapping[str, Any] | None = None,
-                     source: str = "") -> CompiledSchedule:
-    """Compile ``spec`` for ``stages`` x ``micro_batches``; raises ScheduleError naming the problem."""
+                     source: str = "", virtual_stages: int | None = None) -> CompiledSchedule:
+    """Compile ``spec`` for ``stages`` x ``micro_batches`` (x ``virtual_stages`` chunks per stage,
+    default the schedule's); raises ScheduleError naming the problem."""
     _check_counts(stages, micro_batches)
     resolved = resolve_params(spec, stages, micro_batches, params or {})
-    env = {"stages": stages, "micro_batches": micro_batches, **resolved}
+    v = resolve_virtual_stages(spec, stages, micro_batches, virtual_stages)
+    layout = Layout(spec.layout, stages, v)
+    env = {"stages": stages, "micro_batches": micro_batches, "virtual_stages": v, **resolved}
     for req in spec.requires:
         if not _eval(req.check, env, f"schedule {spec.name!r} requires"):
             raise ScheduleError(f"schedule {spec.name!r} cannot run {stages} stages x {micro_batches} micro-batches "
                                 f"with {resolved}: {req.message} ({req.check.source})")
     if spec.steady_state is not None:
+        if v > 1:
+            raise ScheduleError(f"schedule {spec.name!r}: virtual stages in a steady_state schedule are not supported")
         return compile_continuous(spec, stages, micro_batches, resolved, env, source)
     for i, rule in enumerate(spec.compute):
         if rule.version is not None or rule.after:
@@ -140,7 +166,7 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
         if not placed:
             raise ScheduleError(f"schedule {spec.name!r}: stage {s} has no compute ops for "
                                 f"{stages} stages x {micro_batches} micro-batches")
-        sparse.append(lower_stage(placed, stages))
+        sparse.append(lower_stage(placed, layout))
 
     needed = max(max(steps) + 1 for steps in sparse)
     if spec.steps is not None:
@@ -168,11 +194,13 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
                 steps[t].append(Op(placed_op.kind, s, t, target=placed_op.target))
         flat = [op for step in steps for op in step]
         assign, n = _allocate_buffers(flat)
-        steps = [[replace(op, buffer=assign[op.micro_batch]) if op.micro_batch is not None else op for op in step]
+        steps = [[replace(op, buffer=assign[(op.chunk, op.micro_batch)]) if op.micro_batch is not None else op
+                  for op in step]
                  for step in steps]
         streams.append(steps)
         num_buffers.append(n)
 
     return CompiledSchedule(name=spec.name, stages=stages, micro_batches=micro_batches, params=resolved,
                             streams=streams, num_buffers=num_buffers, source=source, description=spec.description,
-                            uses_tied_reduction=any(p.kind == OpKind.REDUCE_TIED_GRADS for p in spec.epilogue))
+                            uses_tied_reduction=any(p.kind == OpKind.REDUCE_TIED_GRADS for p in spec.epilogue),
+                            virtual_stages=v, layout_kind=spec.layout)

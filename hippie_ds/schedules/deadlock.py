@@ -9,11 +9,17 @@ from collections import deque
 from .ir import PIPELINE_COLLECTIVE_KINDS, CompiledSchedule, Op, OpKind
 from .check_common import Problem, problem, scenario_ops, short
 
-# send kind -> the recv it pairs with on the peer, and back; which way each goes (+1: to s+1).
+# send kind -> the recv it pairs with on the peer, and back; which way each goes along the model
+# (+1: to the next model part; the layout says which stage and chunk hold it).
 _MATCHING_RECV = {OpKind.SEND_ACTIVATION: OpKind.RECV_ACTIVATION, OpKind.SEND_GRAD: OpKind.RECV_GRAD}
 _MATCHING_SEND = {v: k for k, v in _MATCHING_RECV.items()}
 _DIRECTION = {OpKind.SEND_ACTIVATION: +1, OpKind.SEND_GRAD: -1,
               OpKind.RECV_ACTIVATION: -1, OpKind.RECV_GRAD: +1}
+
+
+def peer_of(layout, op: Op) -> tuple[int, int] | None:
+    """(stage, chunk) at the other end of a send or receive; None past the model's ends."""
+    return (layout.next if _DIRECTION[op.kind] > 0 else layout.prev)(op.stage, op.chunk)
 
 # ---------------------------------------------------------------------------------------------
 # Communication: all stages together
@@ -34,6 +40,7 @@ class _Simulation:
 
     def __init__(self, compiled: CompiledSchedule, iterations: int, scenario=None):
         self.K = compiled.stages
+        self.layout = compiled.layout
         self.iterations = iterations
         # stage -> [(iteration, op)] in execution order; continuous schedules: (phase, op), and
         # the batch of each op in self.batches
@@ -62,7 +69,7 @@ class _Simulation:
         if all(self._finished(s) for s in range(self.K)):
             for channel in self.channels.values():
                 for msg in channel:
-                    peer = msg.op.stage + _DIRECTION[msg.op.kind]
+                    peer = self._peer(msg.op)
                     self.problems.append(problem(msg.op, f"unmatched: {short(msg.op)} to stage {peer} "
                                                           "is never received"))
         else:
@@ -93,8 +100,13 @@ class _Simulation:
         self.pc[s] += 1
         return True
 
+    def _peer(self, op: Op) -> int:
+        """The peer stage of a send or receive (-1 or K: none, past the model's ends)."""
+        found = peer_of(self.layout, op)
+        return found[0] if found else (-1 if _DIRECTION[op.kind] < 0 else self.K)
+
     def _send(self, s: int, iteration: int, op: Op) -> bool:
-        peer = s + _DIRECTION[op.kind]
+        peer = self._peer(op)
         if not 0 <= peer < self.K:
             self.problems.append(problem(op, f"unmatched: {short(op)} to stage {peer}, which does not exist"))
             self.pc[s] += 1
@@ -116,7 +128,7 @@ class _Simulation:
         return True
 
     def _recv(self, s: int, iteration: int, op: Op) -> bool:
-        peer = s + _DIRECTION[op.kind]
+        peer = self._peer(op)
         if not 0 <= peer < self.K:
             self.problems.append(problem(op, f"unmatched: {short(op)} from stage {peer}, which does not exist"))
             self.pc[s] += 1
@@ -127,12 +139,17 @@ class _Simulation:
         msg = channel.popleft()
         msg.received = True
         batch = self.batches[s][self.pc[s]]
-        if msg.op.micro_batch != op.micro_batch or msg.iteration != iteration or msg.batch != batch:
+        # Sends and receives between two stages share one FIFO channel, as in the engine (one
+        # process group, one tag): with virtual stages it carries activations and gradients.
+        expected_chunk = peer_of(self.layout, op)[1]
+        wrong_kind = msg.op.kind != _MATCHING_SEND[op.kind] or msg.op.chunk != expected_chunk
+        if wrong_kind or msg.op.micro_batch != op.micro_batch or msg.iteration != iteration or msg.batch != batch:
             later = "" if msg.iteration == iteration else \
                 f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
             other = "" if msg.batch == batch else f" of batch {msg.batch} (expected batch {batch})"
+            what = f"{short(msg.op)}" if wrong_kind else f"mb={msg.op.micro_batch}{other}"
             self.problems.append(problem(op, f"mis-ordered: stage {s} {short(op)} received "
-                                              f"mb={msg.op.micro_batch}{other} from stage {peer}{later}"))
+                                              f"{what} from stage {peer}{later}"))
         self.pc[s] += 1
         return True
 
@@ -170,9 +187,9 @@ class _Simulation:
 
     def _doing(self, s: int, op: Op) -> str:
         if op.kind in _MATCHING_RECV:
-            return f"{short(op)} to stage {s + _DIRECTION[op.kind]}"
+            return f"{short(op)} to stage {self._peer(op)}"
         if op.kind in _MATCHING_SEND:
-            return f"{short(op)} from stage {s + _DIRECTION[op.kind]}"
+            return f"{short(op)} from stage {self._peer(op)}"
         if op.kind in PIPELINE_COLLECTIVE_KINDS:
             return f"{op.kind.value} (pipeline collective #{self.collectives_done[s] + 1})"
         return short(op)
@@ -181,21 +198,21 @@ class _Simulation:
         iteration, op = self.flat[s][self.pc[s]]
         call = self._call(iteration)
         if op.kind in _MATCHING_RECV:
-            peer = s + _DIRECTION[op.kind]
+            peer = self._peer(op)
             if self._finished(peer):
                 reason = f"unmatched: blocking {short(op)} to stage {peer} is never received ({self._at(peer)})"
             else:
                 reason = (f"deadlock: blocking {short(op)} to stage {peer} waits for a matching "
                           f"{_MATCHING_RECV[op.kind].value}, but {self._at(peer)}")
         elif op.kind in _MATCHING_SEND:
-            peer = s + _DIRECTION[op.kind]
+            peer = self._peer(op)
             if self._finished(peer):
                 reason = f"unmatched: {short(op)} from stage {peer} is never sent ({self._at(peer)})"
             else:
                 reason = (f"deadlock: {short(op)} waits for a {_MATCHING_SEND[op.kind].value} from stage {peer}, "
                           f"but {self._at(peer)}")
         elif op.kind == OpKind.WAIT_SENDS:
-            peers = [m.op.stage + _DIRECTION[m.op.kind] for m in self.isends[s]]
+            peers = [self._peer(m.op) for m in self.isends[s]]
             waits = "; ".join(f"{short(m.op)} to stage {p} ({self._at(p)})" for m, p in zip(self.isends[s], peers))
             if all(self._finished(p) for p in peers):
                 reason = f"unmatched: wait_sends waits for sends that are never received: {waits}"

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .layout import Layout
+
 
 class OpKind(str, enum.Enum):
     # data and compute
@@ -160,9 +162,14 @@ class Op:
     # below 0 are the initial weights.
     batch: int = 0
     version: int | None = None
+    # Virtual stages: the model chunk of this stage the op concerns (hippie_ds.schedules.layout
+    # says which model part that is); 0 on a stage holding one chunk.
+    chunk: int = 0
 
     def __str__(self) -> str:
         parts = []
+        if self.chunk:
+            parts.append(f"chunk={self.chunk}")
         if self.batch:
             parts.append(f"batch={self.batch:+d}")
         if self.micro_batch is not None:
@@ -179,9 +186,10 @@ class Op:
 
     @property
     def label(self) -> str:
-        """Short form for timelines: F3, B3, FB3, sA3, rG3, ..."""
+        """Short form for timelines: F3, B3, FB3, sA3, rG3, ...; F3.1: micro-batch 3 on chunk 1."""
         short = OP_INFO[self.kind].short
-        return f"{short}{self.micro_batch}" if short else str(self)
+        chunk = f".{self.chunk}" if self.chunk else ""
+        return f"{short}{self.micro_batch}{chunk}" if short else str(self)
 
 
 @dataclass
@@ -207,6 +215,14 @@ class CompiledSchedule:
     updates_per_batch: list[int] = field(default_factory=list)
     period: int = 0
     offsets: list[int] = field(default_factory=list)  # per stage: where its call window starts on the timeline
+    # Virtual stages: every stage holds ``virtual_stages`` model chunks placed by ``layout_kind``
+    # (hippie_ds.schedules.layout); 1: DeepSpeed's one part per stage.
+    virtual_stages: int = 1
+    layout_kind: str = "interleaved"
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.layout_kind, self.stages, self.virtual_stages)
 
     @property
     def versioned(self) -> bool:
@@ -259,7 +275,7 @@ class CompiledSchedule:
 
     def compact(self) -> str:
         """Every stage's stream in compact notation, one line per stage, steps joined by ' | '
-        (empty steps as '.'): F3 / B3 / FB3 compute (v-1: its weight version), sA3 / rA3 / sG3 /
+        (empty steps as '.'): F3 / B3 / FB3 compute (F3.1: on chunk 1; v-1: its weight version), sA3 / rA3 / sG3 /
         rG3 p2p (non-blocking sends marked '~'), other ops by name, @-1: an op of the previous
         call's batch; continuous schedules add their drain. Golden
         files of the built-in schedules (tests/golden/) are written in it."""
@@ -267,7 +283,8 @@ class CompiledSchedule:
             return " ".join(op_name(op) + ("~" if op.kind in SEND_KINDS and not op.blocking else "")
                             + (f"v{op.version:+d}" if op.kind in COMPUTE_KINDS and op.version is not None else "")
                             + (f"@{op.batch:+d}" if op.batch else "") for op in step) or "."
-        lines = [f"{self.name} K={self.stages} M={self.micro_batches} params={self.params}"]
+        chunks = f" v={self.virtual_stages} layout={self.layout_kind}" if self.virtual_stages > 1 else ""
+        lines = [f"{self.name} K={self.stages} M={self.micro_batches}{chunks} params={self.params}"]
         for s in range(self.stages):
             lines.append(f"{s}: " + " | ".join(ops(step) for step in self.streams[s]))
         for s in range(self.stages) if self.continuous and self.drain else ():

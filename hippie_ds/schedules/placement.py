@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from .expr import ExpressionError
 from .ir import INPUT_GRAD_KINDS, Op, OpKind
+from .layout import Layout
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
 
 _FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
@@ -29,64 +30,68 @@ def int_expr(expr, env, where) -> int:
 
 
 def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[Op, ComputeRule]]:
+    """Every compute op of ``stage`` by step: one per (chunk, micro-batch) for which a rule holds."""
     placed: dict[int, tuple[Op, ComputeRule]] = {}
     for i, rule in enumerate(spec.compute):
         where = f"schedule {spec.name!r} compute[{i}] ({rule.op})"
-        for mb in range(env["micro_batches"]):
-            local = dict(env, stage=stage, mb=mb)
-            if not eval_expr(rule.when, local, where + " when"):
-                continue
-            step = int_expr(rule.at, local, where + " at")
-            if step < 0:
-                raise ScheduleError(f"{where}: stage {stage} micro-batch {mb} placed at step {step} < 0")
-            if step in placed:
-                other = placed[step][0]
-                raise ScheduleError(f"{where}: stage {stage} step {step}: {rule.op}(mb={mb}) collides with "
-                                    f"{other.kind.value}(mb={other.micro_batch}); one compute op per step")
-            version = None if rule.version is None else int_expr(rule.version, local, where + " version")
-            placed[step] = (Op(OpKind(rule.op), stage, step, mb, version=version), rule)
+        for chunk in range(env.get("virtual_stages", 1)):
+            for mb in range(env["micro_batches"]):
+                local = dict(env, stage=stage, mb=mb, chunk=chunk)
+                if not eval_expr(rule.when, local, where + " when"):
+                    continue
+                step = int_expr(rule.at, local, where + " at")
+                name = f"{rule.op}(mb={mb}" + (f", chunk={chunk})" if chunk else ")")
+                if step < 0:
+                    raise ScheduleError(f"{where}: stage {stage} {name} placed at step {step} < 0")
+                if step in placed:
+                    other = placed[step][0]
+                    raise ScheduleError(f"{where}: stage {stage} step {step}: {name} collides with {other}; "
+                                        "one compute op per step")
+                version = None if rule.version is None else int_expr(rule.version, local, where + " version")
+                placed[step] = (Op(OpKind(rule.op), stage, step, mb, version=version, chunk=chunk), rule)
     return placed
 
 
-def _sends_of(op: Op, rule: ComputeRule, stages: int, step: int) -> list[Op]:
-    """The send carrying ``op``'s result to its neighbour, if it has one."""
-    s = op.stage
-    if op.kind == OpKind.FORWARD and s < stages - 1:
+def _sends_of(op: Op, rule: ComputeRule, layout: Layout, step: int) -> list[Op]:
+    """The send carrying ``op``'s result to the chunk that consumes it, if there is one."""
+    if op.kind == OpKind.FORWARD and not layout.is_last(op.stage, op.chunk):
         kind = OpKind.SEND_ACTIVATION
-    elif op.kind in INPUT_GRAD_KINDS and s > 0:
+    elif op.kind in INPUT_GRAD_KINDS and not layout.is_first(op.stage, op.chunk):
         kind = OpKind.SEND_GRAD
     else:
         return []
-    return [Op(kind, s, step, op.micro_batch, blocking=rule.send.blocking, batch=op.batch)]
+    return [Op(kind, op.stage, step, op.micro_batch, blocking=rule.send.blocking, batch=op.batch, chunk=op.chunk)]
 
 
-def _recvs_of(op: Op, stages: int) -> list[Op]:
-    s = op.stage
-    if op.kind in _FORWARD_LIKE and s > 0:
-        return [Op(OpKind.RECV_ACTIVATION, s, op.step, op.micro_batch, batch=op.batch)]
-    if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and s < stages - 1:
-        return [Op(OpKind.RECV_GRAD, s, op.step, op.micro_batch, batch=op.batch)]
+def _recvs_of(op: Op, layout: Layout) -> list[Op]:
+    s, c = op.stage, op.chunk
+    if op.kind in _FORWARD_LIKE and not layout.is_first(s, c):
+        return [Op(OpKind.RECV_ACTIVATION, s, op.step, op.micro_batch, batch=op.batch, chunk=c)]
+    if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and not layout.is_last(s, c):
+        return [Op(OpKind.RECV_GRAD, s, op.step, op.micro_batch, batch=op.batch, chunk=c)]
     return []
 
 
-def lower_stage(placed: dict[int, tuple[Op, ComputeRule]], stages: int) -> dict[int, list[Op]]:
-    """Steps (sparse) of compute with loads, receives and sends added."""
+def lower_stage(placed: dict[int, tuple[Op, ComputeRule]], layout: Layout | int) -> dict[int, list[Op]]:
+    """Steps (sparse) of compute with loads, receives and sends added (``layout``: the stage count
+    for one chunk per stage)."""
+    layout = layout if isinstance(layout, Layout) else Layout("interleaved", layout)
     steps: dict[int, list[Op]] = {}
     last = max(placed)
     for t in range(last + 2):
         cur = placed.get(t)
         prev = placed.get(t - 1)
-        prev_sends = _sends_of(prev[0], prev[1], stages, t) if prev and prev[1].send.when == "next_step" else []
+        prev_sends = _sends_of(prev[0], prev[1], layout, t) if prev and prev[1].send.when == "next_step" else []
         ops: list[Op] = []
         if cur:
             op, rule = cur
-            recvs = _recvs_of(op, stages)
+            recvs = _recvs_of(op, layout)
             ops += prev_sends + recvs if op.kind in _FORWARD_LIKE else recvs + prev_sends
-            if op.kind in _FORWARD_LIKE and op.stage in (0, stages - 1):
-                ops.append(Op(OpKind.LOAD, op.stage, t, op.micro_batch, batch=op.batch))
+            if op.kind in _FORWARD_LIKE and (layout.is_first(op.stage, op.chunk) or layout.is_last(op.stage, op.chunk)):
+                ops.append(Op(OpKind.LOAD, op.stage, t, op.micro_batch, batch=op.batch, chunk=op.chunk))
             ops.append(op)
             if rule.send.when == "same_step":
-                ops += _sends_of(op, rule, stages, t)
+                ops += _sends_of(op, rule, layout, t)
         else:
             ops += prev_sends
         if ops:

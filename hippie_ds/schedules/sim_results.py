@@ -54,7 +54,7 @@ class SimResult:
                  f"{self.allreduce_on_critical_path:.6g} s",
                  "stage      busy      idle  peak_mb  exp_allreduce  exp_p2p  exp_sync  allreduce  buffer_bytes"]
         for p in self.per_stage:
-            lines.append(f"{p['stage']:5d} {p['busy']:9.4g} {p['idle']:9.4g} {p['peak_activation_microbatches']:8d} "
+            lines.append(f"{p['stage']:5d} {p['busy']:9.4g} {p['idle']:9.4g} {p['peak_activation_microbatches']:8.4g} "
                          f"{p['exposed_allreduce']:14.4g} {p['exposed_p2p']:8.4g} {p['exposed_sync']:9.4g} "
                          f"{p['allreduce_time']:10.4g} {p['gradient_buffer_bytes']:13.4g}")
         return "\n".join(lines)
@@ -66,11 +66,12 @@ def per_stage_figures(sim, costs: Costs, step_time: float, last: int) -> list[di
     per_stage = []
     for s in range(costs.num_stages):
         a, sc = sim.acc[s][last], costs.stages[s]
+        peak = a.peak / sim.v if sim.v > 1 else a.peak  # a chunk's micro-batch holds 1/v of the stage's activations
         ar_time = sum(ar.end - ar.start for ar in sim.allreduces if ar.stage == s and ar.iteration == last)
         exposed = a.p2p + a.allreduce + a.sync
         per_stage.append({
             "stage": s, "busy": a.busy, "idle": step_time - a.busy,
-            "peak_activation_microbatches": a.peak, "peak_activation_bytes": a.peak * sc.saved_bytes,
+            "peak_activation_microbatches": peak, "peak_activation_bytes": peak * sc.saved_bytes,
             "gradient_buffer_bytes": sc.param_bytes * sim.share[s, "buffer"] if sim.uses_buffer[s] else 0.0,
             "delayed_fraction": sim.share[s, "buffer"] if sim.uses_buffer[s] else 0.0,
             # weight versions held at once (1: just the current weights); the extra ones cost

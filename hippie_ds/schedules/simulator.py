@@ -106,8 +106,9 @@ class _Sim:
         self.K = compiled.stages
         self.k = _Kernel()
         self.link = _Link(self.k, costs.comm.shared_link)
-        self.act = [_Channel(self.k, f"activations {s}->{s + 1}", costs.p2p_time(s)) for s in range(self.K - 1)]
-        self.grad = [_Channel(self.k, f"gradients {s + 1}->{s}", costs.p2p_time(s)) for s in range(self.K - 1)]
+        self.layout = compiled.layout
+        self.v = compiled.virtual_stages  # a chunk op takes 1/v of its stage's costs
+        self.channels: dict[tuple[int, int], _Channel] = {}  # (from, to) stage: one FIFO link, as in the engine
         self.collectives: dict[tuple, list] = {}  # (kind, k) -> [arrived, signal]
         self.last_done = [_Signal() for _ in range(iterations)]  # last stage finished call i
         self.events: list[SimEvent] = []
@@ -148,33 +149,35 @@ class _Sim:
         self.where[s] = None
 
     def _compute_time(self, s: int, kind: OpKind) -> float:
-        sc = self.costs.stages[s]
+        sc, v = self.costs.stages[s], self.v
         if kind == OpKind.FORWARD:
-            return sc.forward
+            return sc.forward / v
         if kind == OpKind.BACKWARD:
-            return sc.backward + sc.recompute
+            return (sc.backward + sc.recompute) / v
         if kind == OpKind.BACKWARD_INPUT:  # a re-entrant checkpoint re-computes when its backward starts
-            return sc.input_time + sc.recompute
+            return (sc.input_time + sc.recompute) / v
         if kind == OpKind.BACKWARD_WEIGHT:
-            return sc.weight_time
-        return sc.forward + sc.backward + sc.recompute
+            return sc.weight_time / v
+        return (sc.forward + sc.backward + sc.recompute) / v
 
-    def _channel(self, s: int, kind: OpKind) -> tuple[_Channel, str]:
-        try:
-            if kind == OpKind.SEND_ACTIVATION:
-                return self._neighbour(self.act, s, s + 1), "send"
-            if kind == OpKind.RECV_ACTIVATION:
-                return self._neighbour(self.act, s - 1, s), "recv"
-            if kind == OpKind.SEND_GRAD:
-                return self._neighbour(self.grad, s - 1, s), "send"
-            return self._neighbour(self.grad, s, s + 1), "recv"
-        except IndexError:
-            raise SimulationError(f"stage {s}: {kind.value} has no neighbour to talk to") from None
-
-    def _neighbour(self, channels: list, lo: int, hi: int) -> _Channel:
-        if lo < 0 or hi >= self.K:
-            raise IndexError
-        return channels[lo]
+    def _channel(self, op: Op) -> tuple[_Channel, str, tuple]:
+        """The link a send or receive uses, its side, and the message it carries: (activation or
+        gradient, the model-part boundary it crosses, micro-batch)."""
+        s, kind = op.stage, op.kind
+        outward = kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_GRAD)  # towards the next model part
+        peer = (self.layout.next if outward else self.layout.prev)(s, op.chunk)
+        if peer is None:
+            raise SimulationError(f"stage {s}: {kind.value} has no neighbour to talk to")
+        part = self.layout.part(s, op.chunk)
+        boundary = part if outward else part - 1
+        src, dst = (s, peer[0]) if kind in SEND_KINDS else (peer[0], s)
+        if (src, dst) not in self.channels:
+            # the activation crossing it is the sending side's output (its gradient the same size)
+            out = src if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else dst
+            self.channels[(src, dst)] = _Channel(self.k, f"stage {src}->{dst}", self.costs.p2p_time(out))
+        what = "A" if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else "G"
+        message = op.micro_batch if self.v == 1 else (what, boundary, op.micro_batch)
+        return self.channels[(src, dst)], "send" if kind in SEND_KINDS else "recv", message
 
     def _issue_allreduce(self, s: int, target: str, st: "_StageState") -> Iterator:
         """START_ALLREDUCE: starts it and holds the stage while it issues it."""
@@ -222,7 +225,7 @@ class _Sim:
         k, t0, kind = self.k, self.k.now, op.kind
         acc.versions = max(acc.versions, len(st.stashed) + 1)
         if kind in _FORWARD_LIKE:  # its activations are held from the forward's start ...
-            st.live += 1
+            st.live += 1  # with v chunks per stage, one chunk's micro-batch: 1/v of the stage's activations
             acc.peak = max(acc.peak, st.live)
             if acc.first_forward is None:
                 acc.first_forward = t0
@@ -248,8 +251,8 @@ class _Sim:
                 yield tr.done
             st.isends = []
         else:
-            channel, side = self._channel(s, op.kind)
-            tr = channel.post(side, op.micro_batch)
+            channel, side, message = self._channel(op)
+            tr = channel.post(side, message)
             if side == "send" and not op.blocking:
                 st.isends.append(tr)
                 self.isend_events.append((s, op, t0, tr))

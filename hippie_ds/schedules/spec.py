@@ -165,8 +165,13 @@ class ScheduleSpec(_Strict):
     prologue: list[PlacedOp] = []
     epilogue: list[PlacedOp] = []
     steady_state: SteadyState | None = None
+    # Virtual stages: every stage holds this many model chunks (an expression; the job's
+    # ``pipeline.virtual_stages`` overrides it), placed by ``layout`` (hippie_ds.schedules.layout).
+    # Compute rules then run for every (chunk, mb); expressions see ``chunk`` and ``virtual_stages``.
+    virtual_stages: Expression | None = None
+    layout: Literal["interleaved", "v"] = "interleaved"
 
-    @field_validator("steps", mode="before")
+    @field_validator("steps", "virtual_stages", mode="before")
     @classmethod
     def _parse(cls, v, info):
         return _expression(v, info, optional=True)
@@ -174,7 +179,7 @@ class ScheduleSpec(_Strict):
     @field_validator("params")
     @classmethod
     def _param_names(cls, v):
-        reserved = {"stages", "stage", "micro_batches", "mb"}
+        reserved = {"stages", "stage", "micro_batches", "mb", "chunk", "virtual_stages"}
         for name in v:
             if name in reserved or not name.isidentifier():
                 raise ValueError(f"parameter name {name!r} is reserved or not an identifier")

@@ -14,6 +14,11 @@ _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
 # ---------------------------------------------------------------------------------------------
 # Data flow, buffer slots and gradients: one stage at a time
 
+def _name(chunk: int, mb) -> str:
+    """A chunk's micro-batch in messages: 'micro-batch 3', 'micro-batch 3 of chunk 1'."""
+    return f"micro-batch {mb}" + (f" of chunk {chunk}" if chunk else "")
+
+
 class _StageChecker:
     """One stage's stream, run ``iterations`` times. Gradient and gradient-buffer state carry
     over between iterations; everything about micro-batches is per iteration."""
@@ -22,6 +27,9 @@ class _StageChecker:
         self.s = stage
         self.K = compiled.stages
         self.M = compiled.micro_batches
+        self.layout = compiled.layout
+        # what a stage computes: (chunk, micro-batch) items; one chunk: (0, mb)
+        self.items = [(c, m) for c in range(compiled.virtual_stages) for m in range(self.M)]
         self.num_buffers = compiled.num_buffers[stage]
         self.ops = list(compiled.ops(stage))
         self.problems: list[Problem] = []
@@ -51,26 +59,29 @@ class _StageChecker:
             if kind in _MB_KINDS and mb is not None and not 0 <= mb < M:
                 self._add(op, f"micro-batch {mb} outside 0..{M - 1}")
                 continue
+            first, last = self.layout.is_first(s, op.chunk), self.layout.is_last(s, op.chunk)
+            item = _name(op.chunk, mb)
+            mb = (op.chunk, mb)  # a chunk's micro-batch: what the stage computes
             if kind == OpKind.LOAD:
-                if mb in loaded:
-                    self._add(op, f"micro-batch {mb} loaded twice (the data iterator advances on each load)")
-                loaded.add(mb)
+                if mb[1] in loaded:
+                    self._add(op, f"micro-batch {mb[1]} loaded twice (the data iterator advances on each load)")
+                loaded.add(mb[1])
             elif kind == OpKind.RECV_ACTIVATION:
                 recv_act.add(mb)
             elif kind == OpKind.RECV_GRAD:
                 recv_grad.add(mb)
             elif kind == OpKind.SEND_ACTIVATION and mb not in fwd:
-                self._add(op, f"sends micro-batch {mb}'s activation before its forward")
+                self._add(op, f"sends {item}'s activation before its forward")
             elif kind == OpKind.SEND_GRAD and mb not in self.igrad:
-                self._add(op, f"sends micro-batch {mb}'s gradient before its backward")
+                self._add(op, f"sends {item}'s gradient before its backward")
             if kind in _FORWARD_LIKE:
                 if mb in fwd:
-                    self._add(op, f"micro-batch {mb} forwarded twice")
-                if s > 0 and mb not in recv_act:
-                    self._add(op, f"forward of micro-batch {mb} before its activation is received (recv_activation)")
-                if s in (0, K - 1) and mb not in loaded:
-                    what = "inputs" if s == 0 else "labels"
-                    self._add(op, f"forward of micro-batch {mb} before its {what} are loaded (load_micro_batch)")
+                    self._add(op, f"{item} forwarded twice")
+                if not first and mb not in recv_act:
+                    self._add(op, f"forward of {item} before its activation is received (recv_activation)")
+                if (first or last) and mb[1] not in loaded:
+                    what = "inputs" if first else "labels"
+                    self._add(op, f"forward of {item} before its {what} are loaded (load_micro_batch)")
                 if self.weights_changed is not None and kind == OpKind.FORWARD:
                     self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
                                   f"{self.weights_changed.step}: runs on weights already updated")
@@ -81,36 +92,37 @@ class _StageChecker:
                 self._weight_grad(op)
             elif kind not in _MB_KINDS:
                 self._gradient_op(op)
-        for mb in range(M):
+        for mb in self.items:
             if mb not in fwd:
-                self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never forwarded"))
+                self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never forwarded"))
             if mb in self.igrad and mb not in bwd:
-                self.problems.append(Problem(s, None, None, f"micro-batch {mb}'s backward_weight is missing (its "
+                self.problems.append(Problem(s, None, None, f"{_name(*mb)}'s backward_weight is missing (its "
                                                             "backward_input ran: parameter gradients never computed)"))
             elif mb not in bwd:
-                self.problems.append(Problem(s, None, None, f"micro-batch {mb} is never backwarded"))
+                self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never backwarded"))
         self._end_of_iteration()
 
     def _input_grad(self, op: Op, fwd: set, recv_grad: set) -> None:
         """backward / forward_backward / backward_input: the gradient of the stage's input."""
-        mb, name = op.micro_batch, "backward" if op.kind == OpKind.BACKWARD else op.kind.value
+        mb, name = (op.chunk, op.micro_batch), "backward" if op.kind == OpKind.BACKWARD else op.kind.value
+        item = _name(*mb)
         if op.kind != OpKind.FORWARD_BACKWARD and mb not in fwd:
-            self._add(op, f"{name} of micro-batch {mb} before its forward")
+            self._add(op, f"{name} of {item} before its forward")
         if mb in self.igrad:
-            self._add(op, f"micro-batch {mb} backwarded twice")
-        if self.s < self.K - 1 and mb not in recv_grad:
-            self._add(op, f"{name} of micro-batch {mb} before its output gradient is received (recv_grad)")
+            self._add(op, f"{item} backwarded twice")
+        if not self.layout.is_last(self.s, op.chunk) and mb not in recv_grad:
+            self._add(op, f"{name} of {item} before its output gradient is received (recv_grad)")
         self._check_weights_unchanged(op, "backward")
         self.igrad.add(mb)
 
     def _weight_grad(self, op: Op) -> None:
         """backward / forward_backward / backward_weight: the parameter gradients, accumulated."""
-        mb = op.micro_batch
+        mb = (op.chunk, op.micro_batch)
         if op.kind == OpKind.BACKWARD_WEIGHT:
             if mb not in self.igrad:
-                self._add(op, f"backward_weight of micro-batch {mb} before its backward_input")
+                self._add(op, f"backward_weight of {_name(*mb)} before its backward_input")
             elif mb in self.bwd:
-                self._add(op, f"backward_weight of micro-batch {mb} twice")
+                self._add(op, f"backward_weight of {_name(*mb)} twice")
             self._check_weights_unchanged(op, "backward_weight")
         if self.grads_reducing:
             self._add(op, f"{'backward' if op.kind == OpKind.BACKWARD else op.kind.value} while the gradients' "
@@ -131,10 +143,10 @@ class _StageChecker:
             self._add(op, error)
 
     def _all_backwards_done(self, op: Op) -> bool:
-        missing = [m for m in range(self.M) if m not in self.bwd]
+        missing = [m for m in self.items if m not in self.bwd]
         if missing:
-            self._add(op, f"{op.kind.value} before all {self.M} backwards of this iteration "
-                          f"(micro-batch(es) {', '.join(map(str, missing))} not yet backwarded)")
+            self._add(op, f"{op.kind.value} before all {len(self.items)} backwards of this iteration "
+                          f"({', '.join(_name(*m) for m in missing)} not yet backwarded)")
         return not missing
 
     def _gradient_op(self, op: Op) -> None:
@@ -202,5 +214,5 @@ class _StageChecker:
                                                         "(apply_buffered_update missing)"))
 
     def _check_slots(self) -> None:
-        check_slots([(op.micro_batch, op) for op in self.ops], self.num_buffers, self._add,
-                    lambda mb: f"micro-batch {mb}")
+        check_slots([((op.chunk, op.micro_batch), op) for op in self.ops], self.num_buffers, self._add,
+                    lambda key: _name(*key))

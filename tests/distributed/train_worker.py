@@ -131,12 +131,15 @@ def main():
         schedule, opts = split_name(name)
         specs = (tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied else
                  tiny.layer_specs())
-        module = PipelineModule(layers=specs, num_stages=args.stages, loss_fn=tiny.loss_fn,
-                                topology=hippie_ds.make_topology(args.stages, world),
-                                partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED)
+        cfg = config(args, schedule, dp, opts)
+        # hippie_ds.PipelineModule builds the model chunks the config's schedule runs (virtual stages)
+        kind, extra = (PipelineModule, {}) if schedule == "stock" else (hippie_ds.PipelineModule, {"config": cfg})
+        module = kind(layers=specs, num_stages=args.stages, loss_fn=tiny.loss_fn,
+                      topology=hippie_ds.make_topology(args.stages, world),
+                      partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, **extra)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-                          config=config(args, schedule, dp, opts))
+                          config=cfg)
         return engine
 
     def data(replica, start, opts):
@@ -184,8 +187,10 @@ def main():
         # --drain completes the batches of continuous schedules (2bw, pipedream); a deferred
         # stage's pending gradient stays pending unless --flush
         drained = bool(engine.drain()) if args.drain and getattr(engine, "has_in_flight", lambda: False)() else None
-        state = {engine.module._local_start + i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
-                 for i, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
+        layers = (engine.module.local_layers() if hasattr(engine.module, "local_layers") else
+                  [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)])
+        state = {i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
+                 for i, layer in layers if isinstance(layer, torch.nn.Module)}
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
