@@ -84,7 +84,7 @@ def test_deferred_layers_checked_against_the_schedule():
     assert deferred_layers(model, split_config({})[2], hippie) == {0: 1, 1: 1}  # the default rule
     assert deferred_layers(model, split_config({})[2], compile_schedule("1f1b", 4, 4)) == {}
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' has no deferred stages '
-                       r"\(partial deferral applies to the deferred stages of hippie, hippie-1f1b, hippie-zb\)"):
+                       r"\(partial deferral applies to the deferred stages of hippie, hippie-1f1b, hippie-interleaved, hippie-zb\)"):
         run(1, compile_schedule("1f1b", 4, 4))
     assert run(1, compile_schedule("hippie", 4, 4, deferred_stages=[])) == {}  # 'auto' may defer none
     with pytest.raises(ConfigError, match=r"stage\(s\) \[2\] are not deferred; deferred stages: \[0, 1\]"):

@@ -9,14 +9,14 @@ that chunk (:class:`ChunkSelection`), so DeepSpeed's own handlers run on it unch
 * DeepSpeed's per-engine p2p state (activation shape handshake, receive buffers) is kept per
   chunk: each chunk boundary has its own shapes.
 
-``eval_batch`` runs :func:`hippie_ds.schedules.layout.inference_stream` instead of DeepSpeed's
+``eval_batch`` runs :func:`hippie_ds.schedules.compiler.inference_stream` instead of DeepSpeed's
 ``InferenceSchedule``, which knows one part per stage.
 """
 from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..schedules.layout import inference_stream
+from ..schedules.compiler import inference_stream
 
 # PipelineEngine attributes describing one p2p boundary (reset_activation_shape's list)
 _P2P_STATE = {"first_output_send": True, "pipe_recv_buf": None, "grad_layer": None, "meta_buffer": None,

@@ -204,3 +204,23 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
                             streams=streams, num_buffers=num_buffers, source=source, description=spec.description,
                             uses_tied_reduction=any(p.kind == OpKind.REDUCE_TIED_GRADS for p in spec.epilogue),
                             virtual_stages=v, layout_kind=spec.layout)
+
+
+def inference_stream(layout: Layout, stage: int, micro_batches: int):
+    """One stage's forward-only stream (eval_batch) with virtual stages: every (chunk, micro-batch)
+    in that order, each received, loaded where it enters or leaves the model, forwarded and sent
+    without blocking (a sender always runs an item before its receiver: no cycle); two buffer
+    slots, since a non-blocking send keeps its tensor. Steps of :class:`~.ir.Op`."""
+    steps, n = [], 0
+    for chunk in range(layout.virtual_stages):
+        for mb in range(micro_batches):
+            first, last = layout.is_first(stage, chunk), layout.is_last(stage, chunk)
+            kw = dict(stage=stage, step=n, micro_batch=mb, buffer=n % 2, chunk=chunk)
+            step = [] if first else [Op(OpKind.RECV_ACTIVATION, **kw)]
+            step += [Op(OpKind.LOAD, **kw)] if first or last else []
+            step.append(Op(OpKind.FORWARD, **kw))
+            step += [] if last else [Op(OpKind.SEND_ACTIVATION, blocking=False, **kw)]
+            steps.append(step)
+            n += 1
+    steps[-1].append(Op(OpKind.WAIT_SENDS, stage, n - 1))
+    return steps

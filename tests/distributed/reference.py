@@ -14,9 +14,20 @@ from deepspeed.runtime import utils as ds_utils
 import model as tiny
 
 
+def ranges(part):
+    """A stage's layer ranges: (start, stop), or a list of them (one per model chunk, virtual stages)."""
+    return [part] if isinstance(part[0], int) else list(part)
+
+
 def stage_of_layers(parts):
-    """parts: list of (start, stop) per stage -> {layer index: stage}."""
-    return {i: s for s, (a, b) in enumerate(parts) for i in range(a, b)}
+    """parts: per stage (start, stop) or [(start, stop) per chunk] -> {layer index: stage}."""
+    return {i: s for s, part in enumerate(parts) for a, b in ranges(part) for i in range(a, b)}
+
+
+def interleaved_stages(parts, stages):
+    """The engine's K * v model parts [(start, stop)] grouped per stage of the interleaved layout
+    (chunk c of stage s is part c * K + s), as ``run`` takes them."""
+    return [[parts[c * stages + s] for c in range(len(parts) // stages)] for s in range(stages)]
 
 
 def build_tied_layers(parts):
@@ -47,9 +58,9 @@ def build_tied_layers(parts):
 def _stage_params(layers, parts):
     """Per stage: [(layer index, parameter)], each parameter once (a tied copy under its first use)."""
     out = []
-    for a, b in parts:
+    for part in parts:
         seen, ps = set(), []
-        for i in range(a, b):
+        for i in (i for a, b in ranges(part) for i in range(a, b)):
             module = layers[i].args[0] if hasattr(layers[i], "args") else layers[i]
             for p in module.parameters():
                 if id(p) not in seen:
@@ -86,8 +97,9 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     stage_params = [[p for _, p in ps] for ps in indexed]
     slots = _tied_slots(stage_params, layers) if tied else []
     delayed_layers = delayed_layers or {}
-    delayed = [[s in deferred and (s not in delayed_layers or i < a + delayed_layers[s]) for i, _ in indexed[s]]
-               for s, (a, b) in enumerate(parts)]
+    # partial deferral delays a stage's leading layers: those of its first chunk
+    delayed = [[s in deferred and (s not in delayed_layers or i < ranges(part)[0][0] + delayed_layers[s])
+                for i, _ in indexed[s]] for s, part in enumerate(parts)]
     if any(delayed[s][j] for s, j in slots):
         for s, j in slots:
             delayed[s][j] = True

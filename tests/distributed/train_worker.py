@@ -111,6 +111,9 @@ def parse_args():
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
+    p.add_argument("--resume-weights-only", action="store_true", help="--resume loads DeepSpeed's per-layer weight "
+                   "files only (a checkpoint of another layout: optimizer state is per stage)")
+    p.add_argument("--eval", action="store_true", help="eval_batch on the next batch after training; its loss saved")
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--crash-in-handler", action="store_true", help="--crash-rank raises inside the handler of its "
@@ -153,7 +156,8 @@ def main():
         replica = engine.grid.data_parallel_id
         start = 0
         if args.resume:
-            _, client = engine.load_checkpoint(args.resume)
+            weights_only = {"load_optimizer_states": False, "load_lr_scheduler_states": False}
+            _, client = engine.load_checkpoint(args.resume, **(weights_only if args.resume_weights_only else {}))
             start = client["next_step"]
         it = data(replica, start, opts)
         losses = []
@@ -186,6 +190,7 @@ def main():
             engine.flush_deferred_update()
         # --drain completes the batches of continuous schedules (2bw, pipedream); a deferred
         # stage's pending gradient stays pending unless --flush
+        evaluated = float(engine.eval_batch(data(replica, step, opts))) if args.eval else None
         drained = bool(engine.drain()) if args.drain and getattr(engine, "has_in_flight", lambda: False)() else None
         layers = (engine.module.local_layers() if hasattr(engine.module, "local_layers") else
                   [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)])
@@ -194,7 +199,7 @@ def main():
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
-                    if hasattr(engine, "compiled_schedule") else {}, "drained": drained,
+                    if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
                     "optimizer": type(engine.optimizer).__name__,
                     "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}

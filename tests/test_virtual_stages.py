@@ -1,0 +1,171 @@
+"""Virtual stages (issue 33): layouts, interleaved schedules compiled, validated and simulated
+(pure), and run by the engine with real ranks: interleaved-1f1b bit-identical to stock 1F1B in
+fp32, bf16 and bf16 + ZeRO-1 with a tied embedding, hippie-interleaved against the reference of
+its rule, eval_batch, and checkpoints crossing between the layouts (DeepSpeed's per-layer files)."""
+import pytest
+import torch
+
+import reference
+from launch import collect, launch
+
+from hippie_ds import schedules
+from hippie_ds.config import StalenessConfig
+from hippie_ds.schedules import ScheduleError
+from hippie_ds.schedules.costs import Costs
+from hippie_ds.schedules.ir import OpKind
+from hippie_ds.schedules.compiler import inference_stream
+from hippie_ds.schedules.layout import Layout
+from hippie_ds.schedules.simulator import simulate
+from hippie_ds.schedules.validator import check
+
+
+# ---------------------------------------------------------------------------------------------
+# pure layers
+
+def test_layouts_place_every_part_once():
+    for K in range(1, 6):
+        for kind, vs in (("interleaved", (1, 2, 3)), ("v", (2,))):
+            for v in vs:
+                layout = Layout(kind, K, v)
+                placed = [layout.place(p) for p in range(K * v)]
+                assert sorted(placed) == sorted((s, c) for s in range(K) for c in range(v))
+                assert all(layout.part(*layout.place(p)) == p for p in range(K * v))
+    inter, vee = Layout("interleaved", 4, 2), Layout("v", 4, 2)
+    assert inter.next(3, 0) == (0, 1) and inter.prev(0, 1) == (3, 0)  # the wrap-around
+    assert vee.next(3, 0) == (3, 1) and vee.is_last(0, 1) and vee.loads(0) and not vee.loads(3)
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "hippie-interleaved"])
+def test_interleaved_schedules_validate(name):
+    for K in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for M in (K, 2 * K, 3 * K):
+                compiled = schedules.compile(name, K, M, validate=False, virtual_stages=v)
+                assert check(compiled) == [], (K, M, v)
+                for s in range(K):
+                    ops = list(compiled.ops(s))
+                    for kind in (OpKind.FORWARD, OpKind.BACKWARD):
+                        # each chunk's micro-batches in order 0..M-1: 1f1b's per-parameter order
+                        for c in range(v):
+                            assert [op.micro_batch for op in ops if op.kind == kind and op.chunk == c] == list(range(M))
+
+
+def test_interleaved_bubble_is_megatrons():
+    """Equal stage costs: the simulated bubble is (K-1)/(vM+K-1) of the step; v=1 is 1f1b's."""
+    for K, M, v in [(2, 4, 2), (2, 8, 3), (4, 8, 2), (4, 8, 4), (4, 16, 2)]:
+        costs = Costs.uniform(K, forward=1.0, backward=2.0)
+        result = simulate(schedules.compile("interleaved-1f1b", K, M, virtual_stages=v), costs)
+        assert result.bubble_fraction == pytest.approx((K - 1) / (v * M + K - 1), abs=1e-9)
+        one = simulate(schedules.compile("interleaved-1f1b", K, M, virtual_stages=1), costs)
+        assert one.bubble_fraction == pytest.approx(simulate(schedules.compile("1f1b", K, M), costs).bubble_fraction)
+        # activations: the first stage holds Megatron's warm-up count of chunk micro-batches, 1/v each
+        warmup = min(2 * (K - 1) + (v - 1) * K, v * M) + 1
+        assert result.per_stage[0]["peak_activation_microbatches"] == pytest.approx(min(warmup, v * M) / v)
+
+
+def test_virtual_stage_errors_name_the_problem():
+    with pytest.raises(ScheduleError, match=r"virtual_stages = 2: schedule '1f1b' runs one model chunk"):
+        schedules.compile("1f1b", 2, 4, virtual_stages=2)
+    with pytest.raises(ScheduleError, match=r"micro_batches must be a multiple of stages"):
+        schedules.compile("interleaved-1f1b", 4, 6)
+    with pytest.raises(ScheduleError, match=r"at least 2 stages"):
+        schedules.compile("interleaved-1f1b", 1, 4)
+    with pytest.raises(ScheduleError, match=r"virtual_stages = 0"):
+        schedules.compile("interleaved-1f1b", 2, 4, virtual_stages=0)
+
+
+def test_validator_sees_the_shared_link(tmp_path):
+    """With K=2 both directions of the stage pair carry activations and gradients on one FIFO
+    link (one process group, one tag): an order whose receives do not follow the sends is caught."""
+    # 2 stages x 2 chunks x 2 micro-batches; stage 1 takes chunk 0's micro-batches in the other order
+    path = tmp_path / "bad.yaml"
+    path.write_text("""name: bad
+virtual_stages: 2
+compute:
+  - op: forward
+    at: "chunk * 2 + ((1 - mb) if stage == 1 and chunk == 0 else mb)"
+    send: {blocking: false, when: same_step}
+  - op: backward
+    at: "4 + (1 - chunk) * 2 + mb"
+    send: {blocking: false, when: same_step}
+epilogue:
+  - {op: reduce_grads, at: end}
+  - {op: optimizer_step, at: end}
+""")
+    problems = check(schedules.compile(str(path), 2, 2, validate=False))
+    assert any(p.stage == 1 and "mis-ordered" in p.reason and "received mb=0" in p.reason for p in problems), problems
+
+
+def test_inference_stream_runs_every_chunk_once():
+    layout = Layout("interleaved", 2, 2)
+    for s in range(2):
+        ops = [op for step in inference_stream(layout, s, 3) for op in step]
+        assert sorted((op.chunk, op.micro_batch) for op in ops if op.kind == OpKind.FORWARD) == \
+            [(c, m) for c in range(2) for m in range(3)]
+        assert ops[-1].kind == OpKind.WAIT_SENDS
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine, real ranks
+
+STEPS, MICRO_BATCHES = 3, 4
+PRECISIONS = ("", "+bf16", "+bf16+zero1")
+
+
+def _max_diff(a, b):
+    """Largest difference over every parameter of ``b`` (layers without parameters left out)."""
+    assert [i for i in sorted(a) if a[i]] == [i for i in sorted(b) if b[i]]
+    return max((a[i][k] - b[i][k]).abs().max().item() for i in b for k in b[i])
+
+
+@pytest.mark.distributed
+def test_interleaved_engines_exact(tmp_path):
+    """2 stages x 2 replicas, tied embedding: interleaved-1f1b (v=2) is bit-identical to stock
+    1F1B (parameters, losses, eval loss) in every precision; hippie-interleaved matches the
+    reference of its rule in fp32 and keeps its replicas and tied copies identical in bf16 + ZeRO-1."""
+    engines = [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b")] + \
+        ["hippie-interleaved", "hippie-interleaved+bf16+zero1"]
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
+                        "--eval", "--engines", ",".join(engines), timeout=420)
+    assert rc == 0, log[-4000:]
+    for p in PRECISIONS:
+        stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
+        ours, losses, parts, _, replicas = collect(tmp_path, f"interleaved-1f1b{p}")
+        assert len(parts) == 4  # 2 stages x 2 chunks
+        assert _max_diff(stock, ours) == 0.0, f"interleaved-1f1b{p} differs from stock"
+        assert losses == stock_losses
+        evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"interleaved-1f1b{p}")
+                 for f in (tmp_path / name).glob("rank*.pt")}
+        assert len(evals) == 1, f"eval_batch{p}: {evals}"
+    ours, losses, parts, params, replicas = collect(tmp_path, "hippie-interleaved")
+    assert params["deferred_stages"] == [0, 1]  # stage 0, and stage 1's tied copy (one rule for the tie)
+    ref, ref_losses = reference.run(reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS,
+                                    deferred=[0, 1], delayed_layers={1: 0}, staleness=StalenessConfig(), tied=True)
+    assert _max_diff(ours, ref) <= 1e-6
+    assert _max_diff(ours, collect(tmp_path, "stock")[0]) > 1e-4  # the delayed rule is in effect
+    for name in ("hippie-interleaved", "hippie-interleaved+bf16+zero1"):
+        files = [torch.load(f) for f in sorted((tmp_path / name).glob("rank*.pt"))]
+        copies = [f["tied"]["tied"]["weight"] for f in files]
+        assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: tied copies differ"
+        _, _, _, _, replicas = collect(tmp_path, name)
+        assert _max_diff(replicas[0], replicas[1]) == 0.0
+
+
+@pytest.mark.distributed
+def test_checkpoints_cross_layouts(tmp_path):
+    """interleaved-1f1b saves after 2 steps; 1f1b resumes from its per-layer files (and the other
+    way round) and the third step lands bit-identical to stock's uninterrupted run."""
+    common = ("--stages", 2, "--micro-batches", MICRO_BATCHES, "--tied")
+    rc, log, _ = launch(2, tmp_path / "full", *common, "--steps", STEPS, "--engines", "stock", timeout=300)
+    assert rc == 0, log[-4000:]
+    stock, stock_losses, _, _, _ = collect(tmp_path / "full", "stock")
+    for first, second in (("interleaved-1f1b", "1f1b"), ("1f1b", "interleaved-1f1b")):
+        out = tmp_path / f"{first}-to-{second}"
+        rc, log, _ = launch(2, out, *common, "--steps", STEPS, "--checkpoint-at", 2, "--engines", first, timeout=300)
+        assert rc == 0, log[-4000:]
+        rc, log, _ = launch(2, out, *common, "--steps", STEPS, "--resume", out / first / "ckpt",
+                            "--resume-weights-only", "--engines", second, timeout=300)
+        assert rc == 0, log[-4000:]
+        ours, losses, _, _, _ = collect(out, second)
+        assert _max_diff(stock, ours) == 0.0, f"{first} -> {second}"
+        assert losses["rank1"] == stock_losses["rank1"][2:]
