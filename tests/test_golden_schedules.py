@@ -12,7 +12,7 @@ import pytest
 from hippie_ds.schedules import available, compile as compile_schedule
 
 GOLDEN = Path(__file__).parent / "golden"
-SHAPES = [(name, 4, 8) for name in available()] + [("zb-h1", 4, 2), ("hippie-zb", 4, 2)]
+SHAPES = [(name, 4, 8) for name in available()] + [("zb-h1", 4, 2), ("hippie-zb", 4, 2), ("zb-v", 4, 2)]
 
 
 @pytest.mark.parametrize("name,stages,micro_batches", SHAPES)

@@ -1,7 +1,9 @@
-"""Virtual stages (issue 33): layouts, interleaved schedules compiled, validated and simulated
-(pure), and run by the engine with real ranks: interleaved-1f1b bit-identical to stock 1F1B in
-fp32, bf16 and bf16 + ZeRO-1 with a tied embedding, hippie-interleaved against the reference of
-its rule, eval_batch, and checkpoints crossing between the layouts (DeepSpeed's per-layer files)."""
+"""Virtual stages (issue 33): layouts, interleaved and V-shape schedules compiled, validated and
+simulated (pure), and run by the engine with real ranks: interleaved-1f1b bit-identical to stock
+1F1B in fp32, bf16 and bf16 + ZeRO-1 with a tied embedding, zb-v likewise (untied: its V puts the
+embedding and the head on one stage, where a tied module is one parameter, so its two gradients
+sum in another order), hippie-interleaved against the reference of its rule, eval_batch, and
+checkpoints crossing between the layouts (DeepSpeed's per-layer files)."""
 import pytest
 import torch
 
@@ -50,6 +52,26 @@ def test_interleaved_schedules_validate(name):
                             assert [op.micro_batch for op in ops if op.kind == kind and op.chunk == c] == list(range(M))
 
 
+def test_zb_v_validates_and_halves_the_bubble():
+    """zb-v: every shape valid (M < K too); with F = B_input = W its bubble is well under zb-h1's
+    and 1f1b's, every stage holding K micro-batches of activations (1F1B's first stage's)."""
+    for K in (2, 3, 4, 8):
+        for M in (1, 2, K - 1, K, 2 * K - 1, 2 * K, 3 * K):
+            if M < 1:
+                continue
+            compiled = schedules.compile("zb-v", K, M, validate=False)
+            assert check(compiled) == [], (K, M)
+            for s in range(K):  # W of each chunk in micro-batch order: 1f1b's accumulation order
+                ops = list(compiled.ops(s))
+                for c in range(2):
+                    assert [op.micro_batch for op in ops if op.kind == OpKind.BACKWARD_WEIGHT and op.chunk == c] \
+                        == list(range(M))
+    costs = Costs.uniform(4, forward=1.0, backward=2.0)  # B = 2: input 1 + weight 1
+    zbv, zbh1, one = (simulate(schedules.compile(n, 4, 8), costs) for n in ("zb-v", "zb-h1", "1f1b"))
+    assert (zbv.step_time, zbh1.step_time, one.step_time) == (25.5, 27.0, 33.0)
+    assert [p["peak_activation_microbatches"] for p in zbv.per_stage] == [4.0] * 4
+
+
 def test_interleaved_bubble_is_megatrons():
     """Equal stage costs: the simulated bubble is (K-1)/(vM+K-1) of the step; v=1 is 1f1b's."""
     for K, M, v in [(2, 4, 2), (2, 8, 3), (4, 8, 2), (4, 8, 4), (4, 16, 2)]:
@@ -72,6 +94,8 @@ def test_virtual_stage_errors_name_the_problem():
         schedules.compile("interleaved-1f1b", 1, 4)
     with pytest.raises(ScheduleError, match=r"virtual_stages = 0"):
         schedules.compile("interleaved-1f1b", 2, 4, virtual_stages=0)
+    with pytest.raises(ScheduleError, match=r"V-shape layout, which holds exactly 2 chunks"):
+        schedules.compile("zb-v", 2, 4, virtual_stages=3)
 
 
 def test_validator_sees_the_shared_link(tmp_path):
@@ -121,9 +145,10 @@ def _max_diff(a, b):
 @pytest.mark.distributed
 def test_interleaved_engines_exact(tmp_path):
     """2 stages x 2 replicas, tied embedding: interleaved-1f1b (v=2) is bit-identical to stock
-    1F1B (parameters, losses, eval loss) in every precision; hippie-interleaved matches the
+    1F1B (parameters, losses, eval loss) in every precision, zb-v within rounding (its tied
+    module is one parameter on stage 0: test_zb_v_exact checks it bit for bit untied); hippie-interleaved matches the
     reference of its rule in fp32 and keeps its replicas and tied copies identical in bf16 + ZeRO-1."""
-    engines = [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b")] + \
+    engines = [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b", "zb-v")] + \
         ["hippie-interleaved", "hippie-interleaved+bf16+zero1"]
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
                         "--eval", "--engines", ",".join(engines), timeout=420)
@@ -137,6 +162,10 @@ def test_interleaved_engines_exact(tmp_path):
         evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"interleaved-1f1b{p}")
                  for f in (tmp_path / name).glob("rank*.pt")}
         assert len(evals) == 1, f"eval_batch{p}: {evals}"
+    for p in PRECISIONS:  # zb-v: the tied embedding and head are one parameter on stage 0
+        stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
+        ours, losses, parts, _, _ = collect(tmp_path, f"zb-v{p}")
+        assert len(parts) == 4 and _max_diff(stock, ours) <= (1e-6 if not p else 2 ** -8), f"zb-v{p}"
     ours, losses, parts, params, replicas = collect(tmp_path, "hippie-interleaved")
     assert params["deferred_stages"] == [0, 1]  # stage 0, and stage 1's tied copy (one rule for the tie)
     ref, ref_losses = reference.run(reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS,
@@ -149,6 +178,26 @@ def test_interleaved_engines_exact(tmp_path):
         assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: tied copies differ"
         _, _, _, _, replicas = collect(tmp_path, name)
         assert _max_diff(replicas[0], replicas[1]) == 0.0
+
+
+@pytest.mark.distributed
+def test_zb_v_exact(tmp_path):
+    """zb-v (V-shape, split backward, local hand-over at the last stage, the first stage loading
+    inputs and labels and computing the loss) is bit-identical to stock 1F1B in every precision
+    (fp32 + ZeRO-1 too),
+    and its eval_batch gives stock's loss."""
+    engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")]
+    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
+                        "--engines", ",".join(engines), timeout=300)
+    assert rc == 0, log[-4000:]
+    for p in PRECISIONS + ("+zero1",):  # fp32 + ZeRO-1: DeepSpeedZeroOptimizer
+        stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
+        ours, losses, parts, _, _ = collect(tmp_path, f"zb-v{p}")
+        assert len(parts) == 4
+        assert _max_diff(stock, ours) == 0.0, f"zb-v{p} differs from stock"
+        assert losses == stock_losses
+        evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"zb-v{p}") for f in (tmp_path / name).glob("rank*.pt")}
+        assert len(evals) == 1, f"eval_batch{p}: {evals}"
 
 
 @pytest.mark.distributed
@@ -169,3 +218,23 @@ def test_checkpoints_cross_layouts(tmp_path):
         ours, losses, _, _, _ = collect(out, second)
         assert _max_diff(stock, ours) == 0.0, f"{first} -> {second}"
         assert losses["rank1"] == stock_losses["rank1"][2:]
+
+
+@pytest.mark.distributed
+def test_megatron_shapes_under_virtual_stages(tmp_path):
+    """The Megatron-shaped client (3-D activations, views as stage outputs, a tied embedding with
+    a parameter unused on the head's stage): interleaved-1f1b and zb-v bit-identical to stock in
+    fp32 and bf16 + ZeRO-1, hippie-interleaved trains with identical replicas."""
+    names = ("stock", "interleaved-1f1b", "zb-v", "hippie-interleaved")
+    engines = [f"{n}{p}" for p in ("", "+bf16+zero1") for n in names]
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--megatron",
+                        "--engines", ",".join(engines), timeout=420)
+    assert rc == 0, log[-4000:]
+    for p in ("", "+bf16+zero1"):
+        stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
+        for name in ("interleaved-1f1b", "zb-v"):
+            ours, losses, _, _, _ = collect(tmp_path, f"{name}{p}")
+            assert _max_diff(stock, ours) == 0.0 and losses == stock_losses, f"{name}{p}"
+        ours, losses, _, _, replicas = collect(tmp_path, f"hippie-interleaved{p}")
+        assert _max_diff(replicas[0], replicas[1]) == 0.0
+        assert all(l == l and abs(l) < 100 for rank in losses.values() for l in rank)

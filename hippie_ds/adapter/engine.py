@@ -324,7 +324,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         # Keep the tensor with its work handle: the buffer slot may be reused before completion.
         # A detached alias (same storage): an output the split backward cannot detach in place
         # (a view) must not keep its micro-batch's graph alive until the sends are waited for.
-        work = dist.isend(tensor, self.grid.stage_to_global(stage))
+        work = dist.isend(tensor, self.grid.stage_to_global(stage), tag=self._p2p_tag())
         self._pending_sends.append((work, tensor.detach()))
 
     def _exec_isend_activations(self, buffer_id):
@@ -382,8 +382,12 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         hs.ForwardBackwardPass: _exec_forward_backward_pass,
         hs.BackwardInputPass: SplitBackwardMixin._exec_backward_input_pass,
         hs.BackwardWeightPass: SplitBackwardMixin._exec_backward_weight_pass,
-        hs.ISendActivation: _exec_isend_activations,
-        hs.ISendGrad: _exec_isend_grads,
+        hs.ISendActivation: ChunkSelection._exec_isend_activations_chunked,
+        hs.ISendGrad: ChunkSelection._exec_isend_grads_chunked,
+        ds_schedule.SendActivation: ChunkSelection._exec_send_activations_chunked,
+        ds_schedule.RecvActivation: ChunkSelection._exec_recv_activations_chunked,
+        ds_schedule.SendGrad: ChunkSelection._exec_send_grads_chunked,
+        ds_schedule.RecvGrad: ChunkSelection._exec_recv_grads_chunked,
         hs.WaitSends: _exec_wait_sends,
         hs.StartAllReduce: _exec_start_allreduce,
         hs.WaitAllReduce: _exec_wait_allreduce,

@@ -7,14 +7,30 @@ that chunk (:class:`ChunkSelection`), so DeepSpeed's own handlers run on it unch
 * ``next_stage`` / ``prev_stage`` are the chunk's neighbours in the layout (the interleaved
   layout's last stage sends to the first over DeepSpeed's wrap-around p2p);
 * DeepSpeed's per-engine p2p state (activation shape handshake, receive buffers) is kept per
-  chunk: each chunk boundary has its own shapes.
+  chunk: each chunk boundary has its own shapes;
+* gradients travel with their own tag (:data:`GRADIENT_TAG`): a stage pair's link can carry
+  activations and gradients in each direction, in different orders (the V, interleaved at K=2),
+  and DeepSpeed's p2p matches messages in order per (peer, tag); the validator models it so
+  (``schedules.deadlock.link_of``);
+* a hand-over between two chunks of one stage (the V's turn at the last stage) is local: the
+  tensors go through a queue, as if sent and received;
+* the V's first stage holds the first and the last part: it reads the data iterator once per
+  micro-batch (the labels' load takes what the inputs' load read) and computes the loss
+  (``_loss_stage_global_rank``).
 
 ``eval_batch`` runs :func:`hippie_ds.schedules.compiler.inference_stream` instead of DeepSpeed's
 ``InferenceSchedule``, which knows one part per stage.
 """
 from __future__ import annotations
 
+import contextlib
+from collections import deque
+
+import torch
+from deepspeed import comm as _dist
+from deepspeed.runtime.pipe import p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..schedules.compiler import inference_stream
 
@@ -22,6 +38,35 @@ from ..schedules.compiler import inference_stream
 _P2P_STATE = {"first_output_send": True, "pipe_recv_buf": None, "grad_layer": None, "meta_buffer": None,
               "pipe_partition_input_meta_cache": None, "pipe_partition_output_meta_cache": None,
               "pipe_partition_grad_meta_cache": None, "grad_partition_grad_layer_meta_cache": None}
+
+
+GRADIENT_TAG = 1  # gradients' p2p tag under virtual stages (activations keep DeepSpeed's 0)
+
+
+class _TaggedComm:
+    """``deepspeed.comm`` as DeepSpeed's p2p module calls it, with every send and receive tagged."""
+
+    def __init__(self, tag: int):
+        self._tag = tag
+
+    def send(self, tensor, dst, **kw):
+        return _dist.send(tensor, dst, tag=self._tag, **kw)
+
+    def recv(self, tensor, src=None, **kw):
+        return _dist.recv(tensor, src, tag=self._tag, **kw)
+
+    def __getattr__(self, name):
+        return getattr(_dist, name)
+
+
+@contextlib.contextmanager
+def _gradient_tag():
+    """DeepSpeed's p2p functions send and receive with :data:`GRADIENT_TAG` inside."""
+    p2p.dist = _TaggedComm(GRADIENT_TAG)
+    try:
+        yield
+    finally:
+        p2p.dist = _dist
 
 
 class _InferenceSteps(ds_schedule.PipeSchedule):
@@ -44,17 +89,111 @@ class ChunkSelection:
 
     _chunk = None  # the chunk selected; None outside ops (and always with one chunk per stage)
 
+    _layout = None  # set after DeepSpeed's __init__ (which asks is_first_stage with its own meaning)
+    _chunked = False
+
     def _init_chunk_selection(self, compiled) -> None:
         self._layout = compiled.layout
         self._chunked = compiled.virtual_stages > 1
         self._chunk_p2p: dict[int, dict] = {}
         self._stock_neighbours = (self.prev_stage, self.next_stage)
+        self._local = {"activation": deque(), "gradient": deque()}  # hand-overs between own chunks
+        chunks = range(compiled.virtual_stages)
+        self._both_ends = self._chunked and any(self._layout.is_first(self.stage_id, c) for c in chunks) and \
+            any(self._layout.is_last(self.stage_id, c) for c in chunks)
+        self._read_batches = deque()  # the V's first stage: batches read for inputs, awaiting labels
+
+    def _holds(self, end) -> bool | None:
+        """Whether this stage holds the model's first or last part (None: DeepSpeed's meaning)."""
+        if not self._chunked:
+            return None
+        return any(end(self.stage_id, c) for c in range(self._layout.virtual_stages))
 
     def is_first_stage(self):
-        return super().is_first_stage() if self._chunk is None else self._layout.is_first(self.stage_id, self._chunk)
+        if self._chunk is not None:
+            return self._layout.is_first(self.stage_id, self._chunk)
+        holds = self._holds(self._layout.is_first) if self._layout is not None else None
+        return super().is_first_stage() if holds is None else holds
 
     def is_last_stage(self):
-        return super().is_last_stage() if self._chunk is None else self._layout.is_last(self.stage_id, self._chunk)
+        if self._chunk is not None:
+            return self._layout.is_last(self.stage_id, self._chunk)
+        holds = self._holds(self._layout.is_last) if self._layout is not None else None
+        return super().is_last_stage() if holds is None else holds
+
+    def _loss_stage_global_rank(self):
+        if not self._chunked:
+            return super()._loss_stage_global_rank()
+        return self.grid.stage_to_global(self._layout.place(self._layout.parts - 1)[0])
+
+    def _next_batch(self):
+        if not self._both_ends or self._chunk is None:
+            return super()._next_batch()
+        if self.is_first_stage():  # the inputs' load reads; the labels' load of the same micro-batch reuses it
+            batch = super()._next_batch()
+            self._read_batches.append(batch)
+            return batch
+        return self._read_batches.popleft()
+
+    # -- p2p: tags and local hand-overs ------------------------------------------------------
+    def _local_peer(self, stage: int) -> bool:
+        return self._chunked and stage == self.stage_id
+
+    def _exec_send_activations_chunked(self, buffer_id):
+        if self._local_peer(self.next_stage):
+            self._local["activation"].append(self.pipe_buffers["outputs"][buffer_id])
+        else:
+            PipelineEngine._exec_send_activations(self, buffer_id)
+
+    def _exec_isend_activations_chunked(self, buffer_id):
+        if self._local_peer(self.next_stage):
+            self._local["activation"].append(self.pipe_buffers["outputs"][buffer_id])
+        else:
+            self._exec_isend_activations(buffer_id)
+
+    def _exec_recv_activations_chunked(self, buffer_id):
+        if not self._local_peer(self.prev_stage):
+            return PipelineEngine._exec_recv_activations(self, buffer_id)
+
+        def received(t):  # as DeepSpeed receives: a fresh leaf, requiring grad when floating point
+            out = t.detach().clone()
+            out.requires_grad_(out.is_floating_point())
+            return out
+        sent = self._local["activation"].popleft()
+        self.pipe_buffers["inputs"][buffer_id] = received(sent) if torch.is_tensor(sent) else \
+            tuple(received(t) for t in sent)
+
+    def _local_input_grads(self, buffer_id):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        grads = inputs.grad if torch.is_tensor(inputs) else [t.grad for t in inputs if t.is_floating_point()]
+        self._local["gradient"].append(grads)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_send_grads_chunked(self, buffer_id):
+        if self._local_peer(self.prev_stage):
+            return self._local_input_grads(buffer_id)
+        with self._tag_gradients():
+            PipelineEngine._exec_send_grads(self, buffer_id)
+
+    def _exec_isend_grads_chunked(self, buffer_id):
+        if self._local_peer(self.prev_stage):
+            return self._local_input_grads(buffer_id)
+        with self._tag_gradients():
+            self._exec_isend_grads(buffer_id)
+
+    def _exec_recv_grads_chunked(self, buffer_id):
+        if self._local_peer(self.next_stage):
+            self.grad_layer = self._local["gradient"].popleft()
+            return
+        with self._tag_gradients():
+            PipelineEngine._exec_recv_grads(self, buffer_id)
+
+    def _tag_gradients(self):
+        return _gradient_tag() if self._chunked else contextlib.nullcontext()
+
+    def _p2p_tag(self) -> int:
+        """The tag of a send issued now (``_isend``)."""
+        return GRADIENT_TAG if p2p.dist is not _dist else 0
 
     def _select_chunk(self, chunk: int | None) -> None:
         """Make ``chunk`` the one DeepSpeed's handlers act on (None: the stage as DeepSpeed sees it)."""

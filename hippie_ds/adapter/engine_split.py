@@ -21,7 +21,7 @@ class SplitBackwardMixin:
     def _init_split_backward(self, compiled: CompiledSchedule) -> None:
         self._pending_weight_grads: dict[int, PendingWeightGrad] = {}
         self._loss_scaled_by_us = False
-        self._coverage_checked = False
+        self._coverage_checked = set()  # the model chunks checked (one, without virtual stages)
         # DeepSpeed's activation checkpoint refuses autograd.grad(): with it, B runs the whole
         # backward (DeepSpeed's own) and W has nothing left; values and order stay 1F1B's.
         self._whole_backward_in_input = getattr(self.module, "activation_checkpoint_interval", 0) > 0
@@ -64,9 +64,9 @@ class SplitBackwardMixin:
         else:
             outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
         inputs, params = self.pipe_buffers["inputs"][buffer_id], self._params
-        if not self._coverage_checked:
+        if self._chunk not in self._coverage_checked:
             check_coverage(outputs, inputs, params, [n for n, p in self.module.named_parameters() if p.requires_grad])
-            self._coverage_checked = True
+            self._coverage_checked.add(self._chunk)
         with self._engine_backward():
             self._pending_weight_grads[buffer_id] = backward_input(outputs, grads, inputs, params)
         if self._split_meter is not None:

@@ -91,6 +91,10 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
     except ScheduleError as exc:
         raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
                            f"micro-batches: {exc}") from None
+    if compiled.virtual_stages > 1:  # its analytic step and memory model count one part per stage
+        raise PlannerError(f"schedule {schedule!r} runs {compiled.virtual_stages} model chunks per stage; the planner "
+                           "models one part per stage: plan with a schedule without virtual stages (the simulator, "
+                           "`hippie-ds schedule simulate`, compares them)")
     in_flight, interleaved = [], False
     for s in range(stages):
         live, peak, forwards = set(), 0, 0

@@ -17,6 +17,15 @@ _DIRECTION = {OpKind.SEND_ACTIVATION: +1, OpKind.SEND_GRAD: -1,
               OpKind.RECV_ACTIVATION: -1, OpKind.RECV_GRAD: +1}
 
 
+def link_of(compiled: CompiledSchedule, src: int, dst: int, kind: OpKind) -> tuple:
+    """The FIFO channel a message between two stages takes. DeepSpeed's engine sends everything
+    on one (process group, tag); with virtual stages the engine tags activations and gradients
+    apart (a stage pair's link may carry both in each direction, in different orders)."""
+    if compiled.virtual_stages == 1:
+        return (src, dst)
+    return (src, dst, "activation" if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else "gradient")
+
+
 def peer_of(layout, op: Op) -> tuple[int, int] | None:
     """(stage, chunk) at the other end of a send or receive; None past the model's ends."""
     return (layout.next if _DIRECTION[op.kind] > 0 else layout.prev)(op.stage, op.chunk)
@@ -40,6 +49,7 @@ class _Simulation:
 
     def __init__(self, compiled: CompiledSchedule, iterations: int, scenario=None):
         self.K = compiled.stages
+        self.compiled = compiled
         self.layout = compiled.layout
         self.iterations = iterations
         # stage -> [(iteration, op)] in execution order; continuous schedules: (phase, op), and
@@ -115,14 +125,14 @@ class _Simulation:
             msg = self.blocked_send[s]
             if msg is None:  # issue it; the peer's recv may now complete
                 msg = self.blocked_send[s] = _Message(op, iteration, self.batches[s][self.pc[s]])
-                self.channels.setdefault((s, peer), deque()).append(msg)
+                self.channels.setdefault(link_of(self.compiled, s, peer, op.kind), deque()).append(msg)
                 return True
             if not msg.received:
                 return False
             self.blocked_send[s] = None
         else:
             msg = _Message(op, iteration, self.batches[s][self.pc[s]])
-            self.channels.setdefault((s, peer), deque()).append(msg)
+            self.channels.setdefault(link_of(self.compiled, s, peer, op.kind), deque()).append(msg)
             self.isends[s].append(msg)
         self.pc[s] += 1
         return True
@@ -133,7 +143,7 @@ class _Simulation:
             self.problems.append(problem(op, f"unmatched: {short(op)} from stage {peer}, which does not exist"))
             self.pc[s] += 1
             return True
-        channel = self.channels.get((peer, s))
+        channel = self.channels.get(link_of(self.compiled, peer, s, op.kind))
         if not channel:
             return False
         msg = channel.popleft()

@@ -37,6 +37,8 @@ def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[
         for chunk in range(env.get("virtual_stages", 1)):
             for mb in range(env["micro_batches"]):
                 local = dict(env, stage=stage, mb=mb, chunk=chunk)
+                for name, expr in spec.define.items():
+                    local[name] = eval_expr(expr, local, f"schedule {spec.name!r} define.{name}")
                 if not eval_expr(rule.when, local, where + " when"):
                     continue
                 step = int_expr(rule.at, local, where + " at")

@@ -70,6 +70,7 @@ from .costs import Costs, CostsError, DelayedPart
 from .grad_buffer import GradBuffer
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
+from .deadlock import link_of
 from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
                  WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
                  CompiledSchedule, Op, OpKind, op_name)
@@ -171,13 +172,15 @@ class _Sim:
         part = self.layout.part(s, op.chunk)
         boundary = part if outward else part - 1
         src, dst = (s, peer[0]) if kind in SEND_KINDS else (peer[0], s)
-        if (src, dst) not in self.channels:
-            # the activation crossing it is the sending side's output (its gradient the same size)
+        link = link_of(self.c, src, dst, kind)
+        if link not in self.channels:
+            # the activation crossing it is the sending side's output (its gradient the same size);
+            # a hand-over between two chunks of one stage (the V's turn) is local: no time
             out = src if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else dst
-            self.channels[(src, dst)] = _Channel(self.k, f"stage {src}->{dst}", self.costs.p2p_time(out))
+            self.channels[link] = _Channel(self.k, f"stage {src}->{dst}", 0.0 if src == dst else self.costs.p2p_time(out))
         what = "A" if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else "G"
         message = op.micro_batch if self.v == 1 else (what, boundary, op.micro_batch)
-        return self.channels[(src, dst)], "send" if kind in SEND_KINDS else "recv", message
+        return self.channels[link], "send" if kind in SEND_KINDS else "recv", message
 
     def _issue_allreduce(self, s: int, target: str, st: "_StageState") -> Iterator:
         """START_ALLREDUCE: starts it and holds the stage while it issues it."""

@@ -170,6 +170,22 @@ class ScheduleSpec(_Strict):
     # Compute rules then run for every (chunk, mb); expressions see ``chunk`` and ``virtual_stages``.
     virtual_stages: Expression | None = None
     layout: Literal["interleaved", "v"] = "interleaved"
+    # Named sub-expressions for the compute rules, evaluated in order for every op (they may use
+    # mb, chunk, stage and the names defined before them): long placements stay readable.
+    define: dict[str, Expression] = {}
+
+    @field_validator("define", mode="before")
+    @classmethod
+    def _definitions(cls, v, info):
+        if not isinstance(v, dict):
+            raise ValueError("define: a mapping of name to expression")
+        reserved = {"stages", "stage", "micro_batches", "mb", "chunk", "virtual_stages"}
+        out = {}
+        for name, expr in v.items():
+            if not isinstance(name, str) or not name.isidentifier() or name in reserved:
+                raise ValueError(f"define: name {name!r} is reserved or not an identifier")
+            out[name] = _expression(expr, info)
+        return out
 
     @field_validator("steps", "virtual_stages", mode="before")
     @classmethod

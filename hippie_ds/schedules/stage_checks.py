@@ -63,9 +63,12 @@ class _StageChecker:
             item = _name(op.chunk, mb)
             mb = (op.chunk, mb)  # a chunk's micro-batch: what the stage computes
             if kind == OpKind.LOAD:
-                if mb[1] in loaded:
+                # a stage holding the first and the last part (the V) loads inputs and labels
+                # apart; the engine reads the data iterator once per micro-batch
+                role = (first, last, mb[1])
+                if role in loaded:
                     self._add(op, f"micro-batch {mb[1]} loaded twice (the data iterator advances on each load)")
-                loaded.add(mb[1])
+                loaded.add(role)
             elif kind == OpKind.RECV_ACTIVATION:
                 recv_act.add(mb)
             elif kind == OpKind.RECV_GRAD:
@@ -79,7 +82,7 @@ class _StageChecker:
                     self._add(op, f"{item} forwarded twice")
                 if not first and mb not in recv_act:
                     self._add(op, f"forward of {item} before its activation is received (recv_activation)")
-                if (first or last) and mb[1] not in loaded:
+                if (first or last) and (first, last, mb[1]) not in loaded:
                     what = "inputs" if first else "labels"
                     self._add(op, f"forward of {item} before its {what} are loaded (load_micro_batch)")
                 if self.weights_changed is not None and kind == OpKind.FORWARD:

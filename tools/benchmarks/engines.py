@@ -212,6 +212,19 @@ def parse_plans(items):
     return plans
 
 
+def virtual_stages_of(schedule: str, stages: int) -> tuple[int, str] | None:
+    """(chunks per stage, layout) of a schedule with virtual stages; None for the others (and for
+    labels that are not schedules: stock, dp)."""
+    from hippie_ds.schedules import ScheduleError, load_spec
+    from hippie_ds.schedules.compiler import resolve_virtual_stages
+    try:
+        spec = load_spec(schedule)
+    except ScheduleError:
+        return None
+    v = resolve_virtual_stages(spec, stages, 1)
+    return (v, spec.layout) if v > 1 else None
+
+
 def build_pipeline_module(a, label, world):
     """A PipelineModule: hippie_ds.PipelineModule (which takes a plan file) where it exists,
     else DeepSpeed's; a plan file for this label needs the former."""
@@ -220,6 +233,9 @@ def build_pipeline_module(a, label, world):
     kwargs = dict(layers=layer_specs(a), num_stages=a.stages, loss_fn=loss_fn,
                   topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
                   partition_method=a.partition_method, seed_layers=True, base_seed=BASE_SEED)
+    chunks = virtual_stages_of(schedule_config(a, label)[0], a.stages)
+    if chunks is not None:  # a schedule with virtual stages: the module builds its chunks
+        kwargs.update(virtual_stages=chunks[0], layout=chunks[1])
     if plan is not None:
         if cls is None:
             raise SystemExit(f"--plan {label}={plan}: this hippie_ds has no PipelineModule to read plan files")

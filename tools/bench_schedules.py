@@ -1,20 +1,22 @@
-"""Zero-bubble benchmark: zb-h1 against hippie-ds's 1f1b with one rank per core.
+"""Schedules side by side on one node, one rank per core: step time, bubble and activation memory,
+measured and simulated (default: zb-h1 against hippie-ds's 1f1b; any flush schedules, virtual
+stages included: ``--schedules 1f1b,zb-h1,interleaved-1f1b,zb-v``).
 
 Runs ``tools/bench_worker.py`` under the ``deepspeed`` launcher on one node, K ranks, each
 pinned to its own core (``--core-per-rank``), so that a pipeline bubble is idle time and not
-another rank's compute. The two schedules alternate in rounds inside one job (the order rotated
+another rank's compute. The schedules alternate in rounds inside one job (the order rotated
 each round). Then, per schedule:
 
-* step time: median over the timed steps of each round; the ratio zb-h1 / 1f1b per round, with
-  the median and min-max spread over rounds;
+* step time: median over the timed steps of each round; the ratio to the first schedule per
+  round, with the median and min-max spread over rounds;
 * measured bubble: 1 - (the stages' mean compute time per step) / step time, from the engines'
-  timelines; per-op medians (F, B of 1f1b; F, I, W of zb-h1);
-* the simulator's step time and bubble with those measured per-op costs (each schedule with its
-  own F/B or F/I/W; the end-of-step ReduceGrads + OptimizerStep and one p2p transfer from the
-  runs) and its relative error;
-* peak bytes held for backward per stage (``hippie_ds.adapter.memory.ActivationMeter``; zb-h1 adds the
-  gradients its backward_input keeps until W) against the simulator's peak, the bytes per
-  micro-batch calibrated on 1f1b (peak / micro-batches in flight).
+  timelines; per-op medians;
+* the simulator's step time and bubble with the measured costs (per stage, each compute kind's
+  time per micro-batch summed over the stage's chunks; the end-of-step ReduceGrads +
+  OptimizerStep and one p2p transfer from the runs) and its relative error;
+* peak bytes held for backward per stage (``hippie_ds.adapter.memory.ActivationMeter``; a split
+  backward adds the gradients its backward_input keeps until W) against the simulator's peak, the
+  bytes per micro-batch calibrated on the first schedule (1f1b: peak / micro-batches in flight).
 
 Writes ``results.json`` and ``report.md`` to ``--out`` (and ``--publish`` DIR). Not a test.
 """
@@ -36,14 +38,14 @@ from hippie_ds.schedules.simulator import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 
-LABELS = ("1f1b", "zb-h1")
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "forward_backward")  # categories
+PASSES = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
 SENDS = ("SendActivation", "SendGrad", "ISendActivation", "ISendGrad")
 
 
 def run_worker(a) -> None:
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.stages), "--master_port",
-           str(a.port), str(REPO / "tools" / "bench_worker.py"), "--out", a.out, "--schedules", ",".join(LABELS),
+           str(a.port), str(REPO / "tools" / "bench_worker.py"), "--out", a.out, "--schedules", a.schedules,
            "--stages", str(a.stages), "--micro-batches", str(a.micro_batches), "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--rounds", str(a.rounds), "--layers", str(a.layers), "--d-model",
            str(a.d_model), "--memory", "--core-per-rank"]
@@ -52,7 +54,7 @@ def run_worker(a) -> None:
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
 
 
-def analyse_label(ranks: dict) -> dict:
+def analyse_label(ranks: dict, micro_batches: int) -> dict:
     """One schedule's figures from its run (``benchmarks.analysis.load_run``: {rank: (steps, timeline)})."""
     by_stage = sorted(ranks.values(), key=lambda r: r[0]["stage"])
     timed = [s for s in by_stage[0][0]["steps"] if not s["warmup"]]
@@ -60,31 +62,37 @@ def analyse_label(ranks: dict) -> dict:
     per_round = {r: statistics.median(s["end"] - s["start"] for s in timed if s["round"] == r) for r in rounds}
     step = statistics.median(per_round.values())
     timings = stage_timings(ranks)  # per stage: median of each instruction over the timed steps
-    busy = []
+    busy, per_mb = [], []
     for steps, timeline in by_stage:
         per_step: dict[int, float] = {}  # timeline steps count train_batch calls from 0, warm-up included
+        kinds: dict[str, dict[int, float]] = {}  # pass -> call -> its time in the call
         for e in timeline["events"]:
             if e["category"] in COMPUTE:
                 per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"] - e["start"]
+                calls_of = kinds.setdefault(e["kind"], {})
+                calls_of[e["step"]] = calls_of.get(e["step"], 0.0) + e["end"] - e["start"]
         calls = [i for i, s in enumerate(steps["steps"]) if not s["warmup"] and i in per_step]
         busy.append(statistics.median(per_step[i] for i in calls))
+        # a stage's time per micro-batch of each pass, all its chunks together (the simulator's stage cost)
+        per_mb.append({k: statistics.median(v.get(i, 0.0) for i in calls) / micro_batches for k, v in kinds.items()})
     peaks = [statistics.median(s["saved_peak_bytes"] for s in steps["steps"] if not s["warmup"])
              for steps, _ in by_stage]
     return {"step_time": step, "per_round": per_round, "ops": [timings[s]["median"] for s in sorted(timings)],
-            "busy": busy, "bubble": 1 - statistics.mean(busy) / step, "peak_saved_bytes": peaks}
+            "per_micro_batch": per_mb, "busy": busy, "bubble": 1 - statistics.mean(busy) / step, "peak_saved_bytes": peaks}
 
 
-def costs_of(label: str, ops: list[dict], saved: list[float], step_end: list[float], p2p: float) -> Costs:
-    """The simulator's costs from a schedule's measured per-op medians; ``step_end``: per stage,
-    the end-of-step work (DeepSpeed's ReduceGrads and OptimizerStep), ``p2p``: one transfer."""
+def costs_of(per_mb: list[dict], saved: list[float], step_end: list[float], p2p: float) -> Costs:
+    """The simulator's costs from a schedule's measured time per micro-batch of each pass, per
+    stage (all its chunks); ``step_end``: per stage, the end-of-step work (DeepSpeed's ReduceGrads
+    and OptimizerStep), ``p2p``: one transfer."""
     stages = []
-    for s, o in enumerate(ops):
-        common = {"forward": o["ForwardPass"], "saved_bytes": saved[s], "optimizer_time": step_end[s]}
-        if label == "zb-h1":
+    for s, o in enumerate(per_mb):
+        common = {"forward": o.get("ForwardPass", 0.0), "saved_bytes": saved[s], "optimizer_time": step_end[s]}
+        if "BackwardInputPass" in o:
             w = o.get("BackwardWeightPass", 0.0)
-            stages.append({**common, "backward": o.get("BackwardInputPass", 0.0) + w, "backward_weight": w})
+            stages.append({**common, "backward": o["BackwardInputPass"] + w, "backward_weight": w})
         else:
-            stages.append({**common, "backward": o["BackwardPass"]})
+            stages.append({**common, "backward": o.get("BackwardPass", 0.0)})
     return Costs(stages=stages, comm=CommCost(p2p_bandwidth=float("inf"), p2p_latency=p2p, data_parallel=1))
 
 
@@ -102,28 +110,38 @@ def _p2p(got: dict) -> float:
 
 
 def analyse(a) -> dict:
-    got = {label: analyse_label(load_run(Path(a.out), label)) for label in LABELS}
+    labels = a.schedules.split(",")
     K, M = a.stages, a.micro_batches
-    in_flight_1f1b = [min(K - s, M) for s in range(K)]
-    per_mb = [p / n for p, n in zip(got["1f1b"]["peak_saved_bytes"], in_flight_1f1b)]  # calibration
+    got = {label: analyse_label(load_run(Path(a.out), label), M) for label in labels}
+    base = labels[0]
+    # bytes per micro-batch in flight, calibrated on the first schedule's simulated peak
+    in_flight = [p["peak_activation_microbatches"] for p in
+                 simulate(compile_schedule(base, K, M), Costs.uniform(K), iterations=3).per_stage]
+    per_mb = [p / n for p, n in zip(got[base]["peak_saved_bytes"], in_flight)]
     step_end, p2p = _end_of_step(got, K), _p2p(got)
     for label, r in got.items():
-        sim = simulate(compile_schedule(label, K, M), costs_of(label, r["ops"], per_mb, step_end, p2p), iterations=3)
+        sim = simulate(compile_schedule(label, K, M), costs_of(r["per_micro_batch"], per_mb, step_end, p2p),
+                       iterations=3)
         r["simulated"] = {"step_time": sim.step_time, "bubble": sim.bubble_fraction,
                           "peak_saved_bytes": [p["peak_activation_bytes"] for p in sim.per_stage],
                           "peak_micro_batches": [p["peak_activation_microbatches"] for p in sim.per_stage]}
         r["simulated"]["step_error"] = sim.step_time / r["step_time"] - 1
-    ratios = [got["zb-h1"]["per_round"][k] / got["1f1b"]["per_round"][k] for k in got["1f1b"]["per_round"]]
-    return {"stages": K, "micro_batches": M, "layers": a.layers, "d_model": a.d_model, "results": got,
-            "ratio_zb_to_1f1b": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                                 "per_round": ratios}}
+    ratios = {}
+    for label in labels[1:]:
+        per = [got[label]["per_round"][k] / got[base]["per_round"][k] for k in got[base]["per_round"]]
+        ratios[label] = {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per}
+    return {"stages": K, "micro_batches": M, "layers": a.layers, "d_model": a.d_model, "base": base,
+            "results": got, "ratio_to_base": ratios}
 
 
 def report(res: dict) -> str:
-    g, r = res["results"], res["ratio_zb_to_1f1b"]
-    lines = [f"# zb-h1 against 1f1b: {res['stages']} stages x {res['micro_batches']} micro-batches, one rank per core",
-             "", f"GPT example, {res['layers']} blocks, d_model {res['d_model']}; "
-             f"`python tools/bench_zero_bubble.py` (rounds: {len(r['per_round'])}).", "",
+    g, base = res["results"], res["base"]
+    others = [x for x in g if x != base]
+    rounds = len(g[base]["per_round"])
+    lines = [f"# {', '.join(others)} against {base}: {res['stages']} stages x {res['micro_batches']} micro-batches, "
+             "one rank per core", "", f"GPT example, {res['layers']} blocks, d_model {res['d_model']}; "
+             f"`python tools/bench_schedules.py --schedules {','.join(g)} --stages {res['stages']} "
+             f"--micro-batches {res['micro_batches']}` (rounds: {rounds}).", "",
              "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",
              "|---|---|---|---|---|---|---|---|"]
     for label, x in g.items():
@@ -132,8 +150,11 @@ def report(res: dict) -> str:
                      f"{x['bubble']:.1%} | {s['bubble']:.1%} | "
                      f"{' / '.join(f'{b / 1e6:.1f}' for b in x['peak_saved_bytes'])} | "
                      f"{' / '.join(f'{b / 1e6:.1f}' for b in s['peak_saved_bytes'])} |")
-    lines += ["", f"zb-h1 / 1f1b step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; "
-              f"per round {', '.join(f'{x:.3f}' for x in r['per_round'])})", "", "Per-op medians (ms), per stage:", ""]
+    lines.append("")
+    for label, r in res["ratio_to_base"].items():
+        lines.append(f"{label} / {base} step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; "
+                     f"per round {', '.join(f'{x:.3f}' for x in r['per_round'])})")
+    lines += ["", "Per-op medians (ms), per stage:", ""]
     for label, x in g.items():
         for s, o in enumerate(x["ops"]):
             lines.append(f"- {label} stage {s}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(o.items())))
@@ -143,7 +164,8 @@ def report(res: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="out/bench_zero_bubble")
+    p.add_argument("--schedules", default="1f1b,zb-h1", help="comma list of flush schedules; ratios are to the first")
+    p.add_argument("--out", default="out/bench_schedules")
     p.add_argument("--publish", default=None, help="also copy report.md and results.json to this directory")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks = cores used")
     p.add_argument("--micro-batches", type=int, default=8)
