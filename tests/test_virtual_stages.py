@@ -4,6 +4,8 @@ simulated (pure), and run by the engine with real ranks: interleaved-1f1b bit-id
 embedding and the head on one stage, where a tied module is one parameter, so its two gradients
 sum in another order), hippie-interleaved against the reference of its rule, eval_batch, and
 checkpoints crossing between the layouts (DeepSpeed's per-layer files)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,6 +122,33 @@ epilogue:
     assert any(p.stage == 1 and "mis-ordered" in p.reason and "received mb=0" in p.reason for p in problems), problems
 
 
+def test_chunk_allreduce_rules(tmp_path):
+    """start_allreduce(chunk): compiled right after its op, checked against the chunk's backwards,
+    refused outside a compute rule's 'after'; simulated as that chunk's share of the all-reduce."""
+    compiled = schedules.compile("hippie-interleaved", 2, 4, deferred_stages=[])
+    for s in range(2):
+        ops = list(compiled.ops(s))
+        i = next(i for i, op in enumerate(ops) if op.target == "chunk")
+        assert ops[i].chunk == 1 and (ops[i - 1].kind, ops[i - 1].chunk) in ((OpKind.SEND_GRAD, 1), (OpKind.BACKWARD, 1))
+        assert not any(op.kind == OpKind.BACKWARD and op.chunk == 1 for op in ops[i:])
+    text = (Path(schedules.spec.builtin_dir()) / "hippie-interleaved.yaml").read_text()
+    early = tmp_path / "early.yaml"
+    early.write_text(text.replace("when: mb == micro_batches - 1 and chunk > 0", "when: mb == 0 and chunk > 0"))
+    problems = check(schedules.compile(str(early), 2, 4, validate=False, deferred_stages=[]))
+    assert any("start_allreduce(chunk 1) before all of its backwards" in p.reason for p in problems), problems
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(text.replace("epilogue:\n", "epilogue:\n  - {op: start_allreduce, target: chunk}\n"))
+    with pytest.raises(ScheduleError, match=r"start_allreduce\(chunk\) belongs in a compute rule's 'after'"):
+        schedules.compile(str(wrong), 2, 4)
+    costs = Costs.uniform(4, forward=0.02, backward=0.04, param_bytes=13.7e6,
+                          comm={"data_parallel": 2, "allreduce_bandwidth": 1.25e8})
+    late = tmp_path / "late.yaml"  # the same schedule without the early chunk all-reduce
+    late.write_text(text[:text.index("    after:")] + text[text.index("prologue:"):])
+    step = {path: simulate(schedules.compile(path, 4, 8, deferred_stages=[]), costs).step_time
+            for path in ("hippie-interleaved", str(late))}
+    assert step["hippie-interleaved"] < 0.95 * step[str(late)], step
+
+
 def test_inference_stream_runs_every_chunk_once():
     layout = Layout("interleaved", 2, 2)
     for s in range(2):
@@ -181,15 +210,25 @@ def test_interleaved_engines_exact(tmp_path):
 
 
 @pytest.mark.distributed
-def test_zb_v_exact(tmp_path):
-    """zb-v (V-shape, split backward, local hand-over at the last stage, the first stage loading
-    inputs and labels and computing the loss) is bit-identical to stock 1F1B in every precision
-    (fp32 + ZeRO-1 too),
-    and its eval_batch gives stock's loss."""
-    engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")]
-    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
-                        "--engines", ",".join(engines), timeout=300)
+def test_zb_v_exact_and_chunk_allreduce(tmp_path):
+    """2 stages x 2 replicas, untied. zb-v (V-shape, split backward, local hand-over at the last
+    stage, the first stage loading inputs and labels and computing the loss) is bit-identical to
+    stock 1F1B in every precision (fp32 + ZeRO-1 too), and its eval_batch gives stock's loss.
+    hippie-interleaved's in-step stage 1 all-reduces chunk 1 early (start_allreduce(chunk)): it
+    still matches the reference of the rule, replicas identical, in fp32 and bf16 + ZeRO-1."""
+    engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")] + \
+        ["hippie-interleaved", "hippie-interleaved+bf16+zero1"]
+    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
+                        "--engines", ",".join(engines), timeout=420)
     assert rc == 0, log[-4000:]
+    ours, losses, parts, params, replicas = collect(tmp_path, "hippie-interleaved")
+    assert params["deferred_stages"] == [0]
+    ref, _ = reference.run(reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS, deferred=[0],
+                           staleness=StalenessConfig())
+    assert _max_diff(ours, ref) <= 1e-6
+    for name in ("hippie-interleaved", "hippie-interleaved+bf16+zero1"):
+        _, _, _, _, replicas = collect(tmp_path, name)
+        assert _max_diff(replicas[0], replicas[1]) == 0.0, name
     for p in PRECISIONS + ("+zero1",):  # fp32 + ZeRO-1: DeepSpeedZeroOptimizer
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
         ours, losses, parts, _, _ = collect(tmp_path, f"zb-v{p}")

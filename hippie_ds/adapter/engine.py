@@ -357,8 +357,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         """Absolute weight version of an op of ``batch`` (relative to the running call)."""
         return self._versions.absolute(self._op_call + batch, version, clamp)
 
-    def _exec_start_allreduce(self, target):
-        self._gradients.start_allreduce(target)
+    def _exec_start_allreduce(self, target, chunk=None):
+        if target == "chunk":  # virtual stages: one chunk's gradients, its backwards done
+            self._gradients.start_chunk_allreduce(self.module.chunk_parameters(chunk))
+        else:
+            self._gradients.start_allreduce(target)
 
     def _exec_wait_allreduce(self, target):
         self._gradients.wait_allreduce(target)

@@ -79,6 +79,8 @@ class StageGradients:
         self._step, self._step_without_counters = step, step_without_counters
         self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
+        self._chunk_parts: list[tuple] = []  # start_chunk_allreduce's (work, flat, grads), waited with "grads"
+        self._chunk_started: set[int] = set()  # ids of the parameters they cover
         self.buffer: torch.Tensor | None = None
         self.buffer_sm = GradBuffer()  # the buffer's state machine (hippie_ds.schedules.grad_buffer)
         self._early_pending: set[int] | None = None
@@ -149,6 +151,23 @@ class StageGradients:
             if id(weight) in among:
                 dist.all_reduce(self.store.of([weight])[0], group=group)
 
+    def start_chunk_allreduce(self, params: list[torch.Tensor]) -> None:
+        """Roughly: start the data-parallel all-reduce of one model chunk's gradients (virtual
+        stages: its backwards are done) while the other chunks still compute; ``start_allreduce
+        ("grads")`` takes the rest, tied weights included, and ``wait_allreduce("grads")`` waits
+        for both. Elementwise, so the result is the same as one all-reduce of the whole stage."""
+        if not self._reduce:
+            return
+        tied = {id(w) for w, _ in self._ties}
+        synced = {id(p) for p in self.synced}
+        part = [p for p in params if id(p) in synced and id(p) not in tied and id(p) not in self._chunk_started]
+        if not part:
+            return
+        grads = self.store.of(part)
+        flat = _flatten_dense_tensors(grads)
+        self._chunk_parts.append((self._stream.start(flat), flat, grads))
+        self._chunk_started |= {id(p) for p in part}
+
     def start_allreduce(self, target: str) -> None:
         """Roughly: start the data-parallel all-reduce of ``target`` ("grads" or "buffer")."""
         if target == "grads":
@@ -157,7 +176,8 @@ class StageGradients:
             self._sum_ties(self.synced)
             if self._lagged_ties is not None:
                 self._skip_ties = not self._lagged_ties.exchange()
-            grads = self._synced_grads()
+            grads = self._synced_grads() if not self._chunk_started else \
+                self.store.of([p for p in self.synced if id(p) not in self._chunk_started])
             if not grads:  # a wholly deferred stage: everything waits for the buffer
                 self._allreduce["grads"] = (None, None, grads)
                 return
@@ -169,12 +189,13 @@ class StageGradients:
 
     def wait_allreduce(self, target: str) -> None:
         if target == "grads":
-            work, flat, grads = self._allreduce["grads"]
-            if work is not None:
-                self._stream.wait(work)
-                for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    grad.copy_(reduced)
+            for work, flat, grads in self._chunk_parts + [self._allreduce["grads"]]:
+                if work is not None:
+                    self._stream.wait(work)
+                    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                        grad.copy_(reduced)
             self._allreduce["grads"] = None
+            self._chunk_parts, self._chunk_started = [], set()
             if self.clips_itself:
                 self._lagged_ties.clip_apart(self._tie_clip)
             if self._skip_ties:  # after clipping: the fp32 store would materialise a skipped gradient again

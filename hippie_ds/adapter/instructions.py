@@ -36,7 +36,8 @@ class WaitSends(ds.PipeInstruction):
 
 class StartAllReduce(ds.PipeInstruction):
     """Start an asynchronous all-reduce (average) over this stage's data-parallel group, of the
-    parameters' gradients (``target='grads'``) or of the gradient buffer (``target='buffer'``).
+    parameters' gradients (``target='grads'``), of one model chunk's (``target='chunk'``,
+    ``chunk=c``: virtual stages, its backwards done) or of the gradient buffer (``target='buffer'``).
     The handle outlives ``train_batch`` when the schedule waits for it in the next call."""
 
 
@@ -87,6 +88,8 @@ def to_instruction(op: Op) -> ds.PipeInstruction:
         return cls(batch=op.batch, version=op.version)
     if op.kind == OpKind.STAGE_OPTIMIZER_STEP:
         return cls(batch=op.batch)  # continuous schedules: the update takes its batch's learning rate
+    if op.target == "chunk":
+        return cls(target=op.target, chunk=op.chunk)
     return cls(target=op.target) if op.target is not None else cls()
 
 

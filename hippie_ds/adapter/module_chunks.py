@@ -90,6 +90,13 @@ class ChunkedLayers:
                                                           "_local_start": self._local_start}]
         return [(view["_local_start"] + i, f) for view in views for i, f in enumerate(view["forward_funcs"])]
 
+    def chunk_parameters(self, chunk: int) -> list:
+        """The trainable parameters of chunk ``chunk``'s own layers (tied modules, which chunks and
+        stages share, left out)."""
+        tied = {id(p) for m in self.tied_modules.values() for p in m.parameters()}
+        return [p for f in self._chunk_views[chunk]["forward_funcs"] if hasattr(f, "parameters")
+                for p in f.parameters() if p.requires_grad and id(p) not in tied]
+
     def chunk_owner(self, layer_idx: int) -> int:
         """The stage holding global layer ``layer_idx``."""
         for p in range(len(self.parts) - 1):

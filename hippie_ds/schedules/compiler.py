@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from .continuous import compile_continuous
 from .ir import CompiledSchedule, Op, OpKind, SEND_KINDS
 from .layout import Layout
-from .placement import eval_expr as _eval, int_expr as _int, lower_stage, place_compute
+from .placement import after_ops, eval_expr as _eval, int_expr as _int, lower_stage, place_compute
 from .spec import ScheduleError, ScheduleSpec
 
 
@@ -155,10 +155,16 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
             raise ScheduleError(f"schedule {spec.name!r}: virtual stages in a steady_state schedule are not supported")
         return compile_continuous(spec, stages, micro_batches, resolved, env, source)
     for i, rule in enumerate(spec.compute):
-        if rule.version is not None or rule.after:
-            key = "version" if rule.version is not None else "after"
-            raise ScheduleError(f"schedule {spec.name!r} compute[{i}].{key}: only allowed in schedules with "
+        if rule.version is not None:
+            raise ScheduleError(f"schedule {spec.name!r} compute[{i}].version: only allowed in schedules with "
                                 "steady_state (a flush schedule updates once, after every backward)")
+        if any(p.kind != OpKind.START_ALLREDUCE or p.target != "chunk" for p in rule.after):
+            raise ScheduleError(f"schedule {spec.name!r} compute[{i}].after: a flush schedule places only "
+                                "start_allreduce (target chunk) there; its update comes once, after every backward")
+    for p in spec.prologue + spec.epilogue:
+        if p.target == "chunk":
+            raise ScheduleError(f"schedule {spec.name!r}: start_allreduce(chunk) belongs in a compute rule's "
+                                "'after' (it all-reduces that op's chunk)")
 
     sparse = []
     for s in range(stages):
@@ -166,7 +172,10 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
         if not placed:
             raise ScheduleError(f"schedule {spec.name!r}: stage {s} has no compute ops for "
                                 f"{stages} stages x {micro_batches} micro-batches")
-        sparse.append(lower_stage(placed, layout))
+        lowered = lower_stage(placed, layout)
+        for t, (op, rule) in placed.items():  # 'after' ops follow the op and its same-step sends
+            lowered[t].extend(after_ops(spec, op, rule, env, t))
+        sparse.append(lowered)
 
     needed = max(max(steps) + 1 for steps in sparse)
     if spec.steps is not None:

@@ -91,7 +91,8 @@ OP_INFO: dict[OpKind, OpInfo] = {
                                  "ReduceTiedGrads", placeable=True, pipeline_collective=True),
     _K.REDUCE_GRADS: OpInfo("", "comm", "allreduce", "grads = all_reduce(grads) / dp (blocking)", "ReduceGrads",
                             placeable=True),
-    _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads or buffer) / dp, asynchronously",
+    _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
+                               "asynchronously",
                                "StartAllReduce", placeable=True),
     _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce", placeable=True),
     _K.COPY_GRADS_TO_BUFFER: OpInfo("", "update", "buffer", "buffer = grads; grads = 0 (applied next step)",
@@ -130,6 +131,9 @@ BUFFER_KINDS = kinds(micro_batch=True)  # ops that concern one micro-batch
 PIPELINE_COLLECTIVE_KINDS = kinds(pipeline_collective=True)
 PLACEABLE_KINDS = kinds(placeable=True)  # the rest are placed by the compiler
 ALLREDUCE_TARGETS = ("grads", "buffer")
+# start_allreduce(chunk), in a compute rule's 'after': this model chunk's gradients, now (virtual
+# stages: a chunk whose backwards are done); wait_allreduce(grads) waits for it too
+START_TARGETS = ALLREDUCE_TARGETS + ("chunk",)
 UPDATE_KINDS = kinds(new_version=True)  # the version counter counts these
 GRADIENT_CONSUMER_KINDS = kinds(consumes_grads=True)  # apply or buffer the iteration's gradients
 WEIGHT_KINDS = kinds(role="weights")
@@ -178,7 +182,7 @@ class Op:
             parts.append(f"buf={self.buffer}")
         if self.kind in SEND_KINDS and not self.blocking:
             parts.append("nonblocking")
-        if self.target is not None:
+        if self.target is not None and not (self.target == "chunk" and self.chunk):
             parts.append(self.target)
         if self.version is not None:
             parts.append(f"v={self.version:+d}")
@@ -315,4 +319,6 @@ def op_name(op: Op) -> str:
         return op.label
     if op.version is not None:
         return f"{op.kind.value}(v{op.version:+d})"
+    if op.target == "chunk":
+        return f"{op.kind.value}(chunk {op.chunk})"
     return f"{op.kind.value}({op.target})" if op.target else op.kind.value

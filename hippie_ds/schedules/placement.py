@@ -29,6 +29,21 @@ def int_expr(expr, env, where) -> int:
     return value
 
 
+def op_env(spec: ScheduleSpec, env: dict, stage: int, mb: int, chunk: int) -> dict:
+    """What a compute rule's expressions see for one op: the job, the op, the definitions."""
+    local = dict(env, stage=stage, mb=mb, chunk=chunk)
+    for name, expr in spec.define.items():
+        local[name] = eval_expr(expr, local, f"schedule {spec.name!r} define.{name}")
+    return local
+
+
+def after_ops(spec: ScheduleSpec, op: Op, rule: ComputeRule, env: dict, step: int) -> list[Op]:
+    """A flush schedule's ops placed right after ``op`` (its rule's ``after`` whose ``when`` holds)."""
+    local = op_env(spec, env, op.stage, op.micro_batch, op.chunk)
+    return [Op(p.kind, op.stage, step, target=p.target, chunk=op.chunk) for i, p in enumerate(rule.after)
+            if eval_expr(p.when, local, f"schedule {spec.name!r} {rule.op}.after[{i}] when")]
+
+
 def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[Op, ComputeRule]]:
     """Every compute op of ``stage`` by step: one per (chunk, micro-batch) for which a rule holds."""
     placed: dict[int, tuple[Op, ComputeRule]] = {}
@@ -36,9 +51,7 @@ def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[
         where = f"schedule {spec.name!r} compute[{i}] ({rule.op})"
         for chunk in range(env.get("virtual_stages", 1)):
             for mb in range(env["micro_batches"]):
-                local = dict(env, stage=stage, mb=mb, chunk=chunk)
-                for name, expr in spec.define.items():
-                    local[name] = eval_expr(expr, local, f"schedule {spec.name!r} define.{name}")
+                local = op_env(spec, env, stage, mb, chunk)
                 if not eval_expr(rule.when, local, where + " when"):
                     continue
                 step = int_expr(rule.at, local, where + " at")

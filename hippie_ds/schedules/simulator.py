@@ -194,7 +194,14 @@ class _Sim:
         nothing starts."""
         if target == "buffer" and not st.buffer.start()[0]:
             return 0.0  # first call: nothing buffered yet
-        share = self.share[s, target]
+        if target == "chunk":  # one chunk of the stage's gradient, now; the rest later with 'grads'
+            share = self.share[s, "grads"] / self.v
+            st.chunk_share += share
+            target = "grads"
+        elif target == "grads":
+            share, st.chunk_share = self.share[s, "grads"] - st.chunk_share, 0.0
+        else:
+            share = self.share[s, target]
         work, latency = self.costs.allreduce_work(s) * share, self.costs.allreduce_latency_total()
         if share <= 0 or (work <= 0 and latency <= 0):
             return 0.0  # data_parallel == 1: no data-parallel peers
@@ -338,6 +345,7 @@ class _StageState:
         self.collective_count: dict[OpKind, int] = {}
         self.stashed: set[int] = set()  # weight versions kept besides the current one
         self.started_early = False  # the 'grads' all-reduce was started inside the last backward
+        self.chunk_share = 0.0  # the share of the 'grads' all-reduce already started by start_allreduce(chunk)
 
 
 def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,

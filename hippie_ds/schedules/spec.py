@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .expr import Expression, ExpressionError
-from .ir import ALLREDUCE_TARGETS, PLACEABLE_KINDS, OpKind
+from .ir import ALLREDUCE_TARGETS, PLACEABLE_KINDS, START_TARGETS, OpKind
 
 
 class ScheduleError(ValueError):
@@ -48,7 +48,7 @@ class PlacedOp(_Strict):
     """A non-compute op placed at the start (prologue) or end (epilogue) of a stage's stream."""
 
     op: str
-    target: Literal["grads", "buffer"] | None = None
+    target: Literal["grads", "buffer", "chunk"] | None = None
     when: Expression = Expression("True")
     # stage_end: right after the stage's own last compute and its sends; end: the schedule's
     # last step (DeepSpeed's TrainSchedule puts its reduce/step there).
@@ -71,8 +71,9 @@ class PlacedOp(_Strict):
     def model_post_init(self, __context) -> None:
         kind = OpKind(self.op)
         needs_target = kind in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE)
-        if needs_target and self.target not in ALLREDUCE_TARGETS:
-            raise ValueError(f"op {self.op} needs target: one of {', '.join(ALLREDUCE_TARGETS)}")
+        targets = START_TARGETS if kind == OpKind.START_ALLREDUCE else ALLREDUCE_TARGETS
+        if needs_target and self.target not in targets:
+            raise ValueError(f"op {self.op} needs target: one of {', '.join(targets)}")
         if not needs_target and self.target is not None:
             raise ValueError(f"op {self.op} takes no target (got {self.target!r})")
 
@@ -93,8 +94,9 @@ class ComputeRule(_Strict):
     # versions below 0 of the first batches are the initial weights. Forward and backward of a
     # micro-batch must use the same version; the compiler adds stash_weights / free_weights.
     version: Expression | None = None
-    # Placed ops run right after this op, for every micro-batch (e.g. PipeDream's update after
-    # each backward). They belong to the op's batch.
+    # Placed ops run right after this op, for every micro-batch whose ``when`` holds (it sees mb,
+    # chunk and the definitions; e.g. PipeDream's update after each backward, a chunk's early
+    # all-reduce after its last backward). They belong to the op's batch.
     after: list["PlacedOp"] = []
 
     @field_validator("at", "when", mode="before")

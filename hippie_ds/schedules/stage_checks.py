@@ -36,6 +36,7 @@ class _StageChecker:
         # Parameter gradients: "empty" | "accumulating" | "reduced", plus an async all-reduce flag.
         self.grads = "empty"
         self.grads_reducing = False
+        self.chunks_reducing: set[int] = set()  # start_allreduce(chunk): chunks whose all-reduce is in flight
         self.buffer = GradBuffer()
 
     def run(self, iterations: int) -> list[Problem]:
@@ -127,7 +128,7 @@ class _StageChecker:
             elif mb in self.bwd:
                 self._add(op, f"backward_weight of {_name(*mb)} twice")
             self._check_weights_unchanged(op, "backward_weight")
-        if self.grads_reducing:
+        if self.grads_reducing or op.chunk in self.chunks_reducing:
             self._add(op, f"{'backward' if op.kind == OpKind.BACKWARD else op.kind.value} while the gradients' "
                           "all-reduce is in flight")
         self.bwd.add(mb)
@@ -159,12 +160,23 @@ class _StageChecker:
                 self._add(op, f"second update in one iteration (already {self.update.kind.value} at step "
                               f"{self.update.step}); a stage applies or buffers its gradients exactly once")
             self.update = self.update or op
+        if kind in (OpKind.REDUCE_GRADS, OpKind.COPY_GRADS_TO_BUFFER) and self.chunks_reducing:
+            self._add(op, f"{kind.value} while chunk {min(self.chunks_reducing)}'s all-reduce is in flight "
+                          "(start_allreduce(chunk) is for stages that update in-step: wait_allreduce(grads) first)")
         if kind == OpKind.REDUCE_GRADS:
             self._all_backwards_done(op)
             if self.grads_reducing:
                 self._add(op, "reduce_grads while an async all-reduce of the gradients is in flight")
             if self.grads != "empty":
                 self.grads = "reduced"
+        elif kind == OpKind.START_ALLREDUCE and op.target == "chunk":
+            missing = [m for m in self.items if m[0] == op.chunk and m not in self.bwd]
+            if missing:
+                self._add(op, f"start_allreduce(chunk {op.chunk}) before all of its backwards "
+                              f"({', '.join(_name(*m) for m in missing)} not yet backwarded)")
+            if op.chunk in self.chunks_reducing or self.grads_reducing:
+                self._add(op, f"start_allreduce(chunk {op.chunk}) while its all-reduce is already in flight")
+            self.chunks_reducing.add(op.chunk)
         elif kind == OpKind.START_ALLREDUCE and op.target == "grads":
             self._all_backwards_done(op)
             if self.grads_reducing:
@@ -172,13 +184,16 @@ class _StageChecker:
             self.grads_reducing = True
         elif kind == OpKind.WAIT_ALLREDUCE and op.target == "grads":
             if not self.grads_reducing:
-                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight"
+                              + (" (start_allreduce(grads) takes the rest after the chunks')" if self.chunks_reducing
+                                 else ""))
             elif self.grads == "accumulating":
                 self.grads = "reduced"
             self.grads_reducing = False
+            self.chunks_reducing = set()
         elif kind in (OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP):
             self._all_backwards_done(op)
-            if self.grads_reducing:
+            if self.grads_reducing or self.chunks_reducing:
                 self._add(op, f"{kind.value} before the gradients it applies are reduced "
                               "(their all-reduce is still in flight: wait_allreduce(grads) comes later)")
             elif self.grads != "reduced":
@@ -209,7 +224,7 @@ class _StageChecker:
         elif self.grads != "empty":
             self.problems.append(Problem(s, None, None, f"gradients {self.grads} after this iteration's "
                                                         f"{self.update.kind.value}: never applied or buffered"))
-        if self.grads_reducing:
+        if self.grads_reducing or self.chunks_reducing:
             self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end of "
                                                         "the iteration (no wait_allreduce(grads))"))
         if self.buffer.state == REDUCED:

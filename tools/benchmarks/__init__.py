@@ -1,4 +1,4 @@
-"""The benchmarks' library: what tools/bench.py, tools/bench_hidden_comm.py, tools/bench_zero_bubble.py
+"""The benchmarks' library: what tools/bench.py, tools/bench_hidden_comm.py, tools/bench_schedules.py
 and their rank worker tools/bench_worker.py share (imported as ``from benchmarks.analysis import ...``;
 tools/ is the import root).
 
