@@ -277,3 +277,11 @@ def test_megatron_shapes_under_virtual_stages(tmp_path):
         ours, losses, _, _, replicas = collect(tmp_path, f"hippie-interleaved{p}")
         assert _max_diff(replicas[0], replicas[1]) == 0.0
         assert all(l == l and abs(l) < 100 for rank in losses.values() for l in rank)
+
+
+def test_cli_takes_virtual_stages(capsys):
+    from hippie_ds.cli import main
+    assert main(["schedule", "simulate", "interleaved-1f1b", "-K", "4", "-M", "8", "--virtual-stages", "4"]) == 0
+    assert "bubble 8.6%" in capsys.readouterr().out  # (K-1)/(vM+K-1) = 3/35
+    assert main(["schedule", "validate", "1f1b", "-K", "4", "-M", "8", "-v", "2"]) == 1
+    assert "schedule '1f1b' runs one model chunk per stage" in capsys.readouterr().out

@@ -131,6 +131,7 @@ def analyse(a) -> dict:
         per = [got[label]["per_round"][k] / got[base]["per_round"][k] for k in got[base]["per_round"]]
         ratios[label] = {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per}
     return {"stages": K, "micro_batches": M, "layers": a.layers, "d_model": a.d_model, "base": base,
+            "cores": len(os.sched_getaffinity(0)),
             "results": got, "ratio_to_base": ratios}
 
 
@@ -138,8 +139,10 @@ def report(res: dict) -> str:
     g, base = res["results"], res["base"]
     others = [x for x in g if x != base]
     rounds = len(g[base]["per_round"])
+    per_core = "one rank per core" if res["stages"] <= res["cores"] else \
+        f"{res['stages']} ranks on {res['cores']} cores (time-shared: a bubble is not all idle time)"
     lines = [f"# {', '.join(others)} against {base}: {res['stages']} stages x {res['micro_batches']} micro-batches, "
-             "one rank per core", "", f"GPT example, {res['layers']} blocks, d_model {res['d_model']}; "
+             f"{per_core}", "", f"GPT example, {res['layers']} blocks, d_model {res['d_model']}; "
              f"`python tools/bench_schedules.py --schedules {','.join(g)} --stages {res['stages']} "
              f"--micro-batches {res['micro_batches']}` (rounds: {rounds}).", "",
              "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",

@@ -163,6 +163,9 @@ def _add_shape(p: argparse.ArgumentParser) -> None:
                    help="number of pipeline stages")
     p.add_argument("--micro-batches", "-M", type=_positive_int, required=True, metavar="M",
                    help="micro-batches per training step")
+    p.add_argument("--virtual-stages", "-v", type=_positive_int, default=None, metavar="V",
+                   help="model chunks per stage (pipeline.virtual_stages) for schedules with virtual stages; "
+                        "default: the schedule's")
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
@@ -270,7 +273,8 @@ def _compile(name_or_path: str, args, validate: bool, params: dict | None = None
     from ..schedules import compile as compile_schedule
     if params is None:
         params = _parse_params(args.param, _load(name_or_path))
-    return compile_schedule(name_or_path, args.stages, args.micro_batches, validate=validate, **params)
+    return compile_schedule(name_or_path, args.stages, args.micro_batches, validate=validate,
+                            virtual_stages=getattr(args, "virtual_stages", None), **params)
 
 
 def _fmt_time(seconds: float) -> str:

@@ -217,7 +217,8 @@ def _cmd_validate(args) -> int:
     params = _parse_params(args.param, spec)
     resolve_params(spec, args.stages, args.micro_batches, params)  # unknown / bad parameter: usage error
     try:
-        compiled = compile_schedule(spec, args.stages, args.micro_batches, params, source=str(args.schedule))
+        compiled = compile_schedule(spec, args.stages, args.micro_batches, params, source=str(args.schedule),
+                                    virtual_stages=args.virtual_stages)
     except ScheduleError as exc:
         print(f"INVALID: {exc}")
         return 1
