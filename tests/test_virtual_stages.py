@@ -149,6 +149,27 @@ def test_chunk_allreduce_rules(tmp_path):
     assert step["hippie-interleaved"] < 0.95 * step[str(late)], step
 
 
+def test_one_received_gradient_per_chunk():
+    """The engine keeps DeepSpeed's received-gradient slot per chunk: every virtual built-in fits
+    it, and a second gradient of the same chunk received early is refused."""
+    from dataclasses import replace
+    from hippie_ds.adapter.engine import check_single_grad_slot
+    for name in ("interleaved-1f1b", "hippie-interleaved", "zb-v"):
+        for K in (2, 4):
+            c = schedules.compile(name, K, 2 * K, validate=False)
+            for s in range(K):
+                check_single_grad_slot(c, s)
+    c = schedules.compile("interleaved-1f1b", 2, 4, validate=False)
+    steps = c.streams[0]
+    t, i = next((t, i) for t, step in enumerate(steps) for i, op in enumerate(step)
+                if op.kind == OpKind.RECV_GRAD and op.chunk == 1 and op.micro_batch == 1)
+    early = steps[t].pop(i)
+    first = next(t for t, step in enumerate(steps) if any(op.kind == OpKind.RECV_GRAD and op.chunk == 1 for op in step))
+    steps[first].insert(0, replace(early, step=first))  # chunk 1's mb 1 received before its mb 0
+    with pytest.raises(ValueError, match="receives the gradient of micro-batch 0 before the backward of micro-batch 1"):
+        check_single_grad_slot(c, 0)
+
+
 def test_inference_stream_runs_every_chunk_once():
     layout = Layout("interleaved", 2, 2)
     for s in range(2):
@@ -178,7 +199,7 @@ def test_interleaved_engines_exact(tmp_path):
     module is one parameter on stage 0: test_zb_v_exact checks it bit for bit untied); hippie-interleaved matches the
     reference of its rule in fp32 and keeps its replicas and tied copies identical in bf16 + ZeRO-1."""
     engines = [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b", "zb-v")] + \
-        ["hippie-interleaved", "hippie-interleaved+bf16+zero1"]
+        [f"hippie-interleaved{p}" for p in PRECISIONS] + ["interleaved-1f1b+recompute", "zb-v+recompute"]
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
                         "--eval", "--engines", ",".join(engines), timeout=420)
     assert rc == 0, log[-4000:]
@@ -201,7 +222,10 @@ def test_interleaved_engines_exact(tmp_path):
                                     deferred=[0, 1], delayed_layers={1: 0}, staleness=StalenessConfig(), tied=True)
     assert _max_diff(ours, ref) <= 1e-6
     assert _max_diff(ours, collect(tmp_path, "stock")[0]) > 1e-4  # the delayed rule is in effect
-    for name in ("hippie-interleaved", "hippie-interleaved+bf16+zero1"):
+    for name in ("interleaved-1f1b+recompute", "zb-v+recompute"):  # per-layer re-computation, each chunk
+        ours, losses, _, _, _ = collect(tmp_path, name)
+        assert _max_diff(ours, collect(tmp_path, name.split("+")[0])[0]) == 0.0, name
+    for name in (f"hippie-interleaved{p}" for p in PRECISIONS):
         files = [torch.load(f) for f in sorted((tmp_path / name).glob("rank*.pt"))]
         copies = [f["tied"]["tied"]["weight"] for f in files]
         assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: tied copies differ"
@@ -242,12 +266,14 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
 @pytest.mark.distributed
 def test_checkpoints_cross_layouts(tmp_path):
     """interleaved-1f1b saves after 2 steps; 1f1b resumes from its per-layer files (and the other
-    way round) and the third step lands bit-identical to stock's uninterrupted run."""
+    way round) and the third step lands bit-identical to stock's uninterrupted run; likewise with
+    zb-v's V layout, to rounding (its tied embedding and head are one parameter: see above)."""
     common = ("--stages", 2, "--micro-batches", MICRO_BATCHES, "--tied")
     rc, log, _ = launch(2, tmp_path / "full", *common, "--steps", STEPS, "--engines", "stock", timeout=300)
     assert rc == 0, log[-4000:]
     stock, stock_losses, _, _, _ = collect(tmp_path / "full", "stock")
-    for first, second in (("interleaved-1f1b", "1f1b"), ("1f1b", "interleaved-1f1b")):
+    for first, second in (("interleaved-1f1b", "1f1b"), ("1f1b", "interleaved-1f1b"), ("zb-v", "1f1b"),
+                          ("1f1b", "zb-v")):
         out = tmp_path / f"{first}-to-{second}"
         rc, log, _ = launch(2, out, *common, "--steps", STEPS, "--checkpoint-at", 2, "--engines", first, timeout=300)
         assert rc == 0, log[-4000:]
@@ -255,8 +281,12 @@ def test_checkpoints_cross_layouts(tmp_path):
                             "--resume-weights-only", "--engines", second, timeout=300)
         assert rc == 0, log[-4000:]
         ours, losses, _, _, _ = collect(out, second)
-        assert _max_diff(stock, ours) == 0.0, f"{first} -> {second}"
-        assert losses["rank1"] == stock_losses["rank1"][2:]
+        if "zb-v" in (first, second):
+            assert _max_diff(stock, ours) <= 1e-6, f"{first} -> {second}"
+            assert losses["rank1"] == pytest.approx(stock_losses["rank1"][2:], abs=1e-6)
+        else:
+            assert _max_diff(stock, ours) == 0.0, f"{first} -> {second}"
+            assert losses["rank1"] == stock_losses["rank1"][2:]
 
 
 @pytest.mark.distributed

@@ -65,18 +65,19 @@ __all__ = ["HippiePipelineEngine", "check_single_grad_slot"]
 
 
 def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
-    """DeepSpeed receives gradients into one reused tensor (``grad_layer``): a stage must run a
-    micro-batch's backward before it receives the next gradient."""
-    holding = None
+    """DeepSpeed receives gradients into one reused tensor (``grad_layer``; one per model chunk
+    with virtual stages, engine_chunks): a stage must run a chunk's micro-batch's backward before
+    it receives that chunk's next gradient."""
+    holding: dict[int, int] = {}  # chunk -> the micro-batch whose received gradient it holds
     for op in compiled.ops(stage):
         if op.kind == OpKind.RECV_GRAD:
-            if holding is not None:
+            if op.chunk in holding:
                 raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
-                                 f"micro-batch {op.micro_batch} before the backward of micro-batch {holding[1]}; "
-                                 "hippie-ds receives a gradient in the step of its backward")
-            holding = (op.chunk, op.micro_batch)
-        elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and (op.chunk, op.micro_batch) == holding:
-            holding = None
+                                 f"micro-batch {op.micro_batch} before the backward of micro-batch "
+                                 f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward")
+            holding[op.chunk] = op.micro_batch
+        elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and holding.get(op.chunk) == op.micro_batch:
+            del holding[op.chunk]
 
 
 def _warn_in_flight_at_exit(ref) -> None:

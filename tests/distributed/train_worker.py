@@ -18,7 +18,8 @@ def split_name(name):
     """Engine name -> (schedule, options): "pipedream+vs" runs pipedream with vertical_sync,
     "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine,
     "zb-h1+bf16" in bf16 and "zb-h1+bf16+zero1" in bf16 + ZeRO-1 whatever --bf16 / --zero say
-    (several precisions in one launch)."""
+    (several precisions in one launch), "interleaved-1f1b+recompute" re-computing every layer
+    (hippie_ds.PipelineModule's checkpointed_layers)."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -137,6 +138,8 @@ def main():
         cfg = config(args, schedule, dp, opts)
         # hippie_ds.PipelineModule builds the model chunks the config's schedule runs (virtual stages)
         kind, extra = (PipelineModule, {}) if schedule == "stock" else (hippie_ds.PipelineModule, {"config": cfg})
+        if "recompute" in opts:  # re-compute every layer in backward (per-layer re-computation, the planner's)
+            extra["checkpointed_layers"] = list(range(len(specs)))
         module = kind(layers=specs, num_stages=args.stages, loss_fn=tiny.loss_fn,
                       topology=hippie_ds.make_topology(args.stages, world),
                       partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, **extra)
