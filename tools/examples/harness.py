@@ -85,8 +85,9 @@ def replica_micro_batches(global_batches: Iterable[tuple], micro_batch: int, mic
 
 # -------------------------------------------------------------------------------------------- model
 def pipeline_module(layers, loss_fn, num_stages: int, topology, plan: str | None = None,
-                    partition_method: str = "uniform", **kwargs):
-    """``hippie_ds.PipelineModule`` (planner plans) where this hippie-ds has it, else DeepSpeed's.
+                    partition_method: str = "uniform", config: dict | None = None, **kwargs):
+    """``hippie_ds.PipelineModule`` (planner plans; with ``config``, the model chunks its schedule
+    runs) where this hippie-ds has it, else DeepSpeed's.
     ``seed_layers=True, base_seed=1234``: the initial weights do not depend on the partition."""
     kwargs = dict(topology=topology, seed_layers=True, base_seed=1234, **kwargs)
     # (DeepSpeed 0.19: partition_method="parameters" with seed_layers=True hands random.seed a
@@ -94,7 +95,7 @@ def pipeline_module(layers, loss_fn, num_stages: int, topology, plan: str | None
     cls = getattr(hippie_ds, "PipelineModule", None)
     if cls is not None:
         return cls(layers=layers, loss_fn=loss_fn, num_stages=num_stages, partition_method=partition_method,
-                   plan=plan, **kwargs)
+                   plan=plan, **({"config": config} if config is not None else {}), **kwargs)
     if plan is not None:
         raise SystemExit(f"--plan {plan}: this hippie-ds has no hippie_ds.PipelineModule(plan=...)")
     return DeepSpeedPipelineModule(layers=layers, loss_fn=loss_fn, num_stages=num_stages,
@@ -152,7 +153,8 @@ class Trainer:
                 args.stages = plan_depth(args.plan) if args.plan is not None else 2
             placement = config["hippie"].get("placement", "pipeline_in_node")
             model = pipeline_module(layers_fn(), loss_fn, args.stages,
-                                    hippie_ds.make_topology(args.stages, self.world, placement), plan=args.plan)
+                                    hippie_ds.make_topology(args.stages, self.world, placement), plan=args.plan,
+                                    config=config)
             self.engine, *_ = hippie_ds.initialize(args=args, model=model, config=config,
                                                    model_parameters=[p for p in model.parameters() if p.requires_grad])
             self.replica, self.replicas = self.engine.grid.data_parallel_id, self.engine.grid.data_parallel_size
