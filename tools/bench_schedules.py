@@ -48,7 +48,8 @@ def run_worker(a) -> None:
            str(a.port), str(REPO / "tools" / "bench_worker.py"), "--out", a.out, "--schedules", a.schedules,
            "--stages", str(a.stages), "--micro-batches", str(a.micro_batches), "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--rounds", str(a.rounds), "--layers", str(a.layers), "--d-model",
-           str(a.d_model), "--memory", "--core-per-rank"]
+           str(a.d_model), "--memory", "--core-per-rank", "--model", a.model, "--micro-batch-size",
+           str(a.micro_batch_size), "--emulate-scale", str(a.emulate_scale), "--emulate-speedup", str(a.emulate_speedup)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
@@ -131,7 +132,8 @@ def analyse(a) -> dict:
         per = [got[label]["per_round"][k] / got[base]["per_round"][k] for k in got[base]["per_round"]]
         ratios[label] = {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per}
     return {"stages": K, "micro_batches": M, "layers": a.layers, "d_model": a.d_model, "base": base,
-            "cores": len(os.sched_getaffinity(0)),
+            "cores": len(os.sched_getaffinity(0)), "model": a.model, "micro_batch_size": a.micro_batch_size,
+            "emulate_scale": a.emulate_scale, "emulate_speedup": a.emulate_speedup,
             "results": got, "ratio_to_base": ratios}
 
 
@@ -139,12 +141,20 @@ def report(res: dict) -> str:
     g, base = res["results"], res["base"]
     others = [x for x in g if x != base]
     rounds = len(g[base]["per_round"])
+    model = res.get("model", "gpt")
+    emulated = model.startswith("emulated:")
     per_core = "one rank per core" if res["stages"] <= res["cores"] else \
-        f"{res['stages']} ranks on {res['cores']} cores (time-shared: a bubble is not all idle time)"
+        f"{res['stages']} ranks on {res['cores']} cores" + (" (compute is a CPU-free wait)" if emulated else
+                                                            " (time-shared: a bubble is not all idle time)")
+    what = (f"{model} (PipeDream's V100 profile, compute emulated; micro-batch {res['micro_batch_size']}, "
+            f"scale {res['emulate_scale']:g}, speedup {res['emulate_speedup']:g})" if emulated else
+            f"GPT example, {res['layers']} blocks, d_model {res['d_model']}")
+    extra = (f" --model {model} --micro-batch-size {res['micro_batch_size']} --emulate-scale {res['emulate_scale']:g} "
+             f"--emulate-speedup {res['emulate_speedup']:g}" if emulated else "")
     lines = [f"# {', '.join(others)} against {base}: {res['stages']} stages x {res['micro_batches']} micro-batches, "
-             f"{per_core}", "", f"GPT example, {res['layers']} blocks, d_model {res['d_model']}; "
+             f"{per_core}", "", f"{what}; "
              f"`python tools/bench_schedules.py --schedules {','.join(g)} --stages {res['stages']} "
-             f"--micro-batches {res['micro_batches']}` (rounds: {rounds}).", "",
+             f"--micro-batches {res['micro_batches']}{extra}` (rounds: {rounds}).", "",
              "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",
              "|---|---|---|---|---|---|---|---|"]
     for label, x in g.items():
@@ -173,6 +183,11 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks = cores used")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--model", default="gpt", help="gpt, or emulated:NAME (vgg16, gnmt8, gnmt16): a profiled model "
+                   "whose compute is a CPU-free wait (benchmarks/emulated.py), so ranks may share cores")
+    p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations x this")
+    p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")
     p.add_argument("--d-model", type=int, default=320)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps per schedule and round")

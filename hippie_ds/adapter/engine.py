@@ -345,8 +345,19 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         for tensor in (inputs, ) if torch.is_tensor(inputs) else inputs:
             if tensor.is_floating_point():
                 assert tensor.grad is not None
-                self._isend(tensor.grad, self.prev_stage)
+                self._isend(self._not_receive_buffer(tensor.grad), self.prev_stage)
         self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _not_receive_buffer(self, grad):
+        """``grad``, copied when it shares memory with DeepSpeed's reused received-gradient buffer:
+        autograd passes a gradient on without a copy through views and identities, so a stage whose
+        input reaches its output through such ops alone has the received gradient as its input's;
+        sent without blocking (or handed to another chunk), the next receive would overwrite it."""
+        reused = {b.untyped_storage().data_ptr() for b in self._grad_layer_buf if torch.is_tensor(b)}
+        layer = self.grad_layer
+        reused |= {t.untyped_storage().data_ptr() for t in ((layer,) if torch.is_tensor(layer) else layer or ())
+                   if torch.is_tensor(t)}
+        return grad.clone() if grad.numel() and grad.untyped_storage().data_ptr() in reused else grad
 
     def _exec_wait_sends(self):
         for work, _ in self._pending_sends:

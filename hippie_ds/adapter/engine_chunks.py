@@ -165,7 +165,8 @@ class ChunkSelection:
 
     def _local_input_grads(self, buffer_id):
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        grads = inputs.grad if torch.is_tensor(inputs) else [t.grad for t in inputs if t.is_floating_point()]
+        grads = self._not_receive_buffer(inputs.grad) if torch.is_tensor(inputs) else \
+            [self._not_receive_buffer(t.grad) for t in inputs if t.is_floating_point()]
         self._local["gradient"].append(grads)
         self.pipe_buffers["inputs"][buffer_id] = None
 

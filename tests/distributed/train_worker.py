@@ -4,12 +4,16 @@ import argparse
 import json
 import os
 import signal
+import sys
+from pathlib import Path
 
 import torch
 import deepspeed
 from deepspeed.runtime.pipe.module import PipelineModule
 
 import model as tiny
+
+emulated = None  # tools/benchmarks/emulated.py, imported with --emulated
 
 import hippie_ds
 
@@ -32,7 +36,7 @@ def config(args, schedule, dp, opts=()):
         "steps_per_print": 10_000,
         "pipeline": {},
     }
-    if args.clip:
+    if args.clip or args.emulated:  # DeepSpeed clips at norm 1.0 by default; the emulated models' norm is above it
         cfg["gradient_clipping"] = args.clip
     if args.comm_dtype:
         cfg["communication_data_type"] = args.comm_dtype
@@ -99,6 +103,8 @@ def parse_args():
     p.add_argument("--comm-dtype", default=None, help="DeepSpeed's communication_data_type (every engine)")
     p.add_argument("--bf16-immediate", action="store_true", help='bf16 with "immediate_grad_update": true')
     p.add_argument("--tied", action="store_true", help="the model with its first layer tied to a head (last stage)")
+    p.add_argument("--emulated", default=None, help="a profiled model whose compute is a wait (tools/benchmarks/"
+                   "emulated.py: vgg16, gnmt8, gnmt16), its waits 1000x shorter")
     p.add_argument("--megatron", action="store_true", help="the Megatron-shaped model (model.megatron_layer_specs): "
                    "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last stage")
     p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")
@@ -127,20 +133,25 @@ def parse_args():
 
 def main():
     args = parse_args()
+    if args.emulated:
+        global emulated
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+        from benchmarks import emulated
     deepspeed.init_distributed(dist_backend="gloo")
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     dp = world // args.stages
     def build(name):
         schedule, opts = split_name(name)
-        specs = (tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied else
+        specs = (emulated.emulated_specs(args.emulated, tiny.MICRO_BATCH_SIZE, speedup=1000.0) if args.emulated else
+                 tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied else
                  tiny.layer_specs())
         cfg = config(args, schedule, dp, opts)
         # hippie_ds.PipelineModule builds the model chunks the config's schedule runs (virtual stages)
         kind, extra = (PipelineModule, {}) if schedule == "stock" else (hippie_ds.PipelineModule, {"config": cfg})
         if "recompute" in opts:  # re-compute every layer in backward (per-layer re-computation, the planner's)
             extra["checkpointed_layers"] = list(range(len(specs)))
-        module = kind(layers=specs, num_stages=args.stages, loss_fn=tiny.loss_fn,
+        module = kind(layers=specs, num_stages=args.stages, loss_fn=emulated.loss_fn if args.emulated else tiny.loss_fn,
                       topology=hippie_ds.make_topology(args.stages, world),
                       partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, **extra)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
@@ -149,7 +160,13 @@ def main():
         return engine
 
     def data(replica, start, opts):
-        it = (tiny.megatron_data_iter if args.megatron else tiny.data_iter)(replica, args.micro_batches, start_step=start)
+        if args.emulated:
+            it = emulated.data_iter(args.emulated, tiny.MICRO_BATCH_SIZE, args.micro_batches, replica)
+            for _ in range(start * args.micro_batches):
+                next(it)
+        else:
+            it = (tiny.megatron_data_iter if args.megatron else tiny.data_iter)(replica, args.micro_batches,
+                                                                                start_step=start)
         return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 or "bf16" in opts else it
 
     for name in args.engines.split(","):

@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 import hippie_ds
 from labels import split_layers
 
-from .model import BASE_SEED, DPModel, layer_specs, loss_fn
+from .model import BASE_SEED, DPModel, layer_specs, loss_of
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -230,7 +230,7 @@ def build_pipeline_module(a, label, world):
     else DeepSpeed's; a plan file for this label needs the former."""
     plan = parse_plans(a.plan).get(label)
     cls = getattr(hippie_ds, "PipelineModule", None)
-    kwargs = dict(layers=layer_specs(a), num_stages=a.stages, loss_fn=loss_fn,
+    kwargs = dict(layers=layer_specs(a), num_stages=a.stages, loss_fn=loss_of(a),
                   topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
                   partition_method=a.partition_method, seed_layers=True, base_seed=BASE_SEED)
     chunks = virtual_stages_of(schedule_config(a, label)[0], a.stages)

@@ -53,7 +53,24 @@ def loss_fn(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def emulated(a) -> str | None:
+    """The profiled model of ``--model emulated:NAME`` (benchmarks/emulated.py), else None (the GPT)."""
+    model = getattr(a, "model", "gpt") or "gpt"
+    return model.split(":", 1)[1] if model.startswith("emulated:") else None
+
+
+def loss_of(a):
+    """The loss function of the bench's model."""
+    if emulated(a):
+        from .emulated import loss_fn as emulated_loss
+        return emulated_loss
+    return loss_fn
+
+
 def layer_specs(a):
+    if emulated(a):
+        from .emulated import emulated_specs
+        return emulated_specs(emulated(a), a.micro_batch_size, a.emulate_scale, a.emulate_speedup)
     return ([LayerSpec(Embedding, a.vocab, a.seq, a.d_model)]
             + [LayerSpec(Block, a.d_model, a.heads) for _ in range(a.layers)]
             + [LayerSpec(Head, a.d_model, a.vocab)])
@@ -61,7 +78,12 @@ def layer_specs(a):
 
 def data_iter(a, replica):
     """Learnable synthetic sequences (arithmetic progressions mod vocab), identical for every
-    schedule: micro-batch m of step s of replica r is seeded by (s, r, m)."""
+    schedule: micro-batch m of step s of replica r is seeded by (s, r, m). The emulated models:
+    random inputs of their input size (benchmarks/emulated.py)."""
+    if emulated(a):
+        from .emulated import data_iter as emulated_data
+        yield from emulated_data(emulated(a), a.micro_batch_size, a.micro_batches, replica, a.emulate_scale)
+        return
     step = 0
     while True:
         for m in range(a.micro_batches):
@@ -85,5 +107,7 @@ class DPModel(nn.Module):
             layers.append(spec.build())
         self.layers = nn.Sequential(*layers)
 
+        self.loss = loss_of(a)
+
     def forward(self, ids, labels):
-        return loss_fn(self.layers(ids), labels)
+        return self.loss(self.layers(ids), labels)

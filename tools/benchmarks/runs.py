@@ -107,7 +107,8 @@ def worker_args(a, job: dict, out: Path, costs: Path | None) -> list[str]:
             "--global-batch", str(global_batch), "--seq", str(a.seq), "--d-model", str(a.d_model),
             "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),
             "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", "1", "--timeout-s", str(a.timeout),
-            "--memory", "--schedule-configs", str(REPO / "configs"), "--partition-method", a.partition_method]
+            "--memory", "--schedule-configs", str(REPO / "configs"), "--partition-method", a.partition_method,
+            "--model", a.model, "--emulate-scale", str(a.emulate_scale), "--emulate-speedup", str(a.emulate_speedup)]
     if costs is not None:
         args += ["--costs", str(costs)]
     if a.comm_dtype:
