@@ -3,6 +3,7 @@ import pickle
 from dataclasses import replace
 
 import pytest
+import torch
 
 from hippie_ds import schedules
 from hippie_ds.schedules.ir import OpKind
@@ -54,3 +55,18 @@ def test_in_flight_state_pickled_under_the_old_module_path_still_loads():
     with ckpt.loading():
         state = pickle.loads(old)
     assert isinstance(state, ckpt.InFlightState) and state.payload == {"step": 3}
+
+
+def test_a_gradient_aliasing_the_receive_buffer_is_copied_before_it_leaves():
+    """An input gradient that is DeepSpeed's reused received-gradient buffer (a stage whose input
+    reaches its output through views and identities) is copied before a non-blocking send or a
+    local hand-over; any other is sent as it is."""
+    from types import SimpleNamespace
+    from hippie_ds.adapter.engine import HippiePipelineEngine
+    buf = torch.arange(12.0)
+    received = buf[:6].view(2, 3)  # what _allocate_or_extend_buffers hands out
+    engine = SimpleNamespace(_grad_layer_buf=[buf], grad_layer=received)
+    out = HippiePipelineEngine._not_receive_buffer(engine, received)
+    assert torch.equal(out, received) and out.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    fresh = torch.ones(2, 3)
+    assert HippiePipelineEngine._not_receive_buffer(engine, fresh) is fresh
