@@ -157,7 +157,11 @@ def _allreduce_cpu_per_mb(p: argparse.ArgumentParser, value: str, rate: str | No
 def parameter_count(a) -> int:
     """Parameters of the worker's GPT-like model (tools/benchmarks/model.py) at the shape of ``a``:
     embeddings, ``layers`` pre-LN blocks (attention + 4x MLP, 12 d^2 + 13 d each), the final
-    LayerNorm and the untied head."""
+    LayerNorm and the untied head; an emulated model's: its profile's, scaled."""
+    model = getattr(a, "model", "gpt") or "gpt"
+    if model.startswith("emulated:"):
+        from .emulated import read_profile
+        return sum(int(round(layer.param_bytes / 4 * a.emulate_scale)) for layer in read_profile(model[9:]).layers)
     block = 12 * a.d_model ** 2 + 13 * a.d_model
     return (a.vocab + a.seq) * a.d_model + a.layers * block + 2 * a.d_model + a.d_model * a.vocab
 
@@ -168,7 +172,9 @@ def config_record(a) -> dict:
     return {"stages": a.stages, "micro_batches": a.micro_batches, "micro_batch_size": a.micro_batch_size,
             "global_batch": a.micro_batch_size * a.micro_batches * 2, "seq": a.seq, "d_model": a.d_model,
             "layers": a.layers, "vocab": a.vocab, "heads": a.heads, "warmup": a.warmup, "steps": a.steps,
-            "params_total": f"{total / 1e6:.1f}M", "link": "unshaped veth" if a.no_shape else
+            "params_total": f"{total / 1e6:.1f}M" if total >= 1e6 else f"{total / 1e3:.0f}K",
+            "model": getattr(a, "model", "gpt"), "emulate_scale": getattr(a, "emulate_scale", None),
+            "emulate_speedup": getattr(a, "emulate_speedup", None), "link": "unshaped veth" if a.no_shape else
             f"tbf {a.rate}" + ("" if a.burst == "default" else f" burst {a.burst}"),
             "link_efficiency": a.link_efficiency, "comm_dtype": a.comm_dtype or "fp32",
             "allreduce_cpu_per_mb": a.allreduce_cpu_per_mb, "cores": a.cores, "schedules": a.schedule_list,

@@ -178,8 +178,12 @@ def measured_section(results: dict) -> list[str]:
     lines = [
         f"Emulated cluster: 2 nodes (network namespaces) x {cfg.get('stages')} ranks, one core per node, "
         f"link {cfg.get('link')}; pipeline of {cfg.get('stages')} stages inside a node, data parallelism across. "
-        f"Model: GPT-like, {cfg.get('layers')} blocks, d_model {cfg.get('d_model')}, vocab {cfg.get('vocab')}, "
-        f"sequence {cfg.get('seq')}, fp32 AdamW ({cfg.get('params_total', '?')} parameters). "
+        + (f"Model: {cfg['model'][9:]} emulated (benchmarks/emulated.py: PipeDream's V100 profile, compute a CPU-free "
+           f"wait; parameters and activations x {cfg.get('emulate_scale')}, times / {cfg.get('emulate_speedup')}), "
+           f"fp32 AdamW ({cfg.get('params_total', '?')} parameters). "
+           if str(cfg.get("model", "gpt")).startswith("emulated:") else
+           f"Model: GPT-like, {cfg.get('layers')} blocks, d_model {cfg.get('d_model')}, vocab {cfg.get('vocab')}, "
+           f"sequence {cfg.get('seq')}, fp32 AdamW ({cfg.get('params_total', '?')} parameters). ") +
         f"{cfg.get('micro_batches')} micro-batches of {cfg.get('micro_batch_size')} per replica and step "
         f"(global batch {cfg.get('global_batch')}); {cfg.get('warmup')} warm-up + {cfg.get('steps')} timed steps "
         f"per schedule and run, each run in its own processes. Command: `{cfg.get('command', '')}`.", "",
