@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.analysis import load_run, stage_timings
+from benchmarks.config import add_model_choice, model_choice_args
 from hippie_ds.schedules import compile as compile_schedule
 from hippie_ds.schedules.costs import CommCost, Costs
 from hippie_ds.schedules.simulator import simulate
@@ -48,8 +49,8 @@ def run_worker(a) -> None:
            str(a.port), str(REPO / "tools" / "bench_worker.py"), "--out", a.out, "--schedules", a.schedules,
            "--stages", str(a.stages), "--micro-batches", str(a.micro_batches), "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--rounds", str(a.rounds), "--layers", str(a.layers), "--d-model",
-           str(a.d_model), "--memory", "--core-per-rank", "--model", a.model, "--micro-batch-size",
-           str(a.micro_batch_size), "--emulate-scale", str(a.emulate_scale), "--emulate-speedup", str(a.emulate_speedup)]
+           str(a.d_model), "--memory", "--core-per-rank", "--micro-batch-size", str(a.micro_batch_size),
+           *model_choice_args(a)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
@@ -184,10 +185,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--model", default="gpt", help="gpt, or emulated:NAME (vgg16, gnmt8, gnmt16): a profiled model "
-                   "whose compute is a CPU-free wait (benchmarks/emulated.py), so ranks may share cores")
-    p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations x this")
-    p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")
+    add_model_choice(p)  # emulated models wait without the CPU: their ranks may share cores
     p.add_argument("--d-model", type=int, default=320)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps per schedule and round")

@@ -53,6 +53,7 @@ import hippie_ds
 from benchmarks.engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
                                 schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
 from benchmarks.analysis import wire_bytes
+from benchmarks.config import add_model_choice
 from benchmarks.model import data_iter
 from cluster import core_ticks
 from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
@@ -80,11 +81,7 @@ def parse_args():
     p.add_argument("--heads", type=int, default=5)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model) or emulated:NAME, a profiled "
-                   "model whose compute is a CPU-free wait (benchmarks/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
-    p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations "
-                   "x this (scale the link by it too: every transfer then takes its profiled time)")
-    p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")
+    add_model_choice(p)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)

@@ -55,6 +55,7 @@ from .engine_step import StageStepMixin
 from .engine_versions import WeightVersions
 from .failure import end_job_on_failure
 from .grad_store import GradStore
+from .split_backward import copy_if_shared, storages_of
 from .staleness import make_prediction
 from .timeline import Timeline
 from .tied import LaggedTieSums, tie_sum_lag
@@ -353,11 +354,9 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         autograd passes a gradient on without a copy through views and identities, so a stage whose
         input reaches its output through such ops alone has the received gradient as its input's;
         sent without blocking (or handed to another chunk), the next receive would overwrite it."""
-        reused = {b.untyped_storage().data_ptr() for b in self._grad_layer_buf if torch.is_tensor(b)}
         layer = self.grad_layer
-        reused |= {t.untyped_storage().data_ptr() for t in ((layer,) if torch.is_tensor(layer) else layer or ())
-                   if torch.is_tensor(t)}
-        return grad.clone() if grad.numel() and grad.untyped_storage().data_ptr() in reused else grad
+        return copy_if_shared(grad, storages_of([*self._grad_layer_buf,
+                                                 *((layer,) if torch.is_tensor(layer) else layer or ())]))
 
     def _exec_wait_sends(self):
         for work, _ in self._pending_sends:

@@ -98,28 +98,21 @@ class ChunkSelection:
         self._chunk_p2p: dict[int, dict] = {}
         self._stock_neighbours = (self.prev_stage, self.next_stage)
         self._local = {"activation": deque(), "gradient": deque()}  # hand-overs between own chunks
-        chunks = range(compiled.virtual_stages)
-        self._both_ends = self._chunked and any(self._layout.is_first(self.stage_id, c) for c in chunks) and \
-            any(self._layout.is_last(self.stage_id, c) for c in chunks)
+        self._both_ends = self._chunked and self._layout.holds_first(self.stage_id) and \
+            self._layout.holds_last(self.stage_id)
         self._read_batches = deque()  # the V's first stage: batches read for inputs, awaiting labels
 
-    def _holds(self, end) -> bool | None:
-        """Whether this stage holds the model's first or last part (None: DeepSpeed's meaning)."""
-        if not self._chunked:
-            return None
-        return any(end(self.stage_id, c) for c in range(self._layout.virtual_stages))
-
+    # Outside ops, a stage with chunks is first / last when it holds the first / last part;
+    # without chunks (and during DeepSpeed's __init__), DeepSpeed's meaning.
     def is_first_stage(self):
         if self._chunk is not None:
             return self._layout.is_first(self.stage_id, self._chunk)
-        holds = self._holds(self._layout.is_first) if self._layout is not None else None
-        return super().is_first_stage() if holds is None else holds
+        return self._layout.holds_first(self.stage_id) if self._chunked else super().is_first_stage()
 
     def is_last_stage(self):
         if self._chunk is not None:
             return self._layout.is_last(self.stage_id, self._chunk)
-        holds = self._holds(self._layout.is_last) if self._layout is not None else None
-        return super().is_last_stage() if holds is None else holds
+        return self._layout.holds_last(self.stage_id) if self._chunked else super().is_last_stage()
 
     def _loss_stage_global_rank(self):
         if not self._chunked:

@@ -99,6 +99,17 @@ def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Para
     return PendingWeightGrad(param_groups=groups)
 
 
+def storages_of(tensors: Iterable) -> set[int]:
+    """The storages (data pointers) of the non-empty tensors among ``tensors``."""
+    return {t.untyped_storage().data_ptr() for t in tensors if torch.is_tensor(t) and t.numel()}
+
+
+def copy_if_shared(t, storages: set[int]):
+    """``t``, copied when it shares memory with one of ``storages`` (a buffer about to be reused)."""
+    shared = torch.is_tensor(t) and t.numel() and t.untyped_storage().data_ptr() in storages
+    return t.clone() if shared else t
+
+
 def _own_gradients(groups: list[dict], inputs: list[torch.Tensor], given: list[torch.Tensor] | None) -> None:
     """Make what I leaves behind share no memory with the output gradients the caller gave.
     DeepSpeed receives every micro-batch's gradient into the same tensor (``grad_layer``), and
@@ -107,13 +118,12 @@ def _own_gradients(groups: list[dict], inputs: list[torch.Tensor], given: list[t
     gradient kept for W is a view of the given one; where the input reaches the output through
     such ops alone, the input gradient (sent, without blocking, to the previous stage) is. The next
     receive would overwrite them: those are copied, the others (fresh results of autograd) kept."""
-    storages = {g.untyped_storage().data_ptr() for g in given or () if g.numel()}
+    storages = storages_of(given or ())
     if not storages:
         return
 
     def own(g):
-        shared = torch.is_tensor(g) and g.numel() and g.untyped_storage().data_ptr() in storages
-        return g.clone() if shared else g
+        return copy_if_shared(g, storages)
     for group in groups:
         if group.get("grads") is not None:
             group["grads"] = [None if grads is None else tuple(map(own, grads)) for grads in group["grads"]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS, weight_version
-from .placement import eval_expr, int_expr, lower_stage, place_compute
+from .placement import after_ops, eval_expr, int_expr, lower_stage, place_compute
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
 
 
@@ -160,8 +160,7 @@ def _continuous_timeline(spec, s, stages, env, placed, period, depth):
     lowered = lower_stage(merged, stages)
     # 'after' ops right after their compute op's step (after its same-step sends)
     for t, (op, rule) in merged.items():
-        lowered[t].extend(Op(p.kind, s, t, target=p.target, batch=op.batch) for p in rule.after
-                          if eval_expr(p.when, dict(env, stage=s), f"schedule {spec.name!r} compute after when"))
+        lowered[t].extend(after_ops(spec, op, rule, env, t))
     # each batch's epilogue right after the stage's last compute op of that batch (its sends,
     # in the next step, do not depend on the weights)
     ends: dict[int, int] = {}

@@ -66,9 +66,17 @@ class Layout:
     def is_last(self, stage: int, chunk: int) -> bool:
         return self.part(stage, chunk) == self.parts - 1
 
+    def holds_first(self, stage: int) -> bool:
+        """True when ``stage`` holds the model's first part (it loads the inputs)."""
+        return any(self.is_first(stage, c) for c in range(self.virtual_stages))
+
+    def holds_last(self, stage: int) -> bool:
+        """True when ``stage`` holds the model's last part (it loads the labels, computes the loss)."""
+        return any(self.is_last(stage, c) for c in range(self.virtual_stages))
+
     def loads(self, stage: int) -> bool:
         """True when the stage reads the data iterator (holds the first or the last part)."""
-        return any(self.is_first(stage, c) or self.is_last(stage, c) for c in range(self.virtual_stages))
+        return self.holds_first(stage) or self.holds_last(stage)
 
     def chunks(self, stage: int) -> list[int]:
         """The parts stage ``stage`` holds, by chunk."""

@@ -70,7 +70,7 @@ from .costs import Costs, CostsError, DelayedPart
 from .grad_buffer import GradBuffer
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
-from .deadlock import link_of
+from .deadlock import link_of, peer_of
 from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
                  WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
                  CompiledSchedule, Op, OpKind, op_name)
@@ -166,7 +166,7 @@ class _Sim:
         gradient, the model-part boundary it crosses, micro-batch)."""
         s, kind = op.stage, op.kind
         outward = kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_GRAD)  # towards the next model part
-        peer = (self.layout.next if outward else self.layout.prev)(s, op.chunk)
+        peer = peer_of(self.layout, op)
         if peer is None:
             raise SimulationError(f"stage {s}: {kind.value} has no neighbour to talk to")
         part = self.layout.part(s, op.chunk)

@@ -52,6 +52,20 @@ def _add_run_arguments(p: argparse.ArgumentParser):
                         "spread (1: one run per schedule); the one-device run runs once")
 
 
+def add_model_choice(p: argparse.ArgumentParser) -> None:
+    """--model and the emulated models' --emulate-* options (the bench, its worker, bench_schedules)."""
+    p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model) or emulated:NAME, a profiled "
+                   "model whose compute is a CPU-free wait (benchmarks/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
+    p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations "
+                   "x this (scale the link by it too: every transfer then takes its profiled time)")
+    p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")
+
+
+def model_choice_args(a) -> list[str]:
+    """The options of :func:`add_model_choice` as a worker's command line takes them."""
+    return ["--model", a.model, "--emulate-scale", str(a.emulate_scale), "--emulate-speedup", str(a.emulate_speedup)]
+
+
 def _add_model_arguments(p: argparse.ArgumentParser):
     """The model and the pipeline (the same for every schedule)."""
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks per node")
@@ -62,11 +76,7 @@ def _add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--heads", type=int, default=5)
     p.add_argument("--layers", type=int, default=8, help="transformer blocks")
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model) or emulated:NAME, a profiled "
-                   "model whose compute is a CPU-free wait (benchmarks/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
-    p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations "
-                   "x this (scale the link by it too: every transfer then takes its profiled time)")
-    p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")
+    add_model_choice(p)
     p.add_argument("--partition-method", default="uniform", help="PipelineModule partition_method without a plan")
     p.add_argument("--auto-plan", action="store_true",
                    help="profile the model here (hippie-ds profile) and give hippie, hippie-1f1b, 2bw and pipedream "

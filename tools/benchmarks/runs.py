@@ -95,6 +95,7 @@ def samples_per_replica(a) -> int:
 
 
 def worker_args(a, job: dict, out: Path, costs: Path | None) -> list[str]:
+    from .config import model_choice_args  # config imports this module
     world = job["nodes"] * job["rpn"]
     replicas = world // a.stages if job["config"] != "one_device" else 1
     if job["schedule"] == "dp":
@@ -108,7 +109,7 @@ def worker_args(a, job: dict, out: Path, costs: Path | None) -> list[str]:
             "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),
             "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", "1", "--timeout-s", str(a.timeout),
             "--memory", "--schedule-configs", str(REPO / "configs"), "--partition-method", a.partition_method,
-            "--model", a.model, "--emulate-scale", str(a.emulate_scale), "--emulate-speedup", str(a.emulate_speedup)]
+            *model_choice_args(a)]
     if costs is not None:
         args += ["--costs", str(costs)]
     if a.comm_dtype:
