@@ -1,8 +1,8 @@
-"""tools/bench_allreduce.py's summary: pure, no processes (the tool itself needs root and runs the
-emulated cluster)."""
+"""``tools/bench.py allreduce``'s summary (benchmarks/studies/allreduce.py): pure, no processes (the
+study itself needs root and runs the emulated cluster)."""
 import pytest
 
-import bench_allreduce
+from benchmarks.studies import allreduce as bench_allreduce
 
 
 def test_efficiency_of_one_pair_and_of_two_sharing_the_link():

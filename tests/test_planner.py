@@ -161,7 +161,7 @@ def test_bad_plan_requests():
 
 
 def test_large_instance_plans():
-    """The benchmark's shape (tools/bench_planner.py reports the time; not timed here)."""
+    """The benchmark's shape (`tools/bench.py planner` reports the time; not timed here)."""
     profile = synthetic_profile(1000, seed=1)
     cluster = Cluster(nodes=64, devices_per_node=16, device_memory=80e9, inter_node_bandwidth=25e9,
                       intra_node_bandwidth=300e9)

@@ -1,4 +1,4 @@
-"""Time to accuracy (tools/time_to_accuracy.py) and the convergence tool's staleness variants:
+"""Time to accuracy (tools/benchmarks/time_to_accuracy.py) and the convergence tool's staleness variants:
 pure functions over runs' metrics, no processes."""
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import convergence
-import time_to_accuracy as tta
+from benchmarks import time_to_accuracy as tta
 
 
 def run(final, evals, seed=0):

@@ -16,9 +16,10 @@ for dp), with the learning rate and schedule given here. So a schedule not shipp
 Writes under --out (default out/convergence): EXAMPLE/NAME/{config.json,log.txt,metrics.json,
 timeline.png} per run, EXAMPLE.png (loss, and accuracy for vgg, against steps), results.json and
 results.md (final held-out loss/accuracy per schedule and the difference to dp: targets within
-1% loss and 0.5 points accuracy; time to accuracy, tools/time_to_accuracy.py: the steps to reach
-dp's final loss + 1% and, with --step-times, the wall time on the emulated two-node cluster);
---publish DIR copies those to DIR. The tables and pictures are tools/convergence_report.py.
+1% loss and 0.5 points accuracy; time to accuracy, tools/benchmarks/time_to_accuracy.py: the steps
+to reach dp's final loss + 1% and, with --step-times, the wall time on the emulated two-node
+cluster); --publish DIR copies those to DIR. The tables and pictures are
+tools/benchmarks/convergence_report.py.
 
 A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHOD, "coefficient":
 C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
@@ -26,7 +27,7 @@ NAME@L sets hippie.deferred_layers = L (partial deferral: a deferred stage delay
 L layers), e.g. hippie@1 or hippie@1:none; NAME@all sets it to "all" (the whole deferred stage is
 delayed: the paper's rule); its runs go to NAME@L. NAME@auto sets it to "auto" (chosen per deferred
 stage from costs, as the engine does): it needs --costs EXAMPLE=FILE, the example's cost file
-(tools/example_costs.py, or a tools/bench.py run's measured costs), given to the run as
+(`tools/bench.py example-costs`, or a tools/bench.py run's measured costs), given to the run as
 hippie.costs.
 """
 from __future__ import annotations
@@ -37,11 +38,11 @@ import sys
 import time
 from pathlib import Path
 
-import time_to_accuracy as tta
-from labels import split_layers, split_name  # noqa: F401 (split_*: this module's API too)
-from cluster import LocalJob
+from benchmarks import time_to_accuracy as tta
 # The results (tables, pictures) of the runs; summarize, markdown and plot are also this module's API.
-from convergence_report import BASELINE, markdown, plot, summarize
+from benchmarks.convergence_report import BASELINE, markdown, plot, summarize
+from cluster import LocalJob
+from labels import split_layers, split_name  # noqa: F401 (split_*: this module's API too)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +112,7 @@ def parse_args(argv=None):
                         "of the ratio to stock 1F1B")
     p.add_argument("--costs", default=None, metavar="EXAMPLE=FILE[,...]",
                    help="hippie.costs of an example's NAME@auto runs (what 'auto' chooses from): a cost file, "
-                        "e.g. from tools/example_costs.py")
+                        "e.g. from tools/bench.py example-costs")
     p.add_argument("--publish", default=None, metavar="DIR",
                    help="also copy the pictures, results.json and results.md to DIR (e.g. docs/convergence)")
     return p.parse_args(argv)
@@ -173,7 +174,7 @@ def make_config(name: str, configs: Path, lr: float, lr_schedule: str, steps: in
     if layers == "auto":
         if costs is None:
             raise SystemExit(f"{label!r}: 'auto' chooses from costs: give the example's cost file with --costs "
-                             "EXAMPLE=FILE (tools/example_costs.py writes one)")
+                             "EXAMPLE=FILE (tools/bench.py example-costs writes one)")
         config["hippie"]["costs"] = str(Path(costs).resolve())
     if precision == "bf16":
         config["bf16"] = {"enabled": True}

@@ -7,9 +7,9 @@ What a user with two machines does (README, "Multi-node"), on one machine: two n
 
     ip netns exec PREFIX-nodeN env GLOO_SOCKET_IFNAME=PREFIX-vethN \\
         deepspeed --hostfile OUT/hostfile --no_ssh --node_rank N --master_addr SUBNET.1 --master_port P \\
-        tools/multinode_worker.py --deepspeed_config configs/hippie.json --out OUT/ranks --steps 3
+        tools/workers/multinode_worker.py --deepspeed_config configs/hippie.json --out OUT/ranks --steps 3
 
-tools/multinode_worker.py trains a tiny PipelineModule with ``hippie_ds.initialize``: 2 pipeline
+tools/workers/multinode_worker.py trains a tiny PipelineModule with ``hippie_ds.initialize``: 2 pipeline
 stages inside each node, 2 data-parallel replicas across the link. The tool then checks that both
 launchers exited 0, that all 4 ranks wrote their record (ranks 0,1 on node 0's veth, 2,3 on
 node 1's, each node in its own namespace), that every rank got the same loss at every step, and
@@ -42,7 +42,7 @@ from cluster import (Network, NodeProcesses, Refuse, check_cores, cleanup_on_sig
                      preflight)
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tools" / "multinode_worker.py"
+WORKER = REPO / "tools" / "workers" / "multinode_worker.py"
 
 RANKS_PER_NODE = 2
 

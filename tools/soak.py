@@ -1,6 +1,6 @@
 """Soak check: a long hippie-ds run keeps its memory and handles flat.
 
-Launches tools/soak_worker.py on 4 local ranks (2 stages x 2 replicas, gloo) with DeepSpeed's
+Launches tools/workers/soak_worker.py on 4 local ranks (2 stages x 2 replicas, gloo) with DeepSpeed's
 launcher, trains --steps steps with per-rank timelines on, and compares each rank's samples after
 the warm-up with its last one: resident memory (growth must stay under --max-rss-growth, 1%),
 open file descriptors, threads and /dev/shm entries (must not grow), timeline events kept (must
@@ -20,7 +20,7 @@ from pathlib import Path
 from cluster import LocalJob
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tools" / "soak_worker.py"
+WORKER = REPO / "tools" / "workers" / "soak_worker.py"
 
 
 def parse_args(argv=None):

@@ -2,10 +2,10 @@
 measured and simulated (default: zb-h1 against hippie-ds's 1f1b; any flush schedules, virtual
 stages included: ``--schedules 1f1b,zb-h1,interleaved-1f1b,zb-v``).
 
-Runs ``tools/bench_worker.py`` under the ``deepspeed`` launcher on one node, K ranks, each
-pinned to its own core (``--core-per-rank``), so that a pipeline bubble is idle time and not
-another rank's compute. The schedules alternate in rounds inside one job (the order rotated
-each round). Then, per schedule:
+``tools/bench.py schedules`` (``--help``: the options) runs ``tools/bench_worker.py`` under the
+``deepspeed`` launcher on one node, K ranks, each pinned to its own core (``--core-per-rank``), so
+that a pipeline bubble is idle time and not another rank's compute. The schedules alternate in
+rounds inside one job (the order rotated each round). Then, per schedule:
 
 * step time: median over the timed steps of each round; the ratio to the first schedule per
   round, with the median and min-max spread over rounds;
@@ -37,7 +37,7 @@ from hippie_ds.schedules import compile as compile_schedule
 from hippie_ds.schedules.costs import CommCost, Costs
 from hippie_ds.schedules.simulator import simulate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "forward_backward")  # categories
 PASSES = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
@@ -154,7 +154,7 @@ def report(res: dict) -> str:
              f"--emulate-speedup {res['emulate_speedup']:g}" if emulated else "")
     lines = [f"# {', '.join(others)} against {base}: {res['stages']} stages x {res['micro_batches']} micro-batches, "
              f"{per_core}", "", f"{what}; "
-             f"`python tools/bench_schedules.py --schedules {','.join(g)} --stages {res['stages']} "
+             f"`python tools/bench.py schedules --schedules {','.join(g)} --stages {res['stages']} "
              f"--micro-batches {res['micro_batches']}{extra}` (rounds: {rounds}).", "",
              "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -175,8 +175,10 @@ def report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools/bench.py schedules", description=__doc__.split("\n\n")[0],
+                                epilog="example: .venv/bin/python tools/bench.py schedules --schedules "
+                                       "1f1b,zb-h1,interleaved-1f1b,zb-v --stages 4 --micro-batches 8",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--schedules", default="1f1b,zb-h1", help="comma list of flush schedules; ratios are to the first")
     p.add_argument("--out", default="out/bench_schedules")
@@ -192,7 +194,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--analyze-only", action="store_true", help="re-analyse the raw files of an earlier run")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not a.analyze_only:
         shutil.rmtree(Path(a.out, "raw"), ignore_errors=True)
         run_worker(a)
@@ -206,7 +208,4 @@ def main() -> None:
         os.makedirs(a.publish, exist_ok=True)
         for name in ("report.md", "results.json"):
             shutil.copy(Path(a.out, name), Path(a.publish, name))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,5 +1,8 @@
 """Scaling against link speed: ``tools/bench.py`` once per inter-node rate, collated.
 
+``sudo .venv/bin/python tools/bench.py link-sweep --publish docs/bench/link_sweep`` (``--help``:
+the options).
+
 For each rate (tc-shaped veth between the two emulated nodes) it runs the benchmark's one-node and
 two-node runs of every schedule (two-node runs in interleaved rounds), then reports, per schedule
 and rate: two-node step time, its ratio to stock 1F1B (median of rounds, min-max spread, "real"
@@ -23,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
 COMPUTE_OPS = {"ForwardPass": "F", "BackwardPass": "B", "BackwardInputPass": "I", "BackwardWeightPass": "W"}
 
@@ -85,7 +88,7 @@ def _f(x, fmt: str) -> str:
 
 
 def report(res: dict) -> str:
-    lines = ["# Scaling against link speed", "", "`python tools/bench_link_sweep.py` (two emulated nodes x 2 "
+    lines = ["# Scaling against link speed", "", "`sudo python tools/bench.py link-sweep` (two emulated nodes x 2 "
              "ranks; ratios are throughput ratios to stock 1F1B per round: median [min, max]; real = the "
              "spread excludes 1).", ""]
     for rate in res["rates"]:
@@ -138,8 +141,15 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools/bench.py link-sweep",
+                                description="Scaling against link speed: the cluster bench (tools/bench.py, two-node "
+                                            "and one-node runs, no projection) once per inter-node tc rate, collated: "
+                                            "ratio to stock 1F1B, scaling 1 -> 2 nodes, simulator error, exposed "
+                                            "all-reduce, compute inflation. Writes report.md, results.json and "
+                                            "scaling.png. Needs root (as tools/bench.py), except --analyze-only.",
+                                epilog="example: sudo .venv/bin/python tools/bench.py link-sweep --rates 1gbit,250mbit "
+                                       "--publish docs/bench/link_sweep",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rates", default="10gbit,1gbit,250mbit", help="comma list of tc rates")
     p.add_argument("--schedules", default="dp,1f1b,hippie-1f1b,zb-h1,hippie-zb")
@@ -149,7 +159,7 @@ def main() -> None:
     p.add_argument("--out", default="out/bench_link")
     p.add_argument("--publish", default=None, help="also copy report.md, results.json and scaling.png here")
     p.add_argument("--analyze-only", action="store_true", help="analyse the earlier runs in --out again (no root)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     for rate in a.rates.split(","):
         rate_bits(rate)
         run_rate(a, rate)
@@ -164,7 +174,4 @@ def main() -> None:
         Path(a.publish).mkdir(parents=True, exist_ok=True)
         for name in ("report.md", "results.json", "scaling.png"):
             shutil.copy(out / name, Path(a.publish, name))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,15 +1,16 @@
 """All-reduce bandwidth on the emulated two-node link: one data-parallel pair alone, and the two
 pairs of a 2-stage pipeline at once (what a schedule does when both stages all-reduce together).
 
-For each tc rate it starts 2 emulated nodes x 2 ranks (tools/bench_allreduce_worker.py) and
-reports the median time of a gloo all-reduce of ``--megabytes`` MB and its efficiency: the bytes
-each rank sends across the link (a two-rank all-reduce sends the whole buffer each way; two pairs
-share the link) over the shaped rate, divided by the time. The benchmark's simulator takes one
-efficiency (``tools/bench.py --link-efficiency``); this measures whether one flow and two flows
-get the same. It also reports what an all-reduce costs the CPU: each rank's process CPU seconds in
-it (gloo's threads included) and the machine's busy core-seconds over it (the kernel's TCP and tc
-work included), i.e. the compute time an all-reduce hidden behind compute takes from cores that
-compute shares. Needs root. Not a test.
+``sudo .venv/bin/python tools/bench.py allreduce`` (``--help``: the options). For each tc rate it
+starts 2 emulated nodes x 2 ranks (tools/workers/allreduce_worker.py) and reports the median time
+of a gloo all-reduce of ``--megabytes`` MB and its efficiency: the bytes each rank sends across the
+link (a two-rank all-reduce sends the whole buffer each way; two pairs share the link) over the
+shaped rate, divided by the time. The benchmark's simulator takes one efficiency (``tools/bench.py
+--link-efficiency``); this measures whether one flow and two flows get the same. It also reports
+what an all-reduce costs the CPU: each rank's process CPU seconds in it (gloo's threads included)
+and the machine's busy core-seconds over it (the kernel's TCP and tc work included), i.e. the
+compute time an all-reduce hidden behind compute takes from cores that compute shares. Needs root.
+Not a test.
 """
 from __future__ import annotations
 
@@ -19,15 +20,18 @@ import shutil
 import statistics
 from pathlib import Path
 
-from cluster import Network, WorkerJob, cleanup_on_signals, parse_rate, preflight
+from cluster import REPO, Network, WorkerJob, cleanup_on_signals, parse_rate, preflight
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tools" / "bench_allreduce_worker.py"
+WORKER = REPO / "tools" / "workers" / "allreduce_worker.py"
 NETWORK = Network(("hdsa-node0", "hdsa-node1"), ("hdsa-veth0", "hdsa-veth1"), ("10.79.0.1", "10.79.0.2"))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    what = (" Median time, efficiency against the shaped rate and CPU cost, per rate. Needs root (except "
+            "--analyze-only).")
+    p = argparse.ArgumentParser(prog="tools/bench.py allreduce", description=__doc__.split("\n\n")[0] + what,
+                                epilog="example: sudo .venv/bin/python tools/bench.py allreduce --rates 1gbit,250mbit "
+                                       "--publish docs/bench/allreduce",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rates", default="10gbit,1gbit,250mbit", help="comma list of tc rates")
     p.add_argument("--megabytes", type=float, default=25.0, help="all-reduce size (the bench model's stage: 25 MB)")
@@ -46,7 +50,7 @@ def parse_args(argv=None):
 
 
 def report(rows: list[dict], megabytes: float) -> str:
-    lines = ["# All-reduce on the emulated link", "", "`sudo python tools/bench_allreduce.py` (2 emulated nodes x 2 "
+    lines = ["# All-reduce on the emulated link", "", "`sudo python tools/bench.py allreduce` (2 emulated nodes x 2 "
              "ranks; median of the repeats; efficiency = bytes each rank sends across the link, per pair sharing "
              "it, over the shaped rate, divided by the time).", "",
              f"| rate | {megabytes:g} MB, one pair (s) | efficiency | two pairs at once (s) | efficiency |",
@@ -103,7 +107,7 @@ def run_rate(a, rate: str, i: int) -> dict:
     return load_rate(a, rate)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     a = parse_args(argv)
     if a.analyze_only:
         rows = [load_rate(a, rate) for rate in a.rates.split(",")]
@@ -120,7 +124,4 @@ def main(argv=None):
         Path(a.publish).mkdir(parents=True, exist_ok=True)
         for name in ("results.json", "report.md"):
             shutil.copy(out / name, Path(a.publish, name))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

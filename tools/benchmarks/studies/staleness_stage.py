@@ -1,7 +1,7 @@
-"""One pipeline stage of the staleness study (tools/staleness_study.py): its parameters, AdamW
-and LR schedule, applying its gradient synchronously or one step late, with the rule's
-correction (weight extrapolation, PipeOptim's predicted step, error feedback, DC-ASGD, beta1 or
-learning-rate changes). The corrections are explained in the study's docstring."""
+"""One pipeline stage of the staleness study (``tools/bench.py staleness``, studies/staleness.py):
+its parameters, AdamW and LR schedule, applying its gradient synchronously or one step late, with
+the rule's correction (weight extrapolation, PipeOptim's predicted step, error feedback, DC-ASGD,
+beta1 or learning-rate changes). The corrections are explained in the study's docstring."""
 from __future__ import annotations
 
 import math

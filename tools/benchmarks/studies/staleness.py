@@ -35,9 +35,9 @@ step (flush, at the optimizer's learning rate then). METHOD (several joined by '
     beta1=B                     the delayed stages' AdamW uses beta1 = B (default 0.9)
     lrscale=F                   the delayed stages' learning rate times F
 
-    python tools/staleness_study.py --examples gpt,vgg --seeds 0 \\
+    python tools/bench.py staleness --examples gpt,vgg --seeds 0 \\
         --rules sync,hippie:none,hippie:extrapolate=1 --out out/staleness
-    python tools/staleness_study.py --report-only --out out/staleness   # tables of what is there
+    python tools/bench.py staleness --report-only --out out/staleness   # tables of what is there
 
 Every run is saved as OUT/runs/EXAMPLE/RULE/seedS.json (--reuse skips those already there) and
 the tables of all saved runs (held-out loss at the budget, mean and min-max over seeds, % vs
@@ -52,9 +52,9 @@ import os
 import time
 from pathlib import Path
 
-import time_to_accuracy as tta
+from benchmarks import time_to_accuracy as tta
+from benchmarks.studies.staleness_stage import Stage
 from labels import split_layers
-from staleness_stage import Stage
 
 GLOBAL_BATCH = 32
 BASE_SEED = 1234  # tools/examples/harness.py: pipeline_module(seed_layers=True, base_seed=1234)
@@ -66,7 +66,7 @@ METHODS = ("none", "extrapolate", "pipeoptim", "ef", "dcasgd", "beta1", "lrscale
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="tools/bench.py staleness", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--examples", default="gpt,vgg", help="comma-separated: gpt, vgg")
     p.add_argument("--rules", default="sync,hippie:none,hippie:extrapolate=1",
@@ -303,14 +303,14 @@ def tables(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     if args.report_only:
         text = tables(load_runs(out))
         (out / "tables.md").write_text(text)
         print(text)
-        return
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
     from tqdm import tqdm
@@ -346,7 +346,4 @@ def main(argv=None):
     text = tables(load_runs(out))
     (out / "tables.md").write_text(text)
     print(text)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

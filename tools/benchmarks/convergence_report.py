@@ -1,12 +1,13 @@
-"""The convergence comparison's results: per example the final held-out loss/accuracy of each
-schedule against data parallelism's (targets: within 1% loss, 0.5 points accuracy), mean over
-seeds with the spread, time to accuracy (tools/time_to_accuracy.py), the markdown table and the
-learning-curve pictures. Pure functions of the runs' metrics files (matplotlib for the pictures)."""
+"""The convergence comparison's results, for tools/convergence.py: per example the final held-out
+loss/accuracy of each schedule against data parallelism's (targets: within 1% loss, 0.5 points
+accuracy), mean over seeds with the spread, time to accuracy (time_to_accuracy.py here), the
+markdown table and the learning-curve pictures. Pure functions of the runs' metrics files
+(matplotlib for the pictures)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import time_to_accuracy as tta
+from . import time_to_accuracy as tta
 
 BASELINE = "dp"
 LOSS_TARGET_PCT, ACCURACY_TARGET_POINTS = 1.0, 0.5
@@ -38,7 +39,7 @@ def _mean_curves(runs: list[dict]) -> dict:
 
 def summarize(runs: dict[str, dict[str, list[dict]]], step_times: dict[str, list] | None = None) -> dict:
     """runs[example][name] = the metrics of that run, one per seed; step_times[example] = the
-    bench's step times per link (tools/time_to_accuracy.py's StepTimes)."""
+    bench's step times per link (time_to_accuracy.py's StepTimes)."""
     results = {}
     for example, by_name in runs.items():
         base = by_name.get(BASELINE)

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """A cost file ("hippie.costs") for a training example on the emulated two-node cluster, from a
 profile of its layers: what `hippie.deferred_layers: "auto"` (and `deferred_stages: auto`) choose
 from when tools/convergence.py runs the example (`--costs EXAMPLE=FILE`).
 
-    python tools/example_costs.py --example vgg --rate 1gbit --out out/costs/vgg-1gbit.json
-    python tools/example_costs.py --example gpt --rate 250mbit --out out/costs/gpt-250mbit.json
+    python tools/bench.py example-costs --example vgg --rate 1gbit --out out/costs/vgg-1gbit.json
+    python tools/bench.py example-costs --example gpt --rate 250mbit --out out/costs/gpt-250mbit.json
 
 It profiles the example's default model layer by layer (``hippie_ds.profiler``, one micro-batch
 of its data, one thread, as a rank runs), splits the layers into --stages as the example's
@@ -22,20 +21,18 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster import parse_rate  # noqa: E402
+from cluster import parse_rate
 
 EXAMPLES = ("gpt", "vgg")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="tools/bench.py example-costs", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--example", choices=EXAMPLES, required=True)
     p.add_argument("--rate", default="1gbit", help="shaped link rate between the nodes (tc syntax: 1gbit, 250mbit)")
     p.add_argument("--link-efficiency", type=float, default=0.97,
-                   help="all-reduce bandwidth / shaped rate (tools/bench_allreduce.py measured 0.96-0.97)")
+                   help="all-reduce bandwidth / shaped rate (tools/bench.py allreduce measured 0.96-0.97)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--replicas", type=int, default=2, help="data-parallel replicas, one per node")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch (the shipped configs' 4)")
@@ -94,7 +91,3 @@ def main(argv=None) -> int:
     for line in auto_choice(costs, a.stages, a.micro_batches):
         print(f"  auto: {line}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

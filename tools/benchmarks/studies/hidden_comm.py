@@ -30,9 +30,9 @@ sampled from /proc and reported ("foreign CPU"), with a warning when it is not n
 
 Usage (from the repository root, as root; `sudo` keeps the venv's python)::
 
-    sudo .venv/bin/python tools/bench_hidden_comm.py --steps 3 --rounds 4
-    sudo .venv/bin/python tools/bench_hidden_comm.py --rate 500mbit --out out/bench_500mbit
-    .venv/bin/python tools/bench_hidden_comm.py --analyze-only   # re-analyse out/bench_hidden_comm/raw
+    sudo .venv/bin/python tools/bench.py hidden-comm --steps 3 --rounds 4
+    sudo .venv/bin/python tools/bench.py hidden-comm --rate 500mbit --out out/bench_500mbit
+    .venv/bin/python tools/bench.py hidden-comm --analyze-only   # re-analyse out/bench_hidden_comm/raw
 
 Outputs under ``--out`` (default out/bench_hidden_comm/):
 
@@ -80,12 +80,11 @@ from pathlib import Path
 
 from benchmarks.config import parameter_count
 # The analysis of the run (instruction groups, exposed all-reduce, traces, tables).
-from benchmarks.hidden_comm_analysis import analyse
+from benchmarks.studies.hidden_comm_analysis import analyse
 # The emulated cluster (namespaces, link, launchers, noise) is tools/cluster/, shared with bench.py.
-from cluster import (ForeignCpu, Network, Refuse, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate,
-                     preflight as cluster_preflight)
+from cluster import (REPO, ForeignCpu, Network, Refuse, WorkerJob, check_cores, cleanup_on_signals, fix_owner,
+                     parse_rate, preflight as cluster_preflight)
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tools" / "bench_worker.py"
 NETWORK = Network(("hds-node0", "hds-node1"), ("veth0", "veth1"), ("10.77.0.1", "10.77.0.2"))
 DEFAULT_SCHEDULES = "stock,gpipe,hippie,hippie-1f1b,hippie-auto"
@@ -119,9 +118,10 @@ def new_job(a, out: Path) -> WorkerJob:
 # ---------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
+        prog="tools/bench.py hidden-comm",
         description="Emulated two-node benchmark of stock DeepSpeed 1F1B vs hippie-ds schedules: step time and "
                     "exposed data-parallel all-reduce. Needs root (network namespaces).",
-        epilog="example: sudo .venv/bin/python tools/bench_hidden_comm.py --steps 3 --rounds 4",
+        epilog="example: sudo .venv/bin/python tools/bench.py hidden-comm --steps 3 --rounds 4",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="out/bench_hidden_comm", help="output directory")
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES, help=f"comma list from {', '.join(KNOWN_LABELS)}")
@@ -185,7 +185,7 @@ def measure(a, out: Path) -> tuple[int, dict | None]:
             job.start()
             job.wait(a.timeout)
         except RuntimeError as exc:
-            print(f"bench_hidden_comm: {exc}", file=sys.stderr)
+            print(f"bench hidden-comm: {exc}", file=sys.stderr)
             rc = 1
     return rc, qdiscs
 
@@ -202,7 +202,7 @@ def main(argv=None):
     try:
         preflight(a)
     except Refuse as exc:
-        print(f"bench_hidden_comm: {exc}", file=sys.stderr)
+        print(f"bench hidden-comm: {exc}", file=sys.stderr)
         return 2
 
     for d in ("raw", "traces", "logs"):
@@ -222,7 +222,3 @@ def main(argv=None):
         print(f"results: {out}/results.json, {out}/results.md, traces in {out}/traces/")
     fix_owner(out)
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,22 +1,27 @@
-"""Rank worker of tools/bench_allreduce.py: 2 nodes x 2 ranks, the two data-parallel pairs of a
-2-stage pipeline ({0, 2} and {1, 3}, one rank of each per node). Times a gloo all-reduce of
-``--megabytes`` MB in one pair alone, then in both pairs at once, ``--repeats`` times each, a world
-barrier before every repeat. Writes OUT/rank{R}.json with the seconds of its own all-reduces, the
-CPU seconds its process spent in them (all threads: gloo's included) and, on rank 0, the machine's
-busy core-seconds over each repeat (/proc/stat: what the all-reduces take from compute on a shared
-machine, the kernel's network work included)."""
+"""Rank worker of ``tools/bench.py allreduce`` (benchmarks/studies/allreduce.py): 2 nodes x 2 ranks,
+the two data-parallel pairs of a 2-stage pipeline ({0, 2} and {1, 3}, one rank of each per node).
+Times a gloo all-reduce of ``--megabytes`` MB in one pair alone, then in both pairs at once,
+``--repeats`` times each, a world barrier before every repeat. Writes OUT/rank{R}.json with the
+seconds of its own all-reduces, the CPU seconds its process spent in them (all threads: gloo's
+included) and, on rank 0, the machine's busy core-seconds over each repeat (/proc/stat: what the
+all-reduces take from compute on a shared machine, the kernel's network work included)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cluster import core_ticks
+# The launcher runs this file as a script: tools/workers/ is first on sys.path, the import root
+# of the tool code (tools/) is one level up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cluster import core_ticks  # noqa: E402
 
 
 def parse_args():

@@ -2,7 +2,7 @@
 node by DeepSpeed's own launcher, with ``hippie_ds.initialize`` in place of ``deepspeed.initialize``.
 
     deepspeed --hostfile H --no_ssh --node_rank N --master_addr A --master_port P \\
-        tools/multinode_worker.py --deepspeed_config configs/hippie.json --out DIR --steps 3
+        tools/workers/multinode_worker.py --deepspeed_config configs/hippie.json --out DIR --steps 3
 
 A tiny ``PipelineModule`` (5 layers, about 500 parameters) in 2 stages, placed with
 ``hippie_ds.make_topology`` (the pipeline inside a node, data parallelism across nodes), trained

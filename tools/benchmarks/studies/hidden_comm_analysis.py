@@ -1,4 +1,4 @@
-"""The analysis of tools/bench_hidden_comm.py's run: per schedule the step times, the time each
+"""The analysis of ``tools/bench.py hidden-comm``'s run: per schedule the step times, the time each
 rank's instruction stream spends per instruction group (compute, p2p, exposed all-reduce,
 optimizer, ...), how long the all-reduce was outstanding, the CPU other processes used per step;
 Chrome traces and Gantt charts; results.json and results.md."""
@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 
 from cluster import foreign_cpu_between
-from .analysis import load_run
+from ..analysis import load_run
 
 GROUPS = {
     "compute": {"ForwardPass", "BackwardPass", "ForwardBackwardPass"},

@@ -1,0 +1,48 @@
+"""The bench's subcommands: ``tools/bench.py NAME ...`` runs study NAME (its own ``--help``).
+
+Each entry maps a subcommand to the module (importable with tools/ as the import root) whose
+``main(argv)`` runs it, and a line for ``tools/bench.py --help``. ``tools/bench.py`` with no
+subcommand (or with options only) is the cluster bench itself (benchmarks/config.py).
+"""
+from __future__ import annotations
+
+import importlib
+
+# name: (module, what it measures)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "schedules": ("benchmarks.studies.schedules", "flush schedules side by side on one node (step, bubble, memory; "
+                                                  "measured and simulated)"),
+    "link-sweep": ("benchmarks.studies.link_sweep", "the cluster bench once per inter-node link rate, collated "
+                                                    "(needs root)"),
+    "hidden-comm": ("benchmarks.studies.hidden_comm", "does Hippie's schedule hide the all-reduce? exposed "
+                                                      "all-reduce per stage (needs root)"),
+    "allreduce": ("benchmarks.studies.allreduce", "all-reduce bandwidth and CPU cost on the emulated link "
+                                                  "(needs root)"),
+    "gpu-projection": ("benchmarks.studies.gpu_projection", "simulated scaling one node -> two on V100 profiles "
+                                                            "against link speed"),
+    "planner": ("benchmarks.studies.planner_time", "wall time of the planner on a synthetic 1,000-layer profile"),
+    "staleness": ("benchmarks.studies.staleness", "which correction lets a one-step-late stage reach DP's loss"),
+    "example-costs": ("benchmarks.studies.example_costs", "a training example's cost file (hippie.costs) for "
+                                                          "tools/convergence.py --costs"),
+}
+
+
+def usage() -> str:
+    """The subcommands, one line each (for ``--help``)."""
+    width = max(map(len, COMMANDS))
+    return "subcommands (tools/bench.py NAME --help):\n" + "\n".join(
+        f"  {name:<{width}}  {line}" for name, (_, line) in COMMANDS.items())
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Run subcommand ``name`` with ``argv``; its exit code (None -> 0)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    import sys
+    sys.argv = [f"tools/bench.py {name}", *argv]  # for mains that read sys.argv themselves
+    rc = module.main(argv) if _takes_argv(module.main) else module.main()
+    return int(rc or 0)
+
+
+def _takes_argv(fn) -> bool:
+    import inspect
+    return bool(inspect.signature(fn).parameters)
