@@ -96,7 +96,7 @@ soak: $(STAMP)
 # stock DeepSpeed's update: the time-to-target reference), hippie (configs/hippie.json: partial
 # deferral of stage 0's first layer, default staleness correction), hippie@auto (the layers chosen
 # from the example's costs at 1 Gbit/s: GPT's measured by `make bench-gpt`, VGG's from a profile,
-# tools/example_costs.py), hippie@all (all of stage 0 delayed: the paper's rule), hippie@all:none
+# tools/bench.py example-costs), hippie@all (all of stage 0 delayed: the paper's rule), hippie@all:none
 # (no correction), 2bw and 2bw:none (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after
 # another; same global batch, weights and data order.
 # Time to accuracy uses the GPT-shape step times at 1 Gbit/s and 250 Mbit/s in
