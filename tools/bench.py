@@ -83,6 +83,7 @@ import time
 from pathlib import Path
 
 from benchmarks.analysis import analyse_all
+from benchmarks.commands import COMMANDS, run_command
 from benchmarks.config import parse_args, config_record
 from benchmarks.figures import summarize
 from benchmarks.plots import plots
@@ -117,6 +118,9 @@ def write_outputs(out: Path, results: dict, publish: str | None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:  # a study: tools/bench.py NAME ...
+        return run_command(argv[0], argv[1:])
     a = parse_args(argv)
     out = Path(a.out).resolve()
     if a.auto_plan and not (a.analyze_only or a.projection_only):

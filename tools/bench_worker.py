@@ -1,4 +1,4 @@
-"""Rank worker of ``tools/bench.py`` and ``tools/bench_hidden_comm.py`` (not meant to be started by hand).
+"""Rank worker of ``tools/bench.py`` and ``tools/bench.py hidden-comm`` (not meant to be started by hand).
 
 One process per rank, started by DeepSpeed's launcher once per emulated node. It builds, for
 every schedule label asked for, a fresh GPT-like model from the same seed and an engine, warms

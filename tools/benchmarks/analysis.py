@@ -37,6 +37,7 @@ def stage_timings(ranks: dict) -> dict:
     instructions in that step (summed first: hippie waits twice a step, for its in-step part and
     its buffer, and a median of the pooled waits would mix the two), averaged over its ranks."""
     out = {}
+    arrivals = _collective_arrivals(ranks)
     for r, (steps, tl) in ranks.items():
         timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
         t0 = steps.get("t0") or 0.0
@@ -48,7 +49,11 @@ def stage_timings(ranks: dict) -> dict:
             i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
             if e.get("category") == "comm" or i is None:
                 continue
-            st["_d"].setdefault(e["kind"], []).append(e["end"] - e["start"])
+            last_in = arrivals.get((e["kind"], i))
+            # a pipeline-wide collective's own work starts when the last rank arrives: the
+            # simulator waits for the others itself, so only the part after that is its cost
+            own = e["end"] - max(start, last_in) if last_in is not None else e["end"] - e["start"]
+            st["_d"].setdefault(e["kind"], []).append(max(0.0, own))
             if e["kind"] in ALLREDUCE_KINDS:
                 per_step[i] += e["end"] - e["start"]
         if timed:
@@ -59,6 +64,29 @@ def stage_timings(ranks: dict) -> dict:
         st["count"] = {k: len(v) for k, v in d.items()}
         st["exposed_allreduce"] = statistics.mean(exposed) if exposed else 0.0
     return out
+
+
+# Instructions that synchronise every stage before their own work (stock DeepSpeed's optimizer step
+# computes the global gradient norm across the pipeline first: gradient_clipping defaults to 1.0).
+PIPELINE_COLLECTIVES = ("OptimizerStep",)
+
+
+def _collective_arrivals(ranks: dict) -> dict:
+    """{(kind, timed step index): the latest absolute start over all ranks} of PIPELINE_COLLECTIVES."""
+    latest = {}
+    for steps, tl in ranks.values():
+        if (steps.get("stages") or 1) < 2 or steps.get("schedule") == "dp":  # no pipeline to wait for
+            continue
+        timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
+        t0 = steps.get("t0") or 0.0
+        for e in tl.get("events", []):
+            if e["kind"] not in PIPELINE_COLLECTIVES:
+                continue
+            start = e["start"] + t0
+            i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
+            if i is not None:
+                latest[(e["kind"], i)] = max(latest.get((e["kind"], i), start), start)
+    return latest
 
 
 def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: float, p2p_bandwidth: float,
@@ -116,13 +144,17 @@ def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs:
         return {"step_time": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def analyse_job(run_dir: Path, job: dict, a, link_bw: float) -> dict | None:
+def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | None = None) -> dict | None:
     """One run's record from the worker's files under ``run_dir``: per-step times (the slowest
     rank's), median and throughput, memory per rank, stage timings, exposed all-reduce, and the
-    simulator's prediction from the run's own measured costs. None where the run left no files."""
+    simulator's prediction from the run's own measured costs. None where the run left no files.
+    ``only_round``: the steps of that worker round only (a worker that ran several labels in rounds)."""
     ranks = load_run(run_dir, job["label"])
     if not ranks:
         return None
+    if only_round is not None:
+        for steps, _ in ranks.values():
+            steps["steps"] = [s for s in steps["steps"] if s["warmup"] or s["round"] == only_round]
     meta = next(iter(ranks.values()))[0]
     keys = sorted({(s["round"], s["index"]) for s in meta["steps"] if not s["warmup"]})
     by_rank = {r: {(s["round"], s["index"]): s for s in st["steps"] if not s["warmup"]} for r, (st, _) in ranks.items()}
@@ -182,7 +214,7 @@ def job_prediction(ranks: dict, job: dict, a, link_bw: float, timings: dict) -> 
     meta = next(iter(ranks.values()))[0]
     world = meta["world"]
     dp_width = world if job["schedule"] == "dp" else world // meta["stages"]
-    if job["config"] == "two_nodes":
+    if job.get("nodes", 1) > 1:  # data parallelism across the shaped links
         ar_bw = link_bw * a.link_efficiency
     else:
         ar_bw = a.intra_allreduce_bandwidth

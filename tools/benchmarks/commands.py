@@ -10,6 +10,8 @@ import importlib
 
 # name: (module, what it measures)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "scaling": ("benchmarks.studies.scaling", "the paper's scaling table: 1, 2, 4 emulated nodes, emulated "
+                                              "accelerator models, beside the paper's figures (needs root)"),
     "schedules": ("benchmarks.studies.schedules", "flush schedules side by side on one node (step, bubble, memory; "
                                                   "measured and simulated)"),
     "link-sweep": ("benchmarks.studies.link_sweep", "the cluster bench once per inter-node link rate, collated "

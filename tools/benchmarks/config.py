@@ -6,11 +6,17 @@ import json
 import sys
 from pathlib import Path
 
+from .commands import usage
 from .runs import round_orders
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the epilog's lines (the subcommands) kept as written."""
+
 
 DEFAULT_SCHEDULES = "dp,gpipe,1f1b,hippie,hippie-1f1b"
 REPO = Path(__file__).resolve().parents[2]
-ALLREDUCE_MEASURED = REPO / "docs" / "bench" / "allreduce" / "results.json"  # tools/bench_allreduce.py's
+ALLREDUCE_MEASURED = REPO / "docs" / "bench" / "allreduce" / "results.json"  # tools/bench.py allreduce's
 
 
 def parse_args(argv=None):
@@ -20,8 +26,8 @@ def parse_args(argv=None):
         description="hippie-ds benchmark report: DP, GPipe+DP, stock 1F1B, hippie, hippie-1f1b (and any schedule by "
                     "name) on an emulated two-node cluster (network namespaces, shaped link; needs root), plus a "
                     "simulator projection to 16/64/1,024 V100s. Writes results.json, report.md and PNG plots.",
-        epilog="example: sudo .venv/bin/python tools/bench.py --out out/bench --publish docs/bench",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog="example: sudo .venv/bin/python tools/bench.py --out out/bench --publish docs/bench\n\n" + usage(),
+        formatter_class=_Formatter)
     _add_run_arguments(p)
     _add_model_arguments(p)
     _add_cluster_arguments(p)
@@ -53,7 +59,7 @@ def _add_run_arguments(p: argparse.ArgumentParser):
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
-    """--model and the emulated models' --emulate-* options (the bench, its worker, bench_schedules)."""
+    """--model and the emulated models' --emulate-* options (the bench, its worker, bench.py schedules)."""
     p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model) or emulated:NAME, a profiled "
                    "model whose compute is a CPU-free wait (benchmarks/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
     p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations "
@@ -100,11 +106,11 @@ def _add_cluster_arguments(p: argparse.ArgumentParser):
                         "default: the model's fp32); the cost files' gradient bytes follow it")
     p.add_argument("--link-efficiency", type=float, default=0.97,
                    help="all-reduce bandwidth / shaped rate for the prediction (measured here by "
-                        "tools/bench_allreduce.py: 0.96-0.97 for one pair and for two at once, 250 Mbit/s to "
+                        "tools/bench.py allreduce: 0.96-0.97 for one pair and for two at once, 250 Mbit/s to "
                         "10 Gbit/s; the brief's 64 MB in 561 ms at 1 Gbit/s is 0.91)")
     p.add_argument("--allreduce-cpu-per-mb", default="auto",
                    help="seconds of compute an all-reduce in flight takes from its stage per MB of gradient, for "
-                        "the prediction; 'auto': tools/bench_allreduce.py's measurement at --rate "
+                        "the prediction; 'auto': tools/bench.py allreduce's measurement at --rate "
                         f"({ALLREDUCE_MEASURED.relative_to(REPO)}), 0 where it has none")
     p.add_argument("--intra-allreduce-bandwidth", type=float, default=1.1e9,
                    help="bytes/s of an all-reduce inside a node (prediction of one-node DP; the brief: 64 MB in ~60 ms)")

@@ -85,7 +85,7 @@ def link_scaling(models=PROJECTION_MODELS[:2], rates=("10Gbit", "1Gbit", "250Mbi
     simulator predicts it: throughput(2 nodes) / (2 x throughput(1 node)), a pipeline of
     ``devices_per_node`` stages per node (weak scaling: the profile's batch per device), the
     planner choosing micro-batches, partition, re-computation and the deferred stages for
-    throughput. The analogue of tools/bench_link_sweep.py's measurement, where no CPU core is
+    throughput. The analogue of tools/bench.py link-sweep's measurement, where no CPU core is
     shared between compute and communication. Pure Python."""
     from hippie_ds.planner import make_plan, parse_cluster, read_pipedream
     profile_dir = Path(profile_dir) if profile_dir else _profile_dir()

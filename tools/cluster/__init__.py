@@ -1,6 +1,6 @@
 """The one place that runs jobs for the tools and the tests: an emulated cluster on one machine
 (the brief, section 4) and local multi-rank jobs. Used by tools/bench.py,
-tools/bench_hidden_comm.py, tools/multinode.py (emulated nodes), tools/convergence.py,
+tools/bench.py hidden-comm, tools/multinode.py (emulated nodes), tools/convergence.py,
 tools/soak.py and tests/distributed/launch.py (local jobs).
 
 * :mod:`cluster.network`: :class:`Network`, two network namespaces joined by a veth pair (one end
@@ -9,6 +9,8 @@ tools/soak.py and tests/distributed/launch.py (local jobs).
   veth ends go with them). Each tool uses its own names and subnet, so they can be set up side by
   side. :func:`preflight` refuses (:class:`Refuse`, exit code 2 in the tools) unless the tools are
   on PATH, we are root and ``ip netns`` works; :func:`check_cores` the two cores to pin nodes to.
+* :mod:`cluster.star`: :class:`StarNetwork`, N namespaces behind a bridge (a switch namespace), one
+  shaped link per node (both directions), the same interface as :class:`Network`.
 * :mod:`cluster.processes`: :class:`NodeProcesses`, one launcher per emulated node (``ip netns
   exec NODE ...``), each in its own session so that :meth:`NodeProcesses.stop` ends the launcher
   with its ranks; logs in ``LOGS/node{n}.log``, lines carrying a marker echoed with the elapsed
@@ -21,10 +23,11 @@ tools/soak.py and tests/distributed/launch.py (local jobs).
   it runs; :func:`core_ticks`, the busy and total clock ticks of some cores or the machine.
 """
 from .network import Network, Refuse, burst_for, check_cores, parse_rate, preflight, sh
+from .star import StarNetwork
 from .noise import ForeignCpu, core_ticks, foreign_cpu_between
 from .processes import (REPO, LocalJob, LocalRun, NodeProcesses, WorkerJob, cleanup_on_signals, fix_owner,
                         free_port, local_env, node_env, remove_shm_segments)
 
-__all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "WorkerJob",
+__all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "StarNetwork", "WorkerJob",
            "burst_for", "check_cores", "cleanup_on_signals", "core_ticks", "fix_owner", "foreign_cpu_between", "free_port",
            "local_env", "node_env", "parse_rate", "preflight", "remove_shm_segments", "sh"]

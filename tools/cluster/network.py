@@ -38,7 +38,7 @@ def burst_for(rate_bytes: float, burst: str = "default") -> str:
     this kernel). "default": 1mb (the brief's) when that is enough, else twice the least. "min":
     just above the least. The bucket fills while the link idles and then passes that many bytes
     at veth speed: a 1.6 MB all-reduce after 0.2 s idle takes 0.021 s at 250mbit with 1mb, against
-    0.051 s back to back (tools/bench_allreduce.py --idle-s). A real link has no such credit, so
+    0.051 s back to back (tools/bench.py allreduce --idle-s). A real link has no such credit, so
     "min" is the more faithful; at 1gbit even the least is 0.5 MB."""
     least = rate_bytes / 250
     if burst == "min":
