@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.emulated import EmulatedLayer, emulated_specs, input_elems, read_profile
+from benchmarks.emulated import DEVICE, DeviceClock, EmulatedLayer, emulated_specs, input_elems, read_profile
 from launch import collect, launch
 
 MODELS = ("vgg16", "gnmt8", "gnmt16")
@@ -38,6 +38,7 @@ def test_layers_follow_the_profile(model):
 
 
 def test_a_wait_leaves_the_cpu_free_and_gradients_are_real():
+    DEVICE.idle()  # nothing queued from an earlier test: the wait starts now
     layer = EmulatedLayer(params=1000, out_elems=64, forward_s=0.2, backward_s=0.2)
     x = torch.randn(4, 32, requires_grad=True)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -62,3 +63,29 @@ def test_schedules_exact_on_the_emulated_model(tmp_path):
         ours, losses, _, _, _ = collect(tmp_path, name)
         assert all(torch.equal(ours[i][k], stock[i][k]) for i in stock for k in stock[i]), name
         assert losses == stock_losses, name
+
+
+class _FakeTime:
+    """A clock that a sleep advances by the time asked plus a late wake-up of ``late`` s."""
+
+    def __init__(self, late: float):
+        self.now, self.late = 100.0, late
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s + self.late
+
+
+def test_device_clock_pays_back_late_wakeups_of_queued_waits_but_not_idle_time():
+    t = _FakeTime(late=0.004)  # every sleep wakes 4 ms late (several ranks on a core)
+    dev = DeviceClock(t.clock, t.sleep)
+    for _ in range(10):  # ten back-to-back 10 ms kernels: 100 ms, not 140
+        dev.run(0.010)
+    assert dev.busy_until == pytest.approx(100.100)
+    assert t.now <= 100.100 + 0.004 + 1e-9  # at most the last wake-up's lateness
+    t.now += 0.050  # the rank waits for a neighbour: the device sits idle
+    dev.run(0.010)  # starts when asked, no credit for the idle time
+    assert dev.busy_until == pytest.approx(t.now - 0.004)
+    assert dev.busy_until - 0.010 >= 100.150

@@ -3,7 +3,9 @@
 One process per rank, started by DeepSpeed's launcher once per emulated node. It builds, for
 every schedule label asked for, a fresh GPT-like model from the same seed and an engine, warms
 each up, then runs the timed steps in rounds, interleaving the labels so that machine noise hits
-them all alike. Nothing here adds a barrier inside or between timed steps. Labels:
+them all alike. Nothing here adds a barrier inside or between timed steps of a label; with several
+labels, a barrier (untimed) precedes each label's steps in a round, so that no rank starts them
+while another still finishes the previous label's. Labels:
 
 * ``stock``: stock DeepSpeed 1F1B (``deepspeed.initialize`` on a ``PipelineModule``);
 * ``dp``: plain DeepSpeed data parallelism over every rank (``deepspeed.initialize`` on an
@@ -247,6 +249,8 @@ def main():
     for rnd in range(a.rounds):
         order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]  # rotate: no fixed position
         for label in order:
+            if len(labels) > 1:  # untimed: the previous label's last step ends on each rank at its own time
+                torch.distributed.barrier()
             for i in range(a.steps):
                 dt = steps.run(label, rnd, i, False)
                 log(rank, f"round {rnd + 1}/{a.rounds} {label}: step {i + 1}/{a.steps}: {dt:.3f} s (rank 0)")

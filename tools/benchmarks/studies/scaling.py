@@ -101,6 +101,8 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
     args = worker_args(a, {**job, "schedule": "dp" if job["labels"] == "dp" else "", "label": job["labels"]},
                        run_dir, None)
     args[args.index("--rounds") + 1] = str(a.rounds)
+    replicas = job["nodes"] * job["rpn"] // a.stages or 1  # DP: the pipelines' global batch, every rank
+    args[args.index("--global-batch") + 1] = str(a.micro_batch_size * a.micro_batches * replicas)
     return args + ["--allreduce-bandwidth", str(parse_rate(a.rate) * a.link_efficiency)]
 
 
