@@ -22,7 +22,7 @@ DEMO_SHAPE ?= --stages 4 --micro-batches 8
 DEMO_COSTS ?= --forward 20ms --backward 40ms --activation-bytes 4MB --saved-bytes 30MB --param-bytes 27.4MB \
 	--data-parallel 2 --allreduce-bandwidth 125MB/s
 
-.PHONY: venv test test-unit demo schedule-demo bench clean distclean
+.PHONY: venv test test-unit demo schedule-demo bench bench-scaling clean distclean
 
 venv: $(STAMP)
 
@@ -71,6 +71,16 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench \
 		--publish docs/bench --auto-plan --schedules $(BENCH_SCHEDULES) $(BENCH_ARGS)
+
+# The paper's scaling table on an emulated accelerator (needs root): VGG-16 at 10 Gbit/s and GNMT-16
+# at 100 Gbit/s (PipeDream's V100 profiles, compute a CPU-free wait, model and link scaled by 1e-3)
+# on 1, 2 and 4 emulated nodes of 4 ranks, DP / stock 1F1B / GPipe+DP / hippie / hippie-1f1b in 3
+# interleaved rounds, beside the paper's figures; docs/bench/scaling/{vgg16,gnmt16}/. About 20 minutes.
+bench-scaling: $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py scaling --model emulated:vgg16 \
+		--rate 10mbit --out $(OUT)/bench/scaling-vgg16 --publish docs/bench/scaling/vgg16
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py scaling --model emulated:gnmt16 \
+		--rate 100mbit --out $(OUT)/bench/scaling-gnmt16 --publish docs/bench/scaling/gnmt16
 
 # Multi-node with DeepSpeed's own launcher (needs root): two emulated nodes (network namespaces joined
 # by a veth pair shaped to 1 Gbit/s), a hostfile, and `deepspeed --hostfile H --no_ssh --node_rank N`

@@ -116,7 +116,7 @@ def _write_raw(run_dir, durations=((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])),
     for rank, dur in durations:
         t, steps, events = 10.0, [], []
         for i, d in enumerate(dur):
-            steps.append({"round": 0 if i else -1, "index": i, "warmup": i == 0, "start": t, "end": t + d, "loss": 1.0,
+            steps.append({"round": 0 if i else -1, "index": max(0, i - 1), "warmup": i == 0, "start": t, "end": t + d, "loss": 1.0,
                           "saved_peak_bytes": 1000 * (rank + 1) * (i + 1), "core_busy": 0.5 + 0.1 * rank + 0.01 * i})
             events += [{"kind": "ForwardPass", "name": "F", "start": t - 10.0, "end": t - 10.0 + 0.1, "step": i},
                        {"kind": "BackwardPass", "name": "B", "start": t - 9.8, "end": t - 9.6, "step": i}]
@@ -133,15 +133,29 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     _write_raw(tmp_path)
     job = {"config": "one_node", "schedule": "1f1b", "label": "stock"}
     r = bench.analyse_job(tmp_path, job, _A, 1.25e8)
-    assert r["step_times_s"] == pytest.approx([1.2, 1.3])  # slowest rank per timed step; warm-up dropped
-    assert r["median_step_s"] == pytest.approx(1.25)
-    assert r["samples_per_step"] == 2 * 4 * 1 and r["throughput_samples_s"] == pytest.approx(8 / 1.25)
+    # a step: the latest end of the call over the ranks minus the latest end of the call before it
+    # (ends 11.0/11.05 warm-up, 12.2/12.05, 13.3/13.35): not the slowest rank's own 1.2 and 1.3
+    assert r["step_times_s"] == pytest.approx([1.15, 1.15])
+    assert r["median_step_s"] == pytest.approx(1.15)
+    assert r["samples_per_step"] == 2 * 4 * 1 and r["throughput_samples_s"] == pytest.approx(8 / 1.15)
     assert r["memory_per_rank"]["1"]["peak_saved_bytes"] == 6000   # max over steps
     assert r["mean_peak_training_rss_bytes"] == 500
     assert r["core_busy"] == pytest.approx(0.565)  # median of the timed steps over ranks: .51 .52 .61 .62
     assert r["stage_timings_s"]["0"]["ForwardPass"] == pytest.approx(0.1)
     assert r["prediction"]["step_time"] == pytest.approx(5 * 0.3, rel=1e-4)  # (M+K-1)(F+B) + tiny p2p, dp = 1
-    assert r["prediction"]["error"] == pytest.approx((1.5 - 1.25) / 1.25, rel=1e-4)
+    assert r["prediction"]["error"] == pytest.approx((1.5 - 1.15) / 1.15, rel=1e-4)
+
+
+def test_step_periods_after_another_label_fall_back_to_the_slowest_rank(bench):
+    from benchmarks.analysis import step_periods
+    # two rounds with other labels between them: round 1's first call has no predecessor here
+    r0 = [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 1.0},
+          {"round": 0, "index": 1, "warmup": False, "start": 1.0, "end": 2.1},
+          {"round": 1, "index": 0, "warmup": False, "start": 5.0, "end": 6.2}]
+    r1 = [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 0.9},
+          {"round": 0, "index": 1, "warmup": False, "start": 0.9, "end": 2.0},  # started early, waited
+          {"round": 1, "index": 0, "warmup": False, "start": 5.0, "end": 6.0}]
+    assert step_periods({0: r0, 1: r1}) == pytest.approx([1.0, 1.1, 1.2])
 
 
 def test_exposed_allreduce_sums_a_steps_waits_before_the_median(bench, tmp_path):
@@ -167,17 +181,17 @@ def test_analyse_all_reads_both_layouts(bench, tmp_path):
     """--analyze-only: round<R>/ directories when the runs came in rounds, the plain directory
     otherwise, whatever --rounds says now."""
     base = tmp_path / "runs" / "two_nodes" / "1f1b"
-    _write_raw(base / "round0")                                             # medians 1.25
-    _write_raw(base / "round1", ((0, [1.0, 2.0, 2.2]), (1, [1.0, 2.1, 2.0])))  # 2.15
+    _write_raw(base / "round0")                                             # medians 1.15
+    _write_raw(base / "round1", ((0, [1.0, 2.0, 2.2]), (1, [1.0, 2.1, 2.0])))  # 2.1
     _write_raw(base / "round2", ((0, [1.0, 1.5, 1.5]), (1, [1.0, 1.5, 1.5])))  # 1.5
     _write_raw(tmp_path / "runs" / "one_node" / "1f1b")
     a = bench.parse_args(["--schedules", "1f1b", "--no-single", "--rounds", "1", "--no-shape"])
     runs = bench.analyse_all(tmp_path, a, bench.run_plan(a))
     two, one = runs["two_nodes"]["1f1b"], runs["one_node"]["1f1b"]
-    assert two["rounds"] == 3 and two["round_median_step_s"] == pytest.approx([1.25, 2.15, 1.5])
+    assert two["rounds"] == 3 and two["round_median_step_s"] == pytest.approx([1.15, 2.1, 1.5])
     assert two["median_step_s"] == pytest.approx(1.5) and two["detail_round"] == 2
     assert two["timed_steps"] == 6
-    assert one["rounds"] == 1 and one["median_step_s"] == pytest.approx(1.25)
+    assert one["rounds"] == 1 and one["median_step_s"] == pytest.approx(1.15)
     s = bench.summarize(runs)["schedules"]["1f1b"]
     assert s["ratio_to_1f1b_rounds"] == pytest.approx([1.0, 1.0, 1.0]) and s["real_vs_1f1b"] is None
 

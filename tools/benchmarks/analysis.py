@@ -144,21 +144,50 @@ def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs:
         return {"step_time": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def step_periods(steps_by_rank: dict) -> list[float]:
+    """Each timed step's time, as the simulator defines it: the latest end of that ``train_batch``
+    over the ranks minus the latest end of the call before it on the same engine (the warm-up's
+    last for the first timed step), when that call came straight before (consecutive indices of
+    one round, or the warm-up then round 0 with a single label); else, after another label's
+    steps, the slowest rank's own call. A rank may start call k early and wait inside it while
+    another still finishes k-1 (schedules without an end-of-step barrier): its own duration then
+    overstates the step, the period does not. Pure."""
+    ends, starts = {}, {}
+    for steps in steps_by_rank.values():
+        for s in steps:
+            k = (s["round"], s["index"])
+            ends[k] = max(ends.get(k, s["end"]), s["end"])
+            starts.setdefault(k, []).append((s["start"], s["end"]))
+    warm = sorted(k for k in ends if k[0] < 0)
+    timed = sorted(k for k in ends if k[0] >= 0)
+    rounds = {k[0] for k in timed}
+    out = []
+    for k in timed:
+        rnd, i = k
+        prev = (rnd, i - 1) if i > 0 else (warm[-1] if rnd == 0 and warm and len(rounds) == 1 else None)
+        if prev in ends:
+            out.append(ends[k] - ends[prev])
+        else:
+            out.append(max(e - b for b, e in starts[k]))
+    return out
+
+
 def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | None = None) -> dict | None:
     """One run's record from the worker's files under ``run_dir``: per-step times (the slowest
     rank's), median and throughput, memory per rank, stage timings, exposed all-reduce, and the
     simulator's prediction from the run's own measured costs. None where the run left no files.
-    ``only_round``: the steps of that worker round only (a worker that ran several labels in rounds)."""
+    ``only_round``: the timed steps of that worker round only (a worker that ran several labels in
+    rounds; the warm-up, which other labels' followed, is left out)."""
     ranks = load_run(run_dir, job["label"])
     if not ranks:
         return None
     if only_round is not None:
         for steps, _ in ranks.values():
-            steps["steps"] = [s for s in steps["steps"] if s["warmup"] or s["round"] == only_round]
+            steps["steps"] = [s for s in steps["steps"] if not s["warmup"] and s["round"] == only_round]
     meta = next(iter(ranks.values()))[0]
     keys = sorted({(s["round"], s["index"]) for s in meta["steps"] if not s["warmup"]})
+    per_step = step_periods({r: st["steps"] for r, (st, _) in ranks.items()})
     by_rank = {r: {(s["round"], s["index"]): s for s in st["steps"] if not s["warmup"]} for r, (st, _) in ranks.items()}
-    per_step = [max(by_rank[r][k]["end"] - by_rank[r][k]["start"] for r in by_rank if k in by_rank[r]) for k in keys]
     median = median_or_none(per_step)
     world = meta["world"]
     if job["schedule"] == "dp":

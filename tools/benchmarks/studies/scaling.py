@@ -50,7 +50,11 @@ def config_name(nodes: int) -> str:
 def parse_args(argv=None):
     """The study's options, plus the cluster bench's (benchmarks/config.py) for the worker and the analysis."""
     from ..config import parse_args as bench_args
-    p = argparse.ArgumentParser(prog="tools/bench.py scaling", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="tools/bench.py scaling", description=__doc__.split("\n\n")[0] + (
+                                    " Defaults (any can be given): --model emulated:vgg16 --stages 4 "
+                                    "--micro-batch-size 32 --micro-batches 8 --rate 10mbit --burst min --steps 4 "
+                                    "--warmup 2 --rounds 3 --schedules dp,1f1b,gpipe,hippie,hippie-1f1b "
+                                    "--out out/bench/scaling."),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="example: sudo .venv/bin/python tools/bench.py scaling --model emulated:vgg16 "
                                        "--nodes 1,2,4 --rate 10mbit --publish docs/bench/scaling/vgg16. Any other "

@@ -1,0 +1,132 @@
+"""tools/bench.py scaling, its pure parts (run plan, labels, figures, report, the optimizer-step
+barrier in the measured costs) and the star network of N emulated nodes (root only: namespaces)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.analysis import stage_timings
+from benchmarks.studies import scaling
+from benchmarks.studies.scaling_report import report
+from cluster import StarNetwork, preflight
+
+
+def _args(*extra):
+    return scaling.parse_args(["--out", "/tmp/unused", *extra])
+
+
+def test_defaults_and_run_plan():
+    a = _args("--nodes", "4,1,2", "--rounds", "3")
+    assert a.model == "emulated:vgg16" and a.stages == 4 and a.rate == "10mbit" and a.node_counts == [1, 2, 4]
+    plan = scaling.run_plan(a)
+    assert [j["dir"] for j in plan] == ["one_node", "two_nodes", "four_nodes", "one_device"]
+    assert plan[0]["labels"] == "dp,stock,gpipe,hippie-auto,hippie-1f1b-auto"  # every schedule in one job
+    args = scaling.job_args(a, plan[2], scaling.Path("/tmp/x"))
+    assert args[args.index("--rounds") + 1] == "3"  # the rounds run inside the worker
+    assert args[args.index("--global-batch") + 1] == str(32 * 8 * 4)  # DP: the 4 pipelines' batch
+    single = scaling.job_args(a, plan[3], scaling.Path("/tmp/x"))
+    assert single[single.index("--global-batch") + 1] == str(32 * 8) and "dp" in single
+
+
+@pytest.mark.parametrize("nodes", ["2,4", "1", "1,x"])
+def test_nodes_must_include_one_and_a_larger_count(nodes, capsys):
+    with pytest.raises(SystemExit):
+        _args("--nodes", nodes)
+    assert "--nodes" in capsys.readouterr().err
+
+
+def _run(rounds_thr, world, stages=4, state=1e3, saved=1e3, pred=None):
+    med = sorted(rounds_thr)[len(rounds_thr) // 2]
+    return {"throughput_samples_s": med, "round_throughput_samples_s": rounds_thr, "median_step_s": 256 / med,
+            "median_step_s_min": 256 / max(rounds_thr), "median_step_s_max": 256 / min(rounds_thr),
+            "world": world, "stages": 1 if stages == 1 else stages, "mean_state_bytes": state,
+            "mean_peak_saved_bytes": saved, "schedule_params": {}, "prediction": {"step_time": pred, "error": 0.05}}
+
+
+def test_summarize_scaling_me_and_report():
+    runs = {"one_node": {"dp": _run([100, 110], 4, 1, state=4e3), "1f1b": _run([200, 200], 4),
+                         "hippie-1f1b": _run([220, 230], 4)},
+            "two_nodes": {"dp": _run([100, 100], 8, 1, state=4e3), "1f1b": _run([300, 280], 8),
+                          "hippie-1f1b": _run([440, 450], 8)},
+            "one_device": {"dp": _run([60], 1, 1, state=16e3)}}
+    s = scaling.summarize(runs, [1, 2], scale=1e-3)
+    two = s["by_nodes"]["2"]
+    # scaling 1 -> 2 per round: 440 / (2 x 220), 450 / (2 x 230)
+    assert two["hippie-1f1b"]["scaling_rounds"] == pytest.approx([1.0, 450 / 460])
+    assert two["1f1b"]["scaling_min"] == pytest.approx(0.7) and two["1f1b"]["scaling_max"] == pytest.approx(0.75)
+    assert two["hippie-1f1b"]["vs_1f1b_min"] == pytest.approx(440 / 300) and two["hippie-1f1b"]["real_vs_1f1b"]
+    # memory unscaled to the profile's size; ME = scalability x throughput / memory, against DP's
+    assert two["1f1b"]["memory_bytes"] == pytest.approx(2e6)
+    thr, dev = two["1f1b"]["throughput"], 8
+    me = (thr / (dev * 60)) * thr / 2e-3
+    me_dp = (100 / (dev * 60)) * 100 / 5e-3
+    assert two["1f1b"]["me_vs_dp"] == pytest.approx(me / me_dp)
+    md = report({"config": {"model": "emulated:vgg16", "emulate_speedup": 1.0, "emulate_scale": 1e-3,
+                            "params_total": "138K", "nodes": [1, 2], "stages": 4, "link": "tbf 10mbit",
+                            "cores": "0,1", "micro_batches": 8, "micro_batch_size": 32, "warmup": 2, "steps": 4,
+                            "rounds": 2, "command": "tools/bench.py scaling", "link_efficiency": 0.97},
+                 "summary": s, "runs": runs})
+    assert "| hippie-1f1b | 0.99 (0.98-1.00) |" in md  # the pivot: scaling 1 -> 2 nodes
+    assert "> 90%" in md and "emulated here" in md  # the paper's figure beside ours
+    assert "**emulated**" in md
+
+
+def _rank(rank, stage, opt_start, opt_end):
+    """A rank's step record and timeline with one timed step and its OptimizerStep (absolute times)."""
+    steps = {"rank": rank, "stage": stage, "stages": 2, "schedule": "stock", "params": 10, "t0": 0.0,
+             "steps": [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 2.0}]}
+    events = [{"kind": "ForwardPass", "start": 0.1, "end": 0.2},
+              {"kind": "OptimizerStep", "start": opt_start, "end": opt_end}]
+    return steps, {"events": events}
+
+
+def test_stock_optimizer_step_counts_only_its_work_after_the_pipeline_barrier():
+    # stage 0 arrives at 1.0 and waits for stage 1 (arrives at 1.5) before the norm; both end at 1.6
+    t = stage_timings({0: _rank(0, 0, 1.0, 1.6), 1: _rank(1, 1, 1.5, 1.6)})
+    assert t[0]["median"]["OptimizerStep"] == pytest.approx(0.1)  # not 0.6: the simulator waits itself
+    assert t[1]["median"]["OptimizerStep"] == pytest.approx(0.1)
+    assert t[0]["median"]["ForwardPass"] == pytest.approx(0.1)
+
+
+def _netns_available() -> bool:
+    try:
+        preflight("tests/test_bench_scaling.py", ("ip", "tc"))
+        return True
+    except Exception:
+        return False
+
+
+_SERVER = """import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5901)); s.listen()
+c, _ = s.accept(); print(c.recv(16).decode())"""
+_CLIENT = """import socket, sys, time
+for _ in range(100):
+    try:
+        socket.create_connection((sys.argv[1], 5901), timeout=5).sendall(b"hello"); break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("no connection")"""
+
+
+@pytest.mark.skipif(not _netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)")
+def test_star_network_joins_every_node_through_its_own_shaped_link():
+    net = StarNetwork("hdsT", "10.83.0", 3)
+    try:
+        qdiscs = net.setup("100mbit", "min")
+        assert set(qdiscs) == set(net.nodes) and all("tbf" in q and "100Mbit" in q for q in qdiscs.values())
+        for src, dst in ((0, 2), (2, 1)):  # a TCP message from one node to another, through the switch
+            server = subprocess.Popen(net.exec_prefix(dst) + [sys.executable, "-c", _SERVER, net.addrs[dst]],
+                                      stdout=subprocess.PIPE, text=True)
+            client = subprocess.run(net.exec_prefix(src) + [sys.executable, "-c", _CLIENT, net.addrs[dst]],
+                                    capture_output=True, text=True, timeout=30)
+            assert client.returncode == 0, client.stderr
+            assert server.communicate(timeout=30)[0].strip() == "hello"
+        assert net.link_bytes(0)["tx"] > 0
+        info = json.loads(__import__("base64").urlsafe_b64decode(net.world_info(2, 2)))
+        assert info == {net.nodes[0]: [0, 1], net.nodes[1]: [0, 1]}
+    finally:
+        net.teardown()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "hdsT-" not in listed
