@@ -133,8 +133,8 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     _write_raw(tmp_path)
     job = {"config": "one_node", "schedule": "1f1b", "label": "stock"}
     r = bench.analyse_job(tmp_path, job, _A, 1.25e8)
-    # a step: the latest end of the call over the ranks minus the latest end of the call before it
-    # (ends 11.0/11.05 warm-up, 12.2/12.05, 13.3/13.35): not the slowest rank's own 1.2 and 1.3
+    # a step: from the last rank entering the call to the last leaving it (starts 11.0/11.05,
+    # 12.2/12.05; ends 12.2/12.05, 13.3/13.35): not the slowest rank's own 1.2 and 1.3
     assert r["step_times_s"] == pytest.approx([1.15, 1.15])
     assert r["median_step_s"] == pytest.approx(1.15)
     assert r["samples_per_step"] == 2 * 4 * 1 and r["throughput_samples_s"] == pytest.approx(8 / 1.15)
@@ -146,14 +146,15 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     assert r["prediction"]["error"] == pytest.approx((1.5 - 1.15) / 1.15, rel=1e-4)
 
 
-def test_step_periods_after_another_label_fall_back_to_the_slowest_rank(bench):
+def test_a_step_runs_from_the_last_rank_entering_to_the_last_leaving(bench):
     from benchmarks.analysis import step_periods
-    # two rounds with other labels between them: round 1's first call has no predecessor here
+    # rank 1 enters call (0, 1) early and waits in it: the step is 1.1, not its own 1.1 + 0.1 wait;
+    # the gap between rounds (other labels ran) is in no step
     r0 = [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 1.0},
           {"round": 0, "index": 1, "warmup": False, "start": 1.0, "end": 2.1},
           {"round": 1, "index": 0, "warmup": False, "start": 5.0, "end": 6.2}]
     r1 = [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 0.9},
-          {"round": 0, "index": 1, "warmup": False, "start": 0.9, "end": 2.0},  # started early, waited
+          {"round": 0, "index": 1, "warmup": False, "start": 0.8, "end": 2.0},  # started early, waited
           {"round": 1, "index": 0, "warmup": False, "start": 5.0, "end": 6.0}]
     assert step_periods({0: r0, 1: r1}) == pytest.approx([1.0, 1.1, 1.2])
 

@@ -145,31 +145,19 @@ def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs:
 
 
 def step_periods(steps_by_rank: dict) -> list[float]:
-    """Each timed step's time, as the simulator defines it: the latest end of that ``train_batch``
-    over the ranks minus the latest end of the call before it on the same engine (the warm-up's
-    last for the first timed step), when that call came straight before (consecutive indices of
-    one round, or the warm-up then round 0 with a single label); else, after another label's
-    steps, the slowest rank's own call. A rank may start call k early and wait inside it while
-    another still finishes k-1 (schedules without an end-of-step barrier): its own duration then
-    overstates the step, the period does not. Pure."""
-    ends, starts = {}, {}
+    """Each timed step's time: from the moment the last rank entered that ``train_batch`` call to
+    the moment the last rank left it. A rank that starts call k early (a schedule without an
+    end-of-step barrier lets it leave k-1 first) waits inside k for the others: its own duration
+    overstates the step; and what the harness does between calls (``gc.collect``, records) is
+    in neither. Pure."""
+    spans = {}
     for steps in steps_by_rank.values():
         for s in steps:
-            k = (s["round"], s["index"])
-            ends[k] = max(ends.get(k, s["end"]), s["end"])
-            starts.setdefault(k, []).append((s["start"], s["end"]))
-    warm = sorted(k for k in ends if k[0] < 0)
-    timed = sorted(k for k in ends if k[0] >= 0)
-    rounds = {k[0] for k in timed}
-    out = []
-    for k in timed:
-        rnd, i = k
-        prev = (rnd, i - 1) if i > 0 else (warm[-1] if rnd == 0 and warm and len(rounds) == 1 else None)
-        if prev in ends:
-            out.append(ends[k] - ends[prev])
-        else:
-            out.append(max(e - b for b, e in starts[k]))
-    return out
+            if s["warmup"]:
+                continue
+            first, last = spans.get((s["round"], s["index"]), (s["start"], s["end"]))
+            spans[(s["round"], s["index"])] = (max(first, s["start"]), max(last, s["end"]))
+    return [last - first for _, (first, last) in sorted(spans.items())]
 
 
 def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | None = None) -> dict | None:
