@@ -41,7 +41,7 @@ def test_bench_help_lists_every_subcommand():
 
 def test_tools_holds_only_entry_points():
     """tools/ shows a newcomer its entry points: the studies are bench.py's subcommands, the rank
-    workers launched by the tools are in tools/workers/ (bench_worker.py aside)."""
+    workers launched by the tools are in tools/workers/ (bench_worker.py among them)."""
     scripts = sorted(p.name for p in TOOLS.glob("*.py"))
-    assert scripts == ["bench.py", "bench_worker.py", "convergence.py", "labels.py", "multinode.py", "soak.py",
+    assert scripts == ["bench.py", "convergence.py", "labels.py", "multinode.py", "soak.py",
                        "train_gpt.py", "train_vgg.py"]

@@ -7,7 +7,7 @@ One command (``make bench``, as root) that
    (``hdsb-node0``, ``hdsb-node1``) joined by a veth pair (10.78.0.1 <-> 10.78.0.2), both ends
    shaped with ``tc tbf rate 1gbit``; 2 ranks per node, node 0's pinned to core 0 and node 1's to
    core 1 (``taskset``); a 2-stage pipeline inside each node, data parallelism across the link;
-2. trains the same GPT-like model (tools/bench_worker.py) with every schedule asked for
+2. trains the same GPT-like model (tools/workers/bench_worker.py) with every schedule asked for
    (``--schedules``, default ``dp,gpipe,1f1b,hippie,hippie-1f1b``), each in its own processes
    (so that each rank's peak resident memory is its own):
 
@@ -72,7 +72,7 @@ This module is the entry point (``main``); the parts live in the package tools/b
 config.py (command line, results.json's config record), runs.py (run plan, rounds, running the
 jobs, ``--auto-plan``), analysis.py (a run's files -> its record, rounds combined), figures.py
 (ratios, ME, scaling efficiency), projection.py, report.py (report.md) and plots.py; the rank
-worker is bench_worker.py.
+worker is workers/bench_worker.py.
 """
 from __future__ import annotations
 

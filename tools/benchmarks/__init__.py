@@ -1,5 +1,5 @@
 """The benchmarks' library: what tools/bench.py, its subcommands (``tools/bench.py NAME``) and the
-rank worker tools/bench_worker.py share (imported as ``from benchmarks.analysis import ...``;
+rank worker tools/workers/bench_worker.py share (imported as ``from benchmarks.analysis import ...``;
 tools/ is the import root).
 
 ``config`` (command line, results.json's config record), ``runs`` (run plan, rounds, running the

@@ -1,4 +1,4 @@
-"""The benchmark's analysis of one run: the worker's per-rank files (tools/bench_worker.py) ->
+"""The benchmark's analysis of one run: the worker's per-rank files (tools/workers/bench_worker.py) ->
 step times, throughput, memory, stage timings, and the simulator's prediction of the step from
 the run's own measured costs; one schedule's runs over rounds combined into one record."""
 from __future__ import annotations

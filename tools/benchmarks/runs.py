@@ -17,7 +17,7 @@ from .analysis import analyse_all, analyse_job
 from .figures import mean_or_none
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tools" / "bench_worker.py"
+WORKER = REPO / "tools" / "workers" / "bench_worker.py"
 # Which engine a schedule name runs on (anything else: hippie_ds.initialize with that schedule).
 WORKER_LABEL = {"1f1b": "stock", "hds-1f1b": "1f1b", "dp": "dp"}
 CONFIGS = ("two_nodes", "one_node", "one_device")

@@ -30,11 +30,12 @@ def free_port() -> int:
 
 
 def local_env(base: dict | None = None) -> dict:
-    """A local job's environment: one OpenMP thread, the repository first on PYTHONPATH (the ranks
-    import this checkout's hippie_ds), the venv's torch_extensions unless set."""
+    """A local job's environment: one OpenMP thread, the repository and tools/ first on PYTHONPATH
+    (the ranks import this checkout's hippie_ds; the rank scripts in tools/workers/ import the tool
+    code, whose import root is tools/), the venv's torch_extensions unless set."""
     env = dict(os.environ if base is None else base)
     env.update({"OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "tools"), env.get("PYTHONPATH")]))})
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
     return env
 

@@ -10,18 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-# The launcher runs this file as a script: tools/workers/ is first on sys.path, the import root
-# of the tool code (tools/) is one level up.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cluster import core_ticks  # noqa: E402
+from cluster import core_ticks  # tools/ is on PYTHONPATH (cluster.local_env)
 
 
 def parse_args():

@@ -15,7 +15,7 @@ ranks: a 2-stage pipeline inside each node (ranks 0,1 = node 0 = stages 0,1 of r
 ``MASTER_ADDR=10.77.0.1``; DeepSpeed's launcher is started once per node
 (``python -m deepspeed.launcher.launch --world_info=... --node_rank=N``).
 
-The one worker script, tools/bench_worker.py, trains a GPT-like PipelineModule (default 8
+The one worker script, tools/workers/bench_worker.py, trains a GPT-like PipelineModule (default 8
 blocks, d_model 320, vocab 4096, sequence 64, micro-batch 2, fp32 AdamW: about 6.2M parameters
 = 25 MB per stage) with, side by side in the same processes: stock DeepSpeed 1F1B
 (``deepspeed.initialize``) and hippie-ds ``gpipe``, ``hippie``, ``hippie-1f1b`` (default
@@ -85,7 +85,7 @@ from benchmarks.studies.hidden_comm_analysis import analyse
 from cluster import (REPO, ForeignCpu, Network, Refuse, WorkerJob, check_cores, cleanup_on_signals, fix_owner,
                      parse_rate, preflight as cluster_preflight)
 
-WORKER = REPO / "tools" / "bench_worker.py"
+WORKER = REPO / "tools" / "workers" / "bench_worker.py"
 NETWORK = Network(("hds-node0", "hds-node1"), ("veth0", "veth1"), ("10.77.0.1", "10.77.0.2"))
 DEFAULT_SCHEDULES = "stock,gpipe,hippie,hippie-1f1b,hippie-auto"
 KNOWN_LABELS = ("stock", "1f1b", "gpipe", "hippie", "hippie-1f1b", "hippie-auto", "hippie-1f1b-auto")
@@ -100,7 +100,7 @@ def preflight(args):
 
 # ---------------------------------------------------------------------------------- job
 def worker_args(a, out: Path) -> list[str]:
-    """tools/bench_worker.py's command line: every schedule in the same processes, in rounds."""
+    """tools/workers/bench_worker.py's command line: every schedule in the same processes, in rounds."""
     return ["--out", str(out), "--schedules", a.schedules, "--micro-batches", str(a.micro_batches),
             "--micro-batch-size", str(a.micro_batch_size), "--seq", str(a.seq), "--d-model", str(a.d_model),
             "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),

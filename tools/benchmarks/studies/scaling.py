@@ -9,7 +9,7 @@ CPU-free wait of the profiled V100 time, real parameters and activations scaled 
 = ``10mbit``) so that every transfer takes its profiled time.
 
 Rounds: one job per node count (``--nodes``) runs every schedule, each its own engine in the
-same processes (tools/bench_worker.py: built once, then ``--rounds`` rounds of ``--steps`` steps
+same processes (tools/workers/bench_worker.py: built once, then ``--rounds`` rounds of ``--steps`` steps
 per schedule, the order rotated each round); ratios to stock 1F1B and DP and the scaling from one node are
 taken per round, between runs of the same round, and reported as median (min-max) over rounds. One
 single-device run (the whole model on one rank) gives the paper's scalability and memory
@@ -80,7 +80,7 @@ def parse_args(argv=None):
 
 
 # The bench's schedule names -> the worker's labels: the hippie family with 'deferred_stages: auto'
-# chosen from the stock engine's costs measured in the same job ("-auto", tools/bench_worker.py).
+# chosen from the stock engine's costs measured in the same job ("-auto", tools/workers/bench_worker.py).
 LABELS = {"1f1b": "stock", "dp": "dp", "hds-1f1b": "1f1b"}
 
 

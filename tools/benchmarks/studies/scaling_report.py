@@ -63,7 +63,7 @@ def paper_table(summary: dict) -> list[str]:
     speedup = {s: rows[s]["scaling"] * int(top) for s in ("dp", *hip) if (rows.get(s) or {}).get("scaling")}
     ours = [f"1 -> {top} nodes: " + each("{:.0%}", lambda r: r.get("scaling")),
             f"{top} nodes: " + each("{:.2f}x", lambda r: r.get("me_vs_dp")),
-            f"memory per device against GPipe+DP: " + each("{:.0%}", lambda r: 1 - r["memory_bytes"] / gp
+            "memory per device against GPipe+DP: " + each("{:.0%}", lambda r: 1 - r["memory_bytes"] / gp
                                                           if r.get("memory_bytes") and gp else None),
             f"speed-up 1 -> {top} nodes: " + (", ".join(f"{DISPLAY.get(s, s)} {v:.2f}x" for s, v in speedup.items())
                                                or "-"),

@@ -2,7 +2,7 @@
 measured and simulated (default: zb-h1 against hippie-ds's 1f1b; any flush schedules, virtual
 stages included: ``--schedules 1f1b,zb-h1,interleaved-1f1b,zb-v``).
 
-``tools/bench.py schedules`` (``--help``: the options) runs ``tools/bench_worker.py`` under the
+``tools/bench.py schedules`` (``--help``: the options) runs ``tools/workers/bench_worker.py`` under the
 ``deepspeed`` launcher on one node, K ranks, each pinned to its own core (``--core-per-rank``), so
 that a pipeline bubble is idle time and not another rank's compute. The schedules alternate in
 rounds inside one job (the order rotated each round). Then, per schedule:
@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.analysis import load_run, stage_timings
+from cluster import local_env
 from benchmarks.config import add_model_choice, model_choice_args
 from hippie_ds.schedules import compile as compile_schedule
 from hippie_ds.schedules.costs import CommCost, Costs
@@ -46,12 +47,12 @@ SENDS = ("SendActivation", "SendGrad", "ISendActivation", "ISendGrad")
 
 def run_worker(a) -> None:
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.stages), "--master_port",
-           str(a.port), str(REPO / "tools" / "bench_worker.py"), "--out", a.out, "--schedules", a.schedules,
+           str(a.port), str(REPO / "tools" / "workers" / "bench_worker.py"), "--out", a.out, "--schedules", a.schedules,
            "--stages", str(a.stages), "--micro-batches", str(a.micro_batches), "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--rounds", str(a.rounds), "--layers", str(a.layers), "--d-model",
            str(a.d_model), "--memory", "--core-per-rank", "--micro-batch-size", str(a.micro_batch_size),
            *model_choice_args(a)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = local_env()
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
 
