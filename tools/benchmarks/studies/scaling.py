@@ -233,8 +233,14 @@ def main(argv=None) -> int:
             return 1
     from ..config import config_record
     from .scaling_report import report
-    results = {"config": {**config_record(a), "nodes": a.node_counts}, "runs": analyse(a, out),
-               "wall_s": wall}
+    command = " ".join(["tools/bench.py scaling", *(sys.argv[1:] if argv is None else argv)])
+    config = {**config_record(a), "nodes": a.node_counts, "command": command,
+              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts)}
+    if a.analyze_only and (out / "results.json").exists():  # the measuring command stays the report's
+        old = json.loads((out / "results.json").read_text())
+        wall = old.get("wall_s")
+        config = {**old["config"], "reanalysed_by": command}
+    results = {"config": config, "runs": analyse(a, out), "wall_s": wall}
     results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report(results)
