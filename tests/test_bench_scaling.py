@@ -130,3 +130,26 @@ def test_star_network_joins_every_node_through_its_own_shaped_link():
         net.teardown()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "hdsT-" not in listed
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not _netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)")
+def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
+    """The whole study on a tiny shape: the star network, one worker job per node count with every
+    schedule as a label ('auto' from stock's costs in the same job), the analysis and the report."""
+    out = tmp_path / "scaling"
+    res = subprocess.run([sys.executable, str(scaling.Path(scaling.__file__).resolve().parents[2] / "bench.py"),
+                          "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
+                          "--micro-batch-size", "4", "--schedules", "dp,1f1b,hippie-1f1b", "--rounds", "2",
+                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "20", "--rate", "100mbit",
+                          "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    two = results["summary"]["by_nodes"]["2"]
+    assert set(two) == {"dp", "1f1b", "hippie-1f1b"}
+    assert all(r["step_s"] > 0 and r["scaling"] > 0 and r["predicted_step_s"] > 0 for r in two.values())
+    assert two["hippie-1f1b"]["deferred_stages"] is not None  # 'auto' resolved from stock's costs
+    costs = json.loads((out / "runs" / "two_nodes" / "raw" / "costs.json").read_text())
+    assert all("optimizer_spans" not in st and st["optimizer_time"] >= 0 for st in costs["stages"])
+    assert "## 2 nodes" in (out / "report.md").read_text()
+    assert "hdss-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

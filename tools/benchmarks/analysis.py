@@ -49,11 +49,7 @@ def stage_timings(ranks: dict) -> dict:
             i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
             if e.get("category") == "comm" or i is None:
                 continue
-            last_in = arrivals.get((e["kind"], i))
-            # a pipeline-wide collective's own work starts when the last rank arrives: the
-            # simulator waits for the others itself, so only the part after that is its cost
-            own = e["end"] - max(start, last_in) if last_in is not None else e["end"] - e["start"]
-            st["_d"].setdefault(e["kind"], []).append(max(0.0, own))
+            st["_d"].setdefault(e["kind"], []).append(work_after_arrivals(start, e["end"], arrivals.get((e["kind"], i))))
             if e["kind"] in ALLREDUCE_KINDS:
                 per_step[i] += e["end"] - e["start"]
         if timed:
@@ -69,6 +65,12 @@ def stage_timings(ranks: dict) -> dict:
 # Instructions that synchronise every stage before their own work (stock DeepSpeed's optimizer step
 # computes the global gradient norm across the pipeline first: gradient_clipping defaults to 1.0).
 PIPELINE_COLLECTIVES = ("OptimizerStep",)
+
+
+def work_after_arrivals(start: float, end: float, last_arrival: float | None) -> float:
+    """A pipeline-wide collective's own work on a rank: what it did after the last rank arrived
+    (the simulator makes every stage wait for the others itself). Pure."""
+    return max(0.0, end - (start if last_arrival is None else max(start, last_arrival)))
 
 
 def _collective_arrivals(ranks: dict) -> dict:

@@ -146,7 +146,7 @@ def timeline_of(engine):
 
 def stage_costs(a, engine, steps_from):
     """This rank's measured per-micro-batch costs (from the stock engine's warm-up timeline)."""
-    _, events = timeline_of(engine)
+    t0, events = timeline_of(engine)
 
     def mean(kinds):
         ds = [e["end"] - e["start"] for e in events if e["kind"] in kinds and e["step"] >= steps_from]
@@ -155,6 +155,10 @@ def stage_costs(a, engine, steps_from):
     params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     return {"stage": engine.stage_id, "forward": mean({"ForwardPass"}), "backward": mean({"BackwardPass"}),
             "optimizer_time": mean({"OptimizerStep"}), "param_bytes": 4.0 * params,
+            # absolute (step, start, end) of the pipeline-wide optimizer steps: write_auto_costs
+            # keeps only each one's work after the last stage arrived
+            "optimizer_spans": [(e["step"], e["start"] + t0, e["end"] + t0) for e in events
+                                if e["kind"] == "OptimizerStep" and e["step"] >= steps_from],
             "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model}
 
 
