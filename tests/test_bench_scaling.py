@@ -72,18 +72,19 @@ def test_summarize_scaling_me_and_report():
     assert "**emulated**" in md
 
 
-def _rank(rank, stage, opt_start, opt_end):
-    """A rank's step record and timeline with one timed step and its OptimizerStep (absolute times)."""
-    steps = {"rank": rank, "stage": stage, "stages": 2, "schedule": "stock", "params": 10, "t0": 0.0,
-             "steps": [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 2.0}]}
-    events = [{"kind": "ForwardPass", "start": 0.1, "end": 0.2},
-              {"kind": "OptimizerStep", "start": opt_start, "end": opt_end}]
+def _rank(rank, stage, opt_start, opt_end, t0=100.0):
+    """A rank's step record (absolute times) and timeline (times after its own ``t0``) with one
+    timed step and its OptimizerStep at absolute ``opt_start``-``opt_end``."""
+    steps = {"rank": rank, "stage": stage, "stages": 2, "schedule": "stock", "params": 10, "t0": t0,
+             "steps": [{"round": 0, "index": 0, "warmup": False, "start": 100.0, "end": 102.0}]}
+    events = [{"kind": "ForwardPass", "start": 100.1 - t0, "end": 100.2 - t0},
+              {"kind": "OptimizerStep", "start": 100 + opt_start - t0, "end": 100 + opt_end - t0}]
     return steps, {"events": events}
 
 
 def test_stock_optimizer_step_counts_only_its_work_after_the_pipeline_barrier():
     # stage 0 arrives at 1.0 and waits for stage 1 (arrives at 1.5) before the norm; both end at 1.6
-    t = stage_timings({0: _rank(0, 0, 1.0, 1.6), 1: _rank(1, 1, 1.5, 1.6)})
+    t = stage_timings({0: _rank(0, 0, 1.0, 1.6, t0=99.0), 1: _rank(1, 1, 1.5, 1.6, t0=99.5)})
     assert t[0]["median"]["OptimizerStep"] == pytest.approx(0.1)  # not 0.6: the simulator waits itself
     assert t[1]["median"]["OptimizerStep"] == pytest.approx(0.1)
     assert t[0]["median"]["ForwardPass"] == pytest.approx(0.1)

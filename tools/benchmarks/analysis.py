@@ -49,7 +49,8 @@ def stage_timings(ranks: dict) -> dict:
             i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
             if e.get("category") == "comm" or i is None:
                 continue
-            st["_d"].setdefault(e["kind"], []).append(work_after_arrivals(start, e["end"], arrivals.get((e["kind"], i))))
+            st["_d"].setdefault(e["kind"], []).append(work_after_arrivals(start, e["end"] + t0,
+                                                                          arrivals.get((e["kind"], i))))
             if e["kind"] in ALLREDUCE_KINDS:
                 per_step[i] += e["end"] - e["start"]
         if timed:
