@@ -292,8 +292,10 @@ def test_checkpoints_cross_layouts(tmp_path):
 @pytest.mark.distributed
 def test_megatron_shapes_under_virtual_stages(tmp_path):
     """The Megatron-shaped client (3-D activations, views as stage outputs, a tied embedding with
-    a parameter unused on the head's stage): interleaved-1f1b and zb-v bit-identical to stock in
-    fp32 and bf16 + ZeRO-1, hippie-interleaved trains with identical replicas."""
+    a parameter unused on the head's stage): interleaved-1f1b bit-identical to stock in fp32 and
+    bf16 + ZeRO-1, zb-v within rounding (its V puts the tied embedding and head on stage 0 as one
+    parameter, whose two gradients then sum in another order: equal or one rounding apart
+    depending on the CPU's vector width), hippie-interleaved trains with identical replicas."""
     names = ("stock", "interleaved-1f1b", "zb-v", "hippie-interleaved")
     engines = [f"{n}{p}" for p in ("", "+bf16+zero1") for n in names]
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--megatron",
@@ -301,9 +303,13 @@ def test_megatron_shapes_under_virtual_stages(tmp_path):
     assert rc == 0, log[-4000:]
     for p in ("", "+bf16+zero1"):
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
-        for name in ("interleaved-1f1b", "zb-v"):
-            ours, losses, _, _, _ = collect(tmp_path, f"{name}{p}")
-            assert _max_diff(stock, ours) == 0.0 and losses == stock_losses, f"{name}{p}"
+        ours, losses, _, _, _ = collect(tmp_path, f"interleaved-1f1b{p}")
+        assert _max_diff(stock, ours) == 0.0 and losses == stock_losses, f"interleaved-1f1b{p}"
+        ours, losses, _, _, _ = collect(tmp_path, f"zb-v{p}")
+        tol = 1e-6 if not p else 2 ** -8
+        assert _max_diff(stock, ours) <= tol, f"zb-v{p}"
+        assert all(abs(x - y) <= tol * max(1.0, abs(y)) for r in stock_losses
+                   for x, y in zip(losses[r], stock_losses[r])), f"zb-v{p} losses"
         ours, losses, _, _, replicas = collect(tmp_path, f"hippie-interleaved{p}")
         assert _max_diff(replicas[0], replicas[1]) == 0.0
         assert all(l == l and abs(l) < 100 for rank in losses.values() for l in rank)
