@@ -20,12 +20,14 @@ def test_defaults_and_run_plan():
     a = _args("--nodes", "4,1,2", "--rounds", "3")
     assert a.model == "emulated:vgg16" and a.stages == 4 and a.rate == "10mbit" and a.node_counts == [1, 2, 4]
     plan = scaling.run_plan(a)
-    assert [j["dir"] for j in plan] == ["one_node", "two_nodes", "four_nodes", "one_device"]
-    assert plan[0]["labels"] == "dp,stock,gpipe,hippie-auto,hippie-1f1b-auto"  # every schedule in one job
-    args = scaling.job_args(a, plan[2], scaling.Path("/tmp/x"))
+    assert [j["dir"] for j in plan] == ["one_node", "one_node_dp", "two_nodes", "two_nodes_dp", "four_nodes",
+                                        "four_nodes_dp", "one_device"]
+    assert plan[0]["labels"] == "stock,gpipe,hippie-auto,hippie-1f1b-auto"  # every pipeline in one job
+    assert plan[5]["labels"] == "dp" and plan[5]["config"] == "four_nodes"  # DP alone in its processes
+    args = scaling.job_args(a, plan[5], scaling.Path("/tmp/x"))
     assert args[args.index("--rounds") + 1] == "3"  # the rounds run inside the worker
     assert args[args.index("--global-batch") + 1] == str(32 * 8 * 4)  # DP: the 4 pipelines' batch
-    single = scaling.job_args(a, plan[3], scaling.Path("/tmp/x"))
+    single = scaling.job_args(a, plan[6], scaling.Path("/tmp/x"))
     assert single[single.index("--global-batch") + 1] == str(32 * 8) and "dp" in single
 
 

@@ -82,7 +82,7 @@ def report(results: dict) -> str:
              f"Model: {what}. Nodes: {', '.join(map(str, cfg['nodes']))}, each a network namespace with "
              f"{cfg['stages']} ranks (a {cfg['stages']}-stage pipeline; data parallelism across nodes), one link per "
              f"node to a switch, {cfg['link']} both ways; nodes pinned round-robin to cores {cfg['cores']}. "
-             f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} per replica and step; DP runs the "
+             f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} per replica and step; DP runs, in a job of its own, the "
              f"same global batch on every rank. {cfg['warmup']} warm-up + {cfg['steps']} timed steps per run, "
              f"{cfg['rounds']} rounds (order rotated), fp32 AdamW. Command: `{cfg['command']}`.", "",
              "All figures below are **emulated** on this 2-core machine: the compute is the profiled V100 time "
