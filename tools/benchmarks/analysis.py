@@ -39,21 +39,16 @@ def stage_timings(ranks: dict) -> dict:
     out = {}
     arrivals = _collective_arrivals(ranks)
     for r, (steps, tl) in ranks.items():
-        timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
-        t0 = steps.get("t0") or 0.0
         st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "_d": {}, "_exposed": []})
         st["ranks"].append(r)
-        per_step = [0.0] * len(timed)
-        for e in tl.get("events", []):
-            start = e["start"] + t0
-            i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
-            if e.get("category") == "comm" or i is None:
+        per_step = [0.0] * sum(1 for s in steps["steps"] if not s["warmup"])
+        for e, start, end, i in _timed_events(steps, tl):
+            if e.get("category") == "comm":
                 continue
-            st["_d"].setdefault(e["kind"], []).append(work_after_arrivals(start, e["end"] + t0,
-                                                                          arrivals.get((e["kind"], i))))
+            st["_d"].setdefault(e["kind"], []).append(work_after_arrivals(start, end, arrivals.get((e["kind"], i))))
             if e["kind"] in ALLREDUCE_KINDS:
-                per_step[i] += e["end"] - e["start"]
-        if timed:
+                per_step[i] += end - start
+        if per_step:
             st["_exposed"].append(statistics.median(per_step))
     for st in out.values():
         d, exposed = st.pop("_d"), st.pop("_exposed")
@@ -74,22 +69,31 @@ def work_after_arrivals(start: float, end: float, last_arrival: float | None) ->
     return max(0.0, end - (start if last_arrival is None else max(start, last_arrival)))
 
 
+def last_arrivals(starts) -> dict:
+    """{collective: its latest start} from ``(collective, start)`` pairs, one per rank that ran it. Pure."""
+    latest = {}
+    for key, start in starts:
+        latest[key] = max(latest.get(key, start), start)
+    return latest
+
+
+def _timed_events(steps: dict, tl: dict):
+    """A rank's timeline events inside its timed steps: (event, absolute start, absolute end, the
+    step's index among the timed ones)."""
+    timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
+    t0 = steps.get("t0") or 0.0
+    for e in tl.get("events", []):
+        start = e["start"] + t0
+        i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
+        if i is not None:
+            yield e, start, e["end"] + t0, i
+
+
 def _collective_arrivals(ranks: dict) -> dict:
     """{(kind, timed step index): the latest absolute start over all ranks} of PIPELINE_COLLECTIVES."""
-    latest = {}
-    for steps, tl in ranks.values():
-        if (steps.get("stages") or 1) < 2 or steps.get("schedule") == "dp":  # no pipeline to wait for
-            continue
-        timed = [(s["start"], s["end"]) for s in steps["steps"] if not s["warmup"]]
-        t0 = steps.get("t0") or 0.0
-        for e in tl.get("events", []):
-            if e["kind"] not in PIPELINE_COLLECTIVES:
-                continue
-            start = e["start"] + t0
-            i = next((i for i, (a, b) in enumerate(timed) if a <= start < b), None)
-            if i is not None:
-                latest[(e["kind"], i)] = max(latest.get((e["kind"], i), start), start)
-    return latest
+    return last_arrivals(((e["kind"], i), start) for steps, tl in ranks.values()
+                         if (steps.get("stages") or 1) > 1  # data parallelism has no pipeline to wait for
+                         for e, start, _, i in _timed_events(steps, tl) if e["kind"] in PIPELINE_COLLECTIVES)
 
 
 def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: float, p2p_bandwidth: float,

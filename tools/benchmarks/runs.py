@@ -166,11 +166,9 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
                           job["rpn"], cores, a.port + i, t0=start, tag=tag)
             _active_jobs.append(j)
             t_begin = time.perf_counter()
-            j.start()
             try:
-                j.wait(a.timeout)
+                j.run(a.timeout)
             finally:
-                j.stop()
                 _active_jobs.remove(j)
             spans.append((t_begin, time.perf_counter()))
             r = analyse_job(run_dir, job, a, link_bw)

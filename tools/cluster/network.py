@@ -78,7 +78,65 @@ def check_cores(spec: str) -> list[int]:
     return cores
 
 
-class Network:
+class Namespaces:
+    """What every emulated cluster here shares: node ``i`` is network namespace ``nodes[i]`` holding
+    veth end ``veths[i]`` with ``addrs[i]``/24 (:class:`Network`: two joined directly;
+    :class:`~cluster.star.StarNetwork`: N behind a switch). Subclasses set those and ``up``."""
+
+    nodes: tuple[str, ...]
+    veths: tuple[str, ...]
+    addrs: tuple[str, ...]
+
+    def _remove(self, namespaces: Sequence[str], links: Sequence[str]):
+        """Delete ``namespaces`` (their veth ends go with them) and any of ``links`` left here."""
+        if shutil.which("ip") is None:
+            return
+        for ns in namespaces:
+            sh("ip", "netns", "del", ns, check=False)
+        for link in links:
+            if sh("ip", "link", "show", link, check=False).returncode == 0:
+                sh("ip", "link", "del", link, check=False)
+        self.up = False
+
+    @staticmethod
+    def _shape(ns: str, dev: str, rate: str | None, burst: str):
+        """tbf at ``rate`` (its bucket :func:`burst_for` ``burst``) on ``dev`` in ``ns``; nothing for None."""
+        if rate is not None:
+            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst",
+               burst_for(parse_rate(rate), burst), "latency", "100ms")
+
+    def _bring_up(self, n: int, rate: str | None, burst: str):
+        """Move node ``n``'s veth end into its namespace, address it, bring it and ``lo`` up, shape it."""
+        ns, veth = self.nodes[n], self.veths[n]
+        sh("ip", "link", "set", veth, "netns", ns)
+        sh("ip", "-n", ns, "addr", "add", f"{self.addrs[n]}/24", "dev", veth)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "link", "set", veth, "up")
+        self._shape(ns, veth, rate, burst)
+
+    def qdiscs(self) -> dict:
+        """``{node namespace: the qdisc of its veth end}``."""
+        return {ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip()
+                for ns, veth in zip(self.nodes, self.veths)}
+
+    def exec_prefix(self, n: int, core: str | int | None = None) -> list[str]:
+        """``ip netns exec NODE`` (and ``taskset -c CORE``) for a command of node ``n``."""
+        return ["ip", "netns", "exec", self.nodes[n]] + (["taskset", "-c", str(core)] if core is not None else [])
+
+    def link_bytes(self, n: int) -> dict:
+        """Bytes node ``n``'s veth end has sent (tx) and received (rx)."""
+        stats = json.loads(sh("ip", "-n", self.nodes[n], "-j", "-s", "link", "show", "dev", self.veths[n]).stdout)
+        s = stats[0].get("stats64") or stats[0]["stats"]
+        return {"tx": int(s["tx"]["bytes"]), "rx": int(s["rx"]["bytes"])}
+
+    def world_info(self, ranks_per_node: int, nodes: int | None = None) -> str:
+        """``deepspeed.launcher.launch --world_info``: base64 JSON ``{node: [local ranks]}`` of the
+        first ``nodes`` nodes (all by default)."""
+        info = {self.nodes[n]: list(range(ranks_per_node)) for n in range(nodes or len(self.nodes))}
+        return base64.urlsafe_b64encode(json.dumps(info).encode()).decode()
+
+
+class Network(Namespaces):
     """Two network namespaces joined by a veth pair: ``nodes[i]`` holds ``veths[i]`` with
     ``addrs[i]``/24."""
 
@@ -96,14 +154,7 @@ class Network:
 
     def teardown(self):
         """Remove our namespaces (their veth ends go with them) and any stray veth of ours here."""
-        if shutil.which("ip") is None:
-            return
-        for ns in self.nodes:
-            sh("ip", "netns", "del", ns, check=False)
-        for veth in self.veths:
-            if sh("ip", "link", "show", veth, check=False).returncode == 0:
-                sh("ip", "link", "del", veth, check=False)
-        self.up = False
+        self._remove(self.nodes, self.veths)
 
     def setup(self, rate: str | None, burst: str = "default") -> dict:
         """Create the namespaces and the link (shaped with tbf at ``rate`` unless None, its bucket
@@ -113,16 +164,9 @@ class Network:
         for ns in self.nodes:
             sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", self.veths[0], "type", "veth", "peer", "name", self.veths[1])
-        for ns, veth, addr in zip(self.nodes, self.veths, self.addrs):
-            sh("ip", "link", "set", veth, "netns", ns)
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", ns, "link", "set", veth, "up")
-            if rate is not None:
-                sh("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root", "tbf", "rate", rate, "burst",
-                   burst_for(parse_rate(rate), burst), "latency", "100ms")
-        return {ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip()
-                for ns, veth in zip(self.nodes, self.veths)}
+        for n in range(2):
+            self._bring_up(n, rate, burst)
+        return self.qdiscs()
 
     def describe(self, qdiscs: dict | None, with_veths: bool = True) -> str:
         """One line: each node's namespace (and veth) and address, and the shaping (None: unshaped)."""
@@ -130,18 +174,3 @@ class Network:
                 for n in range(2)]
         return f"{ends[0]} <-> {ends[1]}; " + ("unshaped" if qdiscs is None else
                                               "; ".join(f"{k}: {v}" for k, v in qdiscs.items()))
-
-    def exec_prefix(self, n: int, core: str | int | None = None) -> list[str]:
-        """``ip netns exec NODE`` (and ``taskset -c CORE``) for a command of node ``n``."""
-        return ["ip", "netns", "exec", self.nodes[n]] + (["taskset", "-c", str(core)] if core is not None else [])
-
-    def link_bytes(self, n: int) -> dict:
-        """Bytes node ``n``'s veth end has sent (tx) and received (rx)."""
-        stats = json.loads(sh("ip", "-n", self.nodes[n], "-j", "-s", "link", "show", "dev", self.veths[n]).stdout)
-        s = stats[0].get("stats64") or stats[0]["stats"]
-        return {"tx": int(s["tx"]["bytes"]), "rx": int(s["rx"]["bytes"])}
-
-    def world_info(self, ranks_per_node: int, nodes: int = 2) -> str:
-        """``deepspeed.launcher.launch --world_info``: base64 JSON ``{node: [local ranks]}``."""
-        info = {self.nodes[n]: list(range(ranks_per_node)) for n in range(nodes)}
-        return base64.urlsafe_b64encode(json.dumps(info).encode()).decode()

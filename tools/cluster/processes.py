@@ -254,3 +254,11 @@ class WorkerJob(NodeProcesses):
             if n == 0:
                 (self.logs / "command.txt").write_text(" ".join(cmd) + "\n")
             self.start_node(n, cmd, node_env(self.network.veths[n]))
+
+    def run(self, timeout: float):
+        """:meth:`start`, :meth:`wait` up to ``timeout`` seconds, and :meth:`stop` in any case."""
+        self.start()
+        try:
+            self.wait(timeout)
+        finally:
+            self.stop()

@@ -54,7 +54,7 @@ import torch
 import hippie_ds
 from benchmarks.engines import (DPEngine, build_pipeline_module, ds_config, peak_rss_bytes, proc_status_bytes,
                                 schedule_config, stage_costs, state_bytes, time_stock_instructions, timeline_of)
-from benchmarks.analysis import wire_bytes, work_after_arrivals
+from benchmarks.analysis import last_arrivals, wire_bytes, work_after_arrivals
 from benchmarks.config import add_model_choice
 from benchmarks.model import data_iter
 from cluster import core_ticks
@@ -110,10 +110,8 @@ def write_auto_costs(a, stock, world: int, rank: int, dp: int) -> str:
     costs_path = os.path.join(a.out, "raw", "costs.json")
     if rank == 0:
         os.makedirs(os.path.dirname(costs_path), exist_ok=True)
-        latest = {}  # stock's optimizer step waits for every stage (the gradient norm): count its own work
-        for c in every:
-            for step, start, _ in c["optimizer_spans"]:
-                latest[step] = max(latest.get(step, start), start)
+        # stock's optimizer step waits for every stage (the gradient norm): count its own work
+        latest = last_arrivals((step, start) for c in every for step, start, _ in c["optimizer_spans"])
         per_stage = {}
         for c in every:  # mean over the replicas of each stage
             own = [work_after_arrivals(b, e, latest[k]) for k, b, e in c.pop("optimizer_spans")]

@@ -98,11 +98,9 @@ def run_rate(a, rate: str, i: int) -> dict:
     NETWORK.setup(rate, a.burst)
     job = WorkerJob(NETWORK, WORKER, ["--out", str(out), "--megabytes", str(a.megabytes), "--repeats",
                                       str(a.repeats), "--idle-s", str(a.idle_s)], out / "logs", 2, 2, a.cores.split(","), a.port + i)
-    job.start()
     try:
-        job.wait(600)  # RuntimeError with the logs' last lines if a launcher fails
+        job.run(600)  # RuntimeError with the logs' last lines if a launcher fails
     finally:
-        job.stop()
         NETWORK.teardown()
     return load_rate(a, rate)
 

@@ -148,11 +148,9 @@ def measure(a, out: Path) -> float:
             j = WorkerJob(net, WORKER, job_args(a, job, run_dir), run_dir / "logs", job["nodes"], job["rpn"], cores,
                           a.port + i, t0=start, tag=job["dir"])
             _jobs.append(j)
-            j.start()
             try:
-                j.wait(a.timeout)
+                j.run(a.timeout)
             finally:
-                j.stop()
                 _jobs.remove(j)
     return time.monotonic() - start
 
@@ -188,7 +186,7 @@ def summarize(runs: dict, node_counts: list[int], scale: float) -> dict:
     out = {"single_device_throughput": single, "by_nodes": {}}
     for n in node_counts:
         here = runs.get(config_name(n), {})
-        devices = n * (next(iter(here.values()))["world"] // n if here else 1)
+        devices = next(iter(here.values()))["world"] if here else n  # every run on n nodes uses them all
         rows = {}
         for s, r in here.items():
             rows[s] = _row(s, r, here, one.get(s) or {}, n, devices, single, scale)
