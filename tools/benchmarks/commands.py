@@ -7,6 +7,7 @@ subcommand (or with options only) is the cluster bench itself (benchmarks/config
 from __future__ import annotations
 
 import importlib
+import sys
 
 # name: (module, what it measures)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,12 +40,5 @@ def usage() -> str:
 def run_command(name: str, argv: list[str]) -> int:
     """Run subcommand ``name`` with ``argv``; its exit code (None -> 0)."""
     module = importlib.import_module(COMMANDS[name][0])
-    import sys
-    sys.argv = [f"tools/bench.py {name}", *argv]  # for mains that read sys.argv themselves
-    rc = module.main(argv) if _takes_argv(module.main) else module.main()
-    return int(rc or 0)
-
-
-def _takes_argv(fn) -> bool:
-    import inspect
-    return bool(inspect.signature(fn).parameters)
+    sys.argv = [f"tools/bench.py {name}", *argv]  # a study's report records sys.argv as its command
+    return int(module.main(argv) or 0)
