@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from benchmarks.analysis import stage_timings
-from benchmarks.studies import scaling
+from benchmarks.analysis import stage_timings, tied_groups
+from benchmarks.studies import link_calibration, scaling
 from benchmarks.studies.scaling_report import report
 from cluster import StarNetwork, preflight
 
@@ -84,6 +84,40 @@ def _rank(rank, stage, opt_start, opt_end, t0=100.0):
     return steps, {"events": events}
 
 
+def test_link_calibration_efficiency_is_the_fluid_ring_over_the_slowest_rank():
+    # 2 ranks, 1 MB at 1 MB/s: the fluid ring takes 2(r-1)/r x 1 s = 1 s; a repeat lasts its slowest rank
+    records = [{"stage": [1.0, 1.25, 2.0], "stage_bytes": 1e6, "all": [2.0, 2.0, 2.0], "all_bytes": 1e6},
+               {"stage": [1.1, 1.0, 2.5], "stage_bytes": 1e6, "all": [2.0, 2.5, 2.0], "all_bytes": 1e6},
+               {"stage": None, "stage_bytes": 1e6, "all": [2.0, 2.0, 2.0], "all_bytes": 1e6}]
+    got = link_calibration.summarize(records, rate_bytes=1e6)
+    assert got["stage"]["repeats_s"] == [1.1, 1.25, 2.5] and got["stage"]["ranks"] == 2
+    assert got["stage"]["efficiency"] == pytest.approx(1.0 / 1.25)
+    assert got["all"]["ranks"] == 3 and got["all"]["efficiency"] == pytest.approx((4 / 3) / 2.0)
+    link = {"by_nodes": {"2": got}}
+    assert link_calibration.efficiency(link, 2, "dp") == got["all"]["efficiency"]
+    assert link_calibration.efficiency(link, 2, "hippie-1f1b") == got["stage"]["efficiency"]
+    assert link_calibration.efficiency(link, 4, "dp") is None and link_calibration.efficiency(None, 2, "dp") is None
+
+
+def test_link_calibration_plans_the_largest_stage_and_dp_from_the_runs(tmp_path):
+    a = _args("--nodes", "1,2")
+    for d, label, stage, params in (("two_nodes", "stock", 0, 10), ("two_nodes", "stock", 1, 30),
+                                    ("two_nodes", "gpipe", 0, 10), ("two_nodes_dp", "dp", 0, 40),
+                                    ("one_node", "stock", 1, 30)):
+        raw = tmp_path / "runs" / d / "raw" / label
+        raw.mkdir(parents=True, exist_ok=True)
+        (raw / f"rank{stage}.steps.json").write_text(json.dumps({"stage": stage, "params": params}))
+    plan = link_calibration.plan(tmp_path, scaling.run_plan(a), a)
+    assert plan == [{"nodes": 2, "config": "two_nodes", "rpn": 4, "stage": 1, "stage_bytes": 120, "all_bytes": 160}]
+
+
+def test_tied_groups_come_from_every_rank_s_record():
+    ranks = {0: ({"tied_stages": {"embed": [0, 3]}}, {}), 1: ({"tied_stages": {}}, {}),
+             3: ({"tied_stages": {"embed": [0, 3], "pos": [3]}}, {}), 4: ({}, {})}  # 4: recorded before the field
+    assert tied_groups(ranks) == [[0, 3], [3]]
+    assert tied_groups({0: ({}, {})}) == []
+
+
 def test_stock_optimizer_step_counts_only_its_work_after_the_pipeline_barrier():
     # stage 0 arrives at 1.0 and waits for stage 1 (arrives at 1.5) before the norm; both end at 1.6
     t = stage_timings({0: _rank(0, 0, 1.0, 1.6, t0=99.0), 1: _rank(1, 1, 1.5, 1.6, t0=99.5)})
@@ -154,5 +188,12 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     assert two["hippie-1f1b"]["deferred_stages"] is not None  # 'auto' resolved from stock's costs
     costs = json.loads((out / "runs" / "two_nodes" / "raw" / "costs.json").read_text())
     assert all("optimizer_spans" not in st and st["optimizer_time"] >= 0 for st in costs["stages"])
-    assert "## 2 nodes" in (out / "report.md").read_text()
+    assert "## 2 nodes" in (out / "report.md").read_text() and "## Link calibration" in (out / "report.md").read_text()
+    link = json.loads((out / "link.json").read_text())["by_nodes"]["2"]
+    assert link["stage"]["ranks"] == 2 and link["all"]["ranks"] == 4 and link["stage_index"] in (0, 1)
+    for shape, schedule in (("stage", "1f1b"), ("all", "dp")):  # the simulator ran at the measured efficiency
+        assert 0 < link[shape]["efficiency"] < 1.5 and len(link[shape]["repeats_s"]) == link_calibration.REPEATS
+        comm = results["runs"]["two_nodes"][schedule]["prediction"]["costs"]["comm"]
+        assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 * link[shape]["efficiency"])
+    assert results["runs"]["two_nodes"]["1f1b"]["prediction"]["costs"]["tied_groups"] == []  # the model is untied
     assert "hdss-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -237,6 +237,28 @@ def test_shared_link_slows_concurrent_allreduces():
     assert big.step_time > sim("1f1b", 4, 8, slow_link(4, shared=False)).step_time
 
 
+def test_tied_groups_decide_who_waits_at_reduce_tied_grads():
+    # 1f1b, K=2, M=2: stage 1's last backward ends at 7, stage 0's at 9. Waiting for each other at
+    # reduce_tied_grads (tied groups not known, or a module tied across both) their all-reduces
+    # share the link from 9; with no tied module stage 1 all-reduces alone from 7 (DeepSpeed's
+    # ReduceTiedGrads all-reduces only tied modules' gradients, over the stages that hold them).
+    base = slow_link(2, param_bytes=1e6, shared=True)
+    step = {}
+    for groups in (None, [[0, 1]], [], [[0]]):
+        res = sim("1f1b", 2, 2, base.model_copy(update={"tied_groups": groups}))
+        step[str(groups)] = res.step_time
+        call = 2 * res.step_time  # the third call starts when the second has ended
+        starts = {e.stage: e.start - call for e in res.events if e.name == "allreduce(grads)" and e.start >= call}
+        assert starts == ({0: 9.0, 1: 9.0} if groups in (None, [[0, 1]]) else {0: 9.0, 1: 7.0})
+    assert step == pytest.approx({"None": 11.0, "[[0, 1]]": 11.0, "[]": 10.0, "[[0]]": 10.0}, **EXACT)
+
+
+@pytest.mark.parametrize("groups", [[[0, 2]], [[1, 1]], [[]]])
+def test_tied_groups_must_name_distinct_stages(groups):
+    with pytest.raises(CostsError, match=r"tied_groups\[0\]"):
+        Costs.from_dict({"stages": [{"forward": 1, "backward": 1}] * 2, "tied_groups": groups})
+
+
 def test_allreduce_latency():
     costs = slow_link(2, param_bytes=1e6, shared=False)
     costs = costs.model_copy(update={"comm": costs.comm.model_copy(update={"allreduce_latency": 0.125})})

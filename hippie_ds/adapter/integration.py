@@ -17,7 +17,7 @@ from ..config import ConfigError, merge_plan, read_config, schedule_params, spli
 from ..schedules import compile as compile_schedule, load_spec
 from .deferred_layers import deferred_layers, schedules_with_param, without_undelayed, log_choice
 from .precision import check_precision
-from .tied import check_tied, delay_ties
+from .tied import check_tied, delay_ties, tied_stage_groups
 
 check_deepspeed_version()
 
@@ -146,8 +146,10 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
                                          if p.kind == "stage_list"):
         from ..schedules.costs import Costs
         from ..schedules.auto_params import resolve_auto_params
-        resolved = resolve_auto_params(schedule_name, stages, micro_batches,
-                                       Costs.from_file(options.costs, num_stages=stages))
+        costs = Costs.from_file(options.costs, num_stages=stages)
+        if costs.tied_groups is None:  # what the model's ReduceTiedGrads waits for, known here
+            costs = costs.model_copy(update={"tied_groups": tied_stage_groups(model)})
+        resolved = resolve_auto_params(schedule_name, stages, micro_batches, costs)
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
     compiled = compile_schedule(schedule_name, stages, micro_batches, virtual_stages=options.virtual_stages, **params)
     check_chunks(model, compiled)

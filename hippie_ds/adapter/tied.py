@@ -68,6 +68,12 @@ def tie_holders(model: PipelineModule) -> dict[str, dict[int, list[int]]]:
     return {key: stages for key, stages in holders.items() if len(stages) > 1}
 
 
+def tied_stage_groups(model: PipelineModule) -> list[list[int]]:
+    """The stages holding each tied module, in key order (DeepSpeed's ReduceTiedGrads order): the
+    simulator's ``Costs.tied_groups``."""
+    return [sorted(stages) for _, stages in sorted(tie_holders(model).items())]
+
+
 def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
     """Refuse, before any process group, what cannot keep tied copies equal."""
     if not model.tied_comms or compiled.uses_tied_reduction:

@@ -17,6 +17,7 @@ A cost file (YAML or JSON) looks like::
       p2p_bandwidth: 10.0e9
       allreduce_bandwidth: 1.25e8   # 1 Gbit/s inter-node link
       data_parallel: 2
+    tied_groups: [[0, 3]]   # optional: stages sharing a tied module (none given: all stages)
 """
 from __future__ import annotations
 
@@ -135,6 +136,25 @@ class CommCost(_Strict):
 class Costs(_Strict):
     stages: list[StageCost] = Field(min_length=1)
     comm: CommCost = CommCost()
+    # DeepSpeed's ReduceTiedGrads all-reduces each tied module's gradient over the stages that hold
+    # it, and nothing else: a model without tied modules passes through it without waiting.
+    tied_groups: list[list[int]] | None = Field(None, description="the stages sharing each tied module "
+                                                "(TiedLayerSpec), in the engine's order; none: not known, "
+                                                "every stage waits for all (the worst case); []: no tied modules")
+
+    @model_validator(mode="after")
+    def _tied_groups_in_range(self):
+        for i, group in enumerate(self.tied_groups or []):
+            bad = [s for s in group if not 0 <= s < len(self.stages)]
+            if bad or not group or len(set(group)) != len(group):
+                raise ValueError(f"tied_groups[{i}] = {group}: stage indices must be distinct and within "
+                                 f"0..{len(self.stages) - 1}, at least one")
+        return self
+
+    def tied_groups_of(self, stage: int) -> list[tuple[int, list[int]]]:
+        """(index, stages) of the tied groups ``stage`` waits in at ReduceTiedGrads, in order."""
+        groups = [list(range(len(self.stages)))] if self.tied_groups is None else self.tied_groups
+        return [(i, g) for i, g in enumerate(groups) if stage in g]
 
     @property
     def num_stages(self) -> int:

@@ -29,9 +29,12 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   the declared START_ALLREDUCE(grads) then finds it in flight. Given only shares
   (``delayed_fraction``), it starts at the declared op, after the last backward.
 * updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
-  ``optimizer_time`` (APPLY nothing while the buffer is empty). OPTIMIZER_STEP and
-  REDUCE_TIED_GRADS are pipeline-wide collectives: a stage's k-th one waits until every stage
-  has reached its k-th one (REDUCE_TIED_GRADS is then free: the worst case of ir.py's note).
+  ``optimizer_time`` (APPLY nothing while the buffer is empty). OPTIMIZER_STEP is a
+  pipeline-wide collective: a stage's k-th one waits until every stage has reached its k-th one.
+  REDUCE_TIED_GRADS waits, group by group (``Costs.tied_groups``), until the other stages of each
+  tied group the stage is in have reached their k-th one, and is then free; a stage in no group
+  passes through (no tied modules: nothing to wait for); without ``tied_groups`` every stage
+  waits for all (the worst case of ir.py's note).
 * end of ``train_batch``: DeepSpeed broadcasts the loss from the last stage, so a stage other
   than the last cannot end call i before the last stage has finished its stream of call i.
 * continuous schedules (2bw, pipedream): call i runs the steady-state stream without the ops of
@@ -275,15 +278,21 @@ class _Sim:
         return False
 
     def _exec_collective(self, s: int, kind: OpKind, st: "_StageState", acc) -> Iterator:
-        """A stage's k-th pipeline collective waits for every stage's k-th."""
+        """A stage's k-th pipeline collective waits for every stage's k-th (REDUCE_TIED_GRADS: for
+        the stages of each of its tied groups in turn)."""
         k, t0 = self.k, self.k.now
         n = st.collective_count.get(kind, 0)
         st.collective_count[kind] = n + 1
-        entry = self.collectives.setdefault((kind, n), [0, _Signal()])
-        entry[0] += 1
-        if entry[0] == self.K:
-            k.fire(entry[1])
-        yield entry[1]
+        if kind == OpKind.REDUCE_TIED_GRADS:
+            groups = self.costs.tied_groups_of(s)
+        else:
+            groups = [(None, range(self.K))]
+        for g, members in groups:
+            entry = self.collectives.setdefault((kind, g, n), [0, _Signal()])
+            entry[0] += 1
+            if entry[0] == len(members):
+                k.fire(entry[1])
+            yield entry[1]
         acc.sync += k.now - t0
         if kind == OpKind.OPTIMIZER_STEP:
             yield self.costs.stages[s].optimizer_time

@@ -242,13 +242,23 @@ def job_prediction(ranks: dict, job: dict, a, link_bw: float, timings: dict) -> 
         ar_bw = link_bw * a.link_efficiency
     else:
         ar_bw = a.intra_allreduce_bandwidth
-    costs = measured_costs(timings, a, dp_width, ar_bw, a.p2p_bandwidth, a.p2p_latency)
+    costs = {**measured_costs(timings, a, dp_width, ar_bw, a.p2p_bandwidth, a.p2p_latency),
+             "tied_groups": tied_groups(ranks)}
     sched_name = {"dp": "1f1b", "1f1b": "1f1b"}.get(job["schedule"], meta["schedule"])
     if job["schedule"] == "dp":
         stages, params = 1, {}
     else:
         stages, params = meta["stages"], meta.get("schedule_params") or {}
     return costs, predict(sched_name, params, stages, meta["micro_batches"], costs, delayed_fractions(ranks))
+
+
+def tied_groups(ranks: dict) -> list[list[int]]:
+    """The stages of each tied module, from the ranks' records (each lists the tied modules it
+    holds). Runs recorded before the field existed had none: every bench model is untied."""
+    groups = {}
+    for st, _ in ranks.values():
+        groups.update(st.get("tied_stages") or {})
+    return [groups[key] for key in sorted(groups)]
 
 
 def delayed_fractions(ranks: dict) -> dict[int, float]:

@@ -157,6 +157,10 @@ def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world
             # share of this stage's gradient applied one step late (hippie.deferred_layers)
             "delayed_fraction": engine.delayed_fraction() if hasattr(engine, "delayed_fraction") else None,
             "parts": parts,
+            # the stages holding each tied module (TiedLayerSpec) this rank holds: what its
+            # ReduceTiedGrads waits for (the simulator's Costs.tied_groups)
+            "tied_stages": {key: sorted({module._topo.get_coord(r).pipe for r in comm["ranks"]})
+                            for key, comm in sorted(getattr(module, "tied_comms", {}).items())},
             "micro_batches": (engine.engine.gradient_accumulation_steps() if schedule == "dp"
                               else a.micro_batches),
             "micro_batch_size": a.micro_batch_size}

@@ -18,7 +18,8 @@ efficiency: ME = scalability x throughput / memory, scalability = throughput / (
 single-device throughput); memory here is the emulated device's, the tensors a rank holds
 (parameters, gradients, optimizer state, peak bytes saved for backward), unscaled back to the
 profile's size. Each run's step is also predicted by hippie-ds's simulator from the run's own
-measured per-stage times and the link (benchmarks/analysis.py).
+measured per-stage times and the link, at the efficiency a lone all-reduce of the same shape
+measured on the same network after the runs (benchmarks/studies/link_calibration.py).
 
 Writes OUT/results.json, OUT/report.md (benchmarks/scaling_report.py); ``--publish DIR`` copies them.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import copy
 import json
 import shutil
 import sys
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from cluster import Refuse, StarNetwork, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate
 from cluster import preflight as cluster_preflight
+from . import link_calibration
 from ..analysis import analyse_job, combine_rounds
 from ..figures import round_ratios, spread_excludes
 from ..runs import WORKER, worker_args
@@ -64,12 +67,16 @@ def parse_args(argv=None):
     p.add_argument("--nodes", default="1,2,4", help="node counts; 1 must be among them (scaling is from one node)")
     p.add_argument("--no-single", action="store_true", help="skip the single-device run (no scalability, ME)")
     p.add_argument("--analyze-only", action="store_true", help="re-analyse OUT/runs of an earlier run (no root)")
+    p.add_argument("--calibrate-only", action="store_true", help="time only the link calibration on OUT/runs of an "
+                   "earlier run (root), then re-analyse")
     own, rest = p.parse_known_args(argv)
     defaults = ["--model", "emulated:vgg16", "--stages", "4", "--micro-batch-size", "32", "--micro-batches", "8",
                 "--rate", "10mbit", "--burst", "min", "--steps", "4", "--warmup", "2", "--schedules",
                 "dp,1f1b,gpipe,hippie,hippie-1f1b", "--out", "out/bench/scaling", "--allreduce-cpu-per-mb", "0"]
     a = bench_args(defaults + rest)
-    a.no_single, a.analyze_only = own.no_single, own.analyze_only
+    a.no_single, a.analyze_only, a.calibrate_only = own.no_single, own.analyze_only, own.calibrate_only
+    # an explicit --link-efficiency replaces the measured ones (link_calibration)
+    a.link_efficiency_given = any(x.split("=")[0] == "--link-efficiency" for x in rest)
     try:
         a.node_counts = sorted({int(x) for x in own.nodes.split(",") if x.strip()})
     except ValueError:
@@ -130,18 +137,20 @@ def _cleanup():
 
 
 def measure(a, out: Path) -> float:
-    """Run every job on the emulated cluster (set up once for the most nodes); wall seconds."""
+    """Run every job on the emulated cluster (set up once for the most nodes), then the link
+    calibration (``--calibrate-only``: that alone); wall seconds."""
     cluster_preflight("tools/bench.py scaling", ("ip", "tc", "taskset"))
     check_cores(a.cores)
     net = StarNetwork("hdss", "10.82.0", max(a.node_counts))
     _net.append(net)
     atexit.register(_cleanup)
-    shutil.rmtree(out / "runs", ignore_errors=True)
+    if not a.calibrate_only:
+        shutil.rmtree(out / "runs", ignore_errors=True)
     start = time.monotonic()
     with cleanup_on_signals(_cleanup):
         qdiscs = net.setup(a.rate, a.burst)
         print(f"emulated cluster: {net.describe(qdiscs, with_veths=False)}", flush=True)
-        for i, job in enumerate(run_plan(a)):
+        for i, job in enumerate([] if a.calibrate_only else run_plan(a)):
             run_dir = out / "runs" / job["dir"]
             run_dir.mkdir(parents=True, exist_ok=True)
             cores = [a.core_list[k % len(a.core_list)] for k in range(job["nodes"])]
@@ -152,16 +161,22 @@ def measure(a, out: Path) -> float:
                 j.run(a.timeout)
             finally:
                 _jobs.remove(j)
+        link_calibration.measure(a, out, net, run_plan(a), a.port + 50, start)
     return time.monotonic() - start
 
 
 def analyse(a, out: Path) -> dict:
-    """runs[config][schedule]: each label's steps split by the worker's rounds, combined (``combine_rounds``)."""
-    runs = {}
+    """runs[config][schedule]: each label's steps split by the worker's rounds, combined
+    (``combine_rounds``); the simulator's link efficiency per run from OUT/link.json where measured."""
+    runs, link = {}, link_calibration.load(out)
     for job in run_plan(a):
         for s in job["schedules"]:
             one = {**job, "schedule": s, "label": label_of(s)}
-            per_round = [analyse_job(out / "runs" / job["dir"], one, a, parse_rate(a.rate), only_round=r)
+            measured = link_calibration.efficiency(link, job["nodes"], s)
+            a_run = a if a.link_efficiency_given or measured is None else copy.copy(a)
+            if a_run is not a:
+                a_run.link_efficiency = measured
+            per_round = [analyse_job(out / "runs" / job["dir"], one, a_run, parse_rate(a.rate), only_round=r)
                          for r in range(a.rounds if job["config"] != "one_device" else 1)]
             r = combine_rounds(per_round)
             if r is not None:
@@ -225,10 +240,11 @@ def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    a.command = " ".join(["tools/bench.py scaling", *(sys.argv[1:] if argv is None else argv)])
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     wall = None
-    if not a.analyze_only:
+    if not a.analyze_only or a.calibrate_only:
         try:
             wall = measure(a, out)
         except Refuse as exc:
@@ -240,14 +256,15 @@ def main(argv=None) -> int:
             return 1
     from ..config import config_record
     from .scaling_report import report
-    command = " ".join(["tools/bench.py scaling", *(sys.argv[1:] if argv is None else argv)])
+    command = a.command
     config = {**config_record(a), "nodes": a.node_counts, "command": command,
               "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts)}
-    if a.analyze_only and (out / "results.json").exists():  # the measuring command stays the report's
+    if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
         wall = old.get("wall_s")
         config = {**old["config"], "reanalysed_by": command}
-    results = {"config": config, "runs": analyse(a, out), "wall_s": wall}
+    results = {"config": config, "runs": analyse(a, out), "wall_s": wall,
+               "link": None if a.link_efficiency_given else link_calibration.load(out)}
     results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report(results)

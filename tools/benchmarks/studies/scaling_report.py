@@ -72,6 +72,23 @@ def paper_table(summary: dict) -> list[str]:
                  [[claim, value, mine] for (claim, value), mine in zip(PAPER, ours)])
 
 
+def link_table(link: dict) -> list[str]:
+    """What a lone gloo all-reduce got of the shaped rate (benchmarks/studies/link_calibration.py)."""
+    lines = [f"A lone gloo all-reduce on the same network ({link['rate']}, burst {link['burst']}), median of "
+             f"{link['repeats']}" + (f", measured by `{link['measured_by']}`" if link.get("measured_by") else "")
+             + "; efficiency = the fluid ring time 2(r-1)/r x bytes / rate over the median. The "
+             "simulator takes the pipelines' efficiency from their largest stage's group, DP's from all ranks.", "",
+             "| nodes | collective | ranks | bytes | median (s) (min-max) | efficiency |", "|---|---|---|---|---|---|"]
+    for n, entry in link["by_nodes"].items():
+        for shape, what in (("stage", f"stage {entry.get('stage_index')}'s gradient, its data-parallel group"),
+                            ("all", "DP's gradient, every rank")):
+            m = entry.get(shape)
+            if m:
+                lines.append(f"| {n} | {what} | {m['ranks']} | {m['bytes']} | {m['median_s']:.3f} "
+                             f"({min(m['repeats_s']):.3f}-{max(m['repeats_s']):.3f}) | {m['efficiency']:.2f} |")
+    return lines
+
+
 def report(results: dict) -> str:
     cfg, summ = results["config"], results["summary"]
     model = str(cfg.get("model", "gpt"))
@@ -84,7 +101,8 @@ def report(results: dict) -> str:
              f"node to a switch, {cfg['link']} both ways; nodes pinned round-robin to cores {cfg['cores']}. "
              f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} per replica and step; DP runs, in a job of its own, the "
              f"same global batch on every rank. {cfg['warmup']} warm-up + {cfg['steps']} timed steps per run, "
-             f"{cfg['rounds']} rounds (order rotated), fp32 AdamW. Command: `{cfg['command']}`.", "",
+             f"{cfg['rounds']} rounds (order rotated), fp32 AdamW. Command: `{cfg['command']}`"
+             + (f"; then `{cfg['reanalysed_by']}`." if cfg.get("reanalysed_by") else "."), "",
              "All figures below are **emulated** on this 2-core machine: the compute is the profiled V100 time "
              "slept, the link is scaled with the model; only the paper's own figures (last table) are the "
              "paper's. Cells: median over rounds (min-max over rounds); ratios and scaling are taken per round "
@@ -94,8 +112,11 @@ def report(results: dict) -> str:
               "parameters + gradients + optimizer state + peak bytes saved for backward per rank, unscaled to the "
               "profile's size (what a GPU would hold). ME = scalability x throughput / memory, scalability = "
               "throughput / (devices x single-device throughput) (the paper's definition). The prediction is the "
-              "simulator on the run's own measured per-stage times, the link's rate x "
-              f"{cfg.get('link_efficiency')} and the parameter bytes.", ""]
+              "simulator on the run's own measured per-stage times, the parameter bytes and the link's rate x "
+              + ("the efficiency a lone all-reduce of the run's shape got on the same network after the runs "
+                 "(table *Link calibration*)." if results.get("link") else f"{cfg.get('link_efficiency')}."), ""]
+    if results.get("link"):
+        lines += ["## Link calibration", ""] + link_table(results["link"]) + [""]
     lines += ["## Scaling efficiency from one node", ""] + scaling_pivot(summ)
     lines += ["", "## Against the papers", ""] + paper_table(summ)
     for n, rows in summ["by_nodes"].items():

@@ -1,0 +1,67 @@
+"""Rank worker of the scaling bench's link calibration (benchmarks/studies/link_calibration.py).
+
+NODES x RPN ranks (rank = node x RPN + local). Times, ``--repeats`` times each and alone on the
+link, a gloo all-reduce of ``--stage-bytes`` bytes over one stage's data-parallel group (local
+rank ``--stage`` of every node: what a pipeline stage all-reduces) and one of ``--all-bytes``
+bytes over every rank (what DP all-reduces), a world barrier around every repeat. Writes
+OUT/rank{R}.json with the seconds of the all-reduces it took part in."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rpn", type=int, required=True, help="ranks per node")
+    p.add_argument("--stage", type=int, required=True, help="the local rank whose group is timed")
+    p.add_argument("--stage-bytes", type=int, required=True)
+    p.add_argument("--all-bytes", type=int, required=True)
+    p.add_argument("--repeats", type=int, default=5)
+    return p.parse_args()
+
+
+def timed(group, tensor, member: bool) -> float | None:
+    """Seconds of this rank's all-reduce between two world barriers (None: not in the group)."""
+    dist.barrier()
+    wall = None
+    if member:
+        t0 = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        wall = time.perf_counter() - t0
+    dist.barrier()
+    return wall
+
+
+def main():
+    a = parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage_ranks = list(range(a.stage, world, a.rpn))
+    stage_group = dist.new_group(stage_ranks)
+    record = {"rank": rank, "world": world, "stage_ranks": stage_ranks,
+              "stage_bytes": a.stage_bytes, "all_bytes": a.all_bytes}
+    for name, group, member, nbytes in (("stage", stage_group, rank in stage_ranks, a.stage_bytes),
+                                        ("all", dist.group.WORLD, True, a.all_bytes)):
+        tensor = torch.ones(max(1, nbytes // 4))
+        timed(group, tensor, member)  # warm-up: connections made
+        times = [timed(group, tensor, member) for _ in range(a.repeats)]
+        record[name] = times if member else None
+    dist.barrier()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
