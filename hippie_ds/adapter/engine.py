@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
 import weakref
 from types import MethodType
 
@@ -57,7 +56,7 @@ from .failure import end_job_on_failure
 from .grad_store import GradStore
 from .split_backward import copy_if_shared, storages_of
 from .staleness import make_prediction
-from .timeline import Timeline
+from .timeline import Timeline, compute_clock
 from .tied import LaggedTieSums, tie_sum_lag
 
 check_deepspeed_version()
@@ -114,7 +113,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._losses: dict[int, object] = {}
         self._pending_sends: list = []
         self._timeline_dir = timeline_dir
-        self._timeline = Timeline(timeline_steps)
+        self._timeline = Timeline(timeline_steps, compute_clock(self.device))
         self._batch_index = 0
         self._training = False  # timelines cover train_batch only
         # continuous schedules: calls run so far, the earliest batch not yet drained, whether
@@ -207,7 +206,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                start = time.perf_counter()
+                start = self._timeline.now() if record else 0.0
                 if self._versions.versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
                     self._versions.use_for_compute(self._abs_version(op.batch, op.version))
                 try:
@@ -216,7 +215,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                     end_job_on_failure(exc, self.global_rank, f"stage {self.stage_id}'s {cmd!r}")
                     raise
                 if record:
-                    self._timeline.record(cmd, start, time.perf_counter(), self._batch_index)
+                    self._timeline.record(cmd, start, self._timeline.now(), self._batch_index)
 
     def train_batch(self, data_iter=None):
         self._training = True

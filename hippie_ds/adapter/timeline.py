@@ -11,15 +11,31 @@ import collections
 import json
 import os
 import time
+from typing import Callable
 
 from ..schedules.ir import CATEGORY, OpKind, op_name
 
 
-class Timeline:
-    """Events ({name, kind, category, start, end, step, micro_batch}; seconds from ``t0``)."""
+def compute_clock(device) -> Callable[[], float]:
+    """The clock instructions are timed with on ``device``: ``time.perf_counter``, after the
+    compute stream's queued kernels on a CUDA device (their launch returns at once). Only the
+    current stream is waited for: an all-reduce on its side stream stays in flight."""
+    if getattr(device, "type", None) != "cuda":
+        return time.perf_counter
+    import torch
 
-    def __init__(self, steps: int):
-        self.steps = steps
+    def clock() -> float:
+        torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+    return clock
+
+
+class Timeline:
+    """Events ({name, kind, category, start, end, step, micro_batch}; seconds from ``t0``).
+    ``now`` is the clock instructions are timed with (:func:`compute_clock`)."""
+
+    def __init__(self, steps: int, now: Callable[[], float] = time.perf_counter):
+        self.steps, self.now = steps, now
         self.events: collections.deque[dict] = collections.deque()
         self.t0 = time.perf_counter()
         self.t0_unix = time.time()  # to align ranks' timelines (same host clock)

@@ -104,6 +104,10 @@ def _add_cluster_arguments(p: argparse.ArgumentParser):
     p.add_argument("--comm-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="DeepSpeed's communication_data_type for every schedule (the all-reduce's wire; "
                         "default: the model's fp32); the cost files' gradient bytes follow it")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the ranks compute: cuda (one GPU per rank, NCCL across the shaped links: "
+                        "cluster.node_env), cpu (gloo), auto: cuda when this machine has a GPU and the model "
+                        "is not emulated (an emulated device only waits)")
     p.add_argument("--link-efficiency", type=float, default=0.97,
                    help="all-reduce bandwidth / shaped rate for the prediction (measured here by "
                         "tools/bench.py allreduce: 0.96-0.97 for one pair and for two at once, 250 Mbit/s to "
@@ -157,6 +161,25 @@ def _check(p: argparse.ArgumentParser, a):
     except ValueError:
         p.error(f"--projection-sizes {a.projection_sizes!r}: expected integers, e.g. 16,64,1024")
     a.allreduce_cpu_per_mb = _allreduce_cpu_per_mb(p, a.allreduce_cpu_per_mb, None if a.no_shape else a.rate)
+    a.accelerator, a.device_count = resolve_accelerator(p, a.accelerator, str(a.model).startswith("emulated:"))
+
+
+def resolve_accelerator(p: argparse.ArgumentParser, choice: str, emulated: bool,
+                        device_count: int | None = None) -> tuple[str, int]:
+    """(cpu or cuda, GPUs on this machine) for ``--accelerator``: ``auto`` takes CUDA when a GPU is
+    here and the model computes for real; ``cuda`` with an emulated model or without a GPU is an
+    error. ``device_count``: the GPUs (default: torch's count)."""
+    if device_count is None:
+        import torch
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and emulated:
+        p.error("--accelerator cuda: an emulated model only waits for its profiled time; use the GPT bench model "
+                "(--model gpt) on GPUs")
+    if choice == "cuda" and device_count == 0:
+        p.error("--accelerator cuda: no CUDA device on this machine (torch.cuda.is_available() is False)")
+    if choice == "auto":
+        choice = "cuda" if device_count and not emulated else "cpu"
+    return choice, device_count
 
 
 def _allreduce_cpu_per_mb(p: argparse.ArgumentParser, value: str, rate: str | None) -> float:
@@ -194,6 +217,7 @@ def config_record(a) -> dict:
             f"tbf {a.rate}" + ("" if a.burst == "default" else f" burst {a.burst}"),
             "link_efficiency": a.link_efficiency, "comm_dtype": a.comm_dtype or "fp32",
             "allreduce_cpu_per_mb": a.allreduce_cpu_per_mb, "cores": a.cores, "schedules": a.schedule_list,
+            "accelerator": getattr(a, "accelerator", "cpu"),
             "plans": a.plans, "rounds": a.rounds, "round_orders": round_orders(a.schedule_list, a.rounds),
             "command": " ".join(["tools/bench.py"] + sys.argv[1:])}
 

@@ -14,6 +14,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 import hippie_ds
+from hippie_ds.adapter.timeline import compute_clock
 from labels import split_layers
 
 from .model import BASE_SEED, DPModel, layer_specs, loss_of
@@ -123,12 +124,13 @@ def time_stock_instructions(engine):
     """Give this engine its own ``_INSTRUCTION_MAP`` whose handlers record start/end."""
     engine._bench_t0 = time.perf_counter()
     engine._bench_events = []
+    now = compute_clock(engine.device)  # on CUDA: after the compute stream's kernels
 
     def timed(cls, fn):
         def run(self, **kwargs):
-            start = time.perf_counter()
+            start = now()
             fn(self, **kwargs)
-            end = time.perf_counter()
+            end = now()
             self._bench_events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__,
                                        "start": start - self._bench_t0, "end": end - self._bench_t0,
                                        "step": self.global_steps, "buffer": kwargs.get("buffer_id")})
@@ -175,29 +177,30 @@ class DPEngine:
         self.engine.enable_backward_allreduce = False
         self.module, self.stage_id, self.global_steps = self.engine.module, 0, 0
         self._bench_t0, self._bench_events = time.perf_counter(), []
+        self.now = compute_clock(self.engine.device)  # on CUDA: after the compute stream's kernels
         self.data_parallel_id = torch.distributed.get_rank()
         self.optimizer = self.engine.optimizer
 
     def _ev(self, kind, start, name=None):
         self._bench_events.append({"name": name or kind, "kind": kind, "start": start - self._bench_t0,
-                                   "end": time.perf_counter() - self._bench_t0, "step": self.global_steps})
+                                   "end": self.now() - self._bench_t0, "step": self.global_steps})
 
     def train_batch(self, it):
         e, gas = self.engine, self.engine.gradient_accumulation_steps()
         total = 0.0
         for m in range(gas):
-            ids, labels = next(it)
-            t = time.perf_counter()
+            ids, labels = (t.to(e.device) for t in next(it))
+            t = self.now()
             loss = e(ids, labels)
             self._ev("ForwardPass", t, f"ForwardPass(micro_batch={m})")
-            t = time.perf_counter()
+            t = self.now()
             e.backward(loss)
             self._ev("BackwardPass", t, f"BackwardPass(micro_batch={m})")
             if m == gas - 1:
-                t = time.perf_counter()
+                t = self.now()
                 e.allreduce_gradients()
                 self._ev("ReduceGrads", t)
-            t = time.perf_counter()
+            t = self.now()
             e.step()
             if m == gas - 1:
                 self._ev("OptimizerStep", t)

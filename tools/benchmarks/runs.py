@@ -163,7 +163,8 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
             print(f"[{time.monotonic() - start:6.1f}s] {tag}: starting ({job['nodes']} node(s) x {job['rpn']} "
                   f"rank(s))", flush=True)
             j = WorkerJob(NETWORK, WORKER, worker_args(a, job, run_dir, costs), run_dir / "logs", job["nodes"],
-                          job["rpn"], cores, a.port + i, t0=start, tag=tag)
+                          job["rpn"], cores, a.port + i, t0=start, tag=tag, accelerator=a.accelerator,
+                          device_count=a.device_count)
             _active_jobs.append(j)
             t_begin = time.perf_counter()
             try:

@@ -26,8 +26,8 @@ from .network import Network, Refuse, burst_for, check_cores, parse_rate, prefli
 from .star import StarNetwork
 from .noise import ForeignCpu, core_ticks, foreign_cpu_between
 from .processes import (REPO, LocalJob, LocalRun, NodeProcesses, WorkerJob, cleanup_on_signals, fix_owner,
-                        free_port, local_env, node_env, remove_shm_segments)
+                        free_port, gpu_slices, local_env, node_env, remove_shm_segments)
 
 __all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "StarNetwork", "WorkerJob",
            "burst_for", "check_cores", "cleanup_on_signals", "core_ticks", "fix_owner", "foreign_cpu_between", "free_port",
-           "local_env", "node_env", "parse_rate", "preflight", "remove_shm_segments", "sh"]
+           "gpu_slices", "local_env", "node_env", "parse_rate", "preflight", "remove_shm_segments", "sh"]

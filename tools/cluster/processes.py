@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .network import Network
+from .network import Network, Refuse
 
 REPO = Path(__file__).resolve().parents[2]
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -40,14 +40,38 @@ def local_env(base: dict | None = None) -> dict:
     return env
 
 
-def node_env(veth: str, base: dict | None = None) -> dict:
+def node_env(veth: str, base: dict | None = None, accelerator: str = "cpu", host: str | None = None,
+             gpus: str | None = None) -> dict:
     """A rank's environment on an emulated node: :func:`local_env` plus gloo on the node's veth
-    (without GLOO_SOCKET_IFNAME gloo binds 127.0.0.1), CPU accelerator, one MKL thread, unbuffered
-    output."""
+    (without GLOO_SOCKET_IFNAME gloo binds 127.0.0.1), one MKL thread, unbuffered output, and the
+    accelerator: ``cpu`` (DeepSpeed's CPU accelerator), or ``cuda`` with NCCL held to the veth
+    across nodes. NCCL takes ranks with the same host hash for one machine and joins them by
+    shared memory or P2P, past the shaped link: ``host`` (the node's namespace) gives each node
+    its own (NCCL_HOSTID), so P2P stays inside a node and sockets on the veth carry the rest
+    (no InfiniBand); ``gpus``: the node's CUDA_VISIBLE_DEVICES (:func:`gpu_slices`)."""
     env = local_env(base)
-    env.update({"GLOO_SOCKET_IFNAME": veth, "DS_ACCELERATOR": "cpu", "MKL_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1"})
+    env.update({"GLOO_SOCKET_IFNAME": veth, "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    elif accelerator == "cuda":
+        if host is None or gpus is None:
+            raise ValueError("node_env(accelerator='cuda') needs the node's host id and its GPUs")
+        env.update({"DS_ACCELERATOR": "cuda", "NCCL_SOCKET_IFNAME": veth, "NCCL_HOSTID": host,
+                    "NCCL_IB_DISABLE": "1", "CUDA_VISIBLE_DEVICES": gpus})
+    else:
+        raise ValueError(f"accelerator {accelerator!r}: allowed cpu, cuda")
     return env
+
+
+def gpu_slices(device_count: int, nodes: int, ranks_per_node: int) -> list[str]:
+    """Each emulated node's CUDA_VISIBLE_DEVICES: node n gets GPUs n x RPN .. (n+1) x RPN - 1, one per
+    rank (NCCL refuses two ranks of a communicator on one GPU). :class:`Refuse` when there are too
+    few. Pure."""
+    need = nodes * ranks_per_node
+    if device_count < need:
+        raise Refuse(f"--accelerator cuda: {nodes} node(s) x {ranks_per_node} ranks need {need} GPUs, one per rank "
+                     f"(NCCL puts no two ranks of a group on one GPU); this machine has {device_count}")
+    return [",".join(str(n * ranks_per_node + i) for i in range(ranks_per_node)) for n in range(nodes)]
 
 
 def remove_shm_segments(port: int):
@@ -238,10 +262,13 @@ class WorkerJob(NodeProcesses):
     node's namespace, pinned to its core; node 0's command line saved to ``LOGS/command.txt``."""
 
     def __init__(self, network: Network, worker: str | Path, worker_args: Sequence[str], logs: Path, nodes: int,
-                 ranks_per_node: int, cores: Sequence, port: int, t0: float | None = None, tag: str | None = None):
+                 ranks_per_node: int, cores: Sequence, port: int, t0: float | None = None, tag: str | None = None,
+                 accelerator: str = "cpu", device_count: int = 0):
         super().__init__(logs, t0=t0, tag=tag, port=port)
         self.network, self.worker, self.worker_args = network, worker, list(worker_args)
         self.nodes, self.rpn, self.cores = nodes, ranks_per_node, list(cores)
+        self.accelerator = accelerator
+        self.gpus = gpu_slices(device_count, nodes, ranks_per_node) if accelerator == "cuda" else [None] * nodes
 
     def start(self):
         world_info = self.network.world_info(self.rpn, self.nodes)
@@ -253,7 +280,8 @@ class WorkerJob(NodeProcesses):
                 str(self.worker), *self.worker_args]
             if n == 0:
                 (self.logs / "command.txt").write_text(" ".join(cmd) + "\n")
-            self.start_node(n, cmd, node_env(self.network.veths[n]))
+            self.start_node(n, cmd, node_env(self.network.veths[n], accelerator=self.accelerator,
+                                             host=self.network.nodes[n], gpus=self.gpus[n]))
 
     def run(self, timeout: float):
         """:meth:`start`, :meth:`wait` up to ``timeout`` seconds, and :meth:`stop` in any case."""

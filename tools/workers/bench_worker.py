@@ -49,6 +49,7 @@ import time
 from datetime import timedelta
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 import torch
 
 import hippie_ds
@@ -59,6 +60,13 @@ from benchmarks.config import add_model_choice
 from benchmarks.model import data_iter
 from cluster import core_ticks
 from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
+
+
+def backend_name() -> str:
+    """The accelerator's collective backend (nccl on CUDA); gloo on the CPU, whose DeepSpeed
+    accelerator names oneCCL, which the bench does not use."""
+    acc = get_accelerator()
+    return "gloo" if acc.device_name() == "cpu" else acc.communication_backend_name()
 
 
 def log(rank, msg):
@@ -190,6 +198,7 @@ class Steps:
                 loss = engine.train_batch(self.iters[label])
         else:
             loss = engine.train_batch(self.iters[label])
+        get_accelerator().synchronize()  # a GPU's queued kernels are part of the step (no-op on the CPU)
         end = time.perf_counter()
         busy, total = (b - a for a, b in zip(ticks0, core_ticks(cores)))
         rec = {"round": rnd, "index": index, "warmup": warmup, "start": start, "end": end, "loss": float(loss),
@@ -214,6 +223,8 @@ def write_records(a, steps: Steps, rank: int, rss_baseline):
                               "rss_end_bytes": proc_status_bytes("VmRSS"),
                               "state_bytes": state_bytes(engine),
                               "labels_in_process": len(steps.engines)}
+            if get_accelerator().device_name() == "cuda":  # what the GPU held at its peak (every label's)
+                meta["memory"]["device_peak_bytes"] = torch.cuda.max_memory_allocated()
         with open(os.path.join(d, f"rank{rank}.steps.json"), "w") as f:
             json.dump({**meta, "t0": t0, "steps": steps.records[label]}, f)
         if hasattr(engine, "write_timeline"):
@@ -229,7 +240,7 @@ def main():
     if a.core_per_rank:
         os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", a.local_rank)) % os.cpu_count()})
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=a.timeout_s))
+    deepspeed.init_distributed(dist_backend=backend_name(), timeout=timedelta(seconds=a.timeout_s))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     labels = [s for s in a.schedules.split(",") if s]
     if any(l.endswith("-auto") for l in labels) and "stock" not in labels:

@@ -4,7 +4,8 @@ NODES x RPN ranks (rank = node x RPN + local). Times, ``--repeats`` times each a
 link, a gloo all-reduce of ``--stage-bytes`` bytes over one stage's data-parallel group (local
 rank ``--stage`` of every node: what a pipeline stage all-reduces) and one of ``--all-bytes``
 bytes over every rank (what DP all-reduces), a world barrier around every repeat. Writes
-OUT/rank{R}.json with the seconds of the all-reduces it took part in."""
+OUT/rank{R}.json with the seconds of the all-reduces it took part in. gloo on CPU tensors; NCCL on
+the rank's GPU where cluster.node_env set DS_ACCELERATOR=cuda."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,8 @@ def timed(group, tensor, member: bool) -> float | None:
     if member:
         t0 = time.perf_counter()
         dist.all_reduce(tensor, group=group)
+        if tensor.is_cuda:
+            torch.cuda.synchronize()  # NCCL returns once the kernel is queued
         wall = time.perf_counter() - t0
     dist.barrier()
     return wall
@@ -44,7 +47,11 @@ def timed(group, tensor, member: bool) -> float | None:
 def main():
     a = parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    cuda = os.environ.get("DS_ACCELERATOR") == "cuda"  # cluster.node_env: one GPU per rank, NCCL
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", a.local_rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     stage_ranks = list(range(a.stage, world, a.rpn))
     stage_group = dist.new_group(stage_ranks)
@@ -52,7 +59,7 @@ def main():
               "stage_bytes": a.stage_bytes, "all_bytes": a.all_bytes}
     for name, group, member, nbytes in (("stage", stage_group, rank in stage_ranks, a.stage_bytes),
                                         ("all", dist.group.WORLD, True, a.all_bytes)):
-        tensor = torch.ones(max(1, nbytes // 4))
+        tensor = torch.ones(max(1, nbytes // 4), device=device)
         timed(group, tensor, member)  # warm-up: connections made
         times = [timed(group, tensor, member) for _ in range(a.repeats)]
         record[name] = times if member else None

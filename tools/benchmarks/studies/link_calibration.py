@@ -88,7 +88,8 @@ def measure(a, out: Path, net, jobs: list[dict], port: int, t0: float) -> dict:
                 "--stage-bytes", str(entry.get("stage_bytes", 4)), "--all-bytes", str(entry.get("all_bytes", 4)),
                 "--repeats", str(REPEATS)]
         cores = [a.core_list[k % len(a.core_list)] for k in range(n)]
-        WorkerJob(net, WORKER, args, run_dir / "logs", n, rpn, cores, port + i, t0=t0, tag=f"link {n}").run(a.timeout)
+        WorkerJob(net, WORKER, args, run_dir / "logs", n, rpn, cores, port + i, t0=t0, tag=f"link {n}",
+                  accelerator=a.accelerator, device_count=a.device_count).run(a.timeout)
         records = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
         shapes = summarize(records, parse_rate(a.rate))
         if "stage_bytes" not in entry:

@@ -155,7 +155,7 @@ def measure(a, out: Path) -> float:
             run_dir.mkdir(parents=True, exist_ok=True)
             cores = [a.core_list[k % len(a.core_list)] for k in range(job["nodes"])]
             j = WorkerJob(net, WORKER, job_args(a, job, run_dir), run_dir / "logs", job["nodes"], job["rpn"], cores,
-                          a.port + i, t0=start, tag=job["dir"])
+                          a.port + i, t0=start, tag=job["dir"], accelerator=a.accelerator, device_count=a.device_count)
             _jobs.append(j)
             try:
                 j.run(a.timeout)
