@@ -51,3 +51,4 @@ def test_cpu_instruction_clock_is_the_plain_counter():
 def test_worker_backend_is_gloo_on_the_cpu():
     from workers.bench_worker import backend_name
     assert backend_name() == "gloo"
+

@@ -197,3 +197,11 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
         assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 * link[shape]["efficiency"])
     assert results["runs"]["two_nodes"]["1f1b"]["prediction"]["costs"]["tied_groups"] == []  # the model is untied
     assert "hdss-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_worker_label_order_and_dp_alone():
+    from workers.bench_worker import order_labels
+    assert order_labels("hippie-1f1b-auto,gpipe") == ["stock", "gpipe", "hippie-1f1b-auto"]
+    assert order_labels("dp") == ["dp"]
+    with pytest.raises(SystemExit, match="dp must run alone"):  # DeepSpeed's groups.mpu would regroup DP
+        order_labels("dp,stock")

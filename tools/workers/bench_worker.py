@@ -69,6 +69,21 @@ def backend_name() -> str:
     return "gloo" if acc.device_name() == "cpu" else acc.communication_backend_name()
 
 
+def order_labels(schedules: str) -> list[str]:
+    """The labels in build order: stock first when an 'auto' label needs its costs, the auto ones
+    last. DP cannot share the processes of a pipeline engine: DeepSpeed's plain engine looks its
+    data-parallel group up at each all-reduce in a global (``groups.mpu``) that a pipeline engine
+    sets to its grid, so DP would average over one stage's replicas (and took 2x its time alone,
+    four such all-reduces of the whole model sharing each link). Pure."""
+    labels = [s for s in schedules.split(",") if s]
+    if "dp" in labels and len(labels) > 1:
+        raise SystemExit(f"bench_worker: --schedules {schedules!r}: dp must run alone (a pipeline engine in the "
+                         "same process changes DeepSpeed's data-parallel group for it); give it a job of its own")
+    if any(l.endswith("-auto") for l in labels) and "stock" not in labels:
+        labels.insert(0, "stock")  # the 'auto' cost file is measured on the stock engine
+    return sorted(labels, key=lambda l: l.endswith("-auto"))  # the cost file exists before an auto engine
+
+
 def log(rank, msg):
     if rank == 0:
         print(f"[bench] {msg}", flush=True)
@@ -242,10 +257,7 @@ def main():
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend=backend_name(), timeout=timedelta(seconds=a.timeout_s))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    labels = [s for s in a.schedules.split(",") if s]
-    if any(l.endswith("-auto") for l in labels) and "stock" not in labels:
-        labels.insert(0, "stock")  # the 'auto' cost file is measured on the stock engine
-    labels.sort(key=lambda l: l.endswith("-auto"))  # the cost file must exist before an auto engine is built
+    labels = order_labels(a.schedules)
     costs_path = None
     steps = Steps(ActivationMeter() if a.memory else None)
     rss_baseline = proc_status_bytes("VmRSS") if a.memory else None  # after imports and init, before any model

@@ -99,8 +99,8 @@ def label_of(schedule: str) -> str:
 def run_plan(a) -> list[dict]:
     """The jobs: per node count, one for the pipeline schedules (labels of one worker that runs
     them in interleaved rounds: the processes start once) and, right after it, one for DP alone
-    (DP's all-reduce of the whole model in processes that also hold the pipeline engines took 2x
-    its time alone: 1.5-2.1 s against 0.85 s, VGG-16 on 2 nodes); then the single-device run. Pure."""
+    (DP cannot share processes with a pipeline engine: bench_worker.order_labels says why); then
+    the single-device run. Pure."""
     pipelines = [s for s in a.schedule_list if s != "dp"]
     jobs = []
     for n in a.node_counts:
