@@ -41,6 +41,8 @@ def timed(group, tensor, active: bool, idle_s: float = 0.0) -> dict:
     if active:
         t0, c0 = time.perf_counter(), time.process_time()
         dist.all_reduce(tensor, group=group)
+        if tensor.is_cuda:
+            torch.cuda.synchronize()  # NCCL returns once the kernel is queued
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     dist.barrier()
     return {"s": wall, "cpu_s": cpu, "machine_busy_s": (core_ticks()[0] - busy0) / os.sysconf("SC_CLK_TCK")}
@@ -63,9 +65,14 @@ def main():
     if rank == 0:  # the same machine for every rank: one reading is enough
         record["one_machine_busy"] = [r["machine_busy_s"] for r in one]
         record["two_machine_busy"] = [r["machine_busy_s"] for r in two]
+    finish(a.out, rank, record)
+
+
+def finish(out: str, rank: int, record: dict):
+    """After every rank is done: OUT/rank{R}.json, and the process group torn down."""
     dist.barrier()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
 

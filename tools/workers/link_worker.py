@@ -9,13 +9,13 @@ the rank's GPU where cluster.node_env set DS_ACCELERATOR=cuda."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from workers.allreduce_worker import finish, timed  # one timed all-reduce between world barriers
 
 
 def parse_args():
@@ -28,20 +28,6 @@ def parse_args():
     p.add_argument("--all-bytes", type=int, required=True)
     p.add_argument("--repeats", type=int, default=5)
     return p.parse_args()
-
-
-def timed(group, tensor, member: bool) -> float | None:
-    """Seconds of this rank's all-reduce between two world barriers (None: not in the group)."""
-    dist.barrier()
-    wall = None
-    if member:
-        t0 = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        if tensor.is_cuda:
-            torch.cuda.synchronize()  # NCCL returns once the kernel is queued
-        wall = time.perf_counter() - t0
-    dist.barrier()
-    return wall
 
 
 def main():
@@ -61,13 +47,9 @@ def main():
                                         ("all", dist.group.WORLD, True, a.all_bytes)):
         tensor = torch.ones(max(1, nbytes // 4), device=device)
         timed(group, tensor, member)  # warm-up: connections made
-        times = [timed(group, tensor, member) for _ in range(a.repeats)]
+        times = [timed(group, tensor, member)["s"] for _ in range(a.repeats)]
         record[name] = times if member else None
-    dist.barrier()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
-        json.dump(record, f)
-    dist.destroy_process_group()
+    finish(a.out, rank, record)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ the emulated cluster, measured for the two shapes the runs all-reduce in.
 
 The simulator's link is a fluid: an all-reduce of W bytes over r ranks takes 2(r-1)/r x W / bandwidth,
 bandwidth = the shaped rate x a link efficiency. On tbf's FIFO with TCP that efficiency depends on
-the collective's shape and size: a 0.5 MB ring of 2 ranks gets 0.86 of 10mbit (tools/bench.py
-allreduce), DP's ring of 8 ranks over 2 nodes about 0.97. So after the runs, per node count, the
+the collective's shape and size: a 0.5 MB ring of 2 ranks got 0.84-0.90 of 10mbit here, DP's
+0.55 MB over 8 ranks on 2 nodes 0.85-0.91 (docs/bench/scaling). So after the runs, per node count, the
 bench times (tools/workers/link_worker.py), alone on the link:
 
 * ``stage``: the largest pipeline stage's gradient over its data-parallel group (one rank per node);
@@ -56,8 +56,11 @@ def plan(out: Path, jobs: list[dict], a) -> list[dict]:
 
 
 def ring_seconds(nbytes: float, ranks: int, rate_bytes: float) -> float:
-    """The fluid ring all-reduce at the full shaped rate: 2(r-1)/r x bytes / rate. Pure."""
-    return 2 * (ranks - 1) / ranks * nbytes / rate_bytes
+    """The simulator's ring all-reduce at the full shaped rate (``Costs.allreduce_time``:
+    2(r-1)/r x bytes / rate). Pure."""
+    from hippie_ds.schedules.costs import Costs
+    comm = {"allreduce_bandwidth": rate_bytes, "data_parallel": ranks}
+    return Costs.uniform(1, param_bytes=nbytes, comm=comm).allreduce_time(0)
 
 
 def summarize(records: list[dict], rate_bytes: float) -> dict:

@@ -165,16 +165,18 @@ def measure(a, out: Path) -> float:
     return time.monotonic() - start
 
 
-def analyse(a, out: Path) -> dict:
+def analyse(a, out: Path, link: dict | None) -> dict:
     """runs[config][schedule]: each label's steps split by the worker's rounds, combined
-    (``combine_rounds``); the simulator's link efficiency per run from OUT/link.json where measured."""
-    runs, link = {}, link_calibration.load(out)
+    (``combine_rounds``); the simulator's link efficiency per run from ``link`` (OUT/link.json:
+    ``link_calibration``) where measured, else ``--link-efficiency``."""
+    runs = {}
     for job in run_plan(a):
         for s in job["schedules"]:
             one = {**job, "schedule": s, "label": label_of(s)}
             measured = link_calibration.efficiency(link, job["nodes"], s)
-            a_run = a if a.link_efficiency_given or measured is None else copy.copy(a)
-            if a_run is not a:
+            a_run = a
+            if measured is not None:
+                a_run = copy.copy(a)
                 a_run.link_efficiency = measured
             per_round = [analyse_job(out / "runs" / job["dir"], one, a_run, parse_rate(a.rate), only_round=r)
                          for r in range(a.rounds if job["config"] != "one_device" else 1)]
@@ -256,15 +258,14 @@ def main(argv=None) -> int:
             return 1
     from ..config import config_record
     from .scaling_report import report
-    command = a.command
-    config = {**config_record(a), "nodes": a.node_counts, "command": command,
+    config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
               "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts)}
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
         wall = old.get("wall_s")
-        config = {**old["config"], "reanalysed_by": command}
-    results = {"config": config, "runs": analyse(a, out), "wall_s": wall,
-               "link": None if a.link_efficiency_given else link_calibration.load(out)}
+        config = {**old["config"], "reanalysed_by": a.command}
+    link = None if a.link_efficiency_given else link_calibration.load(out)
+    results = {"config": config, "runs": analyse(a, out, link), "wall_s": wall, "link": link}
     results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report(results)
