@@ -24,7 +24,8 @@ def _remove(c, stage, pos):
 def test_deepspeed_version_pin():
     from hippie_ds._compat import check_deepspeed_version
     check_deepspeed_version("0.19.8")
-    for bad in ("0.18.9", "0.20.0", "1.0.0"):
+    check_deepspeed_version("0.19.10rc1")
+    for bad in ("0.18.9", "0.19.0", "0.19.7", "0.20.0", "1.0.0"):
         with pytest.raises(ImportError, match=f"found DeepSpeed {bad}"):
             check_deepspeed_version(bad)
 
