@@ -1,12 +1,14 @@
 """The simulator's discrete-event machinery: a minimal process-based kernel and the resources
-stages contend for (p2p channels, the shared inter-node link that all-reduces split). Pure
-Python; :mod:`hippie_ds.schedules.simulator` runs schedules on it."""
+stages contend for (p2p channels, the shared inter-node link that all-reduces split), and what a
+run keeps per stage (``_StageState``, ``_Acc``). Pure Python; :mod:`hippie_ds.schedules.simulator` runs schedules on it."""
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
 from typing import Iterator
+
+from .grad_buffer import GradBuffer
 
 
 class SimulationError(RuntimeError):
@@ -164,3 +166,31 @@ class _Link:
     def _finish(self, ar: _AllReduce) -> None:
         ar.end = self.k.now
         self.k.fire(ar.done)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-stage state of a run.
+
+class _Acc:
+    """Per stage and call: what the figures are made of."""
+
+    __slots__ = ("busy", "p2p", "allreduce", "sync", "peak", "compute_start", "compute_end", "first_forward",
+                 "last_backward", "versions")
+
+    def __init__(self) -> None:
+        self.busy = self.p2p = self.allreduce = self.sync = 0.0
+        self.peak = 0
+        self.versions = 1  # weight versions held at once (current + stashed)
+        self.compute_start = self.compute_end = self.first_forward = self.last_backward = None
+
+
+class _StageState:
+    def __init__(self) -> None:
+        self.live = 0  # micro-batches whose forward started and backward has not ended
+        self.isends: list[_Transfer] = []
+        self.pending: dict[str, list[_AllReduce]] = {"grads": [], "buffer": []}
+        self.buffer = GradBuffer()  # the deferred stage's gradient buffer (state only; sizes are costs')
+        self.collective_count: dict[OpKind, int] = {}
+        self.stashed: set[int] = set()  # weight versions kept besides the current one
+        self.started_early = False  # the 'grads' all-reduce was started inside the last backward
+        self.chunk_share = 0.0  # the share of the 'grads' all-reduce already started by start_allreduce(chunk)

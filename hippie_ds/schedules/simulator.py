@@ -70,9 +70,8 @@ from __future__ import annotations
 from typing import Iterator, Mapping
 
 from .costs import Costs, CostsError, DelayedPart
-from .grad_buffer import GradBuffer
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
-from .sim_resources import SimulationError, _AllReduce, _Channel, _Kernel, _Link, _Signal, _Transfer
+from .sim_resources import SimulationError, _Acc, _AllReduce, _Channel, _Kernel, _Link, _Signal, _StageState, _Transfer
 from .deadlock import link_of, peer_of
 from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
                  WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
@@ -80,19 +79,6 @@ from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE
 
 
 _FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
-
-
-class _Acc:
-    """Per stage and call: what the figures are made of."""
-
-    __slots__ = ("busy", "p2p", "allreduce", "sync", "peak", "compute_start", "compute_end", "first_forward",
-                 "last_backward", "versions")
-
-    def __init__(self) -> None:
-        self.busy = self.p2p = self.allreduce = self.sync = 0.0
-        self.peak = 0
-        self.versions = 1  # weight versions held at once (current + stashed)
-        self.compute_start = self.compute_end = self.first_forward = self.last_backward = None
 
 
 class _Sim:
@@ -343,18 +329,6 @@ class _Sim:
         for ar in self.allreduces:
             self.events.append(SimEvent(ar.stage, f"allreduce({ar.target})", "comm", ar.start, ar.end, None))
         self.events.sort(key=lambda e: (e.start, e.stage, e.end))
-
-
-class _StageState:
-    def __init__(self) -> None:
-        self.live = 0  # micro-batches whose forward started and backward has not ended
-        self.isends: list[_Transfer] = []
-        self.pending: dict[str, list[_AllReduce]] = {"grads": [], "buffer": []}
-        self.buffer = GradBuffer()  # the deferred stage's gradient buffer (state only; sizes are costs')
-        self.collective_count: dict[OpKind, int] = {}
-        self.stashed: set[int] = set()  # weight versions kept besides the current one
-        self.started_early = False  # the 'grads' all-reduce was started inside the last backward
-        self.chunk_share = 0.0  # the share of the 'grads' all-reduce already started by start_allreduce(chunk)
 
 
 def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,

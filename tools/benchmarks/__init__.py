@@ -7,7 +7,7 @@ jobs, ``--auto-plan``), ``analysis`` (a run's files -> its record, rounds combin
 (ratios, ME, scaling efficiency), ``projection``, ``report`` (report.md), ``plots``; ``model`` (the
 GPT-like model and its data), ``engines`` (engines, configs, memory figures) and ``emulated`` (the
 emulated accelerator) for the worker; ``commands`` (the subcommands: NAME -> module) and
-``studies/`` (one module per subcommand: schedules, link-sweep, hidden-comm, allreduce,
+``studies/`` (one module per subcommand: schedules, link-sweep, allreduce,
 gpu-projection, planner, staleness, example-costs); ``convergence_report`` and
 ``time_to_accuracy`` (tools/convergence.py's tables, pictures and time to accuracy).
 """

@@ -17,8 +17,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                   "measured and simulated)"),
     "link-sweep": ("benchmarks.studies.link_sweep", "the cluster bench once per inter-node link rate, collated "
                                                     "(needs root)"),
-    "hidden-comm": ("benchmarks.studies.hidden_comm", "does Hippie's schedule hide the all-reduce? exposed "
-                                                      "all-reduce per stage (needs root)"),
     "allreduce": ("benchmarks.studies.allreduce", "all-reduce bandwidth and CPU cost on the emulated link "
                                                   "(needs root)"),
     "gpu-projection": ("benchmarks.studies.gpu_projection", "simulated scaling one node -> two on V100 profiles "

@@ -21,7 +21,7 @@ WORKER = REPO / "tools" / "workers" / "bench_worker.py"
 # Which engine a schedule name runs on (anything else: hippie_ds.initialize with that schedule).
 WORKER_LABEL = {"1f1b": "stock", "hds-1f1b": "1f1b", "dp": "dp"}
 CONFIGS = ("two_nodes", "one_node", "one_device")
-# Our own names (not hidden-comm's), so both benchmarks can be set up side by side.
+# Our own names, so the bench and another emulated cluster can be set up side by side.
 NETWORK = Network(("hdsb-node0", "hdsb-node1"), ("hdsb-veth0", "hdsb-veth1"), ("10.78.0.1", "10.78.0.2"))
 
 

@@ -1,6 +1,6 @@
 """The one place that runs jobs for the tools and the tests: an emulated cluster on one machine
 (the brief, section 4) and local multi-rank jobs. Used by tools/bench.py,
-tools/bench.py hidden-comm, tools/multinode.py (emulated nodes), tools/convergence.py,
+tools/multinode.py (emulated nodes), tools/convergence.py,
 tools/soak.py and tests/distributed/launch.py (local jobs).
 
 * :mod:`cluster.network`: :class:`Network`, two network namespaces joined by a veth pair (one end

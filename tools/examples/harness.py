@@ -213,7 +213,7 @@ class Trainer:
     def finish_training(self):
         """Apply what is still pending: a deferred stage's buffered gradient (hippie, hippie-1f1b),
         the batches still in flight of a continuous schedule (2bw, pipedream)."""
-        finish = getattr(self.engine, "drain", None) or getattr(self.engine, "flush_deferred_update", None)
+        finish = getattr(self.engine, "drain", None)
         if finish is not None:
             finish()
 

@@ -1,4 +1,4 @@
-"""Rank worker of ``tools/bench.py`` and ``tools/bench.py hidden-comm`` (not meant to be started by hand).
+"""Rank worker of ``tools/bench.py`` and its studies (not meant to be started by hand).
 
 One process per rank, started by DeepSpeed's launcher once per emulated node. It builds, for
 every schedule label asked for, a fresh GPT-like model from the same seed and an engine, warms
@@ -228,8 +228,8 @@ def write_records(a, steps: Steps, rank: int, rss_baseline):
     """Per label: raw/<label>/rank{R}.steps.json and the timeline (after flushing a deferred update)."""
     for label, engine in steps.engines.items():
         meta = steps.meta[label]
-        if hasattr(engine, "flush_deferred_update"):
-            engine.flush_deferred_update()  # outside the timed steps: leave no collective pending
+        if hasattr(engine, "drain"):
+            engine.drain()  # outside the timed steps: leave no collective pending
         t0, events = timeline_of(engine)
         d = os.path.join(a.out, "raw", label)
         os.makedirs(os.path.join(d, "timeline"), exist_ok=True)

@@ -77,7 +77,7 @@ def main(argv=None):
         if rank == 0:
             print(f"[multinode] step {step}/{args.steps}: loss {losses[-1]:.6f} "
                   f"({time.perf_counter() - start:.1f} s)", flush=True)
-    finish = getattr(engine, "drain", None) or getattr(engine, "flush_deferred_update", None)
+    finish = getattr(engine, "drain", None)
     if finish is not None:
         finish()  # a deferred stage's last buffered gradient is applied, not lost
 

@@ -2,8 +2,7 @@
 maps NAME to its module), each with ``main(argv) -> int`` and its own ``--help``.
 
 ``schedules`` (flush schedules side by side on one node), ``link_sweep`` (the cluster bench per
-link rate), ``hidden_comm`` with ``hidden_comm_analysis`` (exposed all-reduce per stage),
-``allreduce`` (the emulated link's all-reduce; rank worker tools/workers/allreduce_worker.py),
+link rate), ``allreduce`` (the emulated link's all-reduce; rank worker tools/workers/allreduce_worker.py),
 ``gpu_projection`` (simulated scaling on V100 profiles), ``planner_time`` (the planner's speed),
 ``staleness`` with ``staleness_stage`` (delayed updates and their corrections, one process),
 ``example_costs`` (a training example's cost file for tools/convergence.py).
