@@ -4,11 +4,14 @@
                  "virtual_stages": 2},          # model chunks per stage (interleaved-1f1b, ...); default: the schedule's
     "hippie": {
         "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
-        "deferred_layers": 1,                   # partial deferral: a deferred stage delays only its first
-                                                #   this many layers (an int, or {"stage": int}); the rest
-                                                #   of its gradient is all-reduced and applied in-step;
-                                                #   "all": the whole stage (the paper's rule); "auto":
-                                                #   chosen from costs for the least time to a loss
+        "deferred_layers": "untied",            # partial deferral: a deferred stage delays only its first
+                                                #   layer with parameters not tied to another stage (a
+                                                #   tied embedding before it stays in-step); an int (or
+                                                #   {"stage": int}): its first this many layers with
+                                                #   parameters; the rest of its gradient is all-reduced
+                                                #   and applied in-step; "all": the whole stage (the
+                                                #   paper's rule); "auto": chosen from costs for the
+                                                #   least time to a loss
         "staleness_price": null,                # "auto"'s price of a stale gradient: extra steps (a share)
                                                 #   when the whole model's gradient is stale; null: 0.5
         "schedule_params": {},                  # other parameters a schedule file declares
@@ -22,19 +25,23 @@
         "staleness": {                          # correction for stages that update one step late
             "method": "extrapolate",            #   or "none" (the plain one-step-delayed rule)
             "coefficient": 1.0                  #   W_hat = W + c * (W - W_previous)
-        }
+        },
+        "profile": null                         # {"out": "profile.yaml", "steps": 3, "repeats": 3}: measure
+                                                #   every layer of every stage in place (after one warm-up
+                                                #   train_batch, during the next `steps`), write one profile
     }
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_SCHEDULE = "1f1b"
-DEFAULT_DEFERRED_LAYERS = 1
+UNTIED_LAYERS = "untied"  # hippie.deferred_layers: the first layer with parameters not tied to another stage
+DEFAULT_DEFERRED_LAYERS = UNTIED_LAYERS
 WHOLE_STAGE = "all"  # hippie.deferred_layers: delay a deferred stage's whole gradient
 AUTO_LAYERS = "auto"  # hippie.deferred_layers: chosen from costs (schedules.partial_deferral)
 
@@ -52,15 +59,32 @@ class StalenessConfig(BaseModel):
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
 
 
+class ProfileConfig(BaseModel):
+    """``hippie.profile``: the job profiles its own layers in place
+    (:mod:`hippie_ds.adapter.profile_in_place`) and global rank 0 writes one profile file."""
+    model_config = ConfigDict(extra="forbid")
+
+    # The profile to write (.json, else YAML), relative to the working directory of rank 0.
+    out: str = Field(min_length=1, strict=True)
+    # train_batch calls measured, after one warm-up call; each re-runs every layer on its input.
+    steps: int = Field(3, ge=1, strict=True)
+    # timed runs of each layer per measured step (after one untimed run); medians.
+    repeats: int = Field(3, ge=1, strict=True)
+    # The profile's model name; None: the module's class name.
+    name: str | None = Field(None, min_length=1, strict=True)
+
+
 class HippieConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # 'auto' or a list of stage ids (checked against the stage count when the schedule compiles)
     deferred_stages: Any = None
     # An int (every deferred stage) or {stage: int}: a deferred stage delays only the gradient of
-    # its first that many layers (PipelineModule layer indices); "all": its whole gradient. The
-    # default, 1, is the rule that trains as well as data parallelism (docs/results.md). "auto":
-    # per stage, from hippie.costs or the plan, the count with the least predicted time to a loss.
+    # its first that many layers with parameters; "all": its whole gradient. The default,
+    # "untied", delays its first layer with parameters that is not a module tied to another stage
+    # (Megatron's word embedding, tied to the output head, stays in-step before it): one layer,
+    # the rule that trains as well as data parallelism (docs/results.md). "auto": per stage, from
+    # hippie.costs or the plan, the count with the least predicted time to a loss.
     deferred_layers: Any = DEFAULT_DEFERRED_LAYERS
     # "auto"'s price of staleness (schedules.partial_deferral); None: its measured default.
     staleness_price: float | None = Field(None, ge=0.0)
@@ -75,8 +99,18 @@ class HippieConfig(BaseModel):
     # config file's directory.
     plan: str | None = None
     staleness: StalenessConfig = StalenessConfig()
+    # Measure the job's layers in place into a profile (None: no profiling).
+    profile: ProfileConfig | None = None
     # Set from "pipeline.virtual_stages" (model chunks per stage); None: the schedule's own.
     virtual_stages: int | None = None
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile(cls, v):
+        if v is not None and not isinstance(v, (dict, ProfileConfig)):
+            raise ValueError('allowed: null or a mapping {"out": FILE, "steps": N, "repeats": N, "name": NAME} '
+                             '(only "out" is required)')
+        return v
 
     @field_validator("deferred_stages", mode="before")
     @classmethod
@@ -92,7 +126,7 @@ class HippieConfig(BaseModel):
     def _layers(cls, v):
         def count(x):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-        if v in (WHOLE_STAGE, AUTO_LAYERS) or count(v):
+        if v in (WHOLE_STAGE, AUTO_LAYERS, UNTIED_LAYERS) or count(v):
             return v
         if isinstance(v, dict):
             out = {}
@@ -103,7 +137,9 @@ class HippieConfig(BaseModel):
                 out[key] = x
             else:
                 return out
-        raise ValueError('allowed: a non-negative layer count (every deferred stage), "all" (the whole stage), '
+        raise ValueError('allowed: "untied" (the first layer with parameters not tied to another stage, the '
+                         'default), a non-negative count of layers with parameters (every deferred stage), '
+                         '"all" (the whole stage), '
                          '"auto" (per stage the count with the least predicted time to a loss, from '
                          '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')
 
@@ -111,10 +147,13 @@ class HippieConfig(BaseModel):
 def _describe(err: dict, section: str) -> str:
     key = ".".join(str(p) for p in err["loc"])
     value = err.get("input")
+    if err["type"] == "missing":
+        return f'config key "{section}.{key}" is required (in {err.get("input")!r})'
     if err["type"] == "extra_forbidden":
         model = HippieConfig  # the section the unknown key sits in
         for part in err["loc"][:-1]:
             annotation = model.model_fields[part].annotation
+            annotation = next((a for a in get_args(annotation) if a is not type(None)), annotation)  # X | None
             model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else model
         allowed = ", ".join(model.model_fields)
         return f'config key "{section}.{key}" (value {value!r}) is not known; allowed keys: {allowed}'

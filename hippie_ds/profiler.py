@@ -44,16 +44,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.memory import _tensors, storage_key
+from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes
+from .adapter.memory import _tensors
 from .planner.profile import LayerProfile, Profile, ProfileError
 
 
@@ -157,107 +156,6 @@ def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch
     return funcs, params
 
 
-def _as_stage_input(x: Any) -> Any:
-    """What a stage receives: detached tensors, floating ones requiring grad."""
-    if isinstance(x, torch.Tensor):
-        y = x.detach()
-        if y.is_floating_point():
-            y.requires_grad_(True)
-        return y
-    if isinstance(x, (list, tuple)):
-        return type(x)(_as_stage_input(v) for v in x)
-    return x
-
-
-def _call(fn, x):
-    return fn(x)
-
-
-def _backward(out: Any) -> bool:
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    if not outs:
-        return False
-    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-    return True
-
-
-def _grad_targets(out: Any, inp: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """(outputs that require grad, inputs that require grad, parameters): the parameters are the
-    leaves of the outputs' autograd graph other than the inputs (whatever the layer closes over)."""
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    ins = [t for t in _tensors(inp) if t.requires_grad]
-    inputs = {id(t) for t in ins}
-    params, seen, todo = [], set(), [t.grad_fn for t in outs if t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)  # AccumulateGrad
-        if leaf is not None and id(leaf) not in inputs:
-            params.append(leaf)
-        todo.extend(nxt for nxt, _ in node.next_functions)
-    return outs, ins, params
-
-
-def _grad_towards(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-    if outs and targets:
-        torch.autograd.grad(outs, targets, [torch.ones_like(t) for t in outs], allow_unused=True)
-
-
-def _weight_time(fn, inp: Any, backward: float, repeats: int, warmup: int) -> float:
-    """W of the layer's backward (see the module docstring), from the medians of the input and
-    the parameter passes."""
-    outs, ins, params = _grad_targets(fn(inp), inp)
-    if not outs or not params:
-        return 0.0
-    if not ins:
-        return backward
-
-    def median_pass(towards_params: bool) -> float:
-        times = []
-        for k in range(warmup + repeats):
-            outs, ins, params = _grad_targets(fn(inp), inp)
-            t0 = time.perf_counter()
-            _grad_towards(outs, params if towards_params else ins)
-            if k >= warmup:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    return min(max(0.0, backward - median_pass(False)), median_pass(True))
-
-
-def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
-
-
-def saved_storages(fn, x: Any) -> tuple[dict[tuple, int], Any]:
-    """({storage: bytes} autograd saves during one forward of ``fn`` on ``x``, output)."""
-    packed: dict[tuple, int] = {}
-
-    def pack(t):
-        if t.layout == torch.strided:
-            key = storage_key(t)
-            packed[key] = key[2]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    return packed, out
-
-
-def _keys(obj: Any) -> set[tuple]:
-    return {storage_key(t) for t in _tensors(obj)}
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", repeats: int = 10, warmup: int = 3,
                    progress: bool | TextIO = False) -> Profile:
     """Measure every layer (see the module docstring) and return the profile. ``progress``: a tqdm
@@ -273,39 +171,20 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     first = next(iter(_tensors(sample)))
     batch = int(first.shape[0]) if first.dim() > 0 else 1
     x = sample
-    out_layers, saved_sets, inputs_saved, outputs = [], [], [], []
+    records = []
     bar = tqdm(total=len(funcs), desc="profile", unit="layer", disable=not progress,
                file=None if isinstance(progress, bool) else progress)
     try:
         for i, (name, layer_fn, ps) in enumerate(zip(names, funcs, params)):
             bar.set_postfix_str(name[:30], refresh=False)
-            fn = _guard(layer_fn, f"layer {i} ({name}) forward")
-            backward = _guard(_backward, f"layer {i} ({name}) backward")
-            inp = _as_stage_input(x)
-
-            def step():
-                backward(fn(inp))
-
-            for _ in range(warmup):
-                step()
-            forward, back = _median(lambda: fn(inp), repeats), _backward_time(fn, backward, inp, repeats)
-            weight = _guard(_weight_time, f"layer {i} ({name}) backward")(fn, inp, back, repeats, warmup)
-            packed, out = saved_storages(fn, inp)
+            inp = as_stage_input(x)
+            measured = measure_layer(layer_fn, inp, ps, sum(p.numel() * p.element_size() for p in ps),
+                                     repeats=repeats, warmup=warmup,
+                                     guard=lambda f, phase, i=i, name=name: _guard(f, f"layer {i} ({name}) {phase}"))
             for p in ps:
                 p.grad = None
-            ins, outs = _keys(inp), _keys(out)
-            own = {k: v for k, v in packed.items() if k not in ins and k not in _keys(ps)}
-            saved_sets.append(own)
-            inputs_saved.append(bool(ins & packed.keys()))
-            outputs.append({k: k[2] for k in outs - ins})
-            out_layers.append(dict(
-                name=name, forward=forward, backward=back, backward_weight=weight,
-                recompute=forward,
-                output_bytes=float(_nbytes(out)), input_bytes=float(_nbytes(sample)) if i == 0 else None,
-                param_bytes=float(sum(p.numel() * p.element_size() for p in ps))))
-            with torch.no_grad():
-                x = fn(inp)
-            x = _detach(x)
+            records.append(dict(name=name, input_bytes=float(nbytes(sample)) if i == 0 else None, **measured.record))
+            x = measured.output
             bar.update()
     except BaseException:
         bar.leave = False  # the error message starts on a clean line
@@ -313,37 +192,4 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     finally:
         bar.close()
     return Profile(model=model, batch_size=batch, source="hippie-ds profile",
-                   layers=_attribute_saved(out_layers, saved_sets, inputs_saved, outputs))
-
-
-def _backward_time(fn, backward, inp, repeats: int) -> float:
-    """Median time of the layer's whole backward (a fresh forward before each)."""
-    backs = []
-    for _ in range(repeats):
-        out = fn(inp)
-        t0 = time.perf_counter()
-        backward(out)
-        backs.append(time.perf_counter() - t0)
-    return statistics.median(backs)
-
-
-def _attribute_saved(out_layers, saved_sets, inputs_saved, outputs) -> list[LayerProfile]:
-    """Saved bytes attributed to the producer: a layer's output counts when it or the next layer
-    saves it (the last layer's: the loss holds it)."""
-    layers_out = []
-    for i, fields in enumerate(out_layers):
-        own, out = saved_sets[i], outputs[i]
-        output_saved = bool(out.keys() & own.keys()) or i + 1 == len(out_layers) or inputs_saved[i + 1]
-        keep = dict(own)
-        if output_saved:
-            keep.update(out)
-        layers_out.append(LayerProfile(saved_bytes=float(sum(keep.values())), output_saved=output_saved, **fields))
-    return layers_out
-
-
-def _detach(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detach(v) for v in x)
-    return x
+                   layers=[LayerProfile(**fields) for fields in attribute_saved(records)])

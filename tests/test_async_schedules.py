@@ -315,6 +315,18 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
             assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
         _replicas_identical(replicas)
         results[staleness.method] = ours
+        # After the last train_batch, batches in flight (before drain), every stage's module holds its
+        # true current weights, the rule's after that many updates, not the prediction (or the stashed
+        # version) its last forward computed on
+        truth = {}
+        for f in _load_rank_files(out, "2bw"):
+            assert f["between_calls"] is not None, "no batch in flight after the last train_batch"
+            held, count = f["between_calls"]["layers"], f["between_calls"]["weight_versions"]["current"]
+            if count not in truth:
+                truth[count] = reference.run_2bw(parts, dp, MICRO_BATCHES, count, optimizer=optimizer, lr=lr,
+                                                 staleness=staleness)[0]
+            diff = _max_diff(truth[count], held)
+            assert diff <= 1e-6, f"2bw {staleness}: stage {f['stage']}'s module differs by {diff} from W({count})"
     assert _max_diff(results["extrapolate"], results["none"]) > 1e-4, "the correction changed nothing"
 
 

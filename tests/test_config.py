@@ -64,8 +64,9 @@ def test_unknown_schedule_params():
 
 def test_deferred_layers_checked_against_the_schedule():
     """Partial deferral (hippie.deferred_layers) names its key before any process group exists:
-    a schedule without deferred stages, a stage that is not deferred. The default (1) applies to
-    schedules with deferred stages and is ignored by the others; "all" delays whole stages."""
+    a schedule without deferred stages, a stage that is not deferred. The default ("untied": on
+    this stand-in, without built layers or ties, the first layer) applies to schedules with
+    deferred stages and is ignored by the others; "all" delays whole stages."""
     from types import SimpleNamespace
 
     from hippie_ds.adapter.integration import deferred_layers
@@ -136,16 +137,20 @@ def test_precision_paths_and_refusals():
         for name in ("1f1b", "gpipe"):  # DeepSpeed's own gradient path: stock behaviour
             check_precision(schedules[name], config)
     for config in (_ds_config(**zero1), _ds_config(**bf16, **zero1)):  # DeepSpeedZeroOptimizer: .grad until its reduce
-        check_precision(schedules["zb-h1"], config)
+        for compiled in schedules.values():  # hippie-ds reduces .grad and hands ZeRO its partition (zero_stage.py)
+            check_precision(compiled, config)
+    offload = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    check_precision(schedules["zb-h1"], _ds_config(**offload))  # a split backward alone: .grad until ZeRO's reduce
     with pytest.raises(ConfigError, match=r"schedule 'zb-h1'.*this configuration: 1f1b, gpipe, interleaved-1f1b$"):
         check_precision(schedules["zb-h1"], _ds_config(**bf16, zero_optimization={"stage": 1, "overlap_comm": True}))
     with pytest.raises(ConfigError, match=r'^config key "zero_optimization.stage" = 1 with "data_types.grad_accum_dtype" '
                        r"= None: schedule 'hippie' handles gradients itself .*whole pipeline inside its own step.* set "
                        r'\"bf16\": \{\"enabled\": true\} and "data_types": \{"grad_accum_dtype": "fp32"\}.*this '
+                       r"configuration: 1f1b, gpipe, interleaved-1f1b$"):
+        check_precision(schedules["hippie"], _ds_config(**bf16, zero_optimization={"stage": 1, "overlap_comm": True}))
+    with pytest.raises(ConfigError, match=r'"zero_optimization.stage" = 1 without bf16: schedule \'2bw\'.*'
                        r"configuration: 1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v$"):
-        check_precision(schedules["hippie"], _ds_config(**bf16, **zero1))
-    with pytest.raises(ConfigError, match=r'"zero_optimization.stage" = 1 without bf16: schedule \'2bw\''):
-        check_precision(schedules["2bw"], _ds_config(**zero1))
+        check_precision(schedules["2bw"], _ds_config(**offload))
     with pytest.raises(ConfigError, match=r'"fp16.enabled" = true: schedule \'zb-h1\'.*its input pass does not apply '
                        r"fp16's loss scale; use bf16, or a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b$"):
         check_precision(schedules["zb-h1"], _ds_config(fp16={"enabled": True}))

@@ -211,8 +211,11 @@ def test_checkpoint_resume_with_pending_gradient(tmp_path, name):
               "--lr", 0.01)
     rc, log, _ = launch(4, tmp_path / "full", *common, "--steps", 5)
     assert rc == 0, log[-4000:]
+    unapplied = "the last step's delayed gradient not applied to the weights in memory"
+    assert log.count(unapplied) == 1, log[-4000:]  # no drain: said at exit, by stage 0's first replica
     rc, log, _ = launch(4, tmp_path / "part", *common, "--steps", 5, "--checkpoint-at", 3)
     assert rc == 0, log[-4000:]
+    assert unapplied not in log, log[-4000:]  # saved, then exits (Megatron's --exit-interval): the checkpoint holds it
     rc, log, _ = launch(4, tmp_path / "resumed", *common, "--steps", 5, "--resume", tmp_path / "part" / name / "ckpt")
     assert rc == 0, log[-4000:]
     full, full_losses, *_ = collect(tmp_path / "full", name)

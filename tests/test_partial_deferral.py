@@ -202,7 +202,7 @@ def test_staleness_price_is_checked_before_any_process_group(tmp_path):
         split_config({"hippie": {"deferred_layers": "auto", "staleness_price": -0.5}})
     options = split_config({"hippie": {"staleness_price": 0.2}})[2]
     with pytest.raises(ConfigError, match=r'"hippie.staleness_price" = 0.2: it prices only "hippie.deferred_layers": '
-                                          r'"auto", and that key is 1 here'):
+                                          r'"auto", and that key is \'untied\' here'):  # the default
         deferred_layers(_model(), options, HIPPIE)
 
 

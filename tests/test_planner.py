@@ -253,14 +253,7 @@ def test_objective_registry():
         OBJECTIVES.pop("least-memory")
 
 
-ONE_PART = [n for n in available() if load_spec(n).virtual_stages is None]  # the planner's schedules
-
-
-def test_the_planner_refuses_virtual_stages():
-    from hippie_ds.planner.traits import schedule_traits
-    for name in sorted(set(available()) - set(ONE_PART)):
-        with pytest.raises(PlannerError, match=r"model chunks per stage; the planner models one part per stage"):
-            schedule_traits(name, 2, 4)
+ONE_PART = [n for n in available() if load_spec(n).virtual_stages is None]  # virtual ones: test_planner_virtual.py
 
 
 @pytest.mark.parametrize("name", ONE_PART)

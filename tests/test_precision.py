@@ -120,7 +120,7 @@ def test_checkpoint_resume_in_bf16_zero1(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ({"fp16": {"enabled": True}}, 'config key "fp16.enabled" = true: schedule \'hippie\''),
-    ({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True},
+    ({"zero_optimization": {"stage": 1, "overlap_comm": True}, "zero_allow_untested_optimizer": True},
      'config key "zero_optimization.stage" = 1 without bf16: schedule \'hippie\''),
 ])
 def test_refused_on_every_rank(tmp_path, override, message):
@@ -166,8 +166,9 @@ TIED_TOLERANCE = 1e-4
 @pytest.mark.parametrize("precision", ["fp32", "bf16+zero1"])
 def test_tied_weights_under_per_stage_updates(tmp_path, precision):
     """hippie, hippie-1f1b and hippie-zb with a module tied across the first and the last stage
-    (hippie_ds/adapter/tied.py). Their default delays stage 0's first layer, the tied one, so the
-    last stage delays its copy too; with nothing deferred both copies update in-step. Every rank's
+    (hippie_ds/adapter/tied.py). ``deferred_layers: 1`` delays stage 0's first layer, the tied one,
+    so the last stage delays its copy too; the default ("untied") delays stage 0's first layer that
+    is not tied (the Linear after it) and both copies update in-step. Every rank's
     copy stays bit-identical; in fp32 each run matches the single-process reference of its rule
     (the copies' gradients summed; delayed and predicted on both holders; clipped by the holders'
     joint norm), which differs from
@@ -175,14 +176,15 @@ def test_tied_weights_under_per_stage_updates(tmp_path, precision):
     bf16 = precision == "bf16+zero1"
     extra = ("--bf16", "--zero", 1) if bf16 else ()
     engines = ",".join(DEFERRED)
-    rules = {"delayed": ([0, 1], {0: 1, 1: 0}), "in-step": ([], {})}
+    # rule: (deferred stages, their delayed leading layers, hippie.deferred_layers); stage 0's layers
+    # are the tied Linear, Tanh, Linear, ...
+    rules = {"delayed": ([0, 1], {0: 1, 1: 0}, "1"), "untied": ([0], {0: 3}, "default")}
     refs = {}
-    for rule, (deferred, layers) in rules.items():
+    for rule, (deferred, layers, value) in rules.items():
         out = tmp_path / rule
         rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
                             "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
-                            "--deferred-layers", "default",
-                            *(() if rule == "delayed" else ("--deferred", "")), *extra, timeout=420)
+                            "--deferred-layers", value, *extra, timeout=420)
         assert rc == 0, log[-4000:]
         for name in DEFERRED:
             files = [torch.load(f) for f in sorted((out / name).glob("rank*.pt"))]
@@ -194,14 +196,15 @@ def test_tied_weights_under_per_stage_updates(tmp_path, precision):
                 continue
             ours, losses, parts, _, _ = collect(out, name)
             refs[rule] = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, optimizer="AdamW", lr=LR,
-                                       clip=CLIP, staleness=StalenessConfig(), delayed_layers=layers, tied=True)
+                                       clip=CLIP, staleness=StalenessConfig(), delayed_layers=layers, tied=True,
+                                       untied=rule == "untied")
             diff = _max_diff(ours, refs[rule][0])
             assert diff <= TIED_TOLERANCE, f"{name} {rule}: differs from the reference of its rule by {diff}"
             assert (copies[0] - refs[rule][0][0]["weight"]).abs().max() <= TIED_TOLERANCE
             for rank_losses in losses.values():
                 assert rank_losses == pytest.approx(refs[rule][1], abs=TIED_TOLERANCE)
     if not bf16:
-        gap = _max_diff(refs["delayed"][0], refs["in-step"][0])
+        gap = _max_diff(refs["delayed"][0], refs["untied"][0])
         assert gap > 10 * TIED_TOLERANCE, f"the two rules differ by only {gap}"
 
 

@@ -450,3 +450,71 @@ def test_nothing_left_by_i_shares_the_reused_gradient_buffer():
     assert torch.equal(x.grad, sent) and all(torch.equal(a, b) for a, b in zip(pending.tensors(), kept))
     backward_weight(pending, list(model.parameters()))
     assert torch.equal(model.bias.grad, sent.view(4, 40).sum(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: what I and W set as ``.grad`` is laid out as a full backward's AccumulateGrad lays it out
+
+class SeqFirst(torch.nn.Module):
+    """A Megatron-style stage on sequence-first activations: its input (SEQ, B, H) transposed back
+    first (autograd.grad's input gradient is then a transposed view), a parameter used transposed
+    (its weight gradient likewise), the output handed on as ``transpose(0, 1).contiguous()``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.randn(8, 5))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x.transpose(0, 1))) * self.scale.t()
+        return h.transpose(0, 1).contiguous()
+
+
+def _leaf(kind: str, mb: int):
+    g = torch.Generator().manual_seed(mb)
+    if kind == "contiguous":  # as DeepSpeed receives an activation
+        return torch.randn(5, 3, 8, generator=g).requires_grad_()
+    if kind == "permuted":  # dense, not contiguous: AccumulateGrad keeps its strides
+        return torch.randn(3, 5, 8, generator=g).transpose(0, 1).detach().requires_grad_()
+    return torch.randn(5, 3, 16, generator=g)[..., ::2].detach().requires_grad_()  # not dense: contiguous
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "permuted", "strided"])
+def test_gradients_are_laid_out_as_a_full_backward_lays_them_out(kind):
+    """Input and parameter gradients of I and W (two micro-batches: the second adds into the
+    first's parameter gradients) have the values and the strides of a full backward's: a
+    contiguous stage input (every input DeepSpeed receives) gets a contiguous gradient, which a
+    send accepts (it had the transposed strides autograd.grad returns: "input tensor has to be
+    contiguous" at zb-h1's first ISendGrad)."""
+    def run(split):
+        model = SeqFirst()
+        params = list(model.parameters())
+        inputs = []
+        for mb in range(2):
+            x = _leaf(kind, mb)
+            out = model(x)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))
+            if split:
+                backward_weight(backward_input(out, grad, x, params), params)
+            else:
+                out.backward(grad)
+            inputs.append(x.grad)
+        return inputs + [p.grad for p in params]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b) and a.stride() == b.stride(), (a.stride(), b.stride())
+    if kind == "contiguous":
+        assert all(t.is_contiguous() for t in run(True))
+
+
+def test_as_accumulated_follows_torch_layout_contract():
+    from hippie_ds.adapter.split_backward import as_accumulated, obeys_layout
+    leaf = torch.zeros(3, 5, 8).transpose(0, 1)
+    grad = torch.randn(5, 3, 8)  # contiguous: not the leaf's strides
+    laid = as_accumulated(grad, leaf)
+    assert laid.stride() == leaf.stride() and torch.equal(laid, grad) and obeys_layout(laid, leaf)
+    assert as_accumulated(laid, leaf) is laid  # already obeying: kept, no copy
+    strided = torch.zeros(5, 16)[:, ::2]
+    assert as_accumulated(grad[0].t().t(), strided).is_contiguous()
+    assert as_accumulated(torch.randn(8, 5).t(), strided).is_contiguous()

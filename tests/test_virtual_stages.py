@@ -233,15 +233,25 @@ def test_interleaved_engines_exact(tmp_path):
         assert _max_diff(replicas[0], replicas[1]) == 0.0
 
 
+SEQFIRST = ("1f1b", "zb-h1", "hippie-zb+sync", "zb-v")  # the first: the others' baseline
+
+
 @pytest.mark.distributed
 def test_zb_v_exact_and_chunk_allreduce(tmp_path):
     """2 stages x 2 replicas, untied. zb-v (V-shape, split backward, local hand-over at the last
     stage, the first stage loading inputs and labels and computing the loss) is bit-identical to
     stock 1F1B in every precision (fp32 + ZeRO-1 too), and its eval_batch gives stock's loss.
     hippie-interleaved's in-step stage 1 all-reduces chunk 1 early (start_allreduce(chunk)): it
-    still matches the reference of the rule, replicas identical, in fp32 and bf16 + ZeRO-1."""
+    still matches the reference of the rule, replicas identical, in fp32 (with ZeRO-1's
+    DeepSpeedZeroOptimizer too) and bf16 + ZeRO-1.
+    Sequence-first activations (model.seqfirst_layer_specs: every stage boundary right after
+    ``x.transpose(0, 1).contiguous()``, as Megatron-style stacks hand them on): zb-h1, hippie-zb
+    (no deferred stage: the synchronous rule) and zb-v bit-identical to 1f1b in fp32 and bf16 +
+    ZeRO-1 (their split backward's input gradient had the transposed strides, which the send of
+    zb-h1's first ISendGrad refused: "input tensor has to be contiguous")."""
+    seqfirst = [f"{name}+seqfirst{p}" for p in ("", "+bf16+zero1") for name in SEQFIRST]
     engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")] + \
-        ["hippie-interleaved", "hippie-interleaved+bf16+zero1"]
+        ["hippie-interleaved", "hippie-interleaved+bf16+zero1", "hippie-interleaved+zero1"] + seqfirst
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
                         "--engines", ",".join(engines), timeout=420)
     assert rc == 0, log[-4000:]
@@ -250,7 +260,9 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
     ref, _ = reference.run(reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS, deferred=[0],
                            staleness=StalenessConfig())
     assert _max_diff(ours, ref) <= 1e-6
-    for name in ("hippie-interleaved", "hippie-interleaved+bf16+zero1"):
+    # SGD: a flat partition's zero gradient (ZeRO-1) changes nothing, the fp32 reference holds
+    assert _max_diff(collect(tmp_path, "hippie-interleaved+zero1")[0], ref) <= 1e-6
+    for name in ("hippie-interleaved", "hippie-interleaved+bf16+zero1", "hippie-interleaved+zero1"):
         _, _, _, _, replicas = collect(tmp_path, name)
         assert _max_diff(replicas[0], replicas[1]) == 0.0, name
     for p in PRECISIONS + ("+zero1",):  # fp32 + ZeRO-1: DeepSpeedZeroOptimizer
@@ -261,6 +273,13 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
         assert losses == stock_losses
         evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"zb-v{p}") for f in (tmp_path / name).glob("rank*.pt")}
         assert len(evals) == 1, f"eval_batch{p}: {evals}"
+    for p in ("", "+bf16+zero1"):
+        base, base_losses, _, _, _ = collect(tmp_path, f"1f1b+seqfirst{p}")
+        for name in SEQFIRST[1:]:
+            ours, losses, parts, params, replicas = collect(tmp_path, f"{name}+seqfirst{p}")
+            assert _max_diff(base, ours) == 0.0 and losses == base_losses, f"{name}+seqfirst{p} differs from 1f1b"
+            assert _max_diff(replicas[0], replicas[1]) == 0.0
+            assert len(parts) == (4 if name == "zb-v" else 2) and params.get("deferred_stages", []) == []
 
 
 @pytest.mark.distributed

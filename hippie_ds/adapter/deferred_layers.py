@@ -6,12 +6,20 @@ parameterless ones (functions, activations) in front of and between them. Megatr
 Inside hippie-ds (``split_deferred``, ``delay_ties``, the "auto" chooser over a cost file's layers,
 plans) a choice is a number of raw leading layers; :func:`deferred_layers` turns the config's count
 into one, from every stage's built layers (:func:`layers_with_parameters`).
+
+The default, ``"untied"``, is one layer too, but not a module tied to another stage: a stage
+delays its first layer with parameters that is not such a module, and the tied modules in front of
+it stay in-step (:func:`untied_layers`; ``delay_ties(untied=True)`` names them, the engine leaves
+their parameters out of the delayed part). Megatron's stage 0 starts with the word embedding tied
+to the output head on the last stage: delaying it (``1``) delays the head's weights as well (one
+rule per tied module, adapter/tied.py), which cost 0.3-1.2% of loss against stock on the two GPT
+codebases tried; "untied" delays the first transformer layer instead (docs/results.md).
 """
 from __future__ import annotations
 
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError
+from ..config import AUTO_LAYERS, UNTIED_LAYERS, WHOLE_STAGE, ConfigError
 from ..schedules import load_spec, recompile
 
 
@@ -49,11 +57,31 @@ def leading_layers(flags: list[bool], count: int) -> int | None:
     return 0  # count 0: nothing
 
 
+def tied_across_stages(model: PipelineModule) -> list[bool]:
+    """For each layer of ``model``: whether it is a module tied to a layer of another stage (a
+    ``TiedLayerSpec`` whose key other stages hold too), from the layer specs every rank has."""
+    from .tied import tie_holders
+    tied = {i for stages in tie_holders(model).values() for layers in stages.values() for i in layers}
+    return [i in tied for i in range(len(model._layer_specs))]
+
+
+def untied_layers(flags: list[bool], tied: list[bool]) -> int:
+    """``"untied"``: raw leading layers of a stage (``flags``: which of its layers hold parameters,
+    ``tied``: which are modules tied to another stage) up to and including its first layer with
+    parameters that is not tied; 0 when it has none (the stage delays nothing)."""
+    for i, (has, across) in enumerate(zip(flags, tied)):
+        if has and not across:
+            return i + 1
+    return 0
+
+
 def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
     """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
     stages it delays partly (0: nothing, see :func:`without_undelayed`); checked before any
-    process group exists. The default applies to the schedules that have deferred stages and is
-    ignored by the others; a value the config sets is checked against the schedule; "auto" is
+    process group exists. The default ("untied") applies to the schedules that have deferred
+    stages and is ignored by the others; under it every deferred stage gets a count, its whole
+    stage included (the tied modules among those layers stay in-step: ``delay_ties(untied=True)``);
+    a value the config sets is checked against the schedule; "auto" is
     chosen from costs (:func:`auto_deferred_layers`); ``choices``, when given, receives them
     ({stage: LayersChoice}; :func:`initialize` logs them once the engine has set DeepSpeed's log
     level from the config)."""
@@ -71,6 +99,13 @@ def deferred_layers(model: PipelineModule, options, compiled, choices: dict | No
                           f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them')
     if value == WHOLE_STAGE:
         return {}
+    if value == UNTIED_LAYERS:
+        flags = layers_with_parameters(model)
+        if flags is None:  # a stand-in without built layers (nor ties): its first layer
+            return {s: 1 for s in deferred if model.parts[s + 1] - model.parts[s] > 1}
+        tied = tied_across_stages(model)
+        return {s: untied_layers(flags[model.parts[s]:model.parts[s + 1]], tied[model.parts[s]:model.parts[s + 1]])
+                for s in deferred}
     chosen = value == AUTO_LAYERS  # counts of raw layers, from a cost file's
     if chosen:
         auto = auto_deferred_layers(model, options, compiled)

@@ -42,11 +42,11 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .._compat import check_deepspeed_version
+from .._compat import check_deepspeed
 from ..schedules.ir import COMPUTE_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule, OpKind
 from . import instructions as hs
 from .allreduce_stream import AllReduceStream
-from .engine_checkpoint import CheckpointMixin
+from .engine_checkpoint import CheckpointMixin, warn_in_flight_at_exit
 from .engine_chunks import ChunkSelection
 from .engine_gradients import StageGradients, split_deferred
 from .engine_split import SplitBackwardMixin
@@ -59,7 +59,7 @@ from .staleness import make_prediction
 from .timeline import Timeline, compute_clock
 from .tied import LaggedTieSums, tie_sum_lag
 
-check_deepspeed_version()
+check_deepspeed()
 
 __all__ = ["HippiePipelineEngine", "check_single_grad_slot"]
 
@@ -80,28 +80,12 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
             del holding[op.chunk]
 
 
-def _warn_in_flight_at_exit(ref) -> None:
-    """A training loop need not call ``drain()`` (stock DeepSpeed has no such call): checkpoints
-    keep what is in flight, ``eval_batch`` drains first. Weights read straight from the module
-    after the last ``train_batch`` lack it; say so once, from each such stage's first replica."""
-    engine = ref()
-    if engine is None or engine.grid.data_parallel_id != 0:
-        return
-    what = ("batches in flight" if engine.has_in_flight() else
-            "the last step's delayed gradient" if engine.has_pending_update() else None)
-    if what is not None:
-        from deepspeed.utils import logger
-        logger.warning(f"hippie-ds: schedule {engine.compiled_schedule.name!r} stage {engine.stage_id} exits with "
-                       f"{what} not applied to the weights in memory; engine.drain() on every rank applies them, "
-                       "save_checkpoint keeps them")
-
-
 class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, ChunkSelection, PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
                  timeline_steps: int = 100, staleness=None, deferred_layers: dict[int, int] | None = None,
-                 tied_delayed: set[str] | frozenset = frozenset(), **kwargs):
+                 tied_delayed: set[str] | frozenset = frozenset(), tied_kept=frozenset(), **kwargs):
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -126,9 +110,9 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._batch_lrs: dict[int, list[float]] = {}  # continuous: each batch's learning rates, by call
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._versions = self._make_versions(compiled_schedule, staleness)
-        self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers, tied_delayed)
+        self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers, tied_delayed, tied_kept)
         self._init_split_backward(compiled_schedule)
-        atexit.register(_warn_in_flight_at_exit, weakref.ref(self))
+        atexit.register(warn_in_flight_at_exit, weakref.ref(self))
 
     def _make_versions(self, compiled: CompiledSchedule, staleness) -> WeightVersions:
         # 2bw's stages compute one update behind: corrected per version (hippie.staleness)
@@ -144,7 +128,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                 for key, comm in self.module.tied_comms.items() if keys is None or key in keys
                 for attr in comm["weight_attr"]]
 
-    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers, tied_delayed) -> StageGradients:
+    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers, tied_delayed, tied_kept):
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
         # schedules without reduce_tied_grads sum tied gradients themselves (adapter/tied.py)
         ties = [] if compiled.uses_tied_reduction else self._tied_weights()
@@ -157,7 +141,9 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
         delayed, synced = (split_deferred(self._params, self.module.forward_funcs,
                                           (deferred_layers or {}).get(self.stage_id),
-                                          also=[w for w, _ in self._tied_weights(tied_delayed)])
+                                          also=[w for w, _ in self._tied_weights(tied_delayed)],
+                                          kept=[p for k in tied_kept if k in self.module.tied_modules
+                                                for p in self.module.tied_modules[k].parameters()])
                            if deferred else ([], self._params))
         gradients = StageGradients(
             store,
@@ -188,14 +174,14 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._exec_steps(pipe_schedule)
 
     def _exec_steps(self, steps):
-        record = self._timeline_dir is not None and self._training
-        continuous = self._continuous and self._training
         try:
-            self._exec_steps_of(steps, record, continuous)
+            self._exec_steps_of(steps)
         finally:
             self._select_chunk(None)  # outside ops DeepSpeed sees the stage as one part (the loss broadcast)
+            self._versions.hold_current()  # the module holds true weights between calls (engine_versions)
 
-    def _exec_steps_of(self, steps, record: bool, continuous: bool):
+    def _exec_steps_of(self, steps):
+        record, continuous = self._timeline_dir is not None and self._training, self._continuous and self._training
         for step_cmds in steps:
             for cmd in step_cmds:
                 op = getattr(cmd, "op", None)
@@ -255,7 +241,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         stage's data-parallel group; step counters and the LR schedule do not advance. True if
         anything was done."""
         if not self._continuous:
-            return self._gradients.flush()
+            return self._flush_buffered()
         if not self._in_flight:
             return False
         self._training = True
@@ -267,10 +253,6 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._first_batch = self._call
         self._in_flight = False
         return True
-
-    def flush_deferred_update(self) -> bool:
-        """Same as :meth:`drain` (its earlier name)."""
-        return self.drain()
 
     def has_pending_update(self) -> bool:
         """True when this stage holds a buffered gradient not yet applied."""

@@ -2,7 +2,8 @@
 (the deferred gradient buffer, weight versions, the staleness correction's deltas, each holder's
 copy of a tied module under schedules that never flush) and the stage layout. In-flight state is
 wrapped so that stock DeepSpeed refuses it (:mod:`hippie_ds.adapter.checkpoint_state`);
-checkpoints of stock DeepSpeed and of other stage layouts load (weights follow by layer).
+checkpoints of stock DeepSpeed and of other stage layouts load (weights follow by layer). And the
+warning at exit when what is in flight is neither applied nor saved (:func:`warn_in_flight_at_exit`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ import os
 import torch
 
 from . import checkpoint_state as ckpt
+
+
+def warn_in_flight_at_exit(ref) -> None:
+    """A training loop need not call ``drain()`` (stock DeepSpeed has no such call): checkpoints
+    keep what is in flight, ``eval_batch`` drains first. Weights read straight from the module
+    after the last ``train_batch`` lack it; say so once, from each such stage's first replica,
+    unless a ``save_checkpoint`` since holds it (Megatron's ``--exit-interval`` saves, then exits)."""
+    engine = ref()
+    if engine is None or engine.grid.data_parallel_id != 0 or engine._saved_since_training():
+        return
+    what = ("batches in flight" if engine.has_in_flight() else
+            "the last step's delayed gradient" if engine.has_pending_update() else None)
+    if what is not None:
+        from deepspeed.utils import logger
+        logger.warning(f"hippie-ds: schedule {engine.compiled_schedule.name!r} stage {engine.stage_id} exits with "
+                       f"{what} not applied to the weights in memory; engine.drain() on every rank applies them, "
+                       "save_checkpoint keeps them")
 
 
 class CheckpointMixin:
@@ -38,8 +56,14 @@ class CheckpointMixin:
         state[ckpt.STATE_KEY] = ckpt.training_state(self._gradients.state_dict(), versions,
                                                     None if prediction is None else prediction.state_dict(),
                                                     self._tied_copies(clone=True) if self._continuous else None)
-        return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        saved = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        self._checkpointed_batch = self._batch_index  # it holds the in-flight state until the next train_batch
+        return saved
+
+    def _saved_since_training(self) -> bool:
+        """The last ``save_checkpoint`` came after the last ``train_batch``: it holds what is in flight."""
+        return getattr(self, "_checkpointed_batch", None) == self._batch_index
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, **kwargs):
         """DeepSpeed's ``load_checkpoint``, plus hippie-ds's state. Loads checkpoints of stock
@@ -72,7 +96,8 @@ class CheckpointMixin:
                 raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage_id}'s buffered gradient has "
                                  f"{buffer['buffer'].numel()} elements, this run delays {delayed} (config key "
                                  '"hippie.deferred_layers" differs from the saved run\'s; '
-                                 'before it defaulted to 1, a deferred stage delayed "all"); resume with the same '
+                                 'the default was 1 before "untied", the first layer not tied to another stage, '
+                                 'and "all" before that); resume with the same '
                                  "value, or save after engine.drain()")
         if buffer is not None:
             self._gradients.load_state_dict(buffer, self.device)

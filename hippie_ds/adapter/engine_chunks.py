@@ -13,7 +13,7 @@ that chunk (:class:`ChunkSelection`), so DeepSpeed's own handlers run on it unch
   and DeepSpeed's p2p matches messages in order per (peer, tag); the validator models it so
   (``schedules.deadlock.link_of``);
 * a hand-over between two chunks of one stage (the V's turn at the last stage) is local: the
-  tensors go through a queue, as if sent and received;
+  tensors go through a queue, as if sent and received (a receive gives a contiguous tensor);
 * the V's first stage holds the first and the last part: it reads the data iterator once per
   micro-batch (the labels' load takes what the inputs' load read) and computes the loss
   (``_loss_stage_global_rank``).
@@ -148,8 +148,8 @@ class ChunkSelection:
         if not self._local_peer(self.prev_stage):
             return PipelineEngine._exec_recv_activations(self, buffer_id)
 
-        def received(t):  # as DeepSpeed receives: a fresh leaf, requiring grad when floating point
-            out = t.detach().clone()
+        def received(t):  # as DeepSpeed receives: a fresh contiguous leaf, requiring grad when floating point
+            out = t.detach().clone(memory_format=torch.contiguous_format)
             out.requires_grad_(out.is_floating_point())
             return out
         sent = self._local["activation"].popleft()
@@ -158,8 +158,11 @@ class ChunkSelection:
 
     def _local_input_grads(self, buffer_id):
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        grads = self._not_receive_buffer(inputs.grad) if torch.is_tensor(inputs) else \
-            [self._not_receive_buffer(t.grad) for t in inputs if t.is_floating_point()]
+
+        def received(grad):  # as DeepSpeed receives into grad_layer: contiguous
+            return self._not_receive_buffer(grad).contiguous()
+        grads = received(inputs.grad) if torch.is_tensor(inputs) else \
+            [received(t.grad) for t in inputs if t.is_floating_point()]
         self._local["gradient"].append(grads)
         self.pipe_buffers["inputs"][buffer_id] = None
 

@@ -9,8 +9,8 @@ gradient of ``delayed`` (all its parameters, or with partial deferral those of i
 layers); ``synced`` are all-reduced and applied in-step, their all-reduce started inside
 the stage's last backward once their gradients are final (the delayed layers come later in
 backward); the declared ``start_allreduce(grads)`` then finds it in flight. Every gradient is
-read and written through :class:`~hippie_ds.adapter.grad_store.GradStore` (fp32: ``.grad``; bf16
-and bf16 + ZeRO-1: BF16_Optimizer's accumulator).
+read and written through :class:`~hippie_ds.adapter.grad_store.GradStore` (fp32 and ZeRO-1's
+DeepSpeedZeroOptimizer: ``.grad``; bf16 and bf16 + ZeRO-1: BF16_Optimizer's accumulator).
 
 From the config to the wire: ``hippie.deferred_layers`` -> ``integration.deferred_layers`` ({stage:
 layers}) -> ``HippiePipelineEngine(deferred_layers=)`` -> :func:`split_deferred` (delayed, synced)
@@ -41,15 +41,17 @@ def _checked(transition: tuple[bool, str | None]) -> bool:
     return does
 
 
-def split_deferred(params: list[torch.Tensor], layers: list, count: int | None, also: list[torch.Tensor] = ()
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def split_deferred(params: list[torch.Tensor], layers: list, count: int | None, also: list[torch.Tensor] = (),
+                   kept: list[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(delayed, synchronous) parameters of a deferred stage whose layers (``forward_funcs``) are
-    ``layers``: those of its first ``count`` layers and ``also`` (tied weights another holder
+    ``layers``: those of its first ``count`` layers but ``kept`` (tied modules that
+    ``deferred_layers: "untied"`` leaves in-step), and ``also`` (tied weights another holder
     delays) are delayed; all of them when ``count`` is None."""
     if count is None:
         return params, []
+    skip = {id(p) for p in kept}
     delayed = {id(p) for i, layer in enumerate(layers) if i < count and isinstance(layer, torch.nn.Module)
-               for p in layer.parameters()} | {id(p) for p in also}
+               for p in layer.parameters() if id(p) not in skip} | {id(p) for p in also}
     return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
 
 
@@ -254,13 +256,13 @@ class StageGradients:
     @property
     def _steps_first(self) -> bool:
         """Whether a wholly deferred stage takes its first step (nothing buffered yet) with zero
-        gradients rather than none: a holder of tied weights under bf16. Its tie group's partially
-        deferred holders (a holder added to the deferred stages delays the tied weights only,
-        adapter/tied.py) step then for their synchronous part, and BF16_Optimizer steps one flat
-        partition: their tied copy takes a zero gradient, still decays (AdamW) and advances the
+        gradients rather than none: a holder of tied weights under bf16 or ZeRO-1. Its tie group's
+        partially deferred holders (a holder added to the deferred stages delays the tied weights
+        only, adapter/tied.py) step then for their synchronous part, and BF16_Optimizer (or ZeRO-1)
+        steps one flat partition: their tied copy takes a zero gradient, still decays (AdamW) and advances the
         partition's step count (Adam's bias correction). Stepping every holder alike keeps the
         copies bit-identical. fp32 skips a parameter outright (``.grad`` None) on every holder."""
-        return bool(self._ties) and self.store.bf16
+        return bool(self._ties) and self.store.flat
 
     # ------------------------------------------------------------------ deferred state
     def has_pending_update(self) -> bool:

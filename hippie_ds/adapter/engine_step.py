@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from deepspeed import comm as dist
 
+from .zero_stage import stage_step
+
 
 class _StageLocalMPU:
     """Proxy mpu whose model-parallel group is this stage's tensor-slice group: gradient norms
@@ -81,7 +83,8 @@ class StageStepMixin:
                     self.optimizer.clip_grad = 0.0
             self._force_grad_boundary = True
             self._gradients.store.count_for_norm()
-            self._take_model_step(None)
+            with stage_step(self.optimizer, local):  # ZeRO-1: its partition of .grad, its norm over the stage
+                self._take_model_step(None)
         finally:
             self._force_grad_boundary = False
             self.mpu = mpu
@@ -106,6 +109,20 @@ class StageStepMixin:
             get_global_norm_of_tensors([zero.grad], mpu=local, norm_type=getattr(self.optimizer, "norm_type", 2))
         elif self.gradient_clipping() > 0:
             clip_grad_norm_([zero], self.gradient_clipping(), mpu=local)
+
+    def _flush_buffered(self) -> bool:
+        """A deferred stage's buffered gradient applied now (``drain()``). Its step clips by the
+        tie group's joint norm only when the buffer holds this stage's tied weights (then every
+        holder delays them and flushes too, adapter/tied.py); else (``deferred_layers: "untied"``:
+        the tied copy in-step) the other holders do not step and it clips by the stage's own norm."""
+        delayed = {id(p) for p in self._gradients.delayed}
+        clip_group = self._clip_group
+        if not any(id(w) in delayed for w, _ in self._tied_weights()):
+            self._clip_group = None
+        try:
+            return self._gradients.flush()
+        finally:
+            self._clip_group = clip_group
 
     def _stage_step_without_counters(self):
         """A per-stage optimizer step that leaves the LR schedule, ``global_steps`` and

@@ -9,6 +9,10 @@ parameters' values through ``.data``), an update swaps the current version in, a
 reject a backward after an in-place optimizer step on the parameters its forward saved; the engine
 guarantees (and the validator proves statically) that the backward sees the values its forward
 used, so :meth:`WeightVersions.update` restores the parameters' version counters after the step.
+
+A prediction (or a stashed version) is in the module only while the ops that use it run: at the
+end of every ``train_batch`` and ``drain`` the module holds the true current version again
+(:meth:`WeightVersions.hold_current`), which is what a user reads, exports, evaluates or saves.
 """
 from __future__ import annotations
 
@@ -64,6 +68,12 @@ class WeightVersions:
         for dst, src in zip(data, _unflatten_dense_tensors(values, data)):
             dst.copy_(src)
         self.loaded, self._predicted = version, predicted
+
+    def hold_current(self) -> None:
+        """Between calls: the module holds the true current version, not the prediction or the
+        stashed version the last compute op used (the next compute op swaps its own in again)."""
+        if self.versioned:
+            self.use(self.count)
 
     def use_for_compute(self, version: int) -> None:
         """Before a compute op declaring ``version``: that version, predicted when corrected."""

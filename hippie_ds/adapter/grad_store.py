@@ -1,6 +1,9 @@
 """Where a stage's accumulated gradients live, for each optimizer path DeepSpeed picks.
 
 - fp32 (a torch optimizer, no wrapper): each parameter's ``.grad``.
+- ZeRO-1 (DeepSpeed's ``DeepSpeedZeroOptimizer``: fp32, or bf16 accumulated in bf16): each
+  parameter's ``.grad`` too, where ZeRO-1 leaves it until its own reduce, which hippie-ds never
+  calls; the per-stage step hands ZeRO its partition of it (:mod:`hippie_ds.adapter.zero_stage`).
 - bf16, with or without ZeRO-1 (DeepSpeed's ``BF16_Optimizer``): the bf16 ``.grad`` of a backward
   is added into the optimizer's flat accumulator (fp32 with ``data_types.grad_accum_dtype: fp32``,
   else bf16) after each backward, or by DeepSpeed's own hooks with ``immediate_grad_update``. A
@@ -11,9 +14,9 @@
 Everything the engine does to gradients (the early and the deferred all-reduce, the gradient
 buffer, the split backward's weight pass) goes through :class:`GradStore`, so that each path acts
 on the gradients DeepSpeed's own step reads, never on both copies. DeepSpeed's other wrappers
-(``DeepSpeedZeroOptimizer``: fp32 or bf16-accumulated ZeRO; ``FP16_Optimizer``) reduce and scale
-gradients inside their own step; schedules that need this store refuse them at ``initialize``
-(:func:`hippie_ds.adapter.integration.check_precision`).
+(``FP16_Optimizer``, ZeRO with ``overlap_comm``, a separate accumulation dtype or an offloaded
+optimizer) reduce or scale gradients inside their own machinery; schedules that need this store
+refuse them at ``initialize`` (:func:`hippie_ds.adapter.integration.check_precision`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+from .zero_stage import is_zero
 
 
 def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -37,7 +42,8 @@ def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
 def supports(optimizer) -> bool:
     """True when :class:`GradStore` knows where ``optimizer`` keeps gradients."""
     # every DeepSpeed wrapper (ZeRO, fp16) derives from DeepSpeedOptimizer; fp32 gets the bare one
-    return isinstance(optimizer, BF16_Optimizer) or not isinstance(optimizer, DeepSpeedOptimizer)
+    return (isinstance(optimizer, BF16_Optimizer) or is_zero(optimizer)
+            or not isinstance(optimizer, DeepSpeedOptimizer))
 
 
 class GradStore:
@@ -46,6 +52,8 @@ class GradStore:
     def __init__(self, optimizer, params: list[torch.Tensor]):
         self.params = params
         self.bf16 = isinstance(optimizer, BF16_Optimizer)
+        # one flat optimizer partition (BF16_Optimizer, ZeRO-1): a parameter cannot be left out of a step
+        self.flat = self.bf16 or is_zero(optimizer)
         self._optimizer = optimizer
         # BF16_Optimizer: parameter -> (group, index) of its view into the flat accumulator
         self._slot = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)

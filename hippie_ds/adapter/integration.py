@@ -12,14 +12,17 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
-from .._compat import check_deepspeed_version
-from ..config import ConfigError, merge_plan, read_config, schedule_params, split_config
+from .._compat import check_deepspeed
+from ..config import UNTIED_LAYERS, ConfigError, merge_plan, read_config, schedule_params, split_config
 from ..schedules import compile as compile_schedule, load_spec
+from ..schedules.compiler import resolve_virtual_stages
+from .clean_exit import wait_at_exit
 from .deferred_layers import deferred_layers, schedules_with_param, without_undelayed, log_choice
+from .module_chunks import held_chunks
 from .precision import check_precision
 from .tied import check_tied, delay_ties, tied_stage_groups
 
-check_deepspeed_version()
+check_deepspeed()
 
 
 def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_in_node") -> ProcessTopology:
@@ -109,6 +112,9 @@ def _load_config(args, config, config_params):
         config = args.deepspeed_config
     if config is None:
         raise ConfigError("DeepSpeed requires a config: pass config= or --deepspeed_config")
+    if isinstance(config, (str, os.PathLike)):
+        from .config_discovery import decode
+        return decode(config)[0]  # a file, or the base64 JSON DeepSpeed also accepts
     return read_config(config)
 
 
@@ -126,7 +132,7 @@ def _apply_plan(model: PipelineModule, config: dict, options, config_path: str |
                           f"{plan.boundaries} and checkpointed layers {plan.checkpointed_layers}, but the model was "
                           f"built with boundaries {list(model.parts)} and checkpointed layers {ckpt}"
                           f"{' and an activation_checkpoint_interval' if model.activation_checkpoint_interval else ''}"
-                          "; build it with hippie_ds.PipelineModule(layers, ..., config=<this config>) (or plan=...)")
+                          "; " + module_fix(model, "the plan's boundaries"))
     return merge_plan(config, plan.deepspeed_config(), options.plan)
 
 
@@ -134,6 +140,10 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     """Validate the config and compile the schedule for ``model``: (ds_config, config_class,
     compiled schedule, hippie options). Pure checks, no collectives."""
     ds_config, schedule_name, options = split_config(config)
+    if options.plan is None and getattr(model, "hippie_plan_source", None) is not None:
+        raise ConfigError(f'config key "hippie.plan" is not set, but the hippie_ds.PipelineModule took the plan '
+                          f"for {model.hippie_plan.model!r} from the DeepSpeed config {model.hippie_plan_source}: give "
+                          "the module and hippie_ds.initialize the same config")
     if options.plan is not None:
         ds_config, schedule_name, options = split_config(_apply_plan(model, config, options, config_path))
     mpu = model.mpu()
@@ -141,6 +151,9 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     stages = model.num_stages
     micro_batches = config_class.gradient_accumulation_steps
     spec = load_spec(schedule_name)
+    # the module first: a user who fixes the micro-batch count must not meet the module next
+    check_chunks(model, schedule_name, (resolve_virtual_stages(spec, stages, micro_batches, options.virtual_stages),
+                                        spec.layout), options.virtual_stages)
     params = schedule_params(options, spec.params, schedules_with_param)
     if options.costs is not None and any(params.get(n, p.default) == "auto" for n, p in spec.params.items()
                                          if p.kind == "stage_list"):
@@ -152,7 +165,6 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
         resolved = resolve_auto_params(schedule_name, stages, micro_batches, costs)
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
     compiled = compile_schedule(schedule_name, stages, micro_batches, virtual_stages=options.virtual_stages, **params)
-    check_chunks(model, compiled)
     from .engine import check_single_grad_slot
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
@@ -163,7 +175,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
                           f"with the {placement!r} layout; build it with "
                           f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
     check_tied(model, compiled)
-    check_precision(compiled, config_class)
+    check_precision(compiled, config_class, held_chunks(model))
     if compiled.splits_backward:
         from .split_backward import check_torch_version
         try:
@@ -173,14 +185,42 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     return ds_config, config_class, compiled, options
 
 
-def check_chunks(model: PipelineModule, compiled) -> None:
-    """The module holds the model chunks the schedule runs (virtual stages are built with the layers)."""
-    held = (getattr(model, "virtual_stages", 1), getattr(model, "layout_kind", "interleaved"))
-    wanted = (compiled.virtual_stages, compiled.layout_kind)
-    if held != wanted and (held[0] > 1 or wanted[0] > 1):
-        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r} runs {wanted[0]} model chunks per stage '
-                          f"({wanted[1]} layout), but the PipelineModule was built with {held[0]} ({held[1]}); build it "
-                          "with hippie_ds.PipelineModule(layers, ..., config=<this config>) (or virtual_stages=, layout=)")
+def _chunks(n: int, layout: str) -> str:
+    return f"{n} model chunk{'s' if n != 1 else ''} per stage" + (f" ({layout} layout)" if n > 1 else "")
+
+
+def module_fix(model, what: str) -> str:
+    """How to build ``model`` so that it holds ``what`` this config asks for: it names where the
+    module took its config from (:mod:`hippie_ds.adapter.config_discovery`)."""
+    if not hasattr(model, "hippie_config_source"):
+        return (f"the model is DeepSpeed's PipelineModule ({type(model).__name__}), which cannot hold {what}: build it "
+                "with hippie_ds.PipelineModule, which takes DeepSpeed's arguments (`from hippie_ds import "
+                "PipelineModule` in place of DeepSpeed's, also as a base class) and reads this config from "
+                "--deepspeed_config in sys.argv, hippie_ds.set_config(<config>) or config=<config>")
+    source = model.hippie_config_source
+    if source is None:
+        return ("the hippie_ds.PipelineModule was built without a DeepSpeed config (no config=, no "
+                "hippie_ds.set_config(), no --deepspeed_config in sys.argv): give it this config with config=<config>, "
+                "hippie_ds.set_config(<config>) before building it, or --deepspeed_config")
+    if source == "config=":
+        return "the hippie_ds.PipelineModule was built with another config=: give it and hippie_ds.initialize the same"
+    return (f"the hippie_ds.PipelineModule took its layout from the DeepSpeed config {source}, which differs: give the "
+            "module and hippie_ds.initialize the same config (hippie_ds.set_config(<config>) before building the "
+            "module sets the module's, ahead of sys.argv)")
+
+
+def check_chunks(model: PipelineModule, schedule: str, wanted: tuple[int, str], given: int | None = None) -> None:
+    """The module holds the model chunks the schedule runs (virtual stages are built with the layers);
+    checked before anything else about the schedule, since the module is what to change first."""
+    held = held_chunks(model)
+    if held == wanted or held[0] == wanted[0] == 1:
+        return
+    key = f'"pipeline.virtual_stages" = {given} with ' if given is not None else ""
+    what = f'config key {key}"pipeline.schedule" = {schedule!r} runs {_chunks(*wanted)}, but the PipelineModule'
+    if getattr(model, "hippie_config_source", "") is None and held[0] > 1:  # virtual_stages= given, no config
+        raise ConfigError(f"{what} was built with virtual_stages={held[0]}, layout={held[1]!r}; build it with "
+                          f"virtual_stages={wanted[0]}, layout={wanted[1]!r}, or with config=<this config>")
+    raise ConfigError(f"{what} holds {_chunks(*held)}; {module_fix(model, _chunks(*wanted))}")
 
 
 def _is_dualpipev(model) -> bool:
@@ -216,6 +256,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     :class:`HippiePipelineEngine` running ``config["pipeline"]["schedule"]``; anything else, and
     DeepSpeed's ``DualPipeVModule`` (:func:`check_dualpipev_config`), goes to
     ``deepspeed.initialize`` unchanged."""
+    wait_at_exit()  # gloo's workers release their last collectives before the interpreter finalizes
     if not isinstance(model, PipelineModule) or _is_dualpipev(model):
         if isinstance(model, PipelineModule):
             check_dualpipev_config(_load_config(args, config, config_params))
@@ -235,12 +276,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     from .engine import HippiePipelineEngine
 
-    config_path = _config_path(args, config, config_params)
+    # plan paths: relative to the config file; for a dict, to the file the module found (set_config, sys.argv)
+    config_path = _config_path(args, config, config_params) or getattr(model, "hippie_config_path", None)
     config = _load_config(args, config, config_params)
     ds_config, config_class, compiled, options = prepare(model, config, config_path)
     choices: dict = {}
     compiled, partial = without_undelayed(compiled, deferred_layers(model, options, compiled, choices))
-    compiled, partial, tied_delayed = delay_ties(model, compiled, partial)  # tied copies: one rule
+    compiled, partial, tied_delayed, tied_kept = delay_ties(  # tied copies: one rule
+        model, compiled, partial, untied=options.deferred_layers == UNTIED_LAYERS)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
@@ -257,8 +300,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   config_class=config_class, compiled_schedule=compiled,
                                   timeline_dir=options.timeline_dir,
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
-                                  deferred_layers=partial, tied_delayed=tied_delayed)
+                                  deferred_layers=partial, tied_delayed=tied_delayed, tied_kept=tied_kept)
     zero.partition_parameters.restore_init_context()
     log_choice(model, choices)
+    if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
+        from .profile_in_place import profile_in_place
+        profile_in_place(engine, options.profile)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -12,6 +12,11 @@ from __future__ import annotations
 from ..schedules.layout import Layout
 
 
+def held_chunks(model) -> tuple[int, str]:
+    """(model chunks per stage, layout) a pipeline module holds: DeepSpeed's own holds one."""
+    return getattr(model, "virtual_stages", 1), getattr(model, "layout_kind", "interleaved")
+
+
 class ChunkedLayers:
     """Mixin for a DeepSpeed ``PipelineModule`` subclass; :meth:`_init_chunks` before DeepSpeed's
     ``__init__`` (which partitions and builds)."""

@@ -13,7 +13,12 @@ explicit boundaries: DeepSpeed issue #2974) and checkpoints every ``interval`` l
 * re-computes exactly the plan's ``checkpointed_layers``: each maximal run of consecutive
   checkpointed layers of a stage is one :func:`hippie_ds.adapter.checkpointing.checkpoint_run`.
 
-Without a plan it is DeepSpeed's ``PipelineModule`` unchanged. Layer names and the
+Built without ``config=`` (as Megatron-DeepSpeed's and GPT-NeoX's pipe models build DeepSpeed's
+class), it takes the config the script names (:mod:`hippie_ds.adapter.config_discovery`:
+``hippie_ds.set_config``, else ``--deepspeed_config`` in ``sys.argv``), says on rank 0 where it came
+from when that changes the layout, and records it for ``hippie_ds.initialize``'s checks.
+
+Without a plan and virtual stages it is DeepSpeed's ``PipelineModule`` unchanged. Layer names and the
 fingerprint are shared with the profiler (:func:`layer_names`, :func:`model_fingerprint`), so
 a profile, the plan made from it and the model it came from agree.
 """
@@ -31,6 +36,7 @@ from ..config import ConfigError, read_config, split_config
 from ..planner.plan_file import Plan, PlanMismatchError, load_plan
 from ..planner.profile import PlannerError, fingerprint_of
 from .checkpointing import checkpoint_run
+from .config_discovery import FoundConfig, discover
 from .module_chunks import ChunkedLayers
 
 
@@ -140,6 +146,22 @@ def virtual_stages_of(config: str | os.PathLike | dict | None, num_stages: int |
     return resolve_virtual_stages(spec, num_stages or 1, 1, options.virtual_stages), spec.layout
 
 
+_ANNOUNCED: set[str] = set()
+
+
+def announce(found: FoundConfig, virtual_stages: int, layout: str, plan: Plan | None) -> None:
+    """Once per process: where the layout a module built without ``config=`` came from."""
+    what = [f"schedule {split_config(found.config)[1]!r}: {virtual_stages} model chunk{'s' if virtual_stages != 1 else ''} per stage"
+            + (f" ({layout} layout)" if virtual_stages > 1 else "")]
+    if plan is not None:
+        what.append(f"the plan for {plan.model!r} (boundaries {plan.boundaries})")
+    line = f"hippie-ds: PipelineModule built without config=, from the DeepSpeed config {found.source}: " + \
+        " and ".join(what)
+    if line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, flush=True)
+
+
 def checkpoint_runs(local: Sequence[int]) -> list[tuple[int, int]]:
     """Maximal runs [start, stop) of consecutive local layer indices."""
     runs = []
@@ -162,11 +184,15 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
                  config: str | os.PathLike | dict | None = None, checkpointed_layers: Sequence[int] | None = None,
                  virtual_stages: int | None = None, layout: str | None = None, **kwargs):
         layers = list(layers)
+        found = discover() if config is None else None  # the script's config: set_config, sys.argv
+        if found is not None:
+            config = found.path or found.config
+        source = found.source if found is not None else ("config=" if config is not None else None)
         resolved = resolve_plan(plan, config)
         stages = topology.get_dim("pipe") if topology is not None else num_stages
         if virtual_stages is None:
-            virtual_stages, found = virtual_stages_of(config, stages)
-            layout = layout or found
+            virtual_stages, found_layout = virtual_stages_of(config, stages)
+            layout = layout or found_layout
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"virtual_stages = {virtual_stages!r}: must be an integer >= 1")
         self._init_chunks(virtual_stages, layout or "interleaved")
@@ -188,10 +214,16 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
             raise ValueError(f"checkpointed_layers {bad}: outside 0..{len(layers) - 1}")
         # Set before DeepSpeed's __init__, which calls _partition_layers.
         object.__setattr__(self, "hippie_plan", resolved)
+        object.__setattr__(self, "hippie_config_source", source)  # where config came from (initialize's refusals)
+        object.__setattr__(self, "hippie_plan_source", source if plan is None and resolved is not None else None)
+        object.__setattr__(self, "hippie_config_path", found.path if found is not None else
+                           (str(config) if isinstance(config, (str, os.PathLike)) else None))
         object.__setattr__(self, "_checkpointed", sorted({int(i) for i in checkpointed_layers or ()}))
         super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
         if not self.chunked:
             self._local_runs = self._chunk_extra(self._local_start, self._local_stop)["_local_runs"]
+        if found is not None and (self.chunked or resolved is not None) and self.global_rank == 0:
+            announce(found, self.virtual_stages, self.layout_kind, resolved)
 
     def _chunk_extra(self, start: int, stop: int) -> dict:
         local = [i - start for i in self._checkpointed if start <= i < stop]

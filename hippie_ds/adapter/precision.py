@@ -15,20 +15,40 @@ fp16       ``fp16``                                                             
 Schedules made only of DeepSpeed's own gradient ops (backward, ``reduce_grads``,
 ``optimizer_step``: 1f1b, gpipe) run on every path, as stock DeepSpeed does. The others reduce,
 buffer or apply gradients themselves (:mod:`hippie_ds.adapter.grad_store`), which hippie-ds does on
-the fp32 and bf16 paths. BF16_Optimizer keeps fp32 master weights and optimizer state partitioned
-over the stage's data-parallel group (ZeRO-1) and a whole gradient accumulator on every rank, so
-hippie-ds's early and deferred all-reduces act on that accumulator, as DeepSpeed's own pipeline
-reduction does. The refusals, with their reasons:
+the fp32, bf16 and zero paths:
 
-- ``zero`` path: DeepSpeedZeroOptimizer reduces gradients into its partitions, and their norm
-  over the whole pipeline, inside its own step machinery (``reduce_gradients``); an all-reduce or
-  a per-stage step outside it would be repeated, lost or hang. A split backward alone runs
-  (``zb-h1``): ZeRO-1 keeps the gradients on ``.grad`` until its reduce, where the weight pass
-  adds them (not with ``overlap_comm`` or a separate accumulation dtype).
+=========  ====================================  ===========================================================
+path       where a stage's gradients live        what hippie-ds hands the wrapper's step
+=========  ====================================  ===========================================================
+fp32       ``.grad``                             the all-reduced ``.grad``; a per-stage norm
+bf16       BF16_Optimizer's flat accumulator     the all-reduced accumulator; a per-stage norm
+zero       ``.grad`` (ZeRO-1 leaves it there)    its partition of the all-reduced ``.grad`` (zero_stage.py);
+                                                 its norm and overflow reductions over the stage
+=========  ====================================  ===========================================================
+
+BF16_Optimizer keeps fp32 master weights and optimizer state partitioned over the stage's
+data-parallel group (ZeRO-1) and a whole gradient accumulator on every rank, so hippie-ds's early
+and deferred all-reduces act on that accumulator, as DeepSpeed's own pipeline reduction does.
+DeepSpeedZeroOptimizer (stage 1) keeps each backward's gradients on ``.grad`` until its own reduce,
+which hippie-ds does not call: it all-reduces ``.grad`` at its rule's time and, at a stage's step,
+hands ZeRO that stage's partition of it (what ZeRO's reduce would have built) and points ZeRO's
+norm at the stage instead of the pipeline; ZeRO then clips, steps its partition (fp32 master
+weights and optimizer state: 1/dp per rank) and all-gathers the stage's parameters. The refusals,
+with their reasons:
+
+- ``zero`` path with ``overlap_comm``, an offloaded optimizer, an accumulation dtype other than the
+  model's, or ZeRO stage 2 or 3: ZeRO reduces gradients inside its own machinery (hooks during the
+  backward, ``grad_accum`` copies, CPU buffers), where an all-reduce or a per-stage step outside it
+  would be repeated, lost or hang. A split backward alone (``zb-h1``) also runs with an offloaded
+  optimizer (fp32 accumulation of an fp32 model).
 - ``fp16``: the dynamic loss scale skips a step when any stage overflows, so every stage must
   know every stage's overflow flag before it applies; a stage that updates early (or late, from a
   buffer, or from a weight version) cannot, without a pipeline-wide wait that would undo the
-  schedule. A split backward's input pass also does not apply the loss scale.
+  schedule. A split backward's input pass also does not apply the loss scale. Skipping every
+  stage's update of a batch together does not fit either: the flag is taken on all-reduced
+  gradients and a deferred stage's all-reduce of batch b ends during batch b+1 (the in-step stages
+  would wait for it: deferred too, another rule), and 2bw/pipedream update a stage for a batch
+  before the earlier stages have run its backward (README.md, "Precision, ZeRO-1 and tied weights").
 """
 from __future__ import annotations
 
@@ -95,33 +115,49 @@ def _config_key(config_class, path: str) -> str:
     return f'"zero_optimization.stage" = {config_class.zero_optimization_stage} without bf16'
 
 
-def check_precision(compiled: CompiledSchedule, config_class) -> None:
+def _on_model(chunks: tuple[int, str] | None) -> str:
+    if chunks is None:
+        return ""
+    return " and this module" + (f" ({chunks[0]} model chunks per stage, {chunks[1]} layout)" if chunks[0] > 1 else
+                                 " (one model chunk per stage)")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names) if names else "none (1f1b and gpipe run on a module with one model chunk per stage)"
+
+
+def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int, str] | None = None) -> None:
     """Raise :class:`ConfigError` (one line: the key, the value, what is allowed) when
-    ``compiled`` cannot run on the optimizer path the config selects."""
+    ``compiled`` cannot run on the optimizer path the config selects. ``chunks``: (model chunks per
+    stage, layout) the module holds; the schedules named as allowed are those that run on it."""
     path = optimizer_path(config_class)
     own = own_gradient_ops(compiled)
     if path in ("fp32", "bf16") or not own:
         return
-    if path == "zero" and own <= SPLIT_BACKWARD_KINDS and _grads_on_params(config_class):
-        return
+    if path == "zero" and _grads_on_params(config_class) and (own <= SPLIT_BACKWARD_KINDS or
+                                                               not _offloads_optimizer(config_class)):
+        return  # ZeRO-1 with gradients on .grad: hippie-ds reduces them, hands ZeRO its partition (zero_stage.py)
     ops = ", ".join(sorted(k.value for k in own))
-    allowed = ", ".join(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches))
+    allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
+                                     chunks))
     key = _config_key(config_class, path)
     if path == "zero":
         splits = _grads_on_params(config_class)
-        allowed = ", ".join(builtins_where(lambda c: own_gradient_ops(c) <= (SPLIT_BACKWARD_KINDS if splits else
-                                                                             frozenset()),
-                                           compiled.stages, compiled.micro_batches))
+        allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= (SPLIT_BACKWARD_KINDS if splits else
+                                                                           frozenset()),
+                                         compiled.stages, compiled.micro_batches, chunks))
         raise ConfigError(f"config key {key}: schedule {compiled.name!r} handles gradients itself ({ops}); "
                           "DeepSpeedZeroOptimizer, which DeepSpeed picks here, reduces gradients and their norm over "
-                          "the whole pipeline inside its own step, so a stage cannot all-reduce, defer or update "
-                          "apart from the others. hippie-ds does that with ZeRO-1 through DeepSpeed's BF16_Optimizer: set "
+                          "the whole pipeline inside its own step (ZeRO stage 2 or 3, overlap_comm, an offloaded "
+                          "optimizer or a separate accumulation dtype), so a stage cannot all-reduce, defer or update "
+                          "apart from the others. hippie-ds does that with ZeRO stage 1 without those, or through "
+                          "DeepSpeed's BF16_Optimizer: set "
                           '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
                           "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
-                          f"schedules that run on this configuration: {allowed}")
+                          f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
     reason = ("its input pass does not apply fp16's loss scale" if compiled.splits_backward and
               not own - {OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT} else
               "fp16's dynamic loss scale skips a step when any stage overflows, which a stage that updates apart "
               "from the others cannot know without a pipeline-wide wait")
     raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
-                      f"use bf16, or a schedule that runs with fp16: {allowed}")
+                      f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}")

@@ -17,6 +17,11 @@ What a micro-batch holds between I and W (the zero-bubble paper's "memory until 
 - not the stage's output, which I releases (a view output: the caller's last reference does).
 W frees all of it.
 
+Gradients are laid out as a full backward leaves them: the ``.grad`` of an input or a parameter
+as torch's AccumulateGrad stores it (:func:`as_accumulated`: the leaf's strides, or contiguous),
+not as ``autograd.grad`` returns it (an input transposed by the stage's first op, as in
+sequence-first activations, would get transposed strides, which a send refuses).
+
 A stage whose inputs need no gradient (the first stage, fed token ids) has no input gradient to
 compute: I keeps the output and a copy of its gradient, W runs the whole backward.
 
@@ -99,6 +104,37 @@ def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Para
     return PendingWeightGrad(param_groups=groups)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """torch's ``is_non_overlapping_and_dense``: the strides, ordered, are a contiguous tensor's."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """torch's gradient layout contract (``obeys_layout_contract``): ``grad`` has ``leaf``'s strides
+    (dimensions of size 1 aside) when ``leaf`` is dense and non-overlapping, else is contiguous."""
+    if _dense(leaf):
+        return all(gs == ls if n != 1 else gs != 0 for n, gs, ls in zip(grad.shape, grad.stride(), leaf.stride()))
+    return grad.is_contiguous()
+
+
+@torch.no_grad()
+def as_accumulated(grad, leaf: torch.Tensor):
+    """``grad`` laid out as AccumulateGrad stores the gradient of ``leaf`` in ``leaf.grad`` (torch's
+    ``clone_obey_contract`` where :func:`obeys_layout` fails): ``grad`` itself when it obeys the
+    contract, else a copy with ``leaf``'s strides (dense ``leaf``) or a contiguous one."""
+    if not torch.is_tensor(grad) or grad.layout != torch.strided or leaf.layout != torch.strided or \
+            obeys_layout(grad, leaf):
+        return grad
+    if _dense(leaf):
+        return torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
 def storages_of(tensors: Iterable) -> set[int]:
     """The storages (data pointers) of the non-empty tensors among ``tensors``."""
     return {t.untyped_storage().data_ptr() for t in tensors if torch.is_tensor(t) and t.numel()}
@@ -141,7 +177,7 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
     it after I, and its non-blocking sends keep a detached alias), so the graph is released from it
     all the same. Everything else is torch's: its graph helpers, its parameter groups (what W
     consumes), the same ``autograd.grad`` call, the input gradients set (added to a ``.grad``
-    already there)."""
+    already there), laid out as AccumulateGrad would (:func:`as_accumulated`)."""
     from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                         get_param_groups)
     live = [(o, torch.ones_like(o) if grads is None else g) for o, g in zip(outs, grads or [None] * len(outs))
@@ -167,7 +203,7 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
                                           allow_unused=True)
             for t, d in zip(needs, dinputs):
                 if d is not None:
-                    t.grad = d if t.grad is None else t.grad + d
+                    t.grad = as_accumulated(d if t.grad is None else t.grad + d, t)
     finally:
         for handle in handles:
             handle.remove()
@@ -178,12 +214,20 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
 
 
 def backward_weight(pending: PendingWeightGrad, params: Sequence[torch.nn.Parameter]) -> None:
-    """W: accumulate the micro-batch's parameter gradients into ``param.grad``."""
+    """W: accumulate the micro-batch's parameter gradients into ``param.grad``. torch's
+    ``stage_backward_weight`` sets a missing ``.grad`` to what ``autograd.grad`` returns (a
+    parameter used transposed gets transposed strides) and adds into one already there: the
+    gradients it sets are laid out as AccumulateGrad would (:func:`as_accumulated`)."""
     if pending.param_groups is None:
         torch.autograd.backward(pending.outputs, pending.output_grads)
         return
     from torch.distributed.pipelining._backward import stage_backward_weight
+    params = list(params)
+    fresh = [p.grad is None for p in params]
     stage_backward_weight(iter(params), pending.param_groups)
+    for p, new in zip(params, fresh):
+        if new and p.grad is not None:
+            p.grad = as_accumulated(p.grad, p)
 
 
 def check_coverage(outputs, inputs, params: Sequence[torch.nn.Parameter], names: Iterable[str]) -> None:

@@ -14,7 +14,10 @@ own, so every copy must get the same gradient, the same update rule and the same
   yet) such a holder steps its in-step part, and under bf16 (one flat partition) its tied copy
   takes a zero gradient, which still decays (AdamW) and advances the step count; so under bf16 a
   wholly deferred holder steps then too, with zero gradients, instead of not at all
-  (:meth:`~hippie_ds.adapter.engine_gradients.StageGradients._steps_first`);
+  (:meth:`~hippie_ds.adapter.engine_gradients.StageGradients._steps_first`). Under the default
+  ``hippie.deferred_layers: "untied"`` no stage delays a tied module: one among a deferred
+  stage's delayed leading layers (Megatron's word embedding before the first transformer layer)
+  stays in-step there, as on every other holder;
 - **the sum**: each holder all-reduces its tied weights' gradients over the tie group (the
   copies of one data-parallel replica) before its data-parallel all-reduce: at
   ``copy_grads_to_buffer`` for a delayed tie, at ``start_allreduce(grads)`` otherwise
@@ -57,6 +60,7 @@ from ..schedules import builtins_where
 from ..schedules import recompile
 from ..schedules.continuous import sum_lag
 from ..schedules.ir import CompiledSchedule
+from .module_chunks import held_chunks
 
 
 def tie_holders(model: PipelineModule) -> dict[str, dict[int, list[int]]]:
@@ -90,18 +94,26 @@ def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
     if several:
         raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r}: stage(s) {sorted(several)} hold modules '
                           f"tied to different sets of stages ({several}); a per-stage update clips by the norm of one "
-                          "tie group; use " + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape)) +
+                          "tie group; use " + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape,
+                                                                         held_chunks(model))) +
                           ", or tie them to the same stages")
 
 
-def delay_ties(model: PipelineModule, compiled: CompiledSchedule,
-               deferred_layers: dict[int, int]) -> tuple[CompiledSchedule, dict[int, int], set[str]]:
-    """(schedule, deferred layers, delayed tie keys) with every tied module under one rule: the
-    tie keys some holder delays, and the holders that were not deferred added to the deferred
-    stages with no leading layers delayed (the schedule recompiled with them)."""
+def delay_ties(model: PipelineModule, compiled: CompiledSchedule, deferred_layers: dict[int, int],
+               untied: bool = False) -> tuple[CompiledSchedule, dict[int, int], set[str], set[str]]:
+    """(schedule, deferred layers, delayed tie keys, kept tie keys) with every tied module under
+    one rule: the tie keys some holder delays, and the holders that were not deferred added to the
+    deferred stages with no leading layers delayed (the schedule recompiled with them). ``untied``
+    (``hippie.deferred_layers: "untied"``): no tied module is delayed; the kept keys are those a
+    deferred stage holds among its delayed leading layers, which the engine leaves in-step."""
     if not model.tied_comms or compiled.uses_tied_reduction or compiled.continuous:
-        return compiled, deferred_layers, set()
+        return compiled, deferred_layers, set(), set()
     deferred = set(compiled.deferred_stages())
+    holders = tie_holders(model)
+    if untied:
+        kept = {key for key, stages in holders.items() for s, layers in stages.items() if s in deferred
+                and (deferred_layers.get(s) is None or any(i < model.parts[s] + deferred_layers[s] for i in layers))}
+        return compiled, deferred_layers, set(), kept
 
     def delays(stage: int, layers: list[int]) -> bool:
         if stage not in deferred:
@@ -109,13 +121,12 @@ def delay_ties(model: PipelineModule, compiled: CompiledSchedule,
         count = deferred_layers.get(stage)  # None: the whole stage
         return count is None or any(i < model.parts[stage] + count for i in layers)
 
-    holders = tie_holders(model)
     delayed = {key for key, stages in holders.items() if any(delays(s, ls) for s, ls in stages.items())}
     added = sorted({s for key in delayed for s in holders[key]} - deferred)
     if not added:
-        return compiled, deferred_layers, delayed
+        return compiled, deferred_layers, delayed, set()
     return (recompile(compiled, deferred_stages=sorted(deferred | set(added))),
-            {**deferred_layers, **{s: 0 for s in added}}, delayed)
+            {**deferred_layers, **{s: 0 for s in added}}, delayed, set())
 
 
 def tie_sum_lag(model: PipelineModule, compiled: CompiledSchedule) -> int:

@@ -48,7 +48,8 @@ def _plan_parser(subparsers) -> None:
                    help="memory in ME: the mean per-device peak (default; = total / devices) or the largest")
     p.add_argument("--schedules", metavar="LIST", default=",".join(SCHEDULES),
                    help="schedules to consider, comma-separated: built-in names or schedule files "
-                        "(default: the flush schedules, %(default)s)")
+                        "(default: the flush schedules, %(default)s; ones with virtual stages, e.g. "
+                        "interleaved-1f1b, zb-v, plan stages x chunks model parts)")
     p.add_argument("--stages", metavar="K[,K...]", help="only these pipeline depths (each must divide the devices)")
     p.add_argument("--micro-batch-size", metavar="B[,B...]", help="only these micro-batch sizes")
     p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",

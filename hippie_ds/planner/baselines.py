@@ -38,18 +38,20 @@ def plan_baselines(model: _Model, cand: _Candidate, est: _Estimate, objective: s
 
     out.append(evaluate("gpipe+dp", "GPipe with data parallelism: same depth, width and micro-batches as the plan, "
                                     "balanced stages, no re-computation, all-reduce at the end of the step",
-                        lay, "gpipe", recompute=False))
-    n, K = model.n, lay.K
+                        lay if lay.v == 1 else model.layout(lay.K), "gpipe", recompute=False))
+    # With virtual stages the partitions cut K x v parts (DeepSpeed's method over the parts, as
+    # hippie_ds.PipelineModule does without a plan), placed by the plan's layout.
+    n, K, V = model.n, lay.K, lay.K * lay.v
     partitions = [("uniform", "DeepSpeed 'uniform' partition (equal layer counts)",
-                   lambda: part.uniform(n, K), 0)]
+                   lambda: part.uniform(n, V), 0)]
     partitions.append(("parameters", "DeepSpeed 'parameters' partition (partition_balanced over parameter counts)",
-                       lambda: part.deepspeed_parameters([round(w / 4) for w in model.params], K), n * n * K))
+                       lambda: part.deepspeed_parameters([round(w / 4) for w in model.params], V), n * n * V))
     c = model.cluster
     ar_bw = c.inter_node_bandwidth if c.nodes > 1 and lay.r > 1 else c.intra_node_bandwidth
     partitions.append(("pipedream", "PipeDream's dynamic program for K stages each replicated r times "
                                     "(compute + 4(r-1)W/(bw r), transfers 2A/(bw r))",
-                       lambda: part.pipedream_uniform(model.work, model.params, model.cuts, K, lay.r, ar_bw,
-                                                      c.intra_node_bandwidth)[0], n * n * K / 2))
+                       lambda: part.pipedream_uniform(model.work, model.params, model.cuts, V, lay.r, ar_bw,
+                                                      c.intra_node_bandwidth)[0], n * n * V / 2))
     for name, description, make, cost in partitions:
         description += f"; the plan's schedule ({cand.schedule}), depth, width and micro-batches, re-computation " \
                        "re-chosen"
@@ -61,12 +63,12 @@ def plan_baselines(model: _Model, cand: _Candidate, est: _Estimate, objective: s
                                 skipped=f"O(N^2 K) = {cost:.3g} operations exceeds the baseline budget {budget:.3g}"))
             continue
         parts = make()
-        if len(parts) != K + 1 or any(y <= x for x, y in zip(parts, parts[1:])):
+        if len(parts) != V + 1 or any(y <= x for x, y in zip(parts, parts[1:])):
             out.append(Baseline(name=name, description=description, pipeline_depth=K, data_parallel=lay.r,
                                 micro_batch_size=b, micro_batches=M, schedule=cand.schedule,
                                 skipped=f"partition {parts} has empty stages"))
             continue
-        out.append(evaluate(name, description, model.layout(K, parts), cand.schedule))
+        out.append(evaluate(name, description, model.layout(K, parts, lay.v, lay.kind), cand.schedule))
     return out
 
 

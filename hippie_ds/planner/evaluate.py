@@ -31,7 +31,8 @@ def choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int,
         elif math.isinf(t):
             ks = [lay.rec[s].choose(p[s], math.inf) for s in range(K)]
         else:
-            ks = [lay.rec[s].choose(p[s], (bottleneck * t - base[s]) / f) for s in range(K)]
+            # base is one chunk's cycle with virtual stages: a stage's re-computation spreads over v
+            ks = [lay.rec[s].choose(p[s], (bottleneck * t - base[s]) * lay.v / f) for s in range(K)]
         key = tuple(ks)
         if key in seen:
             continue
@@ -67,7 +68,10 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
     # flush schedules repeat identically; deferred and continuous ones reach their steady state
     iterations = 3 if traits.defers or traits.continuous else 1
     res = simulate(compiled, costs, iterations=iterations, critical_path=False)
-    p = [max(1, x["peak_activation_microbatches"]) for x in res.per_stage]
+    # the simulator counts a stage's chunks together; the memory model wants each chunk's count,
+    # which the compiled streams give (the same op order the simulator runs)
+    p = ([max(1, x["peak_activation_microbatches"]) for x in res.per_stage] if lay.v == 1
+         else model.in_flight(schedule, lay.K, M))
     d = list(compiled.params.get("deferred_stages", []))
     mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
     return _Estimate(res.step_time, mem, p, d, "simulator")
@@ -80,9 +84,11 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     (:func:`hippie_ds.schedules.partial_deferral.choose_deferred_layers`). A stage that delays
     nothing is no longer deferred, the step is the one simulated with the chosen layers (what
     runs) and ``steps_factor`` prices what stays stale; memory keeps each deferred stage's whole
-    gradient buffer (an upper bound). Analytic estimates (too large to simulate) choose nothing:
-    the config's value applies, unpriced."""
-    if est.predicted_by != "simulator" or not est.deferred:
+    gradient buffer (an upper bound). Analytic estimates (too large to simulate) and layouts with
+    virtual stages choose nothing: the config's value applies, unpriced."""
+    if est.predicted_by != "simulator" or not est.deferred or lay.v > 1:
+        # virtual stages: whole deferred stages (the engine's hippie.deferred_layers counts a
+        # stage's leading layers as one contiguous range; a chunked stage's are not)
         return est, {}
     from ..schedules import compile as compile_schedule
     from ..schedules.partial_deferral import choose_deferred_layers
@@ -99,7 +105,7 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
 
 def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
     traits = schedule_traits(schedule, lay.K, M)
-    return lay.K * M * (3 if traits.defers or traits.continuous else 1)
+    return lay.K * lay.v * M * (3 if traits.defers or traits.continuous else 1)
 
 
 def prediction(model: _Model, est: _Estimate) -> Prediction:

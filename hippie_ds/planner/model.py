@@ -10,7 +10,7 @@ from . import partition as part
 from .cluster import Cluster
 from .plan_file import GB
 from .profile import PlannerError, Profile
-from .recompute import StageRecompute
+from .recompute import ChunkedRecompute, StageRecompute
 from .traits import schedule_traits
 
 # ---------------------------------------------------------------------------------------------
@@ -27,14 +27,30 @@ class _Layout:
     bwd: list[float]
     wgt: list[float]                # W of a split backward: the first stage's whole backward (its data
                                     # needs no gradient), else its layers' backward_weight
-    wgt_recomputed: list[list[float]]  # [s][k]: of that, what re-computing prefix k moves into the
-                                       # input pass (a re-entrant checkpoint's backward does it all)
+    wgt_recomputed: list[list[list[float]]]  # [s][c][k]: of that, what re-computing prefix k of chunk c
+                                             # moves into the input pass (a re-entrant checkpoint's
+                                             # backward does it all)
     params: list[float]
-    cut_out: list[float]            # bytes crossing the cut after the stage (0 for the last)
+    cut_out: list[float]            # bytes crossing the cut after the stage (0 for the last; with
+                                    # chunks, the largest of its chunks' outgoing cuts)
     inter_link: list[bool]          # the link to the next stage crosses nodes for some replica
-    rec: list[StageRecompute]
+    rec: list                       # StageRecompute, or ChunkedRecompute with chunks
     ar_work: list[float]            # seconds of all-reduce work at full link bandwidth (+ latency)
     ar_inter: bool                  # the data-parallel groups span nodes
+    v: int = 1                      # model chunks per stage (virtual stages); parts has K v + 1 entries
+    kind: str = "interleaved"       # their layout (hippie_ds.schedules.layout)
+
+    def moved(self, s: int, k) -> float:
+        """W of stage s that re-computing ``k`` moves into the input pass."""
+        if self.v == 1:
+            return self.wgt_recomputed[s][0][k]
+        ks = self.rec[s]._k(k)
+        return sum(self.wgt_recomputed[s][c][x] for c, x in enumerate(ks))
+
+    def chunk_ranges(self, s: int) -> list[tuple[int, int]]:
+        """[first, end) layers of each chunk of stage s, by chunk."""
+        from ..schedules.layout import Layout
+        return [(self.parts[p], self.parts[p + 1]) for p in Layout(self.kind, self.K, self.v).chunks(s)]
 
     @property
     def ar_total(self) -> float:
@@ -89,43 +105,62 @@ class _Model:
         self._layouts: dict[tuple, _Layout] = {}
 
     # -- layouts --------------------------------------------------------------------------------
-    def layout(self, K: int, parts: Sequence[int] | None = None) -> _Layout:
-        parts = list(parts) if parts is not None else part.min_bottleneck(self.work, K, self.prefix_work)[0]
-        key = (K, tuple(parts))
+    def layout(self, K: int, parts: Sequence[int] | None = None, v: int = 1, kind: str = "interleaved") -> _Layout:
+        """Depth K with ``parts`` (K v + 1 boundaries; default: the balanced partition), v model
+        chunks per stage placed by layout ``kind``; per-stage figures sum the stage's chunks."""
+        from ..schedules.layout import Layout
+        if parts is None:
+            parts = (part.min_bottleneck(self.work, K, self.prefix_work)[0] if v == 1 else
+                     part.chunked_partition(self.work, K, v, kind, self.prefix_work)[0])
+        parts = list(parts)
+        key = (K, v, kind, tuple(parts))
         cached = self._layouts.get(key)
         if cached is not None:
             return cached
         c = self.cluster
         r = self.P // K
+        geometry = Layout(kind, K, v)
         fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar = [], [], [], [], [], [], [], [], []
         dpn = c.devices_per_node
         # Stage s of replica q runs on device q*K + s: its group spans nodes unless all r fit in one.
         spans_nodes = r > 1 and ((r - 1) * K) // dpn != 0
         ar_bw = c.inter_node_bandwidth if spans_nodes else c.intra_node_bandwidth
-        for s, (a, b) in enumerate(zip(parts, parts[1:])):
-            fwd.append(sum(self.fwd[a:b]))
-            bwd.append(sum(self.bwd[a:b]))
-            w = sum(self.params[a:b])
+        for s in range(K):
+            ranges = [(parts[p], parts[p + 1]) for p in geometry.chunks(s)]
+            fwd.append(sum(sum(self.fwd[a:b]) for a, b in ranges))
+            bwd.append(sum(sum(self.bwd[a:b]) for a, b in ranges))
+            w = sum(sum(self.params[a:b]) for a, b in ranges)
             params.append(w)
-            cut_out.append(self.cuts[b - 1] if b < self.n else 0.0)
+            cut_out.append(max(self.cuts[b - 1] if b < self.n else 0.0 for a, b in ranges))
             # Device d = q*K + s (pipeline innermost): does replica q's link s -> s+1 cross nodes?
-            inter.append(b < self.n and any((q * K + s) // dpn != (q * K + s + 1) // dpn for q in range(r)))
-            stage_input = self.cuts[a - 1] if a > 0 else self.data_bytes
-            # The engine holds the stage's output until its backward, saved by a layer or not.
-            held_output = 0.0 if self.out_saved[b - 1] else self.out[b - 1]
-            outs = [o if kept else 0.0 for o, kept in zip(self.out[a:b], self.out_saved[a:b])]
-            # A run after a layer whose output nobody saves keeps that output as its input.
-            ins = [0.0] + [0.0 if self.out_saved[i - 1] else self.out[i - 1] for i in range(a + 1, b)]
-            rec.append(StageRecompute(a, self.saved[a:b], self.rc[a:b], stage_input + held_output, outs, ins))
-            wgt.append(bwd[-1] if s == 0 else sum(self.wgt[a:b]))
-            moved = [0.0]
-            for i in rec[-1].order:
-                moved.append(moved[-1] + (0.0 if s == 0 else self.wgt[a + i]))
-            wgt_rec.append(moved)
+            has_next = ranges[0][1] < self.n if v == 1 else s < K - 1
+            inter.append(has_next and any((q * K + s) // dpn != (q * K + s + 1) // dpn for q in range(r)))
+            chunk_recs, weight, moved_all = [], 0.0, []
+            for a, b in ranges:
+                chunk_recs.append(self._stage_recompute(a, b))
+                first = a == 0  # the model's first part: its data needs no gradient, its whole backward is W
+                weight += sum(self.bwd[a:b]) if first else sum(self.wgt[a:b])
+                moved = [0.0]
+                for i in chunk_recs[-1].order:
+                    moved.append(moved[-1] + (0.0 if first else self.wgt[a + i]))
+                moved_all.append(moved)
+            rec.append(chunk_recs[0] if v == 1 else ChunkedRecompute(chunk_recs))
+            wgt.append(weight)
+            wgt_rec.append(moved_all)
             ar.append(0.0 if r == 1 else 2 * (r - 1) / r * w / ar_bw + 2 * (r - 1) * c.latency)
-        lay = _Layout(K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes)
+        lay = _Layout(K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes, v, kind)
         self._layouts[key] = lay
         return lay
+
+    def _stage_recompute(self, a: int, b: int) -> StageRecompute:
+        """Re-computation options of layers a .. b-1 run as one part."""
+        stage_input = self.cuts[a - 1] if a > 0 else self.data_bytes
+        # The engine holds the part's output until its backward, saved by a layer or not.
+        held_output = 0.0 if self.out_saved[b - 1] else self.out[b - 1]
+        outs = [o if kept else 0.0 for o, kept in zip(self.out[a:b], self.out_saved[a:b])]
+        # A run after a layer whose output nobody saves keeps that output as its input.
+        ins = [0.0] + [0.0 if self.out_saved[i - 1] else self.out[i - 1] for i in range(a + 1, b)]
+        return StageRecompute(a, self.saved[a:b], self.rc[a:b], stage_input + held_output, outs, ins)
 
     def p2p(self, lay: _Layout, s: int, f: float) -> float:
         if s < 0 or s >= lay.K - 1:
@@ -134,25 +169,34 @@ class _Model:
         return self.cluster.latency + f * lay.cut_out[s] / bw
 
     @staticmethod
-    def in_flight(schedule: str, K: int, M: int) -> list[int]:
-        """Micro-batches of activations each stage holds at most (asked of the schedule)."""
-        return list(schedule_traits(schedule, K, M).in_flight)
+    def in_flight(schedule: str, K: int, M: int) -> list:
+        """Micro-batches of activations each stage holds at most (asked of the schedule); with
+        virtual stages a tuple per stage, each chunk's count."""
+        traits = schedule_traits(schedule, K, M)
+        return list(traits.in_flight_chunks if traits.virtual_stages > 1 else traits.in_flight)
 
     # -- time -----------------------------------------------------------------------------------
     @staticmethod
     def weight_time(lay: _Layout, f: float, ks: Sequence[int]) -> list[float]:
         """W per stage of a split backward, with the prefixes ``ks`` re-computed."""
-        return [f * (lay.wgt[s] - lay.wgt_recomputed[s][ks[s]]) for s in range(lay.K)]
+        return [f * (lay.wgt[s] - lay.moved(s, ks[s])) / lay.v for s in range(lay.K)]
 
     def compute_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int]):
-        """(T_c, per-stage forward, backward incl. re-computation, p2p) for one step."""
-        K = lay.K
-        F = [f * x for x in lay.fwd]
-        B = [f * (lay.bwd[s] + lay.rec[s].time(ks[s])) for s in range(K)]
+        """(T_c, per-stage forward, backward incl. re-computation, p2p) for one step.
+
+        With v chunks per stage (virtual stages) F, B and W are one chunk's, 1/v of the stage's
+        (as the simulator times a chunk op), and the formulas run on v M chunk micro-batches:
+        interleaved 1F1B with equal stages takes M (F+B) + (K-1)(F+B)/v, the bubble shrunk v
+        times; a split backward (zb-v) the zero-bubble bounds with v M micro-batches. A
+        micro-batch crosses K v - 1 part boundaries: the fill counts every link v times."""
+        K, v = lay.K, lay.v
+        F = [f * x / v for x in lay.fwd]
+        B = [f * (lay.bwd[s] + lay.rec[s].time(ks[s])) / v for s in range(K)]
         c = [self.p2p(lay, s, f) for s in range(K)]
         around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
-        fill = sum(F) + sum(B) + 2 * sum(c)
+        fill = sum(F) + sum(B) + 2 * v * sum(c)
         traits = schedule_traits(schedule, K, M)
+        M = M * v
         if traits.splits_backward and not traits.continuous:
             W = self.weight_time(lay, f, ks)
             return split_backward_time(F, [b - w for b, w in zip(B, W)], W, c, M, traits.in_flight), F, B, c
@@ -235,6 +279,11 @@ def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
     from ..schedules.costs import CommCost, Costs
 
     c, f = model.cluster, b / model.b0
+    comm = CommCost(p2p_bandwidth=c.intra_node_bandwidth, p2p_latency=c.latency,
+                    allreduce_bandwidth=c.inter_node_bandwidth if lay.ar_inter else c.intra_node_bandwidth,
+                    allreduce_latency=c.latency, data_parallel=lay.r, shared_link=True)
+    if lay.v > 1:
+        return _chunked_costs(model, lay, f, ks, comm)
     layer_costs = []
     for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
         chosen = set(lay.rec[s].layers(ks[s]))
@@ -248,10 +297,34 @@ def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
                 "param_bytes": model.params[i],
                 "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
             })
-    comm = CommCost(p2p_bandwidth=c.intra_node_bandwidth, p2p_latency=c.latency,
-                    allreduce_bandwidth=c.inter_node_bandwidth if lay.ar_inter else c.intra_node_bandwidth,
-                    allreduce_latency=c.latency, data_parallel=lay.r, shared_link=True)
     return Costs.from_layers(layer_costs, lay.parts, comm)
+
+
+def _chunked_costs(model: _Model, lay: _Layout, f: float, ks: Sequence, comm):
+    """Costs of a layout with v chunks per stage: a stage's figures are its chunks' sums (the
+    simulator times a chunk op as 1/v of its stage: unequal chunks are modelled by their
+    stage's totals), its activation_bytes the largest cut its chunks send, its layers in model
+    order (the first chunk's first: what partial deferral delays)."""
+    from ..schedules.costs import Costs
+
+    c = model.cluster
+    stages = []
+    for s in range(lay.K):
+        chosen = set(lay.rec[s].layers(ks[s]))
+        scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
+        layers = [i for a, e in lay.chunk_ranges(s) for i in range(a, e)]
+        # the model's first part (stage 0's chunk 0 in either layout): its whole backward is W
+        first = set(range(lay.parts[0], lay.parts[1])) if s == 0 else set()
+        stages.append({
+            "forward": f * sum(model.fwd[i] for i in layers), "backward": f * sum(model.bwd[i] for i in layers),
+            "recompute": f * sum(model.rc[i] for i in layers if i in chosen),
+            "backward_weight": f * sum(model.bwd[i] if i in first else 0.0 if i in chosen else model.wgt[i]
+                                       for i in layers),
+            "param_bytes": sum(model.params[i] for i in layers),
+            "activation_bytes": f * lay.cut_out[s] * scale,
+            "layers": [{"param_bytes": model.params[i], "backward": f * model.bwd[i]} for i in layers],
+        })
+    return Costs.from_dict({"stages": stages, "comm": comm.model_dump()}, where="planner costs")
 
 
 def split_backward_time(F: Sequence[float], I: Sequence[float], W: Sequence[float], c: Sequence[float], M: int,

@@ -7,6 +7,10 @@ holds layers parts[s] .. parts[s+1]-1.
   bottleneck). Bisection on the bottleneck value with a greedy feasibility test that jumps
   through prefix sums by binary search: O(K log N) a test, about 64-100 tests (until the bounds
   are adjacent floats), so N = 1,000 and K = 64 take well under a millisecond of arithmetic.
+* :func:`chunked_partition` - virtual stages: K x v parts, stage s holding the parts a
+  :class:`~hippie_ds.schedules.layout.Layout` places on it; minimizes the largest *stage* sum
+  (its chunks together), heuristically: the optimal K x v-part bottleneck partition, then
+  single-layer boundary moves while they lower the largest stage sum (then the sum of squares).
 * :func:`brute_force` - every partition (tests).
 * :func:`uniform` - DeepSpeed's ``partition_uniform``; :func:`deepspeed_parameters` - its
   ``partition_balanced`` (the 'parameters' method), reproduced exactly, ties included.
@@ -108,6 +112,80 @@ def min_bottleneck(weights: Sequence[float], k: int, prefix: list[float] | None 
             hi = max(prefix[b] - prefix[a] for a, b in zip(parts, parts[1:]))
     best = _fill(best, k)
     return best, max(prefix[b] - prefix[a] for a, b in zip(best, best[1:]))
+
+
+def chunk_stage_sums(prefix: Sequence[float], parts: Sequence[int], owner: Sequence[int], k: int) -> list[float]:
+    """Per stage: the sum of its parts (``owner[p]``: the stage holding part p)."""
+    sums = [0.0] * k
+    for p, (a, b) in enumerate(zip(parts, parts[1:])):
+        sums[owner[p]] += prefix[b] - prefix[a]
+    return sums
+
+
+def chunked_partition(weights: Sequence[float], k: int, v: int, kind: str = "interleaved",
+                      prefix: list[float] | None = None, max_moves: int | None = None) -> tuple[list[int], float]:
+    """K x v contiguous non-empty parts (``kind``: the layout placing them, ``interleaved`` or
+    ``v``) whose largest stage sum is small, and that sum. Needs k * v <= len(weights).
+
+    Not exact (a stage's parts are not contiguous, so the bisection of :func:`min_bottleneck`
+    does not apply): it starts from the optimal bottleneck partition into k * v parts, whose
+    stages are within v x its bottleneck, and descends while a move lowers (largest stage sum,
+    sum of squared stage sums, sum of squared part sums: equal stages first, then equal chunks).
+    A move shifts one boundary by one layer (a layer to the neighbouring part, on another
+    stage); when none helps, a run of consecutive boundaries shifts together (a layer from one
+    part to a farther one). O(moves x (k v)^2), the escapes O((k v)^3); a heavy head or
+    embedding layer makes the parts around it smaller, which balanced parts alone cannot."""
+    from hippie_ds.schedules.layout import Layout
+
+    n = len(weights)
+    parts_count = k * v
+    if not 1 <= parts_count <= n:
+        raise ValueError(f"cannot split {n} layers into {k} stages x {v} chunks = {parts_count} non-empty parts")
+    prefix = prefix if prefix is not None else prefix_sums(weights)
+    parts, _ = min_bottleneck(weights, parts_count, prefix)
+    if v == 1:
+        return parts, max(stage_sums(weights, parts))
+    geometry = Layout(kind, k, v)
+    owner = [geometry.place(p)[0] for p in range(parts_count)]
+    scale = max(prefix[-1], 1e-300)
+
+    def key(ps: list[int]) -> tuple[float, float, float]:
+        sums = chunk_stage_sums(prefix, ps, owner, k)
+        return (max(sums) / scale, sum((x / scale) ** 2 for x in sums),
+                sum(((prefix[b] - prefix[a]) / scale) ** 2 for a, b in zip(ps, ps[1:])))
+
+    def better(x: tuple, y: tuple) -> bool:  # lexicographic, ties within rounding
+        for a, b in zip(x, y):
+            if a < b - 1e-12:
+                return True
+            if a > b + 1e-12:
+                return False
+        return False
+
+    def shifted(i: int, j: int, d: int) -> list[int] | None:
+        """Boundaries i..j moved by d, or None when a part would be empty."""
+        ps = parts[:i] + [x + d for x in parts[i:j + 1]] + parts[j + 1:]
+        return ps if all(y > x for x, y in zip(ps[i - 1:j + 2], ps[i:j + 2])) else None
+
+    best = key(parts)
+    for _ in range(max_moves if max_moves is not None else 4 * n):
+        move = None
+        for span in (0, None):  # single boundaries first; runs only to escape
+            for i in range(1, parts_count):
+                for j in ([i] if span == 0 else range(i + 1, parts_count)):
+                    for d in (-1, 1):
+                        ps = shifted(i, j, d)
+                        if ps is None:
+                            continue
+                        got = key(ps)
+                        if better(got, best) and (move is None or better(got, move[0])):
+                            move = (got, ps)
+            if move is not None:
+                break
+        if move is None:
+            break
+        best, parts = move
+    return parts, best[0] * scale
 
 
 def brute_force(weights: Sequence[float], k: int) -> tuple[list[int], float]:

@@ -15,7 +15,10 @@ What is searched, for P devices and a global batch G:
 * the schedule (by default 1f1b, gpipe, hippie, hippie-1f1b, zb-h1; any built-in or schedule
   file given) and the deferred stages of a schedule that declares them. The planner asks the
   schedule (:mod:`.traits`: in-flight micro-batches, order, deferral, weight versions, a split
-  backward, from its compiled streams); it knows no schedule by name.
+  backward, from its compiled streams); it knows no schedule by name. A schedule with virtual
+  stages (v model chunks per stage: interleaved-1f1b, zb-v, hippie-interleaved) cuts K v parts
+  (:func:`partition.chunked_partition`, balancing the stages' sums; needs K v <= layers), counts
+  each chunk's in-flight micro-batches and runs the step formulas below on v M chunk micro-batches.
 
 Cost model (all of it in :class:`_Config.estimate`; the simulator refines the best few):
 
@@ -110,6 +113,7 @@ class _SearchResult:
     evaluated: int
     bounded: int
     least_memory: float
+    too_few_layers: dict[str, tuple[int, int]]
 
 
 def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Sequence[int] | None,
@@ -117,22 +121,31 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
     n, P, G = model.n, model.P, model.G
     combos = []
     least_memory = math.inf
+    too_few_layers: dict[str, tuple[int, int]] = {}  # schedule -> (the least depth K, v) with K v parts > layers
     for K in (depths or _divisors(P)):
         if K > n or P % K:
             continue
         r = P // K
         if G % r:
             continue
-        lay = model.layout(K)
+        layouts: dict[tuple[int, str], _Layout] = {}
         for b in _divisors(G // r):
             if (micro_batch_sizes and b not in micro_batch_sizes) or (not micro_batch_sizes and b < min_micro_batch):
                 continue
             M = G // (r * b)
             for sched in schedules:
                 try:
-                    schedule_traits(sched, K, M)
+                    traits = schedule_traits(sched, K, M)
                 except PlannerError:
                     continue  # a shape the schedule cannot run (its `requires`)
+                if traits.parts > n:  # virtual stages: every chunk needs a layer
+                    if K < too_few_layers.get(sched, (K + 1,))[0]:
+                        too_few_layers[sched] = (K, traits.virtual_stages)
+                    continue
+                shape = (traits.virtual_stages, traits.layout if traits.virtual_stages > 1 else "interleaved")
+                if shape not in layouts:
+                    layouts[shape] = model.layout(K, v=shape[0], kind=shape[1])
+                lay = layouts[shape]
                 bound = _bound(model, lay, sched, b, M, objective)
                 if bound is None:
                     f = b / model.b0
@@ -155,7 +168,7 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
         best.append(_Candidate(score, (K, b, sched), lay, b, M, sched, ks, est))
         best.sort(key=lambda c: (-c.score, model.summarize_memory(c.est.memory), c.lay.K, c.b))
         del best[keep:]
-    return _SearchResult(best, evaluated, len(combos), least_memory)
+    return _SearchResult(best, evaluated, len(combos), least_memory, too_few_layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +214,11 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     found = _search(model, list(schedules), objective, depths, micro_batch_sizes, min_micro_batch,
                     keep=max(simulate_top, 1))
     if not found.best:
+        if not found.bounded and found.too_few_layers:
+            raise PlannerError("too few layers for the schedules' model chunks: " + "; ".join(
+                f"schedule {name!r} runs {v} model chunks per stage, so {K} stages need {K * v} parts of at least "
+                f"one layer; the profile has {model.n} layers" for name, (K, v) in found.too_few_layers.items())
+                + ". Use fewer stages (--stages) or a schedule without virtual stages")
         least = found.least_memory
         detail = f" the least any configuration needs is {least / GB:.3g} GB per device" if math.isfinite(least) else ""
         if not found.bounded and not math.isfinite(found.least_memory):
@@ -249,10 +267,32 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
     return found.best[0], found.best[0].est, {}, simulated
 
 
-def _with_parameters(model: _Model, first: int, count: int) -> int:
-    """The layers with parameters among a stage's ``count`` leading layers: what
-    ``hippie.deferred_layers`` counts (adapter/deferred_layers.py)."""
-    return sum(1 for i in range(first, first + count) if model.params[i] > 0) or count
+def _with_parameters(model: _Model, layers: Sequence[int], count: int) -> int:
+    """The layers with parameters among a stage's ``count`` leading ``layers`` (model order):
+    what ``hippie.deferred_layers`` counts (adapter/deferred_layers.py)."""
+    return sum(1 for i in layers[:count] if model.params[i] > 0) or count
+
+
+def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict) -> list[StagePlan]:
+    """One entry per model part (virtual stages), in model order: its stage and chunk, its own
+    figures (in-flight: its chunk's), the stage's memory."""
+    from ..schedules.layout import Layout
+    lay, f = cand.lay, cand.b / model.b0
+    geometry, deferred, out = Layout(lay.kind, lay.K, lay.v), set(est.deferred), []
+    for p, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
+        s, c = geometry.place(p)
+        rec, k = lay.rec[s].chunks[c], lay.rec[s]._k(cand.ks[s])[c]
+        p_c = est.in_flight[s][c]
+        lead = c == 0 and s in delayed  # the deferred layers lead the stage: its first chunk's
+        stage_layers = [i for x, y in lay.chunk_ranges(s) for i in range(x, y)]
+        out.append(StagePlan(stage=s, chunk=c, first_layer=a, end_layer=e, checkpointed=rec.layers(k),
+                             forward=f * sum(model.fwd[a:e]), backward=f * sum(model.bwd[a:e]), recompute=f * rec.time(k),
+                             param_bytes=sum(model.params[a:e]), activation_bytes=f * (model.cuts[e - 1] if e < model.n else 0.0),
+                             kept_bytes=f * rec.kept(k), in_flight=p_c, deferred=s in deferred, memory=est.memory[s],
+                             deferred_layers=_with_parameters(model, stage_layers, delayed[s].layers) if lead else None,
+                             delayed_share=delayed[s].delayed_share if lead else 0.0,
+                             activation_memory=f * rec.activations(k, p_c)))
+    return out
 
 
 def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, objective: str,
@@ -260,7 +300,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
     lay, f = cand.lay, cand.b / model.b0
     stages, checkpointed = [], []
     deferred = set(est.deferred)
-    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
+    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:]) if lay.v == 1 else ()):
         rec = lay.rec[s]
         layers = rec.layers(cand.ks[s])
         checkpointed += layers
@@ -269,15 +309,19 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
                                 backward=f * lay.bwd[s], recompute=f * rec.time(cand.ks[s]),
                                 param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
                                 in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s],
-                                deferred_layers=_with_parameters(model, a, delayed[s].layers) if s in delayed else None,
+                                deferred_layers=(_with_parameters(model, range(a, e), delayed[s].layers)
+                                                 if s in delayed else None),
                                 delayed_share=delayed[s].delayed_share if s in delayed else 0.0,
                                 activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s])))
+    if lay.v > 1:
+        stages = _chunk_plans(model, cand, est, delayed)
+        checkpointed = [i for st in stages for i in st.checkpointed]
     params = {"deferred_stages": sorted(deferred)} if schedule_traits(cand.schedule, lay.K, cand.M).defers else {}
     return Plan(model=model.profile.model, num_layers=model.n, fingerprint=model.profile.fingerprint(),
                 profile_batch_size=model.b0, cluster=model.cluster, world_size=model.P, global_batch=model.G,
                 objective=objective, memory_metric=model.metric, memory_cap=memory_cap, pipeline_depth=lay.K,
                 data_parallel=lay.r, micro_batch_size=cand.b, micro_batches=cand.M, schedule=cand.schedule,
-                schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
+                virtual_stages=lay.v, layout=lay.kind, schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
                 stages=stages, prediction=prediction(model, est), single_device_throughput=model.single_throughput,
                 baselines=baselines, search=search,
                 assumptions={

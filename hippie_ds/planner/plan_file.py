@@ -52,7 +52,10 @@ class Prediction(_Strict):
 
 
 class StagePlan(_Strict):
-    stage: int = Field(ge=0)
+    """One model part: a stage's (with virtual stages, one chunk of a stage's)."""
+
+    stage: int = Field(ge=0, description="the pipeline stage (rank) holding this part")
+    chunk: int = Field(0, ge=0, description="which of the stage's model chunks it is (virtual stages; else 0)")
     first_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1, description="one past the stage's last layer")
     checkpointed: list[int] = Field(default_factory=list, description="layers re-computed in backward")
@@ -62,16 +65,17 @@ class StagePlan(_Strict):
     param_bytes: float = Field(ge=0)
     activation_bytes: float = Field(ge=0, description="bytes sent to the next stage per micro-batch")
     kept_bytes: float = Field(ge=0, description="activation bytes kept per in-flight micro-batch")
-    in_flight: int = Field(ge=1, description="peak micro-batches whose activations are held")
+    in_flight: int = Field(ge=1, description="peak micro-batches whose activations are held (this chunk's)")
     deferred: bool = Field(False, description="all-reduce deferred to the next step (gradient buffer)")
     deferred_layers: int | None = Field(None, ge=1, description="of a deferred stage: its leading layers with "
                                         "parameters whose gradient is applied one step late (hippie.deferred_layers 'auto'; "
                                         "its layer count: the whole stage); none: not chosen")
     delayed_share: float = Field(0.0, ge=0, le=1, description="share of the stage's gradient bytes applied one "
                                                                "step late")
-    memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes)")
+    memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes; all its chunks)")
     activation_memory: float = Field(0.0, ge=0, description="of which activations held for backward: in-flight "
-                                                            "micro-batches x kept bytes + the largest re-computed run")
+                                                            "micro-batches x kept bytes + the largest re-computed run "
+                                                            "(this chunk's)")
 
 
 class Baseline(_Strict):
@@ -108,10 +112,14 @@ class Plan(_Strict):
     micro_batch_size: int = Field(ge=1)
     micro_batches: int = Field(ge=1)
     schedule: str
+    virtual_stages: int = Field(1, ge=1, description="model chunks per stage (pipeline.virtual_stages)")
+    layout: Literal["interleaved", "v"] = Field("interleaved", description="which model part each chunk of each "
+                                                "stage holds (hippie_ds.schedules.layout)")
     schedule_params: dict[str, Any] = Field(default_factory=dict)
-    boundaries: list[int] = Field(description="DeepSpeed parts: [0, b1, ..., num_layers]")
+    boundaries: list[int] = Field(description="DeepSpeed parts: [0, b1, ..., num_layers], pipeline_depth x "
+                                  "virtual_stages + 1 entries")
     checkpointed_layers: list[int] = Field(default_factory=list)
-    stages: list[StagePlan]
+    stages: list[StagePlan] = Field(description="one entry per model part, in model order")
     prediction: Prediction
     single_device_throughput: float = Field(gt=0, description="samples/s of one device, the scalability reference")
     baselines: list[Baseline] = Field(default_factory=list)
@@ -120,10 +128,14 @@ class Plan(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
+        from hippie_ds.schedules.layout import Layout
         k, n = self.pipeline_depth, self.num_layers
+        geometry = Layout(self.layout, k, self.virtual_stages)  # ValueError: a V layout of other than 2 chunks
+        parts = geometry.parts
         b = self.boundaries
-        if len(b) != k + 1 or b[0] != 0 or b[-1] != n or any(y <= x for x, y in zip(b, b[1:])):
-            raise ValueError(f"boundaries {b}: need {k + 1} strictly increasing entries from 0 to {n}")
+        if len(b) != parts + 1 or b[0] != 0 or b[-1] != n or any(y <= x for x, y in zip(b, b[1:])):
+            chunks = f" ({k} stages x {self.virtual_stages} virtual stages)" if self.virtual_stages > 1 else ""
+            raise ValueError(f"boundaries {b}: need {parts + 1} strictly increasing entries from 0 to {n}{chunks}")
         if k * self.data_parallel != self.world_size:
             raise ValueError(f"pipeline_depth {k} x data_parallel {self.data_parallel} != world_size {self.world_size}")
         if self.micro_batch_size * self.micro_batches * self.data_parallel != self.global_batch:
@@ -132,12 +144,16 @@ class Plan(_Strict):
         bad = [i for i in self.checkpointed_layers if not 0 <= i < n]
         if bad:
             raise ValueError(f"checkpointed_layers {bad}: outside 0..{n - 1}")
-        if len(self.stages) != k:
-            raise ValueError(f"{len(self.stages)} stage entries for pipeline_depth {k}")
-        for s, st in enumerate(self.stages):
-            if (st.stage, st.first_layer, st.end_layer) != (s, b[s], b[s + 1]):
-                raise ValueError(f"stages[{s}] covers layers {st.first_layer}..{st.end_layer - 1}, boundaries say "
-                                 f"{b[s]}..{b[s + 1] - 1}")
+        if len(self.stages) != parts:
+            raise ValueError(f"{len(self.stages)} stage entries for pipeline_depth {k}"
+                             + (f" x virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        for p, st in enumerate(self.stages):
+            if (st.first_layer, st.end_layer) != (b[p], b[p + 1]):
+                raise ValueError(f"stages[{p}] covers layers {st.first_layer}..{st.end_layer - 1}, boundaries say "
+                                 f"{b[p]}..{b[p + 1] - 1}")
+            if (st.stage, st.chunk) != geometry.place(p):
+                raise ValueError(f"stages[{p}] is stage {st.stage} chunk {st.chunk}; layout {self.layout!r} places "
+                                 f"model part {p} on stage {geometry.place(p)[0]} chunk {geometry.place(p)[1]}")
         return self
 
     # -- use ------------------------------------------------------------------------------------
@@ -171,7 +187,9 @@ class Plan(_Strict):
         if params:
             hippie["schedule_params"] = params
         return {"train_batch_size": self.global_batch, "train_micro_batch_size_per_gpu": self.micro_batch_size,
-                "gradient_accumulation_steps": self.micro_batches, "pipeline": {"schedule": self.schedule},
+                "gradient_accumulation_steps": self.micro_batches,
+                "pipeline": {"schedule": self.schedule,
+                             **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})},
                 "hippie": hippie}
 
     def summary(self) -> str:
@@ -245,6 +263,7 @@ def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
         f"plan for {plan.model} ({plan.num_layers} layers) on {plan.cluster.describe()}",
         f"objective {plan.objective}{' under ' + _gb(plan.memory_cap) + ' GB' if plan.memory_cap else ''}: "
         f"{plan.pipeline_depth} stage(s) x {plan.data_parallel} data-parallel, schedule {plan.schedule}"
+        + (f" ({plan.virtual_stages} chunks per stage, layout {plan.layout})" if plan.virtual_stages > 1 else "")
         + (f" deferred_stages={_ranges(plan.schedule_params['deferred_stages']) or 'none'}"
            if "deferred_stages" in plan.schedule_params else "")
         + f", global batch {plan.global_batch} = {plan.data_parallel} x {plan.micro_batches} micro-batches of "
@@ -263,7 +282,8 @@ def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
         if st is None:
             rows.append(["...", f"({len(plan.stages) - 2 * half} more)"])
             continue
-        rows.append([str(st.stage), f"{st.first_layer}-{st.end_layer - 1}", f"{st.forward * 1e3:.4g}",
+        rows.append([f"{st.stage}.{st.chunk}" if plan.virtual_stages > 1 else str(st.stage),
+                     f"{st.first_layer}-{st.end_layer - 1}", f"{st.forward * 1e3:.4g}",
                      f"{st.backward * 1e3:.4g}", f"{st.recompute * 1e3:.4g}", f"{st.param_bytes / 1e6:.4g}",
                      str(st.in_flight), f"{st.kept_bytes / 1e6:.4g}", _deferred(st),
                      _gb(st.memory)])

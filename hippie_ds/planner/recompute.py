@@ -158,3 +158,81 @@ def activations_of(selected: Sequence[int], start: int, saved: Sequence[float], 
         best = max(best, sum(saved[i:j + 1]) - out[j])
         i = j + 1
     return p * (stage_input + kept) + best
+
+
+class ChunkedRecompute:
+    """Re-computation options of a stage holding ``v`` model chunks (virtual stages), one
+    :class:`StageRecompute` each. A choice is a tuple of per-chunk prefixes (the int 0: nothing
+    re-computed); ``p`` is a tuple of per-chunk in-flight micro-batches. Activations add up over
+    the chunks (each keeps its micro-batches' bytes), the re-materialized run is the largest
+    chunk's (one backward at a time). The options are one merged order: each chunk's layers in
+    its own order, interleaved by bytes saved per second of re-computation weighted by that
+    chunk's in-flight count (the LP order of the summed knapsack)."""
+
+    __slots__ = ("chunks", "v", "_merged")
+
+    def __init__(self, chunks: Sequence[StageRecompute]) -> None:
+        self.chunks = list(chunks)
+        self.v = len(self.chunks)
+        self._merged: dict[tuple[int, ...], tuple[list[tuple[int, ...]], list[float]]] = {}
+
+    def _k(self, k) -> tuple[int, ...]:
+        if isinstance(k, int):
+            if k:
+                raise ValueError(f"re-computation choice {k!r} of a {self.v}-chunk stage: expected per-chunk prefixes")
+            return (0,) * self.v
+        return tuple(k)
+
+    @property
+    def options(self) -> int:
+        return sum(c.options - 1 for c in self.chunks) + 1
+
+    def time(self, k) -> float:
+        return sum(c.time(x) for c, x in zip(self.chunks, self._k(k)))
+
+    def kept(self, k) -> float:
+        """Bytes kept per in-flight micro-batch, all chunks together."""
+        return sum(c.kept(x) for c, x in zip(self.chunks, self._k(k)))
+
+    def activations(self, k, p: Sequence[int]) -> float:
+        k = self._k(k)
+        return sum(q * c.kept(x) for c, x, q in zip(self.chunks, k, p)) + max(c.max_run[x] for c, x in zip(self.chunks, k))
+
+    def layers(self, k) -> list[int]:
+        return sorted(i for c, x in zip(self.chunks, self._k(k)) for i in c.layers(x))
+
+    def _options(self, p: Sequence[int]) -> tuple[list[tuple[int, ...]], list[float]]:
+        """The merged prefixes for in-flight ``p`` and their re-computation times."""
+        key = tuple(p)
+        got = self._merged.get(key)
+        if got is None:
+            steps = []
+            for ci, c in enumerate(self.chunks):
+                for j in range(c.options - 1):
+                    dt, ds = c.cum_time[j + 1] - c.cum_time[j], c.cum_saved[j + 1] - c.cum_saved[j]
+                    steps.append((-(p[ci] * ds / dt) if dt > 0 else -float("inf"), ci, j))
+            steps.sort()  # within a chunk the ratios descend already: its prefixes stay in order
+            at = [0] * self.v
+            prefixes, times = [tuple(at)], [0.0]
+            for _, ci, _j in steps:
+                at[ci] += 1
+                prefixes.append(tuple(at))
+                times.append(self.time(prefixes[-1]))
+            got = self._merged[key] = (prefixes, times)
+        return got
+
+    def choose(self, p: Sequence[int], budget: float) -> tuple[int, ...]:
+        """The merged prefix with the least memory whose re-computation time is <= ``budget``."""
+        prefixes, times = self._options(p)
+        if budget < 0:
+            return prefixes[0]
+        limit = bisect_right(times, budget * (1 + 1e-12)) - 1
+        best, low = prefixes[0], float("inf")
+        for k in prefixes[:max(limit, 0) + 1]:
+            mem = self.activations(k, p)
+            if mem < low * (1 - 1e-12):
+                best, low = k, mem
+        return best
+
+    def least(self, p: Sequence[int]) -> float:
+        return min(self.activations(k, p) for k in self._options(p)[0])

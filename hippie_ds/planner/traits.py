@@ -4,7 +4,13 @@ The answers come from the schedule file and its compiled streams (the same compi
 runs), so a new schedule file is plannable without touching the planner:
 
 * ``in_flight[s]``: the most micro-batches stage s holds activations for (forwards whose
-  backward has not run), over the steady-state stream;
+  backward has not run), over the steady-state stream; with virtual stages, counted in chunk
+  micro-batches (micro-batch m on chunk c counts once per chunk);
+* ``in_flight_chunks[s][c]``: the most micro-batches chunk c of stage s holds activations for
+  (``(in_flight[s],)`` with one chunk); the memory model sums in-flight x saved bytes over a
+  stage's chunks (an upper bound: the chunks' peaks need not coincide);
+* ``virtual_stages`` and ``layout``: model chunks per stage and which model part each chunk is
+  (:class:`hippie_ds.schedules.layout.Layout`);
 * ``interleaved``: some stage runs a backward before all of its forwards (1F1B order): the
   analytic cycle is one F+B per micro-batch; otherwise GPipe order (all forwards, then all
   backwards);
@@ -42,6 +48,14 @@ class ScheduleTraits:
     weight_versions: tuple[int, ...]
     late_update: bool
     updates_per_batch: tuple[int, ...]  # all-reduces + updates per stage per step (pipedream: M)
+    virtual_stages: int = 1
+    layout: str = "interleaved"
+    in_flight_chunks: tuple[tuple[int, ...], ...] = ()  # [stage][chunk]
+
+    @property
+    def parts(self) -> int:
+        """Model parts of a pipeline of this depth: stages x virtual stages."""
+        return self.stages * self.virtual_stages
 
 
 DEPTH_PROBE = 32  # deeper pipelines are extrapolated by position from the last stage
@@ -59,21 +73,77 @@ def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleT
     ``DEPTH_PROBE``-stage pipeline by distance from the last stage, continued linearly in the
     distance and in the depth (from the ``DEPTH_PROBE - 1``-stage one; 1F1B's
     K - s, GPipe's constant M); their ``requires`` are still checked at the real depth.
-    ``tests/test_planner.py`` checks both against full compiles of every built-in schedule."""
-    if stages > DEPTH_PROBE:
+    Schedules with virtual stages are compiled at their real depth (their ``requires`` may
+    tie M to K, as interleaved-1f1b's M % K == 0, so two depths need not share an M); above
+    the probe size their M probes are the two smallest counts the schedule runs.
+    ``tests/test_planner.py`` and ``tests/test_planner_virtual.py`` check both against full
+    compiles of every built-in schedule."""
+    if stages > DEPTH_PROBE and not _virtual(schedule):
         return _deeper(schedule, stages, micro_batches)
     probe = 2 * stages + 2
     if micro_batches <= probe + 1:
         return _compiled_traits(schedule, stages, micro_batches)
-    a, b = _compiled_traits(schedule, stages, probe), _compiled_traits(schedule, stages, probe + 1)
+    _check_shape(schedule, stages, micro_batches)
+    lo, hi = _probes(schedule, stages, probe)
+    a, b = _compiled_traits(schedule, stages, lo), _compiled_traits(schedule, stages, hi)
 
-    def extend(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(u + (v - u) * (micro_batches - probe) for u, v in zip(x, y))
+    def extend(x: tuple, y: tuple) -> tuple:
+        # (hi - lo) is 1, or the step the schedule's `requires` allows (interleaved-1f1b: K)
+        return tuple(extend(u, w) if isinstance(u, tuple) else u + (w - u) * (micro_batches - lo) // (hi - lo)
+                     for u, w in zip(x, y))
     return ScheduleTraits(name=a.name, stages=stages, micro_batches=micro_batches,
                           in_flight=extend(a.in_flight, b.in_flight), interleaved=a.interleaved, defers=a.defers,
                           continuous=a.continuous, splits_backward=a.splits_backward,
                           weight_versions=extend(a.weight_versions, b.weight_versions),
-                          late_update=a.late_update, updates_per_batch=extend(a.updates_per_batch, b.updates_per_batch))
+                          late_update=a.late_update, updates_per_batch=extend(a.updates_per_batch, b.updates_per_batch),
+                          virtual_stages=a.virtual_stages, layout=a.layout,
+                          in_flight_chunks=extend(a.in_flight_chunks, b.in_flight_chunks))
+
+
+@lru_cache(maxsize=256)
+def _spec(schedule: str):
+    from ..schedules.spec import load_spec
+    return load_spec(schedule)
+
+
+def _virtual(schedule: str) -> bool:
+    return _spec(schedule).virtual_stages is not None
+
+
+def _check_shape(schedule: str, stages: int, micro_batches: int) -> None:
+    """Raise PlannerError when ``schedule`` cannot run this shape (its params or ``requires``),
+    without compiling its streams."""
+    from ..schedules.compiler import resolve_params, resolve_virtual_stages
+    from ..schedules.placement import eval_expr
+    from ..schedules.spec import ScheduleError
+    spec = _spec(schedule)
+    try:
+        given = {"deferred_stages": []} if "deferred_stages" in spec.params else {}
+        resolved = resolve_params(spec, stages, micro_batches, given)
+        v = resolve_virtual_stages(spec, stages, micro_batches)
+        env = {"stages": stages, "micro_batches": micro_batches, "virtual_stages": v, **resolved}
+        for req in spec.requires:
+            if not eval_expr(req.check, env, f"schedule {spec.name!r} requires"):
+                raise ScheduleError(f"{req.message} ({req.check.source})")
+    except ScheduleError as exc:
+        raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
+                           f"micro-batches: {exc}") from None
+
+
+@lru_cache(maxsize=4096)
+def _probes(schedule: str, stages: int, probe: int) -> tuple[int, int]:
+    """The two smallest micro-batch counts >= ``probe`` the schedule runs at this depth."""
+    found = []
+    for m in range(probe, probe + 4 * stages + 4):
+        try:
+            _check_shape(schedule, stages, m)
+        except PlannerError:
+            continue
+        found.append(m)
+        if len(found) == 2:
+            return found[0], found[1]
+    raise PlannerError(f"schedule {schedule!r}: no micro-batch counts near {probe} to extrapolate its traits "
+                       f"at {stages} stages from")
 
 
 @lru_cache(maxsize=4096)
@@ -91,35 +161,39 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
     except ScheduleError as exc:
         raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
                            f"micro-batches: {exc}") from None
-    if compiled.virtual_stages > 1:  # its analytic step and memory model count one part per stage
-        raise PlannerError(f"schedule {schedule!r} runs {compiled.virtual_stages} model chunks per stage; the planner "
-                           "models one part per stage: plan with a schedule without virtual stages (the simulator, "
-                           "`hippie-ds schedule simulate`, compares them)")
-    in_flight, interleaved = [], False
+    v = compiled.virtual_stages
+    in_flight, chunks, interleaved = [], [], False
     for s in range(stages):
         live, peak, forwards = set(), 0, 0
+        chunk_live, chunk_peak = [set() for _ in range(v)], [0] * v
         for op in compiled.ops(s):
-            key = (op.batch, op.micro_batch)
+            key, c = (op.batch, op.micro_batch, op.chunk), op.chunk
             if op.kind == OpKind.FORWARD:
                 live.add(key)
+                chunk_live[c].add(key)
                 forwards += 1
                 peak = max(peak, len(live))
+                chunk_peak[c] = max(chunk_peak[c], len(chunk_live[c]))
             elif op.kind == OpKind.FORWARD_BACKWARD:
                 peak = max(peak, len(live) + 1)
+                chunk_peak[c] = max(chunk_peak[c], len(chunk_live[c]) + 1)
                 forwards += 1
             elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT):
-                if forwards < micro_batches:
+                if forwards < v * micro_batches:
                     interleaved = True
             if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_WEIGHT):  # activations held until W
                 live.discard(key)
-        in_flight.append(max(1, min(peak, micro_batches) if not compiled.continuous else peak))
+                chunk_live[c].discard(key)
+        in_flight.append(max(1, min(peak, v * micro_batches) if not compiled.continuous else peak))
+        chunks.append(tuple(max(1, min(x, micro_batches) if not compiled.continuous else x) for x in chunk_peak))
     versions = tuple(weight_versions(compiled)) if compiled.continuous else (1,) * stages
     versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages) for op in compiled.ops(s))
     return ScheduleTraits(name=compiled.name, stages=stages, micro_batches=micro_batches, in_flight=tuple(in_flight),
                           interleaved=interleaved, defers=defers, continuous=compiled.continuous,
                           splits_backward=compiled.splits_backward, weight_versions=versions,
                           late_update=defers or versioned,
-                          updates_per_batch=tuple(compiled.updates_per_batch or (1,) * stages))
+                          updates_per_batch=tuple(compiled.updates_per_batch or (1,) * stages),
+                          virtual_stages=v, layout=compiled.layout_kind, in_flight_chunks=tuple(chunks))
 
 
 def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
@@ -144,10 +218,18 @@ def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
         return tuple(at(x, d) + (stages - DEPTH_PROBE) * (at(x, d) - at(y, d))
                      for d in (stages - 1 - s for s in range(stages)))
     in_flight = by_distance("in_flight")
-    if not base.continuous:  # a flush pipeline holds at most its M micro-batches
-        in_flight = tuple(min(x, micro_batches) for x in in_flight)
+    v = base.virtual_stages
+    per_chunk = [tuple(at(tuple(x[c] for x in base.in_flight_chunks), d)
+                       + (stages - DEPTH_PROBE) * (at(tuple(x[c] for x in base.in_flight_chunks), d)
+                                                   - at(tuple(x[c] for x in prev.in_flight_chunks), d))
+                       for d in (stages - 1 - s for s in range(stages))) for c in range(v)]
+    chunks = tuple(zip(*per_chunk))
+    if not base.continuous:  # a flush pipeline holds at most its M micro-batches (per chunk)
+        in_flight = tuple(min(x, v * micro_batches) for x in in_flight)
+        chunks = tuple(tuple(min(x, micro_batches) for x in row) for row in chunks)
     return ScheduleTraits(name=base.name, stages=stages, micro_batches=micro_batches,
                           in_flight=in_flight, interleaved=base.interleaved, defers=base.defers,
                           continuous=base.continuous, splits_backward=base.splits_backward,
                           weight_versions=by_distance("weight_versions"),
-                          late_update=base.late_update, updates_per_batch=by_distance("updates_per_batch"))
+                          late_update=base.late_update, updates_per_batch=by_distance("updates_per_batch"),
+                          virtual_stages=v, layout=base.layout, in_flight_chunks=chunks)

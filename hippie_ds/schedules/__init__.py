@@ -26,14 +26,19 @@ def recompile(compiled: CompiledSchedule, **params) -> CompiledSchedule:
                    **{**compiled.params, **params})
 
 
-def builtins_where(predicate, stages: int, micro_batches: int) -> list[str]:
+def builtins_where(predicate, stages: int, micro_batches: int, chunks: tuple[int, str] | None = None) -> list[str]:
     """The built-in schedules whose compiled form at this shape satisfies ``predicate`` (error
-    messages list what is allowed by asking the schedules, not by naming them)."""
+    messages list what is allowed by asking the schedules, not by naming them). ``chunks``: (model
+    chunks per stage, layout) the model holds; only the schedules that run on it."""
     names = []
     for name in available():
         try:
-            compiled = compile(name, stages, micro_batches)
+            compiled = compile(name, stages, micro_batches,
+                               virtual_stages=chunks[0] if chunks is not None and chunks[0] > 1 else None)
         except ScheduleError:  # a shape the schedule does not run (its `requires`)
+            continue
+        if chunks is not None and compiled.virtual_stages != chunks[0] or \
+                chunks is not None and chunks[0] > 1 and compiled.layout_kind != chunks[1]:
             continue
         if predicate(compiled):
             names.append(name)

@@ -148,8 +148,11 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
     env = {"stages": stages, "micro_batches": micro_batches, "virtual_stages": v, **resolved}
     for req in spec.requires:
         if not _eval(req.check, env, f"schedule {spec.name!r} requires"):
-            raise ScheduleError(f"schedule {spec.name!r} cannot run {stages} stages x {micro_batches} micro-batches "
-                                f"with {resolved}: {req.message} ({req.check.source})")
+            given = ", ".join(f"{k}={v!r}" for k, v in resolved.items())
+            chunks = f", {v} model chunks per stage" if v > 1 else ""
+            raise ScheduleError(f"schedule {spec.name!r} cannot run {stages} stages x {micro_batches} "
+                                f"micro-batch{'es' if micro_batches != 1 else ''}{chunks}"
+                                f"{f' with {given}' if given else ''}: {req.message} ({req.check.source})")
     if spec.steady_state is not None:
         if v > 1:
             raise ScheduleError(f"schedule {spec.name!r}: virtual stages in a steady_state schedule are not supported")

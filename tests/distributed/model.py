@@ -121,3 +121,49 @@ def megatron_data_iter(replica, micro_batches, start_step=0):
             yield (torch.randn(MICRO_BATCH_SIZE, SEQ, IN, generator=g),
                    torch.randn(MICRO_BATCH_SIZE, SEQ, OUT, generator=g))
         step += 1
+
+
+# ------------------------------------------------------------------ sequence-first activations
+# Megatron-style stacks hand on (SEQ, B, WIDTH) activations made by ``x.transpose(0, 1).contiguous()``
+# and transpose them back inside each layer: the input gradient autograd.grad returns (the split
+# backward's) then has the transposed strides, where a full backward's AccumulateGrad gives a
+# contiguous one (DeepSpeed sends it; gloo and NCCL refuse non-contiguous tensors).
+
+class SeqFirstEmbedding(torch.nn.Module):
+    """(B, SEQ, IN) -> (SEQ, B, WIDTH), contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(IN, WIDTH)
+
+    def forward(self, x):
+        return self.fc(x).transpose(0, 1).contiguous()
+
+
+class SeqFirstBlock(SeqFirstEmbedding):
+    """(SEQ, B, WIDTH) -> (SEQ, B, WIDTH): transposed back to batch-first, a layer, sequence-first again."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.fc = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x.transpose(0, 1))).transpose(0, 1).contiguous()
+
+
+class SeqFirstHead(torch.nn.Module):
+    """(SEQ, B, WIDTH) -> (B, SEQ, OUT), the labels' layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(WIDTH, OUT)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1))
+
+
+def seqfirst_layer_specs():
+    """8 layers, every boundary of a uniform partition into 2, 4 or 8 parts sequence-first; the data
+    is :func:`megatron_data_iter`'s."""
+    return [LayerSpec(SeqFirstEmbedding)] + [LayerSpec(SeqFirstBlock) for _ in range(DEPTH - 2)] + \
+        [LayerSpec(SeqFirstHead)]

@@ -86,11 +86,13 @@ def _sum_tied(grads, slots):
 
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None, precision=None, tied=False):
+        delayed_layers=None, precision=None, tied=False, untied=False):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
-    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py)."""
+    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py);
+    ``untied`` (``hippie.deferred_layers: "untied"``): in-step on every holder, even among a
+    stage's delayed leading layers."""
     precision = precision or FP32
     layers = precision.model(build_tied_layers(parts) if tied else tiny.build_layers())
     indexed = _stage_params(layers, parts)
@@ -100,9 +102,9 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     # partial deferral delays a stage's leading layers: those of its first chunk
     delayed = [[s in deferred and (s not in delayed_layers or i < ranges(part)[0][0] + delayed_layers[s])
                 for i, _ in indexed[s]] for s, part in enumerate(parts)]
-    if any(delayed[s][j] for s, j in slots):
+    if untied or any(delayed[s][j] for s, j in slots):
         for s, j in slots:
-            delayed[s][j] = True
+            delayed[s][j] = not untied
     opts = precision.optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
@@ -179,10 +181,12 @@ class Precision:
     wire (DeepSpeed's default communication_data_type under bf16: each divided by dp and rounded,
     then summed and rounded); the optimizer steps fp32 master copies (made from the bf16 initial weights)
     and the model takes their bf16 rounding. Flat optimizer partitions cannot skip a parameter: a
-    part with nothing to apply yet (partial deferral's first step) takes a zero gradient."""
+    part with nothing to apply yet (partial deferral's first step) takes a zero gradient; ``flat``
+    says so of an fp32 model too (ZeRO-1's DeepSpeedZeroOptimizer; bf16 is always flat)."""
 
-    def __init__(self, bf16=False, accumulate=torch.float32, comm=None):
+    def __init__(self, bf16=False, accumulate=torch.float32, comm=None, flat=False):
         self.bf16, self.accumulate = bf16, accumulate
+        self.flat = flat or bf16
         # the all-reduce's wire (DeepSpeed's communication_data_type): bf16 under bf16 unless given;
         # None: the fp32 model's gradients averaged unrounded
         self.comm = comm if comm is not None else (torch.bfloat16 if bf16 else None)
@@ -214,6 +218,7 @@ class Precision:
         optimizer, steps = opt
         if self.bf16:
             grads = [None if g is None else g.float() for g in grads]
+        if self.flat:
             grads = [torch.zeros_like(m) if g is None else g for g, m in zip(grads, steps)]
         _apply(steps, optimizer, grads, clip, norm)
         if self.bf16:

@@ -23,7 +23,9 @@ def split_name(name):
     "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine,
     "zb-h1+bf16" in bf16 and "zb-h1+bf16+zero1" in bf16 + ZeRO-1 whatever --bf16 / --zero say
     (several precisions in one launch), "interleaved-1f1b+recompute" re-computing every layer
-    (hippie_ds.PipelineModule's checkpointed_layers)."""
+    (hippie_ds.PipelineModule's checkpointed_layers), "zb-h1+seqfirst" on the sequence-first model
+    (model.seqfirst_layer_specs: stage boundaries after ``x.transpose(0, 1).contiguous()``),
+    "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says)."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -47,7 +49,8 @@ def config(args, schedule, dp, opts=()):
     if zero:
         # DeepSpeed's bf16 + ZeRO-1 pipeline path (BF16_Optimizer) needs fp32 gradient accumulation
         cfg["zero_optimization"] = {"stage": zero}
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        if "plain" not in opts and not args.zero_plain:  # plain: as users write it, DeepSpeedZeroOptimizer
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         cfg["zero_allow_untested_optimizer"] = True  # SGD
     if schedule != "stock":
         cfg["pipeline"]["schedule"] = schedule
@@ -60,6 +63,8 @@ def config(args, schedule, dp, opts=()):
         if args.staleness is not None:
             method, _, coefficient = args.staleness.partition(":")
             cfg["hippie"]["staleness"] = {"method": method, **({"coefficient": float(coefficient)} if coefficient else {})}
+        if "sync" in opts:
+            cfg["hippie"]["deferred_stages"] = []
         if "vs" in opts:
             cfg["hippie"]["schedule_params"] = {"vertical_sync": True}
         if args.schedule_override:
@@ -108,6 +113,8 @@ def parse_args():
     p.add_argument("--megatron", action="store_true", help="the Megatron-shaped model (model.megatron_layer_specs): "
                    "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last stage")
     p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")
+    p.add_argument("--zero-plain", action="store_true", help="--zero without data_types (bf16: DeepSpeedZeroOptimizer "
+                   "accumulating in bf16; fp32 takes DeepSpeedZeroOptimizer either way)")
     p.add_argument("--deferred", default=None)
     p.add_argument("--deferred-layers", default="all", help='hippie.deferred_layers of hippie schedules: a count, '
                    '"all" (the whole deferred stage, the references\' default) or "default" (the key left out)')
@@ -144,6 +151,7 @@ def main():
     def build(name):
         schedule, opts = split_name(name)
         specs = (emulated.emulated_specs(args.emulated, tiny.MICRO_BATCH_SIZE, speedup=1000.0) if args.emulated else
+                 tiny.seqfirst_layer_specs() if "seqfirst" in opts else
                  tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied else
                  tiny.layer_specs())
         cfg = config(args, schedule, dp, opts)
@@ -165,8 +173,9 @@ def main():
             for _ in range(start * args.micro_batches):
                 next(it)
         else:
-            it = (tiny.megatron_data_iter if args.megatron else tiny.data_iter)(replica, args.micro_batches,
-                                                                                start_step=start)
+            sequences = args.megatron or "seqfirst" in opts
+            it = (tiny.megatron_data_iter if sequences else tiny.data_iter)(replica, args.micro_batches,
+                                                                             start_step=start)
         return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 or "bf16" in opts else it
 
     for name in args.engines.split(","):
@@ -206,21 +215,28 @@ def main():
                 _, client = engine.load_checkpoint(ckpt)
                 assert client["next_step"] == step
                 it = data(replica, step, opts)
-        if args.flush and hasattr(engine, "flush_deferred_update"):
-            engine.flush_deferred_update()
+        if args.flush and hasattr(engine, "drain"):
+            engine.drain()
+
+        def module_state():
+            layers = (engine.module.local_layers() if hasattr(engine.module, "local_layers") else
+                      [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)])
+            return {i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
+                    for i, layer in layers if isinstance(layer, torch.nn.Module)}
+        # what a user reads from the module after the last train_batch, batches still in flight
+        in_flight = getattr(engine, "has_in_flight", lambda: False)()
+        between_calls = {"layers": module_state(), "weight_versions": engine.weight_versions()} if in_flight else None
         # --drain completes the batches of continuous schedules (2bw, pipedream); a deferred
         # stage's pending gradient stays pending unless --flush
         evaluated = float(engine.eval_batch(data(replica, step, opts))) if args.eval else None
         drained = bool(engine.drain()) if args.drain and getattr(engine, "has_in_flight", lambda: False)() else None
-        layers = (engine.module.local_layers() if hasattr(engine.module, "local_layers") else
-                  [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)])
-        state = {i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
-                 for i, layer in layers if isinstance(layer, torch.nn.Module)}
+        state = module_state()
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
                     if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
+                    "between_calls": between_calls,
                     "optimizer": type(engine.optimizer).__name__,
                     "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
                              for k, m in engine.module.tied_modules.items()},
@@ -237,6 +253,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    import torch.distributed
-    if torch.distributed.is_initialized():  # torn down before exit: no rank dies at teardown (rc 250)
-        torch.distributed.destroy_process_group()
+    hippie_ds.shutdown()  # gloo's workers idle, then the process groups torn down: no rank dies at exit (rc 250)

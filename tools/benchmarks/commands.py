@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                             "against link speed"),
     "planner": ("benchmarks.studies.planner_time", "wall time of the planner on a synthetic 1,000-layer profile"),
     "staleness": ("benchmarks.studies.staleness", "which correction lets a one-step-late stage reach DP's loss"),
+    "tied-deferral": ("benchmarks.studies.tied_deferral", "hippie.deferred_layers on a Megatron-shaped GPT with a "
+                                                          "tied embedding: 1 vs untied vs all against stock"),
     "example-costs": ("benchmarks.studies.example_costs", "a training example's cost file (hippie.costs) for "
                                                           "tools/convergence.py --costs"),
 }

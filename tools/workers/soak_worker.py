@@ -73,6 +73,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    import torch.distributed
-    if torch.distributed.is_initialized():  # torn down before exit: no rank dies at teardown (rc 250)
-        torch.distributed.destroy_process_group()
+    hippie_ds.shutdown()  # gloo's workers idle, then the process groups torn down: no rank dies at exit (rc 250)

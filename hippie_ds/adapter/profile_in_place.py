@@ -1,0 +1,218 @@
+"""``hippie.profile``: the running job measures its own layers into one profile file.
+
+``hippie-ds profile`` (:mod:`hippie_ds.profiler`) needs the layer list and a sample in one process;
+a model that only its framework can build (Megatron's ``GPTModelPipe``) cannot be profiled that
+way. With ``"hippie": {"profile": {"out": FILE}}`` the engine does it in the job, on every stage's
+own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_batch``):
+
+* the first ``train_batch`` call is a warm-up (kernels, allocator, communicators) and is not
+  measured; during each of the next ``steps`` calls a forward pre-hook on the ``PipelineModule``
+  keeps, per model chunk (virtual stages), a detached copy of the input of the chunk's first
+  micro-batch. After the call returns (the schedule ran unchanged), each of the stage's layers is
+  re-run in isolation on its real input (the chunk's input through the layers before it), by
+  :func:`hippie_ds.adapter.layer_timing.measure_layer`: forward, backward, W (backward_weight),
+  re-compute, output bytes, bytes saved for backward, parameter bytes; medians over ``repeats``
+  timed runs after one untimed run. The backward is ``torch.autograd.grad`` towards the inputs
+  and the layer's parameters: no ``.grad`` is written and no gradient hook runs; the RNG states
+  are restored afterwards, so training goes on exactly as without the key;
+* a layer is whatever the stage built: a module, a function or lambda (no parameters: param
+  bytes 0, W 0), a tied module through its ``forward_fn`` (its parameter bytes at its first use
+  in the layer list only), and its input may be a tuple (tensors that need no gradient, such as
+  integer ones, pass through). Layer indices are global (``PipelineModule._layer_specs``), also
+  with several chunks per stage;
+* clock: CUDA events on a CUDA device (no synchronisation inside a timed run), the wall clock
+  (``time.perf_counter``) elsewhere;
+* after the last measured call every rank sends its layers' per-step records to all
+  (``all_gather_object`` over the world group); per layer the median over steps, then over the
+  data-parallel replicas holding it. Global rank 0 writes the profile: layer names and parameter
+  bytes as :func:`hippie_ds.adapter.pipeline_module.model_fingerprint` computes them (from the layer
+  specs, so ``hippie-ds plan`` and ``hippie_ds.PipelineModule(plan=...)`` recognise the model),
+  micro-batch size ``train_micro_batch_size_per_gpu``. Rank 0 prints a line per measured step and
+  what it wrote.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.pipe import TiedLayerSpec
+
+from ..planner.profile import LayerProfile, Profile, save_profile
+from .failure import end_job_on_failure
+from .layer_timing import as_stage_input, attribute_saved, clock_for, measure_layer, nbytes
+from .pipeline_module import layer_names, layer_param_bytes
+
+WARMUP_CALLS = 1  # train_batch calls before the measured ones
+TIMES = ("forward", "backward", "backward_weight", "recompute")
+
+
+def profile_in_place(engine, options) -> "InPlaceProfiler":
+    """Measure ``engine``'s layers during its first ``train_batch`` calls (``options``: a
+    :class:`hippie_ds.config.ProfileConfig`); see the module docstring."""
+    profiler = InPlaceProfiler(engine, options)
+    original = engine.train_batch
+
+    def train_batch(*args, **kwargs):
+        return profiler.train_batch(original, *args, **kwargs)
+    train_batch.__doc__ = original.__doc__
+    engine.train_batch = train_batch
+    return profiler
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+class InPlaceProfiler:
+    def __init__(self, engine, options):
+        self.engine, self.options = engine, options
+        self.module = engine.module
+        self.specs = list(self.module._layer_specs)
+        self.calls = 0
+        self.records: dict[int, list[dict]] = {}  # global layer index -> one record per measured step
+        self.input_bytes: float | None = None
+        self.captured: dict[int, Any] = {}
+        self.profile: Profile | None = None  # rank 0, once written
+        self.clock = clock_for(engine.device)
+
+    # -- this stage's layers -------------------------------------------------------------------
+    def chunks(self) -> list[tuple[int, list]]:
+        """(global index of its first layer, its layers) of every model chunk this stage holds."""
+        module = self.module
+        if getattr(module, "chunked", False):
+            return [(view["_local_start"], view["forward_funcs"]) for view in module._chunk_views]
+        return [(module._local_start, module.forward_funcs)]
+
+    def layer_params(self, index: int, layer) -> tuple[list[torch.Tensor], float]:
+        """(the parameters the layer uses, the bytes the profile gives it: a tied module's at
+        its first use in the layer list only)."""
+        spec = self.specs[index]
+        if isinstance(spec, TiedLayerSpec):
+            params = list(self.module.tied_modules[spec.key].parameters())
+            first = next(i for i, s in enumerate(self.specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)
+            return params, float(sum(p.numel() * p.element_size() for p in params)) if first == index else 0.0
+        params = list(layer.parameters()) if isinstance(layer, torch.nn.Module) else []
+        return params, float(sum(p.numel() * p.element_size() for p in params))
+
+    # -- train_batch ---------------------------------------------------------------------------
+    def train_batch(self, original, *args, **kwargs):
+        call, self.calls = self.calls, self.calls + 1
+        step = call - WARMUP_CALLS + 1  # 1-based measured step
+        if not 1 <= step <= self.options.steps:
+            return original(*args, **kwargs)
+        self.captured = {}
+        hook = self.module.register_forward_pre_hook(self._capture)
+        try:
+            loss = original(*args, **kwargs)
+        finally:
+            hook.remove()
+        try:
+            started = time.perf_counter()
+            count = self._measure()
+            self._say(f"hippie-ds: profile step {step}/{self.options.steps}: measured {count} layers of stage "
+                      f"{self.engine.stage_id} in {time.perf_counter() - started:.2f} s")
+            if step == self.options.steps:
+                self._gather_and_write()
+        except BaseException as exc:  # the other ranks would wait in the gather
+            end_job_on_failure(exc, self.engine.global_rank, f"stage {self.engine.stage_id}'s in-place profile")
+            raise
+        return loss
+
+    def _capture(self, module, args):
+        key = getattr(module, "current_chunk", None) or 0
+        if key not in self.captured:
+            self.captured[key] = _clone(args[0] if len(args) == 1 else args)
+
+    def _measure(self) -> int:
+        """Re-run every local layer on its input of this step; one record each."""
+        cuda = self.clock.name == "CUDA events"
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if cuda else None
+        grads = [(p, p.grad) for p in self.module.parameters()]
+        count = 0
+        try:
+            with torch.enable_grad():
+                for chunk, (start, funcs) in enumerate(self.chunks()):
+                    if chunk not in self.captured:
+                        raise RuntimeError(f"hippie.profile: stage {self.engine.stage_id}'s model chunk {chunk} ran no "
+                                           "forward in this train_batch call")
+                    x = self.captured.pop(chunk)
+                    if start == 0:
+                        self.input_bytes = float(nbytes(x))
+                    for offset, layer in enumerate(funcs):
+                        params, size = self.layer_params(start + offset, layer)
+                        measured = measure_layer(layer, as_stage_input(x), params, size, repeats=self.options.repeats,
+                                                 warmup=1, clock=self.clock, accumulate=False)
+                        self.records.setdefault(start + offset, []).append(measured.record)
+                        x = measured.output
+                        count += 1
+        finally:
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
+            for p, g in grads:
+                p.grad = g
+        return count
+
+    # -- the profile ---------------------------------------------------------------------------
+    def _gather_and_write(self) -> None:
+        mine = {"replica": int(self.engine.grid.data_parallel_id), "layers": self.records,
+                "input_bytes": self.input_bytes}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if dist.get_rank() != 0:
+            return
+        self.profile = self.assemble(gathered)
+        out = Path(self.options.out)
+        save_profile(self.profile, out)
+        self._say(f"hippie-ds: profile of {self.profile.num_layers} layers, micro-batch {self.profile.batch_size}, "
+                  f"measured in place over {self.options.steps} train_batch calls after {WARMUP_CALLS} warm-up "
+                  f"({self.options.repeats} timed runs per layer per call) on {self.engine.device} with "
+                  f"{self.clock.name}: wrote {out}")
+
+    def assemble(self, gathered: list[dict]) -> Profile:
+        """The profile from every rank's records: per layer, the median over steps, then over
+        the replicas holding it; sizes from the lowest data-parallel index."""
+        names = layer_names(self.specs)
+        held: dict[int, list[tuple[int, list[dict]]]] = {}
+        input_bytes = None
+        for rank in gathered:
+            for index, steps in rank["layers"].items():
+                held.setdefault(int(index), []).append((rank["replica"], steps))
+            if rank["input_bytes"] is not None:
+                input_bytes = rank["input_bytes"]
+        missing = [i for i in range(len(self.specs)) if i not in held]
+        if missing:
+            raise RuntimeError(f"hippie.profile: no stage measured layers {missing} of {len(self.specs)}")
+        records = []
+        for index in range(len(self.specs)):
+            replicas = sorted(held[index], key=lambda r: r[0])
+            record = dict(replicas[0][1][0])
+            for key in TIMES:
+                record[key] = statistics.median(statistics.median(s[key] for s in steps) for _, steps in replicas)
+            # W stays within the backward (medians of per-run W <= B keep it, but float sums may not)
+            record["backward_weight"] = min(record["backward_weight"], record["backward"])
+            records.append(dict(name=names[index], input_bytes=input_bytes if index == 0 else None, **record))
+        layers = [LayerProfile(**fields) for fields in attribute_saved(records)]
+        sizes = layer_param_bytes(self.specs)  # as model_fingerprint counts them (the dtype they are built in)
+        if sizes is not None:
+            layers = [x.model_copy(update={"param_bytes": s}) for x, s in zip(layers, sizes)]
+        module = self.module
+        return Profile(model=self.options.name or type(module).__name__,
+                       batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers,
+                       source=f"hippie.profile: in place, {module.num_stages} stages x "
+                              f"{dist.get_world_size() // module.num_stages} replicas"
+                              f"{f' x {module.virtual_stages} chunks' if getattr(module, 'chunked', False) else ''}, "
+                              f"{self.options.steps} steps on {self.engine.device}, {self.clock.name}")
+
+    def _say(self, line: str) -> None:
+        if dist.get_rank() == 0:
+            print(line, flush=True)

@@ -1,0 +1,76 @@
+"""Per-stage steps on DeepSpeed's ZeRO-1 optimizer (``DeepSpeedZeroOptimizer``, stage 1): what
+DeepSpeed picks for ``"zero_optimization": {"stage": 1}`` in fp32, or with ``bf16`` and no
+``data_types.grad_accum_dtype`` (:mod:`hippie_ds.adapter.precision`'s ``zero`` path).
+
+ZeRO-1 keeps a backward's gradients on the parameters' ``.grad`` (in the model dtype) until its own
+reduce (``reduce_gradients``, from DeepSpeed's ``reduce_grads``), which averages them over the
+data-parallel group and builds each rank's flat partition of them (``averaged_gradients``); its
+``step`` reduces the gradient norm over the data-parallel group (the partitions) and the
+model-parallel group cached at construction (the pipe grid's: the whole pipeline), clips, steps the
+rank's fp32 partition (master weights and optimizer state: 1/dp of them per rank) and all-gathers
+the updated parameters over the stage's data-parallel group.
+
+Schedules that handle gradients themselves keep ``.grad`` as the gradient store (as fp32 does,
+:mod:`hippie_ds.adapter.grad_store`): hippie-ds all-reduces it at the rule's time (early, deferred,
+buffered) and never calls ZeRO's reduce. At the per-stage step, :func:`stage_step` hands ZeRO the
+reduced ``.grad`` as its partition (what its reduce's epilogue builds, without a second average)
+and makes its norm and overflow reductions run over the stage (or its tie group) instead of the
+pipeline. A flat partition cannot skip a parameter: one without a gradient takes a zero one (as
+under BF16_Optimizer: AdamW still decays it and counts the step).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+
+def is_zero(optimizer) -> bool:
+    """True for DeepSpeed's ZeRO stage 1/2 optimizer (hippie-ds runs stage 1 only, precision.py)."""
+    return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+
+@contextlib.contextmanager
+def _stage_groups(optimizer, mpu):
+    """ZeRO's norm and overflow all-reduces over ``mpu``'s model-parallel group (the stage's, or
+    its tie group) instead of the one cached at construction (the pipeline)."""
+    saved = optimizer.model_parallel_group, optimizer.model_parallel_world_size, optimizer.model_parallel_rank
+    optimizer.model_parallel_group = mpu.get_model_parallel_group()
+    optimizer.model_parallel_world_size = mpu.get_model_parallel_world_size()
+    optimizer.model_parallel_rank = mpu.get_model_parallel_rank()
+    try:
+        yield
+    finally:
+        optimizer.model_parallel_group, optimizer.model_parallel_world_size, optimizer.model_parallel_rank = saved
+
+
+@torch.no_grad()
+def _hand_gradients(optimizer) -> None:
+    """Each group's partition of the (already reduced) ``.grad``, as ZeRO's own reduce epilogue
+    builds it (``get_flat_partition``), for ``step`` to read; a missing gradient reads as zeros."""
+    device = get_accelerator().current_device_name()
+    for i in range(len(optimizer.bit16_groups)):
+        params = optimizer.params_in_partition[i]
+        optimizer.all_grad_tensors[i] = optimizer.get_all_grad_tensors(params,
+                                                                       dtype=optimizer.gradient_accumulation_dtype)
+        optimizer.averaged_gradients[i] = optimizer.get_flat_partition(params, optimizer.first_offset[i],
+                                                                       optimizer.partition_size[i],
+                                                                       dtype=optimizer.gradient_accumulation_dtype,
+                                                                       device=device, param_group_idx=i,
+                                                                       return_tensor_list=True)
+        optimizer.all_grad_tensors[i] = None
+
+
+@contextlib.contextmanager
+def stage_step(optimizer, mpu):
+    """Around DeepSpeed's ``_take_model_step`` of one stage: on ZeRO-1, its partition of the
+    reduced ``.grad`` handed over and its reductions over ``mpu``; nothing otherwise."""
+    if not is_zero(optimizer):
+        yield
+        return
+    _hand_gradients(optimizer)
+    with _stage_groups(optimizer, mpu):
+        yield
+

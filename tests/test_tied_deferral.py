@@ -1,0 +1,122 @@
+"""``hippie.deferred_layers``' default, "untied", on a model in Megatron-DeepSpeed's shape: a
+parameterless first layer, then a word embedding tied to the output head on the last stage. The
+default delays a deferred stage's first layer with parameters that is not tied to another stage
+(the first transformer block), and the tied embedding stays in-step on every holder; an explicit
+1 still delays exactly the first layer with parameters, the tied embedding, and so the head's copy
+too (adapter/deferred_layers.py, adapter/tied.py). No processes: the stand-in has every stage's
+layers built, as ``layers_with_parameters`` gathers them over the world."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from hippie_ds.adapter.deferred_layers import deferred_layers, tied_across_stages, untied_layers
+from hippie_ds.adapter.engine_gradients import split_deferred
+from hippie_ds.adapter.tied import delay_ties
+from hippie_ds.config import ConfigError, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, split_config
+from hippie_ds.schedules import compile as compile_schedule
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.word_embeddings = torch.nn.Embedding(8, 4)
+        self.position_embeddings = torch.nn.Embedding(4, 4)
+
+
+def _to_float(x):
+    return x
+
+
+def _logits(embedding, x):
+    return x @ embedding.word_embeddings.weight.t()
+
+
+def megatron(parts=(0, 4, 8)):
+    """[_to_float, embed (tied), Block, Block | Block, Block, LayerNorm, embed (tied, the head)]
+    on 2 stages; built as every rank's stage builds it (the head's copy reached through a function)."""
+    tied = dict(tied_weight_attr="word_embeddings.weight")
+    specs = ([_to_float, TiedLayerSpec("embed", Embedding, **tied)] + [LayerSpec(torch.nn.Linear, 4, 4)] * 4 +
+             [LayerSpec(torch.nn.LayerNorm, 4), TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied)])
+    embed = [Embedding(), Embedding()]  # stage 0's copy, the last stage's
+    built = ([_to_float, embed[0]] + [torch.nn.Linear(4, 4) for _ in range(4)] + [torch.nn.LayerNorm(4)] +
+             [lambda x: _logits(embed[1], x)])
+    owner = lambda idx: next(s for s in range(len(parts) - 1) if parts[s] <= idx < parts[s + 1])  # noqa: E731
+    return SimpleNamespace(parts=list(parts), num_stages=len(parts) - 1, stage_id=0, _layer_specs=specs,
+                           forward_funcs=built, _local_start=0, stage_owner=owner, tied_comms={"embed": {}},
+                           tied_modules={"embed": embed[0]})
+
+
+HIPPIE = compile_schedule("hippie", 2, 4)  # stage 0 deferred ('auto': the first half)
+
+
+def _layers(value=None):
+    options = split_config({} if value is None else {"hippie": {"deferred_layers": value}})[2]
+    return deferred_layers(megatron(), options, HIPPIE), options
+
+
+def test_default_is_untied_and_users_can_write_it():
+    assert DEFAULT_DEFERRED_LAYERS == UNTIED_LAYERS == "untied"
+    assert split_config({"hippie": {"deferred_layers": "untied"}})[2].deferred_layers == "untied"
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'tied\': .*allowed: "untied" \(the first layer '
+                                          r"with parameters not tied to another stage, the default\)"):
+        split_config({"hippie": {"deferred_layers": "tied"}})
+
+
+def test_untied_layers_skips_modules_tied_to_another_stage():
+    # [function, tied embedding, block, block]: the first block, 3 leading layers
+    assert untied_layers([False, True, True, True], [False, True, False, False]) == 3
+    assert untied_layers([True, True], [False, False]) == 1  # nothing tied: the first layer with parameters
+    assert untied_layers([False, True], [False, True]) == 0  # only a tied module: nothing delayed
+    assert tied_across_stages(megatron()) == [False, True, False, False, False, False, False, True]
+    # tied within one stage: an ordinary layer
+    assert tied_across_stages(megatron(parts=(0, 8))) == [False] * 8
+
+
+def test_default_delays_the_first_block_not_the_tied_embedding_nor_the_head():
+    """The regression: the old default (1) delayed stage 0's embedding and, by the one rule per
+    tied module, the head's weights on the last stage; the default keeps both in-step."""
+    layers, options = _layers()
+    assert layers == {0: 3}  # _to_float, the embedding (kept in-step), the first block
+    compiled, partial, delayed, kept = delay_ties(megatron(), HIPPIE, layers, untied=True)
+    assert compiled.deferred_stages() == [0] and partial == {0: 3}  # the head's stage is not made deferred
+    assert delayed == set() and kept == {"embed"}
+    model = megatron()
+    params = [p for f in model.forward_funcs[:4] if isinstance(f, torch.nn.Module) for p in f.parameters()]
+    tied = list(model.tied_modules["embed"].parameters())
+    late, in_step = split_deferred(params, model.forward_funcs[:4], partial[0], kept=tied)
+    block = list(model.forward_funcs[2].parameters())
+    assert [id(p) for p in late] == [id(p) for p in block]  # the first block alone
+    assert {id(p) for p in in_step} == {id(p) for p in tied + list(model.forward_funcs[3].parameters())}
+
+
+def test_explicit_one_still_delays_the_tied_embedding_and_its_head():
+    layers, _ = _layers(1)
+    assert layers == {0: 2}  # _to_float and the embedding: exactly one layer with parameters
+    compiled, partial, delayed, kept = delay_ties(megatron(), HIPPIE, layers)
+    assert delayed == {"embed"} and kept == set()
+    assert compiled.deferred_stages() == [0, 1] and partial == {0: 2, 1: 0}  # the head's holder delays it too
+    assert _layers(2)[0] == {0: 3} and delay_ties(megatron(), HIPPIE, {0: 3})[2] == {"embed"}
+
+
+def test_untied_applies_only_to_schedules_with_deferred_stages():
+    options = split_config({})[2]
+    assert deferred_layers(megatron(), options, compile_schedule("1f1b", 2, 4)) == {}
+    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'untied\': schedule \'1f1b\' has no '
+                                          r"deferred stages"):
+        deferred_layers(megatron(), split_config({"hippie": {"deferred_layers": "untied"}})[2],
+                        compile_schedule("1f1b", 2, 4))
+
+
+def test_a_stage_holding_only_the_tied_embedding_delays_nothing():
+    """4 stages ([_to_float, embed] | 2 blocks | 2 blocks | LayerNorm, head): stage 0 has no
+    untied layer with parameters, so it delays nothing (an ordinary stage), stage 1 its first block."""
+    from hippie_ds.adapter.integration import without_undelayed
+    hippie = compile_schedule("hippie", 4, 4)  # stages 0 and 1 deferred
+    model = megatron(parts=(0, 2, 4, 6, 8))
+    layers = deferred_layers(model, split_config({})[2], hippie)
+    assert layers == {0: 0, 1: 1}
+    compiled, partial = without_undelayed(hippie, layers)
+    assert compiled.deferred_stages() == [1] and partial == {1: 1}
+    assert delay_ties(model, compiled, partial, untied=True)[2:] == (set(), set())  # no deferred stage holds it
