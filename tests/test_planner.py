@@ -341,7 +341,7 @@ def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
     and is within the tolerance of the deferral rule's check; with equal stages it is ZB-H1's
     M (F+I+W) + (K-1) max(F, I, F+I-W) (the paper's (K-1)(F+I-W) bubble when W <= I)."""
     from hippie_ds.planner import evaluate, model as pl
-    from hippie_ds.planner.model import split_backward_time
+    from hippie_ds.planner.split_bounds import split_backward_time
     from hippie_ds.planner.traits import schedule_traits
     from hippie_ds.schedules import compile as compile_schedule
     from hippie_ds.schedules.costs import CommCost, Costs, StageCost

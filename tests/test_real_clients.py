@@ -40,6 +40,9 @@ DROP_IN = {"megatron": ["1f1b+argv", "interleaved-1f1b+argv", "zb-v+b64", "hippi
            "linearstack": ["1f1b", "interleaved-1f1b", "zb-v"], "alexnet": ["1f1b", "interleaved-1f1b", "zb-v"]}
 DROP_IN_ENGINES = [f"fp32:{n}" if model == "megatron" else f"fp32:{n}+{model}" for model, names in DROP_IN.items()
                    for n in names]
+# a planner plan for interleaved-1f1b (model chunks, boundaries, re-computed layers), named only by "hippie.plan"
+# in the config in sys.argv, which names no schedule (megatron_shaped.chunked_plan)
+PLANNED = "fp32:interleaved-1f1b+argv+plan"
 
 
 def _load(out, name):
@@ -51,7 +54,7 @@ def launched(tmp_path_factory):
     """One launch, every precision's engines in turn (each launch costs ~15 s of start-up)."""
     out = tmp_path_factory.mktemp("clients")
     engines = [f"{p}:{name}" for p in sorted(OTHERS) for name in ["stock", *SYNCHRONOUS, *OTHERS[p]]] + PROFILED + \
-        DROP_IN_ENGINES
+        DROP_IN_ENGINES + [PLANNED]
     rc, log, _ = launch(4, out, "--steps", STEPS, "--engines", ",".join(engines), worker=WORKER, timeout=900)
     assert rc == 0, log[-5000:]
     assert "terminate called" not in log, log[-3000:]
@@ -218,6 +221,33 @@ def test_drop_in_module_takes_the_config_from_sys_argv(launched):
                            for k, v in state.items()), stage
             first = ranks[0]["losses"]
             assert all(math.isfinite(x) for x in first) and first[-1] < first[0], first
+
+
+def test_a_chunked_plan_in_the_config_trains_as_1f1b(launched):
+    """A plan for interleaved-1f1b, 2 stages x 2 model chunks, applied through ``"hippie": {"plan": ...}``
+    to the drop-in module built without config= (the config in sys.argv names no schedule): every rank
+    holds the plan's model parts and re-computed layers, not DeepSpeed's 'type:Block' cut, and training
+    matches 1f1b on DeepSpeed's default partition from the same layout-independent weights (the GPT's
+    tolerance above)."""
+    from megatron_shaped import PLAN_BOUNDARIES, PLAN_CHECKPOINTED
+
+    out, log = launched
+    ref, ranks, default = (_load(out, name) for name in ("fp32:1f1b+argv", PLANNED, "fp32:interleaved-1f1b+argv"))
+    assert len(ranks) == 4 and {(r["stage"], r["replica"]) for r in ranks} == {(s, d) for s in (0, 1) for d in (0, 1)}
+    for r in ranks:
+        assert (r["parts"], r["chunks"], r["checkpointed"]) == (PLAN_BOUNDARIES, (2, "interleaved"), PLAN_CHECKPOINTED)
+        held = {0: [1, 3, 4], 1: [2, 5, 6]}[r["stage"]]  # parts 0, 2 and 1, 3 (layers 0 and 7 hold no own weights)
+        assert sorted(r["layers"]) == held, r["stage"]
+    assert all(r["parts"] != PLAN_BOUNDARIES and r["checkpointed"] == [] for r in ref + default)
+    assert "(sys.argv): the plan for 'megatron-shaped' (schedule 'interleaved-1f1b': 2 model chunks per stage " \
+           f"(interleaved layout); boundaries {PLAN_BOUNDARIES})" in log
+    assert f"model-part boundaries {PLAN_BOUNDARIES} and checkpointed layers {PLAN_CHECKPOINTED} from the plan" in log
+    assert _same(ref, ranks) <= 1e-5
+    losses, ref_losses = _ranks_by_stage(ranks), _ranks_by_stage(ref)
+    assert all(x == pytest.approx(y, abs=1e-5) for key in ref_losses
+               for x, y in zip(losses[key]["losses"], ref_losses[key]["losses"]))
+    copies = [r["tied"]["embed"] for r in ranks]
+    assert all(torch.equal(c, copies[0]) for c in copies)
 
 
 def test_the_default_deferral_keeps_the_tied_embedding_in_step(launched):

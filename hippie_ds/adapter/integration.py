@@ -18,7 +18,7 @@ from ..schedules import compile as compile_schedule, load_spec
 from ..schedules.compiler import resolve_virtual_stages
 from .clean_exit import wait_at_exit
 from .deferred_layers import deferred_layers, schedules_with_param, without_undelayed, log_choice
-from .module_chunks import held_chunks
+from .module_chunks import chunks_phrase as _chunks, held_chunks
 from .precision import check_precision
 from .tied import check_tied, delay_ties, tied_stage_groups
 
@@ -125,14 +125,17 @@ def _apply_plan(model: PipelineModule, config: dict, options, config_path: str |
 
     plan = resolve_plan(locate_plan(options.plan, config_path))
     check_plan(plan, model._layer_specs, world_size=model.world_size, num_stages=model.num_stages)
+    # a chunked module's parts are its K·v+1 model-part boundaries (module_chunks), placed by its layout
+    held, planned = held_chunks(model), (plan.virtual_stages, plan.layout)
     ckpt = list(getattr(model, "checkpointed_layers", []))
-    if list(model.parts) != plan.boundaries or ckpt != plan.checkpointed_layers or \
-            model.activation_checkpoint_interval:
-        raise ConfigError(f'config key "hippie.plan" = {options.plan!r}: the plan has stage boundaries '
-                          f"{plan.boundaries} and checkpointed layers {plan.checkpointed_layers}, but the model was "
-                          f"built with boundaries {list(model.parts)} and checkpointed layers {ckpt}"
+    if _chunks(*held) != _chunks(*planned) or list(model.parts) != plan.boundaries or \
+            ckpt != plan.checkpointed_layers or model.activation_checkpoint_interval:
+        raise ConfigError(f'config key "hippie.plan" = {options.plan!r}: the plan has {_chunks(*planned)}, '
+                          f"boundaries {plan.boundaries} and checkpointed layers {plan.checkpointed_layers}, but the "
+                          f"model was built with {_chunks(*held)}, boundaries {list(model.parts)} and checkpointed "
+                          f"layers {ckpt}"
                           f"{' and an activation_checkpoint_interval' if model.activation_checkpoint_interval else ''}"
-                          "; " + module_fix(model, "the plan's boundaries"))
+                          "; " + module_fix(model, "the plan's model parts"))
     return merge_plan(config, plan.deepspeed_config(), options.plan)
 
 
@@ -183,10 +186,6 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
         except ImportError as exc:
             raise ConfigError(str(exc)) from None
     return ds_config, config_class, compiled, options
-
-
-def _chunks(n: int, layout: str) -> str:
-    return f"{n} model chunk{'s' if n != 1 else ''} per stage" + (f" ({layout} layout)" if n > 1 else "")
 
 
 def module_fix(model, what: str) -> str:

@@ -12,6 +12,11 @@ from __future__ import annotations
 from ..schedules.layout import Layout
 
 
+def chunks_phrase(n: int, layout: str | None) -> str:
+    """'2 model chunks per stage (interleaved layout)'; one chunk: no layout."""
+    return f"{n} model chunk{'s' if n != 1 else ''} per stage" + (f" ({layout} layout)" if n > 1 else "")
+
+
 def held_chunks(model) -> tuple[int, str]:
     """(model chunks per stage, layout) a pipeline module holds: DeepSpeed's own holds one."""
     return getattr(model, "virtual_stages", 1), getattr(model, "layout_kind", "interleaved")

@@ -9,7 +9,10 @@ explicit boundaries: DeepSpeed issue #2974) and checkpoints every ``interval`` l
 * checks, before DeepSpeed creates any process group, that the plan was made for this model
   (layer count, layer names and parameter sizes: the profile's fingerprint, computed from the
   layer specs on the meta device) and this job (world size, stage count);
-* uses the plan's ``boundaries`` as DeepSpeed's ``parts``;
+* uses the plan's ``boundaries`` as DeepSpeed's ``parts``; a plan with virtual stages gives the
+  model chunks too (its ``virtual_stages`` and ``layout``; ``pipeline_depth`` is the stage count K
+  and ``boundaries`` cut K·v parts), ahead of the config's schedule, which ``hippie_ds.initialize``
+  merges in from the plan;
 * re-computes exactly the plan's ``checkpointed_layers``: each maximal run of consecutive
   checkpointed layers of a stage is one :func:`hippie_ds.adapter.checkpointing.checkpoint_run`.
 
@@ -37,7 +40,7 @@ from ..planner.plan_file import Plan, PlanMismatchError, load_plan
 from ..planner.profile import PlannerError, fingerprint_of
 from .checkpointing import checkpoint_run
 from .config_discovery import FoundConfig, discover
-from .module_chunks import ChunkedLayers
+from .module_chunks import ChunkedLayers, chunks_phrase
 
 
 def layer_name(layer: Any) -> str:
@@ -116,12 +119,25 @@ def locate_plan(path: str | os.PathLike, config_path: str | os.PathLike | None) 
     return found
 
 
-def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num_stages: int | None) -> None:
-    """Raise :class:`PlanMismatchError` when ``plan`` does not fit this model or job."""
+def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num_stages: int | None,
+               virtual_stages: int | None = None, layout: str | None = None) -> None:
+    """Raise :class:`PlanMismatchError` when ``plan`` does not fit this model or job: ``num_stages``
+    (pipeline ranks) against the plan's ``pipeline_depth``, ``virtual_stages`` / ``layout`` (the
+    module's model chunks per stage, None: not known yet) against the plan's, and its K·v+1 boundaries."""
     plan.check_matches(num_layers=len(layers), world_size=world_size)
     if num_stages is not None and num_stages != plan.pipeline_depth:
-        raise PlanMismatchError(f"num_stages={num_stages}, but the plan has {plan.pipeline_depth} stages "
+        chunks = f" x {plan.virtual_stages} model chunks each" if plan.virtual_stages > 1 else ""
+        raise PlanMismatchError(f"num_stages={num_stages}, but the plan has {plan.pipeline_depth} stages{chunks} "
                                 f"(boundaries {plan.boundaries}); leave num_stages out to take the plan's")
+    parts = plan.pipeline_depth * plan.virtual_stages
+    if len(plan.boundaries) != parts + 1:
+        raise PlanMismatchError(f"the plan's boundaries {plan.boundaries} cut {len(plan.boundaries) - 1} model parts; "
+                                f"its {plan.pipeline_depth} stages x {plan.virtual_stages} virtual stages need {parts}")
+    if virtual_stages is not None and (virtual_stages, layout if virtual_stages > 1 else None) != \
+            (plan.virtual_stages, plan.layout if plan.virtual_stages > 1 else None):
+        raise PlanMismatchError(f"the module holds {chunks_phrase(virtual_stages, layout)}, but the plan for "
+                                f"schedule {plan.schedule!r} has {chunks_phrase(plan.virtual_stages, plan.layout)} "
+                                f"(boundaries {plan.boundaries})")
     fp = model_fingerprint(layers)
     if fp is not None and fp != plan.fingerprint:
         raise PlanMismatchError(f"the plan is for {plan.model!r} (fingerprint {plan.fingerprint}); this model's "
@@ -132,6 +148,21 @@ def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num
 
 def _short(names: list[str], limit: int = 6) -> str:
     return ", ".join(names if len(names) <= limit else names[:limit] + [f"... ({len(names)} layers)"])
+
+
+def chunks_of_plan(plan: Plan, virtual_stages: int | None, layout: str | None) -> tuple[int, str]:
+    """(model chunks per stage, layout) of a module built from ``plan``: the plan's. Constructor
+    arguments that say otherwise are refused, naming both values."""
+    wanted = (plan.virtual_stages, plan.layout)
+    if virtual_stages is not None and virtual_stages != plan.virtual_stages:
+        raise PlanMismatchError(f"virtual_stages={virtual_stages!r}, but the plan for schedule {plan.schedule!r} has "
+                                f"virtual_stages {plan.virtual_stages} (boundaries {plan.boundaries}); leave "
+                                "virtual_stages out to take the plan's")
+    if layout is not None and layout != plan.layout and plan.virtual_stages > 1:
+        raise PlanMismatchError(f"layout={layout!r}, but the plan for schedule {plan.schedule!r} places its "
+                                f"{plan.virtual_stages} model chunks per stage in the {plan.layout!r} layout; leave "
+                                "layout out to take the plan's")
+    return wanted
 
 
 def virtual_stages_of(config: str | os.PathLike | dict | None, num_stages: int | None) -> tuple[int, str]:
@@ -151,10 +182,11 @@ _ANNOUNCED: set[str] = set()
 
 def announce(found: FoundConfig, virtual_stages: int, layout: str, plan: Plan | None) -> None:
     """Once per process: where the layout a module built without ``config=`` came from."""
-    what = [f"schedule {split_config(found.config)[1]!r}: {virtual_stages} model chunk{'s' if virtual_stages != 1 else ''} per stage"
-            + (f" ({layout} layout)" if virtual_stages > 1 else "")]
-    if plan is not None:
-        what.append(f"the plan for {plan.model!r} (boundaries {plan.boundaries})")
+    if plan is None:
+        what = [f"schedule {split_config(found.config)[1]!r}: {chunks_phrase(virtual_stages, layout)}"]
+    else:  # the plan's schedule and chunks (initialize merges its schedule into the config)
+        what = [f"the plan for {plan.model!r} (schedule {plan.schedule!r}: {chunks_phrase(virtual_stages, layout)}; "
+                f"boundaries {plan.boundaries})"]
     line = f"hippie-ds: PipelineModule built without config=, from the DeepSpeed config {found.source}: " + \
         " and ".join(what)
     if line not in _ANNOUNCED:
@@ -177,7 +209,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
     """DeepSpeed's ``PipelineModule`` plus ``plan=`` / ``config=`` (see the module docstring).
 
     ``checkpointed_layers`` (global layer indices) re-computes those layers without a plan.
-    ``virtual_stages`` (default: what ``config``'s schedule runs, else 1) builds that many model
+    ``virtual_stages`` (default: the plan's, else what ``config``'s schedule runs, else 1) builds that many model
     chunks per stage, placed by ``layout`` (:mod:`hippie_ds.adapter.module_chunks`)."""
 
     def __init__(self, layers, num_stages=None, topology=None, *, plan: str | os.PathLike | Plan | None = None,
@@ -190,7 +222,9 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         source = found.source if found is not None else ("config=" if config is not None else None)
         resolved = resolve_plan(plan, config)
         stages = topology.get_dim("pipe") if topology is not None else num_stages
-        if virtual_stages is None:
+        if resolved is not None:  # the plan's chunks (the config may name its schedule only in initialize)
+            virtual_stages, layout = chunks_of_plan(resolved, virtual_stages, layout)
+        elif virtual_stages is None:
             virtual_stages, found_layout = virtual_stages_of(config, stages)
             layout = layout or found_layout
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
@@ -198,10 +232,10 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         self._init_chunks(virtual_stages, layout or "interleaved")
         if resolved is not None:
             world = dist.get_world_size() if dist.is_initialized() else None
-            check_plan(resolved, layers, world_size=world,
-                       num_stages=None if stages is None else stages * virtual_stages)
+            check_plan(resolved, layers, world_size=world, num_stages=stages, virtual_stages=virtual_stages,
+                       layout=layout)
             if topology is None and num_stages is None:
-                num_stages = resolved.pipeline_depth // virtual_stages
+                num_stages = resolved.pipeline_depth
             if checkpointed_layers is not None and sorted(checkpointed_layers) != resolved.checkpointed_layers:
                 raise PlanMismatchError(f"checkpointed_layers={sorted(checkpointed_layers)} differs from the plan's "
                                         f"{resolved.checkpointed_layers}; give one or the other")
@@ -253,14 +287,15 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         return list(self._checkpointed)
 
     def _partition_layers(self, method="uniform"):
+        if self.hippie_plan is not None and self.global_rank == 0:
+            print(f"hippie-ds: {'model-part' if self.chunked else 'stage'} boundaries {self.hippie_plan.boundaries} "
+                  f"and checkpointed layers {self.hippie_plan.checkpointed_layers} from the plan for "
+                  f"{self.hippie_plan.model!r}", flush=True)
         if self.chunked:
             return self._partition_chunks(method, None if self.hippie_plan is None else self.hippie_plan.boundaries)
         if self.hippie_plan is None:
             return super()._partition_layers(method=method)
         self.parts = list(self.hippie_plan.boundaries)
-        if self.global_rank == 0:
-            print(f"hippie-ds: stage boundaries {self.parts} and checkpointed layers "
-                  f"{self.hippie_plan.checkpointed_layers} from the plan for {self.hippie_plan.model!r}", flush=True)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 

@@ -31,7 +31,7 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   2 sum_s c_s (GPipe order: the forward and backward maxima separately); a split backward
   (zero-bubble: B_s = I_s + w_s, the input gradient and the parameter gradients, w_s from the
   profile's ``backward_weight``) takes the largest of five lower bounds of the step
-  (:func:`.model.split_backward_time`; ZB-H1 with equal stages: M (F+I+w) + (K-1)
+  (:func:`.split_bounds.split_backward_time`; ZB-H1 with equal stages: M (F+I+w) + (K-1)
   max(F, I, F+I-w)), so its bound never prunes wrongly; flush schedules
   all-reduce at the end (the link drains the work as stages finish, last stage first);
   Hippie's stage s all-reduces right after its last backward and must finish before the next

@@ -25,7 +25,11 @@ config is a file named by ``--deepspeed_config PATH`` in ``sys.argv`` (``+b64``:
 place) while the model is built, and ``hippie_ds.initialize`` gets it as a dict (Megatron reads the
 file and passes ``config=``). Its weights are re-drawn per global layer index (:func:`reseed`), the
 same whatever the layout. ``+linearstack`` / ``+alexnet``: DeepSpeed's own unit-test models
-(ds_unit_models.py) in place of the GPT, built the same way. Before the engines, each rank builds
+(ds_unit_models.py) in place of the GPT, built the same way. ``+plan`` (with ``+argv``): the config names no
+schedule, only ``"hippie": {"plan": ...}``, a :func:`chunked_plan` for the engine's schedule (model chunks,
+boundaries, re-computed layers), which the module takes from the config in ``sys.argv`` and
+``hippie_ds.initialize`` merges in; the module gets the plan's placement (``hippie_ds.make_topology``).
+Before the engines, each rank builds
 the GPT both with DeepSpeed's class and with ``GPTModelPipe`` and no config anywhere, and writes
 whether their partition and weights agree to ``OUT/no-config/rankR.pt``.
 """
@@ -42,6 +46,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 
 import hippie_ds
 import ds_unit_models
+from hippie_ds.adapter.module_chunks import held_chunks
 
 VOCAB, HIDDEN, SEQ, MICRO = 32, 16, 8, 2
 # bf16-zero1: BF16_Optimizer (fp32 accumulation); bf16-plain-zero1: as users write it, DeepSpeedZeroOptimizer
@@ -122,8 +127,35 @@ class GPTModelPipe(hippie_ds.PipelineModule):
     """Megatron-DeepSpeed's ``GPTModelPipe`` in shape: a subclass of the pipeline module (here
     hippie-ds's, the one-line change) that builds it with DeepSpeed's arguments and no config."""
 
-    def __init__(self, blocks, num_stages):
-        super().__init__(layers=specs(blocks), num_stages=num_stages, loss_fn=loss_fn, partition_method="type:Block")
+    def __init__(self, blocks, num_stages, topology=None):
+        super().__init__(layers=specs(blocks), num_stages=None if topology else num_stages, topology=topology,
+                         loss_fn=loss_fn, partition_method="type:Block")
+
+
+# ``+plan``: a planner plan for interleaved-1f1b with these model-part boundaries (not DeepSpeed's
+# 'type:Block' cut of 2 or 4 parts) and re-computed layers (a run of two in one chunk, one in another)
+PLAN_BOUNDARIES, PLAN_CHECKPOINTED = [0, 2, 3, 5, 8], [3, 4, 6]
+
+
+def chunked_plan(stages=2, micro_batches=4, dp=2, schedule="interleaved-1f1b", boundaries=PLAN_BOUNDARIES,
+                 checkpointed=PLAN_CHECKPOINTED, blocks=4):
+    """A plan of :func:`specs` (``blocks`` blocks) for ``schedule``: ``hippie_ds.planner.make_plan`` on a
+    synthetic profile with this model's layer names and parameter sizes (so its fingerprint fits),
+    then set to ``boundaries`` and ``checkpointed`` through the ``Plan`` model (which checks them)."""
+    from hippie_ds.adapter.pipeline_module import layer_names, layer_param_bytes
+    from hippie_ds.planner import LayerProfile, Plan, Profile, make_plan, parse_cluster
+    layers = specs(blocks)
+    profile = Profile(model="megatron-shaped", batch_size=MICRO, layers=[
+        LayerProfile(name=n, forward=1e-3, backward=2e-3, output_bytes=4.0 * MICRO * SEQ * HIDDEN, param_bytes=b)
+        for n, b in zip(layer_names(layers), layer_param_bytes(layers))])
+    plan = make_plan(profile, parse_cluster(f"1x{stages * dp},1GB,10Gbit"), MICRO * micro_batches * dp,
+                     schedules=[schedule], depths=[stages], micro_batch_sizes=[MICRO], baselines=False)
+    data = plan.model_dump(mode="json")
+    data.update(boundaries=list(boundaries), checkpointed_layers=list(checkpointed))
+    for p, st in enumerate(data["stages"]):
+        st.update(first_layer=boundaries[p], end_layer=boundaries[p + 1],
+                  checkpointed=[i for i in checkpointed if boundaries[p] <= i < boundaries[p + 1]])
+    return Plan.model_validate(data)
 
 
 def layers_of(module):
@@ -152,7 +184,7 @@ def reseed(module):
                 m.reset_parameters()
 
 
-def build_from_argv(cfg, out, opts, model, blocks, stages):
+def build_from_argv(cfg, out, opts, model, blocks, stages, topology=None):
     """The model built while ``sys.argv`` names the config (a file, or base64 with ``+b64``)."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"ds_config.rank{torch.distributed.get_rank()}.json")  # each rank its own: no race
@@ -162,7 +194,7 @@ def build_from_argv(cfg, out, opts, model, blocks, stages):
     saved = list(sys.argv)
     sys.argv = saved + ["--deepspeed_config", value]
     try:
-        module = GPTModelPipe(blocks, stages) if model == "megatron" else ds_unit_models.build(model, stages)
+        module = GPTModelPipe(blocks, stages, topology) if model == "megatron" else ds_unit_models.build(model, stages)
     finally:
         sys.argv = saved
     reseed(module)
@@ -278,8 +310,17 @@ def main():
         profile_out = os.path.join(args.out, name, "profile.yaml")
         cfg = config(precision, schedule, opts, args.micro_batches, world // args.stages, profile_out)
         model = next((o for o in opts if o in ds_unit_models.MODELS), "megatron")
+        topology = None
+        if "plan" in opts:  # the config names only the plan (relative to it), not the schedule: the plan's
+            from hippie_ds.planner import save_plan
+            plan = chunked_plan(args.stages, args.micro_batches, world // args.stages, schedule, blocks=args.blocks)
+            save_plan(plan, os.path.join(args.out, name, f"plan.rank{rank}.json"))
+            del cfg["pipeline"]
+            cfg["hippie"] = {"plan": f"plan.rank{rank}.json"}
+            topology = hippie_ds.make_topology(args.stages, world)  # the plan's "pipeline_in_node" placement
         if model != "megatron" or "argv" in opts or "b64" in opts:  # the drop-in: sys.argv names the config
-            module = build_from_argv(cfg, os.path.join(args.out, name), opts, model, args.blocks, args.stages)
+            module = build_from_argv(cfg, os.path.join(args.out, name), opts, model, args.blocks, args.stages,
+                                     topology)
         elif "tuple" in opts:  # hippie_ds.PipelineModule: the schedule's model chunks (virtual stages)
             module = hippie_ds.PipelineModule(layers=tuple_specs(args.blocks), num_stages=args.stages,
                                               loss_fn=loss_fn, partition_method="type:Block", config=cfg)
@@ -308,6 +349,8 @@ def main():
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": int(engine.stage_id), "replica": int(engine.grid.data_parallel_id), "losses": losses,
                     "layers": layers, "tied": tied, "start": start, "first": first, "lr": scheduler.get_lr(),
+                    "parts": [int(x) for x in engine.module.parts], "chunks": held_chunks(engine.module),
+                    "checkpointed": list(getattr(engine.module, "checkpointed_layers", [])),
                     "global_steps": engine.global_steps}, os.path.join(args.out, name, f"rank{rank}.pt"))
         torch.distributed.barrier()
         kept.append(engine)  # alive until exit: what is in flight is warned about then
