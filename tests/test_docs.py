@@ -1,8 +1,13 @@
 """The docs' tables name what the code has, so that none goes stale unnoticed. Pure: the
 markdown is parsed, nothing is run.
 
-- README.md: the schedule guide, what each schedule buys and the precision table (whose cells
-  tests/test_precision.py backs) name every built-in schedule;
+- README.md's "what each schedule buys", docs/schedules.md's schedule table and docs/precision.md's
+  precision table (whose cells tests/test_precision.py backs) name every built-in schedule;
+- README.md's config-key table names every key hippie_ds/config.py accepts, and nothing else; the
+  schedules README.md says tests/test_dropin.py runs are the ones in that test's ``SCHEDULES``, and
+  what it says Megatron-DeepSpeed needs names the schedules with virtual stages;
+- README.md, docs/*.md and hippie_ds/planner/README.md: every repository path they name (in
+  backticks or as a link) exists;
 - docs/reference.md: the op table has one row per ``OpKind``, checked against its ``OP_INFO``
   entry; the ``hippie-ds schedule list`` output lists exactly the built-in schedules; the layout
   table names every module;
@@ -15,11 +20,17 @@ from pathlib import Path
 
 import pytest
 
+from pydantic import BaseModel
+
+from hippie_ds.config import HippieConfig
 from hippie_ds.schedules.ir import OP_INFO, OpKind
-from hippie_ds.schedules.spec import available
+from hippie_ds.schedules.spec import available, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+SCHEDULES_DOC = (ROOT / "docs" / "schedules.md").read_text()
+PRECISION_DOC = (ROOT / "docs" / "precision.md").read_text()
+TRAINING_DOC = (ROOT / "docs" / "training.md").read_text()
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 EXTENDING = (ROOT / "docs" / "extending.md").read_text()
 PLANNER_README = (ROOT / "hippie_ds" / "planner" / "README.md").read_text()
@@ -66,13 +77,140 @@ def _code(cell: str) -> list[str]:
 
 # --- README -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("heading", ["## What each schedule buys", "## Precision, ZeRO-1 and tied weights",
-                                     "## Schedules"])
-def test_readme_tables_name_every_builtin_schedule(heading):
-    table = _table_after(README, heading)
+@pytest.mark.parametrize("doc,text,heading", [
+    ("README.md", README, "## What each schedule buys"),
+    ("docs/schedules.md", SCHEDULES_DOC, "## The built-in schedules"),
+    ("docs/precision.md", PRECISION_DOC, "## The precision table"),
+])
+def test_schedule_tables_name_every_builtin_schedule(doc, text, heading):
+    table = _table_after(text, heading)
     named = set(re.findall(r"`([a-z0-9-]+)`", table))
     missing = sorted(set(available()) - named)
-    assert not missing, f"README table after {heading!r} does not name {missing}"
+    assert not missing, f"{doc}: the table after {heading!r} does not name {missing}"
+
+
+def _config_keys(model: type[BaseModel], prefix: str) -> set[str]:
+    """Every leaf key of a config section, dotted (``hippie.staleness.method``)."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        sub = next((a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        keys |= _config_keys(sub, f"{prefix}{name}.") if sub else {prefix + name}
+    return keys
+
+
+def test_readme_config_table_names_every_config_key():
+    # hippie.virtual_stages is filled from pipeline.virtual_stages (a user's hippie.virtual_stages is refused)
+    accepted = (_config_keys(HippieConfig, "hippie.") - {"hippie.virtual_stages"}) | \
+        {"pipeline.schedule", "pipeline.virtual_stages"}
+    named = {_code(cells[0])[0] for cells in _rows(README, "| key | default | in short |")}
+    assert named == accepted, (f"README.md's config-key table: missing {sorted(accepted - named)}, not accepted by "
+                               f"hippie_ds/config.py {sorted(named - accepted)}")
+
+
+def _dropin_schedules() -> list[str]:
+    """tests/test_dropin.py's ``SCHEDULES``, read from its source (it imports the launcher)."""
+    tree = ast.parse((ROOT / "tests" / "test_dropin.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SCHEDULES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("tests/test_dropin.py has no SCHEDULES list")
+
+
+def _sentence_with(text: str, needle: str) -> str:
+    start = text.index(needle)
+    start = max(text.rfind(". ", 0, start), text.rfind("\n\n", 0, start)) + 1
+    end = text.find(". ", text.index(needle))
+    return text[start:end if end >= 0 else len(text)]
+
+
+@pytest.mark.parametrize("doc,text", [("README.md", README), ("docs/training.md", TRAINING_DOC)])
+def test_dropin_claim_names_exactly_the_schedules_test_dropin_runs(doc, text):
+    sentence = _sentence_with(text, "`tests/test_dropin.py` runs")
+    claimed = {n for n in _code(sentence) if n in available()}
+    expected = set(_dropin_schedules())
+    assert claimed == expected, (f"{doc}: the sentence on tests/test_dropin.py names {sorted(claimed)}; its SCHEDULES "
+                                 f"runs {sorted(expected)}: name exactly those")
+    assert "every" not in sentence, f"{doc}: the drop-in sentence claims 'every': {sentence!r}"
+
+
+def test_readme_megatron_claim_names_the_module_import_for_virtual_schedules():
+    """Megatron-DeepSpeed's schedules with virtual stages need ``hippie_ds.PipelineModule``, not
+    only ``initialize``: the README's sentence says so and names each of them."""
+    virtual = {n for n in available() if load_spec(n).virtual_stages is not None}
+    assert virtual, "no built-in schedule declares virtual_stages"
+    sentence = _sentence_with(README, "Megatron-DeepSpeed's GPT runs")
+    assert "`PipelineModule`" in sentence and virtual <= set(_code(sentence)), \
+        f"README.md's Megatron sentence must name the PipelineModule import and {sorted(virtual)}: {sentence!r}"
+
+
+# --- every repository path a document names exists ------------------------------------------
+
+PATH_PREFIXES = ("tests/", "tools/", "hippie_ds/", "configs/", "schedules/", "docs/")
+# paths of other projects that a document names, each with the words just before it that say whose
+OTHER_PROJECTS = {("docs/megatron.md", "tools/preprocess_data.py"): "Megatron's own"}
+DOCS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+        "hippie_ds/planner/README.md"]
+
+
+def _named_paths(doc: str) -> set[str]:
+    """Repository paths ``doc`` names: a backticked token outside code blocks that starts with a top-level folder
+    (its first word; ``:function`` and ``::test`` cut off; placeholders such as ``NAME`` or ``*``
+    left out), and link targets (relative to the
+    document; anchors and web addresses left out)."""
+    text = (ROOT / doc).read_text()
+    paths = set()
+    for token in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+        word = token.split()[0] if token.split() else ""
+        word = re.split(r"::|:(?=[A-Za-z_])", word)[0].rstrip(".,;")
+        if word.startswith(PATH_PREFIXES) and not re.search(r"[*{}<>]|\.\.\.|(?<![A-Za-z])(?!README)[A-Z]{2,}(?![a-z])", word):
+            paths.add(word)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        target = target.split("#")[0]
+        if target and "://" not in target:
+            paths.add((Path(doc).parent / target).as_posix())
+    return paths
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_named_repository_paths_exist(doc):
+    import os.path
+    text = (ROOT / doc).read_text()
+    for (where, path), owner in OTHER_PROJECTS.items():
+        if where == doc:
+            assert re.search(re.escape(owner) + r"\s+`" + re.escape(path), text), \
+                f"{doc} no longer names {path} as {owner!r}: update OTHER_PROJECTS in tests/test_docs.py"
+    other = {path for (where, path) in OTHER_PROJECTS if where == doc}
+    missing = sorted(p for p in _named_paths(doc) - other if not (ROOT / os.path.normpath(p)).exists())
+    assert not missing, f"{doc} names paths that do not exist: {missing}"
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings (lower case, punctuation but ``-`` and
+    ``_`` dropped, spaces to ``-``; a repeated heading gets ``-1``, ``-2``, ...)."""
+    seen: dict[str, int] = {}
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        if n:
+            seen[f"{slug}-{n}"] = 1
+    return set(seen)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_link_anchors_exist(doc):
+    text = re.sub(r"```.*?```", "", (ROOT / doc).read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "#" not in target or "://" in target:
+            continue
+        file, anchor = target.split("#", 1)
+        path = (ROOT / doc).parent / file if file else ROOT / doc
+        if path.suffix == ".md" and path.is_file() and anchor not in _anchors(path):
+            broken.append(target)
+    assert not broken, f"{doc} links to anchors that no heading has: {broken}"
 
 
 # --- docs/reference.md: ops and schedules ---------------------------------------------------

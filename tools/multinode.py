@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A 2-node x 2-rank hippie-ds job started with DeepSpeed's own launcher, on an emulated cluster.
 
-What a user with two machines does (README, "Multi-node"), on one machine: two network namespaces
+What a user with two machines does (docs/training.md, "Several nodes"), on one machine: two network namespaces
 (PREFIX-node0, PREFIX-node1) joined by a veth pair (SUBNET.1 <-> SUBNET.2, both ends shaped with
 ``tc tbf``, default 1gbit), a hostfile naming the two nodes with 2 slots each, and on each node
 

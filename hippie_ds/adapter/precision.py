@@ -48,7 +48,7 @@ with their reasons:
   stage's update of a batch together does not fit either: the flag is taken on all-reduced
   gradients and a deferred stage's all-reduce of batch b ends during batch b+1 (the in-step stages
   would wait for it: deferred too, another rule), and 2bw/pipedream update a stage for a batch
-  before the earlier stages have run its backward (README.md, "Precision, ZeRO-1 and tied weights").
+  before the earlier stages have run its backward (docs/precision.md).
 """
 from __future__ import annotations
 
