@@ -101,7 +101,7 @@ def test_plan_drives_training_and_predicts_activation_memory(profile, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     code, log, seconds = launch(2, out, "--configs", ",".join(str(c) for _, c in plans), "--steps", "2",
-                                worker=WORKER, timeout=300)
+                                worker=WORKER, timeout=900)
     assert code == 0, log[-3000:]
     results, checks = {}, []
     for i, (plan, _) in enumerate(plans):

@@ -55,7 +55,7 @@ def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("clients")
     engines = [f"{p}:{name}" for p in sorted(OTHERS) for name in ["stock", *SYNCHRONOUS, *OTHERS[p]]] + PROFILED + \
         DROP_IN_ENGINES + [PLANNED]
-    rc, log, _ = launch(4, out, "--steps", STEPS, "--engines", ",".join(engines), worker=WORKER, timeout=900)
+    rc, log, _ = launch(4, out, "--steps", STEPS, "--engines", ",".join(engines), worker=WORKER, timeout=2400)
     assert rc == 0, log[-5000:]
     assert "terminate called" not in log, log[-3000:]
     return out, log

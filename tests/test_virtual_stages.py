@@ -201,7 +201,7 @@ def test_interleaved_engines_exact(tmp_path):
     engines = [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b", "zb-v")] + \
         [f"hippie-interleaved{p}" for p in PRECISIONS] + ["interleaved-1f1b+recompute", "zb-v+recompute"]
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
-                        "--eval", "--engines", ",".join(engines), timeout=420)
+                        "--eval", "--engines", ",".join(engines), timeout=1500)
     assert rc == 0, log[-4000:]
     for p in PRECISIONS:
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
@@ -253,7 +253,7 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
     engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")] + \
         ["hippie-interleaved", "hippie-interleaved+bf16+zero1", "hippie-interleaved+zero1"] + seqfirst
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
-                        "--engines", ",".join(engines), timeout=420)
+                        "--engines", ",".join(engines), timeout=1500)
     assert rc == 0, log[-4000:]
     ours, losses, parts, params, replicas = collect(tmp_path, "hippie-interleaved")
     assert params["deferred_stages"] == [0]
@@ -318,7 +318,7 @@ def test_megatron_shapes_under_virtual_stages(tmp_path):
     names = ("stock", "interleaved-1f1b", "zb-v", "hippie-interleaved")
     engines = [f"{n}{p}" for p in ("", "+bf16+zero1") for n in names]
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--megatron",
-                        "--engines", ",".join(engines), timeout=420)
+                        "--engines", ",".join(engines), timeout=1500)
     assert rc == 0, log[-4000:]
     for p in ("", "+bf16+zero1"):
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
