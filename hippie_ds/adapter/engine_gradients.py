@@ -29,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
-from .grad_store import GradStore, flat_copy
+from .grad_store import GradStore, Unmoved, flat_copy
 from .staleness import InPlacePrediction
 
 
@@ -281,7 +281,10 @@ class StageGradients:
             self.prediction.begin_update()
         self.store.load(self._delayed_subset(), self.buffer)
         self.store.skip(self.synced)  # applied in their own step already
+        unmoved = Unmoved(self.synced) if self.store.flat and self.synced else None
         self._step_without_counters()
+        if unmoved is not None:
+            unmoved.restore()
         if self.prediction is not None:
             self.prediction.end_update()
         return True

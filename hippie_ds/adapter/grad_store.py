@@ -146,3 +146,35 @@ class GradStore:
                     i, j = self._slot[id(p)]
                     self._optimizer._update_hp_grad(p, i, j, clear_lp_grads=False)
                     p.grad = None
+
+
+OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's per-parameter moments
+
+
+class Unmoved:
+    """Around a step of a flat optimizer partition that has nothing to apply to ``params`` (a
+    deferred stage's ``drain()``: only the delayed layers' gradient is pending): a flat step cannot
+    leave a parameter out, and a zero gradient still moves it (Adam's moments, weight decay), so
+    their weights, fp32 masters and moments are put back afterwards. Without it a tied module kept
+    in-step (``deferred_layers: "untied"``) would move on this stage only and its copies part.
+    Adam's step count, one per flat group, still advances. Collective over the data-parallel group
+    (DeepSpeed's ``safe_get_full_*`` gather the partitions)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        self.params = params
+        self.weights = [p.detach().clone() for p in params]
+        self.masters = [safe_get_full_fp32_param(p) for p in params]
+        self.states = {k: [safe_get_full_optimizer_state(p, k) for p in params] for k in OPTIMIZER_STATE_KEYS}
+
+    def restore(self) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        with torch.no_grad():
+            for p, w, m in zip(self.params, self.weights, self.masters):
+                p.copy_(w)
+                if m is not None:
+                    safe_set_full_fp32_param(p, m)
+            for key, values in self.states.items():
+                for p, v in zip(self.params, values):
+                    if v is not None:
+                        safe_set_full_optimizer_state(p, v, key)
