@@ -36,7 +36,6 @@ whether their partition and weights agree to ``OUT/no-config/rankR.pt``.
 import argparse
 import base64
 import json
-import math
 import os
 import sys
 
@@ -47,6 +46,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 import hippie_ds
 import ds_unit_models
 from hippie_ds.adapter.module_chunks import held_chunks
+from examples.lr_schedule import ParamScheduler
 
 VOCAB, HIDDEN, SEQ, MICRO = 32, 16, 8, 2
 # bf16-zero1: BF16_Optimizer (fp32 accumulation); bf16-plain-zero1: as users write it, DeepSpeedZeroOptimizer
@@ -215,32 +215,6 @@ def check_no_config(out, blocks, stages):
     torch.save({"same": same, "parts": [int(x) for x in ours.parts], "chunks": ours.virtual_stages,
                 "source": ours.hippie_config_source},
                os.path.join(out, "no-config", f"rank{torch.distributed.get_rank()}.pt"))
-
-
-class ParamScheduler:
-    """Megatron's ``OptimizerParamScheduler`` in small: ``step(increment)`` takes the samples
-    consumed (no default), linear warm-up then cosine decay."""
-
-    def __init__(self, optimizer, lr, warmup, total):
-        self.optimizer, self.lr, self.warmup, self.total, self.num_steps = optimizer, lr, warmup, total, 0
-        self.step(0)
-
-    def get_lr(self):
-        if self.num_steps < self.warmup:
-            return self.lr * (self.num_steps + 1) / self.warmup
-        done = min(1.0, (self.num_steps - self.warmup) / max(1, self.total - self.warmup))
-        return self.lr * 0.5 * (1 + math.cos(math.pi * done))
-
-    def step(self, increment):
-        self.num_steps += increment
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr()
-
-    def state_dict(self):
-        return {"num_steps": self.num_steps}
-
-    def load_state_dict(self, state):
-        self.num_steps = state["num_steps"]
 
 
 def config(precision, schedule, opts, micro_batches, dp, profile_out=None):

@@ -10,7 +10,6 @@ count, "untied" or "all"). Per engine, rank 0 writes OUT/NAME.json: the training
 held-out loss after the last step (``drain()`` first, so every gradient is applied) and seconds."""
 import argparse
 import json
-import math
 import os
 import time
 
@@ -20,6 +19,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 
 import hippie_ds
 from examples import gpt
+from examples.lr_schedule import ParamScheduler
 
 VOCAB = 256  # bytes
 
@@ -56,31 +56,6 @@ def specs(blocks, dim, heads, seq):
 
 def loss_fn(logits, labels):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
-
-
-class ParamScheduler:
-    """Megatron's ``OptimizerParamScheduler`` in small: ``step(increment)``, warm-up then cosine."""
-
-    def __init__(self, optimizer, lr, warmup, total):
-        self.optimizer, self.lr, self.warmup, self.total, self.num_steps = optimizer, lr, warmup, total, 0
-        self.step(0)
-
-    def get_lr(self):
-        if self.num_steps < self.warmup:
-            return self.lr * (self.num_steps + 1) / self.warmup
-        done = min(1.0, (self.num_steps - self.warmup) / max(1, self.total - self.warmup))
-        return self.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))  # to 10% of the peak
-
-    def step(self, increment):
-        self.num_steps += increment
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr()
-
-    def state_dict(self):
-        return {"num_steps": self.num_steps}
-
-    def load_state_dict(self, state):
-        self.num_steps = state["num_steps"]
 
 
 class Bytes:
@@ -138,7 +113,7 @@ def main():
         no_decay = [q for n, q in module.named_parameters() if not any(q is d for d in decay)]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-        scheduler = ParamScheduler(optimizer, args.lr, warmup=max(1, args.steps // 20), total=args.steps)
+        scheduler = ParamScheduler(optimizer, args.lr, warmup=max(1, args.steps // 20), total=args.steps, floor=0.1)
         cfg = {"train_micro_batch_size_per_gpu": args.micro,
                "train_batch_size": args.micro * args.micro_batches * (world // 2),
                "gradient_clipping": args.clip, "steps_per_print": 10 ** 9}
