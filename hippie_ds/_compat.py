@@ -39,10 +39,10 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
                            "_synchronize_tied_weights", "_topo", "_grid"),
     },
     "deepspeed.runtime.pipe.p2p": {"": ("_grid", "_groups")},
-    "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_update_hp_grad",)},
+    "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
     # ZeRO-1's internals the per-stage step hands gradients through (public names, but internals all the same)
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer": ("all_grad_tensors", "averaged_gradients", "check_grad_overflow",
+        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "all_grad_tensors", "averaged_gradients", "check_grad_overflow",
                                    "compute_grad_norm", "first_offset", "get_all_grad_tensors", "get_flat_partition",
                                    "gradient_accumulation_dtype", "has_overflow", "model_parallel_group",
                                    "model_parallel_rank", "model_parallel_world_size", "params_in_partition",

@@ -281,7 +281,8 @@ class StageGradients:
             self.prediction.begin_update()
         self.store.load(self._delayed_subset(), self.buffer)
         self.store.skip(self.synced)  # applied in their own step already
-        unmoved = Unmoved(self.synced) if self.store.flat and self.synced else None
+        # BF16_Optimizer only: ZeRO-1's fragments of a parameter differ per rank (gathering them there is open)
+        unmoved = Unmoved(self.synced, self.store._optimizer) if self.store.bf16 and self.synced else None
         self._step_without_counters()
         if unmoved is not None:
             unmoved.restore()

@@ -151,21 +151,34 @@ class GradStore:
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's per-parameter moments
 
 
+def _moment(get, param, key):
+    """``key`` of ``param``'s optimizer state, or None where the optimizer has not linked it (ZeRO-1
+    links its moments' fragments once, at its first step; one that found no state keeps none)."""
+    try:
+        return get(param, key)
+    except (KeyError, ValueError):
+        return None
+
+
 class Unmoved:
-    """Around a step of a flat optimizer partition that has nothing to apply to ``params`` (a
+    """Around a step of BF16_Optimizer's flat partition that has nothing to apply to ``params`` (a
     deferred stage's ``drain()``: only the delayed layers' gradient is pending): a flat step cannot
     leave a parameter out, and a zero gradient still moves it (Adam's moments, weight decay), so
     their weights, fp32 masters and moments are put back afterwards. Without it a tied module kept
     in-step (``deferred_layers: "untied"``) would move on this stage only and its copies part.
-    Adam's step count, one per flat group, still advances. Collective over the data-parallel group
+    Adam's step count, one per flat group, still advances, and so do the moments of a ZeRO-1
+    optimizer that has not linked them to its parameters. Collective over the data-parallel group
     (DeepSpeed's ``safe_get_full_*`` gather the partitions)."""
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], optimizer=None):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # the moments' fragments are linked after the optimizer's first step
+            link()
         self.params = params
         self.weights = [p.detach().clone() for p in params]
         self.masters = [safe_get_full_fp32_param(p) for p in params]
-        self.states = {k: [safe_get_full_optimizer_state(p, k) for p in params] for k in OPTIMIZER_STATE_KEYS}
+        self.states = {k: [_moment(safe_get_full_optimizer_state, p, k) for p in params] for k in OPTIMIZER_STATE_KEYS}
 
     def restore(self) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
