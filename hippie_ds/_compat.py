@@ -12,6 +12,7 @@ Importing this module does not import DeepSpeed; :func:`check_deepspeed_version`
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -103,6 +104,7 @@ def missing_seams() -> list[str]:
     return missing
 
 
+@functools.cache  # engine.py and integration.py both check at import: read DeepSpeed's sources once
 def check_deepspeed() -> None:
     """At import of the adapter: the installed DeepSpeed is in the range and has every seam."""
     check_deepspeed_version()
