@@ -43,11 +43,12 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
     # ZeRO-1's internals the per-stage step hands gradients through (public names, but internals all the same)
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "all_grad_tensors", "averaged_gradients", "check_grad_overflow",
-                                   "compute_grad_norm", "first_offset", "get_all_grad_tensors", "get_flat_partition",
+        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "all_grad_tensors", "averaged_gradients", "bit16_groups",
+                                   "bit16_groups_flat", "check_grad_overflow", "compute_grad_norm", "first_offset", "get_all_grad_tensors", "get_flat_partition",
                                    "gradient_accumulation_dtype", "has_overflow", "model_parallel_group",
-                                   "model_parallel_rank", "model_parallel_world_size", "params_in_partition",
-                                   "partition_size", "scaled_global_norm"),
+                                   "model_parallel_rank", "model_parallel_world_size", "parallel_partitioned_bit16_groups",
+                                   "params_in_partition", "partition_size", "real_dp_process_group",
+                                   "scaled_global_norm", "single_partition_of_fp32_groups"),
     },
 }
 

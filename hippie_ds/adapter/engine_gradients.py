@@ -30,6 +30,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
 from .grad_store import GradStore, Unmoved, flat_copy
+from .zero_stage import ZeroUnmoved
 from .staleness import InPlacePrediction
 
 
@@ -281,8 +282,10 @@ class StageGradients:
             self.prediction.begin_update()
         self.store.load(self._delayed_subset(), self.buffer)
         self.store.skip(self.synced)  # applied in their own step already
-        # BF16_Optimizer only: ZeRO-1's fragments of a parameter differ per rank (gathering them there is open)
-        unmoved = Unmoved(self.synced, self.store._optimizer) if self.store.bf16 and self.synced else None
+        unmoved = None
+        if self.synced and self.store.flat:  # a flat step would move them too (grad_store.Unmoved)
+            optimizer = self.store._optimizer
+            unmoved = Unmoved(self.synced, optimizer) if self.store.bf16 else ZeroUnmoved(self.synced, optimizer)
         self._step_without_counters()
         if unmoved is not None:
             unmoved.restore()

@@ -74,3 +74,54 @@ def stage_step(optimizer, mpu):
     with _stage_groups(optimizer, mpu):
         yield
 
+
+
+class ZeroUnmoved:
+    """Around a ZeRO-1 step that has nothing to apply to ``params`` (a deferred stage's ``drain()``:
+    only the delayed layers' gradient is pending), the ZeRO counterpart of
+    :class:`hippie_ds.adapter.grad_store.Unmoved`: the flat fp32 partition cannot leave a parameter
+    out and a zero gradient still moves it (Adam's moments, weight decay), so ``params``' elements
+    of this rank's fp32 partition and of its optimizer state, and the full model-dtype weights every
+    rank holds, are put back after the step. Local to each rank: each restores the fragment it owns
+    (no gather, so partitions that cut a parameter unevenly need nothing special). Adam's step
+    count, one per flat group, still advances (as on BF16_Optimizer)."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer):
+        from deepspeed import comm as dist
+        ids = {id(p) for p in params}
+        self.params, self.weights = params, [p.detach().clone() for p in params]
+        self.optimizer = optimizer
+        self.saved = []  # (group, mask over this rank's partition, {state key or None: saved values})
+        for i, group in enumerate(optimizer.bit16_groups):
+            chosen = [p for p in group if id(p) in ids]
+            if not chosen:
+                continue
+            flat = optimizer.bit16_groups_flat[i]
+            part = optimizer.parallel_partitioned_bit16_groups[i][dist.get_rank(group=optimizer.real_dp_process_group[i])]
+            lo, n = part.storage_offset() - flat.storage_offset(), part.numel()
+            mask = torch.zeros(n, dtype=torch.bool, device=flat.device)
+            for p in chosen:
+                if p.data.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                    raise RuntimeError("hippie-ds: a ZeRO-1 parameter is not a view of its group's flat buffer "
+                                       "(DeepSpeedZeroOptimizer changed: see hippie_ds/_compat.py)")
+                start = p.data.storage_offset() - flat.storage_offset()
+                a, b = max(start, lo), min(start + p.numel(), lo + n)
+                if a < b:
+                    mask[a - lo:b - lo] = True
+            if mask.any():
+                fp32 = optimizer.single_partition_of_fp32_groups[i]
+                self.saved.append((fp32, mask, {key: t[mask].clone() for key, t in self._tensors(fp32).items()}))
+
+    def _tensors(self, fp32) -> dict:
+        """The fp32 partition (key None) and its optimizer state tensors of the same shape."""
+        state = self.optimizer.optimizer.state.get(fp32, {})
+        return {None: fp32, **{k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == fp32.shape}}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, w in zip(self.params, self.weights):
+            p.copy_(w)
+        for fp32, mask, values in self.saved:
+            for key, t in self._tensors(fp32).items():
+                # state created by this very step (none before): zero for the parameters it did not concern
+                t[mask] = values[key] if key in values else 0
