@@ -39,7 +39,6 @@ from types import MethodType
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .._compat import check_deepspeed
@@ -168,10 +167,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         return self._declared
 
     def _exec_schedule(self, pipe_schedule):
-        # DeepSpeed's loop, plus an optional timeline of every executed instruction.
+        # DeepSpeed's loop, with each instruction's op (instructions.op_steps), plus an optional timeline.
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
-        self._exec_steps(pipe_schedule)
+        self._exec_steps(hs.op_steps(pipe_schedule))
 
     def _exec_steps(self, steps):
         try:
@@ -181,10 +180,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
             self._versions.hold_current()  # the module holds true weights between calls (engine_versions)
 
     def _exec_steps_of(self, steps):
+        """Run steps of (instruction, op) pairs (op None: an instruction of DeepSpeed's own schedules)."""
         record, continuous = self._timeline_dir is not None and self._training, self._continuous and self._training
-        for step_cmds in steps:
-            for cmd in step_cmds:
-                op = getattr(cmd, "op", None)
+        for step in steps:
+            for cmd, op in step:
                 if continuous and op is not None and self._op_call + op.batch < self._first_batch:
                     continue  # a batch that does not exist (pipeline fill) or was drained
                 if op is not None and op.micro_batch is not None:
@@ -201,7 +200,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                     end_job_on_failure(exc, self.global_rank, f"stage {self.stage_id}'s {cmd!r}")
                     raise
                 if record:
-                    self._timeline.record(cmd, start, self._timeline.now(), self._batch_index)
+                    self._timeline.record(cmd, op, start, self._timeline.now(), self._batch_index)
 
     def train_batch(self, data_iter=None):
         self._training = True
@@ -247,7 +246,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._training = True
         self._op_call = self._call  # drain ops' batches are relative to the call that would come next
         try:
-            self._exec_steps(self._declared.drain_steps)
+            self._exec_steps(self._declared.drain.op_steps())
         finally:
             self._training = False
         self._first_batch = self._call
@@ -349,7 +348,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         """Absolute weight version of an op of ``batch`` (relative to the running call)."""
         return self._versions.absolute(self._op_call + batch, version, clamp)
 
-    def _exec_start_allreduce(self, target, chunk=None):
+    def _exec_start_allreduce(self, target, chunk):
         if target == "chunk":  # virtual stages: one chunk's gradients, its backwards done
             self._gradients.start_chunk_allreduce(self.module.chunk_parameters(chunk))
         else:
@@ -370,25 +369,6 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
     def _exec_free_weights(self, batch: int, version: int):
         self._versions.free(self._abs_version(batch, version, clamp=False))
 
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        ds_schedule.ForwardPass: _exec_forward_pass,
-        ds_schedule.BackwardPass: _exec_backward_pass,
-        hs.ForwardBackwardPass: _exec_forward_backward_pass,
-        hs.BackwardInputPass: SplitBackwardMixin._exec_backward_input_pass,
-        hs.BackwardWeightPass: SplitBackwardMixin._exec_backward_weight_pass,
-        hs.ISendActivation: ChunkSelection._exec_isend_activations_chunked,
-        hs.ISendGrad: ChunkSelection._exec_isend_grads_chunked,
-        ds_schedule.SendActivation: ChunkSelection._exec_send_activations_chunked,
-        ds_schedule.RecvActivation: ChunkSelection._exec_recv_activations_chunked,
-        ds_schedule.SendGrad: ChunkSelection._exec_send_grads_chunked,
-        ds_schedule.RecvGrad: ChunkSelection._exec_recv_grads_chunked,
-        hs.WaitSends: _exec_wait_sends,
-        hs.StartAllReduce: _exec_start_allreduce,
-        hs.WaitAllReduce: _exec_wait_allreduce,
-        hs.CopyGradsToBuffer: _exec_copy_grads_to_buffer,
-        hs.ApplyBufferedUpdate: _exec_apply_buffered_update,
-        hs.StageOptimizerStep: StageStepMixin._exec_stage_optimizer_step,
-        hs.StashWeights: _exec_stash_weights,
-        hs.FreeWeights: _exec_free_weights,
-    }
+
+# class -> handler, built from the op table (OP_INFO's handler names) over DeepSpeed's own map
+HippiePipelineEngine._INSTRUCTION_MAP = hs.instruction_map(HippiePipelineEngine, PipelineEngine._INSTRUCTION_MAP)

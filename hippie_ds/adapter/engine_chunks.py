@@ -29,7 +29,6 @@ from collections import deque
 import torch
 from deepspeed import comm as _dist
 from deepspeed.runtime.pipe import p2p
-from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..schedules.compiler import inference_stream
@@ -67,21 +66,6 @@ def _gradient_tag():
         yield
     finally:
         p2p.dist = _dist
-
-
-class _InferenceSteps(ds_schedule.PipeSchedule):
-    """A precomputed instruction stream as DeepSpeed's engine consumes a schedule."""
-
-    def __init__(self, steps, micro_batches, stages, stage_id):
-        super().__init__(micro_batches, stages, stage_id)
-        self._steps = steps
-
-    def steps(self):
-        for step in self._steps:
-            yield list(step)
-
-    def num_pipe_buffers(self):
-        return 2
 
 
 class ChunkSelection:
@@ -216,7 +200,6 @@ class ChunkSelection:
     def _inference_schedule(self, micro_batches):
         if not self._chunked:
             return super()._inference_schedule(micro_batches)
-        from .instructions import DeclaredSchedule
-        steps = [[DeclaredSchedule._instruction(op) for op in step]
-                 for step in inference_stream(self._layout, self.stage_id, micro_batches)]
-        return _InferenceSteps(steps, micro_batches, self.num_stages, self.stage_id)
+        from .instructions import OpSchedule
+        return OpSchedule(inference_stream(self._layout, self.stage_id, micro_batches), micro_batches,
+                          self.num_stages, self.stage_id, num_buffers=2)

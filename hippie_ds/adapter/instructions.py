@@ -1,96 +1,76 @@
-"""A compiled schedule as a DeepSpeed ``PipeSchedule``: DeepSpeed's own instruction classes
-where they exist, new ``PipeInstruction`` subclasses for the rest. Imports DeepSpeed."""
+"""A compiled schedule as a DeepSpeed ``PipeSchedule``, everything read from the op table
+(:data:`hippie_ds.schedules.ir.OP_INFO`): the instruction class of each op (DeepSpeed's own where
+the table names one, :data:`~hippie_ds.schedules.ir.DEEPSPEED_INSTRUCTIONS`; the others generated
+here and importable by name: ``ForwardBackwardPass``, ``StartAllReduce``, ...), its arguments
+(:func:`~hippie_ds.schedules.ir.handler_kwargs`) and the engine's ``_INSTRUCTION_MAP``
+(:func:`instruction_map`). Imports DeepSpeed."""
 from __future__ import annotations
+
+from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ..schedules.ir import OP_INFO, WEIGHT_KINDS, CompiledSchedule, Op, OpKind
+from ..schedules.ir import OP_INFO, DEEPSPEED_INSTRUCTIONS, CompiledSchedule, Op, OpKind, OpInfo, handler_kwargs
 
 
-class ForwardBackwardPass(ds.BufferOpInstruction):
-    """Forward and backward of one micro-batch back to back (the loss stage); frees its
-    activations before the next micro-batch arrives."""
+def _docstring(kind: OpKind, info: OpInfo, nonblocking: bool) -> str:
+    """DeepSpeed's instruction docstring style, from the table entry."""
+    how = "; non-blocking, completed by ``WaitSends``" if nonblocking else ""
+    handler = info.nonblocking_handler if nonblocking else info.handler
+    return (f"Runs ``{kind.value}`` ops{how} (``HippiePipelineEngine.{handler}``).\n\n    Roughly:\n\n"
+            f"    .. code-block:: python\n\n        {info.doc}\n    ")
 
 
-class BackwardInputPass(ds.BufferOpInstruction):
-    """Split backward, first half: the gradient of the buffer's inputs only (sent to the
-    previous stage); keeps what the parameter gradients need."""
+def _generate() -> dict[str, type]:
+    """hippie-ds's instruction classes: one per table name that is not DeepSpeed's. Micro-batch ops
+    are ``BufferOpInstruction``s (``buffer_id``), as DeepSpeed's are."""
+    classes: dict[str, type] = {}
+    for kind, info in OP_INFO.items():
+        base = ds.BufferOpInstruction if info.micro_batch else ds.PipeInstruction
+        for name, nonblocking in ((info.instruction, False), (info.nonblocking_instruction, True)):
+            if name and name not in DEEPSPEED_INSTRUCTIONS:
+                classes[name] = type(name, (base,), {"__doc__": _docstring(kind, info, nonblocking),
+                                                     "__module__": __name__, "__qualname__": name})
+    return classes
 
 
-class BackwardWeightPass(ds.BufferOpInstruction):
-    """Split backward, second half: the buffer's parameter gradients, from what
-    :class:`BackwardInputPass` kept."""
+NEW_CLASSES: dict[str, type] = _generate()
+globals().update(NEW_CLASSES)  # ForwardBackwardPass, ISendActivation, StartAllReduce, ... by name
+NEW_INSTRUCTIONS = tuple(NEW_CLASSES.values())
 
 
-class ISendActivation(ds.BufferOpInstruction):
-    """Non-blocking send of a buffer's activations; completed by :class:`WaitSends`."""
-
-
-class ISendGrad(ds.BufferOpInstruction):
-    """Non-blocking send of a buffer's input gradients; completed by :class:`WaitSends`."""
-
-
-class WaitSends(ds.PipeInstruction):
-    """Wait until every non-blocking send this stage issued has completed."""
-
-
-class StartAllReduce(ds.PipeInstruction):
-    """Start an asynchronous all-reduce (average) over this stage's data-parallel group, of the
-    parameters' gradients (``target='grads'``), of one model chunk's (``target='chunk'``,
-    ``chunk=c``: virtual stages, its backwards done) or of the gradient buffer (``target='buffer'``).
-    The handle outlives ``train_batch`` when the schedule waits for it in the next call."""
-
-
-class WaitAllReduce(ds.PipeInstruction):
-    """Wait for the all-reduce started by :class:`StartAllReduce` with the same target."""
-
-
-class CopyGradsToBuffer(ds.PipeInstruction):
-    """Move this stage's accumulated gradients into its gradient buffer and zero them."""
-
-
-class ApplyBufferedUpdate(ds.PipeInstruction):
-    """Take an optimizer step with the (reduced) gradient buffer; skipped while it is empty."""
-
-
-class StageOptimizerStep(ds.PipeInstruction):
-    """Optimizer step of this stage alone: no pipeline-wide gradient-norm reduction."""
-
-
-class StashWeights(ds.PipeInstruction):
-    """Keep a copy of the stage's current weights (about to be updated) as a weight version."""
-
-
-class FreeWeights(ds.PipeInstruction):
-    """Drop a stashed weight version after its last use."""
-
-
-NEW_INSTRUCTIONS = (ForwardBackwardPass, BackwardInputPass, BackwardWeightPass, ISendActivation, ISendGrad, WaitSends, StartAllReduce, WaitAllReduce,
-                    CopyGradsToBuffer, ApplyBufferedUpdate, StageOptimizerStep, StashWeights, FreeWeights)
-_NEW = {cls.__name__: cls for cls in NEW_INSTRUCTIONS}
+def _class(name: str) -> type:
+    return getattr(ds, name) if name in DEEPSPEED_INSTRUCTIONS else NEW_CLASSES[name]
 
 
 def instruction_class(op: Op) -> type:
-    """The instruction class that runs ``op``: DeepSpeed's own or one of the above, by the name
-    in the op's table entry (:data:`hippie_ds.schedules.ir.OP_INFO`)."""
+    """The instruction class that runs ``op``: DeepSpeed's own or a generated one, by the name in
+    the op's table entry (non-blocking sends: ``nonblocking_instruction``)."""
     info = OP_INFO[op.kind]
-    name = info.nonblocking_instruction if not op.blocking and info.nonblocking_instruction else info.instruction
-    return _NEW.get(name) or getattr(ds, name)
+    return _class(info.nonblocking_instruction if not op.blocking and info.nonblocking_instruction
+                  else info.instruction)
 
 
 def to_instruction(op: Op) -> ds.PipeInstruction:
-    """``op`` as an instruction whose arguments are all its handler needs: DeepSpeed's
-    ``buffer_id``, an all-reduce's ``target``, a weight version's ``batch`` and ``version``."""
-    cls = instruction_class(op)
-    if OP_INFO[op.kind].micro_batch:
-        return cls(op.buffer)
-    if op.kind in WEIGHT_KINDS:
-        return cls(batch=op.batch, version=op.version)
-    if op.kind == OpKind.STAGE_OPTIMIZER_STEP:
-        return cls(batch=op.batch)  # continuous schedules: the update takes its batch's learning rate
-    if op.target == "chunk":
-        return cls(target=op.target, chunk=op.chunk)
-    return cls(target=op.target) if op.target is not None else cls()
+    """``op`` as an instruction whose keyword arguments are its handler's (``OpInfo.args``)."""
+    return instruction_class(op)(**handler_kwargs(op))
+
+
+def instruction_map(engine_cls: type, base: dict) -> dict:
+    """``base`` (DeepSpeed's ``_INSTRUCTION_MAP``) with every table instruction class mapped to the
+    ``engine_cls`` method its entry names (``handler``; ``nonblocking_handler`` for the
+    non-blocking class)."""
+    table = dict(base)
+    for kind, info in OP_INFO.items():
+        for cls_name, handler in ((info.instruction, info.handler),
+                                  (info.nonblocking_instruction, info.nonblocking_handler)):
+            if cls_name is None:
+                continue
+            if not callable(getattr(engine_cls, handler or "", None)):
+                raise AttributeError(f"OP_INFO[{kind.value!r}] names handler {handler!r} for {cls_name}: "
+                                     f"{engine_cls.__name__} has no such method")
+            table[_class(cls_name)] = getattr(engine_cls, handler)
+    return table
 
 
 def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True,
@@ -101,31 +81,48 @@ def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate
     return DeclaredSchedule(compiled, stage_id)
 
 
-class DeclaredSchedule(ds.PipeSchedule):
+def op_steps(pipe_schedule) -> Iterator[list[tuple[ds.PipeInstruction, Op | None]]]:
+    """(instruction, op) pairs of each step, as ``HippiePipelineEngine``'s loop runs them: an
+    :class:`OpSchedule`'s own; any other ``PipeSchedule`` (DeepSpeed's ``InferenceSchedule``)
+    with no op."""
+    if isinstance(pipe_schedule, OpSchedule):
+        return pipe_schedule.op_steps()
+    return ([(cmd, None) for cmd in step] for step in pipe_schedule)
+
+
+class OpSchedule(ds.PipeSchedule):
+    """One stage's op stream as a DeepSpeed ``PipeSchedule``: ``steps()`` yields DeepSpeed's
+    instruction lists, ``op_steps()`` each instruction with the op it runs."""
+
+    def __init__(self, stream: list[list[Op]], micro_batches: int, stages: int, stage_id: int, num_buffers: int):
+        super().__init__(micro_batches, stages, stage_id)
+        self._pairs = [[(to_instruction(op), op) for op in step] for step in stream]
+        self._num_buffers = num_buffers
+
+    def steps(self):
+        for step in self._pairs:
+            yield [inst for inst, _ in step]
+
+    def op_steps(self) -> Iterator[list[tuple[ds.PipeInstruction, Op]]]:
+        for step in self._pairs:
+            yield list(step)
+
+    def num_pipe_buffers(self) -> int:
+        return self._num_buffers
+
+
+class DeclaredSchedule(OpSchedule):
     """One stage's view of a compiled schedule, as DeepSpeed's engine consumes it."""
 
     def __init__(self, compiled: CompiledSchedule, stage_id: int):
         if not 0 <= stage_id < compiled.stages:
             raise ValueError(f"stage_id = {stage_id}: allowed 0..{compiled.stages - 1}")
-        super().__init__(compiled.micro_batches, compiled.stages, stage_id)
+        super().__init__(compiled.streams[stage_id], compiled.micro_batches, compiled.stages, stage_id,
+                         compiled.num_buffers[stage_id])
         self.compiled = compiled
-        self._steps = [[self._instruction(op) for op in step] for step in compiled.streams[stage_id]]
         # continuous schedules: engine.drain() runs these (the batches still in flight)
-        self.drain_steps = [[self._instruction(op) for op in step]
-                            for step in (compiled.drain[stage_id] if compiled.drain else [])]
-
-    @staticmethod
-    def _instruction(op: Op) -> ds.PipeInstruction:
-        inst = to_instruction(op)
-        inst.op = op  # not a kwarg: handlers never see it; the engine's loop and timelines use it
-        return inst
-
-    def steps(self):
-        for step in self._steps:
-            yield list(step)
-
-    def num_pipe_buffers(self) -> int:
-        return self.compiled.num_buffers[self.stage_id]
+        self.drain = OpSchedule(compiled.drain[stage_id] if compiled.drain else [], compiled.micro_batches,
+                                compiled.stages, stage_id, compiled.num_buffers[stage_id])
 
     def __repr__(self) -> str:
         return f"DeclaredSchedule({self.compiled.name!r}, stages={self.stages}, micro_batches={self.micro_batches}, " \

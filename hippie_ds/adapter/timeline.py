@@ -51,9 +51,9 @@ class Timeline:
         """An all-reduce of ``target`` started now, outside its declared op (early, in a backward)."""
         self._inflight[target] = time.perf_counter()
 
-    def record(self, cmd, start: float, end: float, step: int) -> None:
-        """``cmd`` ran from ``start`` to ``end`` (perf_counter) in train_batch call ``step``."""
-        op = getattr(cmd, "op", None)
+    def record(self, cmd, op, start: float, end: float, step: int) -> None:
+        """``cmd``, running ``op`` (None: an instruction of DeepSpeed's own schedules), ran from
+        ``start`` to ``end`` (perf_counter) in train_batch call ``step``."""
         self.events.append({"name": op_name(op) if op else repr(cmd), "kind": type(cmd).__name__,
                             "category": CATEGORY.get(op.kind, "other") if op else "other", "start": start - self.t0,
                             "end": end - self.t0, "step": step, "micro_batch": op.micro_batch if op else None})

@@ -3,7 +3,8 @@ whole scenario of calls and drains. Pure Python."""
 from __future__ import annotations
 
 from .check_common import Problem, check_slots, problem, scenario_ops
-from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, weight_version
+from .ir import UPDATE_KINDS, CompiledSchedule, Op, OpKind, weight_version
+from .op_rules import RULES
 
 
 class ContinuousStageChecker:
@@ -52,13 +53,8 @@ class ContinuousStageChecker:
                     self._add(op, f"micro-batch {op.micro_batch} outside 0..{self.M - 1}")
                     continue
                 self.started.add(batch)
-            self._data_flow(op, batch)
-            if op.kind in COMPUTE_KINDS:
-                self._compute(op, batch)
-            elif op.kind in (OpKind.STASH_WEIGHTS, OpKind.FREE_WEIGHTS):
-                self._weights(op, batch)
-            else:
-                self._gradients(op, batch)
+            for rule in RULES[op.kind].continuous:  # op_rules.py
+                getattr(self, rule)(op, batch)
             self.peak_versions = max(self.peak_versions, len(self.stashed - {self.count}) + 1)
         self._finish()
         return self.problems

@@ -8,6 +8,7 @@ from collections import deque
 
 from .ir import PIPELINE_COLLECTIVE_KINDS, CompiledSchedule, Op, OpKind
 from .check_common import Problem, problem, scenario_ops, short
+from .op_rules import RULES
 
 # send kind -> the recv it pairs with on the peer, and back; which way each goes along the model
 # (+1: to the next model part; the layout says which stage and chunk hold it).
@@ -96,19 +97,16 @@ class _Simulation:
         if self._finished(s):
             return False
         iteration, op = self.flat[s][self.pc[s]]
-        kind = op.kind
-        if kind in _MATCHING_RECV:  # a send
-            return self._send(s, iteration, op)
-        if kind in _MATCHING_SEND:  # a recv
-            return self._recv(s, iteration, op)
-        if kind == OpKind.WAIT_SENDS:
-            self.isends[s] = [m for m in self.isends[s] if not m.received]
-            if self.isends[s]:
-                return False
-        elif kind in PIPELINE_COLLECTIVE_KINDS:
-            return self._collective(s, op)
+        return getattr(self, RULES[op.kind].communicate)(s, iteration, op)  # op_rules.py
+
+    def _local(self, s: int, iteration: int, op: Op) -> bool:
+        """An op that never waits for another stage."""
         self.pc[s] += 1
         return True
+
+    def _wait_sends(self, s: int, iteration: int, op: Op) -> bool:
+        self.isends[s] = [m for m in self.isends[s] if not m.received]
+        return False if self.isends[s] else self._local(s, iteration, op)
 
     def _peer(self, op: Op) -> int:
         """The peer stage of a send or receive (-1 or K: none, past the model's ends)."""
@@ -163,7 +161,7 @@ class _Simulation:
         self.pc[s] += 1
         return True
 
-    def _collective(self, s: int, op: Op) -> bool:
+    def _collective(self, s: int, iteration: int, op: Op) -> bool:
         k = self.collectives_done[s]
         while len(self.arrivals) <= k:
             self.arrivals.append({})

@@ -8,7 +8,7 @@ reason about data flow; the DeepSpeed adapter drops what DeepSpeed's instruction
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Iterator
 
 from .layout import Layout
@@ -47,14 +47,20 @@ class OpKind(str, enum.Enum):
 class OpInfo:
     """What one op kind means: the one place the compiler, validator, simulator, DeepSpeed
     adapter and timelines look it up (the validator's and simulator's state machines add the
-    order rules)."""
+    order rules). The engine side is named, not imported (this module stays pure): the
+    instruction class, the ``HippiePipelineEngine`` method that handles it, and which ``Op``
+    fields become the instruction's keyword arguments, i.e. the handler's (:func:`handler_kwargs`)."""
 
     short: str  # compact notation and timeline label: F3, B3, sA3, ...; "" = the op's full form
     role: str  # load | compute | send | recv | comm | update | weights
     category: str  # timeline category and the simulator's cost kind
-    doc: str  # "Roughly: ..." of what the engine does
-    instruction: str  # the DeepSpeed PipeInstruction class that runs it (adapter/instructions.py)
-    nonblocking_instruction: str | None = None  # sends with blocking: false
+    doc: str  # "Roughly: ..." of what the engine does (also the generated instruction class's docstring)
+    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/instructions.py)
+    _: KW_ONLY
+    handler: str  # the engine method that runs it (adapter/engine.py's _INSTRUCTION_MAP is built from these)
+    args: tuple[str, ...] = ()  # its keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
+    nonblocking_instruction: str | None = None  # sends with blocking: false ...
+    nonblocking_handler: str | None = None  # ... and their handler (same args)
     micro_batch: bool = False  # concerns one micro-batch and its pipeline buffer slot
     placeable: bool = False  # a schedule file may place it in its prologue/epilogue
     new_version: bool = False  # produces the stage's next weight version (an update)
@@ -63,52 +69,71 @@ class OpInfo:
 
 
 _K = OpKind
+_BUF = ("buffer_id",)  # DeepSpeed's BufferOpInstruction argument: the op's pipeline buffer slot
 OP_INFO: dict[OpKind, OpInfo] = {
     _K.LOAD: OpInfo("L", "load", "load", "buffers['inputs'][buf] = next(data_iter) (first/last stage)",
-                    "LoadMicroBatch", micro_batch=True),
+                    "LoadMicroBatch", handler="_exec_load_micro_batch", args=_BUF, micro_batch=True),
     _K.FORWARD: OpInfo("F", "compute", "forward", "buffers['outputs'][buf] = forward(buffers['inputs'][buf])",
-                       "ForwardPass", micro_batch=True),
+                       "ForwardPass", handler="_exec_forward_pass", args=_BUF, micro_batch=True),
     _K.BACKWARD: OpInfo("B", "compute", "backward", "grads += backward(buffers['outputs'][buf], received grad)",
-                        "BackwardPass", micro_batch=True),
+                        "BackwardPass", handler="_exec_backward_pass", args=_BUF, micro_batch=True),
     _K.FORWARD_BACKWARD: OpInfo("FB", "compute", "forward_backward", "forward then backward of one micro-batch, "
                                 "its activations freed before the next (the loss stage)", "ForwardBackwardPass",
-                                micro_batch=True),
+                                handler="_exec_forward_backward_pass", args=_BUF, micro_batch=True),
     _K.BACKWARD_INPUT: OpInfo("I", "compute", "backward_input", "buffers['inputs'][buf].grad = backward of the "
                               "inputs only; keeps the graph and the weight nodes' output gradients for W",
-                              "BackwardInputPass", micro_batch=True),
+                              "BackwardInputPass", handler="_exec_backward_input_pass", args=_BUF, micro_batch=True),
     _K.BACKWARD_WEIGHT: OpInfo("W", "compute", "backward_weight", "grads += weight gradients of buf from what I kept; "
-                               "frees the micro-batch", "BackwardWeightPass", micro_batch=True),
+                               "frees the micro-batch", "BackwardWeightPass", handler="_exec_backward_weight_pass",
+                               args=_BUF, micro_batch=True),
     _K.SEND_ACTIVATION: OpInfo("sA", "send", "p2p", "send(buffers['outputs'][buf], next stage)", "SendActivation",
-                               "ISendActivation", micro_batch=True),
+                               handler="_exec_send_activations_chunked", args=_BUF,
+                               nonblocking_instruction="ISendActivation",
+                               nonblocking_handler="_exec_isend_activations_chunked", micro_batch=True),
     _K.RECV_ACTIVATION: OpInfo("rA", "recv", "p2p", "buffers['inputs'][buf] = recv(previous stage)",
-                               "RecvActivation", micro_batch=True),
+                               "RecvActivation", handler="_exec_recv_activations_chunked", args=_BUF,
+                               micro_batch=True),
     _K.SEND_GRAD: OpInfo("sG", "send", "p2p", "send(buffers['inputs'][buf].grad, previous stage)", "SendGrad",
-                         "ISendGrad", micro_batch=True),
-    _K.RECV_GRAD: OpInfo("rG", "recv", "p2p", "received grad = recv(next stage)", "RecvGrad", micro_batch=True),
+                         handler="_exec_send_grads_chunked", args=_BUF, nonblocking_instruction="ISendGrad",
+                         nonblocking_handler="_exec_isend_grads_chunked", micro_batch=True),
+    _K.RECV_GRAD: OpInfo("rG", "recv", "p2p", "received grad = recv(next stage)", "RecvGrad",
+                         handler="_exec_recv_grads_chunked", args=_BUF, micro_batch=True),
     _K.WAIT_SENDS: OpInfo("", "send", "p2p", "wait for every non-blocking send this stage issued", "WaitSends",
-                          placeable=True),
+                          handler="_exec_wait_sends", placeable=True),
     _K.REDUCE_TIED_GRADS: OpInfo("", "comm", "sync", "all-reduce the gradients of modules tied across stages",
-                                 "ReduceTiedGrads", placeable=True, pipeline_collective=True),
+                                 "ReduceTiedGrads", handler="_exec_reduce_tied_grads", placeable=True,
+                                 pipeline_collective=True),
     _K.REDUCE_GRADS: OpInfo("", "comm", "allreduce", "grads = all_reduce(grads) / dp (blocking)", "ReduceGrads",
-                            placeable=True),
+                            handler="_exec_reduce_grads", placeable=True),
     _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
-                               "asynchronously",
-                               "StartAllReduce", placeable=True),
-    _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce", placeable=True),
+                               "asynchronously", "StartAllReduce", handler="_exec_start_allreduce",
+                               args=("target", "chunk"), placeable=True),  # chunk: read with target 'chunk' only
+    _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce",
+                              handler="_exec_wait_allreduce", args=("target",), placeable=True),
     _K.COPY_GRADS_TO_BUFFER: OpInfo("", "update", "buffer", "buffer = grads; grads = 0 (applied next step)",
-                                    "CopyGradsToBuffer", placeable=True, consumes_grads=True),
+                                    "CopyGradsToBuffer", handler="_exec_copy_grads_to_buffer", placeable=True,
+                                    consumes_grads=True),
     _K.APPLY_BUFFERED_UPDATE: OpInfo("", "update", "optimizer", "optimizer.step(buffer) (skipped while empty)",
-                                     "ApplyBufferedUpdate", placeable=True, new_version=True),
+                                     "ApplyBufferedUpdate", handler="_exec_apply_buffered_update", placeable=True,
+                                     new_version=True),
     _K.OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads), norm over the pipeline",
-                              "OptimizerStep", placeable=True, new_version=True, consumes_grads=True,
-                              pipeline_collective=True),
+                              "OptimizerStep", handler="_exec_optimizer_step", placeable=True, new_version=True,
+                              consumes_grads=True, pipeline_collective=True),
+    # batch: continuous schedules' updates take their batch's learning rate
     _K.STAGE_OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads) of this stage alone",
-                                    "StageOptimizerStep", placeable=True, new_version=True, consumes_grads=True),
+                                    "StageOptimizerStep", handler="_exec_stage_optimizer_step", args=("batch",),
+                                    placeable=True, new_version=True, consumes_grads=True),
     _K.STASH_WEIGHTS: OpInfo("", "weights", "weights", "versions[v] = copy(weights) before they are updated",
-                             "StashWeights"),
-    _K.FREE_WEIGHTS: OpInfo("", "weights", "weights", "del versions[v] after its last use", "FreeWeights"),
+                             "StashWeights", handler="_exec_stash_weights", args=("batch", "version")),
+    _K.FREE_WEIGHTS: OpInfo("", "weights", "weights", "del versions[v] after its last use", "FreeWeights",
+                            handler="_exec_free_weights", args=("batch", "version")),
 }
 del _K
+# The instruction classes of the table that are DeepSpeed's own (deepspeed.runtime.pipe.schedule);
+# adapter/instructions.py generates the others, so stock code and PipelineEngine's map keep working.
+DEEPSPEED_INSTRUCTIONS = frozenset({"LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
+                                    "SendGrad", "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"})
+HANDLER_ARG_FIELDS = {"buffer_id": "buffer"}  # handler argument -> the Op field it is read from, where names differ
 
 
 def kinds(**where) -> frozenset:
@@ -147,6 +172,12 @@ def weight_version(batch: int, updates_per_batch: int, version: int, clamp: bool
     initial weights). The one place of this arithmetic: compiler, validator, simulator, engine."""
     v = batch * updates_per_batch + version
     return max(0, v) if clamp else v
+
+
+def handler_kwargs(op: "Op") -> dict:
+    """The keyword arguments of ``op``'s instruction, i.e. of its engine handler: the fields its
+    ``OpInfo.args`` names (DeepSpeed's ``cmd.kwargs`` contract)."""
+    return {arg: getattr(op, HANDLER_ARG_FIELDS.get(arg, arg)) for arg in OP_INFO[op.kind].args}
 
 
 @dataclass(frozen=True)

@@ -73,9 +73,9 @@ from .costs import Costs, CostsError, DelayedPart
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _Acc, _AllReduce, _Channel, _Kernel, _Link, _Signal, _StageState, _Transfer
 from .deadlock import link_of, peer_of
-from .ir import (ALLREDUCE_TARGETS, CATEGORY, COMPUTE_KINDS, PIPELINE_COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS,
-                 WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
+from .ir import (ALLREDUCE_TARGETS, CATEGORY, SEND_KINDS, WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
                  CompiledSchedule, Op, OpKind, op_name)
+from .op_rules import RULES
 
 
 _FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
@@ -209,15 +209,8 @@ class _Sim:
     def _exec(self, s: int, it: int, op: Op, st: "_StageState") -> Iterator:
         k, acc, kind = self.k, self.acc[s][it], op.kind
         t0 = k.now
-        if kind in COMPUTE_KINDS:
-            yield from self._exec_compute(s, it, op, st, acc)
-        elif kind in SEND_KINDS or kind in RECV_KINDS or kind == OpKind.WAIT_SENDS:
-            if (yield from self._exec_p2p(s, op, st, acc)):
-                return  # a non-blocking send: drawn on the comm track once it has completed
-        elif kind in PIPELINE_COLLECTIVE_KINDS:
-            yield from self._exec_collective(s, kind, st, acc)
-        else:
-            yield from self._exec_stage_op(s, it, op, st, acc)
+        if (yield from getattr(self, RULES[kind].simulate)(s, it, op, st, acc)):
+            return  # a non-blocking send: drawn on the comm track once it has completed
         self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
 
     def _exec_compute(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
@@ -242,7 +235,7 @@ class _Sim:
         acc.compute_start = t0 if acc.compute_start is None else acc.compute_start
         acc.compute_end = k.now
 
-    def _exec_p2p(self, s: int, op: Op, st: "_StageState", acc) -> Iterator:
+    def _exec_p2p(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
         """Sends, receives and WAIT_SENDS; returns True for a non-blocking send (still in flight)."""
         k, t0 = self.k, self.k.now
         if op.kind == OpKind.WAIT_SENDS:
@@ -263,10 +256,10 @@ class _Sim:
         acc.p2p += k.now - t0
         return False
 
-    def _exec_collective(self, s: int, kind: OpKind, st: "_StageState", acc) -> Iterator:
+    def _exec_collective(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
         """A stage's k-th pipeline collective waits for every stage's k-th (REDUCE_TIED_GRADS: for
         the stages of each of its tied groups in turn)."""
-        k, t0 = self.k, self.k.now
+        k, t0, kind = self.k, self.k.now, op.kind
         n = st.collective_count.get(kind, 0)
         st.collective_count[kind] = n + 1
         if kind == OpKind.REDUCE_TIED_GRADS:

@@ -3,12 +3,11 @@ received / computed / sent in a valid order, a split backward's W after its B), 
 slots and the gradient state machine. Continuous schedules: :mod:`.continuous_checks`. Pure Python."""
 from __future__ import annotations
 
-from .ir import (BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS, CompiledSchedule, Op,
-                 OpKind)
+from .ir import BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, CompiledSchedule, Op, OpKind
 from .check_common import Problem, check_slots, problem
+from .op_rules import RULES
 from .grad_buffer import REDUCED, GradBuffer
 
-_FORWARD_LIKE = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
 _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
 
 # ---------------------------------------------------------------------------------------------
@@ -49,72 +48,84 @@ class _StageChecker:
         self.problems.append(problem(op, reason, stage=self.s))
 
     def _iteration(self) -> None:
-        s, K, M = self.s, self.K, self.M
-        loaded, recv_act, recv_grad, fwd, bwd = set(), set(), set(), set(), set()
-        self.bwd = bwd  # micro-batches whose parameter gradients are accumulated
-        self.igrad: set[int] = set()  # micro-batches whose input gradient is computed
+        s, M = self.s, self.M
+        # per (chunk, micro-batch): received, computed; loads per (first, last, micro-batch)
+        self.loaded, self.recv_act, self.recv_grad, self.fwd = set(), set(), set(), set()
+        self.bwd = set()  # micro-batches whose parameter gradients are accumulated
+        self.igrad: set = set()  # micro-batches whose input gradient is computed
         self.update: Op | None = None  # this iteration's optimizer step / copy
         self.weights_changed: Op | None = None  # an update that changed this stage's weights
         for op in self.ops:
-            kind, mb = op.kind, op.micro_batch
-            if kind in _MB_KINDS and mb is not None and not 0 <= mb < M:
+            mb = op.micro_batch
+            if op.kind in _MB_KINDS and mb is not None and not 0 <= mb < M:
                 self._add(op, f"micro-batch {mb} outside 0..{M - 1}")
                 continue
-            first, last = self.layout.is_first(s, op.chunk), self.layout.is_last(s, op.chunk)
-            item = _name(op.chunk, mb)
-            mb = (op.chunk, mb)  # a chunk's micro-batch: what the stage computes
-            if kind == OpKind.LOAD:
-                # a stage holding the first and the last part (the V) loads inputs and labels
-                # apart; the engine reads the data iterator once per micro-batch
-                role = (first, last, mb[1])
-                if role in loaded:
-                    self._add(op, f"micro-batch {mb[1]} loaded twice (the data iterator advances on each load)")
-                loaded.add(role)
-            elif kind == OpKind.RECV_ACTIVATION:
-                recv_act.add(mb)
-            elif kind == OpKind.RECV_GRAD:
-                recv_grad.add(mb)
-            elif kind == OpKind.SEND_ACTIVATION and mb not in fwd:
-                self._add(op, f"sends {item}'s activation before its forward")
-            elif kind == OpKind.SEND_GRAD and mb not in self.igrad:
-                self._add(op, f"sends {item}'s gradient before its backward")
-            if kind in _FORWARD_LIKE:
-                if mb in fwd:
-                    self._add(op, f"{item} forwarded twice")
-                if not first and mb not in recv_act:
-                    self._add(op, f"forward of {item} before its activation is received (recv_activation)")
-                if (first or last) and (first, last, mb[1]) not in loaded:
-                    what = "inputs" if first else "labels"
-                    self._add(op, f"forward of {item} before its {what} are loaded (load_micro_batch)")
-                if self.weights_changed is not None and kind == OpKind.FORWARD:
-                    self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
-                                  f"{self.weights_changed.step}: runs on weights already updated")
-                fwd.add(mb)
-            if kind in INPUT_GRAD_KINDS:
-                self._input_grad(op, fwd, recv_grad)
-            if kind in WEIGHT_GRAD_KINDS:
-                self._weight_grad(op)
-            elif kind not in _MB_KINDS:
-                self._gradient_op(op)
+            if op.kind in GRADIENT_CONSUMER_KINDS:
+                self._consume(op)
+            for rule in RULES[op.kind].stage:  # op_rules.py
+                getattr(self, rule)(op)
         for mb in self.items:
-            if mb not in fwd:
+            if mb not in self.fwd:
                 self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never forwarded"))
-            if mb in self.igrad and mb not in bwd:
+            if mb in self.igrad and mb not in self.bwd:
                 self.problems.append(Problem(s, None, None, f"{_name(*mb)}'s backward_weight is missing (its "
                                                             "backward_input ran: parameter gradients never computed)"))
-            elif mb not in bwd:
+            elif mb not in self.bwd:
                 self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never backwarded"))
         self._end_of_iteration()
 
-    def _input_grad(self, op: Op, fwd: set, recv_grad: set) -> None:
+    # -- data flow ---------------------------------------------------------------------------
+    def _ends(self, op: Op) -> tuple[bool, bool]:
+        """Whether the op's chunk holds the first / the last model part."""
+        return self.layout.is_first(self.s, op.chunk), self.layout.is_last(self.s, op.chunk)
+
+    def _load(self, op: Op) -> None:
+        # a stage holding the first and the last part (the V) loads inputs and labels apart; the
+        # engine reads the data iterator once per micro-batch
+        role = (*self._ends(op), op.micro_batch)
+        if role in self.loaded:
+            self._add(op, f"micro-batch {op.micro_batch} loaded twice (the data iterator advances on each load)")
+        self.loaded.add(role)
+
+    def _recv_activation(self, op: Op) -> None:
+        self.recv_act.add((op.chunk, op.micro_batch))
+
+    def _recv_grad(self, op: Op) -> None:
+        self.recv_grad.add((op.chunk, op.micro_batch))
+
+    def _send_activation(self, op: Op) -> None:
+        if (op.chunk, op.micro_batch) not in self.fwd:
+            self._add(op, f"sends {_name(op.chunk, op.micro_batch)}'s activation before its forward")
+
+    def _send_grad(self, op: Op) -> None:
+        if (op.chunk, op.micro_batch) not in self.igrad:
+            self._add(op, f"sends {_name(op.chunk, op.micro_batch)}'s gradient before its backward")
+
+    def _forward(self, op: Op) -> None:
+        """forward / forward_backward: the inputs are there, once."""
+        (first, last), mb = self._ends(op), (op.chunk, op.micro_batch)
+        item = _name(*mb)
+        if mb in self.fwd:
+            self._add(op, f"{item} forwarded twice")
+        if not first and mb not in self.recv_act:
+            self._add(op, f"forward of {item} before its activation is received (recv_activation)")
+        if (first or last) and (first, last, mb[1]) not in self.loaded:
+            what = "inputs" if first else "labels"
+            self._add(op, f"forward of {item} before its {what} are loaded (load_micro_batch)")
+        if self.weights_changed is not None and op.kind == OpKind.FORWARD:
+            self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
+                          f"{self.weights_changed.step}: runs on weights already updated")
+        self.fwd.add(mb)
+
+    def _input_grad(self, op: Op) -> None:
         """backward / forward_backward / backward_input: the gradient of the stage's input."""
         mb, name = (op.chunk, op.micro_batch), "backward" if op.kind == OpKind.BACKWARD else op.kind.value
         item = _name(*mb)
-        if op.kind != OpKind.FORWARD_BACKWARD and mb not in fwd:
+        if op.kind != OpKind.FORWARD_BACKWARD and mb not in self.fwd:
             self._add(op, f"{name} of {item} before its forward")
         if mb in self.igrad:
             self._add(op, f"{item} backwarded twice")
-        if not self.layout.is_last(self.s, op.chunk) and mb not in recv_grad:
+        if not self.layout.is_last(self.s, op.chunk) and mb not in self.recv_grad:
             self._add(op, f"{name} of {item} before its output gradient is received (recv_grad)")
         self._check_weights_unchanged(op, "backward")
         self.igrad.add(mb)
@@ -153,23 +164,29 @@ class _StageChecker:
                           f"({', '.join(_name(*m) for m in missing)} not yet backwarded)")
         return not missing
 
-    def _gradient_op(self, op: Op) -> None:
-        kind = op.kind
-        if kind in GRADIENT_CONSUMER_KINDS:
-            if self.update is not None:
-                self._add(op, f"second update in one iteration (already {self.update.kind.value} at step "
-                              f"{self.update.step}); a stage applies or buffers its gradients exactly once")
-            self.update = self.update or op
-        if kind in (OpKind.REDUCE_GRADS, OpKind.COPY_GRADS_TO_BUFFER) and self.chunks_reducing:
-            self._add(op, f"{kind.value} while chunk {min(self.chunks_reducing)}'s all-reduce is in flight "
+    # -- gradients and the gradient buffer ---------------------------------------------------
+    def _consume(self, op: Op) -> None:
+        """An op that applies or buffers the iteration's gradients (``consumes_grads``): once."""
+        if self.update is not None:
+            self._add(op, f"second update in one iteration (already {self.update.kind.value} at step "
+                          f"{self.update.step}); a stage applies or buffers its gradients exactly once")
+        self.update = self.update or op
+
+    def _no_chunk_in_flight(self, op: Op) -> None:
+        if self.chunks_reducing:
+            self._add(op, f"{op.kind.value} while chunk {min(self.chunks_reducing)}'s all-reduce is in flight "
                           "(start_allreduce(chunk) is for stages that update in-step: wait_allreduce(grads) first)")
-        if kind == OpKind.REDUCE_GRADS:
-            self._all_backwards_done(op)
-            if self.grads_reducing:
-                self._add(op, "reduce_grads while an async all-reduce of the gradients is in flight")
-            if self.grads != "empty":
-                self.grads = "reduced"
-        elif kind == OpKind.START_ALLREDUCE and op.target == "chunk":
+
+    def _reduce_grads(self, op: Op) -> None:
+        self._no_chunk_in_flight(op)
+        self._all_backwards_done(op)
+        if self.grads_reducing:
+            self._add(op, "reduce_grads while an async all-reduce of the gradients is in flight")
+        if self.grads != "empty":
+            self.grads = "reduced"
+
+    def _start_allreduce(self, op: Op) -> None:
+        if op.target == "chunk":
             missing = [m for m in self.items if m[0] == op.chunk and m not in self.bwd]
             if missing:
                 self._add(op, f"start_allreduce(chunk {op.chunk}) before all of its backwards "
@@ -177,12 +194,16 @@ class _StageChecker:
             if op.chunk in self.chunks_reducing or self.grads_reducing:
                 self._add(op, f"start_allreduce(chunk {op.chunk}) while its all-reduce is already in flight")
             self.chunks_reducing.add(op.chunk)
-        elif kind == OpKind.START_ALLREDUCE and op.target == "grads":
+        elif op.target == "grads":
             self._all_backwards_done(op)
             if self.grads_reducing:
                 self._add(op, "start_allreduce(grads) while the previous one is still in flight")
             self.grads_reducing = True
-        elif kind == OpKind.WAIT_ALLREDUCE and op.target == "grads":
+        elif op.target == "buffer":
+            self._report(op, self.buffer.start()[1])
+
+    def _wait_allreduce(self, op: Op) -> None:
+        if op.target == "grads":
             if not self.grads_reducing:
                 self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight"
                               + (" (start_allreduce(grads) takes the rest after the chunks')" if self.chunks_reducing
@@ -191,29 +212,32 @@ class _StageChecker:
                 self.grads = "reduced"
             self.grads_reducing = False
             self.chunks_reducing = set()
-        elif kind in (OpKind.OPTIMIZER_STEP, OpKind.STAGE_OPTIMIZER_STEP):
-            self._all_backwards_done(op)
-            if self.grads_reducing or self.chunks_reducing:
-                self._add(op, f"{kind.value} before the gradients it applies are reduced "
-                              "(their all-reduce is still in flight: wait_allreduce(grads) comes later)")
-            elif self.grads != "reduced":
-                self._add(op, f"{kind.value} before the gradients it applies are reduced (gradients {self.grads})")
-            self.grads = "empty"
-            self.weights_changed = self.weights_changed or op
-        elif kind == OpKind.COPY_GRADS_TO_BUFFER:
-            self._all_backwards_done(op)
-            if self.grads_reducing:
-                self._add(op, "copy_grads_to_buffer while the gradients' all-reduce is in flight")
-            self._report(op, self.buffer.copy())
-            self.grads = "empty"
-        elif kind == OpKind.START_ALLREDUCE and op.target == "buffer":
-            self._report(op, self.buffer.start()[1])
-        elif kind == OpKind.WAIT_ALLREDUCE and op.target == "buffer":
+        elif op.target == "buffer":
             self._report(op, self.buffer.wait()[1])
-        elif kind == OpKind.APPLY_BUFFERED_UPDATE:
-            if self.buffer.pending:  # empty: the first step, the update is skipped
-                self.weights_changed = self.weights_changed or op
-            self._report(op, self.buffer.apply()[1])
+
+    def _update(self, op: Op) -> None:
+        """optimizer_step / stage_optimizer_step: applies the reduced gradients."""
+        self._all_backwards_done(op)
+        if self.grads_reducing or self.chunks_reducing:
+            self._add(op, f"{op.kind.value} before the gradients it applies are reduced "
+                          "(their all-reduce is still in flight: wait_allreduce(grads) comes later)")
+        elif self.grads != "reduced":
+            self._add(op, f"{op.kind.value} before the gradients it applies are reduced (gradients {self.grads})")
+        self.grads = "empty"
+        self.weights_changed = self.weights_changed or op
+
+    def _copy_to_buffer(self, op: Op) -> None:
+        self._no_chunk_in_flight(op)
+        self._all_backwards_done(op)
+        if self.grads_reducing:
+            self._add(op, "copy_grads_to_buffer while the gradients' all-reduce is in flight")
+        self._report(op, self.buffer.copy())
+        self.grads = "empty"
+
+    def _apply_buffered_update(self, op: Op) -> None:
+        if self.buffer.pending:  # empty: the first step, the update is skipped
+            self.weights_changed = self.weights_changed or op
+        self._report(op, self.buffer.apply()[1])
 
     def _end_of_iteration(self) -> None:
         s = self.s
