@@ -1,10 +1,11 @@
 """``hippie-ds profile``: measure a ``PipelineModule`` layer list, layer by layer, into a profile.
 
 The target is ``module:function`` (or ``path/to/file.py:function``); the function returns
-``(layers, sample)`` or a mapping with ``layers``, ``sample`` and optionally ``name``:
-``layers`` is the list given to ``PipelineModule`` (``LayerSpec``, ``TiedLayerSpec``,
-modules, callables) and ``sample`` one micro-batch of the first layer's input (its first
-dimension is the micro-batch size).
+``(layers, sample)`` or a mapping with ``layers``, ``sample`` and optionally ``name``,
+``loss_fn`` and ``labels``: ``layers`` is the list given to ``PipelineModule`` (``LayerSpec``,
+``TiedLayerSpec``, modules, callables), ``sample`` one micro-batch of the first layer's input
+(its first dimension is the micro-batch size), ``loss_fn`` the ``PipelineModule``'s
+``loss_fn(outputs, labels)`` and ``labels`` one micro-batch of its labels (both or neither).
 
 Each layer runs on the output of the one before, as a pipeline stage would receive it (a
 detached tensor that requires grad when it is floating point). Per layer:
@@ -30,7 +31,13 @@ detached tensor that requires grad when it is floating point). Per layer:
   output counts when this layer or the next saves it (``output_saved``). Summed over a stage
   (plus its input, and its output when no layer saves it) this is what the stage keeps per
   in-flight micro-batch (``hippie_ds.planner.recompute``);
-* ``param_bytes``: its parameters' bytes (a tied module at its first use only).
+* ``param_bytes``: its parameters' bytes (a tied module at its first use only);
+* ``working_bytes``: on CUDA the allocator's peak over one forward+backward less what the layer
+  keeps (:mod:`hippie_ds.adapter.layer_timing`); on the CPU none (the planner estimates it).
+
+With a ``loss_fn`` the loss is measured the same way on the last layer's output and the labels,
+as the profile's ``loss`` entry (not a layer: the layer list and the fingerprint stay the
+model's). The profile records ``param_dtype``, the dtype of the built layers' parameters.
 
 Layer names are :func:`hippie_ds.adapter.pipeline_module.layer_names`, so a plan made from the profile
 recognises the model (``Profile.fingerprint``).
@@ -51,7 +58,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes
+from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes, param_dtype
 from .adapter.memory import _tensors
 from .planner.profile import LayerProfile, Profile, ProfileError
 
@@ -78,6 +85,13 @@ def _guard(fn: Callable, where: str) -> Callable:
 
 def load_target(target: str) -> tuple[list, Any, str]:
     """(layers, sample, name) from ``module:function`` or ``file.py:function``."""
+    got = load_target_spec(target)
+    return got["layers"], got["sample"], got["name"]
+
+
+def load_target_spec(target: str) -> dict[str, Any]:
+    """The target's ``layers``, ``sample``, ``name``, ``loss_fn`` and ``labels`` (the last two
+    None when it gives no loss)."""
     if ":" not in target:
         raise ProfileError(f"profile target {target!r}: expected module:function or path/to/file.py:function")
     where, func_name = target.rsplit(":", 1)
@@ -109,8 +123,10 @@ def load_target(target: str) -> tuple[list, Any, str]:
     if not callable(fn):
         raise ProfileError(f"profile target {target!r}: {where} has no function {func_name!r}")
     result = _guard(fn, "")()
+    loss_fn = labels = None
     if isinstance(result, dict):
         layers, sample, name = result.get("layers"), result.get("sample"), result.get("name")
+        loss_fn, labels = result.get("loss_fn"), result.get("labels")
     elif isinstance(result, (tuple, list)) and len(result) == 2:
         (layers, sample), name = result, None
     else:
@@ -120,7 +136,12 @@ def load_target(target: str) -> tuple[list, Any, str]:
         raise ProfileError(f"profile target {target!r}: 'layers' must be a non-empty list of layer specs")
     if not any(True for _ in _tensors(sample)):
         raise ProfileError(f"profile target {target!r}: 'sample' must be a tensor or a tuple of tensors")
-    return list(layers), sample, name or f"{where}:{func_name}"
+    if (loss_fn is None) != (labels is None) or (loss_fn is not None and not callable(loss_fn)):
+        raise ProfileError(f"profile target {target!r}: 'loss_fn' (a callable loss_fn(outputs, labels)) and "
+                           f"'labels' (one micro-batch of labels) come together; got loss_fn={loss_fn!r}, labels "
+                           f"{'given' if labels is not None else 'missing'}")
+    return dict(layers=list(layers), sample=sample, name=name or f"{where}:{func_name}", loss_fn=loss_fn,
+                labels=labels)
 
 
 def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch.nn.Parameter]]]:
@@ -157,9 +178,10 @@ def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch
 
 
 def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", repeats: int = 10, warmup: int = 3,
-                   progress: bool | TextIO = False) -> Profile:
+                   progress: bool | TextIO = False, loss_fn: Callable | None = None, labels: Any = None) -> Profile:
     """Measure every layer (see the module docstring) and return the profile. ``progress``: a tqdm
-    bar over the layers on stderr (True) or on the given stream; erased when a layer raises."""
+    bar over the layers on stderr (True) or on the given stream; erased when a layer raises.
+    ``loss_fn`` and ``labels``: the loss, measured on the last layer's output (``loss``)."""
     from tqdm import tqdm
 
     from .adapter.pipeline_module import layer_names
@@ -191,5 +213,16 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
         raise
     finally:
         bar.close()
-    return Profile(model=model, batch_size=batch, source="hippie-ds profile",
+    loss = None
+    if loss_fn is not None:
+        name = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
+        ps = list(loss_fn.parameters()) if isinstance(loss_fn, torch.nn.Module) else []
+        measured = measure_layer(lambda pair: loss_fn(pair[0], pair[1]), (as_stage_input(x), labels), ps,
+                                 sum(p.numel() * p.element_size() for p in ps), repeats=repeats, warmup=warmup,
+                                 guard=lambda f, phase: _guard(f, f"loss ({name}) {phase}"))
+        # what the loss saves for itself: the output it receives is the last layer's
+        loss = LayerProfile(**attribute_saved([dict(name=name, input_bytes=float(nbytes((x, labels))),
+                                                    **measured.record)])[0])
+    dtype = param_dtype([p for ps in params for p in ps])
+    return Profile(model=model, batch_size=batch, source="hippie-ds profile", loss=loss, param_dtype=dtype,
                    layers=[LayerProfile(**fields) for fields in attribute_saved(records)])

@@ -69,3 +69,68 @@ def test_in_place_measurement_writes_no_grad_and_counts_what_a_layer_holds():
 def test_clock_follows_the_device():
     assert clock_for("cpu") is WALL_CLOCK and WALL_CLOCK.name == "wall clock"
     assert isinstance(clock_for("cuda:0"), CudaClock)
+
+
+def lm_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _loss_stage(loss_fn):
+    """An InPlaceProfiler on a stand-in for the stage holding the last layer (no engine: the
+    job itself is tests/test_real_clients.py's)."""
+    from types import SimpleNamespace
+
+    from hippie_ds.adapter.profile_in_place import InPlaceProfiler
+    head = torch.nn.Linear(8, 10)
+    module = torch.nn.Module()
+    module.loss_fn, module._local_start, module.forward_funcs = loss_fn, 0, [head]
+    profiler = InPlaceProfiler.__new__(InPlaceProfiler)
+    profiler.module, profiler.specs, profiler.options = module, [head], SimpleNamespace(repeats=2)
+    profiler.clock, profiler.labels, profiler.loss_records = WALL_CLOCK, None, []
+    return profiler, head
+
+
+@pytest.mark.parametrize("loss_fn", [lm_loss, torch.nn.CrossEntropyLoss()], ids=["function", "module"])
+def test_in_place_loss_keeps_the_first_labels_and_is_measured_like_a_layer(loss_fn):
+    from hippie_ds.adapter.profile_in_place import _combine
+    from hippie_ds.planner.profile import LayerProfile
+    torch.manual_seed(0)
+    profiler, head = _loss_stage(loss_fn)
+    first, second = torch.randint(0, 10, (6,)), torch.randint(0, 10, (6,))
+    out = head(torch.randn(6, 8))
+    restore = profiler._capture_labels()
+    for labels in (first, second):  # as the engine calls it, micro-batch by micro-batch
+        profiler.module.loss_fn(out, labels)
+    restore()
+    assert profiler.module.loss_fn is loss_fn and torch.equal(profiler.labels, first)
+    assert not getattr(loss_fn, "_forward_pre_hooks", {})  # the module's hook is gone
+    profiler._measure_loss(out.detach())
+    assert profiler.labels is None and len(profiler.loss_records) == 1
+    record = _combine([(0, profiler.loss_records)])
+    loss = LayerProfile(**attribute_saved([dict(record, name="lm_loss")])[0])
+    assert loss.forward > 0 and loss.backward > 0 and loss.backward_weight == 0
+    assert loss.saved_bytes >= 6 * 10 * 4  # log_softmax's result
+    assert loss.input_bytes == 6 * 10 * 4 + 6 * 8 and loss.working_bytes is None  # the CPU: no allocator peak
+
+
+def test_working_bytes_is_the_peak_less_what_the_layer_keeps(monkeypatch):
+    """The allocator's figure (CUDA) less the layer's saved tensors and output; faked here, so
+    that the arithmetic is checked on any machine (the real allocator: the CUDA test below)."""
+    from hippie_ds.adapter import layer_timing
+    linear = torch.nn.Linear(8, 8)
+    monkeypatch.setattr(layer_timing, "_cuda_device", lambda obj: "fake")
+    monkeypatch.setattr(layer_timing, "peak_above", lambda run, device: (run(), 10_000.0)[1])
+    m = measure_layer(torch.tanh, as_stage_input(torch.randn(4, 8)), [], 0.0, repeats=1, warmup=0, accumulate=False)
+    assert m.record["working_bytes"] == 10_000 - 4 * 8 * 4  # tanh keeps its output (saved) only
+    monkeypatch.setattr(layer_timing, "peak_above", lambda run, device: 1.0)
+    m = measure_layer(linear, as_stage_input(torch.randn(4, 8)), list(linear.parameters()), 288.0, repeats=1,
+                      warmup=0, accumulate=False)
+    assert m.record["working_bytes"] == 0  # never negative
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the allocator statistic)")
+def test_working_bytes_on_cuda_counts_the_gradients():
+    x = as_stage_input(torch.randn(256, 1024, device="cuda"))
+    m = measure_layer(lambda t: t * 2, x, [], 0.0, repeats=1, warmup=1, accumulate=False, clock=CudaClock())
+    # the incoming gradient (ones) and the input gradient at least, each as large as the input
+    assert m.record["working_bytes"] >= 2 * 256 * 1024 * 4

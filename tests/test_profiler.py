@@ -46,3 +46,45 @@ def test_backward_weight_in_the_profile_file(profile, tmp_path):
     with pytest.raises(ProfileError, match="backward_weight = 3.0 exceeds backward = 2.0"):
         load_profile(bad)
     assert isinstance(load_profile(path), Profile)
+
+
+def lm_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def test_the_loss_is_profiled_apart_from_the_layers(tmp_path):
+    """A target's loss_fn and labels: measured on the last layer's output like a layer (the CPU:
+    wall clock, no allocator statistic, so no working_bytes), not a layer of the profile."""
+    torch.manual_seed(0)
+    vocab, tokens = 100, torch.randint(0, 100, (8, 16))
+    layers = [torch.nn.Embedding(vocab, 32), torch.nn.Linear(32, vocab)]
+    labels = torch.randint(0, vocab, (8, 16))
+    plain = profile_layers(layers, tokens, model="lm", repeats=2, warmup=1)
+    got = profile_layers(layers, tokens, model="lm", repeats=2, warmup=1, loss_fn=lm_loss, labels=labels)
+    assert plain.loss is None and got.num_layers == 2 and got.fingerprint() == plain.fingerprint()
+    loss, logits = got.loss, got.layers[-1]
+    assert loss.name == "lm_loss" and loss.forward > 0 and loss.backward > 0
+    assert loss.backward_weight == 0 and loss.param_bytes == 0  # no parameters: the backward is the input's
+    # log_softmax saves its fp32 result, as large as the logits; the logits themselves and the
+    # labels are its inputs (the last layer's output, counted there)
+    assert loss.saved_bytes >= logits.output_bytes == 8 * 16 * vocab * 4
+    assert loss.input_bytes == logits.output_bytes + labels.numel() * 8
+    assert loss.working_bytes is None and got.loss_working() == loss.input_bytes + loss.output_bytes
+    assert got.param_dtype == "float32" and got.state_factor() == 4.0
+    save_profile(got, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").loss == loss
+
+
+def test_a_target_gives_loss_fn_and_labels_together(tmp_path):
+    from hippie_ds.profiler import load_target, load_target_spec
+    target = tmp_path / "t.py"
+    target.write_text("import torch\n"
+                      "def full():\n    return {'layers': [torch.nn.Linear(4, 4)], 'sample': torch.zeros(2, 4),\n"
+                      "            'loss_fn': lambda out, y: (out - y).pow(2).mean(), 'labels': torch.zeros(2, 4)}\n"
+                      "def half():\n    return {'layers': [torch.nn.Linear(4, 4)], 'sample': torch.zeros(2, 4),\n"
+                      "            'loss_fn': lambda out, y: out.sum()}\n")
+    spec = load_target_spec(f"{target}:full")
+    assert callable(spec["loss_fn"]) and spec["labels"].shape == (2, 4)
+    assert len(load_target(f"{target}:full")) == 3  # (layers, sample, name) as before
+    with pytest.raises(ProfileError, match="'loss_fn' .* and 'labels' .* come together; .*labels missing"):
+        load_target_spec(f"{target}:half")

@@ -181,7 +181,9 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
                  "--out", str(plan_path)]) == 0
     plan = load_plan(plan_path)
     assert plan.fingerprint == model_fingerprint(specs)
-    assert max(st.working_memory for st in plan.stages) >= profile.loss_working() > 0
+    # the loss's working memory (estimated: its input's gradient) is on the last stage's peak
+    scale = plan.micro_batch_size / profile.batch_size
+    assert plan.stages[-1].working_memory >= scale * profile.loss_working() > 0
 
 
 def _same(a, b, tol=0.0):

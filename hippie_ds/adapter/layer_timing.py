@@ -8,6 +8,12 @@ saved-tensor accounting that :func:`attribute_saved` turns into ``saved_bytes`` 
 layer list (a layer's output counts when it or the next layer saves it, so the next layer's
 record is needed: across stages, after a gather).
 
+Working memory (``working_bytes``) comes from the CUDA caching allocator: one more untimed
+forward+backward between ``torch.cuda.reset_peak_memory_stats`` and ``max_memory_allocated``,
+less what was allocated before it and what the layer keeps (its saved tensors and output). It
+resets the device's peak statistic (a job reading ``max_memory_allocated`` reads it after the
+profiled steps). Elsewhere there is no allocator statistic: None, the planner estimates it.
+
 Times come from a clock: :data:`WALL_CLOCK` (``time.perf_counter``, CPU layers) or
 :class:`CudaClock` (``torch.cuda.Event`` pairs recorded around each timed run on the current
 stream; one synchronisation after a layer's runs of one kind, none inside a timed run).
@@ -171,6 +177,23 @@ def saved_storages(fn, x: Any) -> tuple[dict[tuple, int], Any]:
     return packed, out
 
 
+def _cuda_device(obj: Any) -> torch.device | None:
+    return next((t.device for t in _tensors(obj) if t.is_cuda), None)
+
+
+def peak_above(run: Callable[[], Any], device: torch.device | None) -> float | None:
+    """Bytes the CUDA allocator's peak rises above what was allocated before ``run()`` (None: not
+    a CUDA device). Resets the device's peak statistic."""
+    if device is None:
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return float(torch.cuda.max_memory_allocated(device) - before)
+
+
 def _keys(obj: Any) -> set[tuple]:
     return {storage_key(t) for t in _tensors(obj)}
 
@@ -191,7 +214,8 @@ class LayerMeasure:
 def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: float, *, repeats: int, warmup: int,
                   clock=WALL_CLOCK, accumulate: bool = True, guard=_no_guard) -> LayerMeasure:
     """Measure ``fn`` on ``inp`` (a stage input, :func:`as_stage_input`): medians over ``repeats``
-    timed runs after ``warmup`` runs. ``params``: the tensors the layer uses as parameters (their
+    timed runs after ``warmup`` runs, then one forward+backward for the working memory on CUDA
+    (module docstring; None elsewhere). ``params``: the tensors the layer uses as parameters (their
     storages are not activations); ``param_bytes``: what the profile records for them.
     ``accumulate``: the backward is ``torch.autograd.backward`` (gradients accumulate into the
     leaves' ``.grad``), else ``torch.autograd.grad`` towards the inputs and every leaf of the graph
@@ -211,11 +235,14 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     forward = statistics.median(_timed(clock, repeats, lambda _: forward_fn(inp)))
     backward = statistics.median(_timed(clock, repeats, backward_fn, lambda: forward_fn(inp)))
     weight = guard(weight_time, "backward")(forward_fn, inp, backward, repeats, warmup, clock)
+    peak = peak_above(lambda: backward_fn(forward_fn(inp)), _cuda_device(inp))
     packed, out = saved_storages(forward_fn, inp)
     ins, outs, excluded = _keys(inp), _keys(out), _keys(list(params))
     own = {k: v for k, v in packed.items() if k not in ins and k not in excluded}
     output = {k: k[2] for k in outs - ins}
+    kept = sum({**own, **output}.values())  # held until the backward: the planner counts it as activations
     record = dict(forward=forward, backward=backward, backward_weight=weight, recompute=forward,
+                  working_bytes=None if peak is None else max(0.0, peak - kept),
                   output_bytes=float(nbytes(out)), param_bytes=float(param_bytes),
                   own_saved=float(sum(own.values())),
                   output_extra=float(sum(v for k, v in output.items() if k not in own)),
@@ -240,3 +267,29 @@ def attribute_saved(records: Sequence[dict]) -> list[dict]:
         fields["output_saved"] = bool(output_saved)
         out.append(fields)
     return out
+
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def param_dtype(params: Sequence[torch.Tensor]) -> str | None:
+    """The profile's name of the dtype holding most of ``params``' elements (None: no floating
+    parameters, or a dtype the planner has no state factor for)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in params:
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return DTYPES.get(max(counts, key=counts.get)) if counts else None
+
+
+def bytes_dtype(trained: str | None, recorded: float, measured: float) -> str | None:
+    """The dtype a profile's ``param_bytes`` count when they were taken from elsewhere (the layer
+    specs built on the meta device: ``recorded`` bytes) than the measured parameters of dtype
+    ``trained`` (``measured`` bytes): float32 when they are twice a 2-byte dtype's."""
+    if trained is None or measured <= 0:
+        return trained
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[trained]
+    per = size * recorded / measured  # bytes a parameter in the recorded figures
+    if abs(per - 4) < 0.5:
+        return "float32"
+    return trained if abs(per - size) < 0.5 else None

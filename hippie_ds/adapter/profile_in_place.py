@@ -11,15 +11,21 @@ own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_ba
   micro-batch. After the call returns (the schedule ran unchanged), each of the stage's layers is
   re-run in isolation on its real input (the chunk's input through the layers before it), by
   :func:`hippie_ds.adapter.layer_timing.measure_layer`: forward, backward, W (backward_weight),
-  re-compute, output bytes, bytes saved for backward, parameter bytes; medians over ``repeats``
-  timed runs after one untimed run. The backward is ``torch.autograd.grad`` towards the inputs
-  and the layer's parameters: no ``.grad`` is written and no gradient hook runs; the RNG states
-  are restored afterwards, so training goes on exactly as without the key;
+  re-compute, output bytes, bytes saved for backward, parameter bytes, and on CUDA the working
+  memory (the allocator's peak over one more forward+backward, less what the layer keeps; it
+  resets the device's peak statistic); medians over ``repeats`` timed runs after one untimed
+  run. The backward is ``torch.autograd.grad`` towards the inputs and the layer's parameters:
+  no ``.grad`` is written and no gradient hook runs; the RNG states are restored afterwards, so
+  training goes on exactly as without the key;
 * a layer is whatever the stage built: a module, a function or lambda (no parameters: param
   bytes 0, W 0), a tied module through its ``forward_fn`` (its parameter bytes at its first use
   in the layer list only), and its input may be a tuple (tensors that need no gradient, such as
   integer ones, pass through). Layer indices are global (``PipelineModule._layer_specs``), also
   with several chunks per stage;
+* the loss: the stage holding the last layer wraps ``loss_fn`` during each measured call to keep
+  a copy of the first micro-batch's labels, and measures ``loss_fn(output, labels)`` like a layer
+  on the last layer's re-run output: the profile's ``loss`` entry (not a layer: the layer list and
+  the fingerprint stay the specs'); none when the module has no ``loss_fn``;
 * clock: CUDA events on a CUDA device (no synchronisation inside a timed run), the wall clock
   (``time.perf_counter``) elsewhere;
 * after the last measured call every rank sends its layers' per-step records to all
@@ -27,7 +33,9 @@ own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_ba
   data-parallel replicas holding it. Global rank 0 writes the profile: layer names and parameter
   bytes as :func:`hippie_ds.adapter.pipeline_module.model_fingerprint` computes them (from the layer
   specs, so ``hippie-ds plan`` and ``hippie_ds.PipelineModule(plan=...)`` recognise the model),
-  micro-batch size ``train_micro_batch_size_per_gpu``. Rank 0 prints a line per measured step and
+  micro-batch size ``train_micro_batch_size_per_gpu``; ``param_dtype`` the dtype the job's
+  parameters have (bf16 under DeepSpeed's bf16), ``param_bytes_dtype`` the one the specs' bytes
+  count (fp32-sized for a model built in fp32). Rank 0 prints a line per measured step and
   what it wrote.
 """
 from __future__ import annotations
@@ -43,7 +51,8 @@ from deepspeed.pipe import TiedLayerSpec
 
 from ..planner.profile import LayerProfile, Profile, save_profile
 from .failure import end_job_on_failure
-from .layer_timing import as_stage_input, attribute_saved, clock_for, measure_layer, nbytes
+from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, measure_layer, nbytes,
+                           param_dtype)
 from .pipeline_module import layer_names, layer_param_bytes
 
 WARMUP_CALLS = 1  # train_batch calls before the measured ones
@@ -80,6 +89,8 @@ class InPlaceProfiler:
         self.records: dict[int, list[dict]] = {}  # global layer index -> one record per measured step
         self.input_bytes: float | None = None
         self.captured: dict[int, Any] = {}
+        self.labels: Any = None  # the first micro-batch's labels of this call (the loss stage)
+        self.loss_records: list[dict] = []
         self.profile: Profile | None = None  # rank 0, once written
         self.clock = clock_for(engine.device)
 
@@ -108,12 +119,14 @@ class InPlaceProfiler:
         step = call - WARMUP_CALLS + 1  # 1-based measured step
         if not 1 <= step <= self.options.steps:
             return original(*args, **kwargs)
-        self.captured = {}
+        self.captured, self.labels = {}, None
         hook = self.module.register_forward_pre_hook(self._capture)
+        restore = self._capture_labels()
         try:
             loss = original(*args, **kwargs)
         finally:
             hook.remove()
+            restore()
         try:
             started = time.perf_counter()
             count = self._measure()
@@ -130,6 +143,37 @@ class InPlaceProfiler:
         key = getattr(module, "current_chunk", None) or 0
         if key not in self.captured:
             self.captured[key] = _clone(args[0] if len(args) == 1 else args)
+
+    def _capture_labels(self):
+        """Keep the first labels ``loss_fn`` sees in this call; returns what undoes it."""
+        loss_fn = getattr(self.module, "loss_fn", None)
+        if loss_fn is None or not any(start + len(funcs) == len(self.specs) for start, funcs in self.chunks()):
+            return lambda: None
+
+        def keep(labels):
+            if self.labels is None:
+                self.labels = _clone(labels)
+        if isinstance(loss_fn, torch.nn.Module):  # a registered submodule: no attribute swap
+            return loss_fn.register_forward_pre_hook(lambda m, args: keep(args[1])).remove
+
+        def capture(outputs, labels):
+            keep(labels)
+            return loss_fn(outputs, labels)
+        self.module.loss_fn = capture
+
+        def restore():
+            self.module.loss_fn = loss_fn
+        return restore
+
+    def _measure_loss(self, output) -> None:
+        """The loss on the last layer's ``output`` and the kept labels, measured like a layer."""
+        loss_fn = self.module.loss_fn
+        params = list(loss_fn.parameters()) if isinstance(loss_fn, torch.nn.Module) else []
+        measured = measure_layer(lambda pair: loss_fn(pair[0], pair[1]), (as_stage_input(output), self.labels),
+                                 params, float(sum(p.numel() * p.element_size() for p in params)),
+                                 repeats=self.options.repeats, warmup=1, clock=self.clock, accumulate=False)
+        self.loss_records.append(dict(measured.record, input_bytes=float(nbytes((output, self.labels)))))
+        self.labels = None
 
     def _measure(self) -> int:
         """Re-run every local layer on its input of this step; one record each."""
@@ -154,6 +198,8 @@ class InPlaceProfiler:
                         self.records.setdefault(start + offset, []).append(measured.record)
                         x = measured.output
                         count += 1
+                    if start + len(funcs) == len(self.specs) and self.labels is not None:
+                        self._measure_loss(x)
         finally:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
@@ -165,7 +211,8 @@ class InPlaceProfiler:
     # -- the profile ---------------------------------------------------------------------------
     def _gather_and_write(self) -> None:
         mine = {"replica": int(self.engine.grid.data_parallel_id), "layers": self.records,
-                "input_bytes": self.input_bytes}
+                "input_bytes": self.input_bytes, "loss": self.loss_records,
+                "dtype": param_dtype(list(self.module.parameters()))}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() != 0:
@@ -183,31 +230,34 @@ class InPlaceProfiler:
         the replicas holding it; sizes from the lowest data-parallel index."""
         names = layer_names(self.specs)
         held: dict[int, list[tuple[int, list[dict]]]] = {}
-        input_bytes = None
+        input_bytes, losses = None, []
         for rank in gathered:
             for index, steps in rank["layers"].items():
                 held.setdefault(int(index), []).append((rank["replica"], steps))
             if rank["input_bytes"] is not None:
                 input_bytes = rank["input_bytes"]
+            if rank["loss"]:
+                losses.append((rank["replica"], rank["loss"]))
+        dtype = next((rank["dtype"] for rank in gathered if rank["dtype"] is not None), None)
         missing = [i for i in range(len(self.specs)) if i not in held]
         if missing:
             raise RuntimeError(f"hippie.profile: no stage measured layers {missing} of {len(self.specs)}")
-        records = []
-        for index in range(len(self.specs)):
-            replicas = sorted(held[index], key=lambda r: r[0])
-            record = dict(replicas[0][1][0])
-            for key in TIMES:
-                record[key] = statistics.median(statistics.median(s[key] for s in steps) for _, steps in replicas)
-            # W stays within the backward (medians of per-run W <= B keep it, but float sums may not)
-            record["backward_weight"] = min(record["backward_weight"], record["backward"])
-            records.append(dict(name=names[index], input_bytes=input_bytes if index == 0 else None, **record))
+        records = [dict(_combine(held[index]), name=names[index], input_bytes=input_bytes if index == 0 else None)
+                   for index in range(len(self.specs))]
         layers = [LayerProfile(**fields) for fields in attribute_saved(records)]
+        measured = sum(x.param_bytes for x in layers)
         sizes = layer_param_bytes(self.specs)  # as model_fingerprint counts them (the dtype they are built in)
         if sizes is not None:
             layers = [x.model_copy(update={"param_bytes": s}) for x, s in zip(layers, sizes)]
+        loss = None
+        if losses:  # the loss saves for itself; the logits it receives are the last layer's output
+            name = getattr(self.module.loss_fn, "__name__", None) or type(self.module.loss_fn).__name__
+            loss = LayerProfile(**attribute_saved([dict(_combine(losses), name=name)])[0])
         module = self.module
         return Profile(model=self.options.name or type(module).__name__,
-                       batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers,
+                       batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers, loss=loss,
+                       param_dtype=dtype, param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers),
+                                                                        measured),
                        source=f"hippie.profile: in place, {module.num_stages} stages x "
                               f"{dist.get_world_size() // module.num_stages} replicas"
                               f"{f' x {module.virtual_stages} chunks' if getattr(module, 'chunked', False) else ''}, "
@@ -216,3 +266,17 @@ class InPlaceProfiler:
     def _say(self, line: str) -> None:
         if dist.get_rank() == 0:
             print(line, flush=True)
+
+
+def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
+    """One record from (data-parallel index, per-step records) of every replica: times the median
+    over steps, then over replicas; the working memory the largest; sizes the lowest index's."""
+    replicas = sorted(replicas, key=lambda r: r[0])
+    record = dict(replicas[0][1][0])
+    for key in TIMES:
+        record[key] = statistics.median(statistics.median(s[key] for s in steps) for _, steps in replicas)
+    # W stays within the backward (medians of per-run W <= B keep it, but float sums may not)
+    record["backward_weight"] = min(record["backward_weight"], record["backward"])
+    peaks = [s["working_bytes"] for _, steps in replicas for s in steps if s["working_bytes"] is not None]
+    record["working_bytes"] = max(peaks) if peaks else None
+    return record

@@ -55,9 +55,12 @@ def _plan_parser(subparsers) -> None:
     p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",
                    help="smallest micro-batch size to consider (default: profile batch / 16, at least 1: the "
                         "linear time scaling is not trusted further down)")
-    p.add_argument("--state-factor", type=float, default=4.0, metavar="F",
-                   help="training-state bytes per profiled parameter byte (default 4: fp32 weights, gradients and "
-                        "two Adam moments for an fp32 profile)")
+    p.add_argument("--state-factor", type=float, default=None, metavar="F",
+                   help="training-state bytes per profiled parameter byte; given, it wins. Default: from the "
+                        "profile's precision (param_dtype): 4 for fp32 (fp32 weights, gradients and two Adam moments, "
+                        "16 bytes a parameter) and for a profile that does not say; 4.5 for bf16/fp16 over fp32-sized "
+                        "param_bytes (DeepSpeed's BF16_Optimizer: bf16 weights, fp32 master weights, fp32 gradient "
+                        "accumulator, two fp32 Adam moments, 18 bytes a parameter), 9 over 2-byte param_bytes")
     p.add_argument("--simulate-top", type=_non_negative_int, default=4, metavar="N",
                    help="simulate the N best analytic candidates (default 4; 0: analytic only)")
     p.add_argument("--no-baselines", action="store_true", help="do not evaluate the baselines")
@@ -82,7 +85,7 @@ def _cmd_plan(args) -> int:
         _check_schedules(schedules)
     except PlannerError as exc:
         raise UsageError(f"--schedules {args.schedules!r}: {exc}") from None
-    if args.state_factor <= 0 or not math.isfinite(args.state_factor):
+    if args.state_factor is not None and (args.state_factor <= 0 or not math.isfinite(args.state_factor)):
         raise UsageError(f"--state-factor {args.state_factor}: must be a positive number")
     cap = _quantity(args.memory_cap, "bytes", "--memory-cap") if args.memory_cap else None
     if cap is not None and cap <= 0:

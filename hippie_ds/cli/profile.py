@@ -19,7 +19,10 @@ def _profile_parser(subparsers) -> None:
                     "the median forward and backward time over --repeats runs after --warmup runs, the backward's "
                     "parameter-gradient part (backward_weight, for zero-bubble schedules), the re-compute "
                     "time, output bytes, bytes saved for backward (saved-tensor hooks, attributed to the layer that "
-                    "produced them) and parameter bytes. Needs torch and DeepSpeed.\n\nexample:\n"
+                    "produced them), parameter bytes and, on CUDA, working memory (the allocator's peak beyond what the "
+                    "layer keeps). A function returning a dict may add 'loss_fn' (the PipelineModule's loss_fn(outputs, "
+                    "labels)) and 'labels' (one micro-batch of them): the loss is measured the same way, as the "
+                    "profile's 'loss' entry. Needs torch and DeepSpeed.\n\nexample:\n"
                     "  hippie-ds profile tools/examples/gpt.py:profile_target --out gpt-profile.yaml\n"
                     "  hippie-ds plan --profile gpt-profile.yaml --cluster 1x4,8GB,10Gbit --global-batch 32 "
                     "--out plan.json")
@@ -38,14 +41,15 @@ def _cmd_profile(args) -> int:
     import torch
 
     from ..planner import save_profile
-    from ..profiler import TargetError, load_target, profile_layers
+    from ..profiler import TargetError, load_target_spec, profile_layers
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        layers, sample, name = load_target(args.target)
-        profile = profile_layers(layers, sample, model=args.name or name, repeats=args.repeats,
-                                 warmup=args.warmup, progress=not args.no_progress)
+        target = load_target_spec(args.target)
+        profile = profile_layers(target["layers"], target["sample"], model=args.name or target["name"],
+                                 repeats=args.repeats, warmup=args.warmup, progress=not args.no_progress,
+                                 loss_fn=target["loss_fn"], labels=target["labels"])
     except TargetError as exc:
         if os.environ.get("HIPPIE_DS_DEBUG"):
             raise

@@ -40,6 +40,8 @@ class _Layout:
     ar_inter: bool                  # the data-parallel groups span nodes
     v: int = 1                      # model chunks per stage (virtual stages); parts has K v + 1 entries
     kind: str = "interleaved"       # their layout (hippie_ds.schedules.layout)
+    working: list[float] = field(default_factory=list)  # the largest working memory of one of the stage's
+                                                        # layers (the loss's on the last part)
 
     def moved(self, s: int, k) -> float:
         """W of stage s that re-computing ``k`` moves into the input pass."""
@@ -94,6 +96,15 @@ class _Model:
         self.out_saved = [x.output_saved is not False for x in layers]
         self.params = [x.param_bytes for x in layers]
         self.cuts = profile.cuts()
+        self.working = profile.working()
+        loss = profile.loss
+        # The loss runs on the last model part: its times join the last layer's (it is never
+        # re-computed: self.rc stays the layer's), its saved bytes what that part keeps.
+        self.loss_saved, self.loss_working = (0.0, 0.0) if loss is None else (loss.saved, profile.loss_working())
+        if loss is not None:
+            self.fwd[-1] += loss.forward
+            self.bwd[-1] += loss.backward
+            self.wgt[-1] += loss.weight_time
         # Stage 0 keeps its loaded input per in-flight micro-batch (0 when the profile omits it).
         self.data_bytes = layers[0].input_bytes or 0.0
         self.work = [f + b for f, b in zip(self.fwd, self.bwd)]
@@ -121,7 +132,7 @@ class _Model:
         c = self.cluster
         r = self.P // K
         geometry = Layout(kind, K, v)
-        fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar = [], [], [], [], [], [], [], [], []
+        fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, working = [], [], [], [], [], [], [], [], [], []
         dpn = c.devices_per_node
         # Stage s of replica q runs on device q*K + s: its group spans nodes unless all r fit in one.
         spans_nodes = r > 1 and ((r - 1) * K) // dpn != 0
@@ -132,6 +143,8 @@ class _Model:
             bwd.append(sum(sum(self.bwd[a:b]) for a, b in ranges))
             w = sum(sum(self.params[a:b]) for a, b in ranges)
             params.append(w)
+            working.append(max([x for a, b in ranges for x in self.working[a:b]]
+                               + [self.loss_working if any(b == self.n for _, b in ranges) else 0.0]))
             cut_out.append(max(self.cuts[b - 1] if b < self.n else 0.0 for a, b in ranges))
             # Device d = q*K + s (pipeline innermost): does replica q's link s -> s+1 cross nodes?
             has_next = ranges[0][1] < self.n if v == 1 else s < K - 1
@@ -149,15 +162,17 @@ class _Model:
             wgt.append(weight)
             wgt_rec.append(moved_all)
             ar.append(0.0 if r == 1 else 2 * (r - 1) / r * w / ar_bw + 2 * (r - 1) * c.latency)
-        lay = _Layout(K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes, v, kind)
+        lay = _Layout(K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes, v, kind,
+                      working)
         self._layouts[key] = lay
         return lay
 
     def _stage_recompute(self, a: int, b: int) -> StageRecompute:
         """Re-computation options of layers a .. b-1 run as one part."""
         stage_input = self.cuts[a - 1] if a > 0 else self.data_bytes
-        # The engine holds the part's output until its backward, saved by a layer or not.
-        held_output = 0.0 if self.out_saved[b - 1] else self.out[b - 1]
+        # The engine holds the part's output until its backward, saved by a layer or not; the
+        # last part also what the loss saved.
+        held_output = (0.0 if self.out_saved[b - 1] else self.out[b - 1]) + (self.loss_saved if b == self.n else 0.0)
         outs = [o if kept else 0.0 for o, kept in zip(self.out[a:b], self.out_saved[a:b])]
         # A run after a layer whose output nobody saves keeps that output as its input.
         ins = [0.0] + [0.0 if self.out_saved[i - 1] else self.out[i - 1] for i in range(a + 1, b)]
@@ -255,12 +270,19 @@ class _Model:
     # -- memory ---------------------------------------------------------------------------------
     def memory(self, lay: _Layout, f: float, in_flight: Sequence[int], ks: Sequence[int],
                deferred: Sequence[int], weight_versions: Sequence[int] | None = None) -> list[float]:
-        """Per device: weights and optimizer state, the gradient buffer of a deferred stage,
-        extra weight versions (2bw, pipedream), activations."""
+        """Per device (the formula, :mod:`.plan`): weights and optimizer state, the gradient
+        buffer of a deferred stage, extra weight versions (2bw, pipedream), activations held for
+        backward and the largest working memory of one layer's forward+backward."""
         d = set(deferred)
         extra = [v - 1 for v in weight_versions] if weight_versions else [0] * lay.K
         return [lay.params[s] * (self.state_factor + extra[s]) + (lay.params[s] if s in d else 0.0)
-                + f * lay.rec[s].activations(ks[s], in_flight[s]) for s in range(lay.K)]
+                + f * (lay.rec[s].activations(ks[s], in_flight[s]) + lay.working[s]) for s in range(lay.K)]
+
+    def least_memory(self, lay: _Layout, f: float, in_flight: Sequence[int]) -> list[float]:
+        """Per device, a lower bound of :meth:`memory`: no deferral or extra weight versions, the
+        re-computation with the least activation memory."""
+        return [lay.params[s] * self.state_factor + f * (lay.rec[s].least(in_flight[s]) + lay.working[s])
+                for s in range(lay.K)]
 
     def summarize_memory(self, mem: Sequence[float]) -> float:
         return max(mem) if self.metric == "max" else sum(mem) / len(mem)

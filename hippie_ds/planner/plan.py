@@ -37,13 +37,18 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   Hippie's stage s all-reduces right after its last backward and must finish before the next
   step's first forward reaches it; a stage that cannot defers (the simulator's rule, see
   ``resolve_auto_params``), and the link must carry all stages' work once per step;
-* memory per device of stage s = W_s * state_factor (fp32 profile and fp32 Adam: weights,
-  gradients, two moments = 16 bytes a parameter = 4 x the profiled parameter bytes)
-  + W_s for the gradient buffer of a deferred stage + activations: the peak number of
-  micro-batches in flight (1f1b: min(K-s, M); gpipe: M; hippie: M, the fused last stage 1;
-  zb-h1: K on every stage, activations are held until W;
-  from the simulator when it runs) times the bytes kept per micro-batch, plus the largest
-  re-computed run (``recompute.py``). Optimizer step time is not modelled (0);
+* memory per device of stage s (:meth:`.model._Model.memory`) = W_s * state_factor (default
+  from the profile's precision, :meth:`.profile.Profile.state_factor`: an fp32 profile with
+  fp32 Adam: weights, gradients, two moments = 16 bytes a parameter = 4 x the profiled
+  parameter bytes; bf16 with DeepSpeed's BF16_Optimizer 18 bytes a parameter = 4.5 x fp32-sized
+  parameter bytes) + W_s for the gradient buffer of a deferred stage + activations: the peak
+  number of micro-batches in flight (1f1b: min(K-s, M); gpipe: M; hippie: M, the fused last
+  stage 1; zb-h1: K on every stage, activations are held until W; from the simulator when it
+  runs) times the bytes kept per micro-batch (the last part's include what the loss saves),
+  plus the largest re-computed run (``recompute.py``) + the largest working memory of one of
+  the stage's layers (the loss's on the last part): what a forward+backward needs beyond what
+  it keeps (the gradients in flight, temporaries; measured on CUDA, else estimated,
+  :mod:`.profile`). The loss's time joins the last part's. Optimizer step time is not modelled (0);
 * throughput = G / step time (samples/s); single-device throughput = profile batch / the
   whole model's forward+backward; scalability = throughput / (P x single-device throughput)
   (scaling efficiency; 1 for free communication and no bubble); memory = the mean over
@@ -71,7 +76,7 @@ from .objectives import check_objective, score
 from .baselines import plan_baselines
 from .evaluate import choose_recompute, deferred_layers, prediction, sim_cost, simulate_configuration
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
-from .plan_file import DEFAULT_STATE_FACTOR, GB, Baseline, Plan, StagePlan
+from .plan_file import GB, Baseline, Plan, StagePlan
 from .plan_file import SCHEDULES
 from .profile import PlannerError, Profile
 from .traits import schedule_traits
@@ -101,7 +106,7 @@ def _bound(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective
     step, _ = model.step_time(lay, schedule, f, M, [0] * K, deferred=range(K))  # all hidden
     if not schedule_traits(schedule, K, M).defers:
         step, _ = model.step_time(lay, schedule, f, M, [0] * K)
-    least = [lay.params[s] * model.state_factor + f * lay.rec[s].least(p[s]) for s in range(K)]
+    least = model.least_memory(lay, f, p)
     if max(least) > model.cap:
         return None
     return score(objective, *model.figures(step, least))
@@ -150,8 +155,7 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
                 if bound is None:
                     f = b / model.b0
                     p = model.in_flight(sched, K, M)
-                    least_memory = min(least_memory, max(lay.params[s] * model.state_factor
-                                                         + f * lay.rec[s].least(p[s]) for s in range(K)))
+                    least_memory = min(least_memory, max(model.least_memory(lay, f, p)))
                     continue
                 combos.append((bound, K, b, M, sched, lay))
     combos.sort(key=lambda x: (-x[0], x[1], x[2], SCHEDULES.index(x[4]) if x[4] in SCHEDULES else 9))
@@ -180,7 +184,7 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
 def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objective: str = "me",
               memory_cap: float | None = None, schedules: Sequence[str] = SCHEDULES,
               depths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
-              min_micro_batch: int | None = None, state_factor: float = DEFAULT_STATE_FACTOR, memory_metric: str = "mean",
+              min_micro_batch: int | None = None, state_factor: float | None = None, memory_metric: str = "mean",
               simulate_top: int = 4, simulate_budget: int = 4096, baselines: bool = True,
               baseline_budget: float = 2e6, staleness_price: float | None = None) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
@@ -193,7 +197,9 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     micro-batch-stages each (larger ones keep their analytic figures). ``baseline_budget``
     caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped.
     ``staleness_price``: what the chosen plan's deferred layers are priced with
-    (``hippie.staleness_price``; None: the rule's default); the plan records it."""
+    (``hippie.staleness_price``; None: the rule's default); the plan records it.
+    ``state_factor``: training-state bytes per profiled parameter byte (None: the profile's
+    precision decides, :meth:`.profile.Profile.state_factor`)."""
     t0 = time.perf_counter()
     check_objective(objective)
     if memory_metric not in ("mean", "max"):
@@ -202,6 +208,8 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise PlannerError(f"global batch {global_batch!r}: must be an integer >= 1")
     cap = cluster.device_memory if memory_cap is None else min(memory_cap, cluster.device_memory)
+    if state_factor is None:
+        state_factor = profile.state_factor()
     model = _Model(profile, cluster, global_batch, state_factor, memory_metric, cap)
     P = cluster.devices
     if not any(P % K == 0 and K <= model.n and global_batch % (P // K) == 0 for K in (depths or _divisors(P))):
@@ -291,7 +299,7 @@ def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict)
                              kept_bytes=f * rec.kept(k), in_flight=p_c, deferred=s in deferred, memory=est.memory[s],
                              deferred_layers=_with_parameters(model, stage_layers, delayed[s].layers) if lead else None,
                              delayed_share=delayed[s].delayed_share if lead else 0.0,
-                             activation_memory=f * rec.activations(k, p_c)))
+                             activation_memory=f * rec.activations(k, p_c), working_memory=f * lay.working[s]))
     return out
 
 
@@ -312,7 +320,8 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
                                 deferred_layers=(_with_parameters(model, range(a, e), delayed[s].layers)
                                                  if s in delayed else None),
                                 delayed_share=delayed[s].delayed_share if s in delayed else 0.0,
-                                activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s])))
+                                activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s]),
+                                working_memory=f * lay.working[s]))
     if lay.v > 1:
         stages = _chunk_plans(model, cand, est, delayed)
         checkpointed = [i for st in stages for i in st.checkpointed]
@@ -330,7 +339,10 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
                     "staleness_price_meaning": "deferred layers chosen for the least step x (1 + price x stale "
                                                "share of the gradient) (hippie.staleness_price)",
                     "state_factor_meaning": "training-state bytes per profiled parameter byte (4: fp32 weights, "
-                                            "gradients and two Adam moments)",
+                                            "gradients and two Adam moments; 4.5: bf16 weights, fp32 master, "
+                                            "gradient accumulator and two Adam moments over fp32-sized bytes)",
+                    "working_memory": "per stage the largest of its layers' (and the loss's) forward+backward "
+                                      "working memory: measured on CUDA, else input + output + parameter bytes",
                     "time_scaling": "times and activations linear in the micro-batch size",
                     "saved_bytes": "per layer as in the profile (PipeDream profiles: the output activation)",
                     "placement": "pipeline inside nodes, data parallelism across nodes",

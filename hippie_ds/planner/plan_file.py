@@ -14,10 +14,9 @@ from hippie_ds.data_files import describe, read_data_file
 from hippie_ds.formatting import table
 
 from .cluster import Cluster
-from .profile import PlannerError, Profile
+from .profile import DEFAULT_STATE_FACTOR, PlannerError, Profile  # noqa: F401 (DEFAULT_STATE_FACTOR: re-exported)
 
 SCHEDULES = ("1f1b", "gpipe", "hippie", "hippie-1f1b", "zb-h1")
-DEFAULT_STATE_FACTOR = 4.0
 GB = 1e9
 # Bottleneck targets for re-computation, as a factor of the unchanged bottleneck (inf: every
 # stage takes its least-memory choice).
@@ -59,8 +58,9 @@ class StagePlan(_Strict):
     first_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1, description="one past the stage's last layer")
     checkpointed: list[int] = Field(default_factory=list, description="layers re-computed in backward")
-    forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
-    backward: float = Field(ge=0, description="backward time of one micro-batch, without re-computation (s)")
+    forward: float = Field(ge=0, description="forward time of one micro-batch (s; the last part's with the loss's)")
+    backward: float = Field(ge=0, description="backward time of one micro-batch, without re-computation (s; the last "
+                                              "part's with the loss's)")
     recompute: float = Field(ge=0, description="extra backward time of the re-computed layers (s)")
     param_bytes: float = Field(ge=0)
     activation_bytes: float = Field(ge=0, description="bytes sent to the next stage per micro-batch")
@@ -72,10 +72,16 @@ class StagePlan(_Strict):
                                         "its layer count: the whole stage); none: not chosen")
     delayed_share: float = Field(0.0, ge=0, le=1, description="share of the stage's gradient bytes applied one "
                                                                "step late")
-    memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes; all its chunks)")
+    memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes; all its chunks): "
+                                            "param_bytes x state factor (+ a deferred stage's gradient buffer) + "
+                                            "activation_memory + working_memory")
     activation_memory: float = Field(0.0, ge=0, description="of which activations held for backward: in-flight "
-                                                            "micro-batches x kept bytes + the largest re-computed run "
+                                                            "micro-batches x kept bytes (the last part's: with what "
+                                                            "the loss saves) + the largest re-computed run "
                                                             "(this chunk's)")
+    working_memory: float = Field(0.0, ge=0, description="of which the largest working memory of one layer's "
+                                                         "forward+backward on the stage (the loss's on the last part): "
+                                                         "beyond what it keeps, on top of the activations")
 
 
 class Baseline(_Strict):

@@ -17,12 +17,32 @@ micro-batch size. Times are seconds per micro-batch of ``batch_size`` samples, s
   last layer's output until the backward, and the planner counts it then);
   ``input_bytes``: what enters the layer (default: the previous layer's output).
 * ``param_bytes``: bytes of the layer's parameters as stored in the profile (fp32: 4 a param).
+* ``working_bytes``: the memory the layer's forward+backward needs above its input, its
+  parameters and what it keeps for backward (the gradient it receives, the gradients it
+  produces, its temporaries), measured with the CUDA allocator (``max_memory_allocated`` around
+  one forward+backward). None (a CPU profile, or an older one): :meth:`Profile.working`
+  estimates it as input bytes + output bytes + param bytes, the gradients at the layer's
+  boundary that a backward holds at once (the one it receives and the ones it produces); it
+  cannot see a layer's internal temporaries, so it is a lower bound where those dominate.
 * ``cut_bytes[i]`` (N-1 entries): bytes of every tensor crossing the cut after layer i, i.e. what
   a stage ending at layer i sends onward (and receives back as gradients). For a chain it is
   ``output_bytes[i]`` (the default); branched graphs cross with several tensors.
 
-Scaling assumption: times and activation sizes scale linearly with the micro-batch size
-(``Profile.scale(b)`` multiplies them by ``b / batch_size``), parameters do not. This ignores
+Profile-level fields (optional; a profile without them loads and plans as before):
+
+* ``loss``: the loss function (``PipelineModule``'s ``loss_fn``) measured like a layer on the
+  last layer's output and the labels (its own ``saved_bytes``: the logits it receives are the
+  last layer's; ``input_bytes``: outputs and labels); not a layer (the layer list and the
+  fingerprint stay the model's). The planner adds its times to the last model part, its saved
+  bytes to what that part keeps per micro-batch and its working memory to that part's peak;
+* ``param_dtype``: the dtype the parameters were trained in (``float32``, ``bfloat16``,
+  ``float16``), as measured; ``param_bytes_dtype``: the dtype ``param_bytes`` counts (an in-place
+  profile records the layer specs' build dtype, so a bf16 job's are fp32-sized). With both,
+  :meth:`Profile.state_factor` is ``hippie-ds plan``'s default ``--state-factor``.
+
+Scaling assumption: times and activation sizes (working memory and the loss's figures too)
+scale linearly with the micro-batch size (``Profile.scaled(b)`` multiplies them by
+``b / batch_size``), parameters do not. This ignores
 kernel efficiency changes at small batches; it is the usual first-order model (PipeDream's
 planner makes the same one).
 
@@ -44,12 +64,16 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hippie_ds.data_files import describe
+
+
+DEFAULT_STATE_FACTOR = 4.0  # fp32 weights, gradients and two Adam moments per fp32 parameter byte
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PlannerError(ValueError):
@@ -77,6 +101,8 @@ class LayerProfile(_Strict):
                                                         "saves it for backward (default true)")
     input_bytes: float | None = Field(None, ge=0, description="bytes entering the layer (default: previous output)")
     param_bytes: float = Field(0.0, ge=0, description="bytes of parameters (fp32: 4 per parameter)")
+    working_bytes: float | None = Field(None, ge=0, description="memory the forward+backward needs above the input, "
+                                        "parameters and saved bytes (CUDA allocator peak; default: an estimate)")
 
     @model_validator(mode="after")
     def _weight_within_backward(self) -> "LayerProfile":
@@ -105,6 +131,11 @@ class Profile(_Strict):
     layers: list[LayerProfile] = Field(min_length=1)
     cut_bytes: list[float] | None = Field(None, description="bytes crossing the cut after layer i (N-1 entries)")
     source: str | None = Field(None, description="where the profile came from (file, tool)")
+    loss: LayerProfile | None = Field(None, description="the loss function, measured like a layer (not one)")
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the dtype the parameters were trained in, as measured")
+    param_bytes_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the dtype param_bytes counts (default: param_dtype)")
 
     @model_validator(mode="after")
     def _check_cuts(self) -> "Profile":
@@ -138,8 +169,36 @@ class Profile(_Strict):
         return out
 
     def total_time(self) -> float:
-        """Forward + backward of the whole model for one micro-batch of ``batch_size``."""
-        return sum(layer.forward + layer.backward for layer in self.layers)
+        """Forward + backward of the whole model (and the loss) for one micro-batch of ``batch_size``."""
+        loss = 0.0 if self.loss is None else self.loss.forward + self.loss.backward
+        return sum(layer.forward + layer.backward for layer in self.layers) + loss
+
+    def working(self) -> list[float]:
+        """Working memory of each layer's forward+backward (bytes above what it keeps): measured,
+        else input + output + parameter bytes (the module docstring says why)."""
+        return [x.working_bytes if x.working_bytes is not None else i + x.output_bytes + x.param_bytes
+                for x, i in zip(self.layers, self.inputs())]
+
+    def loss_working(self) -> float:
+        """The loss's working memory (0 without a loss entry), estimated as a layer's."""
+        x = self.loss
+        if x is None:
+            return 0.0
+        if x.working_bytes is not None:
+            return x.working_bytes
+        inp = self.layers[-1].output_bytes if x.input_bytes is None else x.input_bytes
+        return inp + x.output_bytes + x.param_bytes
+
+    def state_factor(self) -> float:
+        """Training-state bytes per profiled parameter byte for the recorded precision: fp32 with
+        Adam 16 bytes a parameter (weights, gradients, two moments); bf16/fp16 as DeepSpeed's
+        BF16_Optimizer keeps it, 18 (2-byte weights, fp32 master weights, fp32 gradient
+        accumulator, two fp32 moments); divided by the bytes a parameter has in ``param_bytes``
+        (``param_bytes_dtype``, default ``param_dtype``). Without ``param_dtype``: 4 (fp32)."""
+        if self.param_dtype is None:
+            return DEFAULT_STATE_FACTOR
+        state = 16.0 if self.param_dtype == "float32" else 18.0
+        return state / DTYPE_BYTES[self.param_bytes_dtype or self.param_dtype]
 
     def total_param_bytes(self) -> float:
         return sum(layer.param_bytes for layer in self.layers)
@@ -154,16 +213,17 @@ class Profile(_Strict):
         if batch_size == self.batch_size:
             return self
         f = batch_size / self.batch_size
-        layers = []
-        for layer in self.layers:
+
+        def scale(layer: LayerProfile) -> LayerProfile:
             d = layer.model_dump()
             for key in ("forward", "backward", "backward_weight", "recompute", "output_bytes", "saved_bytes",
-                        "input_bytes"):
+                        "input_bytes", "working_bytes"):
                 if d[key] is not None:
                     d[key] *= f
-            layers.append(LayerProfile(**d))
+            return LayerProfile(**d)
         cuts = None if self.cut_bytes is None else [c * f for c in self.cut_bytes]
-        return Profile(model=self.model, batch_size=batch_size, layers=layers, cut_bytes=cuts, source=self.source)
+        return self.model_copy(update=dict(batch_size=batch_size, layers=[scale(x) for x in self.layers],
+                                           cut_bytes=cuts, loss=None if self.loss is None else scale(self.loss)))
 
 
 def fingerprint_of(names: Sequence[str], param_bytes: Sequence[float]) -> str:
