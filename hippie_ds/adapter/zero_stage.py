@@ -61,6 +61,9 @@ def _hand_gradients(optimizer) -> None:
                                                                        device=device, param_group_idx=i,
                                                                        return_tensor_list=True)
         optimizer.all_grad_tensors[i] = None
+    # as the reduce epilogue ends: the reduce bucket its backward hooks allocated (reduce_bucket_size
+    # elements, 2 GB in fp32 by default) is let go; kept, every rank would hold it between steps
+    optimizer._release_ipg_buffers()
 
 
 @contextlib.contextmanager

@@ -18,6 +18,13 @@ emulated = None  # tools/benchmarks/emulated.py, imported with --emulated
 import hippie_ds
 
 
+def largest_live_tensor() -> int:
+    """Elements of the largest tensor alive in this process (between calls: no activations)."""
+    import gc
+    gc.collect()
+    return max((o.numel() for o in gc.get_objects() if torch.is_tensor(o)), default=0)
+
+
 def split_name(name):
     """Engine name -> (schedule, options): "pipedream+vs" runs pipedream with vertical_sync,
     "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine,
@@ -241,7 +248,8 @@ def main():
                     "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
                              for k, m in engine.module.tied_modules.items()},
                     # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
-                    "partitions": getattr(engine.optimizer, "partition_count", None)},
+                    "partitions": getattr(engine.optimizer, "partition_count", None),
+                    "largest_tensor": largest_live_tensor()},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()
