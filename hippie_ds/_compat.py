@@ -29,7 +29,7 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
                             "_get_ckpt_name", "_running_engine_backward", "_take_model_step"),
     },
     "deepspeed.runtime.pipe.engine": {
-        "PipelineEngine": ("_INSTRUCTION_MAP", "_exec_backward_pass", "_exec_forward_pass", "_exec_recv_activations",
+        "PipelineEngine": ("_INSTRUCTION_MAP", "_allocate_or_extend_buffers", "_exec_backward_pass", "_exec_forward_pass", "_exec_recv_activations",
                            "_exec_recv_grads", "_exec_send_activations", "_exec_send_grads", "_force_grad_boundary",
                            "_grad_layer_buf", "_inference_schedule", "_loss_stage_global_rank", "_next_batch",
                            "_reserve_pipe_buffers", "_send_tensor_meta", "_train_schedule"),
@@ -43,7 +43,7 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
     # ZeRO-1's internals the per-stage step hands gradients through (public names, but internals all the same)
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "all_grad_tensors", "averaged_gradients", "bit16_groups",
+        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "_release_ipg_buffers", "all_grad_tensors", "averaged_gradients", "bit16_groups",
                                    "bit16_groups_flat", "check_grad_overflow", "compute_grad_norm", "first_offset", "get_all_grad_tensors", "get_flat_partition",
                                    "gradient_accumulation_dtype", "has_overflow", "model_parallel_group",
                                    "model_parallel_rank", "model_parallel_world_size", "parallel_partitioned_bit16_groups",
@@ -76,14 +76,24 @@ def check_deepspeed_version(version: str | None = None) -> None:
                           f"found DeepSpeed {version}. Install '{REQUIREMENT}'.")
 
 
+@functools.cache
+def _file_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _defines(owner, name: str) -> bool:
     if hasattr(owner, name):
         return True
-    try:  # an instance attribute: set in the class's (or a base's) source
-        sources = [inspect.getsource(c) for c in inspect.getmro(owner) if c.__module__.startswith("deepspeed")]
-    except (TypeError, OSError):
+    # an instance attribute: assigned in the source file of the class or a base. A plain text search
+    # of the file: every rank checks at import, and inspect.getsource's tokenizing of DeepSpeed's
+    # classes cost each process seconds
+    try:
+        files = {inspect.getsourcefile(c) for c in inspect.getmro(owner) if c.__module__.startswith("deepspeed")}
+    except TypeError:
         return False
-    return any(re.search(rf"self\.{re.escape(name)}\s*(:[^=]*)?=", s) for s in sources)
+    pattern = re.compile(rf"self\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")
+    return any(f is not None and pattern.search(_file_text(f)) for f in files)
 
 
 def missing_seams() -> list[str]:
