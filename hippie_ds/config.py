@@ -8,8 +8,9 @@
                                                 #   layer with parameters not tied to another stage (a
                                                 #   tied embedding before it stays in-step); an int (or
                                                 #   {"stage": int}): its first this many layers with
-                                                #   parameters; the rest of its gradient is all-reduced
-                                                #   and applied in-step; "all": the whole stage (the
+                                                #   parameters (0: none, the stage is not deferred); the
+                                                #   rest of its gradient is all-reduced and applied
+                                                #   in-step; "all": the whole stage (the
                                                 #   paper's rule); "auto": chosen from costs for the
                                                 #   least time to a loss
         "staleness_price": null,                # "auto"'s price of a stale gradient: extra steps (a share)
@@ -40,6 +41,8 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_SCHEDULE = "1f1b"
+# hippie.deferred_layers' values, decided in schedules/deferral.py; the one default for the config, `schedule
+# simulate` and the planner
 UNTIED_LAYERS = "untied"  # hippie.deferred_layers: the first layer with parameters not tied to another stage
 DEFAULT_DEFERRED_LAYERS = UNTIED_LAYERS
 WHOLE_STAGE = "all"  # hippie.deferred_layers: delay a deferred stage's whole gradient
@@ -80,7 +83,8 @@ class HippieConfig(BaseModel):
     # 'auto' or a list of stage ids (checked against the stage count when the schedule compiles)
     deferred_stages: Any = None
     # An int (every deferred stage) or {stage: int}: a deferred stage delays only the gradient of
-    # its first that many layers with parameters; "all": its whole gradient. The default,
+    # its first that many layers with parameters (0: none, so the stage is not deferred); "all": its
+    # whole gradient. The default,
     # "untied", delays its first layer with parameters that is not a module tied to another stage
     # (Megatron's word embedding, tied to the output head, stays in-step before it): one layer,
     # the rule that trains as well as data parallelism (docs/results.md). "auto": per stage, from
@@ -138,7 +142,7 @@ class HippieConfig(BaseModel):
             else:
                 return out
         raise ValueError('allowed: "untied" (the first layer with parameters not tied to another stage, the '
-                         'default), a non-negative count of layers with parameters (every deferred stage), '
+                         'default), a non-negative count of layers with parameters (every deferred stage; 0: not deferred), '
                          '"all" (the whole stage), '
                          '"auto" (per stage the count with the least predicted time to a loss, from '
                          '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')

@@ -63,27 +63,32 @@ def test_unknown_schedule_params():
 
 
 def test_deferred_layers_checked_against_the_schedule():
-    """Partial deferral (hippie.deferred_layers) names its key before any process group exists:
-    a schedule without deferred stages, a stage that is not deferred. The default ("untied": on
-    this stand-in, without built layers or ties, the first layer) applies to schedules with
-    deferred stages and is ignored by the others; "all" delays whole stages."""
+    """Partial deferral (hippie.deferred_layers) names its key at start-up: a schedule without
+    deferred stages, a stage that is not deferred. The default ("untied": on this stand-in,
+    without built layers or ties, the first layer) applies to schedules with deferred stages and
+    is ignored by the others; "all" delays whole stages; 0 leaves a stage in-step."""
     from types import SimpleNamespace
 
-    from hippie_ds.adapter.integration import deferred_layers
+    from hippie_ds.adapter.deferred_layers import resolve
     from hippie_ds.schedules import compile as compile_schedule
 
     model = SimpleNamespace(parts=[0, 3, 6, 8, 10])  # 4 stages: 3, 3, 2 and 2 layers
     hippie = compile_schedule("hippie", 4, 4, deferred_stages=[0, 1])
 
-    def run(value, compiled=hippie):
-        return deferred_layers(model, split_config({"hippie": {"deferred_layers": value}})[2], compiled)
+    def decided(options, compiled):
+        deferral, _ = resolve(model, options, compiled)
+        return {s: "whole" if d.whole else d.layers for s, d in deferral.stages.items()}
 
-    assert run(1) == {0: 1, 1: 1}
-    assert run({"1": 2}) == {1: 2}
-    assert run(3) == {}  # as many layers as the stages hold: all of them delayed, nothing partial
-    assert run("all") == {}
-    assert deferred_layers(model, split_config({})[2], hippie) == {0: 1, 1: 1}  # the default rule
-    assert deferred_layers(model, split_config({})[2], compile_schedule("1f1b", 4, 4)) == {}
+    def run(value, compiled=hippie):
+        return decided(split_config({"hippie": {"deferred_layers": value}})[2], compiled)
+
+    assert run(1) == {0: (0,), 1: (3,)}  # global layer indices
+    assert run({"1": 2}) == {0: "whole", 1: (3, 4)}  # a stage the mapping leaves out: whole
+    assert run(3) == {0: "whole", 1: "whole"}  # as many layers as the stages hold
+    assert run("all") == {0: "whole", 1: "whole"}
+    assert run(0) == {} and run({"0": 0}) == {1: "whole"}  # 0: not deferred
+    assert decided(split_config({})[2], hippie) == {0: (0,), 1: (3,)}  # the default rule
+    assert decided(split_config({})[2], compile_schedule("1f1b", 4, 4)) == {}
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' has no deferred stages '
                        r"\(partial deferral applies to the deferred stages of hippie, hippie-1f1b, hippie-interleaved, hippie-zb\)"):
         run(1, compile_schedule("1f1b", 4, 4))

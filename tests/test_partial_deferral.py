@@ -170,13 +170,14 @@ def test_config_accepts_auto_and_names_it_in_errors():
 
 
 def _model(stage_id=0, parts=(0, 8, 16, 24, 32), specs=True):
-    """What integration reads of a PipelineModule: its layer specs (every stage's) and this
-    rank's built layers; equal Linear layers, so the same shares as the per-layer cost files."""
+    """What integration reads of a PipelineModule: its layer specs and built layers, every
+    stage's (as ``layers_with_parameters`` gathers them over the world); equal Linear layers, so
+    the same shares as the per-layer cost files."""
     from deepspeed.pipe import LayerSpec
-    layers = [torch.nn.Linear(4, 4) for _ in range(parts[stage_id + 1] - parts[stage_id])]
+    layers = [torch.nn.Linear(4, 4) for _ in range(parts[-1])]
     specs = [LayerSpec(torch.nn.Linear, 4, 4) if specs else LayerSpec(_NeedsData) for _ in range(parts[-1])]
     return SimpleNamespace(parts=list(parts), num_stages=len(parts) - 1, stage_id=stage_id, forward_funcs=layers,
-                           _layer_specs=specs, global_rank=0,
+                           _local_start=0, _layer_specs=specs, global_rank=0, tied_comms={},
                            _topo=SimpleNamespace(get_coord=lambda rank: SimpleNamespace(data=0)))
 
 
@@ -196,55 +197,58 @@ def _options(tmp_path, c=None, **hippie):
     return split_config({"hippie": {"deferred_layers": "auto", **hippie}})[2]
 
 
+def _decided(model, options, compiled=HIPPIE):
+    """{deferred stage: delayed layers with parameters, or 'whole'} as start-up decides it."""
+    from hippie_ds.adapter.deferred_layers import resolve
+    deferral, _ = resolve(model, options, compiled)
+    return {s: "whole" if d.whole else len(d.layers) for s, d in deferral.stages.items()}
+
+
 def test_staleness_price_is_checked_before_any_process_group(tmp_path):
-    from hippie_ds.adapter.integration import deferred_layers
     with pytest.raises(ConfigError, match=r'"hippie.staleness_price" = -0.5: .*greater than or equal to 0'):
         split_config({"hippie": {"deferred_layers": "auto", "staleness_price": -0.5}})
     options = split_config({"hippie": {"staleness_price": 0.2}})[2]
     with pytest.raises(ConfigError, match=r'"hippie.staleness_price" = 0.2: it prices only "hippie.deferred_layers": '
                                           r'"auto", and that key is \'untied\' here'):  # the default
-        deferred_layers(_model(), options, HIPPIE)
+        _decided(_model(), options)
 
 
 def test_integration_auto_needs_costs(tmp_path):
-    from hippie_ds.adapter.integration import deferred_layers
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'auto\': needs costs to choose from: '
                                           r'"hippie.costs".*or "hippie.plan"'):
-        deferred_layers(_model(), _options(tmp_path), HIPPIE)
+        _decided(_model(), _options(tmp_path))
     with pytest.raises(ConfigError, match=r'the plan \'p.json\' \("hippie.plan"\) states no choice'):
-        deferred_layers(_model(), _options(tmp_path, plan="p.json"), HIPPIE)
+        _decided(_model(), _options(tmp_path, plan="p.json"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("stages: {forward: 1}\n")
     with pytest.raises(ConfigError, match=r'(?s)"hippie.costs" = .*bad.yaml.*field stages.0.backward'):
-        deferred_layers(_model(), split_config({"hippie": {"deferred_layers": "auto", "costs": str(bad)}})[2],
-                        HIPPIE)
+        _decided(_model(), split_config({"hippie": {"deferred_layers": "auto", "costs": str(bad)}})[2])
 
 
 def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, caplog):
     """A per-stage cost file: the stages take the model's own layers' parameter bytes (from its
     layer specs; when those cannot be built, this rank's layers); the choice matches the
-    chooser's on the per-layer file."""
-    from hippie_ds.adapter.integration import deferred_layers, without_undelayed
+    chooser's on the per-layer file, in the decision's unit (global layer indices)."""
+    from hippie_ds.adapter.deferred_layers import final_schedule, resolve
     expected = chosen(5e8, staleness_price=0.0)
     assert 0 < expected[0] < LAYERS
+    want = {s: "whole" if k == LAYERS else k for s, k in expected.items() if k}
     price = {"staleness_price": 0.0}
-    got = deferred_layers(_model(), _options(tmp_path, costs(5e8, per_layer=False), **price), HIPPIE)
-    assert got == {s: k for s, k in expected.items() if k < LAYERS}
-    assert deferred_layers(_model(stage_id=1), _options(tmp_path, costs(5e8), **price), HIPPIE) == got
+    assert _decided(_model(), _options(tmp_path, costs(5e8, per_layer=False), **price)) == want
+    assert _decided(_model(stage_id=1), _options(tmp_path, costs(5e8), **price)) == want
     for stage_id in (0, 1):
-        assert deferred_layers(_model(stage_id, specs=False),
-                               _options(tmp_path, costs(5e8, per_layer=False), **price), HIPPIE) == got
-    # the default price: this link's gain is not worth a stale layer
-    assert deferred_layers(_model(), _options(tmp_path, costs(5e8)), HIPPIE) == {0: 0, 1: 0}
+        assert _decided(_model(stage_id, specs=False), _options(tmp_path, costs(5e8, per_layer=False), **price)) == want
+    choices = {}
+    deferral, _ = resolve(_model(), _options(tmp_path, costs(5e8), **price), HIPPIE, choices=choices)
+    assert deferral.stages[0].layers == tuple(range(expected[0]))  # stage 0's first layers, by index
+    assert {s: c.layers for s, c in choices.items()} == expected
+    # the default price: this link's gain is not worth a stale layer: no stage stays deferred
+    assert _decided(_model(), _options(tmp_path, costs(5e8))) == {}
     with pytest.raises(ConfigError, match="stage 0 lists 8 layers, the model's stage 0 has 2"):
-        deferred_layers(_model(parts=(0, 2, 16, 24, 32)), _options(tmp_path, costs(5e8)), HIPPIE)
+        _decided(_model(parts=(0, 2, 16, 24, 32)), _options(tmp_path, costs(5e8)))
     # a fast link: nothing delayed, and the stages are then ordinary (no gradient buffer)
-    fast = deferred_layers(_model(), _options(tmp_path, costs(1e15)), HIPPIE)
-    assert fast == {0: 0, 1: 0}
-    compiled, partial = without_undelayed(HIPPIE, fast)
-    assert compiled.deferred_stages() == [] and partial == {}
-    compiled, partial = without_undelayed(HIPPIE, {0: 2, 1: 0})
-    assert compiled.deferred_stages() == [0] and partial == {0: 2}
+    deferral, _ = resolve(_model(), _options(tmp_path, costs(1e15)), HIPPIE)
+    assert deferral.stages == {} and final_schedule(HIPPIE, deferral).deferred_stages() == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +268,31 @@ def test_cli_simulate_deferred_layers(tmp_path, capsys):
     assert "--staleness-price 0.0: it prices only --deferred-layers auto" in capsys.readouterr().err
     assert main(common + ["--deferred-layers", "2"]) == 0
     assert main(common + ["--deferred-layers", "some"]) == 2
-    assert "'some': allowed auto, all or a layer count" in capsys.readouterr().err
+    assert "'some': allowed untied, auto, all or a layer count" in capsys.readouterr().err
     path.write_text(costs(5e8, per_layer=False).model_dump_json(exclude_none=True))
     assert main(common[:-2] + ["--deferred-layers", "auto", "--param", "deferred_stages=0"]) != 0
     assert "stage(s) [0] have no per-layer costs" in capsys.readouterr().err
+
+
+def test_cli_simulate_default_is_the_configs(tmp_path, capsys):
+    """`schedule simulate` defaults to hippie.deferred_layers' default ("untied": here the first
+    layer, every listed layer holding parameters); 0 makes a stage an ordinary one; a stage
+    without per-layer costs counts as one layer, so the default delays it whole."""
+    import json
+
+    from hippie_ds.cli import main
+    from hippie_ds.config import DEFAULT_DEFERRED_LAYERS
+    path = tmp_path / "costs.json"
+    path.write_text(costs(5e8).model_dump_json(exclude_none=True))
+    common = ["schedule", "simulate", "hippie", "-K", "4", "-M", "8", "--costs", str(path),
+              "--param", "deferred_stages=0,1", "--json"]
+
+    def step(*extra):
+        assert main(common + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)["step_time"]
+
+    assert step() == step("--deferred-layers", DEFAULT_DEFERRED_LAYERS) == step("--deferred-layers", "1")
+    assert step() != step("--deferred-layers", "all")
+    assert step("--deferred-layers", "0") == step("--param", "deferred_stages=none") != step()
+    path.write_text(costs(5e8, per_layer=False).model_dump_json(exclude_none=True))
+    assert step() == step("--deferred-layers", "all")

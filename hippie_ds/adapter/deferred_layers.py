@@ -1,33 +1,36 @@
-"""``hippie.deferred_layers``: which leading layers of a deferred stage are delayed.
+"""``hippie.deferred_layers`` in the adapter: what the module tells the decision and what the
+engine takes from it. The decision itself is :func:`hippie_ds.schedules.deferral.decide` (pure,
+one unit: global layer indices); this module only
 
-A count means layers that hold trainable parameters: a stage's first ``k`` such layers, with the
-parameterless ones (functions, activations) in front of and between them. Megatron-DeepSpeed's
-``GPTModelPipe`` starts with a function, so the first raw layer of its stage 0 would delay nothing.
-Inside hippie-ds (``split_deferred``, ``delay_ties``, the "auto" chooser over a cost file's layers,
-plans) a choice is a number of raw leading layers; :func:`deferred_layers` turns the config's count
-into one, from every stage's built layers (:func:`layers_with_parameters`).
+* describes every stage's layers from the module (:func:`stage_layers`: which hold trainable
+  parameters as built, gathered with one all-reduce over the world since a rank builds only its
+  own stage; which are modules tied to another stage, from the layer specs every rank has);
+* resolves ``"auto"`` with the chooser over the cost file read once at start-up
+  (:func:`auto_deferred_layers`), its leading-layer counts put in the config's unit;
+* checks the value against the schedule and renders the result as the engine's arguments
+  (:func:`engine_arguments`: leading-layer counts for ``split_deferred``, tied keys delayed and kept).
 
-The default, ``"untied"``, is one layer too, but not a module tied to another stage: a stage
-delays its first layer with parameters that is not such a module, and the tied modules in front of
-it stay in-step (:func:`untied_layers`; ``delay_ties(untied=True)`` names them, the engine leaves
-their parameters out of the delayed part). Megatron's stage 0 starts with the word embedding tied
-to the output head on the last stage: delaying it (``1``) delays the head's weights as well (one
-rule per tied module, adapter/tied.py), which cost 0.3-1.2% of loss against stock on the two GPT
+The default, ``"untied"``, delays a deferred stage's first layer with parameters that is not a
+module tied to another stage: Megatron's stage 0 starts with the word embedding tied to the
+output head on the last stage; delaying it (``1``) delays the head's weights as well (one rule
+per tied module, adapter/tied.py), which cost 0.3-1.2% of loss against stock on the two GPT
 codebases tried; "untied" delays the first transformer layer instead (docs/results.md).
 """
 from __future__ import annotations
 
-from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
 from ..config import AUTO_LAYERS, UNTIED_LAYERS, WHOLE_STAGE, ConfigError
 from ..schedules import load_spec, recompile
+from ..schedules.deferral import Deferral, StageLayers, delayed_layers, with_parameters, with_ties
 
 
 def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
     """For each layer of ``model``: whether it is a module holding trainable parameters as its
     stage built it (a function, or a tied module reached through its ``forward_fn``, is not).
     Every stage's layers, gathered with one all-reduce over the world (every rank runs
-    ``initialize``); None for a stand-in model with no built layers."""
+    ``initialize``; the PipelineModule has made the process group); None for a stand-in model
+    with no built layers."""
     funcs = getattr(model, "forward_funcs", None)
     if funcs is None:
         return None
@@ -44,96 +47,113 @@ def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
     return [bool(x) for x in flags.tolist()]
 
 
-def leading_layers(flags: list[bool], count: int) -> int | None:
-    """Raw leading layers of a stage (``flags``: which of its layers hold parameters) that hold
-    its first ``count`` layers with parameters; None when that is all of them (the whole stage)."""
-    if count >= sum(flags):
-        return None
-    seen = 0
-    for i, has in enumerate(flags):
-        seen += has
-        if seen == count:
-            return i + 1
-    return 0  # count 0: nothing
+def tie_holders(model: PipelineModule) -> dict[str, dict[int, list[int]]]:
+    """{tie key: {stage: the layer indices of that stage where the tied module appears}}."""
+    holders: dict[str, dict[int, list[int]]] = {}
+    for idx, spec in enumerate(model._layer_specs):
+        if isinstance(spec, TiedLayerSpec):
+            holders.setdefault(spec.key, {}).setdefault(model.stage_owner(idx), []).append(idx)
+    return {key: stages for key, stages in holders.items() if len(stages) > 1}
+
+
+def _tie_keys(model: PipelineModule) -> tuple[dict[int, str], dict[int, set[str]]]:
+    """({layer index: key} of the modules tied to another stage, {stage: keys it holds})."""
+    if not getattr(model, "tied_comms", None) or not hasattr(model, "_layer_specs"):
+        return {}, {}
+    at, held = {}, {}
+    for key, stages in tie_holders(model).items():
+        for s, layers in stages.items():
+            held.setdefault(s, set()).add(key)
+            at.update({i: key for i in layers})
+    return at, held
 
 
 def tied_across_stages(model: PipelineModule) -> list[bool]:
-    """For each layer of ``model``: whether it is a module tied to a layer of another stage (a
-    ``TiedLayerSpec`` whose key other stages hold too), from the layer specs every rank has."""
-    from .tied import tie_holders
-    tied = {i for stages in tie_holders(model).values() for layers in stages.values() for i in layers}
-    return [i in tied for i in range(len(model._layer_specs))]
+    """For each layer of ``model``: whether it is a module tied to a layer of another stage."""
+    at = _tie_keys(model)[0]
+    return [i in at for i in range(len(model._layer_specs))]
+
+
+def stage_layers(model: PipelineModule, flags: list[bool] | None = None) -> dict[int, StageLayers]:
+    """Every stage's :class:`StageLayers` (with virtual stages: its first chunk's, the leading
+    ones). ``flags``: :func:`layers_with_parameters`; None: a stand-in without built layers,
+    whose layers all count as holding parameters."""
+    at, held = _tie_keys(model)
+    out = {}
+    for s in range(model.num_stages if hasattr(model, "num_stages") else len(model.parts) - 1):
+        a, e = model.parts[s], model.parts[s + 1]
+        tied = tuple(at.get(i) for i in range(a, e))
+        out[s] = StageLayers(a, tuple(flags[a:e]) if flags is not None else (True,) * (e - a),
+                             tied if any(tied) else (), frozenset(held.get(s, set()) - set(tied)))
+    return out
 
 
 def untied_layers(flags: list[bool], tied: list[bool]) -> int:
-    """``"untied"``: raw leading layers of a stage (``flags``: which of its layers hold parameters,
-    ``tied``: which are modules tied to another stage) up to and including its first layer with
-    parameters that is not tied; 0 when it has none (the stage delays nothing)."""
-    for i, (has, across) in enumerate(zip(flags, tied)):
-        if has and not across:
-            return i + 1
-    return 0
+    """``"untied"`` on one stage (``flags``: which of its layers hold parameters, ``tied``: which
+    are modules tied to another stage): its leading layers up to the one it delays; 0: none."""
+    layers = StageLayers(0, tuple(flags), tuple("tied" if t else None for t in tied))
+    d = delayed_layers([0], UNTIED_LAYERS, {0: layers})[0]
+    return max(d.layers) + 1 if d.layers else 0
 
 
-def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
-    """``hippie.deferred_layers`` per deferred stage ({stage: leading layers delayed}), only for
-    stages it delays partly (0: nothing, see :func:`without_undelayed`); checked before any
-    process group exists. The default ("untied") applies to the schedules that have deferred
-    stages and is ignored by the others; under it every deferred stage gets a count, its whole
-    stage included (the tied modules among those layers stay in-step: ``delay_ties(untied=True)``);
-    a value the config sets is checked against the schedule; "auto" is
-    chosen from costs (:func:`auto_deferred_layers`); ``choices``, when given, receives them
-    ({stage: LayersChoice}; :func:`initialize` logs them once the engine has set DeepSpeed's log
-    level from the config)."""
+def _check(options, compiled) -> None:
+    """The value against the schedule, before anything is decided."""
     value = options.deferred_layers
-    explicit = "deferred_layers" in options.model_fields_set
-    deferred = compiled.deferred_stages()
-    shown = f'config key "hippie.deferred_layers" = {value!r}'
     if "deferred_stages" not in compiled.params:
-        if explicit and value != WHOLE_STAGE:
-            raise ConfigError(f"{shown}: schedule {compiled.name!r} has no deferred stages (partial deferral applies "
-                              f"to the deferred stages of {', '.join(schedules_with_param('deferred_stages'))})")
-        return {}
+        if "deferred_layers" not in options.model_fields_set or value == WHOLE_STAGE:
+            return  # the default, and "all", mean nothing to a schedule without deferred stages
+        raise ConfigError(f'config key "hippie.deferred_layers" = {value!r}: schedule {compiled.name!r} has no deferred '
+                          f"stages (partial deferral applies to the deferred stages of "
+                          f"{', '.join(schedules_with_param('deferred_stages'))})")
     if options.staleness_price is not None and value != AUTO_LAYERS:
         raise ConfigError(f'config key "hippie.staleness_price" = {options.staleness_price!r}: it prices only '
                           f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them')
-    if value == WHOLE_STAGE:
-        return {}
-    if value == UNTIED_LAYERS:
-        flags = layers_with_parameters(model)
-        if flags is None:  # a stand-in without built layers (nor ties): its first layer
-            return {s: 1 for s in deferred if model.parts[s + 1] - model.parts[s] > 1}
-        tied = tied_across_stages(model)
-        return {s: untied_layers(flags[model.parts[s]:model.parts[s + 1]], tied[model.parts[s]:model.parts[s + 1]])
-                for s in deferred}
-    chosen = value == AUTO_LAYERS  # counts of raw layers, from a cost file's
-    if chosen:
-        auto = auto_deferred_layers(model, options, compiled)
+
+
+def _own(model: PipelineModule, options, compiled, costs=None, choices: dict | None = None):
+    """(deferred stages, what each delays before the tie rule, every stage's layers)."""
+    _check(options, compiled)
+    deferred = [] if compiled.continuous else compiled.deferred_stages()
+    value = options.deferred_layers if "deferred_stages" in compiled.params and deferred else WHOLE_STAGE
+    layers = stage_layers(model, layers_with_parameters(model) if value != WHOLE_STAGE else None)
+    if value == AUTO_LAYERS:
+        auto = auto_deferred_layers(model, options, compiled, costs)
         (choices if choices is not None else {}).update(auto)
-        value = {s: c.layers for s, c in auto.items()}
-    if isinstance(value, dict):
-        extra = sorted(set(value) - set(deferred))
-        if extra:
-            raise ConfigError(f"{shown}: stage(s) {extra} are not deferred; deferred stages: {deferred}")
-    counts = {s: value if isinstance(value, int) else value.get(s) for s in deferred}
-    counts = {s: k for s, k in counts.items() if k is not None}
-    flags = None if chosen else layers_with_parameters(model)
-    if flags is not None:  # the config counts layers with parameters
-        counts = {s: leading_layers(flags[model.parts[s]:model.parts[s + 1]], k) for s, k in counts.items()}
-    layers = {s: model.parts[s + 1] - model.parts[s] for s in deferred}
-    return {s: k for s, k in counts.items() if k is not None and k < layers[s]}
+        value = {s: with_parameters(layers[s].params, c.layers) for s, c in auto.items()}
+    return deferred, delayed_layers(deferred, value, layers), layers
 
 
-def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
+def resolve(model: PipelineModule, options, compiled, costs=None,
+            choices: dict | None = None) -> tuple[Deferral, dict[int, StageLayers]]:
+    """(what every stage delays, every stage's layers): ``hippie.deferred_layers`` checked,
+    "auto" chosen (``costs``: the cost file as read at start-up; ``choices`` receives the
+    {stage: LayersChoice} for :func:`log_choice`), decided by the pure rule. The value applies
+    to the schedules with a ``deferred_stages`` parameter; the others delay whole stages."""
+    _, own, layers = _own(model, options, compiled, costs, choices)
+    tie_rule = bool(getattr(model, "tied_comms", None)) and not compiled.uses_tied_reduction \
+        and not compiled.continuous
+    return with_ties(own, layers, tie_rule), layers
+
+
+def read_costs(options, num_stages: int):
+    """``hippie.costs`` read (once, at start-up), its errors naming the key."""
+    from ..schedules.costs import Costs, CostsError
+    try:
+        return Costs.from_file(options.costs, num_stages=num_stages)
+    except CostsError as exc:
+        raise ConfigError(f'config key "hippie.costs" = {options.costs!r}: {exc}') from None
+
+
+def auto_deferred_layers(model: PipelineModule, options, compiled, costs=None) -> dict:
     """``hippie.deferred_layers: "auto"``: {deferred stage: LayersChoice}, by
-    :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``hippie.costs``
-    (a plan carries its own choice, merged into the config before this). A deferred stage whose
-    costs have no per-layer breakdown takes the model's own layers' parameter bytes, built on the
-    meta device from the layer specs, the same on every rank. When a layer cannot be built there,
-    this rank's stage counts its built layers (``model.forward_funcs``, which the engine splits)
-    and another stage is taken as equal layers (a stage's choice depends on the others' only
-    through the link they share); every replica of a stage still chooses alike."""
-    from ..schedules.costs import Costs, CostsError, LayerShare
+    :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``costs``
+    (``hippie.costs``, read here when not given; a plan carries its own choice, merged into the
+    config before this). A deferred stage whose costs have no per-layer breakdown takes the
+    model's own layers' parameter bytes, built on the meta device from the layer specs, the same
+    on every rank. When a layer cannot be built there, this rank's stage counts its built layers
+    (``model.forward_funcs``) and another stage is taken as equal layers (a stage's choice depends
+    on the others' only through the link they share); every replica of a stage still chooses alike."""
+    from ..schedules.costs import LayerShare
     from ..schedules.partial_deferral import choose_deferred_layers
 
     shown = f'config key "hippie.deferred_layers" = {AUTO_LAYERS!r}'
@@ -143,10 +163,7 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
                 '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)')
         raise ConfigError(f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
                           f"(per-layer ones optional, see docs/reference.md){made}")
-    try:
-        costs = Costs.from_file(options.costs, num_stages=model.num_stages)
-    except CostsError as exc:
-        raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: {exc}') from None
+    costs = read_costs(options, model.num_stages) if costs is None else costs
     from .pipeline_module import layer_param_bytes
 
     stages, every = list(costs.stages), None
@@ -155,13 +172,31 @@ def auto_deferred_layers(model: PipelineModule, options, compiled) -> dict:
         if stages[s].layers is None:
             every = layer_param_bytes(model._layer_specs) if every is None else every
             sizes = (every[model.parts[s]:model.parts[s + 1]] if every is not None else
-                     _layer_sizes(model) if s == model.stage_id else [1.0] * count)
+                     _layer_sizes(model, s) if s == model.stage_id else [1.0] * count)
             stages[s] = stages[s].model_copy(update={"layers": [LayerShare(param_bytes=x) for x in sizes]})
         elif len(stages[s].layers) != count:
             raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
                               f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
     return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}),
                                   staleness_price=options.staleness_price)
+
+
+def final_schedule(compiled, deferral: Deferral):
+    """``compiled`` itself when its deferred stages are the decision's, else compiled again (not
+    validated: the caller validates the schedule it runs, once) with the decision's."""
+    if compiled.continuous or compiled.deferred_stages() == deferral.deferred_stages():
+        return compiled
+    from ..schedules import compile as compile_schedule
+    return compile_schedule(compiled.source or compiled.name, compiled.stages, compiled.micro_batches, validate=False,
+                            virtual_stages=compiled.virtual_stages if compiled.virtual_stages > 1 else None,
+                            **{**compiled.params, "deferred_stages": deferral.deferred_stages()})
+
+
+def engine_arguments(deferral: Deferral, layers: dict[int, StageLayers]) -> dict:
+    """The decision as ``HippiePipelineEngine`` takes it: ``deferred_layers`` {stage: leading
+    layers} (a stage left out: whole), ``tied_delayed`` and ``tied_kept`` tie keys."""
+    return {"deferred_layers": deferral.leading(layers), "tied_delayed": deferral.tied_delayed,
+            "tied_kept": deferral.tied_kept}
 
 
 def log_choice(model: PipelineModule, choices: dict) -> None:
@@ -172,17 +207,26 @@ def log_choice(model: PipelineModule, choices: dict) -> None:
         logger.info(f"hippie-ds: deferred_layers auto, {mine.describe()}")
 
 
-def _layer_sizes(model: PipelineModule) -> list[float]:
-    """Parameter count of each of this rank's stage's layers (0 for functions and tied modules
-    reached through a function, which the engine never delays either)."""
+def _layer_sizes(model: PipelineModule, stage: int) -> list[float]:
+    """Parameter count of each of ``stage``'s layers as this rank built them (0 for functions
+    and tied modules reached through a function, which the engine never delays either)."""
     import torch
-    return [float(sum(p.numel() for p in f.parameters())) if isinstance(f, torch.nn.Module) else 0.0
-            for f in model.forward_funcs]
+    start = model.parts[stage] - getattr(model, "_local_start", model.parts[stage])
+    funcs = model.forward_funcs[start:start + model.parts[stage + 1] - model.parts[stage]]
+    return [float(sum(p.numel() for p in f.parameters())) if isinstance(f, torch.nn.Module) else 0.0 for f in funcs]
+
+
+def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
+    """{deferred stage: leading layers} before the tie rule, 0 for a stage that delays nothing
+    and no entry for a whole stage: the view tests/test_tied_deferral.py reads (start-up uses
+    :func:`resolve`)."""
+    _, own, layers = _own(model, options, compiled, None, choices)
+    return {s: d.leading(layers[s].first) for s, d in own.items() if not d.whole}
 
 
 def without_undelayed(compiled, partial: dict[int, int]):
-    """(schedule, partial) with the deferred stages that delay 0 layers made ordinary stages:
-    delaying nothing is all-reducing and updating in-step, with no gradient buffer to keep."""
+    """(schedule, partial) with the stages that delay no layer (0) made ordinary stages (the
+    decision drops them itself; kept for tests/test_tied_deferral.py)."""
     idle = sorted(s for s, k in partial.items() if k == 0)
     if not idle:
         return compiled, partial
@@ -194,5 +238,3 @@ def schedules_with_param(param: str) -> list[str]:
     """The built-in schedules that declare ``param`` (asked of their specs)."""
     from ..schedules.spec import available
     return [name for name in available() if param in load_spec(name).params]
-
-

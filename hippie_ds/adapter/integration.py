@@ -13,14 +13,16 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed
-from ..config import UNTIED_LAYERS, ConfigError, merge_plan, read_config, schedule_params, split_config
-from ..schedules import compile as compile_schedule, load_spec
+from ..config import AUTO_LAYERS, ConfigError, merge_plan, read_config, schedule_params, split_config
+from .. import schedules
+from ..schedules import load_spec, validator
 from ..schedules.compiler import resolve_virtual_stages
 from .clean_exit import wait_at_exit
-from .deferred_layers import deferred_layers, schedules_with_param, without_undelayed, log_choice
+from .deferred_layers import (engine_arguments, final_schedule, log_choice, read_costs, resolve,  # noqa: F401
+                              schedules_with_param, without_undelayed)
 from .module_chunks import chunks_phrase as _chunks, held_chunks
 from .precision import check_precision
-from .tied import check_tied, delay_ties, tied_stage_groups
+from .tied import check_tied, tied_stage_groups
 
 check_deepspeed()
 
@@ -139,9 +141,13 @@ def _apply_plan(model: PipelineModule, config: dict, options, config_path: str |
     return merge_plan(config, plan.deepspeed_config(), options.plan)
 
 
-def prepare(model: PipelineModule, config: dict, config_path: str | None = None):
-    """Validate the config and compile the schedule for ``model``: (ds_config, config_class,
-    compiled schedule, hippie options). Pure checks, no collectives."""
+def prepare(model: PipelineModule, config: dict, config_path: str | None = None, choices: dict | None = None):
+    """Validate the config, decide the deferral and compile the schedule for ``model``, once:
+    (ds_config, config_class, compiled schedule, hippie options, (Deferral, every stage's
+    StageLayers)). The cost file is read once; the schedule is compiled once and validated once
+    (compiled a second time only when the deferral changes its deferred stages: a stage that
+    delays nothing, a holder of a delayed tied module). Checks only; the one collective is
+    ``layers_with_parameters``' all-reduce (``choices``: the "auto" choice, for the log)."""
     ds_config, schedule_name, options = split_config(config)
     if options.plan is None and getattr(model, "hippie_plan_source", None) is not None:
         raise ConfigError(f'config key "hippie.plan" is not set, but the hippie_ds.PipelineModule took the plan '
@@ -158,16 +164,19 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
     check_chunks(model, schedule_name, (resolve_virtual_stages(spec, stages, micro_batches, options.virtual_stages),
                                         spec.layout), options.virtual_stages)
     params = schedule_params(options, spec.params, schedules_with_param)
-    if options.costs is not None and any(params.get(n, p.default) == "auto" for n, p in spec.params.items()
-                                         if p.kind == "stage_list"):
-        from ..schedules.costs import Costs
+    auto_stages = any(params.get(n, p.default) == "auto" for n, p in spec.params.items() if p.kind == "stage_list")
+    costs = (read_costs(options, stages) if options.costs is not None and
+             (auto_stages or options.deferred_layers == AUTO_LAYERS) else None)  # read once
+    if costs is not None and auto_stages:
         from ..schedules.auto_params import resolve_auto_params
-        costs = Costs.from_file(options.costs, num_stages=stages)
-        if costs.tied_groups is None:  # what the model's ReduceTiedGrads waits for, known here
-            costs = costs.model_copy(update={"tied_groups": tied_stage_groups(model)})
-        resolved = resolve_auto_params(schedule_name, stages, micro_batches, costs)
+        tied = costs if costs.tied_groups is not None else costs.model_copy(  # what ReduceTiedGrads waits for
+            update={"tied_groups": tied_stage_groups(model)})
+        resolved = resolve_auto_params(schedule_name, stages, micro_batches, tied)
         params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
-    compiled = compile_schedule(schedule_name, stages, micro_batches, virtual_stages=options.virtual_stages, **params)
+    compiled = schedules.compile(schedule_name, stages, micro_batches, validate=False,
+                                 virtual_stages=options.virtual_stages, **params)
+    deferral, layers = resolve(model, options, compiled, costs, choices)
+    compiled = validator.validate(final_schedule(compiled, deferral))
     from .engine import check_single_grad_slot
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
@@ -185,7 +194,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None)
             check_torch_version()
         except ImportError as exc:
             raise ConfigError(str(exc)) from None
-    return ds_config, config_class, compiled, options
+    return ds_config, config_class, compiled, options, (deferral, layers)
 
 
 def module_fix(model, what: str) -> str:
@@ -278,11 +287,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # plan paths: relative to the config file; for a dict, to the file the module found (set_config, sys.argv)
     config_path = _config_path(args, config, config_params) or getattr(model, "hippie_config_path", None)
     config = _load_config(args, config, config_params)
-    ds_config, config_class, compiled, options = prepare(model, config, config_path)
     choices: dict = {}
-    compiled, partial = without_undelayed(compiled, deferred_layers(model, options, compiled, choices))
-    compiled, partial, tied_delayed, tied_kept = delay_ties(  # tied copies: one rule
-        model, compiled, partial, untied=options.deferred_layers == UNTIED_LAYERS)
+    ds_config, config_class, compiled, options, (deferral, layers) = prepare(model, config, config_path, choices)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
@@ -299,7 +305,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   config_class=config_class, compiled_schedule=compiled,
                                   timeline_dir=options.timeline_dir,
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
-                                  deferred_layers=partial, tied_delayed=tied_delayed, tied_kept=tied_kept)
+                                  **engine_arguments(deferral, layers))
     zero.partition_parameters.restore_init_context()
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile

@@ -44,7 +44,8 @@ cannot use a joint norm there (another blocking collective), and each stage's ow
 scale the copies apart: a holder clips its tied weights by the norm of their summed gradient (the
 same on every holder) and its other parameters by theirs (:meth:`LaggedTieSums.clip_apart`).
 
-All of this is decided before any process group exists, from the layer specs every rank has.
+Which stages hold a tied module comes from the layer specs every rank has; what each delays is
+decided once at start-up (:func:`hippie_ds.schedules.deferral.decide`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ import collections
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.utils import clip_tensors_by_global_norm
 
 from ..config import ConfigError
@@ -60,16 +61,8 @@ from ..schedules import builtins_where
 from ..schedules import recompile
 from ..schedules.continuous import sum_lag
 from ..schedules.ir import CompiledSchedule
+from .deferred_layers import layers_with_parameters, stage_layers, tie_holders
 from .module_chunks import held_chunks
-
-
-def tie_holders(model: PipelineModule) -> dict[str, dict[int, list[int]]]:
-    """{tie key: {stage: the layer indices of that stage where the tied module appears}}."""
-    holders: dict[str, dict[int, list[int]]] = {}
-    for idx, spec in enumerate(model._layer_specs):
-        if isinstance(spec, TiedLayerSpec):
-            holders.setdefault(spec.key, {}).setdefault(model.stage_owner(idx), []).append(idx)
-    return {key: stages for key, stages in holders.items() if len(stages) > 1}
 
 
 def tied_stage_groups(model: PipelineModule) -> list[list[int]]:
@@ -101,32 +94,29 @@ def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
 
 def delay_ties(model: PipelineModule, compiled: CompiledSchedule, deferred_layers: dict[int, int],
                untied: bool = False) -> tuple[CompiledSchedule, dict[int, int], set[str], set[str]]:
-    """(schedule, deferred layers, delayed tie keys, kept tie keys) with every tied module under
-    one rule: the tie keys some holder delays, and the holders that were not deferred added to the
-    deferred stages with no leading layers delayed (the schedule recompiled with them). ``untied``
-    (``hippie.deferred_layers: "untied"``): no tied module is delayed; the kept keys are those a
-    deferred stage holds among its delayed leading layers, which the engine leaves in-step."""
+    """The one rule per tied module over leading-layer counts ({deferred stage: leading layers},
+    a stage left out: whole): (schedule, counts, delayed tie keys, kept tie keys), the holders it
+    makes deferred added with 0 leading layers (only their tied weights). The rule itself is
+    :func:`hippie_ds.schedules.deferral.with_ties`; start-up takes it from
+    ``deferred_layers.resolve``, this view is what tests/test_tied_deferral.py reads."""
     if not model.tied_comms or compiled.uses_tied_reduction or compiled.continuous:
         return compiled, deferred_layers, set(), set()
-    deferred = set(compiled.deferred_stages())
-    holders = tie_holders(model)
-    if untied:
-        kept = {key for key, stages in holders.items() for s, layers in stages.items() if s in deferred
-                and (deferred_layers.get(s) is None or any(i < model.parts[s] + deferred_layers[s] for i in layers))}
-        return compiled, deferred_layers, set(), kept
-
-    def delays(stage: int, layers: list[int]) -> bool:
-        if stage not in deferred:
-            return False
-        count = deferred_layers.get(stage)  # None: the whole stage
-        return count is None or any(i < model.parts[stage] + count for i in layers)
-
-    delayed = {key for key, stages in holders.items() if any(delays(s, ls) for s, ls in stages.items())}
-    added = sorted({s for key in delayed for s in holders[key]} - deferred)
-    if not added:
-        return compiled, deferred_layers, delayed, set()
-    return (recompile(compiled, deferred_stages=sorted(deferred | set(added))),
-            {**deferred_layers, **{s: 0 for s in added}}, delayed, set())
+    from ..schedules.deferral import StageDeferral, with_ties
+    layers = stage_layers(model, layers_with_parameters(model))
+    own = {}
+    for s in compiled.deferred_stages():
+        st, count = layers[s], deferred_layers.get(s)
+        last = None if count is None else st.first + count - 1
+        ours = [i for i in st.with_params() if last is None or i <= last]
+        if untied:
+            ours = [i for i in ours if st.tie_at(i - st.first) is None]
+        own[s] = StageDeferral(s, tuple(ours), count is None and not untied,
+                               kept_keys=frozenset(st.keys(last) if untied else ()))
+    deferral = with_ties(own, layers)
+    added = sorted(set(deferral.stages) - set(compiled.deferred_stages()))
+    if added:
+        compiled = recompile(compiled, deferred_stages=sorted(set(compiled.deferred_stages()) | set(added)))
+    return compiled, {**deferred_layers, **{s: 0 for s in added}}, deferral.tied_delayed, deferral.tied_kept
 
 
 def tie_sum_lag(model: PipelineModule, compiled: CompiledSchedule) -> int:

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..config import AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, WHOLE_STAGE
 from .base import (PROG, UsageError, _Formatter, _add_costs, _add_params, _add_shape, _build_costs, _compile,
                    _fmt_bytes, _fmt_seconds, _fmt_time, _load, _non_negative_int, _parse_params, _positive_int,
                    _summary, _table, command)
@@ -113,44 +114,63 @@ def _add_trace_command(sub) -> None:
 
 
 def _add_deferred_layers(q) -> None:
-    q.add_argument("--deferred-layers", metavar="auto|N|all", type=_deferred_layers_value, default="all",
-                   help="partial deferral (hippie.deferred_layers) of the deferred stages: 'all' delays their whole "
-                        "gradient (default), N their first N layers, 'auto' the count with the least predicted time "
-                        "to a loss (the engine's rule; prints each stage's choice). N and auto need per-layer costs: "
-                        "a --costs file whose stages list 'layers'")
+    q.add_argument("--deferred-layers", metavar="untied|auto|N|all", type=_deferred_layers_value,
+                   default=DEFAULT_DEFERRED_LAYERS,
+                   help="partial deferral (hippie.deferred_layers, the same default) of the deferred stages: "
+                        "'untied' (default) delays each one's first layer with parameters (param_bytes > 0; a stage "
+                        "without per-layer costs counts as one layer, so it is delayed whole), N their first N "
+                        "layers with parameters (0: the stage is not deferred), 'all' their whole gradient, 'auto' "
+                        "the count with the least predicted time to a loss (the engine's rule; prints each stage's "
+                        "choice). N and auto need per-layer costs: a --costs file whose stages list 'layers'")
     q.add_argument("--staleness-price", type=float, default=None, metavar="P",
                    help="with --deferred-layers auto: the extra steps (a share) a fully stale gradient costs "
                         "(hippie.staleness_price; default 0.5, measured on the GPT example; 0: the step time alone)")
 
 
 def _deferred_layers_value(text: str):
-    if text in ("auto", "all"):
+    if text in (UNTIED_LAYERS, AUTO_LAYERS, WHOLE_STAGE):
         return text
     if text.isdigit():
         return int(text)
     import argparse
-    raise argparse.ArgumentTypeError(f"{text!r}: allowed auto, all or a layer count >= 0")
+    raise argparse.ArgumentTypeError(f"{text!r}: allowed untied, auto, all or a layer count >= 0")
+
+
+def _cost_layers(costs) -> dict:
+    """Every stage's layers as the cost file lists them, for the deferral (a layer holds
+    parameters when its param_bytes > 0; the file names no tied modules); a stage without
+    per-layer costs is one layer."""
+    from ..schedules.deferral import StageLayers
+    out, first = {}, 0
+    for s, st in enumerate(costs.stages):
+        params = tuple(layer.param_bytes > 0 for layer in st.layers) if st.layers else (True,)
+        out[s], first = StageLayers(first, params), first + len(params)
+    return out
 
 
 def _partial_deferral(compiled, costs, value, iterations: int, staleness_price: float | None = None
-                      ) -> tuple[dict[int, int], list]:
-    """--deferred-layers for ``compiled``: ({deferred stage: layers delayed}, the 'auto' choices)."""
+                      ) -> tuple[dict[int, int], list, list[int]]:
+    """--deferred-layers for ``compiled``: ({deferred stage: leading layers delayed}, the 'auto'
+    choices, the deferred stages), decided by the engine's rule (schedules.deferral)."""
     from ..schedules.costs import CostsError
+    from ..schedules.deferral import decide, with_parameters
     from ..schedules.partial_deferral import choose_deferred_layers
     deferred = [] if compiled.continuous else compiled.deferred_stages()
-    if value == "all" or not deferred:
-        return {}, []
+    if not deferred:
+        return {}, [], deferred
     missing = [s for s in deferred if not costs.stages[s].layers]
-    if missing:
+    if missing and value not in (UNTIED_LAYERS, WHOLE_STAGE):
         raise UsageError(f"--deferred-layers {value}: stage(s) {missing} have no per-layer costs; give a --costs file "
                          "whose stages list 'layers' (param_bytes, optionally backward, per layer)")
-    if value == "auto":
+    layers, choices = _cost_layers(costs), []
+    if value == AUTO_LAYERS:
         try:
-            choices = choose_deferred_layers(compiled, costs, iterations, staleness_price)
+            picked = choose_deferred_layers(compiled, costs, iterations, staleness_price)
         except CostsError as exc:
             raise UsageError(f"--deferred-layers auto: {exc}") from None
-        return {s: c.layers for s, c in choices.items()}, list(choices.values())
-    return {s: min(value, len(costs.stages[s].layers)) for s in deferred}, []
+        value, choices = {s: with_parameters(layers[s].params, c.layers) for s, c in picked.items()}, list(picked.values())
+    deferral = decide(deferred, value, layers, tie_rule=False)  # the cost file names no tied modules
+    return deferral.leading(layers), choices, deferral.deferred_stages()
 
 
 def _cmd_list(args) -> int:
@@ -252,10 +272,12 @@ def _simulate_one(name: str, args, costs, only_declared: bool):
                                            iterations=args.iterations)
     if params != compiled.params:
         compiled = _compile(name, args, validate=True, params=params)
-    if args.staleness_price is not None and args.deferred_layers != "auto":
+    if args.staleness_price is not None and args.deferred_layers != AUTO_LAYERS:
         raise UsageError(f"--staleness-price {args.staleness_price}: it prices only --deferred-layers auto")
-    layers, choices = _partial_deferral(compiled, costs, args.deferred_layers, args.iterations,
-                                        args.staleness_price)
+    layers, choices, deferred = _partial_deferral(compiled, costs, args.deferred_layers, args.iterations,
+                                                  args.staleness_price)
+    if "deferred_stages" in compiled.params and deferred != compiled.params["deferred_stages"]:
+        compiled = _compile(name, args, validate=True, params={**params, "deferred_stages": deferred})
     result = simulator.simulate(compiled, costs, iterations=args.iterations, deferred_layers=layers)
     return compiled, result, choices
 

@@ -277,8 +277,9 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
 
 def _with_parameters(model: _Model, layers: Sequence[int], count: int) -> int:
     """The layers with parameters among a stage's ``count`` leading ``layers`` (model order):
-    what ``hippie.deferred_layers`` counts (adapter/deferred_layers.py)."""
-    return sum(1 for i in layers[:count] if model.params[i] > 0) or count
+    what ``hippie.deferred_layers`` counts (schedules/deferral.py)."""
+    from ..schedules.deferral import with_parameters
+    return with_parameters([model.params[i] > 0 for i in layers], count) or count
 
 
 def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict) -> list[StagePlan]:

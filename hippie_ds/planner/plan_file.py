@@ -10,6 +10,7 @@ from typing import Any, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hippie_ds.config import DEFAULT_DEFERRED_LAYERS
 from hippie_ds.data_files import describe, read_data_file
 from hippie_ds.formatting import table
 
@@ -69,7 +70,8 @@ class StagePlan(_Strict):
     deferred: bool = Field(False, description="all-reduce deferred to the next step (gradient buffer)")
     deferred_layers: int | None = Field(None, ge=1, description="of a deferred stage: its leading layers with "
                                         "parameters whose gradient is applied one step late (hippie.deferred_layers 'auto'; "
-                                        "its layer count: the whole stage); none: not chosen")
+                                        "its layer count: the whole stage); none: not chosen, the config's value applies "
+                                        f"(default {DEFAULT_DEFERRED_LAYERS!r})")
     delayed_share: float = Field(0.0, ge=0, le=1, description="share of the stage's gradient bytes applied one "
                                                                "step late")
     memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes; all its chunks): "
@@ -183,7 +185,9 @@ class Plan(_Strict):
 
     def deepspeed_config(self) -> dict:
         """The config keys this plan sets (merge into a DeepSpeed config for hippie-ds)."""
-        hippie: dict[str, Any] = {"placement": "pipeline_in_node"}
+        # the planner's model keeps a pipeline's stages in one node; on one node every link is the
+        # same and a module built with its own topology (Megatron's GPTModelPipe) keeps it
+        hippie: dict[str, Any] = {"placement": "pipeline_in_node"} if self.cluster.nodes > 1 else {}
         params = dict(self.schedule_params)
         if "deferred_stages" in params:
             hippie["deferred_stages"] = params.pop("deferred_stages")
@@ -255,7 +259,7 @@ def _deferred(st: StagePlan) -> str:
     if not st.deferred:
         return "-"
     if st.deferred_layers is None:
-        return "yes"
+        return f"yes, {DEFAULT_DEFERRED_LAYERS}"  # the config's value; its default unless set
     layers = st.end_layer - st.first_layer
     what = "all" if st.deferred_layers >= layers else f"{st.deferred_layers}/{layers}"
     return f"{what} layers, {st.delayed_share:.0%}"

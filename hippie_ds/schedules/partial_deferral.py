@@ -42,7 +42,8 @@ class LayersChoice:
     stage's choice)."""
 
     stage: int
-    layers: int                 # leading layers whose gradient is applied one step late
+    layers: int                 # leading layers (the cost file's) applied one step late; deferral.with_parameters
+                                #   counts them as hippie.deferred_layers does (layers with parameters)
     total_layers: int           # the stage's layers (layers == total_layers: the whole stage)
     delayed_share: float        # fraction of the stage's gradient bytes that is delayed
     exposed_allreduce: float    # s the stage waits for its all-reduces after its last backward

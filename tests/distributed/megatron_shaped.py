@@ -28,7 +28,8 @@ same whatever the layout. ``+linearstack`` / ``+alexnet``: DeepSpeed's own unit-
 (ds_unit_models.py) in place of the GPT, built the same way. ``+plan`` (with ``+argv``): the config names no
 schedule, only ``"hippie": {"plan": ...}``, a :func:`chunked_plan` for the engine's schedule (model chunks,
 boundaries, re-computed layers), which the module takes from the config in ``sys.argv`` and
-``hippie_ds.initialize`` merges in; the module gets the plan's placement (``hippie_ds.make_topology``).
+``hippie_ds.initialize`` merges in; the module keeps DeepSpeed's default topology, as Megatron's does (a plan
+for one node sets no placement).
 Before the engines, each rank builds
 the GPT both with DeepSpeed's class and with ``GPTModelPipe`` and no config anywhere, and writes
 whether their partition and weights agree to ``OUT/no-config/rankR.pt``.
@@ -291,7 +292,6 @@ def main():
             save_plan(plan, os.path.join(args.out, name, f"plan.rank{rank}.json"))
             del cfg["pipeline"]
             cfg["hippie"] = {"plan": f"plan.rank{rank}.json"}
-            topology = hippie_ds.make_topology(args.stages, world)  # the plan's "pipeline_in_node" placement
         if model != "megatron" or "argv" in opts or "b64" in opts:  # the drop-in: sys.argv names the config
             module = build_from_argv(cfg, os.path.join(args.out, name), opts, model, args.blocks, args.stages,
                                      topology)

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "staleness": ("benchmarks.studies.staleness", "which correction lets a one-step-late stage reach DP's loss"),
     "tied-deferral": ("benchmarks.studies.tied_deferral", "hippie.deferred_layers on a Megatron-shaped GPT with a "
                                                           "tied embedding: 1 vs untied vs all against stock"),
+    "cuda-plan": ("benchmarks.studies.cuda_plan", "one GPU: the job profiles itself, the planner plans one stage, "
+                                                  "the plan runs: the plan's memory against max_memory_allocated"),
     "zero-memory": ("benchmarks.studies.zero_memory", "training state per rank on each optimizer path: fp32, ZeRO-1 "
                                                       "(fp32, bf16, BF16_Optimizer) under stock, 1f1b, hippie"),
     "example-costs": ("benchmarks.studies.example_costs", "a training example's cost file (hippie.costs) for "

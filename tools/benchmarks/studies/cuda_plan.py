@@ -1,9 +1,9 @@
 """The planner's memory figure against the CUDA caching allocator, on one GPU.
 
-    python tools/cuda_plan_check.py profile --out DIR      # the job profiles itself (hippie.profile)
+    tools/bench.py cuda-plan profile --out DIR      # the job profiles itself (hippie.profile)
     hippie-ds plan --profile DIR/profile.yaml --cluster 1x1,80GB,100Gbit --global-batch G --stages 1 \\
         --schedules 1f1b --micro-batch-size B --out DIR/plan.json
-    python tools/cuda_plan_check.py run --out DIR --plan DIR/plan.json
+    tools/bench.py cuda-plan run --out DIR --plan DIR/plan.json
 
 One process (rank 0 of a world of 1; MASTER_ADDR/PORT default to localhost), the GPT example's
 layers at a size where the model, not the CUDA context, fills the memory (a 32,000-token vocabulary),
@@ -26,7 +26,7 @@ from examples import gpt
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="tools/bench.py cuda-plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("phase", choices=["profile", "run"])
     p.add_argument("--out", required=True, help="profile.yaml / run.json go here")
