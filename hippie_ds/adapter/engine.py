@@ -4,8 +4,10 @@ The engine wires components that each own their state, behind named interfaces:
 :class:`~hippie_ds.adapter.engine_gradients.StageGradients` (all-reduces, gradient buffer, partial
 deferral), :class:`~hippie_ds.adapter.engine_versions.WeightVersions` (weight versions),
 :mod:`~hippie_ds.adapter.staleness` (the one staleness correction), the split backward
-(:mod:`~hippie_ds.adapter.engine_split`), the per-stage step (:mod:`~hippie_ds.adapter.engine_step`) and
-checkpoint I/O (:mod:`~hippie_ds.adapter.engine_checkpoint`);
+(:mod:`~hippie_ds.adapter.engine_split`), the per-stage step (:class:`~hippie_ds.adapter.engine_step.StageStep`:
+every swap a step makes, in one context manager), virtual stages' per-chunk state
+(:class:`~hippie_ds.adapter.chunk_selector.ChunkSelector`), the continuous schedules' call cursor
+(:class:`~hippie_ds.adapter.call_cursor.CallCursor`) and checkpoint I/O (:mod:`~hippie_ds.adapter.engine_checkpoint`);
 with them, the only modules that touch DeepSpeed's engine internals. Handlers receive what they
 need as instruction arguments, as DeepSpeed's do. What it changes, and why:
 - ``_train_schedule`` returns the compiled, validated declaration instead of ``TrainSchedule``;
@@ -38,18 +40,19 @@ import weakref
 from types import MethodType
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .._compat import check_deepspeed
 from ..schedules.ir import COMPUTE_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule, OpKind
 from . import instructions as hs
 from .allreduce_stream import AllReduceStream
+from .call_cursor import CallCursor
 from .engine_checkpoint import CheckpointMixin, warn_in_flight_at_exit
-from .engine_chunks import ChunkSelection
+from . import chunk_selector as chunk_p2p
+from .engine_chunks import ChunkedEngine
 from .engine_gradients import StageGradients, split_deferred
 from .engine_split import SplitBackwardMixin
-from .engine_step import StageStepMixin
+from .engine_step import StageStep
 from .engine_versions import WeightVersions
 from .failure import end_job_on_failure
 from .grad_store import GradStore
@@ -79,7 +82,7 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
             del holding[op.chunk]
 
 
-class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, ChunkSelection, PipelineEngine):
+class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
@@ -92,24 +95,20 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                              f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
                              f"{self.micro_batches}")
         self._declared = hs.DeclaredSchedule(compiled_schedule, self.stage_id)
-        self._init_chunk_selection(compiled_schedule)
+        self._init_chunks(compiled_schedule)  # virtual stages: the per-chunk state (chunk_selector)
         self._losses: dict[int, object] = {}
         self._pending_sends: list = []
         self._timeline_dir = timeline_dir
         self._timeline = Timeline(timeline_steps, compute_clock(self.device))
         self._batch_index = 0
         self._training = False  # timelines cover train_batch only
-        # continuous schedules: calls run so far, the earliest batch not yet drained, whether
-        # batches are in flight; weight versions (see the module docstring)
+        # continuous schedules: where the calls stand (call_cursor); weight versions (module docstring)
         self._continuous = compiled_schedule.continuous
-        self._call = 0
-        self._first_batch = 0
-        self._op_call = 0  # the call an op's relative batch refers to
-        self._in_flight = False
-        self._batch_lrs: dict[int, list[float]] = {}  # continuous: each batch's learning rates, by call
+        self._cursor = CallCursor()
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._versions = self._make_versions(compiled_schedule, staleness)
-        self._gradients = self._make_gradients(compiled_schedule, staleness, deferred_layers, tied_delayed, tied_kept)
+        self._gradients, self._stage_step = self._make_gradients(compiled_schedule, staleness, deferred_layers,
+                                                                 tied_delayed, tied_kept)
         self._init_split_backward(compiled_schedule)
         atexit.register(warn_in_flight_at_exit, weakref.ref(self))
 
@@ -127,7 +126,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                 for key, comm in self.module.tied_comms.items() if keys is None or key in keys
                 for attr in comm["weight_attr"]]
 
-    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers, tied_delayed, tied_kept):
+    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers, tied_delayed,
+                        tied_kept) -> tuple[StageGradients, StageStep]:
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
         # schedules without reduce_tied_grads sum tied gradients themselves (adapter/tied.py)
         ties = [] if compiled.uses_tied_reduction else self._tied_weights()
@@ -137,7 +137,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
                                 self.grid.data_parallel_id) if ties and compiled.continuous else None)
         if lagged is not None:
             ties = []
-        self._clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
+        clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
         delayed, synced = (split_deferred(self._params, self.module.forward_funcs,
                                           (deferred_layers or {}).get(self.stage_id),
                                           also=[w for w, _ in self._tied_weights(tied_delayed)],
@@ -151,12 +151,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
             reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced, ties=ties,
             lagged_ties=lagged, tie_clip=self.gradient_clipping(),
             backwards_per_call=sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id)),
-            step=self._stage_step, step_without_counters=self._stage_step_without_counters,
             prediction=make_prediction(staleness, delayed) if deferred and delayed else None,
             on_early_start=self._mark_early_allreduce)
         if deferred and self.grid.data_parallel_id == 0:
             gradients.log_delayed_share(self.stage_id)
-        return gradients
+        return gradients, StageStep(self, store, clip_group, gradients.clips_itself)
 
     def _mark_early_allreduce(self):
         if self._timeline_dir is not None and self._training:
@@ -176,7 +175,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         try:
             self._exec_steps_of(steps)
         finally:
-            self._select_chunk(None)  # outside ops DeepSpeed sees the stage as one part (the loss broadcast)
+            self._chunks.select(None)  # outside ops DeepSpeed sees the stage as one part (the loss broadcast)
             self._versions.hold_current()  # the module holds true weights between calls (engine_versions)
 
     def _exec_steps_of(self, steps):
@@ -184,10 +183,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         record, continuous = self._timeline_dir is not None and self._training, self._continuous and self._training
         for step in steps:
             for cmd, op in step:
-                if continuous and op is not None and self._op_call + op.batch < self._first_batch:
+                if continuous and op is not None and self._cursor.skips(op.batch):
                     continue  # a batch that does not exist (pipeline fill) or was drained
                 if op is not None and op.micro_batch is not None:
-                    self._select_chunk(op.chunk)  # virtual stages (engine_chunks)
+                    self._chunks.select(op.chunk)  # virtual stages (chunk_selector)
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
@@ -204,7 +203,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
 
     def train_batch(self, data_iter=None):
         self._training = True
-        self._op_call = self._call
+        self._cursor.start()
         self._gradients.count_backwards_from_zero()
         prediction = self._gradients.prediction
         try:
@@ -215,12 +214,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
             # Updates of a continuous schedule keep the step counters still; the call advances
             # them once, on every stage alike (checkpoint tags and LR schedules count batches).
             # A batch's updates take the learning rates set for its call (kept while in flight).
-            self._batch_lrs = {b: r for b, r in self._batch_lrs.items() if b >= self._call - 2}
-            self._batch_lrs[self._call] = [g["lr"] for g in self.optimizer.param_groups]
+            self._cursor.keep_lrs([g["lr"] for g in self.optimizer.param_groups])
             loss = super().train_batch(data_iter)
-            self._step_bookkeeping()
-            self._call += 1
-            self._in_flight = True
+            self._stage_step.bookkeeping()
+            self._cursor.advance()
             return loss
         finally:
             if prediction is not None:
@@ -241,16 +238,15 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         anything was done."""
         if not self._continuous:
             return self._flush_buffered()
-        if not self._in_flight:
+        if not self._cursor.in_flight:
             return False
         self._training = True
-        self._op_call = self._call  # drain ops' batches are relative to the call that would come next
+        self._cursor.start()  # drain ops' batches are relative to the call that would come next
         try:
             self._exec_steps(self._declared.drain.op_steps())
         finally:
             self._training = False
-        self._first_batch = self._call
-        self._in_flight = False
+        self._cursor.drained()
         return True
 
     def has_pending_update(self) -> bool:
@@ -267,7 +263,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
 
     def has_in_flight(self) -> bool:
         """True when batches of a continuous schedule are still in flight (``drain()`` has work)."""
-        return self._in_flight
+        return self._cursor.in_flight
 
     def eval_batch(self, *args, **kwargs):
         # Evaluation reuses the pipeline buffers: finish the batches in flight first.
@@ -302,11 +298,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self.pipe_buffers["outputs"][buffer_id] = None
 
     # ------------------------------------------------------------------ non-blocking sends
-    def _isend(self, tensor, stage):
+    def _isend(self, tensor, stage, tag=chunk_p2p.ACTIVATION_TAG):
         # Keep the tensor with its work handle: the buffer slot may be reused before completion.
         # A detached alias (same storage): an output the split backward cannot detach in place
         # (a view) must not keep its micro-batch's graph alive until the sends are waited for.
-        work = dist.isend(tensor, self.grid.stage_to_global(stage), tag=self._p2p_tag())
+        work = chunk_p2p.isend(self.grid, tensor, stage, tag)
         self._pending_sends.append((work, tensor.detach()))
 
     def _exec_isend_activations(self, buffer_id):
@@ -320,13 +316,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
             self._isend(tensor, self.next_stage)
 
     def _exec_isend_grads(self, buffer_id):
-        inputs = self.pipe_buffers["inputs"][buffer_id]
-        if self.has_attention_mask or self.has_bool_tensors:
-            inputs = tuple(inputs[:-1])
-        for tensor in (inputs, ) if torch.is_tensor(inputs) else inputs:
-            if tensor.is_floating_point():
-                assert tensor.grad is not None
-                self._isend(self._not_receive_buffer(tensor.grad), self.prev_stage)
+        for grad in self._input_grads(buffer_id):  # engine_chunks: DeepSpeed's choice of gradients
+            self._isend(self._not_receive_buffer(grad), self.prev_stage, self._chunks.gradient_tag)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _not_receive_buffer(self, grad):
@@ -346,7 +337,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
     # ------------------------------------------------------------------ handlers of the components
     def _abs_version(self, batch: int, version: int, clamp: bool = True) -> int:
         """Absolute weight version of an op of ``batch`` (relative to the running call)."""
-        return self._versions.absolute(self._op_call + batch, version, clamp)
+        return self._versions.absolute(self._cursor.batch(batch), version, clamp)
 
     def _exec_start_allreduce(self, target, chunk):
         if target == "chunk":  # virtual stages: one chunk's gradients, its backwards done
@@ -361,7 +352,31 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, StageStepMixin, 
         self._gradients.copy_to_buffer()
 
     def _exec_apply_buffered_update(self):
-        self._gradients.apply_buffered_update()
+        with self._gradients.buffered_update() as updates:  # the buffered gradient in place
+            self._stage_step.step() if updates else self._stage_step.count_only()
+
+    def _exec_stage_optimizer_step(self, batch: int = 0):
+        if not self._continuous:
+            self._stage_step.step()
+            return
+        # a per-stage update of a continuous schedule: on the current version, per-stage
+        # clipping, no step counters (the call advances them), at its batch's learning rates
+        # (an update may run in the next call: every stage, and every holder of a tied module,
+        # applies a batch's gradient at the same rate wherever the call boundary falls)
+        rates = self._cursor.lrs(batch)
+        self._versions.update(lambda: self._stage_step.step(counters=False, lrs=rates))
+
+    def _flush_buffered(self) -> bool:
+        """A deferred stage's buffered gradient applied now (``drain()``). Its step clips by the
+        tie group's joint norm only when the buffer holds this stage's tied weights (then every
+        holder delays them and flushes too, adapter/tied.py); else (``deferred_layers: "untied"``:
+        the tied copy in-step) the other holders do not step and it clips by the stage's own norm."""
+        delayed = {id(p) for p in self._gradients.delayed}
+        tie_norm = any(id(w) in delayed for w, _ in self._tied_weights())
+        with self._gradients.flushing() as due:
+            if due:
+                self._stage_step.step(counters=False, tie_norm=tie_norm)
+        return due
 
     def _exec_stash_weights(self, batch: int, version: int):
         self._versions.stash(self._abs_version(batch, version))

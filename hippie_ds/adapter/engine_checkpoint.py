@@ -1,6 +1,8 @@
 """Checkpoints of a ``HippiePipelineEngine``: DeepSpeed's, plus the in-flight training state
-(the deferred gradient buffer, weight versions, the staleness correction's deltas, each holder's
-copy of a tied module under schedules that never flush) and the stage layout. In-flight state is
+(the deferred gradient buffer, weight versions with the continuous schedules' call cursor
+(:class:`~hippie_ds.adapter.call_cursor.CallCursor`, saved as ``call``), the staleness
+correction's deltas, each holder's copy of a tied module under schedules that never flush) and
+the stage layout. In-flight state is
 wrapped so that stock DeepSpeed refuses it (:mod:`hippie_ds.adapter.checkpoint_state`);
 checkpoints of stock DeepSpeed and of other stage layouts load (weights follow by layer). And the
 warning at exit when what is in flight is neither applied nor saved (:func:`warn_in_flight_at_exit`).
@@ -48,7 +50,7 @@ class CheckpointMixin:
         versions = None
         if self._continuous:
             self.drain()
-            versions = {"call": self._call, **self._versions.state_dict()}  # the module holds the current version
+            versions = {**self._cursor.state_dict(), **self._versions.state_dict()}  # the module holds the current version
         # The pending gradient is part of the training state: its all-reduce finishes first.
         self._exec_wait_sends()
         prediction = self._prediction()
@@ -108,8 +110,7 @@ class CheckpointMixin:
             else:
                 own.deltas = {}
         if versions is not None:
-            self._call = self._op_call = self._first_batch = versions["call"]
-            self._in_flight = False
+            self._cursor.load_state_dict(versions)
             self._versions.load_state_dict(versions, self.device)
         return path, client_state
 

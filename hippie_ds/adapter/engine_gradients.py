@@ -60,14 +60,14 @@ class StageGradients:
     """One stage's gradient state: what the ``StartAllReduce``, ``WaitAllReduce``,
     ``CopyGradsToBuffer`` and ``ApplyBufferedUpdate`` handlers act on.
 
-    ``step(apply)`` is the engine's per-stage optimizer step (``apply=False``: step counters only),
-    ``step_without_counters()`` an update outside them (the flush); ``on_early_start()`` is called
-    when the synced part's all-reduce starts inside a backward (the timeline marks it)."""
+    It takes no optimizer step itself: :meth:`buffered_update` and :meth:`flushing` put the
+    gradients in place around the step the engine takes inside them
+    (:class:`~hippie_ds.adapter.engine_step.StageStep`). ``on_early_start()`` is called when the
+    synced part's all-reduce starts inside a backward (the timeline marks it)."""
 
     def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
                  delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
                  ties: list[tuple[torch.Tensor, object]] = (), lagged_ties=None, tie_clip: float = 0.0,
-                 step: Callable[[bool], None], step_without_counters: Callable[[], None],
                  prediction: InPlacePrediction | None = None, on_early_start: Callable[[], None] | None = None):
         self.store = store  # where gradients live (fp32 / bf16)
         self._stream = stream  # on CUDA a side stream (see allreduce_stream); on the CPU gloo's own threads
@@ -79,7 +79,6 @@ class StageGradients:
         self._lagged_ties = lagged_ties  # schedules that never flush: tied.LaggedTieSums instead
         self._skip_ties = False  # the lagged tie sum's first update: the tied weights have nothing yet
         self._tie_clip = tie_clip  # > 0: the lagged tie sum's clipping, apart from the rest (the step's is off)
-        self._step, self._step_without_counters = step, step_without_counters
         self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
         self._chunk_parts: list[tuple] = []  # start_chunk_allreduce's (work, flat, grads), waited with "grads"
@@ -230,29 +229,30 @@ class StageGradients:
             g.zero_()
         _checked((None, self.buffer_sm.copy()))
 
-    def apply_buffered_update(self) -> None:
+    @contextlib.contextmanager
+    def buffered_update(self):
+        """Around ``ApplyBufferedUpdate``'s step: yields whether the step updates (True: the
+        buffered gradient, and the synchronous part's, are in place inside; this step's delayed
+        gradient is put back afterwards) or only advances the step counters (False)."""
         if self.prediction is not None:
             self.prediction.begin_update()  # the update applies to the true weights, not the predicted ones
         try:
-            self._apply_buffered_update()
+            applies = _checked(self.buffer_sm.apply())
+            if not applies and not self.synced and not self._steps_first:
+                # First step: nothing buffered yet. Keep step counters and the LR schedule in
+                # lock-step with the other stages (checkpoint tags use global_steps).
+                yield False
+                return
+            current = flat_copy(self.delayed_grads())  # this step's delayed gradient, buffered next
+            if applies:
+                self.store.load(self._delayed_subset(), self.buffer)
+            else:  # first step, partial deferral (or a bf16 tie holder: _steps_first): the synchronous part
+                self.store.skip(self.delayed)  # updates, the delayed part has nothing yet
+            yield True
+            self.store.load(self._delayed_subset(), current)
         finally:
             if self.prediction is not None:
                 self.prediction.end_update()  # the update just applied: the next step's prediction
-
-    def _apply_buffered_update(self) -> None:
-        applies = _checked(self.buffer_sm.apply())
-        if not applies and not self.synced and not self._steps_first:
-            # First step: nothing buffered yet. Keep step counters and the LR schedule in
-            # lock-step with the other stages (checkpoint tags use global_steps).
-            self._step(False)
-            return
-        current = flat_copy(self.delayed_grads())  # this step's delayed gradient, buffered next
-        if applies:
-            self.store.load(self._delayed_subset(), self.buffer)
-        else:  # first step, partial deferral (or a bf16 tie holder: _steps_first): the synchronous part
-            self.store.skip(self.delayed)  # updates, the delayed part has nothing yet
-        self._step(True)
-        self.store.load(self._delayed_subset(), current)
 
     @property
     def _steps_first(self) -> bool:
@@ -270,10 +270,14 @@ class StageGradients:
         """True when this stage holds a buffered gradient not yet applied."""
         return self.buffer_sm.pending
 
-    def flush(self) -> bool:
-        """Apply the buffered gradient now (a collective of the stage's data-parallel group)."""
+    @contextlib.contextmanager
+    def flushing(self):
+        """Around ``drain()``'s step of the buffered gradient (a collective of the stage's
+        data-parallel group; the step leaves the counters still): yields whether there is one to
+        apply, in place inside."""
         if not self.buffer_sm.pending:
-            return False
+            yield False
+            return
         if self.buffer_sm.state == FILLED:
             self.start_allreduce("buffer")
         self.wait_buffer()
@@ -286,12 +290,11 @@ class StageGradients:
         if self.synced and self.store.flat:  # a flat step would move them too (grad_store.Unmoved)
             optimizer = self.store._optimizer
             unmoved = Unmoved(self.synced, optimizer) if self.store.bf16 else ZeroUnmoved(self.synced, optimizer)
-        self._step_without_counters()
+        yield True
         if unmoved is not None:
             unmoved.restore()
         if self.prediction is not None:
             self.prediction.end_update()
-        return True
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -64,9 +64,9 @@ class SplitBackwardMixin:
         else:
             outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
         inputs, params = self.pipe_buffers["inputs"][buffer_id], self._params
-        if self._chunk not in self._coverage_checked:
+        if self._chunks.chunk not in self._coverage_checked:
             check_coverage(outputs, inputs, params, [n for n, p in self.module.named_parameters() if p.requires_grad])
-            self._coverage_checked.add(self._chunk)
+            self._coverage_checked.add(self._chunks.chunk)
         with self._engine_backward():
             self._pending_weight_grads[buffer_id] = backward_input(outputs, grads, inputs, params)
         if self._split_meter is not None:

@@ -1,8 +1,13 @@
-"""The engine's per-stage optimizer step (``StageOptimizerStep``, and the step a deferred stage's
-``ApplyBufferedUpdate`` makes): DeepSpeed's ``_take_model_step`` with the gradient norm reduced over
-the stage (or its tie group), not the pipeline; the step counters and the LR schedule advanced as
-stock DeepSpeed advances them; a continuous schedule's update at its batch's learning rates."""
+"""The engine's per-stage optimizer step (:class:`StageStep`): the step of ``StageOptimizerStep``,
+of a deferred stage's ``ApplyBufferedUpdate`` and of its ``drain()``. DeepSpeed's
+``_take_model_step`` with the gradient norm reduced over the stage (or its tie group), not the
+pipeline; the step counters and the LR schedule advanced as stock DeepSpeed advances them, or left
+still (a continuous schedule's updates, the flush); a continuous schedule's update at its batch's
+learning rates. Every engine setting a per-stage step changes for the duration of the step is
+swapped and put back in one place, :meth:`StageStep.swapped` (exception-safe)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from deepspeed import comm as dist
@@ -38,108 +43,116 @@ class _StageLocalMPU:
         return getattr(self._mpu, name)
 
 
+class StageStep:
+    """One stage's per-stage optimizer step, on its engine.
 
-class StageStepMixin:
-    """Per-stage steps of :class:`~hippie_ds.adapter.engine.HippiePipelineEngine`."""
+    * :meth:`step` -- an update: DeepSpeed's ``_take_model_step`` inside :meth:`swapped`;
+    * :meth:`count_only` -- no update, the step counters and LR schedule advance (a wholly deferred
+      stage's first step); a tie holder joins its group's norm reduction;
+    * :meth:`bookkeeping` -- the LR schedule and step counters advance once (a continuous
+      schedule's call);
+    * :meth:`swapped` -- the context manager that owns every swap a step makes.
 
-    _clip_group = None  # the tie group whose joint norm a per-stage step clips by (adapter/tied.py)
+    ``clip_group``: the tie group whose joint norm the step clips by (adapter/tied.py; None:
+    the stage's own); ``clips_itself``: the gradients come clipped already (a lagged tie sum,
+    adapter/tied.py), so the step clips nothing; ``store``: the stage's
+    :class:`~hippie_ds.adapter.grad_store.GradStore`."""
 
-    def _exec_stage_optimizer_step(self, batch: int = 0):
-        if not self._continuous:
-            self._stage_step(apply=True)
-            return
-        # a per-stage update of a continuous schedule: on the current version, per-stage
-        # clipping, no step counters (the call advances them), at its batch's learning rates
-        # (an update may run in the next call: every stage, and every holder of a tied module,
-        # applies a batch's gradient at the same rate wherever the call boundary falls)
-        groups = self.optimizer.param_groups
-        rates = self._batch_lrs.get(self._op_call + batch)
+    def __init__(self, engine, store, clip_group=None, clips_itself: bool = False):
+        self._engine = engine
+        self._store = store
+        self.clip_group = clip_group
+        self.clips_itself = clips_itself
+
+    def local_mpu(self, tie_norm: bool = True) -> _StageLocalMPU:
+        """The mpu whose norms reduce over the stage (``tie_norm``: over its tie group, if any)."""
+        e = self._engine
+        return _StageLocalMPU(e.mpu, e.grid, self.clip_group if tie_norm else None)
+
+    @contextlib.contextmanager
+    def swapped(self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True):
+        """Inside: the engine's and the optimizer's mpu are :meth:`local_mpu`'s; gradient
+        clipping (the config's and the optimizer's ``clip_grad``) is off when ``clips_itself``;
+        ``_force_grad_boundary`` holds (DeepSpeed's ``OptimizerStep`` sets it too). ``counters``
+        False: no LR scheduler, and ``global_steps`` / ``global_samples`` come back as they were.
+        ``lrs``: the optimizer's param groups take these learning rates, put back afterwards.
+        Everything is restored when the body raises, too. Yields the local mpu."""
+        e = self._engine
+        optimizer = e.optimizer
+        local = self.local_mpu(tie_norm)
+        groups = optimizer.param_groups
+        has_mpu = hasattr(optimizer, "mpu")
+        mpu, optimizer_mpu = e.mpu, getattr(optimizer, "mpu", None)
+        clipping, clip_grad = e._config.gradient_clipping, getattr(optimizer, "clip_grad", None)
+        scheduler, steps, samples = e.lr_scheduler, e.global_steps, e.global_samples
         now = [g["lr"] for g in groups]
         try:
-            for g, lr in zip(groups, rates or now):
-                g["lr"] = lr
-            self._versions.update(self._stage_step_without_counters)
+            if lrs is not None:
+                for g, lr in zip(groups, lrs):
+                    g["lr"] = lr
+            if not counters:
+                e.lr_scheduler = None
+            e.mpu = local
+            if has_mpu:
+                optimizer.mpu = local
+            if self.clips_itself:
+                e._config.gradient_clipping = 0.0
+                if clip_grad is not None:
+                    optimizer.clip_grad = 0.0
+            e._force_grad_boundary = True
+            yield local
         finally:
-            for g, lr in zip(groups, now):
-                g["lr"] = lr
+            e._force_grad_boundary = False
+            e.mpu = mpu
+            if has_mpu:
+                optimizer.mpu = optimizer_mpu
+            e._config.gradient_clipping = clipping
+            if clip_grad is not None:
+                optimizer.clip_grad = clip_grad
+            if not counters:
+                e.lr_scheduler, e.global_steps, e.global_samples = scheduler, steps, samples
+            if lrs is not None:
+                for g, lr in zip(groups, now):
+                    g["lr"] = lr
 
-    def _stage_step(self, apply: bool):
-        """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only."""
-        if not apply:
-            self._join_tie_norm()
-            self._step_bookkeeping()
-            return
-        saved = getattr(self.optimizer, "mpu", None)
-        local = _StageLocalMPU(self.mpu, self.grid, self._clip_group)
-        mpu = self.mpu
-        clip = self._config.gradient_clipping, getattr(self.optimizer, "clip_grad", None)
-        try:
-            self.mpu = local
-            if hasattr(self.optimizer, "mpu"):
-                self.optimizer.mpu = local
-            if self._gradients.clips_itself:  # clipped already (the lagged tie sum, adapter/tied.py)
-                self._config.gradient_clipping = 0.0
-                if clip[1] is not None:
-                    self.optimizer.clip_grad = 0.0
-            self._force_grad_boundary = True
-            self._gradients.store.count_for_norm()
-            with stage_step(self.optimizer, local):  # ZeRO-1: its partition of .grad, its norm over the stage
-                self._take_model_step(None)
-        finally:
-            self._force_grad_boundary = False
-            self.mpu = mpu
-            if hasattr(self.optimizer, "mpu"):
-                self.optimizer.mpu = saved
-            self._config.gradient_clipping = clip[0]
-            if clip[1] is not None:
-                self.optimizer.clip_grad = clip[1]
+    def step(self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True) -> None:
+        """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only
+        (arguments: :meth:`swapped`'s)."""
+        with self.swapped(counters, lrs, tie_norm) as local:
+            self._store.count_for_norm()
+            with stage_step(self._engine.optimizer, local):  # ZeRO-1: its partition of .grad, its norm over the stage
+                self._engine._take_model_step(None)
+
+    def count_only(self) -> None:
+        """No update; the step counters and the LR schedule advance as an update's would."""
+        self._join_tie_norm()
+        self.bookkeeping()
 
     def _join_tie_norm(self):
         """A holder of a tied module that has nothing to apply (a whole deferred stage's first
         step) still joins the gradient-norm reduction its tie group's other holders make in their
         steps, with a zero gradient: DeepSpeed's own norm function under the per-stage mpu (bf16
         reduces the norm for its overflow check always, fp32 only to clip)."""
-        if self._clip_group is None:
+        if self.clip_group is None:
             return
         from deepspeed.runtime.utils import clip_grad_norm_, get_global_norm_of_tensors
-        local = _StageLocalMPU(self.mpu, self.grid, self._clip_group)
-        zero = torch.nn.Parameter(torch.zeros(1, device=self.device))
+        e = self._engine
+        local = self.local_mpu()
+        zero = torch.nn.Parameter(torch.zeros(1, device=e.device))
         zero.grad = torch.zeros_like(zero)
-        if self.bfloat16_enabled():
-            get_global_norm_of_tensors([zero.grad], mpu=local, norm_type=getattr(self.optimizer, "norm_type", 2))
-        elif self.gradient_clipping() > 0:
-            clip_grad_norm_([zero], self.gradient_clipping(), mpu=local)
+        if e.bfloat16_enabled():
+            get_global_norm_of_tensors([zero.grad], mpu=local, norm_type=getattr(e.optimizer, "norm_type", 2))
+        elif e.gradient_clipping() > 0:
+            clip_grad_norm_([zero], e.gradient_clipping(), mpu=local)
 
-    def _flush_buffered(self) -> bool:
-        """A deferred stage's buffered gradient applied now (``drain()``). Its step clips by the
-        tie group's joint norm only when the buffer holds this stage's tied weights (then every
-        holder delays them and flushes too, adapter/tied.py); else (``deferred_layers: "untied"``:
-        the tied copy in-step) the other holders do not step and it clips by the stage's own norm."""
-        delayed = {id(p) for p in self._gradients.delayed}
-        clip_group = self._clip_group
-        if not any(id(w) in delayed for w, _ in self._tied_weights()):
-            self._clip_group = None
-        try:
-            return self._gradients.flush()
-        finally:
-            self._clip_group = clip_group
-
-    def _stage_step_without_counters(self):
-        """A per-stage optimizer step that leaves the LR schedule, ``global_steps`` and
-        ``global_samples`` as they were (updates outside the once-per-call bookkeeping)."""
-        lr_scheduler, steps, samples = self.lr_scheduler, self.global_steps, self.global_samples
-        self.lr_scheduler = None
-        try:
-            self._stage_step(apply=True)
-        finally:
-            self.lr_scheduler, self.global_steps, self.global_samples = lr_scheduler, steps, samples
-
-    def _step_bookkeeping(self):
-        if self.lr_scheduler is not None:
+    def bookkeeping(self) -> None:
+        """The LR schedule steps and ``global_steps`` / ``global_samples`` advance, as DeepSpeed's
+        ``_take_model_step`` advances them."""
+        e = self._engine
+        if e.lr_scheduler is not None:
             try:
-                self.lr_scheduler.step()
+                e.lr_scheduler.step()
             except TypeError:  # as DeepSpeed's _take_model_step: Megatron's scheduler takes the samples
-                self.lr_scheduler.step(self.train_batch_size())
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-
+                e.lr_scheduler.step(e.train_batch_size())
+        e.global_steps += 1
+        e.global_samples += e.train_batch_size()
