@@ -49,31 +49,54 @@ def _assert_equal(a, b, what):
             assert torch.equal(a[i][k], b[i][k]), f"{what}: layer {i} {k} differs by {(a[i][k] - b[i][k]).abs().max()}"
 
 
-@pytest.mark.parametrize("stages,zero,immediate", [(2, 0, False), (2, 1, False), (2, 1, True), (4, 1, False)],
-                         ids=["2x2-bf16", "2x2-bf16+zero1", "2x2-bf16+zero1-immediate", "4x2-bf16+zero1"])
-def test_every_schedule_in_bf16(tmp_path, stages, zero, immediate):
-    """``immediate``: DeepSpeed's ``immediate_grad_update`` (its hooks move each gradient into the
-    accumulator during the backward, where hippie-ds's early all-reduce hook runs too)."""
-    rc, log, _ = launch(2 * stages, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
-                        *(["--bf16-immediate"] if immediate else []),
-                        "--engines", ENGINES, "--bf16", "--zero", zero, "--optimizer", "AdamW", "--lr", LR,
-                        "--clip", CLIP, "--deferred-layers", "default", "--drain", timeout=420)
+# the 2-stage variants train in one launch (CI time), each engine name with its variant's options:
+# id -> (engine suffix, ZeRO stage); "immediate": DeepSpeed's immediate_grad_update (its hooks move each
+# gradient into the accumulator during the backward, where hippie-ds's early all-reduce hook runs too)
+VARIANTS = {"2x2-bf16": ("+bf16", 0), "2x2-bf16+zero1": ("+bf16+zero1", 1),
+            "2x2-bf16+zero1-immediate": ("+bf16+zero1+immediate", 1)}
+
+
+# saved after 2 steps and resumed in a fresh engine, in the 2-stage launch (test_checkpoint_resume_in_bf16_zero1)
+RESUMED = tuple(f"{n}+bf16+zero1+ckpt2" for n in ("hippie", "hippie-zb", "2bw", "pipedream"))
+
+
+def _bf16_launch(out, stages, suffixes, extra=(), more=()):
+    engines = ",".join([name + suffix for suffix in suffixes for name in ENGINES.split(",")] + list(more))
+    rc, log, _ = launch(2 * stages, out, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
+                        "--engines", engines, *extra, "--optimizer", "AdamW", "--lr", LR,
+                        "--clip", CLIP, "--deferred-layers", "default", "--drain", timeout=900)
     assert rc == 0, log[-4000:]
-    for f in sorted((tmp_path / "hippie").glob("rank*.pt")):  # DeepSpeed's bf16 (+ ZeRO-1) path, not its ZeRO optimizer
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_2x2(tmp_path_factory):
+    return _bf16_launch(tmp_path_factory.mktemp("bf16-2x2"), 2, [suffix for suffix, _ in VARIANTS.values()],
+                        more=RESUMED)
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "4x2-bf16+zero1"])
+def test_every_schedule_in_bf16(request, tmp_path, variant):
+    if variant in VARIANTS:
+        out, stages, (suffix, zero) = request.getfixturevalue("bf16_2x2"), 2, VARIANTS[variant]
+    else:
+        out, stages, suffix, zero = _bf16_launch(tmp_path, 4, [""], ("--bf16", "--zero", 1)), 4, "", 1
+    for f in sorted((out / ("hippie" + suffix)).glob("rank*.pt")):  # DeepSpeed's bf16 (+ ZeRO-1) path, not its ZeRO optimizer
         saved = torch.load(f)
         assert saved["optimizer"] == "BF16_Optimizer" and saved["partitions"] == [2], (saved["optimizer"],
                                                                                        saved["partitions"])
     precision = reference.Precision(bf16=True, accumulate=torch.float32 if zero else torch.bfloat16)
-    stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
+    collect_run = lambda name: collect(out, name + suffix)  # noqa: E731
+    stock, stock_losses, parts, _, _ = collect_run("stock")
     for name in SYNCHRONOUS:
-        ours, losses, _, _, replicas = collect(tmp_path, name)
+        ours, losses, _, _, replicas = collect_run(name)
         _assert_equal(stock, ours, f"bf16 {name} vs stock DeepSpeed")
         assert losses == stock_losses
     common = dict(optimizer="AdamW", lr=LR, clip=CLIP, precision=precision)
     sync, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, **common)
     staleness = StalenessConfig()
     for name in DEFERRED:
-        ours, losses, _, params, replicas = collect(tmp_path, name)
+        ours, losses, _, params, replicas = collect_run(name)
         deferred = params["deferred_stages"]
         assert deferred == list(range(stages // 2))
         # the default rule: a deferred stage delays its first layer's gradient, the rest is applied in-step
@@ -90,7 +113,7 @@ def test_every_schedule_in_bf16(tmp_path, stages, zero, immediate):
                 assert rank_losses == pytest.approx(ref_losses, rel=2 ** -6)  # the loss is a bf16 value
         _assert_equal(replicas[0], replicas[1], f"{name} replicas")
     for name, rule in CONTINUOUS.items():
-        ours, _, _, _, replicas = collect(tmp_path, name)
+        ours, _, _, _, replicas = collect_run(name)
         ref, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **common,
                       **({"staleness": staleness} if name == "2bw" else {}))
         diff = _max_diff(ours, ref)
@@ -100,22 +123,17 @@ def test_every_schedule_in_bf16(tmp_path, stages, zero, immediate):
         _assert_equal(replicas[0], replicas[1], f"{name} replicas")
 
 
-def test_checkpoint_resume_in_bf16_zero1(tmp_path):
+def test_checkpoint_resume_in_bf16_zero1(bf16_2x2):
     """bf16 + ZeRO-1, 2 x 2: a checkpoint saved after 2 steps with state in flight (a deferred
     gradient, stashed weight versions) and loaded into a fresh engine continues bit-identically to
     the uninterrupted run."""
-    names = ("hippie", "hippie-zb", "2bw", "pipedream")
-    engines = ",".join(n + suffix for n in names for suffix in ("", "+ckpt2"))
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", 3, "--steps", STEPS, "--engines", engines,
-                        "--bf16", "--zero", 1, "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
-                        "--deferred-layers", "default", "--drain", timeout=420)
-    assert rc == 0, log[-4000:]
-    for name in names:
-        full, full_losses, *_ = collect(tmp_path, name)
-        resumed, resumed_losses, *_ = collect(tmp_path, name + "+ckpt2")
+    for resumed_name in RESUMED:
+        name = resumed_name.rsplit("+", 1)[0]
+        full, full_losses, *_ = collect(bf16_2x2, name)
+        resumed, resumed_losses, *_ = collect(bf16_2x2, resumed_name)
         _assert_equal(full, resumed, f"bf16 {name}: resumed vs uninterrupted")
         assert resumed_losses == full_losses
-        assert any((tmp_path / (name + "+ckpt2") / "ckpt").iterdir())
+        assert any((bf16_2x2 / resumed_name / "ckpt").iterdir())
 
 
 @pytest.mark.parametrize("override,message", [
@@ -131,17 +149,38 @@ def test_refused_on_every_rank(tmp_path, override, message):
     assert log.count(message) >= 2, log[-3000:]
 
 
+# rule: (deferred stages, their delayed leading layers, the engines' suffix: "+dl1" sets
+# hippie.deferred_layers 1, none the default); stage 0's layers are the tied Linear, Tanh, Linear, ...
+TIED_RULES = {"delayed": ([0, 1], {0: 1, 1: 0}, "+dl1"), "untied": ([0], {0: 3}, "")}
+
+
+@pytest.fixture(scope="module")
+def tied_launch(tmp_path_factory):
+    """One launch per precision of the tied model (CI time): stock, the synchronous schedules and the
+    deferred ones under both rules, for the two tests below."""
+    done = {}
+
+    def run(precision):
+        if precision not in done:
+            out = tmp_path_factory.mktemp(f"tied-{precision}")
+            extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
+            engines = ("stock",) + SYNCHRONOUS + tuple(n + suffix for n in DEFERRED for *_, suffix in TIED_RULES.values())
+            rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
+                                "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
+                                "--deferred-layers", "default", *extra, timeout=900)
+            assert rc == 0, log[-4000:]
+            done[precision] = out
+        return done[precision]
+    return run
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16+zero1"])
-def test_tied_weights(tmp_path, precision):
+def test_tied_weights(tied_launch, precision):
     """A module tied across the first and the last stage (TiedLayerSpec, an embedding tied to a
     head): with the schedules that reduce tied gradients, both copies stay bit-identical, and
     everything is bit-identical to stock DeepSpeed."""
     engines = ("stock",) + SYNCHRONOUS
-    extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
-                        "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP, *extra,
-                        timeout=300)
-    assert rc == 0, log[-4000:]
+    tmp_path = tied_launch(precision)
     copies = {}
     for name in engines:
         files = [torch.load(f) for f in sorted((tmp_path / name).glob("rank*.pt"))]
@@ -164,7 +203,7 @@ TIED_TOLERANCE = 1e-4
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16+zero1"])
-def test_tied_weights_under_per_stage_updates(tmp_path, precision):
+def test_tied_weights_under_per_stage_updates(tied_launch, precision):
     """hippie, hippie-1f1b and hippie-zb with a module tied across the first and the last stage
     (hippie_ds/adapter/tied.py). ``deferred_layers: 1`` delays stage 0's first layer, the tied one,
     so the last stage delays its copy too; the default ("untied") delays stage 0's first layer that
@@ -174,19 +213,10 @@ def test_tied_weights_under_per_stage_updates(tmp_path, precision):
     joint norm), which differs from
     the other rule by far more than the tolerance."""
     bf16 = precision == "bf16+zero1"
-    extra = ("--bf16", "--zero", 1) if bf16 else ()
-    engines = ",".join(DEFERRED)
-    # rule: (deferred stages, their delayed leading layers, hippie.deferred_layers); stage 0's layers
-    # are the tied Linear, Tanh, Linear, ...
-    rules = {"delayed": ([0, 1], {0: 1, 1: 0}, "1"), "untied": ([0], {0: 3}, "default")}
+    out = tied_launch(precision)
     refs = {}
-    for rule, (deferred, layers, value) in rules.items():
-        out = tmp_path / rule
-        rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
-                            "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
-                            "--deferred-layers", value, *extra, timeout=420)
-        assert rc == 0, log[-4000:]
-        for name in DEFERRED:
+    for rule, (deferred, layers, suffix) in TIED_RULES.items():
+        for name in (n + suffix for n in DEFERRED):
             files = [torch.load(f) for f in sorted((out / name).glob("rank*.pt"))]
             copies = [f["tied"]["tied"]["weight"] for f in files]
             assert len(copies) == 4 and {f["stage"] for f in files} == {0, 1}

@@ -32,7 +32,9 @@ def split_name(name):
     (several precisions in one launch), "interleaved-1f1b+recompute" re-computing every layer
     (hippie_ds.PipelineModule's checkpointed_layers), "zb-h1+seqfirst" on the sequence-first model
     (model.seqfirst_layer_specs: stage boundaries after ``x.transpose(0, 1).contiguous()``),
-    "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says)."""
+    "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says),
+    "hippie+nostale" without a staleness correction, "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
+    with DeepSpeed's immediate_grad_update."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -52,7 +54,8 @@ def config(args, schedule, dp, opts=()):
     bf16, zero = args.bf16 or "bf16" in opts, args.zero or (1 if "zero1" in opts else 0)
     if bf16:
         # immediate: DeepSpeed's hooks move each bf16 gradient into the accumulator during backward
-        cfg["bf16"] = {"enabled": True, **({"immediate_grad_update": True} if args.bf16_immediate else {})}
+        immediate = args.bf16_immediate or "immediate" in opts
+        cfg["bf16"] = {"enabled": True, **({"immediate_grad_update": True} if immediate else {})}
     if zero:
         # DeepSpeed's bf16 + ZeRO-1 pipeline path (BF16_Optimizer) needs fp32 gradient accumulation
         cfg["zero_optimization"] = {"stage": zero}
@@ -70,6 +73,11 @@ def config(args, schedule, dp, opts=()):
         if args.staleness is not None:
             method, _, coefficient = args.staleness.partition(":")
             cfg["hippie"]["staleness"] = {"method": method, **({"coefficient": float(coefficient)} if coefficient else {})}
+        for opt in opts:  # "dlN": hippie.deferred_layers N for this engine, whatever --deferred-layers says
+            if opt.startswith("dl") and opt[2:].isdigit():
+                cfg["hippie"]["deferred_layers"] = int(opt[2:])
+        if "nostale" in opts:  # no staleness correction for this engine, whatever --staleness says
+            cfg["hippie"]["staleness"] = {"method": "none"}
         if "sync" in opts:
             cfg["hippie"]["deferred_stages"] = []
         if "vs" in opts:

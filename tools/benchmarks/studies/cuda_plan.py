@@ -20,10 +20,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
-from examples import gpt
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="tools/bench.py cuda-plan", description=__doc__.split("\n\n")[0],
@@ -65,6 +61,7 @@ def config(args) -> dict:
 
 
 def batches(args):
+    import torch
     g = torch.Generator().manual_seed(0)
     while True:
         ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=g)
@@ -76,9 +73,11 @@ def main(argv=None):
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29533"}.items():
         os.environ.setdefault(key, value)
-    import deepspeed
+    import deepspeed  # here, not at import: `tools/bench.py cuda-plan --help` needs neither
+    import torch
 
     import hippie_ds
+    from examples import gpt
     cuda = torch.cuda.is_available()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     Path(args.out).mkdir(parents=True, exist_ok=True)

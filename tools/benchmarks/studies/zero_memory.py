@@ -19,6 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks.study_report import run_and_report
 from cluster import LocalJob
 
 REPO = Path(__file__).resolve().parents[3]
@@ -80,16 +81,7 @@ def markdown(table: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    out = Path(args.out)
-    if not args.report_only:
-        run(args)
-    table = summarize(out)
-    (out / "results.json").write_text(json.dumps(table, indent=1, default=str))
-    text = markdown(table)
-    (out / "results.md").write_text(text)
-    print(text)
-    return 0
+    return run_and_report(parse_args(sys.argv[1:] if argv is None else argv), run, summarize, markdown)
 
 
 if __name__ == "__main__":
