@@ -47,7 +47,9 @@ def _replicas_identical(replicas):
         _assert_equal(first, state, f"replica {r} vs 0")
 
 
-@pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
+# 4 stages x 2 replicas (8 ranks on the CI's 2 cores) left out for CI time: 4 stages and 2 replicas are each
+# covered, and test_precision's 4x2 bf16 launch runs every schedule on that shape against its references
+@pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (2, 2), (4, 1)])
 def test_schedules_exact(tmp_path, stages, dp):
     rc, log, secs = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES,
                            "--steps", STEPS, "--engines", ENGINES)

@@ -284,15 +284,15 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
 
 @pytest.mark.distributed
 def test_checkpoints_cross_layouts(tmp_path):
-    """interleaved-1f1b saves after 2 steps; 1f1b resumes from its per-layer files (and the other
-    way round) and the third step lands bit-identical to stock's uninterrupted run; likewise with
-    zb-v's V layout, to rounding (its tied embedding and head are one parameter: see above)."""
+    """interleaved-1f1b saves after 2 steps; 1f1b resumes from its per-layer files and the third
+    step lands bit-identical to stock's uninterrupted run; likewise 1f1b into zb-v's V layout, to
+    rounding (its tied embedding and head are one parameter: see above)."""
     common = ("--stages", 2, "--micro-batches", MICRO_BATCHES, "--tied")
     rc, log, _ = launch(2, tmp_path / "full", *common, "--steps", STEPS, "--engines", "stock", timeout=300)
     assert rc == 0, log[-4000:]
     stock, stock_losses, _, _, _ = collect(tmp_path / "full", "stock")
-    for first, second in (("interleaved-1f1b", "1f1b"), ("1f1b", "interleaved-1f1b"), ("zb-v", "1f1b"),
-                          ("1f1b", "zb-v")):
+    # one direction per layout (CI time: two launches a pair); the other directions ran here until b08451a
+    for first, second in (("interleaved-1f1b", "1f1b"), ("1f1b", "zb-v")):
         out = tmp_path / f"{first}-to-{second}"
         rc, log, _ = launch(2, out, *common, "--steps", STEPS, "--checkpoint-at", 2, "--engines", first, timeout=300)
         assert rc == 0, log[-4000:]
