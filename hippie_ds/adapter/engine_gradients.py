@@ -29,8 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
-from .grad_store import GradStore, Unmoved, flat_copy
-from .zero_stage import ZeroUnmoved
+from .grad_store import GradStore, flat_copy
 from .staleness import InPlacePrediction
 
 
@@ -286,10 +285,7 @@ class StageGradients:
             self.prediction.begin_update()
         self.store.load(self._delayed_subset(), self.buffer)
         self.store.skip(self.synced)  # applied in their own step already
-        unmoved = None
-        if self.synced and self.store.flat:  # a flat step would move them too (grad_store.Unmoved)
-            optimizer = self.store._optimizer
-            unmoved = Unmoved(self.synced, optimizer) if self.store.bf16 else ZeroUnmoved(self.synced, optimizer)
+        unmoved = self.store.unmoved(self.synced)  # a flat step would move them too
         yield True
         if unmoved is not None:
             unmoved.restore()

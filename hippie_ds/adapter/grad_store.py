@@ -25,7 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from .zero_stage import is_zero
+from .zero_stage import ZeroUnmoved, is_zero
 
 
 def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -117,6 +117,14 @@ class GradStore:
             i, j = self._slot[id(p)]
             self._optimizer.fp32_groups_gradients[i][j].zero_()
             self._optimizer.fp32_groups_has_gradients[i][j] = False
+
+    def unmoved(self, params: list[torch.Tensor]):
+        """What puts ``params`` back after a step that has nothing to apply to them, started
+        before the step (:class:`Unmoved` on BF16_Optimizer, ``zero_stage.ZeroUnmoved`` on ZeRO-1);
+        None where the step skips them itself (fp32: ``.grad`` None, :meth:`skip`) or there are none."""
+        if not self.flat or not params:
+            return None
+        return Unmoved(params, self._optimizer) if self.bf16 else ZeroUnmoved(params, self._optimizer)
 
     def count_for_norm(self) -> None:
         """Before a step: BF16_Optimizer's gradient norm stacks the gradients it counts and fails

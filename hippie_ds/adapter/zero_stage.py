@@ -78,7 +78,6 @@ def stage_step(optimizer, mpu):
         yield
 
 
-
 class ZeroUnmoved:
     """Around a ZeRO-1 step that has nothing to apply to ``params`` (a deferred stage's ``drain()``:
     only the delayed layers' gradient is pending), the ZeRO counterpart of
@@ -94,7 +93,7 @@ class ZeroUnmoved:
         ids = {id(p) for p in params}
         self.params, self.weights = params, [p.detach().clone() for p in params]
         self.optimizer = optimizer
-        self.saved = []  # (group, mask over this rank's partition, {state key or None: saved values})
+        self.saved = []  # (fp32 partition, mask over it, {state key or None (the partition): saved values})
         for i, group in enumerate(optimizer.bit16_groups):
             chosen = [p for p in group if id(p) in ids]
             if not chosen:
