@@ -37,7 +37,7 @@ def _config(tmp, schedule=None):
 
 def run(out, config, *args, ranks=4, initialize="hippie_ds", expect_ok=True):
     rc, log, _ = launch(ranks, out, "--initialize", initialize, "--deepspeed", "--deepspeed_config", config,
-                        *args, worker=CLIENT, timeout=180)
+                        *args, worker=CLIENT, timeout=180, launcher="deepspeed")  # the user's launcher
     if expect_ok:
         assert rc == 0, log[-4000:]
     return rc, log, _results(out)

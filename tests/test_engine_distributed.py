@@ -231,7 +231,8 @@ def test_checkpoint_resume_with_pending_gradient(tmp_path, name):
 
 @pytest.mark.parametrize("failure", ["--crash-rank", "--kill-rank"])
 def test_failed_rank_ends_the_job(tmp_path, failure):
-    rc, log, secs = launch(4, tmp_path, "--stages", 2, "--steps", 50, "--engines", "hippie", failure, 1, timeout=120)
+    rc, log, secs = launch(4, tmp_path, "--stages", 2, "--steps", 50, "--engines", "hippie", failure, 1, timeout=120,
+                           launcher="deepspeed")  # as a user's job ends: under DeepSpeed's launcher
     assert rc != 0
     assert secs < 90, f"job took {secs:.0f}s to exit after a rank failed"
 

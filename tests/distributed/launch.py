@@ -1,5 +1,7 @@
-"""Run a rank worker under the real ``deepspeed`` launcher (gloo on CPU) and collect its files.
-The launching itself (environment, process group, clean-up) is tools/cluster's :class:`LocalJob`."""
+"""Run a rank worker on local ranks (gloo on CPU) and collect its files. The launching itself
+(environment, process group, clean-up) is tools/cluster's :class:`LocalJob`: by default its
+``direct`` launcher (the ranks as DeepSpeed's launcher starts them, without its two imports of
+DeepSpeed per launch); ``launcher="deepspeed"`` for the tests whose point is the user's launcher."""
 from pathlib import Path
 
 import torch
@@ -8,11 +10,12 @@ from cluster import LocalJob, free_port  # noqa: F401 (free_port: the tests pick
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
-def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER):
+def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER, launcher="direct"):
     """Run ``worker`` (default ``train_worker.py``) on ``num_ranks`` local ranks; returns
     (returncode, output, seconds). ``clean_shm``: remove the job's /dev/shm segments afterwards
     (left by stock DeepSpeed and by killed ranks)."""
-    run = LocalJob(worker, num_ranks, ["--out", out, *worker_args], port=port).run(timeout, clean_shm=clean_shm)
+    run = LocalJob(worker, num_ranks, ["--out", out, *worker_args], port=port, launcher=launcher).run(
+        timeout, clean_shm=clean_shm)
     output = run.output + (f"\n[launch] killed after {timeout} s" if run.timed_out else "")
     return run.returncode, output, run.seconds
 
