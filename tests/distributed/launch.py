@@ -1,7 +1,7 @@
 """Run a rank worker on local ranks (gloo on CPU) and collect its files. The launching itself
 (environment, process group, clean-up) is tools/cluster's :class:`LocalJob`: by default its
-``direct`` launcher (the ranks as DeepSpeed's launcher starts them, without its two imports of
-DeepSpeed per launch); ``launcher="deepspeed"`` for the tests whose point is the user's launcher."""
+``fork`` launcher (the ranks as DeepSpeed's launcher starts them, forked after one import of torch,
+DeepSpeed and hippie_ds); ``launcher="deepspeed"`` for the tests whose point is the user's launcher."""
 from pathlib import Path
 
 import torch
@@ -10,7 +10,7 @@ from cluster import LocalJob, free_port  # noqa: F401 (free_port: the tests pick
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
-def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER, launcher="direct"):
+def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER, launcher="fork"):
     """Run ``worker`` (default ``train_worker.py``) on ``num_ranks`` local ranks; returns
     (returncode, output, seconds). ``clean_shm``: remove the job's /dev/shm segments afterwards
     (left by stock DeepSpeed and by killed ranks)."""

@@ -15,8 +15,9 @@ tools/soak.py and tests/distributed/launch.py (local jobs).
   exec NODE ...``), each in its own session so that :meth:`NodeProcesses.stop` ends the launcher
   with its ranks; logs in ``LOGS/node{n}.log``, lines carrying a marker echoed with the elapsed
   time. :class:`WorkerJob`, a rank worker started by DeepSpeed's per-node launcher on every node
-  in use. :class:`LocalJob`, a worker on N local ranks (``deepspeed.launcher.runner``), ended
-  with its ranks and its /dev/shm segments removed. :func:`cleanup_on_signals`:
+  in use. :class:`LocalJob`, a worker on N local ranks (``deepspeed.launcher.runner``, or
+  :mod:`cluster.fork_ranks`: the ranks forked after one import of torch and DeepSpeed), ended with
+  its ranks and its /dev/shm segments removed. :func:`cleanup_on_signals`:
   SIGINT/SIGTERM/SIGHUP end the body with ``SystemExit(128 + n)``; the clean-up runs with those
   signals ignored, then the previous handlers come back.
 * :mod:`cluster.noise`: :class:`ForeignCpu`, CPU used by processes outside the job, sampled while

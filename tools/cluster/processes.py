@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -140,107 +139,50 @@ class LocalRun:
 
 
 class LocalJob:
-    """A rank worker on ``num_ranks`` local ranks, run from the repository root in :func:`local_env`.
+    """A rank worker on ``num_ranks`` local ranks, run from the repository root in :func:`local_env`,
+    in a session of its own.
 
     ``launcher="deepspeed"``: under DeepSpeed's launcher (``deepspeed.launcher.runner --num_gpus N
-    --master_port P WORKER ARGS``), as a user runs it. ``launcher="direct"``: the ranks started
-    here with the environment and arguments that launcher gives them (RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_SIZE, CROSS_RANK/SIZE, MASTER_ADDR/PORT, ``-u WORKER --local_rank=R ARGS``)
-    and its rule that the first rank to fail ends the others and sets the exit code; it saves the
-    two DeepSpeed imports (about 5 s) each launch of the runner pays, which is what the tests use
-    it for. tests/test_dropin.py and the failure tests keep the real launcher."""
+    --master_port P WORKER ARGS``), as a user runs it. ``launcher="fork"``: the ranks forked from one
+    process that imported torch, DeepSpeed and hippie_ds once (:mod:`cluster.fork_ranks`), each
+    with the environment, arguments, first-failure rule and exit code DeepSpeed's launcher gives
+    it; it saves about 2.5 s of CPU per rank and the runner's two imports of DeepSpeed per launch,
+    which is what the tests use it for (tests/test_dropin.py and the failed-rank tests keep
+    DeepSpeed's launcher)."""
 
     def __init__(self, worker: str | Path, num_ranks: int, worker_args: Sequence = (), port: int | None = None,
                  launcher: str = "deepspeed"):
-        if launcher not in ("deepspeed", "direct"):
-            raise ValueError(f"launcher {launcher!r}: allowed deepspeed, direct")
-        self.port, self.num_ranks, self.launcher = port or free_port(), num_ranks, launcher
-        self.worker, self.worker_args = str(worker), list(map(str, worker_args))
-        self.command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-                        "--master_port", str(self.port), self.worker, *self.worker_args]
+        self.port = port or free_port()
+        if launcher == "deepspeed":
+            start = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks), "--master_port", str(self.port)]
+        elif launcher == "fork":
+            start = ["-u", "-m", "cluster.fork_ranks", str(num_ranks), str(self.port)]
+        else:
+            raise ValueError(f"launcher {launcher!r}: allowed deepspeed, fork")
+        self.command = [sys.executable, *start, str(worker), *map(str, worker_args)]
 
     def run(self, timeout: float, log: Path | None = None, clean_shm: bool = True) -> LocalRun:
-        """Run to the end or ``timeout`` seconds. The job gets its own session: at the timeout,
-        and afterwards in any case (ranks a failed launcher left behind), it is killed with its
-        ranks; then the job's /dev/shm segments are removed (unless ``clean_shm`` is False).
-        Output to ``log`` (a file) or returned."""
+        """Run to the end or ``timeout`` seconds. At the timeout, and afterwards in any case (ranks
+        a failed launcher left behind), the session is killed with its ranks; then the job's
+        /dev/shm segments are removed (unless ``clean_shm`` is False). Output to ``log`` (a file)
+        or returned."""
         start = time.monotonic()
         with open(log, "w") if log is not None else contextlib.nullcontext() as sink:
-            if self.launcher == "direct":
-                returncode, timed_out, output = self._run_direct(timeout, sink)
-            else:
-                returncode, timed_out, output = self._run_launcher(timeout, sink)
-        if clean_shm:
-            remove_shm_segments(self.port)
-        return LocalRun(returncode, timed_out, output or "", time.monotonic() - start)
-
-    def _run_launcher(self, timeout, sink):
-        proc = subprocess.Popen(self.command, env=local_env(), cwd=REPO, text=True, start_new_session=True,
-                                stdout=sink if sink is not None else subprocess.PIPE, stderr=subprocess.STDOUT)
-        timed_out = False
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_session(proc.pid)
-            output, _ = proc.communicate()
-        finally:
-            kill_session(proc.pid)
-            proc.wait()
-        return proc.returncode, timed_out, output
-
-    def rank_env(self, rank: int) -> dict:
-        """What DeepSpeed's launcher adds to a local rank's environment."""
-        env = local_env()
-        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "WORLD_SIZE": str(self.num_ranks),
-                    "LOCAL_SIZE": str(self.num_ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
-                    "RANK": str(rank), "LOCAL_RANK": str(rank)})
-        return env
-
-    def _run_direct(self, timeout, sink):
-        with contextlib.ExitStack() as stack:
-            out = sink if sink is not None else stack.enter_context(tempfile.TemporaryFile("w+"))
-            procs: list[subprocess.Popen] = []
+            proc = subprocess.Popen(self.command, env=local_env(), cwd=REPO, text=True, start_new_session=True,
+                                    stdout=sink if sink is not None else subprocess.PIPE, stderr=subprocess.STDOUT)
+            timed_out = False
             try:
-                for rank in range(self.num_ranks):  # one process group, led by rank 0, killed as one
-                    group = {"process_group": 0 if rank == 0 else procs[0].pid}
-                    procs.append(subprocess.Popen([sys.executable, "-u", self.worker, f"--local_rank={rank}",
-                                                   *self.worker_args], env=self.rank_env(rank), cwd=REPO,
-                                                  stdout=out, stderr=subprocess.STDOUT, **group))
-                returncode, timed_out = self._wait_ranks(procs, time.monotonic() + timeout)
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                kill_session(proc.pid)
+                output, _ = proc.communicate()
             finally:
-                if procs:
-                    kill_session(procs[0].pid)
-                for p in procs:
-                    p.wait()
-            if sink is not None:
-                return returncode, timed_out, ""
-            out.seek(0)
-            return returncode, timed_out, out.read()
-
-    @staticmethod
-    def _wait_ranks(procs, deadline):
-        """(exit code, timed out): 0 when every rank exits 0; else the first failed rank's code as
-        the launcher exits with it (a signal's negative code becomes 256 - n), after SIGTERM to the
-        others (SIGKILL when the kill in :meth:`_run_direct` comes first)."""
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                try:
-                    os.killpg(procs[0].pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                end = time.monotonic() + 10
-                for p in procs:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        p.wait(timeout=max(0.1, end - time.monotonic()))
-                return failed[0] % 256, False
-            if all(c == 0 for c in codes):
-                return 0, False
-            if time.monotonic() > deadline:
-                return -signal.SIGKILL, True
-            time.sleep(0.05)
+                kill_session(proc.pid)
+                proc.wait()
+                if clean_shm:
+                    remove_shm_segments(self.port)
+        return LocalRun(proc.returncode, timed_out, output or "", time.monotonic() - start)
 
 
 # ---------------------------------------------------------------------------------- emulated nodes
