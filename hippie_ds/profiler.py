@@ -184,7 +184,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     ``loss_fn`` and ``labels``: the loss, measured on the last layer's output (``loss``)."""
     from tqdm import tqdm
 
-    from .adapter.pipeline_module import layer_names
+    from .adapter.pipeline_module import layer_names, tie_keys
 
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
@@ -225,4 +225,5 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
                                                     **measured.record)])[0])
     dtype = param_dtype([p for ps in params for p in ps])
     return Profile(model=model, batch_size=batch, source="hippie-ds profile", loss=loss, param_dtype=dtype,
-                   layers=[LayerProfile(**fields) for fields in attribute_saved(records)])
+                   layers=[LayerProfile(**fields, tied_key=key)
+                           for fields, key in zip(attribute_saved(records), tie_keys(layers))])

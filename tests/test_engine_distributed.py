@@ -1,4 +1,5 @@
-"""The engine with real ranks: the `deepspeed` launcher, gloo, several processes.
+"""The engine with real ranks: gloo, several processes (forked after one import, as DeepSpeed's launcher
+starts them; the failed-rank tests under the `deepspeed` launcher itself).
 
 - hippie-ds 1f1b, gpipe and zb-h1 (split backward, W in micro-batch order) give bit-identical
   parameters to DeepSpeed's stock engine;
@@ -17,6 +18,7 @@ import reference
 from launch import collect, launch
 
 from hippie_ds.config import StalenessConfig
+from hippie_ds.schedules.costs import Costs
 
 pytestmark = pytest.mark.distributed
 
@@ -137,6 +139,22 @@ def test_partial_deferral_matches_its_rule(tmp_path):
         backward = max((e for e in step if e["kind"] == "BackwardPass"), key=lambda e: e["start"])
         flight = next(e for e in step if e["name"] == "allreduce(grads)")
         assert backward["start"] <= flight["start"] < backward["end"], (backward, flight)
+    # the public instruction hook saw what the timeline (itself a hook) kept: every instruction
+    for f in sorted((tmp_path / "hippie").glob("rank*.pt")):
+        rank = torch.load(f)
+        timeline = json.loads((tmp_path / "hippie" / "timeline" / f"{f.stem}.json").read_text())
+        kinds = [e["kind"] for e in timeline["events"] if e["category"] != "comm"]
+        assert rank["hook_counts"] == {k: kinds.count(k) for k in set(kinds)} and len(kinds) > 20
+    # ... and the timelines make a cost file (hippie-ds costs --timeline)
+    from hippie_ds.cli import main as cli
+    assert cli(["costs", "--timeline", str(tmp_path / "hippie" / "timeline"), "--data-parallel", "2",
+                "--allreduce-bandwidth", "125MB/s", "--out", str(tmp_path / "costs.yaml")]) == 0
+    costs = Costs.from_file(tmp_path / "costs.yaml")
+    assert len(costs.stages) == 2 and costs.comm.data_parallel == 2 and costs.comm.allreduce_bandwidth == 125e6
+    sizes = {t["stage"]: t["param_bytes"] for t in timelines}
+    for s, stage in enumerate(costs.stages):
+        assert stage.forward > 0 and stage.backward > 0 and stage.param_bytes == sizes[s] > 0
+    assert costs.stages[0].optimizer_time > 0  # the deferred stage's buffered update and in-step part
     for name in ("hippie", "hippie-1f1b"):
         ours, losses, parts, _, replicas = collect(tmp_path, name)
         ref, ref_losses = reference.run(parts, 2, 3, 5, deferred=[0], optimizer="AdamW", lr=0.01,

@@ -1,4 +1,4 @@
-"""The examples with real ranks under the `deepspeed` launcher (gloo on CPU): the VGG-style network
+"""The examples with real ranks (gloo on CPU, started as the `deepspeed` launcher starts them): the VGG-style network
 learns the digits with the hippie schedule on 2 stages x 2 replicas, and the data-parallel baseline
 (stock DeepSpeedEngine) sees the same initial weights, data order and global batch as a pipeline
 (it reproduces 1f1b's losses). Plus the pure parts: the data sharding, the digits split and

@@ -88,3 +88,37 @@ def test_a_target_gives_loss_fn_and_labels_together(tmp_path):
     assert len(load_target(f"{target}:full")) == 3  # (layers, sample, name) as before
     with pytest.raises(ProfileError, match="'loss_fn' .* and 'labels' .* come together; .*labels missing"):
         load_target_spec(f"{target}:half")
+
+
+class _Embed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(50, 8))
+
+    def forward(self, tokens):
+        return self.weight[tokens]
+
+
+def _head(embed, x):
+    return x @ embed.weight.t()
+
+
+def test_a_tied_module_is_counted_where_each_copy_is_held():
+    """Megatron's tied embedding and head: the profile names the tie key on both uses and gives
+    the parameters at the first; the planner counts them on every stage that holds a copy (the
+    last stage keeps its own with gradient and optimizer state), once on a stage holding both."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from hippie_ds.planner import parse_cluster
+    from hippie_ds.planner.model import _Model
+
+    torch.manual_seed(0)
+    layers = [TiedLayerSpec("embed", _Embed), LayerSpec(torch.nn.Linear, 8, 8), LayerSpec(torch.nn.Linear, 8, 8),
+              TiedLayerSpec("embed", _Embed, forward_fn=_head)]
+    profile = profile_layers(layers, torch.randint(0, 50, (4, 6)), model="tied", repeats=1, warmup=0)
+    assert [x.tied_key for x in profile.layers] == ["embed", None, None, "embed"]
+    embed, linear = 50 * 8 * 4, (8 * 8 + 8) * 4
+    assert [x.param_bytes for x in profile.layers] == [embed, linear, linear, 0]
+    model = _Model(profile, parse_cluster("1x2,1GB,10Gbit"), 8, 4.0, "mean", None)
+    assert model.layout(2, [0, 2, 4]).params == [embed + linear, linear + embed]
+    assert model.layout(1, [0, 4]).params == [embed + 2 * linear]

@@ -3,19 +3,21 @@ parameterless first layer, then a word embedding tied to the output head on the 
 default delays a deferred stage's first layer with parameters that is not tied to another stage
 (the first transformer block), and the tied embedding stays in-step on every holder; an explicit
 1 still delays exactly the first layer with parameters, the tied embedding, and so the head's copy
-too (adapter/deferred_layers.py, adapter/tied.py). No processes: the stand-in has every stage's
-layers built, as ``layers_with_parameters`` gathers them over the world."""
+too. Read through what start-up uses: ``deferred_layers.resolve`` (the value checked, the module's
+layers read) -> the pure decision (hippie_ds/schedules/deferral.py) -> ``engine_arguments`` and
+``final_schedule``. No processes: the stand-in has every stage's layers built, as
+``layers_with_parameters`` gathers them over the world."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from hippie_ds.adapter.deferred_layers import deferred_layers, tied_across_stages, untied_layers
+from hippie_ds.adapter.deferred_layers import engine_arguments, final_schedule, resolve, tied_across_stages
 from hippie_ds.adapter.engine_gradients import split_deferred
-from hippie_ds.adapter.tied import delay_ties
 from hippie_ds.config import ConfigError, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, split_config
 from hippie_ds.schedules import compile as compile_schedule
+from hippie_ds.schedules.deferral import StageLayers, delayed_layers
 
 
 class Embedding(torch.nn.Module):
@@ -51,9 +53,18 @@ def megatron(parts=(0, 4, 8)):
 HIPPIE = compile_schedule("hippie", 2, 4)  # stage 0 deferred ('auto': the first half)
 
 
-def _layers(value=None):
+def _decided(value=None, model=None, compiled=HIPPIE):
+    """(schedule run, engine arguments: deferred_layers {stage: leading layers}, tied_delayed,
+    tied_kept) as start-up decides them for ``hippie.deferred_layers: value``."""
     options = split_config({} if value is None else {"hippie": {"deferred_layers": value}})[2]
-    return deferred_layers(megatron(), options, HIPPIE), options
+    deferral, layers = resolve(megatron() if model is None else model, options, compiled)
+    return final_schedule(compiled, deferral), engine_arguments(deferral, layers)
+
+
+def _untied(flags, tied):
+    """The "untied" rule on one stage: the global indices of the layers it delays."""
+    layers = {0: StageLayers(0, tuple(flags), tuple("embed" if t else None for t in tied))}
+    return delayed_layers([0], UNTIED_LAYERS, layers)[0].layers
 
 
 def test_default_is_untied_and_users_can_write_it():
@@ -64,11 +75,11 @@ def test_default_is_untied_and_users_can_write_it():
         split_config({"hippie": {"deferred_layers": "tied"}})
 
 
-def test_untied_layers_skips_modules_tied_to_another_stage():
-    # [function, tied embedding, block, block]: the first block, 3 leading layers
-    assert untied_layers([False, True, True, True], [False, True, False, False]) == 3
-    assert untied_layers([True, True], [False, False]) == 1  # nothing tied: the first layer with parameters
-    assert untied_layers([False, True], [False, True]) == 0  # only a tied module: nothing delayed
+def test_untied_skips_modules_tied_to_another_stage():
+    # [function, tied embedding, block, block]: the first block
+    assert _untied([False, True, True, True], [False, True, False, False]) == (2,)
+    assert _untied([True, True], [False, False]) == (0,)  # nothing tied: the first layer with parameters
+    assert _untied([False, True], [False, True]) == ()  # only a tied module: nothing delayed
     assert tied_across_stages(megatron()) == [False, True, False, False, False, False, False, True]
     # tied within one stage: an ordinary layer
     assert tied_across_stages(megatron(parts=(0, 8))) == [False] * 8
@@ -77,46 +88,41 @@ def test_untied_layers_skips_modules_tied_to_another_stage():
 def test_default_delays_the_first_block_not_the_tied_embedding_nor_the_head():
     """The regression: the old default (1) delayed stage 0's embedding and, by the one rule per
     tied module, the head's weights on the last stage; the default keeps both in-step."""
-    layers, options = _layers()
-    assert layers == {0: 3}  # _to_float, the embedding (kept in-step), the first block
-    compiled, partial, delayed, kept = delay_ties(megatron(), HIPPIE, layers, untied=True)
-    assert compiled.deferred_stages() == [0] and partial == {0: 3}  # the head's stage is not made deferred
-    assert delayed == set() and kept == {"embed"}
+    compiled, args = _decided()
+    # _to_float, the embedding (kept in-step), the first block; the head's stage is not made deferred
+    assert compiled.deferred_stages() == [0] and args["deferred_layers"] == {0: 3}
+    assert args["tied_delayed"] == set() and args["tied_kept"] == {"embed"}
     model = megatron()
     params = [p for f in model.forward_funcs[:4] if isinstance(f, torch.nn.Module) for p in f.parameters()]
     tied = list(model.tied_modules["embed"].parameters())
-    late, in_step = split_deferred(params, model.forward_funcs[:4], partial[0], kept=tied)
+    late, in_step = split_deferred(params, model.forward_funcs[:4], args["deferred_layers"][0], kept=tied)
     block = list(model.forward_funcs[2].parameters())
     assert [id(p) for p in late] == [id(p) for p in block]  # the first block alone
     assert {id(p) for p in in_step} == {id(p) for p in tied + list(model.forward_funcs[3].parameters())}
 
 
 def test_explicit_one_still_delays_the_tied_embedding_and_its_head():
-    layers, _ = _layers(1)
-    assert layers == {0: 2}  # _to_float and the embedding: exactly one layer with parameters
-    compiled, partial, delayed, kept = delay_ties(megatron(), HIPPIE, layers)
-    assert delayed == {"embed"} and kept == set()
-    assert compiled.deferred_stages() == [0, 1] and partial == {0: 2, 1: 0}  # the head's holder delays it too
-    assert _layers(2)[0] == {0: 3} and delay_ties(megatron(), HIPPIE, {0: 3})[2] == {"embed"}
+    compiled, args = _decided(1)
+    # _to_float and the embedding: exactly one layer with parameters; the head's holder delays it too
+    assert compiled.deferred_stages() == [0, 1] and args["deferred_layers"] == {0: 2, 1: 0}
+    assert args["tied_delayed"] == {"embed"} and args["tied_kept"] == set()
+    compiled, args = _decided(2)
+    assert args["deferred_layers"] == {0: 3, 1: 0} and args["tied_delayed"] == {"embed"}
 
 
 def test_untied_applies_only_to_schedules_with_deferred_stages():
-    options = split_config({})[2]
-    assert deferred_layers(megatron(), options, compile_schedule("1f1b", 2, 4)) == {}
+    compiled, args = _decided(compiled=compile_schedule("1f1b", 2, 4))
+    assert args == {"deferred_layers": {}, "tied_delayed": set(), "tied_kept": set()}
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'untied\': schedule \'1f1b\' has no '
                                           r"deferred stages"):
-        deferred_layers(megatron(), split_config({"hippie": {"deferred_layers": "untied"}})[2],
-                        compile_schedule("1f1b", 2, 4))
+        _decided("untied", compiled=compile_schedule("1f1b", 2, 4))
 
 
 def test_a_stage_holding_only_the_tied_embedding_delays_nothing():
     """4 stages ([_to_float, embed] | 2 blocks | 2 blocks | LayerNorm, head): stage 0 has no
     untied layer with parameters, so it delays nothing (an ordinary stage), stage 1 its first block."""
-    from hippie_ds.adapter.integration import without_undelayed
     hippie = compile_schedule("hippie", 4, 4)  # stages 0 and 1 deferred
-    model = megatron(parts=(0, 2, 4, 6, 8))
-    layers = deferred_layers(model, split_config({})[2], hippie)
-    assert layers == {0: 0, 1: 1}
-    compiled, partial = without_undelayed(hippie, layers)
-    assert compiled.deferred_stages() == [1] and partial == {1: 1}
-    assert delay_ties(model, compiled, partial, untied=True)[2:] == (set(), set())  # no deferred stage holds it
+    assert hippie.deferred_stages() == [0, 1]
+    compiled, args = _decided(model=megatron(parts=(0, 2, 4, 6, 8)), compiled=hippie)
+    assert compiled.deferred_stages() == [1] and args["deferred_layers"] == {1: 1}
+    assert args["tied_delayed"] == args["tied_kept"] == set()  # no deferred stage holds it

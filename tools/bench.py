@@ -77,7 +77,6 @@ worker is workers/bench_worker.py.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -88,6 +87,7 @@ from benchmarks.config import parse_args, config_record
 from benchmarks.figures import summarize
 from benchmarks.plots import plots
 from benchmarks.projection import projection
+from benchmarks.publish import publish as publish_files
 from benchmarks.report import report_markdown
 from benchmarks.runs import auto_plan, measure, preflight, run_plan
 from cluster import Refuse, fix_owner
@@ -109,11 +109,7 @@ def write_outputs(out: Path, results: dict, publish: str | None):
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report_markdown(results)
     (out / "report.md").write_text(md)
-    if publish:
-        dest = Path(publish)
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ["report.md", "results.json"] + results["plots"]:
-            shutil.copy2(out / name, dest / name)
+    publish_files(publish, ["report.md", "results.json"] + results["plots"], base=out)
     return md
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from benchmarks import time_to_accuracy as tta
 # The results (tables, pictures) of the runs; summarize, markdown and plot are also this module's API.
 from benchmarks.convergence_report import BASELINE, markdown, plot, summarize
+from benchmarks.publish import publish
 from cluster import LocalJob
 from labels import split_layers, split_name  # noqa: F401 (split_*: this module's API too)
 
@@ -279,13 +280,8 @@ def main(argv=None):
                      "off" if float(clip) == 0 else f"{float(clip):g}")
     (out / "results.md").write_text(table)
     print(table)
-    if args.publish:
-        import shutil
-        publish = Path(args.publish)
-        publish.mkdir(parents=True, exist_ok=True)
-        for f in [*pictures, out / "results.json", out / "results.md"]:
-            shutil.copy(f, publish / f.name)
-        print(f"[convergence] published to {publish}")
+    if publish(args.publish, [*pictures, out / "results.json", out / "results.md"]):
+        print(f"[convergence] published to {args.publish}")
     print(f"[convergence] pictures: {', '.join(map(str, pictures))}; results: {out / 'results.json'}, "
           f"{out / 'results.md'}" + ("" if args.plot_only else f"; {meta['total_seconds'] / 60:.1f} min"))
 

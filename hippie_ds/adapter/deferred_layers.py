@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
-from ..config import AUTO_LAYERS, UNTIED_LAYERS, WHOLE_STAGE, ConfigError
-from ..schedules import load_spec, recompile
+from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError
+from ..schedules import load_spec
 from ..schedules.deferral import Deferral, StageLayers, delayed_layers, with_parameters, with_ties
 
 
@@ -86,14 +86,6 @@ def stage_layers(model: PipelineModule, flags: list[bool] | None = None) -> dict
         out[s] = StageLayers(a, tuple(flags[a:e]) if flags is not None else (True,) * (e - a),
                              tied if any(tied) else (), frozenset(held.get(s, set()) - set(tied)))
     return out
-
-
-def untied_layers(flags: list[bool], tied: list[bool]) -> int:
-    """``"untied"`` on one stage (``flags``: which of its layers hold parameters, ``tied``: which
-    are modules tied to another stage): its leading layers up to the one it delays; 0: none."""
-    layers = StageLayers(0, tuple(flags), tuple("tied" if t else None for t in tied))
-    d = delayed_layers([0], UNTIED_LAYERS, {0: layers})[0]
-    return max(d.layers) + 1 if d.layers else 0
 
 
 def _check(options, compiled) -> None:
@@ -214,24 +206,6 @@ def _layer_sizes(model: PipelineModule, stage: int) -> list[float]:
     start = model.parts[stage] - getattr(model, "_local_start", model.parts[stage])
     funcs = model.forward_funcs[start:start + model.parts[stage + 1] - model.parts[stage]]
     return [float(sum(p.numel() for p in f.parameters())) if isinstance(f, torch.nn.Module) else 0.0 for f in funcs]
-
-
-def deferred_layers(model: PipelineModule, options, compiled, choices: dict | None = None) -> dict[int, int]:
-    """{deferred stage: leading layers} before the tie rule, 0 for a stage that delays nothing
-    and no entry for a whole stage: the view tests/test_tied_deferral.py reads (start-up uses
-    :func:`resolve`)."""
-    _, own, layers = _own(model, options, compiled, None, choices)
-    return {s: d.leading(layers[s].first) for s, d in own.items() if not d.whole}
-
-
-def without_undelayed(compiled, partial: dict[int, int]):
-    """(schedule, partial) with the stages that delay no layer (0) made ordinary stages (the
-    decision drops them itself; kept for tests/test_tied_deferral.py)."""
-    idle = sorted(s for s, k in partial.items() if k == 0)
-    if not idle:
-        return compiled, partial
-    kept = [s for s in compiled.deferred_stages() if s not in idle]
-    return recompile(compiled, deferred_stages=kept), {s: k for s, k in partial.items() if k}
 
 
 def schedules_with_param(param: str) -> list[str]:

@@ -15,16 +15,15 @@ need as instruction arguments, as DeepSpeed's do. What it changes, and why:
   F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
   DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and the
   engine refuses a schedule that would receive another gradient before using the one it holds;
-- handlers for the new instructions (fused forward+backward, split backward
-  (:mod:`~hippie_ds.adapter.engine_split`), non-blocking sends, async per-stage all-reduce, gradient
-  buffer, deferred update, per-stage optimizer step);
-- the gradient buffer of deferred stages is saved in checkpoints and restored;
+- handlers for the new instructions (the op table, :mod:`hippie_ds.schedules.ir`); deferred
+  stages' gradient buffer is saved in checkpoints and restored;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
   :mod:`hippie_ds.adapter.staleness`): compute runs on predicted weights, the update applies to the true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls):
   ops of batches still in flight run in the next call, ``drain()`` completes them; weight
   versions (:mod:`hippie_ds.adapter.engine_versions`);
-- optional per-rank timeline of executed instructions (Chrome trace).
+- a public hook called after each instruction (``add_instruction_hook``); the per-rank timeline
+  (Chrome trace, measured cost files) is one.
 
 Per-stage update semantics (``StageOptimizerStep`` / ``ApplyBufferedUpdate``): the gradient
 norm used for clipping (and bf16's overflow check) is this stage's own norm, reduced over the
@@ -58,7 +57,7 @@ from .failure import end_job_on_failure
 from .grad_store import GradStore
 from .split_backward import copy_if_shared, storages_of
 from .staleness import make_prediction
-from .timeline import Timeline, compute_clock
+from .timeline import InstructionEvent, Timeline, compute_clock
 from .tied import LaggedTieSums, tie_sum_lag
 
 check_deepspeed()
@@ -99,9 +98,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         self._losses: dict[int, object] = {}
         self._pending_sends: list = []
         self._timeline_dir = timeline_dir
-        self._timeline = Timeline(timeline_steps, compute_clock(self.device))
+        self._clock = compute_clock(self.device)
+        self._timeline = Timeline(timeline_steps, self._clock)
+        self._hooks: list = [self._timeline] if timeline_dir is not None else []
         self._batch_index = 0
-        self._training = False  # timelines cover train_batch only
+        self._training = False  # hooks see train_batch and drain only
         # continuous schedules: where the calls stand (call_cursor); weight versions (module docstring)
         self._continuous = compiled_schedule.continuous
         self._cursor = CallCursor()
@@ -161,6 +162,13 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         if self._timeline_dir is not None and self._training:
             self._timeline.mark_start("grads")
 
+    def add_instruction_hook(self, hook):
+        """Call ``hook(event)`` (:class:`~hippie_ds.adapter.timeline.InstructionEvent`) after each
+        instruction ``train_batch`` and ``drain`` run here, in order; returns its remover. With a
+        hook the engine reads its compute clock around each instruction (CUDA: a stream sync)."""
+        self._hooks.append(hook)
+        return lambda: self._hooks.remove(hook) if hook in self._hooks else None
+
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
         return self._declared
@@ -180,7 +188,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
 
     def _exec_steps_of(self, steps):
         """Run steps of (instruction, op) pairs (op None: an instruction of DeepSpeed's own schedules)."""
-        record, continuous = self._timeline_dir is not None and self._training, self._continuous and self._training
+        hooks, continuous = list(self._hooks) if self._training else [], self._continuous and self._training
         for step in steps:
             for cmd, op in step:
                 if continuous and op is not None and self._cursor.skips(op.batch):
@@ -190,7 +198,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                start = self._timeline.now() if record else 0.0
+                start = self._clock() if hooks else 0.0
                 if self._versions.versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
                     self._versions.use_for_compute(self._abs_version(op.batch, op.version))
                 try:
@@ -198,8 +206,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
                 except BaseException as exc:  # the others would wait for this rank: end the job now
                     end_job_on_failure(exc, self.global_rank, f"stage {self.stage_id}'s {cmd!r}")
                     raise
-                if record:
-                    self._timeline.record(cmd, op, start, self._timeline.now(), self._batch_index)
+                if hooks:
+                    event = InstructionEvent(type(cmd).__name__, op, start, self._clock(), self._batch_index, cmd)
+                    for hook in hooks:
+                        hook(event)
 
     def train_batch(self, data_iter=None):
         self._training = True
@@ -277,7 +287,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
             return None
         return self._timeline.write(path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json"),
                                     rank=self.global_rank, stage=self.stage_id,
-                                    data_parallel_id=self.grid.data_parallel_id, schedule=self.compiled_schedule.name)
+                                    data_parallel_id=self.grid.data_parallel_id, schedule=self.compiled_schedule.name,
+                                    param_bytes=sum(p.numel() * p.element_size() for p in self._params))
 
     # ------------------------------------------------------------------ per-buffer slots
     def _exec_forward_pass(self, buffer_id):

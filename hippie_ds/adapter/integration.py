@@ -19,7 +19,7 @@ from ..schedules import load_spec, validator
 from ..schedules.compiler import resolve_virtual_stages
 from .clean_exit import wait_at_exit
 from .deferred_layers import (engine_arguments, final_schedule, log_choice, read_costs, resolve,  # noqa: F401
-                              schedules_with_param, without_undelayed)
+                              schedules_with_param)
 from .module_chunks import chunks_phrase as _chunks, held_chunks
 from .precision import check_precision
 from .tied import check_tied, tied_stage_groups

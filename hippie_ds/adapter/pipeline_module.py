@@ -58,6 +58,11 @@ def layer_names(layers: Sequence[Any]) -> list[str]:
     return [layer_name(x) for x in layers]
 
 
+def tie_keys(layers: Sequence[Any]) -> list[str | None]:
+    """Each layer's tie key (``TiedLayerSpec.key``), None for the others: a profile's ``tied_key``."""
+    return [layer.key if isinstance(layer, TiedLayerSpec) else None for layer in layers]
+
+
 def layer_param_bytes(layers: Sequence[Any]) -> list[float] | None:
     """Parameter bytes of every layer, built on the meta device (no memory, no compute). A tied
     layer counts its parameters at its first use only. None when a layer cannot be built there."""

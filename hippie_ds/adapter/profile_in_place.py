@@ -53,7 +53,7 @@ from ..planner.profile import LayerProfile, Profile, save_profile
 from .failure import end_job_on_failure
 from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, measure_layer, nbytes,
                            param_dtype)
-from .pipeline_module import layer_names, layer_param_bytes
+from .pipeline_module import layer_names, layer_param_bytes, tie_keys
 
 WARMUP_CALLS = 1  # train_batch calls before the measured ones
 TIMES = ("forward", "backward", "backward_weight", "recompute")
@@ -244,7 +244,8 @@ class InPlaceProfiler:
             raise RuntimeError(f"hippie.profile: no stage measured layers {missing} of {len(self.specs)}")
         records = [dict(_combine(held[index]), name=names[index], input_bytes=input_bytes if index == 0 else None)
                    for index in range(len(self.specs))]
-        layers = [LayerProfile(**fields) for fields in attribute_saved(records)]
+        layers = [LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(records),
+                                                                              tie_keys(self.specs))]
         measured = sum(x.param_bytes for x in layers)
         sizes = layer_param_bytes(self.specs)  # as model_fingerprint counts them (the dtype they are built in)
         if sizes is not None:

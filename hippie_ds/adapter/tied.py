@@ -58,10 +58,9 @@ from deepspeed.runtime.utils import clip_tensors_by_global_norm
 
 from ..config import ConfigError
 from ..schedules import builtins_where
-from ..schedules import recompile
 from ..schedules.continuous import sum_lag
 from ..schedules.ir import CompiledSchedule
-from .deferred_layers import layers_with_parameters, stage_layers, tie_holders
+from .deferred_layers import tie_holders
 from .module_chunks import held_chunks
 
 
@@ -75,7 +74,6 @@ def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
     """Refuse, before any process group, what cannot keep tied copies equal."""
     if not model.tied_comms or compiled.uses_tied_reduction:
         return
-    ties = ", ".join(model.tied_comms)
     shape = (compiled.stages, compiled.micro_batches)
     if compiled.continuous:
         return  # the tie sum lags one update, clipped apart (LaggedTieSums)
@@ -90,33 +88,6 @@ def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
                           "tie group; use " + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape,
                                                                          held_chunks(model))) +
                           ", or tie them to the same stages")
-
-
-def delay_ties(model: PipelineModule, compiled: CompiledSchedule, deferred_layers: dict[int, int],
-               untied: bool = False) -> tuple[CompiledSchedule, dict[int, int], set[str], set[str]]:
-    """The one rule per tied module over leading-layer counts ({deferred stage: leading layers},
-    a stage left out: whole): (schedule, counts, delayed tie keys, kept tie keys), the holders it
-    makes deferred added with 0 leading layers (only their tied weights). The rule itself is
-    :func:`hippie_ds.schedules.deferral.with_ties`; start-up takes it from
-    ``deferred_layers.resolve``, this view is what tests/test_tied_deferral.py reads."""
-    if not model.tied_comms or compiled.uses_tied_reduction or compiled.continuous:
-        return compiled, deferred_layers, set(), set()
-    from ..schedules.deferral import StageDeferral, with_ties
-    layers = stage_layers(model, layers_with_parameters(model))
-    own = {}
-    for s in compiled.deferred_stages():
-        st, count = layers[s], deferred_layers.get(s)
-        last = None if count is None else st.first + count - 1
-        ours = [i for i in st.with_params() if last is None or i <= last]
-        if untied:
-            ours = [i for i in ours if st.tie_at(i - st.first) is None]
-        own[s] = StageDeferral(s, tuple(ours), count is None and not untied,
-                               kept_keys=frozenset(st.keys(last) if untied else ()))
-    deferral = with_ties(own, layers)
-    added = sorted(set(deferral.stages) - set(compiled.deferred_stages()))
-    if added:
-        compiled = recompile(compiled, deferred_stages=sorted(set(compiled.deferred_stages()) | set(added)))
-    return compiled, {**deferred_layers, **{s: 0 for s in added}}, deferral.tied_delayed, deferral.tied_kept
 
 
 def tie_sum_lag(model: PipelineModule, compiled: CompiledSchedule) -> int:

@@ -1,5 +1,7 @@
-"""The executed-instruction timeline of one ``HippiePipelineEngine`` rank (``hippie.timeline_dir``):
-what ran when, for Chrome traces, the demo's picture and the benchmarks' measured costs.
+"""What ran when on one ``HippiePipelineEngine`` rank: :class:`InstructionEvent`, what the public
+instruction hook (``engine.add_instruction_hook``) receives after each instruction, and the
+:class:`Timeline` that hook keeps when ``hippie.timeline_dir`` is set, for Chrome traces, the demo's
+picture and measured cost files (``hippie-ds costs --timeline``).
 
 Events of the last ``steps`` train_batch calls only, so a long run's memory stays flat. An
 all-reduce is drawn in flight from its start (inside a backward when it started early) until
@@ -11,9 +13,28 @@ import collections
 import json
 import os
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from ..schedules.ir import CATEGORY, OpKind, op_name
+from ..schedules.ir import CATEGORY, Op, OpKind, op_name
+
+
+@dataclass(frozen=True)
+class InstructionEvent:
+    """One instruction a rank ran in ``train_batch`` or ``drain``: ``kind`` its class name
+    (``ForwardPass``, ``ISendGrad``, ...), ``op`` the schedule's op it ran (None for an instruction
+    of DeepSpeed's own schedules), ``start``/``end`` on the engine's compute clock
+    (:func:`compute_clock`, seconds), ``step`` the index of its ``train_batch`` call."""
+    kind: str
+    op: Optional[Op]
+    start: float
+    end: float
+    step: int
+    instruction: object = None
+
+    @property
+    def name(self) -> str:
+        return op_name(self.op) if self.op is not None else repr(self.instruction)
 
 
 def compute_clock(device) -> Callable[[], float]:
@@ -51,10 +72,10 @@ class Timeline:
         """An all-reduce of ``target`` started now, outside its declared op (early, in a backward)."""
         self._inflight[target] = time.perf_counter()
 
-    def record(self, cmd, op, start: float, end: float, step: int) -> None:
-        """``cmd``, running ``op`` (None: an instruction of DeepSpeed's own schedules), ran from
-        ``start`` to ``end`` (perf_counter) in train_batch call ``step``."""
-        self.events.append({"name": op_name(op) if op else repr(cmd), "kind": type(cmd).__name__,
+    def __call__(self, event: InstructionEvent) -> None:
+        """Record ``event`` (the engine's instruction hook)."""
+        op, start, end, step = event.op, event.start, event.end, event.step
+        self.events.append({"name": event.name, "kind": event.kind,
                             "category": CATEGORY.get(op.kind, "other") if op else "other", "start": start - self.t0,
                             "end": end - self.t0, "step": step, "micro_batch": op.micro_batch if op else None})
         if op is not None and op.kind == OpKind.START_ALLREDUCE:

@@ -2,7 +2,7 @@
 
 ``hippie-ds schedule list|show|validate|simulate|trace`` works on schedule files (built-in names or
 paths) without torch or DeepSpeed. Each top-level command registers itself in :data:`COMMANDS`
-(``schedule``, ``plan``, ``profile-import``). ``main(argv)`` returns the exit code:
+(``schedule``, ``plan``, ``profile``, ``profile-import``, ``costs``). ``main(argv)`` returns the exit code:
 0 success, 1 a schedule that ``validate`` found invalid, 2 a usage error (bad option, unknown
 schedule or parameter, a schedule that cannot be compiled), reported in one message on stderr (set HIPPIE_DS_DEBUG=1
 for the traceback instead). A ``profile`` target whose own code raises is exit code 2 too: one line
@@ -10,7 +10,7 @@ naming the target and the exception, then the traceback's frames of the target's
 (HIPPIE_DS_DEBUG=1: the whole traceback).
 
 One module per command: :mod:`.schedule`, :mod:`.plan`, :mod:`.profile` (``profile`` and
-``profile-import``); :mod:`.base` holds the registry, option parsing and output formatting.
+``profile-import``), :mod:`.costs`; :mod:`.base` holds the registry, option parsing and output formatting.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from . import schedule, plan, profile  # noqa: F401  (each registers its commands, in this order)
+from . import schedule, plan, profile, costs  # noqa: F401  (each registers its commands, in this order)
 from .base import COMMANDS, PROG, UsageError, _Formatter, _version
 
 # ---------------------------------------------------------------------------------------------

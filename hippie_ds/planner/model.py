@@ -95,6 +95,13 @@ class _Model:
         self.out = [x.output_bytes for x in layers]
         self.out_saved = [x.output_saved is not False for x in layers]
         self.params = [x.param_bytes for x in layers]
+        # A module tied across layers (TiedLayerSpec) counts at its first use; every other stage
+        # that uses it holds a copy (parameters, gradients, optimizer state, all-reduce).
+        self.tied_at = [x.tied_key for x in layers]
+        self.tied_first: dict[str, tuple[int, float]] = {}
+        for i, x in enumerate(layers):
+            if x.tied_key is not None and x.tied_key not in self.tied_first:
+                self.tied_first[x.tied_key] = (i, x.param_bytes)
         self.cuts = profile.cuts()
         self.working = profile.working()
         loss = profile.loss
@@ -141,7 +148,7 @@ class _Model:
             ranges = [(parts[p], parts[p + 1]) for p in geometry.chunks(s)]
             fwd.append(sum(sum(self.fwd[a:b]) for a, b in ranges))
             bwd.append(sum(sum(self.bwd[a:b]) for a, b in ranges))
-            w = sum(sum(self.params[a:b]) for a, b in ranges)
+            w = sum(self.stage_params(ranges).values())
             params.append(w)
             working.append(max([x for a, b in ranges for x in self.working[a:b]]
                                + [self.loss_working if any(b == self.n for _, b in ranges) else 0.0]))
@@ -166,6 +173,19 @@ class _Model:
                       working)
         self._layouts[key] = lay
         return lay
+
+    def stage_params(self, ranges) -> dict[int, float]:
+        """{layer: parameter bytes as the stage running ``ranges`` holds them}: a tied module whose
+        first use is on another stage counts at this stage's first use of it (its copy)."""
+        out, seen = {}, set()
+        for a, b in ranges:
+            for i in range(a, b):
+                out[i], key = self.params[i], self.tied_at[i]
+                if key is not None and key not in seen:
+                    seen.add(key)
+                    first, size = self.tied_first[key]
+                    out[i] += 0.0 if any(x <= first < y for x, y in ranges) else size
+        return out
 
     def _stage_recompute(self, a: int, b: int) -> StageRecompute:
         """Re-computation options of layers a .. b-1 run as one part."""
@@ -311,13 +331,14 @@ def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
     for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
         chosen = set(lay.rec[s].layers(ks[s]))
         scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
+        held = model.stage_params([(a, e)])
         for i in range(a, e):
             layer_costs.append({
                 # a re-computed layer's W runs in the input pass, the first stage's whole backward in W
                 "forward": f * model.fwd[i], "backward": f * model.bwd[i],
                 "backward_weight": f * (model.bwd[i] if s == 0 else 0.0 if i in chosen else model.wgt[i]),
                 "recompute": f * model.rc[i] if i in chosen else 0.0,
-                "param_bytes": model.params[i],
+                "param_bytes": held[i],
                 "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
             })
     return Costs.from_layers(layer_costs, lay.parts, comm)
@@ -336,6 +357,7 @@ def _chunked_costs(model: _Model, lay: _Layout, f: float, ks: Sequence, comm):
         chosen = set(lay.rec[s].layers(ks[s]))
         scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
         layers = [i for a, e in lay.chunk_ranges(s) for i in range(a, e)]
+        held = model.stage_params(lay.chunk_ranges(s))
         # the model's first part (stage 0's chunk 0 in either layout): its whole backward is W
         first = set(range(lay.parts[0], lay.parts[1])) if s == 0 else set()
         stages.append({
@@ -343,9 +365,9 @@ def _chunked_costs(model: _Model, lay: _Layout, f: float, ks: Sequence, comm):
             "recompute": f * sum(model.rc[i] for i in layers if i in chosen),
             "backward_weight": f * sum(model.bwd[i] if i in first else 0.0 if i in chosen else model.wgt[i]
                                        for i in layers),
-            "param_bytes": sum(model.params[i] for i in layers),
+            "param_bytes": sum(held[i] for i in layers),
             "activation_bytes": f * lay.cut_out[s] * scale,
-            "layers": [{"param_bytes": model.params[i], "backward": f * model.bwd[i]} for i in layers],
+            "layers": [{"param_bytes": held[i], "backward": f * model.bwd[i]} for i in layers],
         })
     return Costs.from_dict({"stages": stages, "comm": comm.model_dump()}, where="planner costs")
 

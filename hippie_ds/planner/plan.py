@@ -294,9 +294,11 @@ def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict)
         p_c = est.in_flight[s][c]
         lead = c == 0 and s in delayed  # the deferred layers lead the stage: its first chunk's
         stage_layers = [i for x, y in lay.chunk_ranges(s) for i in range(x, y)]
+        held = model.stage_params(lay.chunk_ranges(s))  # a tied module's copy counts where it is held
         out.append(StagePlan(stage=s, chunk=c, first_layer=a, end_layer=e, checkpointed=rec.layers(k),
                              forward=f * sum(model.fwd[a:e]), backward=f * sum(model.bwd[a:e]), recompute=f * rec.time(k),
-                             param_bytes=sum(model.params[a:e]), activation_bytes=f * (model.cuts[e - 1] if e < model.n else 0.0),
+                             param_bytes=sum(held[i] for i in range(a, e)),
+                             activation_bytes=f * (model.cuts[e - 1] if e < model.n else 0.0),
                              kept_bytes=f * rec.kept(k), in_flight=p_c, deferred=s in deferred, memory=est.memory[s],
                              deferred_layers=_with_parameters(model, stage_layers, delayed[s].layers) if lead else None,
                              delayed_share=delayed[s].delayed_share if lead else 0.0,

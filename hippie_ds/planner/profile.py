@@ -103,6 +103,9 @@ class LayerProfile(_Strict):
     param_bytes: float = Field(0.0, ge=0, description="bytes of parameters (fp32: 4 per parameter)")
     working_bytes: float | None = Field(None, ge=0, description="memory the forward+backward needs above the input, "
                                         "parameters and saved bytes (CUDA allocator peak; default: an estimate)")
+    tied_key: str | None = Field(None, min_length=1, description="the key of a module tied to other layers "
+                                 "(TiedLayerSpec): param_bytes counts it at its first use only, and every other stage "
+                                 "that uses it holds a copy of those bytes")
 
     @model_validator(mode="after")
     def _weight_within_backward(self) -> "LayerProfile":

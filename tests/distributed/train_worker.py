@@ -198,6 +198,9 @@ def main():
         ckpt_at = next((int(o[4:]) for o in opts if o.startswith("ckpt")), None)
         engine = build(name)
         replica = engine.grid.data_parallel_id
+        hook_counts = {}  # the public instruction hook, beside the timeline it also feeds
+        if args.timeline and hasattr(engine, "add_instruction_hook"):
+            engine.add_instruction_hook(lambda e: hook_counts.__setitem__(e.kind, hook_counts.get(e.kind, 0) + 1))
         start = 0
         if args.resume:
             weights_only = {"load_optimizer_states": False, "load_lr_scheduler_states": False}
@@ -251,7 +254,7 @@ def main():
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
                     if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
-                    "between_calls": between_calls,
+                    "between_calls": between_calls, "hook_counts": hook_counts,
                     "optimizer": type(engine.optimizer).__name__,
                     "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
                              for k, m in engine.module.tied_modules.items()},

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from cluster import parse_rate
+from hippie_ds.schedules.measured_costs import forward_share, stage_fields
 from .figures import mean_or_none, median_or_none
 
 
@@ -98,33 +99,15 @@ def _collective_arrivals(ranks: dict) -> dict:
 
 def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: float, p2p_bandwidth: float,
                    p2p_latency: float) -> dict:
-    """A hippie-ds cost dict from measured stage timings (``Costs.from_dict`` format). Moving
-    gradients into the deferred buffer counts as update time: the simulator's copy_grads_to_buffer
-    is free, the engine's takes 10-20 ms a step on the bench model. Issuing a non-blocking send and
-    starting an all-reduce cost the caller their measured medians (on a core shared with gloo,
-    up to several ms)."""
-    fb = []
-    for st in timings.values():
-        f, b = st["median"].get("ForwardPass"), st["median"].get("BackwardPass")
-        if f and b:
-            fb.append(f / (f + b))
-    ratio = mean_or_none(fb) or 1 / 3
+    """A hippie-ds cost dict from measured stage timings (``Costs.from_dict`` format): the
+    instructions' times as ``hippie_ds.schedules.measured_costs`` maps them (moving gradients into
+    the deferred buffer counts as update time: the simulator's copy_grads_to_buffer is free, the
+    engine's takes 10-20 ms a step on the bench model; issuing a send or starting an all-reduce
+    costs the caller its measured median), plus the bench's sizes and the all-reduce's CPU share."""
+    share = forward_share(st["median"] for st in timings.values())
     stages = []
     for s in sorted(timings):
-        m = timings[s]["median"]
-        f, b = m.get("ForwardPass"), m.get("BackwardPass")
-        if (f is None or b is None) and "ForwardBackwardPass" in m:  # fused last stage: split by the ratio
-            f, b = ratio * m["ForwardBackwardPass"], (1 - ratio) * m["ForwardBackwardPass"]
-        split = {}
-        if b is None and "BackwardWeightPass" in m:  # a split backward (zb-h1, hippie-zb): B + W
-            w = m["BackwardWeightPass"]
-            b, split = m.get("BackwardInputPass", 0.0) + w, {"backward_weight": w}
-        opt = sum(m.get(k, 0.0) for k in ("OptimizerStep", "StageOptimizerStep", "ApplyBufferedUpdate",
-                                          "CopyGradsToBuffer"))
-        isends = [m[k] for k in ("ISendActivation", "ISendGrad") if m.get(k)]
-        stages.append({"forward": f or 0.0, "backward": b or 0.0, **split, "optimizer_time": opt,
-                       "send_issue_time": mean_or_none(isends) or 0.0,
-                       "allreduce_issue_time": m.get("StartAllReduce", 0.0),
+        stages.append({**stage_fields(timings[s]["median"], share),
                        "allreduce_cpu_time": a.allreduce_cpu_per_mb * wire_bytes(a) * timings[s]["params"] / 1e6,
                        "param_bytes": 4.0 * timings[s]["params"],
                        "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,

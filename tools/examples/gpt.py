@@ -120,8 +120,9 @@ def perplexity(loss: float) -> float:
 
 def profile_target(dim: int = 128, layers: int = 4, seq_len: int = 64, micro_batch: int = 4):
     """What `hippie-ds profile tools/examples/gpt.py:profile_target` measures: the layer list of
-    tools/train_gpt.py's default model and one micro-batch of its corpus (the shipped configs' 4)."""
+    tools/train_gpt.py's default model, one micro-batch of its corpus (the shipped configs' 4) and
+    its loss on that micro-batch's targets (the profile's ``loss`` entry)."""
     data = CharData(seq_len)
-    sample = next(data.global_batches("train", micro_batch, 0))[0]
+    sample, targets = next(data.global_batches("train", micro_batch, 0))
     return {"layers": layer_specs(len(data.vocab), dim, layers, seq_len=seq_len), "sample": sample,
-            "name": f"gpt-d{dim}-l{layers}-s{seq_len}"}
+            "name": f"gpt-d{dim}-l{layers}-s{seq_len}", "loss_fn": lm_loss, "labels": targets}

@@ -109,6 +109,8 @@ def pipeline(num_stages, topology, width=32, hidden=128, partition_method="unifo
 
 def profile_target(width: int = 32, hidden: int = 128, micro_batch: int = 4):
     """What `hippie-ds profile tools/examples/vgg.py:profile_target` measures: the layer list of
-    tools/train_vgg.py's default network and one micro-batch of digits (the shipped configs' 4)."""
-    images = Digits().train[0][:micro_batch]
-    return {"layers": layer_specs(width, hidden), "sample": images, "name": f"vgg-digits-w{width}-h{hidden}"}
+    tools/train_vgg.py's default network, one micro-batch of digits (the shipped configs' 4) and its
+    loss on their labels (the profile's ``loss`` entry)."""
+    images, labels = (t[:micro_batch] for t in Digits().train)
+    return {"layers": layer_specs(width, hidden), "sample": images, "name": f"vgg-digits-w{width}-h{hidden}",
+            "loss_fn": loss_fn, "labels": labels}

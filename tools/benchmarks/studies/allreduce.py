@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 from pathlib import Path
 
 from cluster import REPO, Network, WorkerJob, cleanup_on_signals, parse_rate, preflight
+from ..publish import publish
 
 WORKER = REPO / "tools" / "workers" / "allreduce_worker.py"
 NETWORK = Network(("hdsa-node0", "hdsa-node1"), ("hdsa-veth0", "hdsa-veth1"), ("10.79.0.1", "10.79.0.2"))
@@ -118,8 +118,5 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     (out / "report.md").write_text(report(rows, a.megabytes))
     print(report(rows, a.megabytes))
-    if a.publish:
-        Path(a.publish).mkdir(parents=True, exist_ok=True)
-        for name in ("results.json", "report.md"):
-            shutil.copy(out / name, Path(a.publish, name))
+    publish(a.publish, ("results.json", "report.md"), base=out)
     return 0

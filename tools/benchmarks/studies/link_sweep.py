@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from ..publish import publish
 
 REPO = Path(__file__).resolve().parents[3]
 BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
@@ -170,8 +171,5 @@ def main(argv=None) -> int:
     (out / "report.md").write_text(text)
     plot(res, out / "scaling.png")
     print(text)
-    if a.publish:
-        Path(a.publish).mkdir(parents=True, exist_ok=True)
-        for name in ("report.md", "results.json", "scaling.png"):
-            shutil.copy(out / name, Path(a.publish, name))
+    publish(a.publish, ("report.md", "results.json", "scaling.png"), base=out)
     return 0

@@ -39,6 +39,7 @@ from cluster import preflight as cluster_preflight
 from . import link_calibration
 from ..analysis import analyse_job, combine_rounds
 from ..figures import round_ratios, spread_excludes
+from ..publish import publish
 from ..runs import WORKER, worker_args
 
 NAMES = {1: "one_node", 2: "two_nodes", 4: "four_nodes", 8: "eight_nodes"}
@@ -271,11 +272,6 @@ def main(argv=None) -> int:
     md = report(results)
     (out / "report.md").write_text(md)
     print(md)
-    if a.publish:
-        dest = Path(a.publish)
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("report.md", "results.json"):
-            shutil.copy2(out / name, dest / name)
-        fix_owner(dest)
+    publish(a.publish, ("report.md", "results.json"), base=out)
     fix_owner(out)
     return 0

@@ -34,6 +34,7 @@ from pathlib import Path
 from benchmarks.analysis import load_run, stage_timings
 from cluster import local_env
 from benchmarks.config import add_model_choice, model_choice_args
+from benchmarks.publish import publish
 from hippie_ds.schedules import compile as compile_schedule
 from hippie_ds.schedules.costs import CommCost, Costs
 from hippie_ds.schedules.simulator import simulate
@@ -205,8 +206,5 @@ def main(argv=None) -> int:
     text = report(res)
     Path(a.out, "report.md").write_text(text)
     print(text)
-    if a.publish:
-        os.makedirs(a.publish, exist_ok=True)
-        for name in ("report.md", "results.json"):
-            shutil.copy(Path(a.out, name), Path(a.publish, name))
+    publish(a.publish, ("report.md", "results.json"), base=a.out)
     return 0
