@@ -44,7 +44,7 @@ def test_zero1_schedules_match_their_rules(tmp_path):
     engines = ",".join([name + p for p in PRECISIONS for name in NAMES if name not in SKIP[p]] + list(RESUMED))
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
                         "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
-                        "--deferred-layers", "default", "--drain", timeout=900)
+                        "--deferred-layers", "default", "--drain", "--largest-tensor", timeout=900)
     assert rc == 0, log[-4000:]
     staleness = StalenessConfig()
     for p, precision in PRECISIONS.items():

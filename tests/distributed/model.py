@@ -1,5 +1,8 @@
 """A tiny deterministic PipelineModule and data, shared by the rank workers and the
 single-process references of the distributed tests."""
+import random
+
+import numpy
 import torch
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.module import LayerSpec
@@ -15,6 +18,16 @@ def layer_specs():
         specs += [LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH)]
     specs += [LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, OUT)]
     return specs
+
+
+def seed_cpu(seed):
+    """DeepSpeed's ``set_random_seed`` for what these models draw from (Python's, NumPy's and torch's
+    CPU generators), as ``PipelineModule(seed_fn=...)``: ``torch.manual_seed`` on a host without
+    CUDA also queues the CUDA/XPU/MTIA seeding, each with a formatted stack (about 2 ms a call), and
+    ``seed_layers`` seeds every layer of every forward. The same numbers; both engines use it."""
+    random.seed(seed)
+    numpy.random.seed(seed % 2 ** 32)
+    torch.default_generator.manual_seed(seed)
 
 
 def build_layers():

@@ -138,6 +138,8 @@ def parse_args():
     p.add_argument("--flush", action="store_true")
     p.add_argument("--drain", action="store_true", help="engine.drain() after the last step (batches in flight)")
     p.add_argument("--timeline", action="store_true")
+    p.add_argument("--largest-tensor", action="store_true",
+                   help="record the largest tensor alive after training (a gc scan: 0.5 s per engine and rank)")
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
     p.add_argument("--resume-weights-only", action="store_true", help="--resume loads DeepSpeed's per-layer weight "
@@ -176,7 +178,8 @@ def main():
             extra["checkpointed_layers"] = list(range(len(specs)))
         module = kind(layers=specs, num_stages=args.stages, loss_fn=emulated.loss_fn if args.emulated else tiny.loss_fn,
                       topology=hippie_ds.make_topology(args.stages, world),
-                      partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, **extra)
+                      partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, seed_fn=tiny.seed_cpu,
+                      **extra)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
                           config=cfg)
@@ -260,7 +263,7 @@ def main():
                              for k, m in engine.module.tied_modules.items()},
                     # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
                     "partitions": getattr(engine.optimizer, "partition_count", None),
-                    "largest_tensor": largest_live_tensor()},
+                    "largest_tensor": largest_live_tensor() if args.largest_tensor else None},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()
