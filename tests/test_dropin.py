@@ -3,10 +3,11 @@
 ``--deepspeed_config``, DeepSpeed's default topology with data parallelism, ``partition_method=
 "parameters"``, ``activation_checkpoint_interval``, ``training_data=`` a Dataset, ``train_batch()``
 without an iterator, ``eval_batch``, an optimizer of two parameter groups as Megatron-DeepSpeed
-builds it) run by the ``deepspeed`` launcher on 2 stages x 2 replicas, with no ``hippie`` key in
-the config. Checkpoints cross between stock DeepSpeed and hippie-ds both ways, across stage
+builds it) on 2 stages x 2 replicas, with no ``hippie`` key in the config: under the ``deepspeed``
+launcher itself for stock DeepSpeed's runs and the default schedule's (1f1b, no key at all), the
+others forked as that launcher starts ranks (tests/distributed/launch.py; it saves ~7 s a launch). Checkpoints cross between stock DeepSpeed and hippie-ds both ways, across stage
 layouts, and from a tensor x pipeline model; DeepSpeed's own ``DualPipeVModule`` runs as stock.
-Launches are shared where one run can serve two checks (each launch costs ~17 s of CI).
+Launches are shared where one run can serve two checks.
 """
 import json
 from pathlib import Path
@@ -35,9 +36,9 @@ def _config(tmp, schedule=None):
     return path
 
 
-def run(out, config, *args, ranks=4, initialize="hippie_ds", expect_ok=True):
+def run(out, config, *args, ranks=4, initialize="hippie_ds", expect_ok=True, launcher="fork"):
     rc, log, _ = launch(ranks, out, "--initialize", initialize, "--deepspeed", "--deepspeed_config", config,
-                        *args, worker=CLIENT, timeout=180, launcher="deepspeed")  # the user's launcher
+                        *args, worker=CLIENT, timeout=180, launcher=launcher)
     if expect_ok:
         assert rc == 0, log[-4000:]
     return rc, log, _results(out)
@@ -67,8 +68,10 @@ def stock(tmp_path_factory):
     """Stock DeepSpeed: trains STEPS steps and saves; resumes from that checkpoint for 2 steps."""
     tmp = tmp_path_factory.mktemp("stock")
     config = _config(tmp)
-    _, _, trained = run(tmp / "trained", config, "--steps", STEPS, "--save", tmp / "ckpt", initialize="deepspeed")
-    _, _, resumed = run(tmp / "resumed", config, "--steps", 2, "--load", tmp / "ckpt", initialize="deepspeed")
+    _, _, trained = run(tmp / "trained", config, "--steps", STEPS, "--save", tmp / "ckpt", initialize="deepspeed",
+                        launcher="deepspeed")
+    _, _, resumed = run(tmp / "resumed", config, "--steps", 2, "--load", tmp / "ckpt", initialize="deepspeed",
+                        launcher="deepspeed")
     return {"dir": tmp, "trained": trained, "resumed": resumed}
 
 
@@ -78,8 +81,9 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
     checkpoint saved by stock DeepSpeed and trains on (one launch each for the asynchronous
     ones, to keep CI short: that run both loads and trains under the schedule)."""
     config = _config(tmp_path, None if schedule == "1f1b" else schedule)  # 1f1b: no key at all
+    launcher = "deepspeed" if schedule == "1f1b" else "fork"  # the user's command line, once
     if schedule in SYNCHRONOUS:
-        _, log, ours = run(tmp_path / "trained", config, "--steps", STEPS)
+        _, log, ours = run(tmp_path / "trained", config, "--steps", STEPS, launcher=launcher)
         records = ours["records"]
         assert len(records) == 4 and all(r["global_steps"] == STEPS for r in records.values())
         # eval_batch on the same (initial) weights: stock's loss
@@ -90,7 +94,8 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
     # a checkpoint saved by stock DeepSpeed: loads, and training continues (and, for schedules
     # with in-flight state, saves it: stock DeepSpeed must refuse that checkpoint, below)
     save = ("--save", tmp_path / "ckpt") if schedule in IN_FLIGHT else ()
-    _, log, resumed = run(tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt", *save)
+    _, log, resumed = run(tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt", *save,
+                          launcher=launcher)
     records = resumed["records"]
     assert len(records) == 4 and all(r["global_steps"] == STEPS + 2 for r in records.values())
     # eval_batch on the loaded weights: stock's loss on the same weights
