@@ -69,8 +69,9 @@ def test_exit_waits_for_the_gloo_workers(tmp_path):
     from launch import launch
     worker = Path(__file__).parent / "distributed" / "exit_worker.py"
     with ThreadPoolExecutor(2) as pool:  # the two jobs side by side
-        plain, waited = pool.map(lambda args: launch(2, tmp_path / args[0], *args[1:], worker=worker, timeout=120),
-                                 [("plain",), ("wait", "--wait")])
+        plain, waited = pool.map(lambda args: launch(2, tmp_path / args[0], *args[1:], worker=worker, timeout=120,
+                                                     launcher="deepspeed"),  # processes as users start them: a
+                                 [("plain",), ("wait", "--wait")])  # forked rank's shorter exit may miss the race
     abort = "terminate called without an active exception"
     assert plain[0] != 0 and abort in plain[1], plain[1][-3000:]
     assert waited[0] == 0 and abort not in waited[1], waited[1][-3000:]

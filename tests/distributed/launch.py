@@ -1,7 +1,10 @@
 """Run a rank worker on local ranks (gloo on CPU) and collect its files. The launching itself
 (environment, process group, clean-up) is tools/cluster's :class:`LocalJob`: by default its
 ``fork`` launcher (the ranks as DeepSpeed's launcher starts them, forked after one import of torch,
-DeepSpeed and hippie_ds); ``launcher="deepspeed"`` for the tests whose point is the user's launcher."""
+DeepSpeed and hippie_ds); ``launcher="deepspeed"`` for the tests whose point is the user's launcher,
+and for every test with ``HIPPIE_TEST_LAUNCHER=deepspeed`` in the environment (slower: about 7 s a
+launch more)."""
+import os
 from pathlib import Path
 
 import torch
@@ -10,10 +13,11 @@ from cluster import LocalJob, free_port  # noqa: F401 (free_port: the tests pick
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
-def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER, launcher="fork"):
+def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True, worker=WORKER, launcher=None):
     """Run ``worker`` (default ``train_worker.py``) on ``num_ranks`` local ranks; returns
     (returncode, output, seconds). ``clean_shm``: remove the job's /dev/shm segments afterwards
     (left by stock DeepSpeed and by killed ranks)."""
+    launcher = launcher or os.environ.get("HIPPIE_TEST_LAUNCHER", "fork")
     run = LocalJob(worker, num_ranks, ["--out", out, *worker_args], port=port, launcher=launcher).run(
         timeout, clean_shm=clean_shm)
     output = run.output + (f"\n[launch] killed after {timeout} s" if run.timed_out else "")
