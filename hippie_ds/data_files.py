@@ -23,6 +23,17 @@ def read_data_file(path: str | Path, what: str, error: type[Exception]) -> Any:
         raise error(f"{path}: not valid {kind}: {exc}") from None
 
 
+def write_data_file(path: str | Path, data: Any, default: str = "json") -> Path:
+    """Write ``data`` as YAML (.yaml/.yml) or JSON (.json); another suffix gets ``default``; the
+    folder is created. The one writer of costs, profiles and plans."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    fmt = "yaml" if suffix in (".yaml", ".yml") else "json" if suffix == ".json" else default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False) if fmt == "yaml" else json.dumps(data, indent=1) + "\n")
+    return path
+
+
 def describe(exc: ValidationError, where: str) -> list[str]:
     """One line per pydantic error: where, field, value, what is wrong."""
     problems = []

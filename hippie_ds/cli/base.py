@@ -225,16 +225,22 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                    help="stages' all-reduces do not share one inter-node link (default: they do)")
 
 
+def _comm_options(args) -> dict:
+    """The ``CommCost`` fields given as options (_COMM_COST_OPTIONS and --data-parallel)."""
+    given = {field: _quantity(getattr(args, field), kind, option)
+             for option, field, kind, _ in _COMM_COST_OPTIONS if getattr(args, field) is not None}
+    if args.data_parallel is not None:
+        given["data_parallel"] = args.data_parallel
+    return given
+
+
 def _build_costs(args, stages: int):
     """Costs from --costs FILE and/or the cost options."""
     from ..schedules import costs as costs_mod
 
     stage_given = {field: _per_stage(getattr(args, field), kind, option, stages)
                    for option, field, kind, _ in _STAGE_COST_OPTIONS if getattr(args, field) is not None}
-    comm_given = {field: _quantity(getattr(args, field), kind, option)
-                  for option, field, kind, _ in _COMM_COST_OPTIONS if getattr(args, field) is not None}
-    if args.data_parallel is not None:
-        comm_given["data_parallel"] = args.data_parallel
+    comm_given = _comm_options(args)
     if args.no_shared_link:
         comm_given["shared_link"] = False
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .base import UsageError, _COMM_COST_OPTIONS, _Formatter, _non_negative_int, _positive_int, _quantity, command
+from ..data_files import write_data_file
+from .base import UsageError, _COMM_COST_OPTIONS, _Formatter, _comm_options, _non_negative_int, _positive_int, command
 
 COSTS_CMD_HELP = """\
 Write a cost file, the "hippie.costs" that 'auto' schedule parameters (deferred_stages,
@@ -51,10 +52,7 @@ def _costs_parser(subparsers) -> None:
 def _cmd_costs(args) -> int:
     from ..schedules import measured_costs as mc
 
-    comm = {field: _quantity(getattr(args, field), kind, option)
-            for option, field, kind, _ in _COMM_COST_OPTIONS if getattr(args, field) is not None}
-    if args.data_parallel is not None:
-        comm["data_parallel"] = args.data_parallel
+    comm = _comm_options(args)
     if args.timeline:
         if args.boundaries or args.stages:
             raise UsageError("--boundaries/--stages go with --profile; a timeline knows its stages")
@@ -80,14 +78,7 @@ def _cmd_costs(args) -> int:
             raise UsageError("--profile needs --boundaries or --stages")
         costs = mc.costs_from_profile(profile, bounds, comm)
         source = f"{args.profile} cut at {bounds}"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = costs.model_dump(mode="json", exclude_none=True)
-    if out.suffix in (".yaml", ".yml"):
-        import yaml
-        out.write_text(yaml.safe_dump(data, sort_keys=False))
-    else:
-        out.write_text(json.dumps(data, indent=1))
+    out = write_data_file(args.out, costs.model_dump(mode="json", exclude_none=True), default="json")
     per_stage = ", ".join(f"{1e3 * s.forward:.2f}/{1e3 * s.backward:.2f} ms" for s in costs.stages)
     print(f"wrote {out}: {len(costs.stages)} stage(s) from {source}; forward/backward per micro-batch {per_stage}")
     return 0

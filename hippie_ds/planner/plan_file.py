@@ -2,16 +2,14 @@
 baselines it compared), how it is saved and loaded, and its text summary. Pure Python."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hippie_ds.config import DEFAULT_DEFERRED_LAYERS
-from hippie_ds.data_files import describe, read_data_file
+from hippie_ds.data_files import describe, read_data_file, write_data_file
 from hippie_ds.formatting import table
 
 from .cluster import Cluster
@@ -208,13 +206,7 @@ class Plan(_Strict):
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write a plan as JSON (.json) or YAML (.yaml/.yml)."""
-    path = Path(path)
-    data = plan.model_dump(mode="json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() in (".yaml", ".yml"):
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-    else:
-        path.write_text(json.dumps(data, indent=1) + "\n")
+    write_data_file(path, plan.model_dump(mode="json"), default="json")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -62,14 +62,12 @@ format by :func:`.profile_io.load_profile`.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hippie_ds.data_files import describe
+from hippie_ds.data_files import describe, write_data_file
 
 
 DEFAULT_STATE_FACTOR = 4.0  # fp32 weights, gradients and two Adam moments per fp32 parameter byte
@@ -260,13 +258,7 @@ def profile_from_dict(data: Any, where: str = "profile") -> Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write a profile as JSON (.json) or YAML (anything else)."""
-    path = Path(path)
-    data = profile.model_dump(exclude_none=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".json":
-        path.write_text(json.dumps(data, indent=1) + "\n")
-    else:
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    write_data_file(path, profile.model_dump(exclude_none=True), default="yaml")
 
 
 # ---------------------------------------------------------------------------------------------
