@@ -45,7 +45,7 @@ DEMO_RANKS ?= 4
 DEMO_ARGS ?= --deepspeed_config configs/hippie.json --stages 2 --steps 40
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(VENV)/bin/deepspeed \
-		--num_gpus $(DEMO_RANKS) tools/train_gpt.py $(DEMO_ARGS) --out $(OUT)/demo
+		--num_gpus $(DEMO_RANKS) tools/examples/train_gpt.py $(DEMO_ARGS) --out $(OUT)/demo
 
 schedule-demo: $(STAMP)
 	mkdir -p $(OUT)
@@ -69,7 +69,7 @@ schedule-demo: $(STAMP)
 BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie@auto,hippie@all,hippie-1f1b,2bw,pipedream
 BENCH_ARGS ?=
 bench: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench --out $(OUT)/bench \
 		--publish docs/bench --auto-plan --schedules $(BENCH_SCHEDULES) $(BENCH_ARGS)
 
 # The paper's scaling table on an emulated accelerator (needs root): VGG-16 at 10 Gbit/s and GNMT-16
@@ -77,9 +77,9 @@ bench: $(STAMP)
 # on 1, 2 and 4 emulated nodes of 4 ranks, DP / stock 1F1B / GPipe+DP / hippie / hippie-1f1b in 3
 # interleaved rounds, beside the paper's figures; docs/bench/scaling/{vgg16,gnmt16}/. About 20 minutes.
 bench-scaling: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py scaling --model emulated:vgg16 \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench scaling --model emulated:vgg16 \
 		--rate 10mbit --out $(OUT)/bench/scaling-vgg16 --publish docs/bench/scaling/vgg16
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py scaling --model emulated:gnmt16 \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench scaling --model emulated:gnmt16 \
 		--rate 100mbit --out $(OUT)/bench/scaling-gnmt16 --publish docs/bench/scaling/gnmt16
 
 # Multi-node with DeepSpeed's own launcher (needs root): two emulated nodes (network namespaces joined
@@ -90,7 +90,7 @@ bench-scaling: $(STAMP)
 MULTINODE_ARGS ?=
 .PHONY: multinode
 multinode: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/multinode.py --out $(OUT)/multinode \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench multinode --out $(OUT)/multinode \
 		$(MULTINODE_ARGS)
 
 # Soak: 1,000 steps of hippie on 4 local ranks with timelines on; resident memory must grow less
@@ -99,14 +99,14 @@ multinode: $(STAMP)
 SOAK_ARGS ?=
 .PHONY: soak
 soak: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/soak.py --out $(OUT)/soak $(SOAK_ARGS)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench soak --out $(OUT)/soak $(SOAK_ARGS)
 
 # Convergence and time to accuracy: both examples (GPT on Python's docs, VGG on scikit-learn's
 # digits) trained to a fixed budget with data parallelism (4 replicas) and with 1f1b (synchronous,
 # stock DeepSpeed's update: the time-to-target reference), hippie (configs/hippie.json: partial
 # deferral of stage 0's first layer, default staleness correction), hippie@auto (the layers chosen
 # from the example's costs at 1 Gbit/s: GPT's measured by `make bench-gpt`, VGG's from a profile,
-# tools/bench.py example-costs), hippie@all (all of stage 0 delayed: the paper's rule), hippie@all:none
+# python -m tools.bench example-costs), hippie@all (all of stage 0 delayed: the paper's rule), hippie@all:none
 # (no correction), 2bw and 2bw:none (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after
 # another; same global batch, weights and data order.
 # Time to accuracy uses the GPT-shape step times at 1 Gbit/s and 250 Mbit/s in
@@ -119,7 +119,7 @@ CONVERGENCE_COSTS ?= gpt=docs/convergence/bench_gpt/1gbit.costs.json,vgg=docs/co
 CONVERGENCE_ARGS ?=
 .PHONY: convergence bench-gpt
 convergence: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/convergence.py --out $(OUT)/convergence \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench convergence --out $(OUT)/convergence \
 		--schedules $(CONVERGENCE_SCHEDULES) --seeds 0,1,2 --step-times $(CONVERGENCE_STEP_TIMES) \
 		--costs $(CONVERGENCE_COSTS) --publish docs/convergence $(CONVERGENCE_ARGS)
 
@@ -135,7 +135,7 @@ BENCH_GPT_RATES ?= 1gbit 250mbit
 bench-gpt: $(STAMP)
 	mkdir -p docs/convergence/bench_gpt
 	for rate in $(BENCH_GPT_RATES); do \
-		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) tools/bench.py --out $(OUT)/bench-gpt/$$rate \
+		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench --out $(OUT)/bench-gpt/$$rate \
 			--rate $$rate $(BENCH_GPT_SHAPE) && cp $(OUT)/bench-gpt/$$rate/results.json \
 			docs/convergence/bench_gpt/$$rate.json && cp $(OUT)/bench-gpt/$$rate/runs/two_nodes/costs.json \
 			docs/convergence/bench_gpt/$$rate.costs.json || exit 1; \

@@ -1,4 +1,4 @@
-"""tools/bench.py, its pure parts: figures (ratios, ME, scaling efficiency), the report, the
+"""python -m tools.bench, its pure parts: figures (ratios, ME, scaling efficiency), the report, the
 simulator prediction from measured costs, the projection on a vendored profile, and the polite
 refusal where `ip` is missing. No network namespaces, no DeepSpeed processes."""
 import json
@@ -8,26 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from bench_records import rounds_runs, run_record
+from tools.bench import cli as bench
+
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = REPO / "tests" / "data" / "pipedream"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    import bench
-    return bench
-
-
-def _run(thr, rss, saved=10e6, state=100e6):
-    return {"throughput_samples_s": thr, "mean_peak_training_rss_bytes": rss, "mean_peak_saved_bytes": saved,
-            "mean_state_bytes": state}
-
-
-def test_summarize_ratios_me_and_scaling(bench):
+def test_summarize_ratios_me_and_scaling():
     runs = {
-        "two_nodes": {"dp": _run(20.0, 400e6), "1f1b": _run(16.0, 200e6), "hippie": _run(24.0, 200e6)},
-        "one_node": {"dp": _run(12.0, 400e6), "1f1b": _run(10.0, 200e6), "hippie": _run(12.0, 200e6)},
-        "one_device": {"dp": _run(12.5, 400e6)},
+        "two_nodes": {"dp": run_record(20.0, 400e6), "1f1b": run_record(16.0, 200e6), "hippie": run_record(24.0, 200e6)},
+        "one_node": {"dp": run_record(12.0, 400e6), "1f1b": run_record(10.0, 200e6), "hippie": run_record(12.0, 200e6)},
+        "one_device": {"dp": run_record(12.5, 400e6)},
     }
     s = bench.summarize(runs)
     assert s["single_device_throughput"] == 12.5
@@ -44,13 +36,13 @@ def test_summarize_ratios_me_and_scaling(bench):
     assert s["schedules"]["1f1b"]["ratio_to_1f1b"] == pytest.approx(1.0)
 
 
-def test_summarize_without_reference_runs(bench):
-    s = bench.summarize({"two_nodes": {"hippie": _run(24.0, 200e6)}})
+def test_summarize_without_reference_runs():
+    s = bench.summarize({"two_nodes": {"hippie": run_record(24.0, 200e6)}})
     h = s["schedules"]["hippie"]
     assert h["ratio_to_1f1b"] is None and h["me_vs_dp"] is None and h["scaling_efficiency"] is None
 
 
-def _fake_results(bench):
+def _fake_results():
     runs = {"two_nodes": {}, "one_node": {}, "one_device": {}}
     for name, thr in (("dp", 20.0), ("1f1b", 16.0), ("hippie", 24.0)):
         r = {"world": 4, "stages": 1 if name == "dp" else 2, "schedule_params": {"deferred_stages": [0]}
@@ -69,8 +61,8 @@ def _fake_results(bench):
     return results
 
 
-def test_report_tables(bench):
-    results = _fake_results(bench)
+def test_report_tables():
+    results = _fake_results()
     md = bench.report_markdown(results)
     assert "## Side by side (two emulated nodes)" in md
     row = next(line for line in md.splitlines() if line.startswith("| hippie |"))
@@ -84,7 +76,7 @@ def test_report_tables(bench):
     assert "| 1F1B (stock DeepSpeed) |" in md and "| DP |" in md
 
 
-def test_measured_costs_and_prediction(bench):
+def test_measured_costs_and_prediction():
     class A:
         micro_batch_size, seq, d_model, allreduce_cpu_per_mb = 2, 8, 16, 0.002
     timings = {0: {"params": 1000, "median": {"ForwardPass": 0.01, "BackwardPass": 0.02, "OptimizerStep": 0.004}},
@@ -129,7 +121,7 @@ def _write_raw(run_dir, durations=((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])),
         (raw / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "events": events}))
 
 
-def test_analyse_job_from_raw_files(bench, tmp_path):
+def test_analyse_job_from_raw_files(tmp_path):
     _write_raw(tmp_path)
     job = {"config": "one_node", "schedule": "1f1b", "label": "stock"}
     r = bench.analyse_job(tmp_path, job, _A, 1.25e8)
@@ -146,8 +138,8 @@ def test_analyse_job_from_raw_files(bench, tmp_path):
     assert r["prediction"]["error"] == pytest.approx((1.5 - 1.15) / 1.15, rel=1e-4)
 
 
-def test_a_step_runs_from_the_last_rank_entering_to_the_last_leaving(bench):
-    from benchmarks.analysis import step_periods
+def test_a_step_runs_from_the_last_rank_entering_to_the_last_leaving():
+    from tools.bench.analysis import step_periods
     # rank 1 enters call (0, 1) early and waits in it: the step is 1.1, not its own 1.1 + 0.1 wait;
     # the gap between rounds (other labels ran) is in no step
     r0 = [{"round": 0, "index": 0, "warmup": False, "start": 0.0, "end": 1.0},
@@ -159,7 +151,7 @@ def test_a_step_runs_from_the_last_rank_entering_to_the_last_leaving(bench):
     assert step_periods({0: r0, 1: r1}) == pytest.approx([1.0, 1.1, 1.2])
 
 
-def test_exposed_allreduce_sums_a_steps_waits_before_the_median(bench, tmp_path):
+def test_exposed_allreduce_sums_a_steps_waits_before_the_median(tmp_path):
     """hippie waits twice a step (its in-step part, then its buffer, which is usually done): the
     exposed all-reduce is the median of each step's sum, not the median of the pooled waits
     (which is about halfway between the two)."""
@@ -178,7 +170,7 @@ def test_exposed_allreduce_sums_a_steps_waits_before_the_median(bench, tmp_path)
     assert r["exposed_allreduce_s_per_step"]["0"] == pytest.approx(0.04)
 
 
-def test_analyse_all_reads_both_layouts(bench, tmp_path):
+def test_analyse_all_reads_both_layouts(tmp_path):
     """--analyze-only: round<R>/ directories when the runs came in rounds, the plain directory
     otherwise, whatever --rounds says now."""
     base = tmp_path / "runs" / "two_nodes" / "1f1b"
@@ -197,7 +189,7 @@ def test_analyse_all_reads_both_layouts(bench, tmp_path):
     assert s["ratio_to_1f1b_rounds"] == pytest.approx([1.0, 1.0, 1.0]) and s["real_vs_1f1b"] is None
 
 
-def test_projection_on_vendored_profile(bench):
+def test_projection_on_vendored_profile():
     proj = bench.projection(models=(("vgg16", "VGG-16"),), sizes=(16,), schedules=("dp", "1f1b", "hippie"),
                             profile_dir=PROFILES)
     rows = {r["schedule"]: r for r in proj["rows"]}
@@ -211,7 +203,7 @@ def test_projection_on_vendored_profile(bench):
     assert "| VGG-16 | hippie |" in md and "16 GPUs" in md
 
 
-def test_refuses_without_ip(bench, tmp_path, monkeypatch, capsys):
+def test_refuses_without_ip(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no `ip`, `tc` or `taskset` here
     rc = bench.main(["--out", str(tmp_path / "out"), "--no-projection"])
     assert rc == 2
@@ -220,9 +212,9 @@ def test_refuses_without_ip(bench, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out" / "runs").exists()
 
 
-def test_cli_help_and_argument_errors(bench):
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), "--help"], capture_output=True, text=True,
-                         timeout=60)
+def test_cli_help_and_argument_errors():
+    res = subprocess.run([sys.executable, "-m", "tools.bench", "--help"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
     assert res.returncode == 0 and "--schedules" in res.stdout and "--plan" in res.stdout
     with pytest.raises(SystemExit):
         bench.parse_args(["--plan", "hippie"])
@@ -244,110 +236,12 @@ def test_cli_help_and_argument_errors(bench):
     assert bench.parse_args([]).rounds == 3
 
 
-def test_round_orders_rotate(bench):
-    # stock 1F1B first in round 0; round r starts at schedule r mod S
-    assert bench.round_orders(["dp", "1f1b", "hippie"], 4) == [
-        ["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"], ["hippie", "1f1b", "dp"], ["1f1b", "dp", "hippie"]]
-    assert bench.round_orders(["hippie"], 2) == [["hippie"], ["hippie"]]
-    assert bench.round_orders(["dp", "1f1b"], 1) == [["1f1b", "dp"]]
-
-
-def test_run_plan_with_rounds(bench):
-    a = bench.parse_args(["--schedules", "dp,1f1b,hippie", "--rounds", "2", "--no-single"])
-    jobs = bench.run_plan(a)
-    # each round: every schedule on two nodes, then on one node, in the round's order
-    assert [j["dir"] for j in jobs] == [
-        "two_nodes/1f1b/round0", "two_nodes/dp/round0", "two_nodes/hippie/round0",
-        "one_node/1f1b/round0", "one_node/dp/round0", "one_node/hippie/round0",
-        "two_nodes/dp/round1", "two_nodes/hippie/round1", "two_nodes/1f1b/round1",
-        "one_node/dp/round1", "one_node/hippie/round1", "one_node/1f1b/round1"]
-    assert [j["round"] for j in jobs] == [0] * 6 + [1] * 6
-    assert bench.config_record(a)["round_orders"] == [["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"]]
-    # the one-device run once, at the end
-    a = bench.parse_args(["--schedules", "dp,1f1b", "--rounds", "2"])
-    assert [j["dir"] for j in bench.run_plan(a)][-2:] == ["one_node/1f1b/round1", "one_device/dp"]
-
-
-def test_combine_rounds(bench):
-    def run(m, steps):
-        return {"median_step_s": m, "samples_per_step": 32, "throughput_samples_s": 32 / m, "step_times_s": steps,
-                "timed_steps": len(steps), "memory_per_rank": {"0": {"m": m}},
-                "prediction": {"step_time": 1.1, "error": (1.1 - m) / m}}
-    r = bench.combine_rounds([run(1.0, [1.0, 1.0]), run(1.4, [1.4]), None, run(1.2, [1.2, 1.2])])
-    assert r["median_step_s"] == pytest.approx(1.2) and r["throughput_samples_s"] == pytest.approx(32 / 1.2)
-    assert r["round_median_step_s"] == [1.0, 1.4, None, 1.2] and r["rounds"] == 4
-    assert (r["median_step_s_min"], r["median_step_s_max"]) == (1.0, 1.4)
-    assert r["throughput_samples_s_min"] == pytest.approx(32 / 1.4)
-    assert r["throughput_samples_s_max"] == pytest.approx(32.0)
-    assert r["step_times_s"] == [1.0, 1.0, 1.4, 1.2, 1.2] and r["timed_steps"] == 5
-    assert r["detail_round"] == 3 and r["memory_per_rank"] == {"0": {"m": 1.2}}  # the median round's details
-    assert r["prediction"]["error"] == pytest.approx((1.1 - 1.2) / 1.2)
-    # even number of rounds: median of the two middle ones; details from the lower median
-    r = bench.combine_rounds([run(1.0, [1.0]), run(2.0, [2.0])])
-    assert r["median_step_s"] == pytest.approx(1.5) and r["detail_round"] == 0
-    # one round: exactly that run's figures (what --rounds 1 gave before rounds existed)
-    one = run(1.3, [1.2, 1.3, 1.4])
-    r = bench.combine_rounds([one])
-    assert {k: r[k] for k in one} == one and r["rounds"] == 1
-    assert bench.combine_rounds([None, None]) is None
-
-
-def test_round_ratio_statistics(bench):
-    rr = bench.round_ratios([12.0, 10.0, None, 9.0], [10.0, 10.0, 8.0, 10.0])
-    assert rr["rounds"][2] is None and rr["n"] == 3
-    assert [rr["rounds"][i] for i in (0, 1, 3)] == pytest.approx([1.2, 1.0, 0.9])
-    assert rr["median"] == pytest.approx(1.0) and rr["min"] == pytest.approx(0.9) and rr["max"] == pytest.approx(1.2)
-    assert bench.spread_excludes(1.05, 1.2) is True and bench.spread_excludes(0.9, 1.2) is False
-    assert bench.spread_excludes(0.8, 0.99) is True and bench.spread_excludes(None, 1.2) is None
-    assert bench.ranges_overlap((1, 2), (2, 3)) is True and bench.ranges_overlap((1, 2), (2.5, 3)) is False
-    assert bench.ranges_overlap((1, None), (2, 3)) is None
-
-
-def _rounds_runs(thr_rounds: dict) -> dict:
-    two = {}
-    for name, thrs in thr_rounds.items():
-        meds = [32 / t for t in thrs]
-        med = sorted(meds)[len(meds) // 2]
-        two[name] = {**_run(32 / med, 200e6), "rounds": len(thrs), "round_throughput_samples_s": thrs,
-                     "round_median_step_s": meds, "median_step_s": med,
-                     "median_step_s_min": min(meds), "median_step_s_max": max(meds),
-                     "throughput_samples_s_min": min(thrs), "throughput_samples_s_max": max(thrs)}
-    return {"two_nodes": two}
-
-
-def test_summarize_per_round_ratios_and_real_rule(bench):
-    # The machine drifts: round 1 is slow for everybody. Per round, hippie beats 1F1B by 20%,
-    # which a ratio of medians taken over rounds mixed together would not show as cleanly.
-    runs = _rounds_runs({"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0], "hippie": [19.2, 9.6, 18.0],
-                         "gpipe": [17.0, 7.6, 15.5]})
-    s = bench.summarize(runs)["schedules"]
-    h, g, f, dp = s["hippie"], s["gpipe"], s["1f1b"], s["dp"]
-    assert h["ratio_to_1f1b_rounds"] == pytest.approx([1.2, 1.2, 1.2])
-    assert h["ratio_to_1f1b"] == pytest.approx(1.2) and h["real_vs_1f1b"] is True
-    # gpipe: 1.0625, 0.95, 1.033 -> spread includes 1.0: not real
-    assert g["ratio_to_1f1b_min"] == pytest.approx(0.95) and g["ratio_to_1f1b_max"] == pytest.approx(17 / 16)
-    assert g["ratio_to_1f1b"] == pytest.approx(15.5 / 15) and g["real_vs_1f1b"] is False
-    assert f["ratio_to_1f1b"] == pytest.approx(1.0) and f["real_vs_1f1b"] is None
-    # vs DP: throughput ranges over rounds. hippie [9.6, 19.2] overlaps dp's [10, 20]: not real,
-    # although every round's ratio is below 1 (0.96, 0.96, 0.947)
-    assert h["ratio_to_dp_max"] == pytest.approx(0.96) and h["real_vs_dp"] is False
-    assert dp["real_vs_dp"] is None and dp["ratio_to_dp"] == pytest.approx(1.0)
-    # ranges that do not overlap: real
-    runs = _rounds_runs({"dp": [20.0, 21.0], "1f1b": [10.0, 11.0]})
-    s = bench.summarize(runs)["schedules"]
-    assert s["1f1b"]["real_vs_dp"] is True and s["1f1b"]["ratio_to_dp_rounds"] == pytest.approx([0.5, 11 / 21])
-    # one round: no spread to judge by -> nothing marked real
-    s = bench.summarize(_rounds_runs({"dp": [20.0], "1f1b": [10.0], "hippie": [15.0]}))["schedules"]
-    assert s["hippie"]["ratio_to_1f1b"] == pytest.approx(1.5) and s["hippie"]["real_vs_1f1b"] is None
-    assert s["hippie"]["real_vs_dp"] is None
-
-
-def test_report_marks_real_differences(bench):
-    results = _fake_results(bench)
-    results["runs"]["two_nodes"].update(_rounds_runs({"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0],
+def test_report_marks_real_differences():
+    results = _fake_results()
+    results["runs"]["two_nodes"].update(rounds_runs({"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0],
                                                       "hippie": [19.2, 9.6, 18.0]})["two_nodes"])
     for name, r in results["runs"]["two_nodes"].items():
-        r.update({k: v for k, v in _fake_results(bench)["runs"]["two_nodes"][name].items()
+        r.update({k: v for k, v in _fake_results()["runs"]["two_nodes"][name].items()
                   if k not in r or k in ("world", "stages", "schedule_params")})
         r["detail_round"] = 2
     results["summary"] = bench.summarize(results["runs"])
@@ -365,19 +259,19 @@ def test_report_marks_real_differences(bench):
     assert "## Rounds (two nodes)" in md and "round 1: DP, hippie, 1F1B" in md
 
 
-def test_report_single_round_says_so(bench):
-    md = bench.report_markdown(_fake_results(bench))
+def test_report_single_round_says_so():
+    md = bench.report_markdown(_fake_results())
     assert "one round" in md and "**real**" not in md and "## Rounds" not in md
 
 
-def test_spread_cell(bench):
+def test_spread_cell():
     assert bench.spread_cell(1.2, 1.1, 1.3, real=True) == "1.20x (1.10-1.30) **real**"
     assert bench.spread_cell(1.2, None, None) == "1.20x"
     assert bench.spread_cell(None, 1, 2) == "-"
 
 
 def test_gpu_link_scaling_falls_with_the_link_and_stays_below_one():
-    from benchmarks.projection import link_scaling
+    from tools.bench.projection import link_scaling
     rows = link_scaling(models=(("vgg16", "VGG-16"),), rates=("10Gbit", "250Mbit"), schedules=("1f1b",))
     fast, slow = (r["scaling"] for r in rows)
     assert 0 < slow < fast <= 1.0 + 1e-9
@@ -387,7 +281,7 @@ def test_gpu_link_scaling_falls_with_the_link_and_stays_below_one():
 def test_allreduce_cpu_cost_option_reads_the_measurement_at_the_rate():
     import json
 
-    from benchmarks.config import ALLREDUCE_MEASURED, parse_args
+    from tools.bench.config import ALLREDUCE_MEASURED, parse_args
     measured = {r["rate"]: r["cpu_per_mb"] for r in json.loads(ALLREDUCE_MEASURED.read_text())}
     assert parse_args(["--rate", "250mbit"]).allreduce_cpu_per_mb == measured["250mbit"] > 0
     assert parse_args(["--rate", "3gbit"]).allreduce_cpu_per_mb == 0.0  # not measured there
@@ -401,7 +295,7 @@ def test_core_ticks_count_this_machines_busy_time():
     import os
     import time
 
-    from cluster import core_ticks
+    from tools.bench.cluster import core_ticks
     cores = os.sched_getaffinity(0)
     busy0, total0 = core_ticks(cores)
     end = time.process_time() + 0.1
@@ -414,29 +308,11 @@ def test_core_ticks_count_this_machines_busy_time():
     assert abs(core_ticks()[1] - core_ticks(every)[1]) <= 5 * len(every)
 
 
-def test_scaling_efficiency_per_round(bench):
-    """With one-node runs in rounds, the scaling 1->2 nodes is taken per round (runs of the same
-    round) with its spread; the report shows it and no longer calls the one-node runs single."""
-    def run(thr_rounds):
-        med = sorted(thr_rounds)[len(thr_rounds) // 2]
-        return {**_run(med, 100e6), "rounds": len(thr_rounds), "round_throughput_samples_s": thr_rounds,
-                "throughput_samples_s_min": min(thr_rounds), "throughput_samples_s_max": max(thr_rounds)}
-    runs = {"two_nodes": {"1f1b": run([18.0, 16.0, 20.0])}, "one_node": {"1f1b": run([10.0, 10.0, 10.0])},
-            "one_device": {"dp": _run(6.0, 100e6)}}
-    s = bench.summarize(runs)["schedules"]["1f1b"]
-    assert s["scaling_efficiency_rounds"] == pytest.approx([0.9, 0.8, 1.0])
-    assert s["scaling_efficiency"] == pytest.approx(0.9)
-    assert (s["scaling_efficiency_min"], s["scaling_efficiency_max"]) == pytest.approx((0.8, 1.0))
-    from benchmarks.report import single_runs_note
-    note = single_runs_note({"runs": runs})
-    assert "one-device run" in note and "one-node" not in note
-
-
-def test_tbf_burst_default_and_min(bench):
+def test_tbf_burst_default_and_min():
     """tbf's token bucket: the default keeps the brief's 1mb where the kernel allows it; "min" is
     just above rate/250 (the least this kernel takes), so an all-reduce after an idle spell gets
     no more than that at veth speed; anything else is refused by name."""
-    from cluster import Refuse, burst_for, parse_rate
+    from tools.bench.cluster import Refuse, burst_for, parse_rate
     assert burst_for(parse_rate("1gbit")) == "1mb" and burst_for(parse_rate("250mbit")) == "1mb"
     assert burst_for(parse_rate("10gbit")) == str(2 * 1_250_000_000 // 250)
     assert int(burst_for(parse_rate("250mbit"), "min")) == 137500  # 31.25 MB/s / 250 x 1.1

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from benchmarks.config import resolve_accelerator
-from cluster import Refuse, gpu_slices, node_env
 from hippie_ds.adapter.timeline import Timeline, compute_clock
+from tools.bench.cluster import Refuse, gpu_slices, node_env
+from tools.bench.config import resolve_accelerator
 
 
 def test_gpu_slices_give_every_rank_its_own_gpu_and_refuse_too_few():
@@ -49,6 +49,6 @@ def test_cpu_instruction_clock_is_the_plain_counter():
 
 
 def test_worker_backend_is_gloo_on_the_cpu():
-    from workers.bench_worker import backend_name
+    from tools.bench.workers.bench_worker import backend_name
     assert backend_name() == "gloo"
 

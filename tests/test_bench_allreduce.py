@@ -1,8 +1,8 @@
-"""``tools/bench.py allreduce``'s summary (benchmarks/studies/allreduce.py): pure, no processes (the
+"""``python -m tools.bench allreduce``'s summary (benchmarks/studies/allreduce.py): pure, no processes (the
 study itself needs root and runs the emulated cluster)."""
 import pytest
 
-from benchmarks.studies import allreduce as bench_allreduce
+from tools.bench.studies import allreduce as bench_allreduce
 
 
 def test_efficiency_of_one_pair_and_of_two_sharing_the_link():

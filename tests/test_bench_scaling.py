@@ -1,4 +1,4 @@
-"""tools/bench.py scaling, its pure parts (run plan, labels, figures, report, the optimizer-step
+"""python -m tools.bench scaling, its pure parts (run plan, labels, figures, report, the optimizer-step
 barrier in the measured costs) and the star network of N emulated nodes (root only: namespaces)."""
 import json
 import subprocess
@@ -6,10 +6,11 @@ import sys
 
 import pytest
 
-from benchmarks.analysis import stage_timings, tied_groups
-from benchmarks.studies import link_calibration, scaling
-from benchmarks.studies.scaling_report import report
-from cluster import StarNetwork, preflight
+from tools.bench import REPO
+from tools.bench.analysis import stage_timings, tied_groups
+from tools.bench.cluster import StarNetwork, preflight
+from tools.bench.studies import link_calibration, scaling
+from tools.bench.studies.scaling_report import report
 
 
 def _args(*extra):
@@ -22,7 +23,9 @@ def test_defaults_and_run_plan():
     plan = scaling.run_plan(a)
     assert [j["dir"] for j in plan] == ["one_node", "one_node_dp", "two_nodes", "two_nodes_dp", "four_nodes",
                                         "four_nodes_dp", "one_device"]
-    assert plan[0]["labels"] == "stock,gpipe,hippie-auto,hippie-1f1b-auto"  # every pipeline in one job
+    assert plan[0]["labels"] == "stock,gpipe,hippie,hippie-1f1b"  # every pipeline in one job, as engine labels
+    pipelines = scaling.job_args(a, plan[0], scaling.Path("/tmp/x"))
+    assert pipelines[pipelines.index("--costs") + 1] == "measured"  # deferred_stages: auto from stock's costs
     assert plan[5]["labels"] == "dp" and plan[5]["config"] == "four_nodes"  # DP alone in its processes
     args = scaling.job_args(a, plan[5], scaling.Path("/tmp/x"))
     assert args[args.index("--rounds") + 1] == "3"  # the rounds run inside the worker
@@ -67,7 +70,7 @@ def test_summarize_scaling_me_and_report():
     md = report({"config": {"model": "emulated:vgg16", "emulate_speedup": 1.0, "emulate_scale": 1e-3,
                             "params_total": "138K", "nodes": [1, 2], "stages": 4, "link": "tbf 10mbit",
                             "cores": "0,1", "micro_batches": 8, "micro_batch_size": 32, "warmup": 2, "steps": 4,
-                            "rounds": 2, "command": "tools/bench.py scaling", "link_efficiency": 0.97},
+                            "rounds": 2, "command": "python -m tools.bench scaling", "link_efficiency": 0.97},
                  "summary": s, "runs": runs})
     assert "| hippie-1f1b | 0.99 (0.98-1.00) |" in md  # the pivot: scaling 1 -> 2 nodes
     assert "> 90%" in md and "emulated here" in md  # the paper's figure beside ours
@@ -175,11 +178,11 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     """The whole study on a tiny shape: the star network, one worker job per node count with every
     schedule as a label ('auto' from stock's costs in the same job), the analysis and the report."""
     out = tmp_path / "scaling"
-    res = subprocess.run([sys.executable, str(scaling.Path(scaling.__file__).resolve().parents[2] / "bench.py"),
-                          "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
+    res = subprocess.run([sys.executable, "-m", "tools.bench", "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
                           "--micro-batch-size", "4", "--schedules", "dp,1f1b,hippie-1f1b", "--rounds", "2",
                           "--steps", "1", "--warmup", "1", "--emulate-speedup", "20", "--rate", "100mbit",
-                          "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600)
+                          "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     two = results["summary"]["by_nodes"]["2"]
@@ -200,8 +203,10 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
 
 
 def test_worker_label_order_and_dp_alone():
-    from workers.bench_worker import order_labels
-    assert order_labels("hippie-1f1b-auto,gpipe") == ["stock", "gpipe", "hippie-1f1b-auto"]
+    from tools.bench.workers.bench_worker import order_labels
+    assert order_labels("hippie-1f1b,gpipe", measured_costs=True) == ["stock", "hippie-1f1b", "gpipe"]
+    assert order_labels("gpipe,stock,hippie", measured_costs=True) == ["stock", "gpipe", "hippie"]
+    assert order_labels("gpipe,stock") == ["gpipe", "stock"]
     assert order_labels("dp") == ["dp"]
     with pytest.raises(SystemExit, match="dp must run alone"):  # DeepSpeed's groups.mpu would regroup DP
         order_labels("dp,stock")

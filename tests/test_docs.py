@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from hippie_ds.config import HippieConfig
 from hippie_ds.schedules.ir import DEEPSPEED_INSTRUCTIONS, OP_INFO, OpKind
 from hippie_ds.schedules.spec import available, load_spec
+from test_structure import circles, module_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -342,36 +343,6 @@ def test_module_tables_name_existing_modules(doc, text, header, context):
 
 # --- structure: imports follow the layer table ------------------------------------------------
 
-def _imports(module: str) -> set[str]:
-    """The hippie_ds modules ``module`` (a path from the root) imports, at any depth of its code
-    (an import inside a function is an arrow of the structure too)."""
-    path = ROOT / module
-    package = path.parent.relative_to(ROOT).parts
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [a.name.split(".") for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = list(package[:len(package) - node.level + 1]) if node.level else []
-            base += node.module.split(".") if node.module else []
-            targets = [base + [a.name] for a in node.names]
-        else:
-            continue
-        for parts in targets:
-            while parts and parts[0] == "hippie_ds":  # the longest prefix that is a module
-                candidate = "/".join(parts)
-                if (ROOT / f"{candidate}.py").is_file():
-                    out.add(f"{candidate}.py")
-                    break
-                if (ROOT / candidate / "__init__.py").is_file() and len(parts) > 1 and \
-                        not (ROOT / "/".join(parts[:-1] + [parts[-1] + ".py"])).is_file():
-                    out.add(f"{candidate}/__init__.py")
-                    break
-                parts = parts[:-1]
-    out.discard(module)
-    return out
-
-
 def test_imports_go_down_the_layer_table_and_never_in_a_circle():
     """A module imports from its own layer and the rows above it in extending.md's layer table
     (from pure to DeepSpeed-bound), never from a row below, and no modules import each other in a
@@ -380,22 +351,9 @@ def test_imports_go_down_the_layer_table_and_never_in_a_circle():
     for i, cells in enumerate(_rows(EXTENDING, LAYER_HEADER)):
         for module in _named_modules(cells[1]):
             rank[module] = (i, cells[0])
-    graph = {m: {t for t in _imports(m) if t in rank} for m in rank if (ROOT / m).is_file()}
+    graph = {m: {t for t in module_imports(m, "hippie_ds") if t in rank} for m in rank if (ROOT / m).is_file()}
     upward = sorted(f"{m} ({rank[m][1]}) imports {t} ({rank[t][1]})"
                     for m, targets in graph.items() for t in targets if rank[t][0] > rank[m][0])
     assert not upward, "imports against the layer order of docs/extending.md:\n" + "\n".join(upward)
-    # circles: depth-first search for a back edge
-    state, circle = {}, []
-
-    def visit(m, path):
-        state[m] = "open"
-        for t in sorted(graph.get(m, ())):
-            if state.get(t) == "open":
-                circle.append(path[path.index(t):] + [t])
-            elif t not in state:
-                visit(t, path + [t])
-        state[m] = "done"
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
+    circle = circles(graph)
     assert not circle, f"modules that import each other in a circle: {circle}"

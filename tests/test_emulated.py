@@ -1,4 +1,4 @@
-"""The emulated accelerator (tools/benchmarks/emulated.py, issue 34): a model built from PipeDream's
+"""The emulated accelerator (tools/bench/emulated.py, issue 34): a model built from PipeDream's
 per-layer V100 profiles whose compute is a CPU-free wait, with real parameters and gradients.
 Checked: its layers follow the profile (parameters, output sizes, times, scaled as stated), a
 wait leaves the CPU free, gradients are real (the weight branch's wait runs in a split backward's
@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-
-from benchmarks.emulated import DEVICE, DeviceClock, EmulatedLayer, emulated_specs, input_elems, read_profile
 from launch import collect, launch
+
+from tools.bench.emulated import DEVICE, DeviceClock, EmulatedLayer, emulated_specs, input_elems, read_profile
 
 MODELS = ("vgg16", "gnmt8", "gnmt16")
 

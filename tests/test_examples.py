@@ -2,15 +2,16 @@
 learns the digits with the hippie schedule on 2 stages x 2 replicas, and the data-parallel baseline
 (stock DeepSpeedEngine) sees the same initial weights, data order and global batch as a pipeline
 (it reproduces 1f1b's losses). Plus the pure parts: the data sharding, the digits split and
-tools/convergence.py's config and table. Nothing is downloaded (the digits ship with scikit-learn).
+python -m tools.bench convergence's config and table. Nothing is downloaded (the digits ship with scikit-learn).
 """
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from examples import harness
 from launch import launch
+
+from tools.examples import harness
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ pytest.importorskip("sklearn", reason="the VGG example needs scikit-learn (pip i
 
 def run_example(script, ranks, out, *args, timeout=300):
     """Run tools/SCRIPT on RANKS local ranks; returns (returncode, output, metrics or None)."""
-    rc, output, _ = launch(ranks, out, *args, timeout=timeout, worker=REPO / "tools" / script)
+    rc, output, _ = launch(ranks, out, *args, timeout=timeout, worker=REPO / "tools" / "examples" / script)
     metrics = Path(out, "metrics.json")
     return rc, output, json.loads(metrics.read_text()) if metrics.exists() else None
 
@@ -89,7 +90,7 @@ def test_replica_micro_batches_partition_the_global_batch():
 
 
 def test_digits_split_and_order():
-    from examples import vgg
+    from tools.examples import vgg
     d = vgg.Digits()
     assert len(d.train[1]) + len(d.test[1]) == 1797 and len(d.test[1]) == vgg.TEST_SIZE
     assert d.train[0].shape[1:] == (1, 8, 8) and 0 <= float(d.train[0].min()) and float(d.train[0].max()) <= 1
@@ -107,7 +108,7 @@ def test_digits_split_and_order():
 
 
 def test_convergence_config_and_table(tmp_path):
-    import convergence
+    from tools.bench import convergence
     configs = REPO / "configs"
     cfg = convergence.make_config("hippie", configs, 1e-3, "decay", 400)
     assert cfg["pipeline"]["schedule"] == "hippie" and cfg["hippie"]["deferred_stages"] == "auto"
@@ -145,7 +146,8 @@ def test_gpt_example_gives_muon_its_hidden_matrices_only():
     from types import SimpleNamespace
 
     import deepspeed
-    from examples import gpt
+
+    from tools.examples import gpt
     model = torch.nn.Sequential(*[spec.build() for spec in gpt.layer_specs(vocab=50)])  # names as PipelineModule's
     deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
     adamw = {n for n, p in model.named_parameters() if not p.use_muon}

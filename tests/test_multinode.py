@@ -1,4 +1,4 @@
-"""tools/multinode.py: a 2-node x 2-rank job started with DeepSpeed's own launcher
+"""python -m tools.bench multinode: a 2-node x 2-rank job started with DeepSpeed's own launcher
 (``deepspeed --hostfile H --no_ssh --node_rank N``) on two emulated nodes (network namespaces
 joined by a shaped veth pair). The real run needs root and ``ip netns`` (skipped otherwise);
 the refusal and --help run anywhere."""
@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import Refuse, preflight
+
+from tools.bench.cluster import Refuse, preflight
 
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL = REPO / "tools" / "multinode.py"
+TOOL = ["-m", "tools.bench", "multinode"]  # run from REPO
 # Names of our own, so that the test and a `sudo make multinode` can run side by side.
 PREFIX, SUBNET = "hdsmt", "10.81.0"
 
@@ -34,14 +35,14 @@ def _namespaces() -> str:
 
 @pytest.fixture(scope="module")
 def multinode():
-    import multinode
+    from tools.bench import multinode
     return multinode
 
 
 @pytest.mark.skipif(not _netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)")
 def test_two_nodes_with_the_deepspeed_launcher(tmp_path):
     out = tmp_path / "mn"
-    res = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--steps", "2", "--prefix", PREFIX,
+    res = subprocess.run([sys.executable, *TOOL, "--out", str(out), "--steps", "2", "--prefix", PREFIX,
                           "--subnet", SUBNET, "--timeout", "150"], capture_output=True, text=True, timeout=200,
                          cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -79,7 +80,7 @@ def test_refuses_without_root(multinode, monkeypatch, capsys, tmp_path):
 
 
 def test_help_and_bad_options(multinode):
-    res = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, *TOOL, "--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode == 0 and "--no_ssh" in res.stdout and "--steps" in res.stdout
     for argv in (["--steps", "0"], ["--prefix", "much-too-long-prefix"], ["--subnet", "10.1"]):
         with pytest.raises(SystemExit) as exc:

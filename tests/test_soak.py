@@ -1,4 +1,4 @@
-"""A long run keeps its timeline bounded and its handles flat: tools/soak.py on 4 real ranks
+"""A long run keeps its timeline bounded and its handles flat: python -m tools.bench soak on 4 real ranks
 (short here; `make soak` runs 1,000 steps and also checks resident memory, which is a
 measurement and not asserted in tests)."""
 import json
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_timeline_window_and_handles_stay_flat(tmp_path):
     out = tmp_path / "soak"
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "soak.py"), "--out", str(out), "--steps", "90",
+    res = subprocess.run([sys.executable, "-m", "tools.bench", "soak", "--out", str(out), "--steps", "90",
                           "--warmup", "30", "--sample-every", "15", "--timeline-steps", "12",
                           "--max-rss-growth", "1.0", "--timeout", "300"],
                          capture_output=True, text=True, timeout=360, cwd=REPO)

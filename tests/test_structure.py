@@ -1,6 +1,8 @@
-"""The package's shape beside docs/extending.md's layer table (whose layer order and import circles
-``tests/test_docs.py`` checks): the pure layers import neither torch nor DeepSpeed, at any depth of
-their code, and no module of the package or the tools is over 400 lines."""
+"""The repository's shape beside docs/extending.md's layer table (whose layer order ``tests/test_docs.py``
+checks with :func:`module_imports` and :func:`circles` from here): the pure layers import neither torch
+nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is over
+400 lines; the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
+from the tests."""
 import ast
 from pathlib import Path
 
@@ -26,6 +28,55 @@ def _top_level_imports(path: Path) -> set[str]:
     return found
 
 
+def module_imports(module: str, package: str) -> set[str]:
+    """The modules of ``package`` (a top-level folder) that ``module`` (a path from the root)
+    imports, at any depth of its code (an import inside a function is an arrow of the structure too)."""
+    path = ROOT / module
+    parent = path.parent.relative_to(ROOT).parts
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(parent[:len(parent) - node.level + 1]) if node.level else []
+            base += node.module.split(".") if node.module else []
+            targets = [base + [a.name] for a in node.names]
+        else:
+            continue
+        for parts in targets:
+            while parts and parts[0] == package:  # the longest prefix that is a module
+                candidate = "/".join(parts)
+                if (ROOT / f"{candidate}.py").is_file():
+                    out.add(f"{candidate}.py")
+                    break
+                if (ROOT / candidate / "__init__.py").is_file() and len(parts) > 1 and \
+                        not (ROOT / "/".join(parts[:-1] + [parts[-1] + ".py"])).is_file():
+                    out.add(f"{candidate}/__init__.py")
+                    break
+                parts = parts[:-1]
+    out.discard(module)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> the modules it imports): a depth-first search for
+    back edges, each circle as the path that closes it."""
+    state, found = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                found.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
 def test_pure_layers_import_neither_torch_nor_deepspeed():
     modules = _pure_modules()
     assert len(modules) > 30  # the globs find the pure layers
@@ -34,6 +85,25 @@ def test_pure_layers_import_neither_torch_nor_deepspeed():
 
 
 def test_no_module_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in [*ROOT.glob("hippie_ds/**/*.py"), *ROOT.glob("tools/**/*.py")]
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    modules = [*ROOT.glob("hippie_ds/**/*.py"), *ROOT.glob("tools/**/*.py"), *ROOT.glob("tests/**/*.py")]
+    assert len(modules) > 150
+    long = {str(p.relative_to(ROOT)): n for p in modules if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_tools_import_in_no_circle_and_never_from_the_tests():
+    """Package ``__init__`` files re-export their package (``tools.bench.cluster``) and are left out
+    of the circles, as in the layer check."""
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("tools/**/*.py"))
+    from_tests = sorted(m for m in modules if "tests" in _top_level_imports(ROOT / m))
+    assert from_tests == []
+    graph = {m: {t for t in module_imports(m, "tools") if not t.endswith("__init__.py")}
+             for m in modules if not m.endswith("__init__.py")}
+    assert sum(map(len, graph.values())) > 40  # the imports are found
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found():
+    assert circles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}) == \
+        [["a.py", "b.py", "c.py", "a.py"]]
+    assert circles({"a.py": {"b.py"}, "b.py": set()}) == []

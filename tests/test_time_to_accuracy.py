@@ -1,12 +1,12 @@
-"""Time to accuracy (tools/benchmarks/time_to_accuracy.py) and the convergence tool's staleness variants:
+"""Time to accuracy (tools/bench/time_to_accuracy.py) and the convergence tool's staleness variants:
 pure functions over runs' metrics, no processes."""
 import json
 from pathlib import Path
 
 import pytest
 
-import convergence
-from benchmarks import time_to_accuracy as tta
+from tools.bench import convergence
+from tools.bench import time_to_accuracy as tta
 
 
 def run(final, evals, seed=0):

@@ -1,5 +1,5 @@
 """Run a rank worker on local ranks (gloo on CPU) and collect its files. The launching itself
-(environment, process group, clean-up) is tools/cluster's :class:`LocalJob`: by default its
+(environment, process group, clean-up) is tools/bench/cluster's :class:`LocalJob`: by default its
 ``fork`` launcher (the ranks as DeepSpeed's launcher starts them, forked after one import of torch,
 DeepSpeed and hippie_ds); ``launcher="deepspeed"`` for the tests whose point is the user's launcher,
 and for every test with ``HIPPIE_TEST_LAUNCHER=deepspeed`` in the environment (slower: about 7 s a
@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 import torch
-from cluster import LocalJob, free_port  # noqa: F401 (free_port: the tests pick ports with it)
+
+from tools.bench.cluster import LocalJob, free_port  # noqa: F401 (free_port: the tests pick ports with it)
 
 WORKER = Path(__file__).with_name("train_worker.py")
 

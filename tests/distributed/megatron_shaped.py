@@ -40,14 +40,14 @@ import json
 import os
 import sys
 
-import torch
 import deepspeed
+import ds_unit_models
+import torch
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 import hippie_ds
-import ds_unit_models
 from hippie_ds.adapter.module_chunks import held_chunks
-from examples.lr_schedule import ParamScheduler
+from tools.examples.lr_schedule import ParamScheduler
 
 VOCAB, HIDDEN, SEQ, MICRO = 32, 16, 8, 2
 # bf16-zero1: BF16_Optimizer (fp32 accumulation); bf16-plain-zero1: as users write it, DeepSpeedZeroOptimizer

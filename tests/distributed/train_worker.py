@@ -4,8 +4,6 @@ import argparse
 import json
 import os
 import signal
-import sys
-from pathlib import Path
 
 import torch
 import deepspeed
@@ -13,7 +11,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 import model as tiny
 
-emulated = None  # tools/benchmarks/emulated.py, imported with --emulated
+emulated = None  # tools/bench/emulated.py, imported with --emulated
 
 import hippie_ds
 
@@ -123,7 +121,7 @@ def parse_args():
     p.add_argument("--comm-dtype", default=None, help="DeepSpeed's communication_data_type (every engine)")
     p.add_argument("--bf16-immediate", action="store_true", help='bf16 with "immediate_grad_update": true')
     p.add_argument("--tied", action="store_true", help="the model with its first layer tied to a head (last stage)")
-    p.add_argument("--emulated", default=None, help="a profiled model whose compute is a wait (tools/benchmarks/"
+    p.add_argument("--emulated", default=None, help="a profiled model whose compute is a wait (tools/bench/"
                    "emulated.py: vgg16, gnmt8, gnmt16), its waits 1000x shorter")
     p.add_argument("--megatron", action="store_true", help="the Megatron-shaped model (model.megatron_layer_specs): "
                    "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last stage")
@@ -159,8 +157,7 @@ def main():
     args = parse_args()
     if args.emulated:
         global emulated
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-        from benchmarks import emulated
+        from tools.bench import emulated
     deepspeed.init_distributed(dist_backend="gloo")
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()

@@ -1,2 +1,4 @@
-"""The example models and their shared training harness (``gpt``, ``vgg``, ``harness``), imported
-as ``from examples import gpt`` by the scripts in tools/ (which run with tools/ on sys.path)."""
+"""The user examples: two training scripts (``train_gpt.py``, ``train_vgg.py``, run by path under
+the ``deepspeed`` launcher), their models (``gpt``, ``vgg``), their shared training harness
+(``harness``) and a Megatron-style learning-rate schedule (``lr_schedule``). Imported as
+``from tools.examples import gpt`` from the repository root."""

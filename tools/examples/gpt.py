@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+from torch import nn
 
 import hippie_ds
 
@@ -104,7 +104,7 @@ def pipeline(vocab, num_stages, topology, dim=128, layers=4, heads=4, seq_len=64
     """The model as a ``PipelineModule``; ``plan`` (a planner plan file) needs
     ``hippie_ds.PipelineModule``, which is used whenever this hippie-ds has it."""
     if plan is not None or hasattr(hippie_ds, "PipelineModule"):
-        from harness import pipeline_module
+        from tools.examples.harness import pipeline_module
         return pipeline_module(layer_specs(vocab, dim, layers, heads, seq_len), lm_loss, num_stages, topology,
                                plan=plan, partition_method=partition_method)
     # (DeepSpeed 0.19: partition_method="parameters" with seed_layers=True hands random.seed a
@@ -120,7 +120,7 @@ def perplexity(loss: float) -> float:
 
 def profile_target(dim: int = 128, layers: int = 4, seq_len: int = 64, micro_batch: int = 4):
     """What `hippie-ds profile tools/examples/gpt.py:profile_target` measures: the layer list of
-    tools/train_gpt.py's default model, one micro-batch of its corpus (the shipped configs' 4) and
+    tools/examples/train_gpt.py's default model, one micro-batch of its corpus (the shipped configs' 4) and
     its loss on that micro-batch's targets (the profile's ``loss`` entry)."""
     data = CharData(seq_len)
     sample, targets = next(data.global_batches("train", micro_batch, 0))

@@ -1,4 +1,4 @@
-"""What the example scripts (``tools/train_gpt.py``, ``tools/train_vgg.py``) share: the command
+"""What the example scripts (``tools/examples/train_gpt.py``, ``tools/examples/train_vgg.py``) share: the command
 line, building the model and the engine (a hippie-ds pipeline, or plain DeepSpeed data
 parallelism as the baseline), a layout-independent data order, training, evaluation, the progress
 bar (tqdm), the metrics file and the timeline picture.

@@ -102,14 +102,14 @@ def accuracy(logits, labels):
 def pipeline(num_stages, topology, width=32, hidden=128, partition_method="uniform", plan=None):
     """The network as a ``PipelineModule`` (``hippie_ds.PipelineModule`` where this hippie-ds has
     it, which takes a planner ``plan`` file; DeepSpeed's otherwise)."""
-    from harness import pipeline_module
+    from tools.examples.harness import pipeline_module
     return pipeline_module(layer_specs(width, hidden), loss_fn, num_stages, topology, plan=plan,
                            partition_method=partition_method)
 
 
 def profile_target(width: int = 32, hidden: int = 128, micro_batch: int = 4):
     """What `hippie-ds profile tools/examples/vgg.py:profile_target` measures: the layer list of
-    tools/train_vgg.py's default network, one micro-batch of digits (the shipped configs' 4) and its
+    tools/examples/train_vgg.py's default network, one micro-batch of digits (the shipped configs' 4) and its
     loss on their labels (the profile's ``loss`` entry)."""
     images, labels = (t[:micro_batch] for t in Digits().train)
     return {"layers": layer_specs(width, hidden), "sample": images, "name": f"vgg-digits-w{width}-h{hidden}",

@@ -1,0 +1,113 @@
+"""The benchmark's model: a GPT-like stack of LayerSpecs (embedding, pre-LN blocks, untied head)
+and its learnable synthetic data, identical for every schedule; the whole model as one module
+for data parallelism, seeded as the pipeline seeds its layers."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.runtime.pipe.module import LayerSpec
+from torch import nn
+
+BASE_SEED = 4321
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab, seq, d):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+
+    def forward(self, ids):
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+
+class Block(nn.Module):
+    """Pre-LN GPT block: causal self-attention and a 4x MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, d, vocab):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.out = nn.Linear(d, vocab, bias=False)  # untied: hippie schedules refuse tied modules
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def emulated(a) -> str | None:
+    """The profiled model of ``--model emulated:NAME`` (benchmarks/emulated.py), else None (the GPT)."""
+    model = getattr(a, "model", "gpt") or "gpt"
+    return model.split(":", 1)[1] if model.startswith("emulated:") else None
+
+
+def loss_of(a):
+    """The loss function of the bench's model."""
+    if emulated(a):
+        from tools.bench.emulated import loss_fn as emulated_loss
+        return emulated_loss
+    return loss_fn
+
+
+def layer_specs(a):
+    if emulated(a):
+        from tools.bench.emulated import emulated_specs
+        return emulated_specs(emulated(a), a.micro_batch_size, a.emulate_scale, a.emulate_speedup)
+    return ([LayerSpec(Embedding, a.vocab, a.seq, a.d_model)]
+            + [LayerSpec(Block, a.d_model, a.heads) for _ in range(a.layers)]
+            + [LayerSpec(Head, a.d_model, a.vocab)])
+
+
+def data_iter(a, replica):
+    """Learnable synthetic sequences (arithmetic progressions mod vocab), identical for every
+    schedule: micro-batch m of step s of replica r is seeded by (s, r, m). The emulated models:
+    random inputs of their input size (benchmarks/emulated.py)."""
+    if emulated(a):
+        from tools.bench.emulated import data_iter as emulated_data
+        yield from emulated_data(emulated(a), a.micro_batch_size, a.micro_batches, replica, a.emulate_scale)
+        return
+    step = 0
+    while True:
+        for m in range(a.micro_batches):
+            g = torch.Generator().manual_seed(1_000_003 * step + 1_009 * replica + m)
+            start = torch.randint(0, a.vocab, (a.micro_batch_size, 1), generator=g)
+            stride = torch.randint(1, 9, (a.micro_batch_size, 1), generator=g)
+            seq = (start + stride * torch.arange(a.seq + 1)) % a.vocab
+            yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        step += 1
+
+
+class DPModel(nn.Module):
+    """The whole model on one rank (for data parallelism): the same layers, seeded as
+    ``PipelineModule(seed_layers=True, base_seed=BASE_SEED)`` seeds them."""
+
+    def __init__(self, a):
+        super().__init__()
+        layers = []
+        for i, spec in enumerate(layer_specs(a)):
+            torch.manual_seed(BASE_SEED + i)
+            layers.append(spec.build())
+        self.layers = nn.Sequential(*layers)
+
+        self.loss = loss_of(a)
+
+    def forward(self, ids, labels):
+        return self.loss(self.layers(ids), labels)
