@@ -234,6 +234,7 @@ def test_sum_lag_waits_only_for_earlier_updates(name, stages, holders, lag):
 # Real ranks
 
 import reference  # noqa: E402
+import reference_async  # noqa: E402
 from launch import collect, launch  # noqa: E402
 
 import torch  # noqa: E402
@@ -259,8 +260,8 @@ def _replicas_identical(replicas):
 
 def _reference(name, parts, dp, micro_batches, steps, **kw):
     if name.startswith("2bw"):  # a config without "hippie.staleness" runs the default correction
-        return reference.run_2bw(parts, dp, micro_batches, steps, **{"staleness": StalenessConfig(), **kw})
-    return reference.run_pipedream(parts, dp, micro_batches, steps, vertical_sync="+vs" in name, **kw)
+        return reference_async.run_2bw(parts, dp, micro_batches, steps, **{"staleness": StalenessConfig(), **kw})
+    return reference_async.run_pipedream(parts, dp, micro_batches, steps, vertical_sync="+vs" in name, **kw)
 
 
 def _load_rank_files(out, name):
@@ -307,7 +308,7 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
                             "--staleness", f"{staleness.method}:{staleness.coefficient}", timeout=300)
         assert rc == 0, log[-4000:]
         ours, losses, parts, _, replicas = collect(out, "2bw")
-        ref, ref_losses = reference.run_2bw(parts, dp, MICRO_BATCHES, 5, optimizer=optimizer, lr=lr,
+        ref, ref_losses = reference_async.run_2bw(parts, dp, MICRO_BATCHES, 5, optimizer=optimizer, lr=lr,
                                             staleness=staleness)
         diff = _max_diff(ours, ref)
         assert diff <= 1e-6, f"2bw {staleness}: differs from its reference by {diff}"
@@ -323,7 +324,7 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
             assert f["between_calls"] is not None, "no batch in flight after the last train_batch"
             held, count = f["between_calls"]["layers"], f["between_calls"]["weight_versions"]["current"]
             if count not in truth:
-                truth[count] = reference.run_2bw(parts, dp, MICRO_BATCHES, count, optimizer=optimizer, lr=lr,
+                truth[count] = reference_async.run_2bw(parts, dp, MICRO_BATCHES, count, optimizer=optimizer, lr=lr,
                                                  staleness=staleness)[0]
             diff = _max_diff(truth[count], held)
             assert diff <= 1e-6, f"2bw {staleness}: stage {f['stage']}'s module differs by {diff} from W({count})"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import reference
+import reference_async
 from launch import collect, launch
 
 from hippie_ds import schedules
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.distributed
 STEPS, MICRO_BATCHES, LR, CLIP = 4, 4, 0.01, 0.5
 SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1")
 DEFERRED = ("hippie", "hippie-1f1b", "hippie-zb")
-CONTINUOUS = {"2bw": reference.run_2bw, "pipedream": reference.run_pipedream}
+CONTINUOUS = {"2bw": reference_async.run_2bw, "pipedream": reference_async.run_pipedream}
 ENGINES = ",".join(("stock",) + SYNCHRONOUS + DEFERRED + tuple(CONTINUOUS))
 # The distributed run and its reference do the same bf16 forward/backward and the same fp32
 # optimizer math; they differ in the order of a few fp32 sums (the per-stage gradient norm over

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import reference
+import reference_async
 from launch import collect, launch
 
 from hippie_ds.config import StalenessConfig
@@ -63,7 +64,7 @@ def test_zero1_schedules_match_their_rules(tmp_path):
                 ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, staleness=staleness,
                                        delayed_layers={s: 1 for s in deferred}, **common)
             else:
-                rule = reference.run_2bw if name == "2bw" else reference.run_pipedream
+                rule = reference_async.run_2bw if name == "2bw" else reference_async.run_pipedream
                 ref, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **common,
                               **({"staleness": staleness} if name == "2bw" else {}))
             diff, apart = _max_diff(ours, ref), _max_diff(sync, ref)

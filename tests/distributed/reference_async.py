@@ -1,0 +1,135 @@
+"""Single-process reference of the update rules of the schedules that never flush: PipeDream-2BW
+(``run_2bw``: double-buffered weights, every stage one step late) and PipeDream (``run_pipedream``:
+one weight version per in-flight micro-batch, ``vertical_sync`` optionally), for the distributed
+tests; the synchronous and deferred rules, and what both share, are reference.py's."""
+import torch
+
+import model as tiny
+from reference import (FP32, _batch_grads, _clipped, _load, _micro_batch_grads, _result, _snapshot, _stage_params,
+                       _tied_slots, build_tied_layers)
+
+
+def _continuous_model(parts, precision, tied):
+    """(layers, per-stage parameters, tied slots) of the tiny model or, ``tied``, the tied one."""
+    layers = precision.model(build_tied_layers(parts) if tied else tiny.build_layers())
+    stage_params = [[p for _, p in ps] for ps in _stage_params(layers, parts)]
+    return layers, stage_params, _tied_slots(stage_params, layers) if tied else []
+
+
+def _lag_tied(grads, slots, pending, lag=1):
+    """Tied copies under a schedule that never flushes (hippie_ds/adapter/tied.py's
+    LaggedTieSums): each copy's update u applies the sum over the copies of their update-(u-lag)
+    gradients (none before u = lag: the copies are left out of the step). ``pending``: a list
+    of the sums not applied yet, oldest first (updated here). ``lag=0``: the sum of update u
+    itself (a rule the tests tell apart from hippie-ds's)."""
+    if not slots:
+        return
+    pending.append(sum(grads[s][j] for s, j in slots))
+    applied = pending.pop(0) if len(pending) > lag else None
+    for s, j in slots:
+        grads[s][j] = None if applied is None else applied.clone()
+
+
+def _clip_apart(grads, slots, clip):
+    """Clipping of the tied model under a schedule that never flushes (LaggedTieSums.clip_apart):
+    on each stage, its tied copy by the norm of its (summed) gradient, the rest by theirs. Returns
+    the clip the step itself applies after that (0 when clipped here)."""
+    if not slots or clip <= 0:
+        return clip
+    for s, stage in enumerate(grads):
+        tied = {j for t, j in slots if t == s}
+        for part in ([j for j in range(len(stage)) if j in tied], [j for j in range(len(stage)) if j not in tied]):
+            present = [stage[j] for j in part if stage[j] is not None]
+            if not present:
+                continue
+            for j, g in zip((j for j in part if stage[j] is not None), _clipped(present, clip)):
+                stage[j] = g
+    return 0.0
+
+
+def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None, precision=None,
+            tied=False, tie_lag=1):
+    """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
+    W(0)); the batch's gradient (summed over micro-batches, averaged over replicas) is applied
+    to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage. With ``staleness`` extrapolate
+    (``hippie.staleness``), batch t computes on W(t-1) + c * (W(t-1) - W(t-2)) instead (no
+    prediction while t-1 < 1: version 0 has no previous update). ``tied``: the tied model, its
+    copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`)."""
+    precision = precision or FP32
+    layers, stage_params, slots = _continuous_model(parts, precision, tied)
+    tie_sums = []
+    everything = [p for ps in stage_params for p in ps]
+    opts = precision.optimizers(stage_params, optimizer, lr)
+    extrapolate = staleness is not None and staleness.method == "extrapolate"
+    history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
+    losses = []
+    for t in range(steps):
+        current = _snapshot(everything)  # W(t)
+        v = max(0, t - 1)
+        compute = history[v]
+        if extrapolate and v >= 1:
+            compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
+        _load(everything, compute)
+        if precision.accumulates_per_rank:
+            grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
+                                               precision)
+            total = sum(batch_losses) / micro_batches
+        else:
+            grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
+            total = 0.0
+            for m in range(micro_batches):
+                g, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
+                total += loss / micro_batches
+                for s in range(len(parts)):
+                    for acc, x in zip(grads[s], g[s]):
+                        acc += x
+        losses.append(total)
+        _load(everything, current)
+        _lag_tied(grads, slots, tie_sums, tie_lag)
+        step_clip = _clip_apart(grads, slots, clip)
+        for s, ps in enumerate(stage_params):
+            precision.apply(ps, opts[s], grads[s], step_clip)
+        history[t + 1] = _snapshot(everything)
+    return _result(layers), losses
+
+
+def pipedream_version(stage, stages, index, vertical_sync=False):
+    """The weight version (updates applied on the stage) micro-batch ``index`` (counted over the
+    whole run) uses on ``stage`` in PipeDream's 1F1B: the stage's latest when it forwards it,
+    i.e. after the backwards of every micro-batch up to index - (stages - stage); with vertical
+    sync, the version the first stage used."""
+    warmup = stages - 1 if vertical_sync else stages - 1 - stage
+    return max(0, index - warmup)
+
+
+def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimizer="SGD", lr=0.05, clip=0.0,
+                  precision=None, tied=False, tie_lag=1):
+    """PipeDream with weight stashing: micro-batch i runs forward and backward on stage s with
+    weight version ``pipedream_version(s, K, i)``; each stage applies micro-batch i's gradient
+    (grad(loss / M), averaged over replicas) as its (i+1)-th update. ``tied``: the tied model,
+    its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`)."""
+    K = len(parts)
+    precision = precision or FP32
+    layers, stage_params, slots = _continuous_model(parts, precision, tied)
+    tie_sums = []
+    opts = precision.optimizers(stage_params, optimizer, lr)
+    history = [[_snapshot(ps)] for ps in stage_params]  # stage -> version -> values
+    losses = []
+    for i in range(steps * micro_batches):
+        t, m = divmod(i, micro_batches)
+        for s, ps in enumerate(stage_params):
+            _load(ps, history[s][pipedream_version(s, K, i, vertical_sync)])
+        if precision.accumulates_per_rank:
+            grads, (loss,) = _batch_grads(layers, stage_params, t, [m], dp, micro_batches, precision)
+        else:
+            grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
+        if m == 0:
+            losses.append(0.0)
+        losses[-1] += loss / micro_batches
+        _lag_tied(grads, slots, tie_sums, tie_lag)
+        step_clip = _clip_apart(grads, slots, clip)
+        for s, ps in enumerate(stage_params):
+            _load(ps, history[s][-1])
+            precision.apply(ps, opts[s], grads[s], step_clip)
+            history[s].append(_snapshot(ps))
+    return _result(layers), losses
