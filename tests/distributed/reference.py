@@ -164,8 +164,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers of the references, and the asynchronous schedules (2bw, pipedream): single-process
-# references of their update rules
+# Helpers of the references (``run`` here, and reference_async.py's never-flushing rules)
 
 def _make_optimizers(stage_params, optimizer, lr):
     make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
