@@ -98,8 +98,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         self._losses: dict[int, object] = {}
         self._pending_sends: list = []
         self._timeline_dir = timeline_dir
-        self._clock = compute_clock(self.device)
-        self._timeline = Timeline(timeline_steps, self._clock)
+        self._timeline = Timeline(timeline_steps, compute_clock(self.device))  # its `now` times every instruction
         self._hooks: list = [self._timeline] if timeline_dir is not None else []
         self._batch_index = 0
         self._training = False  # hooks see train_batch and drain only
@@ -198,7 +197,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                start = self._clock() if hooks else 0.0
+                start = self._timeline.now() if hooks else 0.0
                 if self._versions.versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
                     self._versions.use_for_compute(self._abs_version(op.batch, op.version))
                 try:
@@ -207,7 +206,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
                     end_job_on_failure(exc, self.global_rank, f"stage {self.stage_id}'s {cmd!r}")
                     raise
                 if hooks:
-                    event = InstructionEvent(type(cmd).__name__, op, start, self._clock(), self._batch_index, cmd)
+                    event = InstructionEvent(type(cmd).__name__, op, start, self._timeline.now(),
+                                             self._batch_index, cmd)
                     for hook in hooks:
                         hook(event)
 

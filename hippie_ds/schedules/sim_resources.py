@@ -9,6 +9,7 @@ from collections import deque
 from typing import Iterator
 
 from .grad_buffer import GradBuffer
+from .ir import OpKind
 
 
 class SimulationError(RuntimeError):
