@@ -58,9 +58,9 @@ def _add_run_arguments(p: argparse.ArgumentParser):
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
-    """--model and the emulated models' --emulate-* options (the bench, its worker, bench.py schedules)."""
+    """--model and the emulated models' --emulate-* options (the bench, its worker, python -m tools.bench schedules)."""
     p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model) or emulated:NAME, a profiled "
-                   "model whose compute is a CPU-free wait (benchmarks/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
+                   "model whose compute is a CPU-free wait (tools/bench/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
     p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations "
                    "x this (scale the link by it too: every transfer then takes its profiled time)")
     p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")

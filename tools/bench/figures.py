@@ -1,6 +1,6 @@
 """The benchmark's figures from its runs' records: ratios to stock 1F1B and DP (per round, with
 their spread and whether a difference is real), scalability, memory efficiency (ME) and scaling
-efficiency. Pure functions of the records ``benchmarks.analysis`` makes."""
+efficiency. Pure functions of the records ``tools.bench.analysis`` makes."""
 from __future__ import annotations
 
 import statistics

@@ -54,7 +54,7 @@ def loss_fn(logits, labels):
 
 
 def emulated(a) -> str | None:
-    """The profiled model of ``--model emulated:NAME`` (benchmarks/emulated.py), else None (the GPT)."""
+    """The profiled model of ``--model emulated:NAME`` (tools/bench/emulated.py), else None (the GPT)."""
     model = getattr(a, "model", "gpt") or "gpt"
     return model.split(":", 1)[1] if model.startswith("emulated:") else None
 
@@ -79,7 +79,7 @@ def layer_specs(a):
 def data_iter(a, replica):
     """Learnable synthetic sequences (arithmetic progressions mod vocab), identical for every
     schedule: micro-batch m of step s of replica r is seeded by (s, r, m). The emulated models:
-    random inputs of their input size (benchmarks/emulated.py)."""
+    random inputs of their input size (tools/bench/emulated.py)."""
     if emulated(a):
         from tools.bench.emulated import data_iter as emulated_data
         yield from emulated_data(emulated(a), a.micro_batch_size, a.micro_batches, replica, a.emulate_scale)

@@ -178,7 +178,7 @@ def measured_section(results: dict) -> list[str]:
     lines = [
         f"Emulated cluster: 2 nodes (network namespaces) x {cfg.get('stages')} ranks, one core per node, "
         f"link {cfg.get('link')}; pipeline of {cfg.get('stages')} stages inside a node, data parallelism across. "
-        + (f"Model: {cfg['model'][9:]} emulated (benchmarks/emulated.py: PipeDream's V100 profile, compute a CPU-free "
+        + (f"Model: {cfg['model'][9:]} emulated (tools/bench/emulated.py: PipeDream's V100 profile, compute a CPU-free "
            f"wait; parameters and activations x {cfg.get('emulate_scale')}, times / {cfg.get('emulate_speedup')}), "
            f"fp32 AdamW ({cfg.get('params_total', '?')} parameters). "
            if str(cfg.get("model", "gpt")).startswith("emulated:") else

@@ -23,7 +23,8 @@ if not __package__:  # run by path (deepspeed tools/examples/train_gpt.py): the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.examples import gpt
-from tools.examples.harness import Trainer, add_common_args, draw_timeline, load_config, progress_bar, step_done  # noqa: F401
+from tools.examples.harness import (Trainer, add_common_args, draw_timeline, load_config, progress_bar,  # noqa: F401
+                                    step_done)
 
 __all__ = ["main", "parse_args", "progress_bar", "step_done", "draw_timeline"]
 

@@ -1,4 +1,4 @@
-"""The bench's studies: one module per ``python -m tools.bench NAME`` subcommand (benchmarks/commands.py
+"""The bench's studies: one module per ``python -m tools.bench NAME`` subcommand (tools/bench/commands.py
 maps NAME to its module), each with ``main(argv) -> int`` and its own ``--help``.
 
 ``schedules`` (flush schedules side by side on one node), ``link_sweep`` (the cluster bench per

@@ -3,7 +3,7 @@
 Every node is a network namespace with one shaped link to a switch (:class:`cluster.StarNetwork`),
 ``--stages`` ranks per node (a pipeline inside the node, data parallelism across nodes, as the
 Hippie paper runs it), the nodes pinned round-robin to ``--cores``. The model is normally an
-emulated accelerator (``--model emulated:vgg16|gnmt8|gnmt16``, benchmarks/emulated.py): compute a
+emulated accelerator (``--model emulated:vgg16|gnmt8|gnmt16``, tools/bench/emulated.py): compute a
 CPU-free wait of the profiled V100 time, real parameters and activations scaled by
 ``--emulate-scale``; the link must then be scaled by the same factor (``--rate``: 10 Gbit/s x 1e-3
 = ``10mbit``) so that every transfer takes its profiled time.
@@ -19,9 +19,9 @@ single-device throughput); memory here is the emulated device's, the tensors a r
 (parameters, gradients, optimizer state, peak bytes saved for backward), unscaled back to the
 profile's size. Each run's step is also predicted by hippie-ds's simulator from the run's own
 measured per-stage times and the link, at the efficiency a lone all-reduce of the same shape
-measured on the same network after the runs (benchmarks/studies/link_calibration.py).
+measured on the same network after the runs (tools/bench/studies/link_calibration.py).
 
-Writes OUT/results.json, OUT/report.md (benchmarks/scaling_report.py); ``--publish DIR`` copies them.
+Writes OUT/results.json, OUT/report.md (tools/bench/studies/scaling_report.py); ``--publish DIR`` copies them.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def config_name(nodes: int) -> str:
 
 
 def parse_args(argv=None):
-    """The study's options, plus the cluster bench's (benchmarks/config.py) for the worker and the analysis."""
+    """The study's options, plus the cluster bench's (tools/bench/config.py) for the worker and the analysis."""
     from tools.bench.config import parse_args as bench_args
     p = argparse.ArgumentParser(prog="python -m tools.bench scaling", description=__doc__.split("\n\n")[0] + (
                                     " Defaults (any can be given): --model emulated:vgg16 --stages 4 "

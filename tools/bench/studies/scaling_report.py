@@ -1,4 +1,4 @@
-"""report.md of ``python -m tools.bench scaling`` (benchmarks/scaling.py): per node count the schedules
+"""report.md of ``python -m tools.bench scaling`` (tools/bench/studies/scaling.py): per node count the schedules
 side by side, the scaling pivot, the paper's figures beside ours, the simulator's error on every
 row. Pure functions of results.json's content."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ def paper_table(summary: dict) -> list[str]:
 
 
 def link_table(link: dict) -> list[str]:
-    """What a lone gloo all-reduce got of the shaped rate (benchmarks/studies/link_calibration.py)."""
+    """What a lone gloo all-reduce got of the shaped rate (tools/bench/studies/link_calibration.py)."""
     lines = [f"A lone gloo all-reduce on the same network ({link['rate']}, burst {link['burst']}), median of "
              f"{link['repeats']}" + (f", measured by `{link['measured_by']}`" if link.get("measured_by") else "")
              + "; efficiency = the fluid ring time 2(r-1)/r x bytes / rate over the median. The "

@@ -58,7 +58,7 @@ def run_worker(a) -> None:
 
 
 def analyse_label(ranks: dict, micro_batches: int) -> dict:
-    """One schedule's figures from its run (``benchmarks.analysis.load_run``: {rank: (steps, timeline)})."""
+    """One schedule's figures from its run (``tools.bench.analysis.load_run``: {rank: (steps, timeline)})."""
     by_stage = sorted(ranks.values(), key=lambda r: r[0]["stage"])
     timed = [s for s in by_stage[0][0]["steps"] if not s["warmup"]]
     rounds = sorted({s["round"] for s in timed})

@@ -1,4 +1,4 @@
-"""Rank worker of ``python -m tools.bench allreduce`` (benchmarks/studies/allreduce.py): 2 nodes x 2 ranks,
+"""Rank worker of ``python -m tools.bench allreduce`` (tools/bench/studies/allreduce.py): 2 nodes x 2 ranks,
 the two data-parallel pairs of a 2-stage pipeline ({0, 2} and {1, 3}, one rank of each per node).
 Times a gloo all-reduce of ``--megabytes`` MB in one pair alone, then in both pairs at once,
 ``--repeats`` times each, a world barrier before every repeat. Writes OUT/rank{R}.json with the
@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tools.bench.cluster import core_ticks  # tools/ is on PYTHONPATH (cluster.local_env)
+from tools.bench.cluster import core_ticks  # the repository root is on PYTHONPATH (cluster.local_env)
 
 
 def parse_args():

@@ -37,8 +37,8 @@ Per schedule and rank it writes, under ``--out``/raw/<label>/:
   ``_INSTRUCTION_MAP`` whose functions time the original handlers (``_exec_schedule`` looks
   the map up on ``self``, so the class and every other engine are left untouched).
 
-The model and its data are in benchmarks/model.py, the engines and the memory figures in
-benchmarks/engines.py; this module runs them.
+The model and its data are in tools/bench/model.py, the engines and the memory figures in
+tools/bench/engines.py; this module runs them.
 """
 from __future__ import annotations
 
@@ -83,10 +83,11 @@ def backend_name() -> str:
 
 def order_labels(schedules: str, measured_costs: bool = False) -> list[str]:
     """The labels in build order: with ``measured_costs`` (``--costs measured``) stock first, its
-    warm-up measures the cost file the others read. DP cannot share the processes of a pipeline engine: DeepSpeed's plain engine looks its
-    data-parallel group up at each all-reduce in a global (``groups.mpu``) that a pipeline engine
-    sets to its grid, so DP would average over one stage's replicas (and took 2x its time alone,
-    four such all-reduces of the whole model sharing each link). Pure."""
+    warm-up measures the cost file the others read. DP cannot share the processes of a pipeline
+    engine: DeepSpeed's plain engine looks its data-parallel group up at each all-reduce in a global
+    (``groups.mpu``) that a pipeline engine sets to its grid, so DP would average over one stage's
+    replicas (and took 2x its time alone, four such all-reduces of the whole model sharing each
+    link). Pure."""
     labels = [s for s in schedules.split(",") if s]
     if DATA_PARALLEL in labels and len(labels) > 1:
         raise SystemExit(f"bench_worker: --schedules {schedules!r}: dp must run alone (a pipeline engine in the "

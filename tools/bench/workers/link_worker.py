@@ -1,4 +1,4 @@
-"""Rank worker of the scaling bench's link calibration (benchmarks/studies/link_calibration.py).
+"""Rank worker of the scaling bench's link calibration (tools/bench/studies/link_calibration.py).
 
 NODES x RPN ranks (rank = node x RPN + local). Times, ``--repeats`` times each and alone on the
 link, a gloo all-reduce of ``--stage-bytes`` bytes over one stage's data-parallel group (local
