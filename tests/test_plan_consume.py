@@ -63,7 +63,20 @@ def test_profile_target_errors(tmp_path):
         load_target(f"{bad}:target")
 
 
+def _even_times(profile):
+    """``profile`` with every layer at 1 ms forward and 2 ms backward: the plan's boundaries then
+    follow the measured bytes, not this machine's timing noise (with the measured times the plan
+    cut after layer 4, 5 or 6 from run to run). Known gap, left open: DeepSpeed keeps the buffer a
+    stage received until the backward and runs the stage on a clone of it. The model counts that
+    input once; the meter counts the clone, so where the first layer does not save its input (a
+    cut after layer 6: Tanh saves its output) it misses the buffer (827392 B measured, 1052672 B
+    predicted), and where the first layer does save it, both miss the second copy."""
+    return profile.model_copy(update={"layers": [x.model_copy(update={"forward": 1e-3, "backward": 2e-3})
+                                                 for x in profile.layers]})
+
+
 def _plans(profile, tmp_path):
+    profile = _even_times(profile)
     cluster = parse_cluster(CLUSTER)
     kw = dict(objective="throughput", depths=[2], micro_batch_sizes=[plan_model.MICRO_BATCH_SIZE],
               schedules=["gpipe"], baselines=False)
