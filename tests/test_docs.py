@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from hippie_ds.config import HippieConfig
 from hippie_ds.schedules.ir import DEEPSPEED_INSTRUCTIONS, OP_INFO, OpKind
 from hippie_ds.schedules.spec import available, load_spec
-from test_structure import circles, module_imports
+from import_graph import circles, module_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The benchmark report: schedules side by side on an emulated two-node cluster, plus a projection.
 
 One command (``make bench``, as root) that
