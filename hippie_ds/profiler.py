@@ -61,6 +61,7 @@ import torch
 from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes, param_dtype
 from .adapter.memory import _tensors
 from .planner.profile import LayerProfile, Profile, ProfileError
+from .adapter.tensor_calls import tensor_bytes
 
 
 class TargetError(Exception):
@@ -191,7 +192,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     names = layer_names(layers)
     funcs, params = build_layers(layers)
     first = next(iter(_tensors(sample)))
-    batch = int(first.shape[0]) if first.dim() > 0 else 1
+    batch = int(first.shape[0]) if torch.Tensor.dim(first) > 0 else 1
     x = sample
     records = []
     bar = tqdm(total=len(funcs), desc="profile", unit="layer", disable=not progress,
@@ -200,7 +201,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
         for i, (name, layer_fn, ps) in enumerate(zip(names, funcs, params)):
             bar.set_postfix_str(name[:30], refresh=False)
             inp = as_stage_input(x)
-            measured = measure_layer(layer_fn, inp, ps, sum(p.numel() * p.element_size() for p in ps),
+            measured = measure_layer(layer_fn, inp, ps, tensor_bytes(ps),
                                      repeats=repeats, warmup=warmup,
                                      guard=lambda f, phase, i=i, name=name: _guard(f, f"layer {i} ({name}) {phase}"))
             for p in ps:
@@ -218,7 +219,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
         name = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
         ps = list(loss_fn.parameters()) if isinstance(loss_fn, torch.nn.Module) else []
         measured = measure_layer(lambda pair: loss_fn(pair[0], pair[1]), (as_stage_input(x), labels), ps,
-                                 sum(p.numel() * p.element_size() for p in ps), repeats=repeats, warmup=warmup,
+                                 tensor_bytes(ps), repeats=repeats, warmup=warmup,
                                  guard=lambda f, phase: _guard(f, f"loss ({name}) {phase}"))
         # what the loss saves for itself: the output it receives is the last layer's
         loss = LayerProfile(**attribute_saved([dict(name=name, input_bytes=float(nbytes((x, labels))),

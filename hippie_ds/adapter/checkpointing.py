@@ -46,8 +46,8 @@ class _CheckpointRun(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs = list(ctx.others)
         for i, t in zip(ctx.tensor_idx, saved):
-            x = t.detach()
-            x.requires_grad_(t.requires_grad)
+            x = torch.Tensor.detach(t)
+            torch.Tensor.requires_grad_(x, t.requires_grad)
             inputs[i] = x
         devices = [torch.cuda.current_device()] if ctx.dev_rng is not None else []
         with torch.random.fork_rng(devices=devices):

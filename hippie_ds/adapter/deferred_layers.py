@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError
 from ..schedules import load_spec
 from ..schedules.deferral import Deferral, StageLayers, delayed_layers, with_parameters, with_ties
+from .tensor_calls import numel
 
 
 def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
@@ -205,7 +206,7 @@ def _layer_sizes(model: PipelineModule, stage: int) -> list[float]:
     import torch
     start = model.parts[stage] - getattr(model, "_local_start", model.parts[stage])
     funcs = model.forward_funcs[start:start + model.parts[stage + 1] - model.parts[stage]]
-    return [float(sum(p.numel() for p in f.parameters())) if isinstance(f, torch.nn.Module) else 0.0 for f in funcs]
+    return [float(numel(f.parameters())) if isinstance(f, torch.nn.Module) else 0.0 for f in funcs]
 
 
 def schedules_with_param(param: str) -> list[str]:

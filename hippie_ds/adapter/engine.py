@@ -19,9 +19,8 @@ need as instruction arguments, as DeepSpeed's do. What it changes, and why:
   stages' gradient buffer is saved in checkpoints and restored;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
   :mod:`hippie_ds.adapter.staleness`): compute runs on predicted weights, the update applies to the true ones;
-- continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls):
-  ops of batches still in flight run in the next call, ``drain()`` completes them; weight
-  versions (:mod:`hippie_ds.adapter.engine_versions`);
+- continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls): ops of
+  batches in flight run in the next call, ``drain()`` completes them; weight versions (engine_versions);
 - a public hook called after each instruction (``add_instruction_hook``); the per-rank timeline
   (Chrome trace, measured cost files) is one.
 
@@ -58,6 +57,7 @@ from .grad_store import GradStore
 from .split_backward import copy_if_shared, storages_of
 from .staleness import make_prediction
 from .timeline import InstructionEvent, Timeline, compute_clock
+from .tensor_calls import tensor_bytes
 from .tied import LaggedTieSums, tie_sum_lag
 
 check_deepspeed()
@@ -288,7 +288,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         return self._timeline.write(path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json"),
                                     rank=self.global_rank, stage=self.stage_id,
                                     data_parallel_id=self.grid.data_parallel_id, schedule=self.compiled_schedule.name,
-                                    param_bytes=sum(p.numel() * p.element_size() for p in self._params))
+                                    param_bytes=tensor_bytes(self._params))
 
     # ------------------------------------------------------------------ per-buffer slots
     def _exec_forward_pass(self, buffer_id):
@@ -314,12 +314,12 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         # A detached alias (same storage): an output the split backward cannot detach in place
         # (a view) must not keep its micro-batch's graph alive until the sends are waited for.
         work = chunk_p2p.isend(self.grid, tensor, stage, tag)
-        self._pending_sends.append((work, tensor.detach()))
+        self._pending_sends.append((work, torch.Tensor.detach(tensor)))
 
     def _exec_isend_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if self.has_attention_mask or self.has_bool_tensors:
-            outputs = tuple(outputs[:-1]) + (outputs[-1].half(), )
+            outputs = tuple(outputs[:-1]) + (torch.Tensor.half(outputs[-1]), )
         if self.dynamic_shape or self.first_output_send:
             self.first_output_send = False
             self._send_tensor_meta(outputs, self.next_stage)

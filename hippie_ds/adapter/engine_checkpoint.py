@@ -119,7 +119,7 @@ class CheckpointMixin:
         ``pipedream`` the holders apply the same tie sums at other times of the pipeline (and so,
         under an LR schedule, at other learning rates): the copies differ, and DeepSpeed's load
         overwrites every copy with the first holder's (``_synchronize_tied_weights``)."""
-        copies = {f"{key}.{attr}": (w.detach().clone() if clone else w)
+        copies = {f"{key}.{attr}": (torch.Tensor.clone(torch.Tensor.detach(w)) if clone else w)
                   for key, comm in self.module.tied_comms.items() for attr in comm["weight_attr"]
                   for w in (self.module._recursive_getattr(self.module.tied_modules[key], attr), )}
         return copies or None
@@ -133,7 +133,7 @@ class CheckpointMixin:
             raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage_id} saved tied weights "
                              f"{sorted(saved)}, this model ties {sorted(own)} here")
         for name, weight in own.items():
-            weight.copy_(saved[name].to(weight.device, weight.dtype))
+            torch.Tensor.copy_(weight, saved[name].to(weight.device, weight.dtype))
 
     def _checkpoint_layout_change(self, load_dir, tag) -> tuple[bool, str]:
         """Whether the checkpoint's stage layout differs from this model's, and the message. A

@@ -97,7 +97,7 @@ class ChunkedEngine:
             return PipelineEngine._exec_recv_activations(self, buffer_id)
 
         def received(t):  # as DeepSpeed receives: a fresh contiguous leaf, requiring grad when floating point
-            out = t.detach().clone(memory_format=torch.contiguous_format)
+            out = torch.Tensor.clone(torch.Tensor.detach(t), memory_format=torch.contiguous_format)
             out.requires_grad_(out.is_floating_point())
             return out
         sent = self._chunks.take("activation")
@@ -116,7 +116,7 @@ class ChunkedEngine:
             inputs = tuple(inputs[:-1])
         grads = []
         for tensor in inputs:
-            if not tensor.is_floating_point():
+            if not torch.Tensor.is_floating_point(tensor):
                 assert tensor.grad is None
                 continue
             assert tensor.grad is not None
@@ -129,7 +129,7 @@ class ChunkedEngine:
         def received(grad):  # as DeepSpeed receives into grad_layer: contiguous
             return self._not_receive_buffer(grad).contiguous()
         grads = received(inputs.grad) if torch.is_tensor(inputs) else \
-            [received(t.grad) for t in inputs if t.is_floating_point()]
+            [received(t.grad) for t in inputs if torch.Tensor.is_floating_point(t)]
         self._chunks.hand_over("gradient", grads)
         self.pipe_buffers["inputs"][buffer_id] = None
 
@@ -167,10 +167,10 @@ class ChunkedEngine:
             outputs = self.pipe_buffers["outputs"][buffer_id]
             if self.dynamic_shape or self.grad_layer is None:
                 if torch.is_tensor(outputs):
-                    self.grad_layer = self._allocate_or_extend_buffers(0, list(outputs.size()), outputs.dtype)
+                    self.grad_layer = self._allocate_or_extend_buffers(0, list(torch.Tensor.size(outputs)), outputs.dtype)
                 else:
-                    floating = [t for t in outputs if t.is_floating_point()]
-                    self.grad_layer = [self._allocate_or_extend_buffers(i, list(t.size()), t.dtype)
+                    floating = [t for t in outputs if torch.Tensor.is_floating_point(t)]
+                    self.grad_layer = [self._allocate_or_extend_buffers(i, list(torch.Tensor.size(t)), t.dtype)
                                        for i, t in enumerate(floating)]
             for buffer in (self.grad_layer, ) if torch.is_tensor(self.grad_layer) else self.grad_layer:
                 chunk_p2p.recv(self.grid, buffer, self.next_stage, self._chunks.gradient_tag)

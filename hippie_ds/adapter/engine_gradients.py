@@ -31,6 +31,7 @@ from ..schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
 from .grad_store import GradStore, flat_copy
 from .staleness import InPlacePrediction
+from .tensor_calls import numel
 
 
 def _checked(transition: tuple[bool, str | None]) -> bool:
@@ -90,12 +91,12 @@ class StageGradients:
         self._backwards_done = 0
         if self.delayed and self.synced:
             for p in self.synced:
-                p.register_post_accumulate_grad_hook(self._on_grad_final)
+                torch.Tensor.register_post_accumulate_grad_hook(p, self._on_grad_final)
 
     def log_delayed_share(self, stage: int) -> None:
-        delayed = sum(p.numel() for p in self.delayed)
+        delayed = numel(self.delayed)
         logger.info(f"hippie-ds: stage {stage} applies {self.delayed_fraction():.1%} of its gradient one step late "
-                    f"({delayed} of {sum(p.numel() for p in self.store.params)} elements)")
+                    f"({delayed} of {numel(self.store.params)} elements)")
 
     def count_backwards_from_zero(self) -> None:
         """At the start of a train_batch call (the early all-reduce arms in its last backward)."""
@@ -115,8 +116,8 @@ class StageGradients:
 
     def delayed_fraction(self) -> float:
         """The fraction of this stage's gradient (by elements) that is applied one step late."""
-        total = sum(p.numel() for p in self.store.params)
-        return sum(p.numel() for p in self.delayed) / total if total else 0.0
+        total = numel(self.store.params)
+        return numel(self.delayed) / total if total else 0.0
 
     def _on_grad_final(self, param):
         """Post-accumulate-grad hook of a partially deferred stage's synchronous parameters."""

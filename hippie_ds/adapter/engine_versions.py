@@ -133,5 +133,5 @@ class WeightVersions:
     def load_state_dict(self, state: dict, device) -> None:
         self.count = self.loaded = state["count"]
         self._predicted = False
-        self.store = {int(v): t.to(device) for v, t in state["stashed"].items()}
+        self.store = {int(v): torch.Tensor.to(t, device) for v, t in state["stashed"].items()}
         self.stashed = set(self.store)

@@ -184,7 +184,7 @@ class Unmoved:
         if link is not None:  # the moments' fragments are linked after the optimizer's first step
             link()
         self.params = params
-        self.weights = [p.detach().clone() for p in params]
+        self.weights = [torch.Tensor.clone(torch.Tensor.detach(p)) for p in params]
         self.masters = [safe_get_full_fp32_param(p) for p in params]
         self.states = {k: [_moment(safe_get_full_optimizer_state, p, k) for p in params] for k in OPTIMIZER_STATE_KEYS}
 
@@ -192,7 +192,7 @@ class Unmoved:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
         with torch.no_grad():
             for p, w, m in zip(self.params, self.weights, self.masters):
-                p.copy_(w)
+                torch.Tensor.copy_(p, w)
                 if m is not None:
                     safe_set_full_fp32_param(p, m)
             for key, values in self.states.items():

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .memory import _tensors, storage_key
+from .tensor_calls import tensor_bytes
 
 
 class WallClock:
@@ -87,9 +88,9 @@ def _timed(clock, runs: int, body: Callable[[Any], Any], before: Callable[[], An
 def as_stage_input(x: Any) -> Any:
     """What a stage receives: detached tensors, floating ones requiring grad."""
     if isinstance(x, torch.Tensor):
-        y = x.detach()
-        if y.is_floating_point():
-            y.requires_grad_(True)
+        y = torch.Tensor.detach(x)
+        if torch.Tensor.is_floating_point(y):
+            torch.Tensor.requires_grad_(y, True)
         return y
     if isinstance(x, (list, tuple)):
         return type(x)(as_stage_input(v) for v in x)
@@ -98,14 +99,14 @@ def as_stage_input(x: Any) -> Any:
 
 def detach(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.detach()
+        return torch.Tensor.detach(x)
     if isinstance(x, (list, tuple)):
         return type(x)(detach(v) for v in x)
     return x
 
 
 def nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+    return tensor_bytes(_tensors(obj))
 
 
 def backward_ones(out: Any) -> bool:
@@ -277,8 +278,8 @@ def param_dtype(params: Sequence[torch.Tensor]) -> str | None:
     parameters, or a dtype the planner has no state factor for)."""
     counts: dict[torch.dtype, int] = {}
     for p in params:
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        if torch.Tensor.is_floating_point(p):
+            counts[p.dtype] = counts.get(p.dtype, 0) + torch.Tensor.numel(p)
     return DTYPES.get(max(counts, key=counts.get)) if counts else None
 
 

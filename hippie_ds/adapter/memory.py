@@ -31,7 +31,7 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int, int]:
-    s = t.untyped_storage()
+    s = torch.Tensor.untyped_storage(t)
     return (str(t.device), s.data_ptr(), s.nbytes())
 
 
@@ -90,7 +90,7 @@ class ActivationMeter:
         # this Python object, a tensor whose grad_fn is the node: a cycle through C++ that Python's
         # collector cannot see, so a graph that is dropped without a backward (retain_graph, the
         # split backward's I) would never be freed.
-        return _Saved(tensor.detach(), self, self._acquire(tensor))
+        return _Saved(torch.Tensor.detach(tensor), self, self._acquire(tensor))
 
     @staticmethod
     def _unpack(packed):

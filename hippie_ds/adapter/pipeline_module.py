@@ -41,6 +41,7 @@ from ..planner.profile import PlannerError, fingerprint_of
 from .checkpointing import checkpoint_run
 from .config_discovery import FoundConfig, discover
 from .module_chunks import ChunkedLayers, chunks_phrase
+from .tensor_calls import tensor_bytes
 
 
 def layer_name(layer: Any) -> str:
@@ -82,7 +83,7 @@ def layer_param_bytes(layers: Sequence[Any]) -> list[float] | None:
                 else:
                     out.append(0.0)
                     continue
-                out.append(float(sum(p.numel() * p.element_size() for p in module.parameters())))
+                out.append(float(tensor_bytes(module.parameters())))
     except Exception:  # a constructor that needs real tensors: skip the parameter check
         return None
     return out

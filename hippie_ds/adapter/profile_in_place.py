@@ -54,6 +54,7 @@ from .failure import end_job_on_failure
 from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, measure_layer, nbytes,
                            param_dtype)
 from .pipeline_module import layer_names, layer_param_bytes, tie_keys
+from .tensor_calls import tensor_bytes
 
 WARMUP_CALLS = 1  # train_batch calls before the measured ones
 TIMES = ("forward", "backward", "backward_weight", "recompute")
@@ -74,7 +75,7 @@ def profile_in_place(engine, options) -> "InPlaceProfiler":
 
 def _clone(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.detach().clone()
+        return torch.Tensor.clone(torch.Tensor.detach(x))
     if isinstance(x, (list, tuple)):
         return type(x)(_clone(v) for v in x)
     return x
@@ -109,9 +110,9 @@ class InPlaceProfiler:
         if isinstance(spec, TiedLayerSpec):
             params = list(self.module.tied_modules[spec.key].parameters())
             first = next(i for i, s in enumerate(self.specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)
-            return params, float(sum(p.numel() * p.element_size() for p in params)) if first == index else 0.0
+            return params, float(tensor_bytes(params)) if first == index else 0.0
         params = list(layer.parameters()) if isinstance(layer, torch.nn.Module) else []
-        return params, float(sum(p.numel() * p.element_size() for p in params))
+        return params, float(tensor_bytes(params))
 
     # -- train_batch ---------------------------------------------------------------------------
     def train_batch(self, original, *args, **kwargs):
@@ -170,7 +171,7 @@ class InPlaceProfiler:
         loss_fn = self.module.loss_fn
         params = list(loss_fn.parameters()) if isinstance(loss_fn, torch.nn.Module) else []
         measured = measure_layer(lambda pair: loss_fn(pair[0], pair[1]), (as_stage_input(output), self.labels),
-                                 params, float(sum(p.numel() * p.element_size() for p in params)),
+                                 params, float(tensor_bytes(params)),
                                  repeats=self.options.repeats, warmup=1, clock=self.clock, accumulate=False)
         self.loss_records.append(dict(measured.record, input_bytes=float(nbytes((output, self.labels)))))
         self.labels = None

@@ -85,7 +85,7 @@ class PendingWeightGrad:
 
 def _float_tensors(values) -> list[torch.Tensor]:
     values = values if isinstance(values, (tuple, list)) else (values, )
-    return [t for t in values if torch.is_tensor(t) and t.is_floating_point()]
+    return [t for t in values if torch.is_tensor(t) and torch.Tensor.is_floating_point(t)]
 
 
 def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Parameter]) -> PendingWeightGrad:
@@ -98,7 +98,7 @@ def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Para
     needs = [t for t in _float_tensors(inputs) if t.requires_grad]
     if not needs:
         # W runs later from these: a copy, since the caller may receive the next gradient into them
-        return PendingWeightGrad(outputs=outs, output_grads=None if grads is None else [g.clone() for g in grads])
+        return PendingWeightGrad(outputs=outs, output_grads=None if grads is None else [torch.Tensor.clone(g) for g in grads])
     groups = _input_pass(outs, grads, needs, params)
     _own_gradients(groups, needs, grads)
     return PendingWeightGrad(param_groups=groups)
@@ -107,7 +107,7 @@ def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Para
 def _dense(t: torch.Tensor) -> bool:
     """torch's ``is_non_overlapping_and_dense``: the strides, ordered, are a contiguous tensor's."""
     expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, torch.Tensor.stride(t)) if n != 1):
         if stride != expected:
             return False
         expected *= size
@@ -118,8 +118,8 @@ def obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     """torch's gradient layout contract (``obeys_layout_contract``): ``grad`` has ``leaf``'s strides
     (dimensions of size 1 aside) when ``leaf`` is dense and non-overlapping, else is contiguous."""
     if _dense(leaf):
-        return all(gs == ls if n != 1 else gs != 0 for n, gs, ls in zip(grad.shape, grad.stride(), leaf.stride()))
-    return grad.is_contiguous()
+        return all(gs == ls if n != 1 else gs != 0 for n, gs, ls in zip(grad.shape, torch.Tensor.stride(grad), torch.Tensor.stride(leaf)))
+    return torch.Tensor.is_contiguous(grad)
 
 
 @torch.no_grad()
@@ -131,19 +131,19 @@ def as_accumulated(grad, leaf: torch.Tensor):
             obeys_layout(grad, leaf):
         return grad
     if _dense(leaf):
-        return torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
-    return grad.clone(memory_format=torch.contiguous_format)
+        return torch.empty_strided(leaf.shape, torch.Tensor.stride(leaf), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return torch.Tensor.clone(grad, memory_format=torch.contiguous_format)
 
 
 def storages_of(tensors: Iterable) -> set[int]:
     """The storages (data pointers) of the non-empty tensors among ``tensors``."""
-    return {t.untyped_storage().data_ptr() for t in tensors if torch.is_tensor(t) and t.numel()}
+    return {torch.Tensor.untyped_storage(t).data_ptr() for t in tensors if torch.is_tensor(t) and torch.Tensor.numel(t)}
 
 
 def copy_if_shared(t, storages: set[int]):
     """``t``, copied when it shares memory with one of ``storages`` (a buffer about to be reused)."""
-    shared = torch.is_tensor(t) and t.numel() and t.untyped_storage().data_ptr() in storages
-    return t.clone() if shared else t
+    shared = torch.is_tensor(t) and torch.Tensor.numel(t) and torch.Tensor.untyped_storage(t).data_ptr() in storages
+    return torch.Tensor.clone(t) if shared else t
 
 
 def _own_gradients(groups: list[dict], inputs: list[torch.Tensor], given: list[torch.Tensor] | None) -> None:
@@ -208,8 +208,8 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
         for handle in handles:
             handle.remove()
     for o in outs:  # drop the output side of the graph (W starts from the kept gradients)
-        if not o._is_view():
-            o.detach_()
+        if not torch.Tensor._is_view(o):
+            torch.Tensor.detach_(o)
     return groups
 
 

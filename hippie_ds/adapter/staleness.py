@@ -76,7 +76,8 @@ class WeightPrediction:
             deltas = {int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds]) for v, ds in state["deltas"].items()}
         elif "previous" in state:
             previous = state["previous"]
-            deltas = {} if previous is None else {0: [p.detach() - q.to(device) for p, q in zip(params, previous)]}
+            deltas = {} if previous is None else {0: [torch.Tensor.detach(p) - q.to(device)
+                                                      for p, q in zip(params, previous)]}
         else:
             raise ValueError(f"staleness correction state of unknown format: keys {sorted(state)}")
         self.deltas = {v: [d.to(device) for d in ds] for v, ds in deltas.items()}
@@ -102,12 +103,12 @@ class InPlacePrediction(WeightPrediction):
             return
         delta = self.deltas.pop(0, None)
         if delta is None:
-            self._true = [p.detach().clone() for p in self.params]
+            self._true = [torch.Tensor.clone(torch.Tensor.detach(p)) for p in self.params]
             return
         for p, buf in zip(self.params, delta):
             d = buf.clone()  # one parameter at a time: the buffer turns into W
             buf.copy_(p)
-            p.add_(d, alpha=self.coefficient)
+            torch.Tensor.add_(p, d, alpha=self.coefficient)
         self._true, self.predicted_now = delta, True
 
     @torch.no_grad()
@@ -115,7 +116,7 @@ class InPlacePrediction(WeightPrediction):
         """Roughly: ``params = buffer`` (the true weights), keeping the buffer for the update."""
         if self.predicted_now:
             for p, w in zip(self.params, self._true):
-                p.copy_(w)
+                torch.Tensor.copy_(p, w)
             self.predicted_now = False
 
     @torch.no_grad()

@@ -179,4 +179,4 @@ class LaggedTieSums:
                              f"{len(state['replicas'])} data-parallel replicas, this run lags {self.lag} over "
                              f"{replicas}; resume with the same schedule, stages and replicas")
         for sums in state["replicas"][self._replica]:
-            self._pending.append([(None, t.to(device)) for t in sums])
+            self._pending.append([(None, torch.Tensor.to(t, device)) for t in sums])

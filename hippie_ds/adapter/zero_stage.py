@@ -91,7 +91,7 @@ class ZeroUnmoved:
     def __init__(self, params: list[torch.Tensor], optimizer):
         from deepspeed import comm as dist
         ids = {id(p) for p in params}
-        self.params, self.weights = params, [p.detach().clone() for p in params]
+        self.params, self.weights = params, [torch.Tensor.clone(torch.Tensor.detach(p)) for p in params]
         self.optimizer = optimizer
         self.saved = []  # (fp32 partition, mask over it, {state key or None (the partition): saved values})
         for i, group in enumerate(optimizer.bit16_groups):
@@ -107,7 +107,7 @@ class ZeroUnmoved:
                     raise RuntimeError("hippie-ds: a ZeRO-1 parameter is not a view of its group's flat buffer "
                                        "(DeepSpeedZeroOptimizer changed: see hippie_ds/_compat.py)")
                 start = p.data.storage_offset() - flat.storage_offset()
-                a, b = max(start, lo), min(start + p.numel(), lo + n)
+                a, b = max(start, lo), min(start + torch.Tensor.numel(p), lo + n)
                 if a < b:
                     mask[a - lo:b - lo] = True
             if mask.any():
@@ -122,7 +122,7 @@ class ZeroUnmoved:
     @torch.no_grad()
     def restore(self) -> None:
         for p, w in zip(self.params, self.weights):
-            p.copy_(w)
+            torch.Tensor.copy_(p, w)
         for fp32, mask, values in self.saved:
             for key, t in self._tensors(fp32).items():
                 # state created by this very step (none before): zero for the parameters it did not concern
