@@ -123,10 +123,11 @@ def _load_config(args, config, config_params):
 def _apply_plan(model: PipelineModule, config: dict, options, config_path: str | None) -> dict:
     """The config with the plan's keys merged in, after checking that ``model`` was built from
     the same plan (boundaries, checkpointed layers, model, world size)."""
-    from .pipeline_module import check_plan, locate_plan, resolve_plan
+    from .pipeline_module import check_plan, locate_plan, module_stages_source, resolve_plan
 
     plan = resolve_plan(locate_plan(options.plan, config_path))
-    check_plan(plan, model._layer_specs, world_size=model.world_size, num_stages=model.num_stages)
+    check_plan(plan, model._layer_specs, world_size=model.world_size, num_stages=model.num_stages,
+               stages_from=module_stages_source(model))
     # a chunked module's parts are its K·v+1 model-part boundaries (module_chunks), placed by its layout
     held, planned = held_chunks(model), (plan.virtual_stages, plan.layout)
     ckpt = list(getattr(model, "checkpointed_layers", []))

@@ -36,6 +36,7 @@ from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, PipelineModule as _DSPipelineModule, TiedLayerSpec
 
 from ..config import ConfigError, read_config, split_config
+from ..planner.job_shape import format_changes, shape_changes
 from ..planner.plan_file import Plan, PlanMismatchError, load_plan
 from ..planner.profile import PlannerError, fingerprint_of
 from .checkpointing import checkpoint_run
@@ -125,16 +126,56 @@ def locate_plan(path: str | os.PathLike, config_path: str | os.PathLike | None) 
     return found
 
 
+def stages_source(num_stages: int | None, topology: Any, owner: str | None = None) -> str:
+    """Where a module's stage count came from, as the refusals name it: ``topology=`` (its class and
+    dimensions, and the model class that passed it) or ``num_stages=``."""
+    if topology is None:
+        return f"num_stages={num_stages}"
+    axes = getattr(topology, "axes", None) or []
+    dims = getattr(topology, "dims", None) or []
+    shape = ", ".join(f"{a}={d}" for a, d in zip(axes, dims))
+    by = f", passed by the model class {owner}" if owner else ""
+    return f"topology= (a {type(topology).__name__} with {shape}{by})"
+
+
+def module_stages_source(module) -> str | None:
+    """:func:`stages_source` of a built module: recorded by ``hippie_ds.PipelineModule``; for DeepSpeed's
+    class, its topology (DeepSpeed builds a ``PipeDataParallelTopology`` from ``num_stages=``)."""
+    recorded = getattr(module, "hippie_stages_from", None)
+    if recorded is not None:
+        return recorded
+    topo = getattr(module, "_topo", None)
+    if topo is None:
+        return None
+    if type(topo).__name__ == "PipeDataParallelTopology":
+        return f"num_stages={topo.get_dim('pipe')} (or a PipeDataParallelTopology passed as topology=)"
+    return stages_source(None, topo, type(module).__name__)
+
+
 def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num_stages: int | None,
-               virtual_stages: int | None = None, layout: str | None = None) -> None:
+               virtual_stages: int | None = None, layout: str | None = None, stages_from: str | None = None) -> None:
     """Raise :class:`PlanMismatchError` when ``plan`` does not fit this model or job: ``num_stages``
-    (pipeline ranks) against the plan's ``pipeline_depth``, ``virtual_stages`` / ``layout`` (the
-    module's model chunks per stage, None: not known yet) against the plan's, and its K·v+1 boundaries."""
-    plan.check_matches(num_layers=len(layers), world_size=world_size)
-    if num_stages is not None and num_stages != plan.pipeline_depth:
+    (pipeline ranks; ``stages_from``: where the module got that count, :func:`stages_source`) and
+    ``world_size`` against the plan's, naming the changes that run the plan
+    (:func:`hippie_ds.planner.job_shape.shape_changes`); ``virtual_stages`` / ``layout`` (the module's
+    model chunks per stage, None: not known yet) against the plan's, and its K·v+1 boundaries."""
+    plan.check_matches(num_layers=len(layers))
+    stages_differ = num_stages is not None and num_stages != plan.pipeline_depth
+    if stages_differ or (world_size is not None and world_size != plan.world_size):
         chunks = f" x {plan.virtual_stages} model chunks each" if plan.virtual_stages > 1 else ""
-        raise PlanMismatchError(f"num_stages={num_stages}, but the plan has {plan.pipeline_depth} stages{chunks} "
-                                f"(boundaries {plan.boundaries}); leave num_stages out to take the plan's")
+        where = stages_from or (f"num_stages={num_stages}" if num_stages is not None else None)
+        has = [f"{num_stages} pipeline stages" + (f" (from {where})" if where else "")] if num_stages else []
+        has += [f"{world_size} ranks"] if world_size is not None else []
+        kind = ("topology=" if where and where.startswith("topology=") else
+                "num_stages=" if where and where.startswith("num_stages=") else None)
+        changes = shape_changes(plan, stages=num_stages, world_size=world_size, stages_from=kind)
+        again = f" --stages {num_stages}" if num_stages else ""
+        raise PlanMismatchError(
+            f"this job has {' on '.join(has)}, but the plan for {plan.model!r} has {plan.pipeline_depth} stages{chunks} "
+            f"x {plan.data_parallel} data-parallel replicas on {plan.world_size} ranks (boundaries {plan.boundaries}). "
+            + format_changes(changes, "To run this plan, change:")
+            + f"\nOr plan for this job's shape: hippie-ds plan --profile ...{again} (a profile measured in place "
+              "keeps the job's shape)")
     parts = plan.pipeline_depth * plan.virtual_stages
     if len(plan.boundaries) != parts + 1:
         raise PlanMismatchError(f"the plan's boundaries {plan.boundaries} cut {len(plan.boundaries) - 1} model parts; "
@@ -239,7 +280,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         if resolved is not None:
             world = dist.get_world_size() if dist.is_initialized() else None
             check_plan(resolved, layers, world_size=world, num_stages=stages, virtual_stages=virtual_stages,
-                       layout=layout)
+                       layout=layout, stages_from=stages_source(stages, topology, type(self).__name__))
             if topology is None and num_stages is None:
                 num_stages = resolved.pipeline_depth
             if checkpointed_layers is not None and sorted(checkpointed_layers) != resolved.checkpointed_layers:
@@ -255,6 +296,8 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         # Set before DeepSpeed's __init__, which calls _partition_layers.
         object.__setattr__(self, "hippie_plan", resolved)
         object.__setattr__(self, "hippie_config_source", source)  # where config came from (initialize's refusals)
+        object.__setattr__(self, "hippie_stages_from", stages_source(stages, topology, type(self).__name__)
+                           if stages is not None else None)  # None: the plan's (num_stages left out)
         object.__setattr__(self, "hippie_plan_source", source if plan is None and resolved is not None else None)
         object.__setattr__(self, "hippie_config_path", found.path if found is not None else
                            (str(config) if isinstance(config, (str, os.PathLike)) else None))
@@ -340,4 +383,4 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
 
 
 __all__ = ["PipelineModule", "layer_names", "model_fingerprint", "resolve_plan", "locate_plan", "check_plan",
-           "PlannerError"]
+           "stages_source", "module_stages_source", "PlannerError"]

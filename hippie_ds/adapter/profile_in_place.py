@@ -33,7 +33,9 @@ own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_ba
   data-parallel replicas holding it. Global rank 0 writes the profile: layer names and parameter
   bytes as :func:`hippie_ds.adapter.pipeline_module.model_fingerprint` computes them (from the layer
   specs, so ``hippie-ds plan`` and ``hippie_ds.PipelineModule(plan=...)`` recognise the model),
-  micro-batch size ``train_micro_batch_size_per_gpu``; ``param_dtype`` the dtype the job's
+  micro-batch size ``train_micro_batch_size_per_gpu``, the job's shape (``job``: stages,
+  data-parallel replicas, micro-batch size, ``train_batch_size``, model chunks per stage; what
+  ``hippie-ds plan`` keeps unless told otherwise); ``param_dtype`` the dtype the job's
   parameters have (bf16 under DeepSpeed's bf16), ``param_bytes_dtype`` the one the specs' bytes
   count (fp32-sized for a model built in fp32). Rank 0 prints a line per measured step and
   what it wrote.
@@ -50,6 +52,7 @@ from deepspeed import comm as dist
 from deepspeed.pipe import TiedLayerSpec
 
 from ..planner.profile import LayerProfile, Profile, save_profile
+from ..planner.profile_fields import JobShape
 from .failure import end_job_on_failure
 from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, measure_layer, nbytes,
                            param_dtype)
@@ -256,7 +259,7 @@ class InPlaceProfiler:
             name = getattr(self.module.loss_fn, "__name__", None) or type(self.module.loss_fn).__name__
             loss = LayerProfile(**attribute_saved([dict(_combine(losses), name=name)])[0])
         module = self.module
-        return Profile(model=self.options.name or type(module).__name__,
+        return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(),
                        batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers, loss=loss,
                        param_dtype=dtype, param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers),
                                                                         measured),
@@ -264,6 +267,15 @@ class InPlaceProfiler:
                               f"{dist.get_world_size() // module.num_stages} replicas"
                               f"{f' x {module.virtual_stages} chunks' if getattr(module, 'chunked', False) else ''}, "
                               f"{self.options.steps} steps on {self.engine.device}, {self.clock.name}")
+
+    def job_shape(self) -> JobShape:
+        """The job's shape: its stages (the module's, from ``num_stages=`` or ``topology=``), data-parallel
+        replicas, micro-batch size, global batch (``train_batch_size``) and model chunks per stage."""
+        module, engine = self.module, self.engine
+        return JobShape(stages=int(module.num_stages), data_parallel=int(engine.grid.data_parallel_size),
+                        micro_batch_size=int(engine.train_micro_batch_size_per_gpu()),
+                        global_batch=int(engine.train_batch_size()),
+                        virtual_stages=int(module.virtual_stages) if getattr(module, "chunked", False) else 1)
 
     def _say(self, line: str) -> None:
         if dist.get_rank() == 0:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from functools import partial
 
 from ..planner.objectives import OBJECTIVES
 from ..planner.plan_file import SCHEDULES
@@ -25,6 +27,12 @@ The cluster is NODESxDEVICES,MEMORY,INTER[,INTRA] (INTRA defaults to 100GB/s), e
 4x4,16GB,100Gbit, or a YAML/JSON file with nodes, devices_per_node, device_memory,
 inter_node_bandwidth, intra_node_bandwidth, latency.
 
+A profile measured in place (hippie.profile) records the job's shape: pipeline stages, data-parallel
+replicas, micro-batch size, global batch. On a cluster of the job's device count the plan keeps that
+shape (only the cuts, re-computation and schedule are searched) unless --stages (a list, or 'all'),
+--micro-batch-size or --global-batch say otherwise, and says so; a plan of another shape prints the
+changes the job needs (the model's pipeline size, the launcher's rank count, the batch keys).
+
 examples:
   hippie-ds plan --profile vgg16.txt --cluster 4x4,16GB,100Gbit --global-batch 2048 --out plan.json
   hippie-ds plan --profile model.yaml --cluster cluster.yaml --global-batch 512 --objective throughput \\
@@ -39,8 +47,9 @@ def _plan_parser(subparsers) -> None:
     p.add_argument("--cluster", required=True, metavar="SPEC|FILE",
                    help="cluster, e.g. 4x4,16GB,100Gbit (nodes x devices, device memory, inter-node bandwidth"
                         "[, intra-node bandwidth]) or a YAML/JSON file")
-    p.add_argument("--global-batch", "-G", type=_positive_int, required=True, metavar="N",
-                   help="samples per training step over all replicas")
+    p.add_argument("--global-batch", "-G", type=_positive_int, metavar="N",
+                   help="samples per training step over all replicas (default: the profiled job's train_batch_size; "
+                        "required for a profile without a job shape)")
     p.add_argument("--objective", choices=sorted(OBJECTIVES), default="me",
                    help="maximize memory efficiency (default) or throughput")
     p.add_argument("--memory-cap", metavar="BYTES", help="memory a device may use, e.g. 12GB (default: all of it)")
@@ -50,7 +59,9 @@ def _plan_parser(subparsers) -> None:
                    help="schedules to consider, comma-separated: built-in names or schedule files "
                         "(default: the flush schedules, %(default)s; ones with virtual stages, e.g. "
                         "interleaved-1f1b, zb-v, plan stages x chunks model parts)")
-    p.add_argument("--stages", metavar="K[,K...]", help="only these pipeline depths (each must divide the devices)")
+    p.add_argument("--stages", metavar="K[,K...]|all",
+                   help="only these pipeline depths (each must divide the devices); 'all': every depth. Default: the "
+                        "profiled job's stage count (and micro-batch size) on a cluster of its device count, else all")
     p.add_argument("--micro-batch-size", metavar="B[,B...]", help="only these micro-batch sizes")
     p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",
                    help="smallest micro-batch size to consider (default: profile batch / 16, at least 1: the "
@@ -75,6 +86,7 @@ def _plan_parser(subparsers) -> None:
 
 def _cmd_plan(args) -> int:
     from ..planner import make_plan, parse_cluster, save_plan
+    from ..planner.job_shape import changes_from_job, format_changes, keep_shape
     from ..planner.plan import _check_schedules
     from ..planner.profile import PlannerError
 
@@ -90,7 +102,11 @@ def _cmd_plan(args) -> int:
     cap = _quantity(args.memory_cap, "bytes", "--memory-cap") if args.memory_cap else None
     if cap is not None and cap <= 0:
         raise UsageError(f"--memory-cap {args.memory_cap!r}: must be positive")
-    depths = _int_list(args.stages, "--stages") if args.stages else None
+    search_all = (args.stages or "").strip().lower() == "all"
+    try:
+        depths = _int_list(args.stages, "--stages") if args.stages and not search_all else None
+    except UsageError as exc:
+        raise UsageError(f"{exc}, or 'all'") from None
     if depths:
         bad = [k for k in depths if cluster.devices % k]
         if bad:
@@ -98,8 +114,16 @@ def _cmd_plan(args) -> int:
     sizes = _int_list(args.micro_batch_size, "--micro-batch-size") if args.micro_batch_size else None
     if args.staleness_price is not None and not (args.staleness_price >= 0 and math.isfinite(args.staleness_price)):
         raise UsageError(f"--staleness-price {args.staleness_price}: must be a number >= 0")
-    plan = make_plan(profile, cluster, args.global_batch, objective=args.objective, memory_cap=cap,
-                     schedules=schedules, depths=depths, micro_batch_sizes=sizes,
+    try:
+        kept = keep_shape(profile.job, cluster.devices, depths=depths, search_all=search_all,
+                          micro_batch_sizes=sizes, global_batch=args.global_batch)
+    except PlannerError as exc:
+        raise UsageError(str(exc)) from None
+    say = partial(print, file=sys.stderr if args.json else sys.stdout)
+    if kept.message:
+        say(kept.message)
+    plan = make_plan(profile, cluster, kept.global_batch, objective=args.objective, memory_cap=cap,
+                     schedules=schedules, depths=kept.depths, micro_batch_sizes=kept.micro_batch_sizes,
                      min_micro_batch=args.min_micro_batch, state_factor=args.state_factor,
                      memory_metric=args.memory_metric, simulate_top=args.simulate_top,
                      baselines=not args.no_baselines, staleness_price=args.staleness_price)
@@ -109,6 +133,10 @@ def _cmd_plan(args) -> int:
         print(json.dumps(plan.model_dump(mode="json"), indent=1))
     else:
         print(plan.summary())
-        if args.out:
-            print(f"wrote {args.out}")
+    changes = changes_from_job(profile.job, plan) if profile.job is not None else []
+    if changes:
+        say(format_changes(changes, f"the plan's shape is not the profiled job's ({profile.job.describe()}); "
+                                    "to run it, change:"))
+    if args.out and not args.json:
+        print(f"wrote {args.out}")
     return 0

@@ -38,7 +38,17 @@ Profile-level fields (optional; a profile without them loads and plans as before
 * ``param_dtype``: the dtype the parameters were trained in (``float32``, ``bfloat16``,
   ``float16``), as measured; ``param_bytes_dtype``: the dtype ``param_bytes`` counts (an in-place
   profile records the layer specs' build dtype, so a bf16 job's are fp32-sized). With both,
-  :meth:`Profile.state_factor` is ``hippie-ds plan``'s default ``--state-factor``.
+  :meth:`Profile.state_factor` is ``hippie-ds plan``'s default ``--state-factor``;
+* ``job``: the shape of the job measured in place (stages, data-parallel replicas, micro-batch
+  size, global batch, virtual stages; :class:`.profile_fields.JobShape`), which ``hippie-ds plan``
+  keeps unless told otherwise (:mod:`.job_shape`); ``load``: the machine's load while measured
+  (load average, process CPU over wall time; :class:`.profile_fields.MeasuredLoad`);
+* ``groups``: layers that are the same work (same class, parameter shapes and input shape),
+  measured as one group: each member's times are the group's pooled median. Per layer,
+  ``spread`` is the relative inter-quartile range of its timed repeats (forward and backward,
+  over the median) and ``own_ratio`` its own median over the pooled one; identical layers whose
+  own medians part by more than :data:`.noise.NOISE_MARGIN` make the profile noisy
+  (:mod:`.noise`: a warning when it is written and when it is planned from).
 
 Scaling assumption: times and activation sizes (working memory and the loss's figures too)
 scale linearly with the micro-batch size (``Profile.scaled(b)`` multiplies them by
@@ -68,6 +78,8 @@ from typing import Any, Literal, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hippie_ds.data_files import describe, write_data_file
+
+from .profile_fields import JobShape, MeasuredLoad
 
 
 DEFAULT_STATE_FACTOR = 4.0  # fp32 weights, gradients and two Adam moments per fp32 parameter byte
@@ -104,6 +116,10 @@ class LayerProfile(_Strict):
     tied_key: str | None = Field(None, min_length=1, description="the key of a module tied to other layers "
                                  "(TiedLayerSpec): param_bytes counts it at its first use only, and every other stage "
                                  "that uses it holds a copy of those bytes")
+    spread: float | None = Field(None, ge=0, description="relative spread of the timed repeats: inter-quartile range "
+                                 "of forward + backward over their median (a group's: over all its repeats)")
+    own_ratio: float | None = Field(None, gt=0, description="of a grouped layer: its own median forward + backward "
+                                    "over the group's pooled median (1: it agrees with its group)")
 
     @model_validator(mode="after")
     def _weight_within_backward(self) -> "LayerProfile":
@@ -137,6 +153,11 @@ class Profile(_Strict):
         None, description="the dtype the parameters were trained in, as measured")
     param_bytes_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="the dtype param_bytes counts (default: param_dtype)")
+    job: JobShape | None = Field(None, description="the shape of the job measured in place (hippie.profile): "
+                                 "hippie-ds plan keeps it unless told otherwise")
+    load: MeasuredLoad | None = Field(None, description="the machine's load while the profile was measured")
+    groups: list[list[int]] | None = Field(None, description="layers that are the same work (class, parameter "
+                                           "shapes, input shape), measured as one group: they share their times")
 
     @model_validator(mode="after")
     def _check_cuts(self) -> "Profile":
@@ -148,6 +169,13 @@ class Profile(_Strict):
             bad = [i for i, v in enumerate(self.cut_bytes) if not v >= 0]
             if bad:
                 raise ValueError(f"cut_bytes[{bad[0]}] = {self.cut_bytes[bad[0]]}: must be >= 0")
+        seen: set[int] = set()
+        for g, group in enumerate(self.groups or ()):
+            bad = [i for i in group if not 0 <= i < n or i in seen]
+            if bad or len(group) < 2:
+                raise ValueError(f"groups[{g}] = {group}: a group lists two or more distinct layer indices in "
+                                 f"0..{n - 1}, each in one group only")
+            seen.update(group)
         return self
 
     # -- derived per-layer vectors (plain lists: the planner's inner loops index them) ------------
