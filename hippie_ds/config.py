@@ -24,8 +24,11 @@
         "plan": null,                           # a planner plan file (`hippie-ds plan --out`): stage
                                                 #   boundaries, checkpointed layers, schedule, batch
         "staleness": {                          # correction for stages that update one step late
-            "method": "extrapolate",            #   or "none" (the plain one-step-delayed rule)
-            "coefficient": 1.0                  #   W_hat = W + c * (W - W_previous)
+            "method": "extrapolate",            #   W_hat = W + c * (W - W_previous); "adam": W_hat = W +
+                                                #   c * (Adam's predicted next update, from its moments,
+                                                #   step count and LR; Adam/AdamW only); or "none" (the
+                                                #   plain one-step-delayed rule)
+            "coefficient": 1.0                  #   c
         },
         "profile": null                         # {"out": "profile.yaml", "steps": 3, "repeats": 3}: measure
                                                 #   every layer of every stage in place (after one warm-up
@@ -58,7 +61,10 @@ class StalenessConfig(BaseModel):
     for it; see :mod:`hippie_ds.adapter.staleness`."""
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["none", "extrapolate"] = "extrapolate"
+    # "extrapolate": W_hat = W + c (W - W_previous); "adam": W_hat = W + c u_hat, u_hat the next
+    # update predicted from Adam's own state (hippie_ds.adapter.adam_prediction; torch Adam/AdamW
+    # only, refused at start-up otherwise); "none": no correction.
+    method: Literal["none", "extrapolate", "adam"] = "extrapolate"
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
 
 

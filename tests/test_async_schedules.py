@@ -296,21 +296,26 @@ def test_async_schedules_match_reference(tmp_path, stages, dp):
 @pytest.mark.parametrize("optimizer,lr,stages,dp", [("AdamW", 0.01, 2, 2)])
 def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages, dp):
     """2bw computes batch t on W(t-1) + c * (W(t-1) - W(t-2)) (hippie.staleness extrapolate,
-    here c = 1.5) and applies the update to W(t); with "none" on W(t-1). Each matches the
-    reference of its rule; they differ from each other. (SGD at 2x2 and AdamW at 4x1 also passed
-    when written; one shape keeps CI short. test_async_schedules_match_reference covers 2bw's
-    default correction at (2,1), (2,2), (4,1), (4,2) with SGD.)"""
+    here c = 1.5), with "adam" on W(t-1) + c * u_hat (AdamW's next update predicted from its
+    moments, reference_async.adam_predicted; c = 1.5), and applies the update to W(t); with
+    "none" on W(t-1). Each matches the reference of its rule; they differ from each other. One
+    launch ("+nostale", "+adam" engines; CI time). (SGD at 2x2 and AdamW at 4x1 also passed when
+    written; one shape keeps CI short. test_async_schedules_match_reference covers 2bw's default
+    correction at (2,1), (2,2), (4,1), (4,2) with SGD.)"""
     results = {}
-    for staleness in (StalenessConfig(method="extrapolate", coefficient=1.5), StalenessConfig(method="none")):
-        out = tmp_path / staleness.method
-        rc, log, _ = launch(stages * dp, out, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", 5,
-                            "--optimizer", optimizer, "--lr", lr, "--engines", "2bw", "--drain",
-                            "--staleness", f"{staleness.method}:{staleness.coefficient}", timeout=300)
-        assert rc == 0, log[-4000:]
-        ours, losses, parts, _, replicas = collect(out, "2bw")
+    c = 1.5
+    rules = {"2bw": StalenessConfig(method="extrapolate", coefficient=c), "2bw+nostale": StalenessConfig(method="none"),
+             "2bw+adam": StalenessConfig(method="adam", coefficient=c)}
+    rc, log, _ = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", 5,
+                        "--optimizer", optimizer, "--lr", lr, "--engines", ",".join(rules), "--drain",
+                        "--staleness", f"extrapolate:{c}", timeout=300)
+    assert rc == 0, log[-4000:]
+    for name, staleness in rules.items():
+        ours, losses, parts, _, replicas = collect(tmp_path, name)
         ref, ref_losses = reference_async.run_2bw(parts, dp, MICRO_BATCHES, 5, optimizer=optimizer, lr=lr,
-                                            staleness=staleness)
+                                                  staleness=staleness)
         diff = _max_diff(ours, ref)
+        print(f"2bw {staleness}: max |ours - reference| = {diff:.3g}")
         assert diff <= 1e-6, f"2bw {staleness}: differs from its reference by {diff}"
         for rank_losses in losses.values():
             assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
@@ -320,15 +325,17 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
         # true current weights, the rule's after that many updates, not the prediction (or the stashed
         # version) its last forward computed on
         truth = {}
-        for f in _load_rank_files(out, "2bw"):
+        for f in _load_rank_files(tmp_path, name):
             assert f["between_calls"] is not None, "no batch in flight after the last train_batch"
             held, count = f["between_calls"]["layers"], f["between_calls"]["weight_versions"]["current"]
             if count not in truth:
                 truth[count] = reference_async.run_2bw(parts, dp, MICRO_BATCHES, count, optimizer=optimizer, lr=lr,
-                                                 staleness=staleness)[0]
+                                                       staleness=staleness)[0]
             diff = _max_diff(truth[count], held)
             assert diff <= 1e-6, f"2bw {staleness}: stage {f['stage']}'s module differs by {diff} from W({count})"
     assert _max_diff(results["extrapolate"], results["none"]) > 1e-4, "the correction changed nothing"
+    assert _max_diff(results["adam"], results["extrapolate"]) > 1e-4, "adam is extrapolate's rule"
+    assert _max_diff(results["adam"], results["none"]) > 1e-4, "adam changed nothing"
 
 
 @pytest.mark.distributed

@@ -96,19 +96,26 @@ def test_hippie_adamw_clipping_all_deferred(tmp_path):
 
 @pytest.mark.parametrize("optimizer,lr,stages", [("SGD", 0.05, 2), ("AdamW", 0.01, 4)])
 def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
-    """stages x 2 replicas, every stage deferred: extrapolation with a non-default coefficient
-    and no correction each match the reference of their rule, and differ from each other."""
+    """stages x 2 replicas, every stage deferred: extrapolation with a non-default coefficient,
+    no correction and (AdamW) Adam's predicted update ("adam", same coefficient) each match the
+    reference of their rule, and differ from each other."""
     deferred = list(range(stages))
     args = ("--stages", stages, "--micro-batches", 3, "--steps", 5, "--optimizer", optimizer, "--lr", lr,
             "--deferred", ",".join(map(str, deferred)))
     results = {}
-    # one launch (CI time): "+nostale" engines run without the correction, the others extrapolate
+    # one launch (CI time): "+nostale" engines run without the correction, "+adam" with Adam's
+    # prediction (AdamW only), the others extrapolate
     extrapolate = StalenessConfig(method="extrapolate", coefficient=1.5)
-    rc, log, _ = launch(stages * 2, tmp_path, *args, "--engines", "hippie,hippie-1f1b,hippie+nostale,hippie-1f1b+nostale",
+    adam = StalenessConfig(method="adam", coefficient=1.5)
+    rules = [(extrapolate, "", ("hippie", "hippie-1f1b")), (NO_CORRECTION, "+nostale", ("hippie", "hippie-1f1b"))]
+    if optimizer == "AdamW":
+        rules.append((adam, "+adam", ("hippie",)))
+    engines = ",".join(name + suffix for _, suffix, names in rules for name in names)
+    rc, log, _ = launch(stages * 2, tmp_path, *args, "--engines", engines,
                         "--staleness", f"{extrapolate.method}:{extrapolate.coefficient}")
     assert rc == 0, log[-4000:]
-    for staleness, suffix in ((extrapolate, ""), (NO_CORRECTION, "+nostale")):
-        for name in ("hippie", "hippie-1f1b"):
+    for staleness, suffix, names in rules:
+        for name in names:
             ours, losses, parts, _, replicas = collect(tmp_path, name + suffix)
             ref, ref_losses = reference.run(parts, 2, 3, 5, deferred=deferred, optimizer=optimizer, lr=lr,
                                             staleness=staleness)
@@ -117,8 +124,11 @@ def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
                 assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
             _replicas_identical(replicas)
         results[staleness.method] = ours
-    assert any((results["extrapolate"][i][k] - results["none"][i][k]).abs().max() > 1e-4
-               for i in results["none"] for k in results["none"][i]), "the correction changed nothing"
+    for method in results:
+        for other in results:
+            assert method == other or any((results[method][i][k] - results[other][i][k]).abs().max() > 1e-4
+                                          for i in results[other] for k in results[other][i]), \
+                f"{method} and {other}: the same weights"
 
 
 def test_partial_deferral_matches_its_rule(tmp_path):

@@ -122,3 +122,75 @@ def test_checkpoint_state_format_and_format1_keys():
     read = ckpt.read_training_state(client)
     assert read["grad_buffer"]["state"] == "reduced" and read["weight_versions"]["count"] == 0
     assert read["prediction"]["previous"] is None and client == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# "adam": Adam's own predicted next update (hippie_ds/adapter/adam_prediction.py)
+
+def _adam_hat(opt, p, c):
+    """The rule written out: W + c * (-lr) (m / (1 - b1^(k+1)) / (sqrt(s / (1 - b2^(k+1))) + eps) + wd W)."""
+    group, state = opt.param_groups[0], opt.state[p]
+    (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+    k = float(state["step"]) + 1
+    m_hat, s_hat = state["exp_avg"] / (1 - b1 ** k), state["exp_avg_sq"] / (1 - b2 ** k)
+    return p.detach() - c * lr * (m_hat / (s_hat.sqrt() + eps) + wd * p.detach())
+
+
+def test_adam_in_place_prediction_is_the_rule_and_restores_exactly():
+    from hippie_ds.adapter.adam_prediction import AdamInPlacePrediction, source_of
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    opt = torch.optim.AdamW(params, lr=0.01)
+    prediction = make_prediction(StalenessConfig(method="adam", coefficient=C), params)
+    assert isinstance(prediction, AdamInPlacePrediction)
+    prediction.bind(source_of(opt, C))
+    expected = None
+    for t in range(4):
+        true = [p.detach().clone() for p in params]
+        prediction.predict()
+        seen = [p.detach().clone() for p in params]
+        if expected is None:  # nothing stepped yet: W itself
+            assert all(torch.equal(a, b) for a, b in zip(seen, true))
+        else:
+            assert all(torch.allclose(a, b, atol=1e-7, rtol=0) for a, b in zip(seen, expected))
+            assert any((a - b).abs().max() > 1e-4 for a, b in zip(seen, true)), "predicted nothing"
+        prediction.begin_update()
+        assert all(torch.equal(p, w) for p, w in zip(params, true)), "the update must see the true weights"
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        prediction.end_update()
+        expected = [_adam_hat(opt, p, C) for p in params]
+    assert len(prediction.deltas) == 1  # one weight-sized buffer between steps
+    state = prediction.state_dict()
+    assert state["method"] == "adam"
+    other = InPlacePrediction([p.detach().clone() for p in params], C)
+    other.load_state_dict(state, "cpu")  # an extrapolate run does not take adam's W_hat for a delta
+    assert other.deltas == {}
+
+
+def test_adam_per_version_prediction_reads_the_optimizer():
+    from hippie_ds.adapter.adam_prediction import AdamVersionPrediction, source_of
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
+    prediction = make_prediction(StalenessConfig(method="adam"))
+    assert isinstance(prediction, AdamVersionPrediction)
+    prediction.bind(source_of(opt, 1.0), params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    prediction.record(1, None)
+    [flat] = prediction.predicted(1, None)
+    assert torch.allclose(flat, torch.cat([_adam_hat(opt, p, 1.0).flatten() for p in params]), atol=1e-7, rtol=0)
+
+
+def test_adam_correction_refuses_optimizers_it_cannot_read():
+    import pytest
+
+    from hippie_ds.adapter.adam_prediction import source_of
+    from hippie_ds.config import ConfigError
+    params = [torch.nn.Parameter(torch.randn(2))]
+    for opt in (torch.optim.SGD(params, lr=0.1), torch.optim.AdamW(params, lr=0.1, amsgrad=True)):
+        with pytest.raises(ConfigError, match=r'"hippie.staleness.method" = "adam".*torch.optim.AdamW.*"extrapolate"'):
+            source_of(opt, 1.0)
+    assert source_of(torch.optim.Adam(params, lr=0.1), 1.0).kind == "adam"  # L2 decay: in the moments

@@ -308,6 +308,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
                                   **engine_arguments(deferral, layers))
     zero.partition_parameters.restore_init_context()
+    from .adam_prediction import bind as bind_staleness  # hippie.staleness "adam" reads the optimizer
+    bind_staleness(engine, options.staleness)
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
         from .profile_in_place import profile_in_place

@@ -37,6 +37,7 @@ STATE_FORMAT = 2
 
 class WeightPrediction:
     """delta(v) of the versions still computed on, and the prediction W(v) + c * delta(v)."""
+    method = "extrapolate"  # hippie.staleness.method; adam_prediction's classes keep W_hat(v) instead
 
     def __init__(self, coefficient: float):
         self.coefficient = coefficient
@@ -64,14 +65,18 @@ class WeightPrediction:
             del self.deltas[v]
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "coefficient": self.coefficient,
+        return {"format": STATE_FORMAT, "method": self.method, "coefficient": self.coefficient,
                 "deltas": {v: [d.clone() for d in ds] for v, ds in self.deltas.items()}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, device, params: list[torch.Tensor] | None = None) -> None:
         """Format 2, or format 1's two shapes (hippie's previous weights need ``params``, the
         current weights, already loaded: delta = W - W_previous, the subtraction the old
-        prediction made, so a resumed run stays bit-identical)."""
+        prediction made, so a resumed run stays bit-identical). A state saved by another method
+        (no "method": extrapolate) is not this one's: the prediction restarts."""
+        if state.get("method", "extrapolate") != self.method:
+            self.deltas = {}
+            return
         if state.get("format") == STATE_FORMAT or ("deltas" in state and "format" not in state):
             deltas = {int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds]) for v, ds in state["deltas"].items()}
         elif "previous" in state:
@@ -151,4 +156,7 @@ def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] |
     per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction)."""
     if config is None or config.method == "none":
         return None
+    if config.method == "adam":  # Adam's own predicted next update (bound to the optimizer at start-up)
+        from .adam_prediction import make_adam_prediction
+        return make_adam_prediction(config.coefficient, params)
     return WeightPrediction(config.coefficient) if params is None else InPlacePrediction(params, config.coefficient)

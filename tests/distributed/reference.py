@@ -88,7 +88,8 @@ def _sum_tied(grads, slots):
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
         delayed_layers=None, precision=None, tied=False, untied=False):
-    """``staleness``: None or an object with ``method`` ("none", "extrapolate") and ``coefficient``;
+    """``staleness``: None or an object with ``method`` ("none", "extrapolate", "adam": the
+    delayed parameters compute on reference_async.adam_predicted) and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
     copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py);
@@ -109,10 +110,16 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     opts = precision.optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
+    adam = staleness is not None and staleness.method == "adam"  # reference_async.adam_predicted
     true_weights = [None] * len(parts)  # W(t) of a deferred stage while it computes on the prediction
     previous = [_snapshot(ps) for ps in stage_params]  # W(t-1)
     losses = []
     for t in range(steps):
+        for s in deferred if adam else ():
+            from reference_async import adam_predicted
+            true_weights[s] = _snapshot(stage_params[s])
+            _load([p for p, late in zip(stage_params[s], delayed[s]) if late],
+                  [w for w, late in zip(adam_predicted(opts[s], staleness.coefficient, precision), delayed[s]) if late])
         for s in deferred if extrapolate else ():
             true_weights[s] = _snapshot(stage_params[s])
             with torch.no_grad():

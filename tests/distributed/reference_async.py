@@ -47,21 +47,49 @@ def _clip_apart(grads, slots, clip):
     return 0.0
 
 
+def adam_predicted(opt, coefficient, precision=None):
+    """The ``adam`` staleness correction's prediction (``hippie.staleness.method: "adam"``), written
+    out from a reference's (optimizer, tensors it steps) pair (``Precision.optimizers``): per
+    tensor W + c * u_hat, u_hat = -lr (m_hat / (sqrt(s_hat) + eps) + wd W) with Adam's moments m,
+    s bias-corrected for the next step k + 1 (torch.optim.AdamW's decoupled decay), or W where
+    the optimizer has no state yet. bf16: the prediction of the fp32 masters, rounded to bf16."""
+    optimizer, tensors = opt
+    assert isinstance(optimizer, torch.optim.AdamW), "the adam correction's reference reads AdamW"
+    group = optimizer.param_groups[0]
+    (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+    out = []
+    with torch.no_grad():
+        for w in tensors:
+            state = optimizer.state.get(w)
+            if not state:
+                predicted = w.detach().clone()
+            else:
+                k = float(state["step"]) + 1
+                m_hat, s_hat = state["exp_avg"] / (1 - b1 ** k), state["exp_avg_sq"] / (1 - b2 ** k)
+                predicted = w - coefficient * lr * (m_hat / (s_hat.sqrt() + eps) + wd * w)
+            out.append(predicted.to(torch.bfloat16) if precision is not None and precision.bf16 else predicted)
+    return out
+
+
 def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None, precision=None,
             tied=False, tie_lag=1):
     """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
     W(0)); the batch's gradient (summed over micro-batches, averaged over replicas) is applied
     to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage. With ``staleness`` extrapolate
     (``hippie.staleness``), batch t computes on W(t-1) + c * (W(t-1) - W(t-2)) instead (no
-    prediction while t-1 < 1: version 0 has no previous update). ``tied``: the tied model, its
-    copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`)."""
+    prediction while t-1 < 1: version 0 has no previous update); with ``adam`` on
+    :func:`adam_predicted` of W(t-1), from the optimizer's state right after the update that made
+    W(t-1). ``tied``: the tied model, its copies ``tie_lag`` updates later (:func:`_lag_tied`),
+    clipped apart (:func:`_clip_apart`)."""
     precision = precision or FP32
     layers, stage_params, slots = _continuous_model(parts, precision, tied)
     tie_sums = []
     everything = [p for ps in stage_params for p in ps]
     opts = precision.optimizers(stage_params, optimizer, lr)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
+    adam = staleness is not None and staleness.method == "adam"
     history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
+    predicted = {}  # adam: W_hat(v), made right after the update that made W(v)
     losses = []
     for t in range(steps):
         current = _snapshot(everything)  # W(t)
@@ -69,6 +97,8 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         compute = history[v]
         if extrapolate and v >= 1:
             compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
+        if adam and v >= 1:
+            compute = predicted[v]
         _load(everything, compute)
         if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
@@ -90,6 +120,8 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         for s, ps in enumerate(stage_params):
             precision.apply(ps, opts[s], grads[s], step_clip)
         history[t + 1] = _snapshot(everything)
+        if adam:
+            predicted[t + 1] = [w for opt in opts for w in adam_predicted(opt, staleness.coefficient, precision)]
     return _result(layers), losses
 
 

@@ -31,7 +31,7 @@ def split_name(name):
     (hippie_ds.PipelineModule's checkpointed_layers), "zb-h1+seqfirst" on the sequence-first model
     (model.seqfirst_layer_specs: stage boundaries after ``x.transpose(0, 1).contiguous()``),
     "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says),
-    "hippie+nostale" without a staleness correction, "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
+    "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam", "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
     with DeepSpeed's immediate_grad_update."""
     schedule, *opts = name.split("+")
     return schedule, opts
@@ -76,6 +76,8 @@ def config(args, schedule, dp, opts=()):
                 cfg["hippie"]["deferred_layers"] = int(opt[2:])
         if "nostale" in opts:  # no staleness correction for this engine, whatever --staleness says
             cfg["hippie"]["staleness"] = {"method": "none"}
+        if "adam" in opts:  # Adam's predicted update, with --staleness's coefficient when given
+            cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "method": "adam"}
         if "sync" in opts:
             cfg["hippie"]["deferred_stages"] = []
         if "vs" in opts:
