@@ -11,7 +11,12 @@ Each layer runs on the output of the one before, as a pipeline stage would recei
 detached tensor that requires grad when it is floating point). Per layer:
 
 * ``forward`` / ``backward``: medians over ``repeats`` runs after ``warmup`` runs; backward is
-  ``torch.autograd.backward`` of the layer's output with a gradient of ones;
+  ``torch.autograd.backward`` of the layer's output with a gradient of ones; ``spread``: the runs'
+  inter-quartile range over the median. Layers that are the same work (same class, parameter
+  shapes and input shape) form a group: their runs are pooled and they share the pooled medians
+  (``groups``, ``own_ratio``: :mod:`hippie_ds.planner.noise`); identical layers that part by more
+  than 25% make the CLI warn that the profile is noisy. ``load``: the machine's load average and
+  this process's CPU over wall time while measuring;
 * ``backward_weight``: W of a split backward (zero-bubble schedules), the part of the backward
   that only the parameter gradients need. Two more passes are timed (medians): the input pass I,
   ``autograd.grad`` towards the layer's floating-point inputs that require grad, and the
@@ -51,16 +56,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes, param_dtype
+from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes, param_dtype, work_key
 from .adapter.memory import _tensors
+from .planner.noise import pool
 from .planner.profile import LayerProfile, Profile, ProfileError
+from .planner.profile_fields import MeasuredLoad
 from .adapter.tensor_calls import tensor_bytes
 
 
@@ -189,8 +198,10 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
 
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")
-    names = layer_names(layers)
+    names, tied = layer_names(layers), tie_keys(layers)
     funcs, params = build_layers(layers)
+    keys: list[str | None] = []
+    load = load_meter()
     first = next(iter(_tensors(sample)))
     batch = int(first.shape[0]) if torch.Tensor.dim(first) > 0 else 1
     x = sample
@@ -207,6 +218,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
             for p in ps:
                 p.grad = None
             records.append(dict(name=name, input_bytes=float(nbytes(sample)) if i == 0 else None, **measured.record))
+            keys.append(work_key(name, ps, inp, tied=tied[i] is not None))
             x = measured.output
             bar.update()
     except BaseException:
@@ -222,9 +234,29 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
                                  tensor_bytes(ps), repeats=repeats, warmup=warmup,
                                  guard=lambda f, phase: _guard(f, f"loss ({name}) {phase}"))
         # what the loss saves for itself: the output it receives is the last layer's
-        loss = LayerProfile(**attribute_saved([dict(name=name, input_bytes=float(nbytes((x, labels))),
-                                                    **measured.record)])[0])
+        record = pool([dict(name=name, input_bytes=float(nbytes((x, labels))), **measured.record)], [None])[0][0]
+        loss = LayerProfile(**attribute_saved([record])[0])
     dtype = param_dtype([p for ps in params for p in ps])
+    pooled, groups = pool(records, keys)
     return Profile(model=model, batch_size=batch, source="hippie-ds profile", loss=loss, param_dtype=dtype,
-                   layers=[LayerProfile(**fields, tied_key=key)
-                           for fields, key in zip(attribute_saved(records), tie_keys(layers))])
+                   groups=groups or None, load=load(),
+                   layers=[LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(pooled), tied)])
+
+
+def load_meter() -> Callable[[], MeasuredLoad]:
+    """Starts measuring the machine's load; the returned call ends it: load averages before and after,
+    this process's CPU seconds over wall seconds (:class:`~hippie_ds.planner.profile_fields.MeasuredLoad`)."""
+    wall, cpu, before = time.perf_counter(), time.process_time(), _loadavg()
+
+    def done() -> MeasuredLoad:
+        seconds = time.perf_counter() - wall
+        return MeasuredLoad(cpus=os.cpu_count(), load_before=before, load_after=_loadavg(), wall_seconds=seconds,
+                            cpu_share=(time.process_time() - cpu) / seconds if seconds > 0 else None)
+    return done
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return None

@@ -175,6 +175,15 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
     assert loss.saved_bytes >= logits.output_bytes  # cross_entropy's fp32 log_softmax, as large as the logits
     assert loss.working_bytes is None and all(x.working_bytes is None for x in profile.layers)  # the CPU: estimated
     assert (profile.param_dtype, profile.param_bytes_dtype, profile.state_factor()) == ("float32", "float32", 4.0)
+    # the job's shape (issue 48), the four blocks as one group and the machine's load (issue 52)
+    from hippie_ds.planner.profile_fields import JobShape
+    assert profile.job == JobShape(stages=2, data_parallel=2, micro_batch_size=client.MICRO,
+                                   global_batch=client.MICRO * 4 * 2, virtual_stages=2)
+    blocks = [i for i, name in enumerate(layer_names(specs)) if name == "TupleBlock"]
+    assert profile.groups == [blocks] and len(blocks) == 4
+    assert len({(profile.layers[i].forward, profile.layers[i].backward) for i in blocks}) == 1
+    assert all(profile.layers[i].own_ratio > 0 and profile.layers[i].spread >= 0 for i in blocks)
+    assert profile.load.cpus >= 1 and profile.load.cpu_share > 0 and profile.load.load_before >= 0
 
     plan_path = tmp_path / "plan.json"
     assert main(["plan", "--profile", str(path), "--cluster", "1x4,1GB,10Gbit", "--global-batch", "16",

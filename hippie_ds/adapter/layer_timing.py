@@ -233,8 +233,9 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
         backward_fn = guard(all_grads, "backward")
     for _ in range(warmup):
         backward_fn(forward_fn(inp))
-    forward = statistics.median(_timed(clock, repeats, lambda _: forward_fn(inp)))
-    backward = statistics.median(_timed(clock, repeats, backward_fn, lambda: forward_fn(inp)))
+    forward_runs = _timed(clock, repeats, lambda _: forward_fn(inp))
+    backward_runs = _timed(clock, repeats, backward_fn, lambda: forward_fn(inp))
+    forward, backward = statistics.median(forward_runs), statistics.median(backward_runs)
     weight = guard(weight_time, "backward")(forward_fn, inp, backward, repeats, warmup, clock)
     peak = peak_above(lambda: backward_fn(forward_fn(inp)), _cuda_device(inp))
     packed, out = saved_storages(forward_fn, inp)
@@ -243,6 +244,7 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     output = {k: k[2] for k in outs - ins}
     kept = sum({**own, **output}.values())  # held until the backward: the planner counts it as activations
     record = dict(forward=forward, backward=backward, backward_weight=weight, recompute=forward,
+                  forward_runs=list(forward_runs), backward_runs=list(backward_runs),
                   working_bytes=None if peak is None else max(0.0, peak - kept),
                   output_bytes=float(nbytes(out)), param_bytes=float(param_bytes),
                   own_saved=float(sum(own.values())),
@@ -253,7 +255,18 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     return LayerMeasure(record=record, output=detach(result))
 
 
-ACCOUNTING = ("own_saved", "output_extra", "saves_output", "saves_input")
+ACCOUNTING = ("own_saved", "output_extra", "saves_output", "saves_input", "forward_runs", "backward_runs")
+
+
+def work_key(name: str, params: Sequence[torch.Tensor], inp: Any, tied: bool = False) -> str | None:
+    """What makes two layers the same work (:mod:`hippie_ds.planner.noise`): the name (class), the
+    parameters' shapes and dtypes, the input's shapes and dtypes. None (never grouped): a tied layer
+    or a lambda (one name, any work)."""
+    if tied or name == "<lambda>":
+        return None
+    def shapes(ts):
+        return ";".join(f"{tuple(torch.Tensor.size(t))}:{t.dtype}" for t in ts)
+    return f"{name}|{shapes(params)}|{shapes(_tensors(inp))}"
 
 
 def attribute_saved(records: Sequence[dict]) -> list[dict]:

@@ -29,8 +29,12 @@ own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_ba
 * clock: CUDA events on a CUDA device (no synchronisation inside a timed run), the wall clock
   (``time.perf_counter``) elsewhere;
 * after the last measured call every rank sends its layers' per-step records to all
-  (``all_gather_object`` over the world group); per layer the median over steps, then over the
-  data-parallel replicas holding it. Global rank 0 writes the profile: layer names and parameter
+  (``all_gather_object`` over the world group); per layer the median of every timed run of every
+  measured step and data-parallel replica holding it, and its spread (:mod:`hippie_ds.planner.noise`:
+  layers that are the same work, on any stage, are one group sharing the pooled median; a group
+  whose members part by more than 25% makes rank 0 warn that the profile is noisy). The profile
+  records the machine's load while measuring (``load``: load average before and after, the ranks'
+  CPU over wall seconds of their measuring). Global rank 0 writes the profile: layer names and parameter
   bytes as :func:`hippie_ds.adapter.pipeline_module.model_fingerprint` computes them (from the layer
   specs, so ``hippie-ds plan`` and ``hippie_ds.PipelineModule(plan=...)`` recognise the model),
   micro-batch size ``train_micro_batch_size_per_gpu``, the job's shape (``job``: stages,
@@ -42,6 +46,7 @@ own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_ba
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -51,16 +56,16 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import TiedLayerSpec
 
+from ..planner.noise import RUNS, noise_warning, pool
 from ..planner.profile import LayerProfile, Profile, save_profile
-from ..planner.profile_fields import JobShape
+from ..planner.profile_fields import JobShape, MeasuredLoad
 from .failure import end_job_on_failure
 from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, measure_layer, nbytes,
-                           param_dtype)
-from .pipeline_module import layer_names, layer_param_bytes, tie_keys
+                           param_dtype, work_key)
+from .pipeline_module import layer_name, layer_names, layer_param_bytes, tie_keys
 from .tensor_calls import tensor_bytes
 
 WARMUP_CALLS = 1  # train_batch calls before the measured ones
-TIMES = ("forward", "backward", "backward_weight", "recompute")
 
 
 def profile_in_place(engine, options) -> "InPlaceProfiler":
@@ -97,6 +102,8 @@ class InPlaceProfiler:
         self.loss_records: list[dict] = []
         self.profile: Profile | None = None  # rank 0, once written
         self.clock = clock_for(engine.device)
+        self.keys: dict[int, str | None] = {}  # global layer index -> its work key (noise.pool's groups)
+        self.busy = {"cpu": 0.0, "wall": 0.0, "load_before": None}  # this rank's measuring: CPU, wall seconds
 
     # -- this stage's layers -------------------------------------------------------------------
     def chunks(self) -> list[tuple[int, list]]:
@@ -186,6 +193,9 @@ class InPlaceProfiler:
         cuda_rng = torch.cuda.get_rng_state() if cuda else None
         grads = [(p, p.grad) for p in self.module.parameters()]
         count = 0
+        if self.busy["load_before"] is None:
+            self.busy["load_before"] = _loadavg()
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             with torch.enable_grad():
                 for chunk, (start, funcs) in enumerate(self.chunks()):
@@ -197,7 +207,10 @@ class InPlaceProfiler:
                         self.input_bytes = float(nbytes(x))
                     for offset, layer in enumerate(funcs):
                         params, size = self.layer_params(start + offset, layer)
-                        measured = measure_layer(layer, as_stage_input(x), params, size, repeats=self.options.repeats,
+                        inp = as_stage_input(x)
+                        self.keys[start + offset] = work_key(layer_name(self.specs[start + offset]), params, inp,
+                                                             tied=isinstance(self.specs[start + offset], TiedLayerSpec))
+                        measured = measure_layer(layer, inp, params, size, repeats=self.options.repeats,
                                                  warmup=1, clock=self.clock, accumulate=False)
                         self.records.setdefault(start + offset, []).append(measured.record)
                         x = measured.output
@@ -210,13 +223,15 @@ class InPlaceProfiler:
                 torch.cuda.set_rng_state(cuda_rng)
             for p, g in grads:
                 p.grad = g
+            self.busy["wall"] += time.perf_counter() - wall
+            self.busy["cpu"] += time.process_time() - cpu
         return count
 
     # -- the profile ---------------------------------------------------------------------------
     def _gather_and_write(self) -> None:
         mine = {"replica": int(self.engine.grid.data_parallel_id), "layers": self.records,
                 "input_bytes": self.input_bytes, "loss": self.loss_records,
-                "dtype": param_dtype(list(self.module.parameters()))}
+                "dtype": param_dtype(list(self.module.parameters())), "keys": self.keys, "busy": self.busy}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() != 0:
@@ -228,6 +243,9 @@ class InPlaceProfiler:
                   f"measured in place over {self.options.steps} train_batch calls after {WARMUP_CALLS} warm-up "
                   f"({self.options.repeats} timed runs per layer per call) on {self.engine.device} with "
                   f"{self.clock.name}: wrote {out}")
+        warning = noise_warning(self.profile)
+        if warning:
+            self._say("hippie-ds: " + warning)
 
     def assemble(self, gathered: list[dict]) -> Profile:
         """The profile from every rank's records: per layer, the median over steps, then over
@@ -246,8 +264,10 @@ class InPlaceProfiler:
         missing = [i for i in range(len(self.specs)) if i not in held]
         if missing:
             raise RuntimeError(f"hippie.profile: no stage measured layers {missing} of {len(self.specs)}")
-        records = [dict(_combine(held[index]), name=names[index], input_bytes=input_bytes if index == 0 else None)
-                   for index in range(len(self.specs))]
+        keys = {int(i): k for rank in gathered for i, k in rank.get("keys", {}).items()}
+        records, groups = pool([dict(_combine(held[index]), name=names[index],
+                                     input_bytes=input_bytes if index == 0 else None)
+                                for index in range(len(self.specs))], [keys.get(i) for i in range(len(self.specs))])
         layers = [LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(records),
                                                                               tie_keys(self.specs))]
         measured = sum(x.param_bytes for x in layers)
@@ -257,9 +277,16 @@ class InPlaceProfiler:
         loss = None
         if losses:  # the loss saves for itself; the logits it receives are the last layer's output
             name = getattr(self.module.loss_fn, "__name__", None) or type(self.module.loss_fn).__name__
-            loss = LayerProfile(**attribute_saved([dict(_combine(losses), name=name)])[0])
+            loss = LayerProfile(**attribute_saved(pool([dict(_combine(losses), name=name)], [None])[0])[0])
         module = self.module
-        return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(),
+        busy = [rank["busy"] for rank in gathered if rank.get("busy")]
+        wall = sum(b["wall"] for b in busy)
+        load = MeasuredLoad(cpus=os.cpu_count(), load_before=next((b["load_before"] for b in busy
+                                                                   if b["load_before"] is not None), None),
+                            load_after=_loadavg(), wall_seconds=max((b["wall"] for b in busy), default=None),
+                            cpu_share=sum(b["cpu"] for b in busy) / wall if wall > 0 else None)
+        return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(), load=load,
+                       groups=groups or None,
                        batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers, loss=loss,
                        param_dtype=dtype, param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers),
                                                                         measured),
@@ -283,14 +310,23 @@ class InPlaceProfiler:
 
 
 def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
-    """One record from (data-parallel index, per-step records) of every replica: times the median
-    over steps, then over replicas; the working memory the largest; sizes the lowest index's."""
+    """One record from (data-parallel index, per-step records) of every replica: every timed run of
+    every step and replica pooled (``forward_runs``, ``backward_runs``: :func:`noise.pool` takes their
+    medians), W the median over steps, then over replicas; the working memory the largest; sizes the
+    lowest index's."""
     replicas = sorted(replicas, key=lambda r: r[0])
     record = dict(replicas[0][1][0])
-    for key in TIMES:
-        record[key] = statistics.median(statistics.median(s[key] for s in steps) for _, steps in replicas)
-    # W stays within the backward (medians of per-run W <= B keep it, but float sums may not)
-    record["backward_weight"] = min(record["backward_weight"], record["backward"])
+    for key in RUNS:
+        record[key] = [t for _, steps in replicas for s in steps for t in s[key]]
+    record["backward_weight"] = statistics.median(statistics.median(s["backward_weight"] for s in steps)
+                                                  for _, steps in replicas)
     peaks = [s["working_bytes"] for _, steps in replicas for s in steps if s["working_bytes"] is not None]
     record["working_bytes"] = max(peaks) if peaks else None
     return record
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return None

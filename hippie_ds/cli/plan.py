@@ -120,6 +120,10 @@ def _cmd_plan(args) -> int:
     except PlannerError as exc:
         raise UsageError(str(exc)) from None
     say = partial(print, file=sys.stderr if args.json else sys.stdout)
+    from ..planner.noise import noise_warning
+    warning = noise_warning(profile)
+    if warning:
+        print(warning, file=sys.stderr)
     if kept.message:
         say(kept.message)
     plan = make_plan(profile, cluster, kept.global_batch, objective=args.objective, memory_cap=cap,

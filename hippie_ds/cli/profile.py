@@ -60,6 +60,10 @@ def _cmd_profile(args) -> int:
     print(f"wrote {args.out}: {profile.model}, {profile.num_layers} layers at micro-batch {profile.batch_size}, "
           f"forward+backward {profile.total_time() * 1e3:.4g} ms, saved for backward {_fmt_bytes(saved)}, "
           f"parameters {_fmt_bytes(profile.total_param_bytes())}")
+    from ..planner.noise import noise_warning
+    warning = noise_warning(profile)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 

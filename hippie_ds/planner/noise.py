@@ -1,0 +1,141 @@
+"""Profiles that survive a busy machine (issue 52): robust per-layer times, identical layers pooled,
+and the warning a noisy profile gives. Pure Python; both profilers (``hippie-ds profile``,
+:mod:`hippie_ds.profiler`, and ``hippie.profile``, :mod:`hippie_ds.adapter.profile_in_place`) hand
+their raw timed runs here, and ``hippie-ds plan`` asks :func:`noise_warning` and :func:`time_spread`.
+
+* **Robust times**: a layer's forward and backward are the medians of all its timed runs (every
+  repeat of every measured step and replica, pooled), not a mean: a run that a busy machine
+  stretched moves a median little. Its ``spread`` is the inter-quartile range of forward +
+  backward over their median (IQR(F) + IQR(B)) / (median F + median B): what a quiet run of the
+  same layer may differ by.
+* **Groups**: layers that are the same work (same name, i.e. class; same parameter shapes and
+  dtypes; same input shapes and dtypes: the profilers' ``work_key``) are one group: their runs
+  are pooled and every member gets the pooled medians (its ``backward_weight`` the members' median
+  W, at most the pooled backward), so four identical transformer blocks get one time, not four
+  draws of the machine's load. Tied layers and lambdas are never grouped (the same name need not
+  be the same work). Each member keeps ``own_ratio``, its own median forward + backward over the
+  pooled one.
+* **Noisy**: a group whose members' own medians part by more than :data:`NOISE_MARGIN` (25%:
+  max own / min own - 1) is noisy; the profilers print :func:`noise_warning` when they write such
+  a profile and ``hippie-ds plan`` when it plans from one. Profiles written before groups existed
+  are checked on inferred groups (same name, parameter bytes and output bytes) from their
+  recorded times.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+NOISE_MARGIN = 0.25  # identical layers whose own medians part by more than this: a noisy profile
+RUNS = ("forward_runs", "backward_runs")
+
+
+def iqr(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
+def _spread(forward: Sequence[float], backward: Sequence[float]) -> float:
+    total = statistics.median(forward) + statistics.median(backward)
+    return (iqr(forward) + iqr(backward)) / total if total > 0 else 0.0
+
+
+def pool(records: list[dict], keys: Sequence[str | None]) -> tuple[list[dict], list[list[int]]]:
+    """Per layer (``records[i]``: profile fields plus ``forward_runs`` / ``backward_runs``, every
+    timed run of the layer; ``keys[i]``: its work key, None: never grouped): the records with
+    robust times, ``spread`` and, in a group, the pooled times and ``own_ratio`` (runs removed),
+    and the groups (two or more layers with one key, in model order)."""
+    by_key: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            by_key.setdefault(key, []).append(i)
+    groups = [members for members in by_key.values() if len(members) > 1]
+    out = []
+    for record in records:
+        r = {k: v for k, v in record.items() if k not in RUNS}
+        fw, bw = record["forward_runs"], record["backward_runs"]
+        r["forward"] = r["recompute"] = statistics.median(fw)
+        r["backward"] = statistics.median(bw)
+        r["backward_weight"] = min(r["backward_weight"], r["backward"])
+        r["spread"] = _spread(fw, bw)
+        out.append(r)
+    for members in groups:
+        fw = [t for i in members for t in records[i]["forward_runs"]]
+        bw = [t for i in members for t in records[i]["backward_runs"]]
+        forward, backward = statistics.median(fw), statistics.median(bw)
+        weight = min(statistics.median(out[i]["backward_weight"] for i in members), backward)
+        spread = _spread(fw, bw)
+        for i in members:
+            own = out[i]["forward"] + out[i]["backward"]
+            out[i].update(forward=forward, recompute=forward, backward=backward, backward_weight=weight,
+                          spread=spread, own_ratio=own / (forward + backward) if forward + backward > 0 else 1.0)
+    return out, groups
+
+
+def _inferred_groups(profile) -> list[list[int]]:
+    """Groups of a profile that records none: same name, parameter bytes and output bytes (a first
+    layer's input is the loaded data, which such a profile may not size)."""
+    by: dict[tuple, list[int]] = {}
+    for i, x in enumerate(profile.layers):
+        if x.tied_key is None and x.name != "<lambda>" and x.forward + x.backward > 0:
+            by.setdefault((x.name, x.param_bytes, x.output_bytes), []).append(i)
+    return [m for m in by.values() if len(m) > 1]
+
+
+def disagreements(profile, margin: float = NOISE_MARGIN) -> list[tuple[list[int], float, float]]:
+    """(members, least, largest own forward + backward in seconds) of every group whose members part
+    by more than ``margin``: recorded groups by their ``own_ratio``, an older profile's inferred ones
+    by their times."""
+    out = []
+    if profile.groups:
+        for members in profile.groups:
+            pooled = profile.layers[members[0]].forward + profile.layers[members[0]].backward
+            own = [pooled * (profile.layers[i].own_ratio or 1.0) for i in members]
+            if min(own) > 0 and max(own) / min(own) - 1 > margin:
+                out.append((members, min(own), max(own)))
+        return out
+    for members in _inferred_groups(profile):
+        own = [profile.layers[i].forward + profile.layers[i].backward for i in members]
+        if min(own) > 0 and max(own) / min(own) - 1 > margin:
+            out.append((members, min(own), max(own)))
+    return out
+
+
+def _ranges(xs: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in xs)
+
+
+def noise_warning(profile, margin: float = NOISE_MARGIN) -> str | None:
+    """The warning a noisy profile gives (None: its identical layers agree within ``margin``)."""
+    found = disagreements(profile, margin)
+    if not found:
+        return None
+    parts = [f"layers {_ranges(m)} ({profile.layers[m[0]].name}) measured {lo * 1e3:.3g}-{hi * 1e3:.3g} ms "
+             f"forward+backward (x{hi / lo:.2f})" for m, lo, hi in found]
+    load = profile.load
+    busy = ""
+    if load is not None and load.load_before is not None:
+        busy = f"; load average {load.load_before:.2f}" + (f" on {load.cpus} cores" if load.cpus else "") + \
+            (f", CPU/wall {load.cpu_share:.2f}" if load.cpu_share is not None else "")
+    pooled = "their times are pooled (one median per group)" if profile.groups else \
+        "this profile predates pooling: each keeps its own time"
+    return (f"warning: profile {profile.model!r} is noisy: identical layers disagree by more than "
+            f"{margin:.0%}: {'; '.join(parts)}{busy}. {pooled.capitalize()}; the machine was likely busy while "
+            "measuring: profile again on a quieter machine or with more steps/repeats before trusting close cuts")
+
+
+def time_spread(profile) -> float | None:
+    """The profile's relative spread: its layers' ``spread``, weighted by their forward + backward;
+    an older profile's without spreads: the median relative range of its inferred groups' times
+    ((largest - least) / median); None when it says nothing."""
+    weighted = [(x.spread, x.forward + x.backward) for x in profile.layers if x.spread is not None]
+    total = sum(w for _, w in weighted)
+    if weighted and total > 0:
+        return sum(s * w for s, w in weighted) / total
+    ranges = []
+    for members in _inferred_groups(profile):
+        own = [profile.layers[i].forward + profile.layers[i].backward for i in members]
+        ranges.append((max(own) - min(own)) / statistics.median(own))
+    return statistics.median(ranges) if ranges else None
