@@ -26,7 +26,8 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.engine": {
         "DeepSpeedEngine": ("_backward_epilogue", "_backward_prologue_per_tensor", "_config",
                             "_configure_python_gc", "_do_optimizer_sanity_check", "_get_all_ckpt_names",
-                            "_get_ckpt_name", "_running_engine_backward", "_take_model_step"),
+                            "_get_ckpt_name", "_running_engine_backward", "_take_model_step",
+                            "torch_autocast_z0_gradscaler"),
     },
     "deepspeed.runtime.pipe.engine": {
         "PipelineEngine": ("_INSTRUCTION_MAP", "_allocate_or_extend_buffers", "_exec_backward_pass", "_exec_forward_pass", "_exec_recv_activations",
@@ -40,6 +41,10 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
                            "_synchronize_tied_weights", "_topo", "_grid"),
     },
     "deepspeed.runtime.pipe.p2p": {"": ("_grid", "_groups")},
+    # the loss scale DeepSpeedEngine.backward applies (the split backward's input pass applies it alike)
+    "deepspeed.runtime.base_optimizer": {"ZeROOptimizer": ("scale_if_loss", )},
+    # the data-parallel group clip_grad_norm_ averages the norm over (layout_clip.py computes it as stock does)
+    "deepspeed.utils.groups": {"": ("_get_data_parallel_group", )},
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
     # ZeRO-1's internals the per-stage step hands gradients through (public names, but internals all the same)
     "deepspeed.runtime.zero.stage_1_and_2": {

@@ -156,9 +156,14 @@ def test_precision_paths_and_refusals():
     with pytest.raises(ConfigError, match=r'"zero_optimization.stage" = 1 without bf16: schedule \'2bw\'.*'
                        r"configuration: 1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v$"):
         check_precision(schedules["2bw"], _ds_config(**offload))
-    with pytest.raises(ConfigError, match=r'"fp16.enabled" = true: schedule \'zb-h1\'.*its input pass does not apply '
-                       r"fp16's loss scale; use bf16, or a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b$"):
-        check_precision(schedules["zb-h1"], _ds_config(fp16={"enabled": True}))
+    fp16 = {"fp16": {"enabled": True}}
+    for config in (_ds_config(**fp16), _ds_config(**fp16, **zero1)):  # a split backward scales the loss as stock does
+        check_precision(schedules["zb-h1"], config)
+    with pytest.raises(ConfigError, match=r'"fp16.enabled" = true: schedule \'zb-h1\'.*ZeRO reduces the gradients '
+                       r"inside its own machinery.*a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, "
+                       r"zb-v$"):
+        check_precision(schedules["zb-h1"], _ds_config(**fp16, zero_optimization={"stage": 1, "overlap_comm": True}))
     for name in ("hippie", "hippie-1f1b", "hippie-zb", "2bw", "pipedream"):
-        with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*dynamic loss scale"):
-            check_precision(schedules[name], _ds_config(fp16={"enabled": True}))
+        with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*dynamic loss scale.*"
+                           r"runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v$"):
+            check_precision(schedules[name], _ds_config(**fp16))

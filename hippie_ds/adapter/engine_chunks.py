@@ -32,6 +32,7 @@ from deepspeed.runtime.pipe.engine import PIPE_RECV_GRAD_TIMER, PIPE_SEND_GRAD_T
 from ..schedules.compiler import inference_stream
 from . import chunk_selector as chunk_p2p
 from .chunk_selector import ChunkSelector
+from .layout_clip import clip_like_one_chunk
 
 
 class ChunkedEngine:
@@ -54,6 +55,13 @@ class ChunkedEngine:
 
     def _chunked(self) -> bool:
         return self._chunks is not None and self._chunks.chunked  # DeepSpeed's __init__ runs before _init_chunks
+
+    def clip_fp32_gradients(self):
+        # DeepSpeed's OptimizerStep (the pipeline-wide norm; a per-stage step swaps in its own mpu):
+        # 1F1B's clip coefficient, whatever the layout (layout_clip.py)
+        if self._chunked() and getattr(self.module, "one_chunk_parts", None) and self.mpu is self.grid:
+            return clip_like_one_chunk(self, self.gradient_clipping())
+        return super().clip_fp32_gradients()
 
     def _loss_stage_global_rank(self):
         if not self._chunked():

@@ -60,7 +60,7 @@ class SplitBackwardMixin:
             return
         if self.is_last_stage():
             # DeepSpeedEngine.backward's scaling; its per-tensor hook must not scale again
-            outputs, grads = self._losses.pop(buffer_id) / self.gradient_accumulation_steps(), None
+            outputs, grads = self._scale_loss(self._losses.pop(buffer_id) / self.gradient_accumulation_steps()), None
         else:
             outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
         inputs, params = self.pipe_buffers["inputs"][buffer_id], self._params
@@ -75,6 +75,19 @@ class SplitBackwardMixin:
             self._backward_epilogue()  # what engine.backward(loss) runs after loss.backward()
         self.pipe_buffers["output_tensors"][buffer_id] = None
         self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _scale_loss(self, loss):
+        """The loss scale ``DeepSpeedEngine.backward`` applies, applied the same way: a ZeRO-family
+        wrapper's ``scale_if_loss`` (DeepSpeedZeroOptimizer's dynamic fp16 scale; BF16_Optimizer has
+        none), else torch autocast's scaler. DeepSpeed 0.19 scales nothing for ``FP16_Optimizer`` /
+        ``FP16_UnfusedOptimizer`` (not ZeRO-family): their step divides the unscaled gradients by the
+        scale all the same; so does this path, bit-identical to stock (docs/precision.md)."""
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+        if isinstance(self.optimizer, ZeROOptimizer):
+            return self.optimizer.scale_if_loss(loss)
+        if self.torch_autocast_z0_gradscaler is not None:
+            return self.torch_autocast_z0_gradscaler.scale(loss)
+        return loss
 
     def _exec_backward_weight_pass(self, buffer_id):
         """Roughly: ``grads += d out / d params`` of the buffer's micro-batch; frees what I kept."""

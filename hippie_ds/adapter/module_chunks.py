@@ -9,6 +9,9 @@ indices stay global, so checkpoint files are DeepSpeed's per-layer files whateve
 """
 from __future__ import annotations
 
+import contextlib
+import io
+
 from ..schedules.layout import Layout
 
 
@@ -45,7 +48,12 @@ class ChunkedLayers:
         layout = self.chunk_layout()
         if planned is not None:
             self.parts = list(planned)
+            object.__setattr__(self, "one_chunk_parts", None)  # a plan's parts have no one-chunk counterpart
         else:
+            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints the partition it makes
+                super()._partition_layers(method=method)
+            # what 1F1B's module would hold per stage: its clip coefficient (layout_clip.py) is computed on these
+            object.__setattr__(self, "one_chunk_parts", list(self.parts))
             stages = self.num_stages
             self.num_stages = layout.parts  # DeepSpeed's partitioner cuts num_stages parts
             try:

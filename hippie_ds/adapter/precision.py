@@ -41,10 +41,13 @@ with their reasons:
   backward, ``grad_accum`` copies, CPU buffers), where an all-reduce or a per-stage step outside it
   would be repeated, lost or hang. A split backward alone (``zb-h1``) also runs with an offloaded
   optimizer (fp32 accumulation of an fp32 model).
-- ``fp16``: the dynamic loss scale skips a step when any stage overflows, so every stage must
+- ``fp16``: DeepSpeed's own gradient ops run as stock (1f1b, gpipe, interleaved-1f1b), and so does a
+  split backward (zb-h1, zb-v: gradients on ``.grad``, its input pass scales the loss as
+  ``DeepSpeedEngine.backward`` does), with ZeRO stage 0 or stage 1 as written. The rest is
+  refused: the dynamic loss scale skips a step when any stage overflows, so every stage must
   know every stage's overflow flag before it applies; a stage that updates early (or late, from a
   buffer, or from a weight version) cannot, without a pipeline-wide wait that would undo the
-  schedule. A split backward's input pass also does not apply the loss scale. Skipping every
+  schedule (a pipeline-wide decision is not built yet). Skipping every
   stage's update of a batch together does not fit either: the flag is taken on all-reduced
   gradients and a deferred stage's all-reduce of batch b ends during batch b+1 (the in-step stages
   would wait for it: deferred too, another rule), and 2bw/pipedream update a stage for a batch
@@ -82,7 +85,8 @@ def _grads_on_params(config_class) -> bool:
     backward, no separate accumulation dtype): a split backward's weight pass may add to them."""
     import torch
     from deepspeed.runtime.config import DtypeEnum
-    model = torch.bfloat16 if config_class.bfloat16_config.enabled else torch.float32
+    model = torch.bfloat16 if config_class.bfloat16_config.enabled else \
+        torch.float16 if config_class.float16_config.enabled else torch.float32
     accumulation = config_class.grad_accum_dtype
     separate = accumulation is not None and DtypeEnum(accumulation).value != model
     return config_class.zero_optimization_stage == 1 and not config_class.zero_config.overlap_comm and not separate
@@ -137,6 +141,9 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     if path == "zero" and _grads_on_params(config_class) and (own <= SPLIT_BACKWARD_KINDS or
                                                                not _offloads_optimizer(config_class)):
         return  # ZeRO-1 with gradients on .grad: hippie-ds reduces them, hands ZeRO its partition (zero_stage.py)
+    if path == "fp16" and own <= SPLIT_BACKWARD_KINDS and (config_class.zero_optimization_stage == 0 or
+                                                          _grads_on_params(config_class)):
+        return  # a split backward: gradients on .grad, the loss scaled as DeepSpeed's backward scales it
     ops = ", ".join(sorted(k.value for k in own))
     allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
                                      chunks))
@@ -155,9 +162,11 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
                           '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
                           "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
                           f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
-    reason = ("its input pass does not apply fp16's loss scale" if compiled.splits_backward and
-              not own - {OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT} else
+    allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS, compiled.stages,
+                                     compiled.micro_batches, chunks))
+    reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an offloaded "
+              "optimizer or a separate accumulation dtype)" if own <= SPLIT_BACKWARD_KINDS else
               "fp16's dynamic loss scale skips a step when any stage overflows, which a stage that updates apart "
-              "from the others cannot know without a pipeline-wide wait")
+              "from the others cannot know without a pipeline-wide wait (not built yet)")
     raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
                       f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}")

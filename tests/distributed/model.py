@@ -180,3 +180,23 @@ def seqfirst_layer_specs():
     is :func:`megatron_data_iter`'s."""
     return [LayerSpec(SeqFirstEmbedding)] + [LayerSpec(SeqFirstBlock) for _ in range(DEPTH - 2)] + \
         [LayerSpec(SeqFirstHead)]
+
+
+# ------------------------------------------------------------------ Megatron's parameter attributes
+def megatron_attributes(module):
+    """Set on every parameter of ``module`` the plain attributes Megatron-family model code sets
+    (``ColumnParallelLinear``'s ``bias.stride = stride``, ``set_tensor_model_parallel_attributes``,
+    sequence parallelism's flag, the tied embedding's ``shared``, DeepSpeed MoE's ``allreduce``,
+    Megatron DDP's ``main_grad``). An int ``stride`` hides ``Tensor.stride()`` on that object;
+    ``allreduce`` is True (False would make DeepSpeed treat it as an expert parameter)."""
+    for p in module.parameters():
+        p.stride = 1
+        p.partition_dim = 0
+        p.partition_stride = 1
+        p.model_parallel = False
+        p.tensor_model_parallel = False
+        p.sequence_parallel = False
+        p.allreduce = True
+        p.shared = False
+        p.main_grad = None
+    return module

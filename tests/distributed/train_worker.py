@@ -50,6 +50,8 @@ def config(args, schedule, dp, opts=()):
     if args.comm_dtype:
         cfg["communication_data_type"] = args.comm_dtype
     bf16, zero = args.bf16 or "bf16" in opts, args.zero or (1 if "zero1" in opts else 0)
+    if "fp16" in opts:  # dynamic loss scale; 2**20 overflows at the first step (a skipped step, the scale halved)
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
     if bf16:
         # immediate: DeepSpeed's hooks move each bf16 gradient into the accumulator during backward
         immediate = args.bf16_immediate or "immediate" in opts
@@ -57,7 +59,7 @@ def config(args, schedule, dp, opts=()):
     if zero:
         # DeepSpeed's bf16 + ZeRO-1 pipeline path (BF16_Optimizer) needs fp32 gradient accumulation
         cfg["zero_optimization"] = {"stage": zero}
-        if "plain" not in opts and not args.zero_plain:  # plain: as users write it, DeepSpeedZeroOptimizer
+        if "plain" not in opts and not args.zero_plain and "fp16" not in opts:  # plain: as users write it, ZeRO's own
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         cfg["zero_allow_untested_optimizer"] = True  # SGD
     if schedule != "stock":
@@ -179,6 +181,8 @@ def main():
                       topology=hippie_ds.make_topology(args.stages, world),
                       partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, seed_fn=tiny.seed_cpu,
                       **extra)
+        if "attrs" in opts:
+            tiny.megatron_attributes(module)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
                           config=cfg)
@@ -193,6 +197,8 @@ def main():
             sequences = args.megatron or "seqfirst" in opts
             it = (tiny.megatron_data_iter if sequences else tiny.data_iter)(replica, args.micro_batches,
                                                                              start_step=start)
+        if "fp16" in opts:
+            return ((x.half(), y.half()) for x, y in it)
         return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 or "bf16" in opts else it
 
     for name in args.engines.split(","):
@@ -257,7 +263,8 @@ def main():
                     if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
                     "between_calls": between_calls, "hook_counts": hook_counts,
-                    "optimizer": type(engine.optimizer).__name__,
+                    "optimizer": type(engine.optimizer).__name__, "skipped_steps": engine.skipped_steps,
+                    "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None,
                     "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
                              for k, m in engine.module.tied_modules.items()},
                     # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
