@@ -244,6 +244,30 @@ def make_adam_prediction(coefficient: float, params: list[torch.Tensor] | None =
     return AdamVersionPrediction(coefficient) if params is None else AdamInPlacePrediction(params, coefficient)
 
 
+def check_config(staleness, ds_config: dict, optimizer=None) -> None:
+    """Before the engine (and any collective), on every rank: refuse what the config or the
+    client's optimizer already shows the ``adam`` correction cannot read (:func:`bind` checks the
+    optimizer DeepSpeed then builds)."""
+    if staleness is None or staleness.method != METHOD:
+        return
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _adam_kind(optimizer)
+        return
+    if optimizer is not None:  # a callable building it: checked once built
+        return
+    spec = ds_config.get("optimizer")
+    if not isinstance(spec, dict):
+        raise _refuse("the config names no optimizer")
+    kind, params = str(spec.get("type", "")), spec.get("params") or {}
+    if kind.lower() not in ("adam", "adamw"):
+        raise _refuse(f'the config\'s "optimizer.type" is {kind!r}')
+    if not params.get("torch_adam"):
+        raise _refuse(f'the config\'s "optimizer.type" {kind!r} without "torch_adam": true builds DeepSpeed\'s own '
+                      'Adam (FusedAdam / DeepSpeedCPUAdam); set "optimizer.params.torch_adam": true')
+    if params.get("amsgrad"):
+        raise _refuse('the config\'s optimizer runs with "amsgrad": true')
+
+
 def bind(engine, staleness) -> None:
     """At start-up, on every rank (the same optimizer everywhere, so every rank refuses alike):
     check that the optimizer is one the ``adam`` correction reads and give this stage's

@@ -290,6 +290,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config = _load_config(args, config, config_params)
     choices: dict = {}
     ds_config, config_class, compiled, options, (deferral, layers) = prepare(model, config, config_path, choices)
+    from .adam_prediction import check_config as check_staleness  # hippie.staleness "adam": an Adam it reads
+    check_staleness(options.staleness, ds_config, optimizer)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
