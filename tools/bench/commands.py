@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                    "measured and simulated)"),
     "allreduce": ("tools.bench.studies.allreduce", "all-reduce bandwidth and CPU cost on the emulated link "
                                                    "(needs root)"),
+    "host-cost": ("tools.bench.studies.host_cost", "hippie-ds's engine against stock PipelineEngine: host time per "
+                                                   "instruction, 1F1B, interleaved rounds"),
     "planner": ("tools.bench.studies.planner_time", "wall time of the planner on a synthetic 1,000-layer profile"),
     "cuda-plan": ("tools.bench.studies.cuda_plan", "one GPU: the job profiles itself, the planner plans one stage, "
                                                    "the plan runs: the plan's memory against max_memory_allocated"),
