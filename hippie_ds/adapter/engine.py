@@ -41,7 +41,7 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .._compat import check_deepspeed
-from ..schedules.ir import COMPUTE_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule, OpKind
+from ..schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule
 from . import instructions as hs
 from .allreduce_stream import AllReduceStream
 from .call_cursor import CallCursor
@@ -71,13 +71,13 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
     it receives that chunk's next gradient."""
     holding: dict[int, int] = {}  # chunk -> the micro-batch whose received gradient it holds
     for op in compiled.ops(stage):
-        if op.kind == OpKind.RECV_GRAD:
+        if op.kind in RECV_GRAD_KINDS:
             if op.chunk in holding:
                 raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
                                  f"micro-batch {op.micro_batch} before the backward of micro-batch "
                                  f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward")
             holding[op.chunk] = op.micro_batch
-        elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and holding.get(op.chunk) == op.micro_batch:
+        elif op.kind in GRAD_RECEIVING_KINDS and holding.get(op.chunk) == op.micro_batch:
             del holding[op.chunk]
 
 

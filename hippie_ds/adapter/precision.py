@@ -57,14 +57,12 @@ from __future__ import annotations
 
 from ..config import ConfigError
 from ..schedules import builtins_where
-from ..schedules.ir import CompiledSchedule, OpKind
+from ..schedules.ir import SPLIT_BACKWARD_KINDS, CompiledSchedule, OpKind, kinds
 
-# ops whose handlers read or write gradients outside DeepSpeed's backward / reduce_grads / step
-OWN_GRADIENT_KINDS = frozenset({OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE, OpKind.COPY_GRADS_TO_BUFFER,
-                                OpKind.APPLY_BUFFERED_UPDATE, OpKind.STAGE_OPTIMIZER_STEP, OpKind.BACKWARD_INPUT,
-                                OpKind.BACKWARD_WEIGHT, OpKind.STASH_WEIGHTS})
+# ops whose handlers read or write gradients outside DeepSpeed's backward / reduce_grads / step (OP_INFO's
+# own_gradients); SPLIT_BACKWARD_KINDS: backward_input and backward_weight (ir.py)
+OWN_GRADIENT_KINDS = kinds(own_gradients=True)
 PATHS = ("fp32", "bf16", "zero", "fp16")
-SPLIT_BACKWARD_KINDS = frozenset({OpKind.BACKWARD_INPUT, OpKind.BACKWARD_WEIGHT})
 
 
 def _fp32_accumulation(config_class) -> bool:

@@ -149,7 +149,7 @@ def _probes(schedule: str, stages: int, probe: int) -> tuple[int, int]:
 @lru_cache(maxsize=4096)
 def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
     from ..schedules import compile as compile_schedule
-    from ..schedules.ir import COMPUTE_KINDS, OpKind
+    from ..schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, OP_INFO
     from ..schedules.spec import ScheduleError, load_spec
     from ..schedules.validator import weight_versions
 
@@ -168,20 +168,21 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
         chunk_live, chunk_peak = [set() for _ in range(v)], [0] * v
         for op in compiled.ops(s):
             key, c = (op.batch, op.micro_batch, op.chunk), op.chunk
-            if op.kind == OpKind.FORWARD:
+            info = OP_INFO[op.kind]  # what the op computes: its forward holds activations until its weight gradients
+            if info.forward and not info.weight_grad:  # forward: held from here
                 live.add(key)
                 chunk_live[c].add(key)
                 forwards += 1
                 peak = max(peak, len(live))
                 chunk_peak[c] = max(chunk_peak[c], len(chunk_live[c]))
-            elif op.kind == OpKind.FORWARD_BACKWARD:
+            elif info.forward:  # forward_backward: held during the op only
                 peak = max(peak, len(live) + 1)
                 chunk_peak[c] = max(chunk_peak[c], len(chunk_live[c]) + 1)
                 forwards += 1
-            elif op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT):
+            elif op.kind in GRAD_RECEIVING_KINDS:  # backward, backward_input
                 if forwards < v * micro_batches:
                     interleaved = True
-            if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_WEIGHT):  # activations held until W
+            if info.weight_grad and not info.forward:  # held until the parameter gradients (B, W)
                 live.discard(key)
                 chunk_live[c].discard(key)
         in_flight.append(max(1, min(peak, v * micro_batches) if not compiled.continuous else peak))

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from .continuous import compile_continuous
-from .ir import CompiledSchedule, Op, OpKind, SEND_KINDS
+from .ir import OP_INFO, CompiledSchedule, Op, OpKind, SEND_KINDS
 from .layout import Layout
 from .placement import after_ops, eval_expr as _eval, int_expr as _int, lower_stage, place_compute
 from .spec import ScheduleError, ScheduleSpec
@@ -161,7 +161,7 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
         if rule.version is not None:
             raise ScheduleError(f"schedule {spec.name!r} compute[{i}].version: only allowed in schedules with "
                                 "steady_state (a flush schedule updates once, after every backward)")
-        if any(p.kind != OpKind.START_ALLREDUCE or p.target != "chunk" for p in rule.after):
+        if any(p.target != "chunk" for p in rule.after):  # the spec gives target 'chunk' to start_allreduce only
             raise ScheduleError(f"schedule {spec.name!r} compute[{i}].after: a flush schedule places only "
                                 "start_allreduce (target chunk) there; its update comes once, after every backward")
     for p in spec.prologue + spec.epilogue:
@@ -214,7 +214,7 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
 
     return CompiledSchedule(name=spec.name, stages=stages, micro_batches=micro_batches, params=resolved,
                             streams=streams, num_buffers=num_buffers, source=source, description=spec.description,
-                            uses_tied_reduction=any(p.kind == OpKind.REDUCE_TIED_GRADS for p in spec.epilogue),
+                            uses_tied_reduction=any(OP_INFO[p.kind].tied for p in spec.epilogue),
                             virtual_stages=v, layout_kind=spec.layout)
 
 

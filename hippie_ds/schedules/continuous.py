@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS, weight_version
+from .ir import COMPUTE_KINDS, OP_INFO, UPDATE_KINDS, CompiledSchedule, Op, OpKind, SEND_KINDS, weight_version
 from .placement import after_ops, eval_expr, int_expr, lower_stage, place_compute
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
 
@@ -128,17 +128,15 @@ def _check_continuous_spec(spec: ScheduleSpec) -> None:
         if p.at != "stage_end":
             raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): at: {p.at} is not allowed with "
                                 "steady_state; a batch's epilogue runs at the stage's end of that batch")
-        if p.kind in (OpKind.OPTIMIZER_STEP, OpKind.REDUCE_TIED_GRADS, OpKind.APPLY_BUFFERED_UPDATE,
-                      OpKind.COPY_GRADS_TO_BUFFER, OpKind.REDUCE_GRADS):
+        if "epilogue" not in OP_INFO[p.kind].steady_state:
             raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): not allowed with steady_state; "
                                 "allowed: start_allreduce/wait_allreduce (grads), stage_optimizer_step, wait_sends")
     for i, rule in enumerate(spec.compute):
-        if rule.op in (OpKind.BACKWARD_INPUT.value, OpKind.BACKWARD_WEIGHT.value):
+        if "compute" not in OP_INFO[OpKind(rule.op)].steady_state:
             raise ScheduleError(f"schedule {name!r} compute[{i}] ({rule.op}): a split backward is not supported "
                                 "with steady_state (only in flush schedules)")
         for p in rule.after:
-            if p.kind not in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE, OpKind.STAGE_OPTIMIZER_STEP) or \
-                    p.target == "buffer":
+            if "after" not in OP_INFO[p.kind].steady_state or p.target == "buffer":
                 raise ScheduleError(f"schedule {name!r} compute[{i}].after ({p.op}): not allowed; allowed: "
                                     "start_allreduce/wait_allreduce (target grads), stage_optimizer_step")
 

@@ -3,7 +3,7 @@ whole scenario of calls and drains. Pure Python."""
 from __future__ import annotations
 
 from .check_common import Problem, check_slots, problem, scenario_ops
-from .ir import UPDATE_KINDS, CompiledSchedule, Op, OpKind, weight_version
+from .ir import CompiledSchedule, Op, weight_version
 from .op_rules import RULES
 
 
@@ -37,6 +37,7 @@ class ContinuousStageChecker:
         self.count = 0  # updates so far: the current version
         self.stashed: set[int] = set()
         self.freed: dict[int, Op] = {}
+        self.version: int | None = None  # the weight version of the compute op being checked
 
     def _add(self, op: Op, reason: str) -> None:
         self.problems.append(problem(op, reason, stage=self.s))
@@ -59,24 +60,30 @@ class ContinuousStageChecker:
         self._finish()
         return self.problems
 
-    def _data_flow(self, op: Op, batch: int) -> None:
-        kind, key = op.kind, (batch, op.micro_batch)
-        if kind == OpKind.LOAD:
-            if key in self.loaded:
-                self._add(op, f"micro-batch {op.micro_batch} of batch {batch} loaded twice")
-            if self.last_load is not None and key < self.last_load:
-                self._add(op, f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
-                              f"{self.last_load[1]} of batch {self.last_load[0]}: the data iterator is read out of "
-                              "order")
-            self.loaded.add(key)
-            self.last_load = key
-        elif kind == OpKind.RECV_ACTIVATION:
-            self.recv_act.add(key)
-        elif kind == OpKind.RECV_GRAD:
-            self.recv_grad.add(key)
-        elif kind == OpKind.SEND_ACTIVATION and key not in self.fwd:
+    # -- one function per op kind (op_rules.RULES[kind].continuous) --
+    def _load(self, op: Op, batch: int) -> None:
+        key = (batch, op.micro_batch)
+        if key in self.loaded:
+            self._add(op, f"micro-batch {op.micro_batch} of batch {batch} loaded twice")
+        if self.last_load is not None and key < self.last_load:
+            self._add(op, f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
+                          f"{self.last_load[1]} of batch {self.last_load[0]}: the data iterator is read out of "
+                          "order")
+        self.loaded.add(key)
+        self.last_load = key
+
+    def _recv_activation(self, op: Op, batch: int) -> None:
+        self.recv_act.add((batch, op.micro_batch))
+
+    def _recv_grad(self, op: Op, batch: int) -> None:
+        self.recv_grad.add((batch, op.micro_batch))
+
+    def _send_activation(self, op: Op, batch: int) -> None:
+        if (batch, op.micro_batch) not in self.fwd:
             self._add(op, f"sends micro-batch {op.micro_batch}'s activation before its forward")
-        elif kind == OpKind.SEND_GRAD and key not in self.bwd:
+
+    def _send_grad(self, op: Op, batch: int) -> None:
+        if (batch, op.micro_batch) not in self.bwd:
             self._add(op, f"sends micro-batch {op.micro_batch}'s gradient before its backward")
 
     def _version_used(self, op: Op, batch: int) -> int | None:
@@ -97,41 +104,46 @@ class ContinuousStageChecker:
                               "stashed (stash_weights missing before the update)")
         return version
 
-    def _compute(self, op: Op, batch: int) -> None:
-        kind, key, mb = op.kind, (batch, op.micro_batch), op.micro_batch
-        version = self._version_used(op, batch)
-        if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
-            if key in self.fwd:
-                self._add(op, f"micro-batch {mb} of batch {batch} forwarded twice")
-            if self.s > 0 and key not in self.recv_act:
-                self._add(op, f"forward of micro-batch {mb} before its activation is received (recv_activation)")
-            if self.s in (0, self.K - 1) and key not in self.loaded:
-                what = "inputs" if self.s == 0 else "labels"
-                self._add(op, f"forward of micro-batch {mb} before its {what} are loaded (load_micro_batch)")
-            self.fwd[key] = version
-        if kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD):
-            if kind == OpKind.BACKWARD and key not in self.fwd:
-                self._add(op, f"backward of micro-batch {mb} before its forward")
-            elif kind == OpKind.BACKWARD and self.fwd[key] != version:
-                self._add(op, f"backward of micro-batch {mb} of batch {batch} uses weight version "
-                              f"{version}, its forward used {self.fwd[key]}")
-            if key in self.bwd:
-                self._add(op, f"micro-batch {mb} of batch {batch} backwarded twice")
-            if self.s < self.K - 1 and key not in self.recv_grad:
-                self._add(op, f"backward of micro-batch {mb} before its output gradient is received (recv_grad)")
-            if self.reducing:
-                self._add(op, "backward while the gradients' all-reduce is in flight")
-            self.bwd.add(key)
-            self.grads.add(key)
+    def _version(self, op: Op, batch: int) -> None:
+        """A compute op: the weight version it uses (checked), for the rules after it."""
+        self.version = self._version_used(op, batch)
 
-    def _weights(self, op: Op, batch: int) -> None:
-        if op.kind == OpKind.STASH_WEIGHTS:
-            version = weight_version(batch, self.U, op.version)
-            if version != self.count:
-                self._add(op, f"stash_weights of version {version}, but the current version is {self.count}")
-            self.stashed.add(version)
-            self.freed.pop(version, None)
-            return
+    def _forward(self, op: Op, batch: int) -> None:
+        key, mb = (batch, op.micro_batch), op.micro_batch
+        if key in self.fwd:
+            self._add(op, f"micro-batch {mb} of batch {batch} forwarded twice")
+        if self.s > 0 and key not in self.recv_act:
+            self._add(op, f"forward of micro-batch {mb} before its activation is received (recv_activation)")
+        if self.s in (0, self.K - 1) and key not in self.loaded:
+            what = "inputs" if self.s == 0 else "labels"
+            self._add(op, f"forward of micro-batch {mb} before its {what} are loaded (load_micro_batch)")
+        self.fwd[key] = self.version
+
+    def _backward(self, op: Op, batch: int) -> None:
+        """backward / forward_backward (whose own forward ran just before, on the same version)."""
+        key, mb, version = (batch, op.micro_batch), op.micro_batch, self.version
+        if key not in self.fwd:
+            self._add(op, f"backward of micro-batch {mb} before its forward")
+        elif self.fwd[key] != version:
+            self._add(op, f"backward of micro-batch {mb} of batch {batch} uses weight version "
+                          f"{version}, its forward used {self.fwd[key]}")
+        if key in self.bwd:
+            self._add(op, f"micro-batch {mb} of batch {batch} backwarded twice")
+        if self.s < self.K - 1 and key not in self.recv_grad:
+            self._add(op, f"backward of micro-batch {mb} before its output gradient is received (recv_grad)")
+        if self.reducing:
+            self._add(op, "backward while the gradients' all-reduce is in flight")
+        self.bwd.add(key)
+        self.grads.add(key)
+
+    def _stash_weights(self, op: Op, batch: int) -> None:
+        version = weight_version(batch, self.U, op.version)
+        if version != self.count:
+            self._add(op, f"stash_weights of version {version}, but the current version is {self.count}")
+        self.stashed.add(version)
+        self.freed.pop(version, None)
+
+    def _free_weights(self, op: Op, batch: int) -> None:
         version = weight_version(batch, self.U, op.version, clamp=False)
         if version >= 0:  # below 0: the initial weights, freed as version 0
             if version not in self.stashed:
@@ -139,30 +151,32 @@ class ContinuousStageChecker:
             self.stashed.discard(version)
             self.freed[version] = op
 
-    def _gradients(self, op: Op, batch: int) -> None:
+    def _start_allreduce(self, op: Op, batch: int) -> None:
+        if op.target != "grads":
+            self._add(op, "only target grads is supported in continuous schedules")
+        if self.reducing:
+            self._add(op, "start_allreduce(grads) while the previous one is still in flight")
+        self.reducing = True
+
+    def _wait_allreduce(self, op: Op, batch: int) -> None:
+        if not self.reducing:
+            self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
+        self.reducing = False
+
+    def _update(self, op: Op, batch: int) -> None:
+        """An update (a new weight version): applies the gradients of its batch, reduced."""
         kind = op.kind
-        if kind == OpKind.START_ALLREDUCE:
-            if op.target != "grads":
-                self._add(op, "only target grads is supported in continuous schedules")
-            if self.reducing:
-                self._add(op, "start_allreduce(grads) while the previous one is still in flight")
-            self.reducing = True
-        elif kind == OpKind.WAIT_ALLREDUCE:
-            if not self.reducing:
-                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight")
-            self.reducing = False
-        elif kind in UPDATE_KINDS:
-            if self.reducing:
-                self._add(op, f"{kind.value} before the gradients it applies are reduced (their all-reduce "
-                              "is still in flight)")
-            if not self.grads:
-                self._add(op, f"{kind.value} of batch {batch} with no gradients accumulated since the last update")
-            other = sorted({b for b, _ in self.grads if b != batch})
-            if other:
-                self._add(op, f"{kind.value} of batch {batch} applies gradients of batch(es) "
-                              f"{', '.join(map(str, other))} too")
-            self.grads = set()
-            self.count += 1
+        if self.reducing:
+            self._add(op, f"{kind.value} before the gradients it applies are reduced (their all-reduce "
+                          "is still in flight)")
+        if not self.grads:
+            self._add(op, f"{kind.value} of batch {batch} with no gradients accumulated since the last update")
+        other = sorted({b for b, _ in self.grads if b != batch})
+        if other:
+            self._add(op, f"{kind.value} of batch {batch} applies gradients of batch(es) "
+                          f"{', '.join(map(str, other))} too")
+        self.grads = set()
+        self.count += 1
 
     def _finish(self) -> None:
         s = self.s

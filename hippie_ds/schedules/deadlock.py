@@ -6,16 +6,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import PIPELINE_COLLECTIVE_KINDS, CompiledSchedule, Op, OpKind
+from .ir import OP_INFO, CompiledSchedule, Op, OpKind
 from .check_common import Problem, problem, scenario_ops, short
 from .op_rules import RULES
-
-# send kind -> the recv it pairs with on the peer, and back; which way each goes along the model
-# (+1: to the next model part; the layout says which stage and chunk hold it).
-_MATCHING_RECV = {OpKind.SEND_ACTIVATION: OpKind.RECV_ACTIVATION, OpKind.SEND_GRAD: OpKind.RECV_GRAD}
-_MATCHING_SEND = {v: k for k, v in _MATCHING_RECV.items()}
-_DIRECTION = {OpKind.SEND_ACTIVATION: +1, OpKind.SEND_GRAD: -1,
-              OpKind.RECV_ACTIVATION: -1, OpKind.RECV_GRAD: +1}
 
 
 def link_of(compiled: CompiledSchedule, src: int, dst: int, kind: OpKind) -> tuple:
@@ -24,12 +17,13 @@ def link_of(compiled: CompiledSchedule, src: int, dst: int, kind: OpKind) -> tup
     apart (a stage pair's link may carry both in each direction, in different orders)."""
     if compiled.virtual_stages == 1:
         return (src, dst)
-    return (src, dst, "activation" if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else "gradient")
+    return (src, dst, OP_INFO[kind].carries)  # "activation" | "gradient"
 
 
 def peer_of(layout, op: Op) -> tuple[int, int] | None:
-    """(stage, chunk) at the other end of a send or receive; None past the model's ends."""
-    return (layout.next if _DIRECTION[op.kind] > 0 else layout.prev)(op.stage, op.chunk)
+    """(stage, chunk) at the other end of a send or receive (its OP_INFO direction along the model:
+    +1 to the next model part; the layout says which stage and chunk hold it); None past the model's ends."""
+    return (layout.next if OP_INFO[op.kind].direction > 0 else layout.prev)(op.stage, op.chunk)
 
 # ---------------------------------------------------------------------------------------------
 # Communication: all stages together
@@ -111,7 +105,7 @@ class _Simulation:
     def _peer(self, op: Op) -> int:
         """The peer stage of a send or receive (-1 or K: none, past the model's ends)."""
         found = peer_of(self.layout, op)
-        return found[0] if found else (-1 if _DIRECTION[op.kind] < 0 else self.K)
+        return found[0] if found else (-1 if OP_INFO[op.kind].direction < 0 else self.K)
 
     def _send(self, s: int, iteration: int, op: Op) -> bool:
         peer = self._peer(op)
@@ -150,7 +144,7 @@ class _Simulation:
         # Sends and receives between two stages share one FIFO channel, as in the engine (one
         # process group, one tag): with virtual stages it carries activations and gradients.
         expected_chunk = peer_of(self.layout, op)[1]
-        wrong_kind = msg.op.kind != _MATCHING_SEND[op.kind] or msg.op.chunk != expected_chunk
+        wrong_kind = msg.op.kind != OP_INFO[op.kind].peer or msg.op.chunk != expected_chunk
         if wrong_kind or msg.op.micro_batch != op.micro_batch or msg.iteration != iteration or msg.batch != batch:
             later = "" if msg.iteration == iteration else \
                 f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
@@ -194,41 +188,45 @@ class _Simulation:
         return f" of train_batch call {iteration + 1}" if iteration else ""
 
     def _doing(self, s: int, op: Op) -> str:
-        if op.kind in _MATCHING_RECV:
+        waits = RULES[op.kind].communicate
+        if waits == "_send":
             return f"{short(op)} to stage {self._peer(op)}"
-        if op.kind in _MATCHING_SEND:
+        if waits == "_recv":
             return f"{short(op)} from stage {self._peer(op)}"
-        if op.kind in PIPELINE_COLLECTIVE_KINDS:
+        if waits == "_collective":
             return f"{op.kind.value} (pipeline collective #{self.collectives_done[s] + 1})"
         return short(op)
 
     def _stuck(self, s: int) -> Problem:
+        """Why stage s cannot move: its op's communication rule names the reason (``_send`` ->
+        ``_send_stuck``); a ``_local`` op never waits."""
         iteration, op = self.flat[s][self.pc[s]]
-        call = self._call(iteration)
-        if op.kind in _MATCHING_RECV:
-            peer = self._peer(op)
-            if self._finished(peer):
-                reason = f"unmatched: blocking {short(op)} to stage {peer} is never received ({self._at(peer)})"
-            else:
-                reason = (f"deadlock: blocking {short(op)} to stage {peer} waits for a matching "
-                          f"{_MATCHING_RECV[op.kind].value}, but {self._at(peer)}")
-        elif op.kind in _MATCHING_SEND:
-            peer = self._peer(op)
-            if self._finished(peer):
-                reason = f"unmatched: {short(op)} from stage {peer} is never sent ({self._at(peer)})"
-            else:
-                reason = (f"deadlock: {short(op)} waits for a {_MATCHING_SEND[op.kind].value} from stage {peer}, "
-                          f"but {self._at(peer)}")
-        elif op.kind == OpKind.WAIT_SENDS:
-            peers = [self._peer(m.op) for m in self.isends[s]]
-            waits = "; ".join(f"{short(m.op)} to stage {p} ({self._at(p)})" for m, p in zip(self.isends[s], peers))
-            if all(self._finished(p) for p in peers):
-                reason = f"unmatched: wait_sends waits for sends that are never received: {waits}"
-            else:
-                reason = f"deadlock: wait_sends waits for sends to be received: {waits}"
-        else:  # pipeline collective
-            k = self.collectives_done[s]
-            missing = [p for p in range(self.K) if p not in self.arrivals[k]]
-            reason = (f"deadlock: {op.kind.value} is pipeline collective #{k + 1} and waits for every stage, but "
-                      + "; ".join(self._at(p) for p in missing))
-        return problem(op, reason + (f" (in train_batch call {iteration + 1})" if call else ""))
+        reason = getattr(self, RULES[op.kind].communicate + "_stuck")(s, op)
+        return problem(op, reason + (f" (in train_batch call {iteration + 1})" if self._call(iteration) else ""))
+
+    def _send_stuck(self, s: int, op: Op) -> str:
+        peer = self._peer(op)
+        if self._finished(peer):
+            return f"unmatched: blocking {short(op)} to stage {peer} is never received ({self._at(peer)})"
+        return (f"deadlock: blocking {short(op)} to stage {peer} waits for a matching "
+                f"{OP_INFO[op.kind].peer.value}, but {self._at(peer)}")
+
+    def _recv_stuck(self, s: int, op: Op) -> str:
+        peer = self._peer(op)
+        if self._finished(peer):
+            return f"unmatched: {short(op)} from stage {peer} is never sent ({self._at(peer)})"
+        return (f"deadlock: {short(op)} waits for a {OP_INFO[op.kind].peer.value} from stage {peer}, "
+                f"but {self._at(peer)}")
+
+    def _wait_sends_stuck(self, s: int, op: Op) -> str:
+        peers = [self._peer(m.op) for m in self.isends[s]]
+        waits = "; ".join(f"{short(m.op)} to stage {p} ({self._at(p)})" for m, p in zip(self.isends[s], peers))
+        if all(self._finished(p) for p in peers):
+            return f"unmatched: wait_sends waits for sends that are never received: {waits}"
+        return f"deadlock: wait_sends waits for sends to be received: {waits}"
+
+    def _collective_stuck(self, s: int, op: Op) -> str:
+        k = self.collectives_done[s]
+        missing = [p for p in range(self.K) if p not in self.arrivals[k]]
+        return (f"deadlock: {op.kind.value} is pipeline collective #{k + 1} and waits for every stage, but "
+                + "; ".join(self._at(p) for p in missing))

@@ -66,65 +66,110 @@ class OpInfo:
     new_version: bool = False  # produces the stage's next weight version (an update)
     consumes_grads: bool = False  # applies or buffers the iteration's gradients (once per iteration)
     pipeline_collective: bool = False  # synchronises every stage of the pipeline (one replica's view)
+    tied: bool = False  # reduces the gradients of modules tied across stages
+    targets: tuple[str, ...] = ()  # the targets it takes (Op.target): what an all-reduce reduces
+    # where a steady_state schedule may have it: "compute" (a compute rule's op), "epilogue", "after"
+    # (a compute rule's 'after'); () = in flush schedules only (continuous.py refuses it)
+    steady_state: tuple[str, ...] = ()
+    cost: tuple[str, ...] = ()  # the simulator's time: these StageCost terms summed (() = free or modelled apart)
+    # compute: its micro-batch's forward (activations held from then until the parameter gradients),
+    # input gradient (sent back), parameter gradients (accumulated); the p2p kinds bringing its input, taking its result
+    forward: bool = False
+    input_grad: bool = False
+    weight_grad: bool = False
+    receives: "OpKind | None" = None
+    sends: "OpKind | None" = None
+    # p2p: the kind at the other end, what it carries ("activation" | "gradient"), and which way along the
+    # model (+1: to the next model part, -1: to the previous)
+    peer: "OpKind | None" = None
+    carries: str = ""
+    direction: int = 0
+    own_gradients: bool = False  # its handler reads or writes gradients outside DeepSpeed's backward/reduce/step
+
+    @property
+    def split_backward(self) -> bool:
+        """One half of a split backward: the input gradient or the parameter gradients alone."""
+        return self.input_grad != self.weight_grad
 
 
+ALLREDUCE_TARGETS = ("grads", "buffer")
+# start_allreduce(chunk), in a compute rule's 'after': this model chunk's gradients, now (virtual
+# stages: a chunk whose backwards are done); wait_allreduce(grads) waits for it too
+START_TARGETS = ALLREDUCE_TARGETS + ("chunk",)
 _K = OpKind
 _BUF = ("buffer_id",)  # DeepSpeed's BufferOpInstruction argument: the op's pipeline buffer slot
 OP_INFO: dict[OpKind, OpInfo] = {
     _K.LOAD: OpInfo("L", "load", "load", "buffers['inputs'][buf] = next(data_iter) (first/last stage)",
                     "LoadMicroBatch", handler="_exec_load_micro_batch", args=_BUF, micro_batch=True),
     _K.FORWARD: OpInfo("F", "compute", "forward", "buffers['outputs'][buf] = forward(buffers['inputs'][buf])",
-                       "ForwardPass", handler="_exec_forward_pass", args=_BUF, micro_batch=True),
+                       "ForwardPass", handler="_exec_forward_pass", args=_BUF, micro_batch=True,
+                       cost=("forward",), forward=True, receives=_K.RECV_ACTIVATION,
+                       sends=_K.SEND_ACTIVATION, steady_state=("compute",)),
     _K.BACKWARD: OpInfo("B", "compute", "backward", "grads += backward(buffers['outputs'][buf], received grad)",
-                        "BackwardPass", handler="_exec_backward_pass", args=_BUF, micro_batch=True),
+                        "BackwardPass", handler="_exec_backward_pass", args=_BUF, micro_batch=True,
+                        cost=("backward", "recompute"), input_grad=True, weight_grad=True,
+                        receives=_K.RECV_GRAD, sends=_K.SEND_GRAD, steady_state=("compute",)),
     _K.FORWARD_BACKWARD: OpInfo("FB", "compute", "forward_backward", "forward then backward of one micro-batch, "
                                 "its activations freed before the next (the loss stage)", "ForwardBackwardPass",
-                                handler="_exec_forward_backward_pass", args=_BUF, micro_batch=True),
+                                handler="_exec_forward_backward_pass", args=_BUF, micro_batch=True,
+                                cost=("forward", "backward", "recompute"),
+                                forward=True, input_grad=True, weight_grad=True, receives=_K.RECV_ACTIVATION,
+                                sends=_K.SEND_GRAD, steady_state=("compute",)),
     _K.BACKWARD_INPUT: OpInfo("I", "compute", "backward_input", "buffers['inputs'][buf].grad = backward of the "
                               "inputs only; keeps the graph and the weight nodes' output gradients for W",
-                              "BackwardInputPass", handler="_exec_backward_input_pass", args=_BUF, micro_batch=True),
+                              "BackwardInputPass", handler="_exec_backward_input_pass", args=_BUF, micro_batch=True,
+                              cost=("input_time", "recompute"), input_grad=True, receives=_K.RECV_GRAD,
+                              sends=_K.SEND_GRAD, own_gradients=True),
     _K.BACKWARD_WEIGHT: OpInfo("W", "compute", "backward_weight", "grads += weight gradients of buf from what I kept; "
                                "frees the micro-batch", "BackwardWeightPass", handler="_exec_backward_weight_pass",
-                               args=_BUF, micro_batch=True),
+                               args=_BUF, micro_batch=True, cost=("weight_time",), weight_grad=True,
+                               own_gradients=True),
     _K.SEND_ACTIVATION: OpInfo("sA", "send", "p2p", "send(buffers['outputs'][buf], next stage)", "SendActivation",
                                handler="_exec_send_activations_chunked", args=_BUF,
                                nonblocking_instruction="ISendActivation",
-                               nonblocking_handler="_exec_isend_activations_chunked", micro_batch=True),
+                               nonblocking_handler="_exec_isend_activations_chunked", micro_batch=True,
+                               peer=_K.RECV_ACTIVATION, carries="activation", direction=+1),
     _K.RECV_ACTIVATION: OpInfo("rA", "recv", "p2p", "buffers['inputs'][buf] = recv(previous stage)",
                                "RecvActivation", handler="_exec_recv_activations_chunked", args=_BUF,
-                               micro_batch=True),
+                               micro_batch=True, peer=_K.SEND_ACTIVATION, carries="activation", direction=-1),
     _K.SEND_GRAD: OpInfo("sG", "send", "p2p", "send(buffers['inputs'][buf].grad, previous stage)", "SendGrad",
                          handler="_exec_send_grads_chunked", args=_BUF, nonblocking_instruction="ISendGrad",
-                         nonblocking_handler="_exec_isend_grads_chunked", micro_batch=True),
+                         nonblocking_handler="_exec_isend_grads_chunked", micro_batch=True,
+                         peer=_K.RECV_GRAD, carries="gradient", direction=-1),
     _K.RECV_GRAD: OpInfo("rG", "recv", "p2p", "received grad = recv(next stage)", "RecvGrad",
-                         handler="_exec_recv_grads_chunked", args=_BUF, micro_batch=True),
+                         handler="_exec_recv_grads_chunked", args=_BUF, micro_batch=True,
+                         peer=_K.SEND_GRAD, carries="gradient", direction=+1),
     _K.WAIT_SENDS: OpInfo("", "send", "p2p", "wait for every non-blocking send this stage issued", "WaitSends",
-                          handler="_exec_wait_sends", placeable=True),
+                          handler="_exec_wait_sends", placeable=True, steady_state=("epilogue",)),
     _K.REDUCE_TIED_GRADS: OpInfo("", "comm", "sync", "all-reduce the gradients of modules tied across stages",
                                  "ReduceTiedGrads", handler="_exec_reduce_tied_grads", placeable=True,
-                                 pipeline_collective=True),
+                                 pipeline_collective=True, tied=True),
     _K.REDUCE_GRADS: OpInfo("", "comm", "allreduce", "grads = all_reduce(grads) / dp (blocking)", "ReduceGrads",
                             handler="_exec_reduce_grads", placeable=True),
     _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
                                "asynchronously", "StartAllReduce", handler="_exec_start_allreduce",
-                               args=("target", "chunk"), placeable=True),  # chunk: read with target 'chunk' only
+                               args=("target", "chunk"), placeable=True, targets=START_TARGETS, own_gradients=True,
+                               steady_state=("epilogue", "after")),  # chunk: read with target 'chunk' only
     _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce",
-                              handler="_exec_wait_allreduce", args=("target",), placeable=True),
+                              handler="_exec_wait_allreduce", args=("target",), placeable=True,
+                              targets=ALLREDUCE_TARGETS, own_gradients=True, steady_state=("epilogue", "after")),
     _K.COPY_GRADS_TO_BUFFER: OpInfo("", "update", "buffer", "buffer = grads; grads = 0 (applied next step)",
                                     "CopyGradsToBuffer", handler="_exec_copy_grads_to_buffer", placeable=True,
-                                    consumes_grads=True),
+                                    consumes_grads=True, own_gradients=True),
     _K.APPLY_BUFFERED_UPDATE: OpInfo("", "update", "optimizer", "optimizer.step(buffer) (skipped while empty)",
                                      "ApplyBufferedUpdate", handler="_exec_apply_buffered_update", placeable=True,
-                                     new_version=True),
+                                     new_version=True, cost=("optimizer_time",), own_gradients=True),
     _K.OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads), norm over the pipeline",
                               "OptimizerStep", handler="_exec_optimizer_step", placeable=True, new_version=True,
-                              consumes_grads=True, pipeline_collective=True),
+                              consumes_grads=True, pipeline_collective=True, cost=("optimizer_time",)),
     # batch: continuous schedules' updates take their batch's learning rate
     _K.STAGE_OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads) of this stage alone",
                                     "StageOptimizerStep", handler="_exec_stage_optimizer_step", args=("batch",),
-                                    placeable=True, new_version=True, consumes_grads=True),
+                                    placeable=True, new_version=True, consumes_grads=True,
+                                    cost=("optimizer_time",), own_gradients=True, steady_state=("epilogue", "after")),
     _K.STASH_WEIGHTS: OpInfo("", "weights", "weights", "versions[v] = copy(weights) before they are updated",
-                             "StashWeights", handler="_exec_stash_weights", args=("batch", "version")),
+                             "StashWeights", handler="_exec_stash_weights", args=("batch", "version"),
+                             own_gradients=True),
     _K.FREE_WEIGHTS: OpInfo("", "weights", "weights", "del versions[v] after its last use", "FreeWeights",
                             handler="_exec_free_weights", args=("batch", "version")),
 }
@@ -142,23 +187,21 @@ def kinds(**where) -> frozenset:
 
 
 COMPUTE_KINDS = kinds(role="compute")
-# ops that compute a micro-batch's input gradient (receive from the next stage, send to the previous)
-INPUT_GRAD_KINDS = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD, OpKind.BACKWARD_INPUT})
-# ops after which a micro-batch's parameter gradients are accumulated
-WEIGHT_GRAD_KINDS = frozenset({OpKind.BACKWARD, OpKind.FORWARD_BACKWARD, OpKind.BACKWARD_WEIGHT})
-# ops that run a micro-batch's whole backward (both of the above in one)
-WHOLE_BACKWARD_KINDS = INPUT_GRAD_KINDS & WEIGHT_GRAD_KINDS
+FORWARD_KINDS = kinds(forward=True)  # ops that run a micro-batch's forward (its activations held from then)
+INPUT_GRAD_KINDS = kinds(input_grad=True)  # compute a micro-batch's input gradient (sent to the previous stage)
+WEIGHT_GRAD_KINDS = kinds(weight_grad=True)  # after which a micro-batch's parameter gradients are accumulated
+WHOLE_BACKWARD_KINDS = INPUT_GRAD_KINDS & WEIGHT_GRAD_KINDS  # both of the above in one
+SPLIT_BACKWARD_KINDS = kinds(split_backward=True)  # the two halves of a split backward (zero-bubble)
 SEND_KINDS = kinds(role="send", micro_batch=True)
 RECV_KINDS = kinds(role="recv")
+RECV_GRAD_KINDS = kinds(role="recv", carries="gradient")
+# ops that start from an output gradient received from the next stage (a fused forward_backward computes its own)
+GRAD_RECEIVING_KINDS = frozenset(k for k, info in OP_INFO.items() if info.receives in RECV_GRAD_KINDS)
 BUFFER_KINDS = kinds(micro_batch=True)  # ops that concern one micro-batch
 # DeepSpeed's optimizer step reduces the gradient norm / overflow flag over the model-parallel
 # group; tied-gradient reduction spans the stages that share a module, in the worst case all.
 PIPELINE_COLLECTIVE_KINDS = kinds(pipeline_collective=True)
 PLACEABLE_KINDS = kinds(placeable=True)  # the rest are placed by the compiler
-ALLREDUCE_TARGETS = ("grads", "buffer")
-# start_allreduce(chunk), in a compute rule's 'after': this model chunk's gradients, now (virtual
-# stages: a chunk whose backwards are done); wait_allreduce(grads) waits for it too
-START_TARGETS = ALLREDUCE_TARGETS + ("chunk",)
 UPDATE_KINDS = kinds(new_version=True)  # the version counter counts these
 GRADIENT_CONSUMER_KINDS = kinds(consumes_grads=True)  # apply or buffer the iteration's gradients
 WEIGHT_KINDS = kinds(role="weights")

@@ -6,11 +6,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .expr import ExpressionError
-from .ir import INPUT_GRAD_KINDS, Op, OpKind
+from .ir import FORWARD_KINDS, OP_INFO, Op, OpKind
 from .layout import Layout
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
-
-_FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
 
 
 def eval_expr(expr, env: Mapping[str, Any], where: str):
@@ -67,24 +65,25 @@ def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[
     return placed
 
 
+def _has_peer(layout: Layout, op: Op, p2p: OpKind) -> bool:
+    """Whether a ``p2p`` op of ``op``'s chunk has a model part to talk to (its OP_INFO direction)."""
+    return not (layout.is_last if OP_INFO[p2p].direction > 0 else layout.is_first)(op.stage, op.chunk)
+
+
 def _sends_of(op: Op, rule: ComputeRule, layout: Layout, step: int) -> list[Op]:
-    """The send carrying ``op``'s result to the chunk that consumes it, if there is one."""
-    if op.kind == OpKind.FORWARD and not layout.is_last(op.stage, op.chunk):
-        kind = OpKind.SEND_ACTIVATION
-    elif op.kind in INPUT_GRAD_KINDS and not layout.is_first(op.stage, op.chunk):
-        kind = OpKind.SEND_GRAD
-    else:
+    """The send carrying ``op``'s result to the chunk that consumes it (OP_INFO ``sends``), if there is one."""
+    kind = OP_INFO[op.kind].sends
+    if kind is None or not _has_peer(layout, op, kind):
         return []
     return [Op(kind, op.stage, step, op.micro_batch, blocking=rule.send.blocking, batch=op.batch, chunk=op.chunk)]
 
 
 def _recvs_of(op: Op, layout: Layout) -> list[Op]:
-    s, c = op.stage, op.chunk
-    if op.kind in _FORWARD_LIKE and not layout.is_first(s, c):
-        return [Op(OpKind.RECV_ACTIVATION, s, op.step, op.micro_batch, batch=op.batch, chunk=c)]
-    if op.kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT) and not layout.is_last(s, c):
-        return [Op(OpKind.RECV_GRAD, s, op.step, op.micro_batch, batch=op.batch, chunk=c)]
-    return []
+    """The receive bringing ``op``'s input (OP_INFO ``receives``), if there is one."""
+    kind = OP_INFO[op.kind].receives
+    if kind is None or not _has_peer(layout, op, kind):
+        return []
+    return [Op(kind, op.stage, op.step, op.micro_batch, batch=op.batch, chunk=op.chunk)]
 
 
 def lower_stage(placed: dict[int, tuple[Op, ComputeRule]], layout: Layout | int) -> dict[int, list[Op]]:
@@ -101,8 +100,8 @@ def lower_stage(placed: dict[int, tuple[Op, ComputeRule]], layout: Layout | int)
         if cur:
             op, rule = cur
             recvs = _recvs_of(op, layout)
-            ops += prev_sends + recvs if op.kind in _FORWARD_LIKE else recvs + prev_sends
-            if op.kind in _FORWARD_LIKE and (layout.is_first(op.stage, op.chunk) or layout.is_last(op.stage, op.chunk)):
+            ops += prev_sends + recvs if op.kind in FORWARD_KINDS else recvs + prev_sends
+            if op.kind in FORWARD_KINDS and (layout.is_first(op.stage, op.chunk) or layout.is_last(op.stage, op.chunk)):
                 ops.append(Op(OpKind.LOAD, op.stage, t, op.micro_batch, batch=op.batch, chunk=op.chunk))
             ops.append(op)
             if rule.send.when == "same_step":

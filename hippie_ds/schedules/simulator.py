@@ -73,12 +73,9 @@ from .costs import Costs, CostsError, DelayedPart
 from .sim_results import SimEvent, SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError, _Acc, _AllReduce, _Channel, _Kernel, _Link, _Signal, _StageState, _Transfer
 from .deadlock import link_of, peer_of
-from .ir import (ALLREDUCE_TARGETS, CATEGORY, SEND_KINDS, WEIGHT_GRAD_KINDS, WHOLE_BACKWARD_KINDS, weight_version,
-                 CompiledSchedule, Op, OpKind, op_name)
+from .ir import (ALLREDUCE_TARGETS, CATEGORY, OP_INFO, WHOLE_BACKWARD_KINDS, weight_version, CompiledSchedule, Op,
+                 OpKind, op_name)
 from .op_rules import RULES
-
-
-_FORWARD_LIKE = (OpKind.FORWARD, OpKind.FORWARD_BACKWARD)
 
 
 class _Sim:
@@ -138,47 +135,42 @@ class _Sim:
             self.ends[s].append(self.k.now)
         self.where[s] = None
 
-    def _compute_time(self, s: int, kind: OpKind) -> float:
-        sc, v = self.costs.stages[s], self.v
-        if kind == OpKind.FORWARD:
-            return sc.forward / v
-        if kind == OpKind.BACKWARD:
-            return (sc.backward + sc.recompute) / v
-        if kind == OpKind.BACKWARD_INPUT:  # a re-entrant checkpoint re-computes when its backward starts
-            return (sc.input_time + sc.recompute) / v
-        if kind == OpKind.BACKWARD_WEIGHT:
-            return sc.weight_time / v
-        return (sc.forward + sc.backward + sc.recompute) / v
+    def _cost(self, s: int, kind: OpKind) -> float:
+        """The op's time: the sum of its ``OP_INFO`` cost terms of the stage's costs (a micro-batch
+        op: one chunk's, 1/v; a re-entrant checkpoint re-computes when its backward starts)."""
+        info = OP_INFO[kind]
+        total = sum(getattr(self.costs.stages[s], term) for term in info.cost)
+        return total / self.v if info.micro_batch else total
 
     def _channel(self, op: Op) -> tuple[_Channel, str, tuple]:
         """The link a send or receive uses, its side, and the message it carries: (activation or
         gradient, the model-part boundary it crosses, micro-batch)."""
-        s, kind = op.stage, op.kind
-        outward = kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_GRAD)  # towards the next model part
+        s, kind, info = op.stage, op.kind, OP_INFO[op.kind]
         peer = peer_of(self.layout, op)
         if peer is None:
             raise SimulationError(f"stage {s}: {kind.value} has no neighbour to talk to")
         part = self.layout.part(s, op.chunk)
-        boundary = part if outward else part - 1
-        src, dst = (s, peer[0]) if kind in SEND_KINDS else (peer[0], s)
+        boundary = part if info.direction > 0 else part - 1  # towards the next model part, or back
+        side = info.role  # "send" | "recv"
+        src, dst = (s, peer[0]) if side == "send" else (peer[0], s)
         link = link_of(self.c, src, dst, kind)
+        activation = info.carries == "activation"
         if link not in self.channels:
             # the activation crossing it is the sending side's output (its gradient the same size);
             # a hand-over between two chunks of one stage (the V's turn) is local: no time
-            out = src if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else dst
+            out = src if activation else dst
             self.channels[link] = _Channel(self.k, f"stage {src}->{dst}", 0.0 if src == dst else self.costs.p2p_time(out))
-        what = "A" if kind in (OpKind.SEND_ACTIVATION, OpKind.RECV_ACTIVATION) else "G"
-        message = op.micro_batch if self.v == 1 else (what, boundary, op.micro_batch)
-        return self.channels[link], "send" if kind in SEND_KINDS else "recv", message
+        message = op.micro_batch if self.v == 1 else ("A" if activation else "G", boundary, op.micro_batch)
+        return self.channels[link], side, message
 
     def _issue_allreduce(self, s: int, target: str, st: "_StageState") -> Iterator:
         """START_ALLREDUCE: starts it and holds the stage while it issues it."""
-        cost, share = self.costs.stages[s], self._start_allreduce(s, target, st)
+        cost, share = self.costs.stages[s], self._begin_allreduce(s, target, st)
         hold = cost.allreduce_issue_time + share * cost.allreduce_cpu_time if share else 0.0
         if hold:
             yield hold
 
-    def _start_allreduce(self, s: int, target: str, st: "_StageState") -> float:
+    def _begin_allreduce(self, s: int, target: str, st: "_StageState") -> float:
         """Starts stage ``s``'s all-reduce of ``target``; its share of the stage's gradient, 0 when
         nothing starts."""
         if target == "buffer" and not st.buffer.start()[0]:
@@ -200,7 +192,7 @@ class _Sim:
         self.link.start(ar)
         return share
 
-    def _wait_allreduce(self, s: int, it: int, target: str, st: "_StageState") -> Iterator:
+    def _await_allreduce(self, s: int, it: int, target: str, st: "_StageState") -> Iterator:
         for ar in st.pending[target]:
             yield ar.done
             ar.iteration = it
@@ -213,59 +205,64 @@ class _Sim:
             return  # a non-blocking send: drawn on the comm track once it has completed
         self.events.append(SimEvent(s, op_name(op), CATEGORY[kind], t0, k.now, op.micro_batch))
 
-    def _exec_compute(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
-        k, t0, kind = self.k, self.k.now, op.kind
+    # -- one function per op kind (op_rules.RULES[kind].simulate); each a generator of the stage's
+    # waits, a non-blocking send's returning True (drawn on the comm track once it has completed)
+    def _load(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        yield from ()  # not modelled: no simulated time
+
+    def _compute(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """Forward, backward, fused and split: the op's cost; a micro-batch's activations are held
+        from its forward's start until its parameter gradients are computed (OP_INFO's flags)."""
+        k, t0, info = self.k, self.k.now, OP_INFO[op.kind]
         acc.versions = max(acc.versions, len(st.stashed) + 1)
-        if kind in _FORWARD_LIKE:  # its activations are held from the forward's start ...
+        if info.forward:  # its activations are held from the forward's start ...
             st.live += 1  # with v chunks per stage, one chunk's micro-batch: 1/v of the stage's activations
             acc.peak = max(acc.peak, st.live)
             if acc.first_forward is None:
                 acc.first_forward = t0
-        duration = self._compute_time(s, kind)
+        duration = self._cost(s, op.kind)
         lead = min(self.lead[s], duration) if self.last_whole_backward.get((s, it)) is op else 0.0
         yield duration - lead
         if lead:  # partial deferral: the synchronous part is final, the delayed layers' backward still runs
             yield from self._issue_allreduce(s, "grads", st)
             st.started_early = True
             yield lead
-        if kind in WEIGHT_GRAD_KINDS:  # ... until its parameter gradients are computed
+        if info.weight_grad:  # ... until its parameter gradients are computed
             st.live -= 1
             acc.last_backward = k.now
         acc.busy += k.now - t0
         acc.compute_start = t0 if acc.compute_start is None else acc.compute_start
         acc.compute_end = k.now
 
-    def _exec_p2p(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
-        """Sends, receives and WAIT_SENDS; returns True for a non-blocking send (still in flight)."""
+    def _p2p(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """A send or receive; True for a non-blocking send (still in flight)."""
         k, t0 = self.k, self.k.now
-        if op.kind == OpKind.WAIT_SENDS:
-            for tr in st.isends:
-                yield tr.done
-            st.isends = []
-        else:
-            channel, side, message = self._channel(op)
-            tr = channel.post(side, message)
-            if side == "send" and not op.blocking:
-                st.isends.append(tr)
-                self.isend_events.append((s, op, t0, tr))
-                if self.costs.stages[s].send_issue_time:
-                    yield self.costs.stages[s].send_issue_time
-                    acc.p2p += k.now - t0
-                return True
-            yield tr.done
+        channel, side, message = self._channel(op)
+        tr = channel.post(side, message)
+        if side == "send" and not op.blocking:
+            st.isends.append(tr)
+            self.isend_events.append((s, op, t0, tr))
+            if self.costs.stages[s].send_issue_time:
+                yield self.costs.stages[s].send_issue_time
+                acc.p2p += k.now - t0
+            return True
+        yield tr.done
         acc.p2p += k.now - t0
         return False
 
-    def _exec_collective(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
-        """A stage's k-th pipeline collective waits for every stage's k-th (REDUCE_TIED_GRADS: for
-        the stages of each of its tied groups in turn)."""
+    def _wait_sends(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        t0 = self.k.now
+        for tr in st.isends:
+            yield tr.done
+        st.isends = []
+        acc.p2p += self.k.now - t0
+
+    def _rendezvous(self, s: int, op: Op, st: "_StageState", acc, groups) -> Iterator:
+        """A stage's k-th pipeline collective of a kind waits, group by group, for the k-th of
+        every member of each group."""
         k, t0, kind = self.k, self.k.now, op.kind
         n = st.collective_count.get(kind, 0)
         st.collective_count[kind] = n + 1
-        if kind == OpKind.REDUCE_TIED_GRADS:
-            groups = self.costs.tied_groups_of(s)
-        else:
-            groups = [(None, range(self.K))]
         for g, members in groups:
             entry = self.collectives.setdefault((kind, g, n), [0, _Signal()])
             entry[0] += 1
@@ -273,39 +270,56 @@ class _Sim:
                 k.fire(entry[1])
             yield entry[1]
         acc.sync += k.now - t0
-        if kind == OpKind.OPTIMIZER_STEP:
-            yield self.costs.stages[s].optimizer_time
 
-    def _exec_stage_op(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
-        """All-reduces, the gradient buffer, per-stage updates and weight versions; any other op
-        (loads, ops whose time is not modelled) takes no simulated time."""
-        k, t0, kind = self.k, self.k.now, op.kind
-        if kind == OpKind.START_ALLREDUCE:
-            if op.target == "grads" and st.started_early:
-                st.started_early = False  # in flight since the last backward (partial deferral)
-            else:
-                yield from self._issue_allreduce(s, op.target, st)
-        elif kind in (OpKind.WAIT_ALLREDUCE, OpKind.REDUCE_GRADS):
-            target = "grads" if kind == OpKind.REDUCE_GRADS else op.target
-            if kind == OpKind.REDUCE_GRADS:
-                self._start_allreduce(s, "grads", st)
-            elif target == "buffer":
-                st.buffer.wait()
-            yield from self._wait_allreduce(s, it, target, st)
-            acc.allreduce += k.now - t0
-        elif kind == OpKind.COPY_GRADS_TO_BUFFER:
-            st.buffer.copy()
-            self.uses_buffer[s] = True
-        elif kind == OpKind.APPLY_BUFFERED_UPDATE:
-            if st.buffer.apply()[0]:  # nothing to apply at the first call
-                yield self.costs.stages[s].optimizer_time
-        elif kind == OpKind.STAGE_OPTIMIZER_STEP:
-            yield self.costs.stages[s].optimizer_time
-        elif kind == OpKind.STASH_WEIGHTS:  # a copy of the stage's weights; its time is not modelled
-            st.stashed.add(weight_version(it + op.batch, self.updates[s], op.version))
-            acc.versions = max(acc.versions, len(st.stashed) + 1)
-        elif kind == OpKind.FREE_WEIGHTS:
-            st.stashed.discard(weight_version(it + op.batch, self.updates[s], op.version, clamp=False))
+    def _reduce_tied_grads(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """Waits for the stages of each of its tied groups in turn, then is free."""
+        yield from self._rendezvous(s, op, st, acc, self.costs.tied_groups_of(s))
+
+    def _optimizer_step(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """DeepSpeed's: waits for every stage (the norm over the pipeline), then steps."""
+        yield from self._rendezvous(s, op, st, acc, [(None, range(self.K))])
+        yield self._cost(s, op.kind)
+
+    def _start_allreduce(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        if op.target == "grads" and st.started_early:
+            st.started_early = False  # in flight since the last backward (partial deferral)
+        else:
+            yield from self._issue_allreduce(s, op.target, st)
+
+    def _wait_allreduce(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        t0 = self.k.now
+        if op.target == "buffer":
+            st.buffer.wait()
+        yield from self._await_allreduce(s, it, op.target, st)
+        acc.allreduce += self.k.now - t0
+
+    def _reduce_grads(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """Blocking: starts the 'grads' all-reduce and waits for it."""
+        t0 = self.k.now
+        self._begin_allreduce(s, "grads", st)
+        yield from self._await_allreduce(s, it, "grads", st)
+        acc.allreduce += self.k.now - t0
+
+    def _copy_grads_to_buffer(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        st.buffer.copy()  # its time is not modelled
+        self.uses_buffer[s] = True
+        yield from ()
+
+    def _apply_buffered_update(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        if st.buffer.apply()[0]:  # nothing to apply at the first call
+            yield self._cost(s, op.kind)
+
+    def _stage_optimizer_step(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        yield self._cost(s, op.kind)
+
+    def _stash_weights(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        st.stashed.add(weight_version(it + op.batch, self.updates[s], op.version))  # the copy's time: not modelled
+        acc.versions = max(acc.versions, len(st.stashed) + 1)
+        yield from ()
+
+    def _free_weights(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        st.stashed.discard(weight_version(it + op.batch, self.updates[s], op.version, clamp=False))
+        yield from ()
 
     # -- whole run -------------------------------------------------------------------------
     def run(self) -> None:

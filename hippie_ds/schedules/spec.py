@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .expr import Expression, ExpressionError
-from .ir import ALLREDUCE_TARGETS, PLACEABLE_KINDS, START_TARGETS, OpKind
+from .ir import COMPUTE_KINDS, OP_INFO, PLACEABLE_KINDS, OpKind
 
 
 class ScheduleError(ValueError):
@@ -69,9 +69,8 @@ class PlacedOp(_Strict):
         return _expression(v, info)
 
     def model_post_init(self, __context) -> None:
-        kind = OpKind(self.op)
-        needs_target = kind in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE)
-        targets = START_TARGETS if kind == OpKind.START_ALLREDUCE else ALLREDUCE_TARGETS
+        targets = OP_INFO[OpKind(self.op)].targets
+        needs_target = bool(targets)
         if needs_target and self.target not in targets:
             raise ValueError(f"op {self.op} needs target: one of {', '.join(targets)}")
         if not needs_target and self.target is not None:
@@ -85,7 +84,7 @@ class PlacedOp(_Strict):
 class ComputeRule(_Strict):
     """Place one compute op for every micro-batch ``mb`` for which ``when`` holds."""
 
-    op: Literal["forward", "backward", "forward_backward", "backward_input", "backward_weight"]
+    op: Literal[tuple(k.value for k in OpKind if k in COMPUTE_KINDS)]  # forward, backward, ... (the table's order)
     at: Expression = Field(description="step index, an expression of mb, stage, stages, micro_batches, params")
     when: Expression = Expression("True")
     send: SendPolicy = SendPolicy()

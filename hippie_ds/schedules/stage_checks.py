@@ -3,7 +3,7 @@ received / computed / sent in a valid order, a split backward's W after its B), 
 slots and the gradient state machine. Continuous schedules: :mod:`.continuous_checks`. Pure Python."""
 from __future__ import annotations
 
-from .ir import BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, CompiledSchedule, Op, OpKind
+from .ir import BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, CompiledSchedule, Op
 from .check_common import Problem, check_slots, problem
 from .op_rules import RULES
 from .grad_buffer import REDUCED, GradBuffer
@@ -112,16 +112,19 @@ class _StageChecker:
         if (first or last) and (first, last, mb[1]) not in self.loaded:
             what = "inputs" if first else "labels"
             self._add(op, f"forward of {item} before its {what} are loaded (load_micro_batch)")
-        if self.weights_changed is not None and op.kind == OpKind.FORWARD:
+        self.fwd.add(mb)
+
+    def _forward_before_update(self, op: Op) -> None:
+        """forward (a fused forward_backward's backward says it): on this iteration's weights."""
+        if self.weights_changed is not None:
             self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
                           f"{self.weights_changed.step}: runs on weights already updated")
-        self.fwd.add(mb)
 
     def _input_grad(self, op: Op) -> None:
         """backward / forward_backward / backward_input: the gradient of the stage's input."""
-        mb, name = (op.chunk, op.micro_batch), "backward" if op.kind == OpKind.BACKWARD else op.kind.value
+        mb, name = (op.chunk, op.micro_batch), op.kind.value
         item = _name(*mb)
-        if op.kind != OpKind.FORWARD_BACKWARD and mb not in self.fwd:
+        if not OP_INFO[op.kind].forward and mb not in self.fwd:  # a fused one ran its own
             self._add(op, f"{name} of {item} before its forward")
         if mb in self.igrad:
             self._add(op, f"{item} backwarded twice")
@@ -130,18 +133,20 @@ class _StageChecker:
         self._check_weights_unchanged(op, "backward")
         self.igrad.add(mb)
 
+    def _backward_weight(self, op: Op) -> None:
+        """backward_weight: after its backward_input, once, on the same weights."""
+        mb = (op.chunk, op.micro_batch)
+        if mb not in self.igrad:
+            self._add(op, f"backward_weight of {_name(*mb)} before its backward_input")
+        elif mb in self.bwd:
+            self._add(op, f"backward_weight of {_name(*mb)} twice")
+        self._check_weights_unchanged(op, "backward_weight")
+
     def _weight_grad(self, op: Op) -> None:
         """backward / forward_backward / backward_weight: the parameter gradients, accumulated."""
         mb = (op.chunk, op.micro_batch)
-        if op.kind == OpKind.BACKWARD_WEIGHT:
-            if mb not in self.igrad:
-                self._add(op, f"backward_weight of {_name(*mb)} before its backward_input")
-            elif mb in self.bwd:
-                self._add(op, f"backward_weight of {_name(*mb)} twice")
-            self._check_weights_unchanged(op, "backward_weight")
         if self.grads_reducing or op.chunk in self.chunks_reducing:
-            self._add(op, f"{'backward' if op.kind == OpKind.BACKWARD else op.kind.value} while the gradients' "
-                          "all-reduce is in flight")
+            self._add(op, f"{op.kind.value} while the gradients' all-reduce is in flight")
         self.bwd.add(mb)
         self.grads = "accumulating"
 

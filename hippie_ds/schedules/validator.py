@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .check_common import Problem, problem, scenario_ops, scenarios, unique  # noqa: F401 (API)
 from .deadlock import _Simulation
-from .ir import ALLREDUCE_TARGETS, BUFFER_KINDS, START_TARGETS, CompiledSchedule, OpKind
+from .ir import BUFFER_KINDS, OP_INFO, CompiledSchedule
 from .spec import ScheduleError
 from .continuous_checks import ContinuousStageChecker
 from .stage_checks import _StageChecker
@@ -86,8 +86,8 @@ def _check_shape(compiled: CompiledSchedule) -> list[Problem]:
                                                  f"{s}'s stream at step {t}", stage=s))
                 if op.kind in BUFFER_KINDS and op.micro_batch is None:
                     problems.append(problem(op, f"{op.kind.value} without a micro-batch"))
-                targets = START_TARGETS if op.kind == OpKind.START_ALLREDUCE else ALLREDUCE_TARGETS
-                if op.kind in (OpKind.START_ALLREDUCE, OpKind.WAIT_ALLREDUCE) and op.target not in targets:
+                targets = OP_INFO[op.kind].targets
+                if targets and op.target not in targets:
                     problems.append(problem(op, f"{op.kind.value} needs target one of {', '.join(targets)}"))
     return problems
 
