@@ -173,6 +173,7 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | N
     else:
         samples = meta["micro_batch_size"] * meta["micro_batches"] * (world // meta["stages"])
     mem = memory_per_rank(ranks)
+    cpu = cpu_figures(ranks)
     timings = stage_timings(ranks)
     costs, pred = job_prediction(ranks, job, a, link_bw, timings)
     err = (pred["step_time"] - median) / median if pred.get("step_time") and median else None
@@ -181,7 +182,8 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | N
         "config": job["config"], "schedule": job["schedule"], "engine_schedule": meta["schedule"],
         "schedule_params": meta.get("schedule_params") or {}, "world": world, "stages": meta["stages"],
         "micro_batches": meta["micro_batches"], "micro_batch_size": meta["micro_batch_size"],
-        "parts": meta.get("parts"), "timed_steps": len(keys), "step_times_s": per_step, "median_step_s": median,
+        "parts": meta.get("parts"), "checkpointed_layers": meta.get("checkpointed_layers"), "plan": meta.get("plan"),
+        **cpu, "timed_steps": len(keys), "step_times_s": per_step, "median_step_s": median,
         "samples_per_step": samples, "throughput_samples_s": samples / median if median else None,
         "loss_last": by_rank[0][keys[-1]]["loss"] if keys and 0 in by_rank else None,
         "memory_per_rank": {str(r): v for r, v in mem.items()},
@@ -199,6 +201,32 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | N
         "delayed_fraction": {str(s): f for s, f in delayed_fractions(ranks).items()},
         "prediction": {**pred, "costs": costs, "error": err},
     }
+
+
+def cpu_figures(ranks: dict) -> dict:
+    """This run's CPU per timed step, from the ranks' step records (``cpu_s``: the rank's CPU time,
+    all threads; ``runqueue_wait_s``: the time its threads were runnable but waited for a core):
+    per rank the medians over timed steps, their sum over ranks (the CPU a step asks of the
+    machine), the median share of the step's wall a rank computed, and the largest share of the
+    step a rank's main thread (which runs the instructions) waited for a core. Empty where the
+    records predate them. Pure."""
+    cpu, wait, share_cpu, share_wait = {}, {}, [], []
+    for r, (st, _) in sorted(ranks.items()):
+        timed = [s for s in st["steps"] if not s["warmup"] and s.get("cpu_s") is not None]
+        if not timed:
+            continue
+        cpu[str(r)] = statistics.median(s["cpu_s"] for s in timed)
+        share_cpu.append(statistics.median(s["cpu_s"] / (s["end"] - s["start"]) for s in timed))
+        waits = [s for s in timed if s.get("runqueue_wait_s") is not None]
+        if waits:
+            wait[str(r)] = statistics.median(s["runqueue_wait_s"] for s in waits)
+            share_wait.append(statistics.median(s["runqueue_wait_s"] / (s["end"] - s["start"]) for s in waits))
+    if not cpu:
+        return {}
+    return {"cpu_s_per_step": cpu, "cpu_s_per_step_all_ranks": sum(cpu.values()),
+            "cpu_share_median": statistics.median(share_cpu),
+            "runqueue_wait_s_per_step": wait or None,
+            "runqueue_wait_share_max": max(share_wait) if share_wait else None}
 
 
 def memory_per_rank(ranks: dict) -> dict:
@@ -286,6 +314,8 @@ def combine_rounds(per_round: list[dict | None]) -> dict | None:
         "rounds": len(per_round), "detail_round": detail_i,
         "round_median_step_s": [r.get("median_step_s") if r else None for r in per_round],
         "round_throughput_samples_s": [r.get("throughput_samples_s") if r else None for r in per_round],
+        "round_runqueue_wait_share_max": [r.get("runqueue_wait_share_max") if r else None for r in per_round],
+        "round_cpu_s_per_step_all_ranks": [r.get("cpu_s_per_step_all_ranks") if r else None for r in per_round],
         "median_step_s_min": min(meds), "median_step_s_max": max(meds),
         "throughput_samples_s_min": min(thr), "throughput_samples_s_max": max(thr),
         "step_times_s": [t for _, r in valid for t in r["step_times_s"]],

@@ -42,8 +42,12 @@ from tools.bench.labels import engine_label
 from tools.bench.publish import publish
 from tools.bench.runs import WORKER, worker_args
 from tools.bench.studies import link_calibration
+from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names
 
 NAMES = {1: "one_node", 2: "two_nodes", 4: "four_nodes", 8: "eight_nodes"}
+# a rank that waited for a core longer than this share of the step measured the machine's contention
+WAITED_FOR_CORE = 0.05
+DEFAULT_SCHEDULES = "dp,1f1b,gpipe,hippie,hippie-1f1b,planned,planned-throughput"
 _net: list[StarNetwork] = []
 _jobs: list[WorkerJob] = []
 
@@ -59,7 +63,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.bench scaling", description=__doc__.split("\n\n")[0] + (
                                     " Defaults (any can be given): --model emulated:vgg16 --stages 4 "
                                     "--micro-batch-size 32 --micro-batches 8 --rate 10mbit --burst min --steps 4 "
-                                    "--warmup 2 --rounds 3 --schedules dp,1f1b,gpipe,hippie,hippie-1f1b "
+                                    f"--warmup 2 --rounds 3 --schedules {DEFAULT_SCHEDULES} "
                                     "--out out/bench/scaling."),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="example: sudo .venv/bin/python -m tools.bench scaling --model emulated:vgg16 "
@@ -71,12 +75,16 @@ def parse_args(argv=None):
     p.add_argument("--analyze-only", action="store_true", help="re-analyse OUT/runs of an earlier run (no root)")
     p.add_argument("--calibrate-only", action="store_true", help="time only the link calibration on OUT/runs of an "
                    "earlier run (root), then re-analyse")
+    p.add_argument("--plan-memory", type=float, default=16e9, help="bytes of one device for the planned columns "
+                   "(planned: hippie-ds plan's ME objective; planned-throughput: its throughput objective), x "
+                   "--emulate-scale for the emulated cluster (tools/bench/studies/scaling_plan.py)")
     own, rest = p.parse_known_args(argv)
     defaults = ["--model", "emulated:vgg16", "--stages", "4", "--micro-batch-size", "32", "--micro-batches", "8",
                 "--rate", "10mbit", "--burst", "min", "--steps", "4", "--warmup", "2", "--schedules",
-                "dp,1f1b,gpipe,hippie,hippie-1f1b", "--out", "out/bench/scaling", "--allreduce-cpu-per-mb", "0"]
+                DEFAULT_SCHEDULES, "--out", "out/bench/scaling", "--allreduce-cpu-per-mb", "0"]
     a = bench_args(defaults + rest)
     a.no_single, a.analyze_only, a.calibrate_only = own.no_single, own.analyze_only, own.calibrate_only
+    a.plan_memory, a.planned = own.plan_memory, {}
     # an explicit --link-efficiency replaces the measured ones (link_calibration)
     a.link_efficiency_given = any(x.split("=")[0] == "--link-efficiency" for x in rest)
     try:
@@ -85,6 +93,8 @@ def parse_args(argv=None):
         p.error(f"--nodes {own.nodes!r}: expected integers, e.g. 1,2,4")
     if not a.node_counts or a.node_counts[0] != 1 or len(a.node_counts) < 2:
         p.error(f"--nodes {own.nodes!r}: needs 1 and at least one larger count (scaling is from one node)")
+    if planned_names(a.schedule_list) and not str(a.model).startswith("emulated:"):
+        p.error(f"--schedules {a.schedules!r}: the planned columns plan an emulated model (--model emulated:NAME)")
     a.core_list = [int(c) for c in a.cores.split(",")]
     return a
 
@@ -93,8 +103,9 @@ def run_plan(a) -> list[dict]:
     """The jobs: per node count, one for the pipeline schedules (labels of one worker that runs
     them in interleaved rounds: the processes start once) and, right after it, one for DP alone
     (DP cannot share processes with a pipeline engine: bench_worker.order_labels says why); then
-    the single-device run. Pure."""
-    pipelines = [s for s in a.schedule_list if s != "dp"]
+    the single-device run; each planned column (``PLANNED``) in a job of its own too, the plan's
+    stages, micro-batches and schedule (``a.planned``: the plans made, scaling_plan.make_plans). Pure."""
+    pipelines = [s for s in a.schedule_list if s != "dp" and s not in PLANNED]
     jobs = []
     for n in a.node_counts:
         if pipelines:
@@ -103,6 +114,10 @@ def run_plan(a) -> list[dict]:
         if "dp" in a.schedule_list:
             jobs.append({"config": config_name(n), "nodes": n, "rpn": a.stages, "dir": f"{config_name(n)}_dp",
                          "schedules": ["dp"], "labels": "dp"})
+        for name in planned_names(a.schedule_list):
+            plan = getattr(a, "planned", {}).get((n, name))
+            jobs.append({"config": config_name(n), "nodes": n, "rpn": a.stages, "dir": f"{config_name(n)}_{name}",
+                         "schedules": [name], "labels": plan["schedule"] if plan else name, "plan": plan})
     if not a.no_single:
         jobs.append({"config": "one_device", "nodes": 1, "rpn": 1, "labels": "dp", "dir": "one_device",
                      "schedules": ["dp"]})
@@ -114,9 +129,15 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
     job, the rounds inside the worker, and for 'deferred_stages: auto' (the hippie configs) the costs
     the worker measures on the stock engine in the same job at the link's bandwidth."""
     pipelines = job["labels"] != "dp"
+    planned = job.get("plan")
     args = worker_args(a, {**job, "schedule": "" if pipelines else "dp", "label": job["labels"]},
-                       run_dir, "measured" if pipelines else None)
+                       run_dir, "measured" if pipelines and not planned else None)
     args[args.index("--rounds") + 1] = str(a.rounds)
+    if planned:  # the worker runs the plan through hippie.plan, its stages and batch the plan's
+        for key, value in (("--stages", planned["pipeline_depth"]), ("--micro-batch-size", planned["micro_batch_size"]),
+                           ("--micro-batches", planned["micro_batches"]), ("--global-batch", 0)):
+            args[args.index(key) + 1] = str(value)
+        return args + ["--plan-config", planned["file"]]
     replicas = job["nodes"] * job["rpn"] // a.stages or 1  # DP: the pipelines' global batch, every rank
     args[args.index("--global-batch") + 1] = str(a.micro_batch_size * a.micro_batches * replicas)
     return args + ["--allreduce-bandwidth", str(parse_rate(a.rate) * a.link_efficiency)]
@@ -145,6 +166,8 @@ def measure(a, out: Path) -> float:
     with cleanup_on_signals(_cleanup):
         qdiscs = net.setup(a.rate, a.burst)
         print(f"emulated cluster: {net.describe(qdiscs, with_veths=False)}", flush=True)
+        if not a.calibrate_only:
+            a.planned = make_plans(a, out)
         for i, job in enumerate([] if a.calibrate_only else run_plan(a)):
             run_dir = out / "runs" / job["dir"]
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +179,8 @@ def measure(a, out: Path) -> float:
                 j.run(a.timeout)
             finally:
                 _jobs.remove(j)
-        link_calibration.measure(a, out, net, run_plan(a), a.port + 50, start)
+        if not a.link_efficiency_given:  # an explicit --link-efficiency replaces the measured ones
+            link_calibration.measure(a, out, net, run_plan(a), a.port + 50, start)
     return time.monotonic() - start
 
 
@@ -167,7 +191,7 @@ def analyse(a, out: Path, link: dict | None) -> dict:
     runs = {}
     for job in run_plan(a):
         for s in job["schedules"]:
-            one = {**job, "schedule": s, "label": engine_label(s)}
+            one = {**job, "schedule": s, "label": job["labels"] if job.get("plan") else engine_label(s)}
             measured = link_calibration.efficiency(link, job["nodes"], s)
             a_run = a
             if measured is not None:
@@ -190,9 +214,13 @@ def emulated_memory(r: dict, scale: float) -> float | None:
     return (state + saved) / scale
 
 
-def summarize(runs: dict, node_counts: list[int], scale: float) -> dict:
+def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | None = None,
+              cores: int | None = None) -> dict:
     """Per node count and schedule: ratios to 1F1B and DP per round, scaling from one node per
-    round, scalability, memory and ME against DP (the paper's definitions). Pure."""
+    round, scalability, memory and ME against DP (the paper's definitions); the planned columns'
+    predictions beside their measured figures (``plans``: {(nodes, name): scaling_plan.plan_record});
+    each run's CPU per step against ``cores`` (the cores its nodes were pinned to, at most one per
+    node). Pure."""
     single = ((runs.get("one_device") or {}).get("dp") or {}).get("throughput_samples_s")
     one = runs.get(config_name(1), {})
     out = {"single_device_throughput": single, "by_nodes": {}}
@@ -202,11 +230,51 @@ def summarize(runs: dict, node_counts: list[int], scale: float) -> dict:
         rows = {}
         for s, r in here.items():
             rows[s] = _row(s, r, here, one.get(s) or {}, n, devices, single, scale)
+            rows[s].update(cpu_fields(r, min(n, cores) if cores else None))
         dp_me = (rows.get("dp") or {}).get("me")
         for row in rows.values():
             row["me_vs_dp"] = row["me"] / dp_me if row.get("me") and dp_me else None
+        for s, row in rows.items():
+            if (n, s) in (plans or {}):
+                row.update(planned_fields(row, here[s], plans[(n, s)]))
         out["by_nodes"][str(n)] = rows
     return out
+
+
+def _error(predicted, measured):
+    return (predicted - measured) / measured if predicted is not None and measured else None
+
+
+def planned_fields(row: dict, run: dict, plan: dict) -> dict:
+    """A planned column's plan and its predictions beside the measured row: step, memory per device,
+    ME and ME against DP, each with its error ((predicted - measured) / measured); ``used_plan``: the
+    run's stage boundaries and re-computed layers are the plan's (as its ranks recorded them). Pure."""
+    p = plan["predicted"]
+    return {"plan": {k: plan[k] for k in ("objective", "schedule", "pipeline_depth", "data_parallel",
+                                          "micro_batch_size", "micro_batches", "boundaries", "checkpointed_layers",
+                                          "schedule_params", "deferred_layers", "command", "file")},
+            "used_plan": run.get("parts") == plan["boundaries"] and run.get("checkpointed_layers") == plan[
+                "checkpointed_layers"],
+            "plan_predicted_step_s": p["step_s"], "plan_step_error": _error(p["step_s"], row.get("step_s")),
+            "plan_predicted_memory_bytes": p["memory_bytes"],
+            "plan_memory_error": _error(p["memory_bytes"], row.get("memory_bytes")),
+            "plan_predicted_me": p["me"], "plan_me_error": _error(p["me"], row.get("me")),
+            "plan_predicted_me_vs_dp": p["me_vs_dp"], "plan_me_vs_dp_error": _error(p["me_vs_dp"], row.get("me_vs_dp")),
+            "plan_predicted_by": p["predicted_by"]}
+
+
+def cpu_fields(r: dict, cores: int | None) -> dict:
+    """A run's CPU per step (analysis.cpu_figures) and its verdict: ``waited_for_core`` when in any
+    round a rank waited for a core more than WAITED_FOR_CORE of the step (the run then measures the
+    machine's contention: reported, not averaged in); ``cpu_load_vs_cores``: the CPU every rank asked
+    per step over what ``cores`` give in a step. Pure."""
+    waits = [w for w in (r.get("round_runqueue_wait_share_max") or [r.get("runqueue_wait_share_max")])
+             if w is not None]
+    total, step = r.get("cpu_s_per_step_all_ranks"), r.get("median_step_s")
+    return {"cpu_s_per_step_all_ranks": total, "cpu_share_median": r.get("cpu_share_median"),
+            "runqueue_wait_share_max": max(waits) if waits else None,
+            "waited_for_core": max(waits) > WAITED_FOR_CORE if waits else None, "cores": cores,
+            "cpu_load_vs_cores": total / (step * cores) if total is not None and step and cores else None}
 
 
 def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single, scale: float) -> dict:
@@ -230,9 +298,21 @@ def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single
         "exposed_allreduce_s": r.get("exposed_allreduce_s_per_step"),
         "predicted_step_s": pred.get("step_time"), "prediction_error": pred.get("error"),
         "layout": (f"DP x{r['world']}" if name == "dp" else f"{r['stages']} stages x {r['world'] // r['stages']}"),
+        "micro_batches": r.get("micro_batches"), "micro_batch_size": r.get("micro_batch_size"),
+        "parts": r.get("parts"), "checkpointed_layers": r.get("checkpointed_layers"),
         "deferred_stages": (r.get("schedule_params") or {}).get("deferred_stages"),
         "delayed_fraction": r.get("delayed_fraction"),
     }
+
+
+def machine() -> dict:
+    """The machine that gave the figures: host, CPU model, cores, load when the run ended."""
+    import os
+    import platform
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else None
+    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)), "load_average": list(os.getloadavg())}
 
 
 def main(argv=None) -> int:
@@ -254,14 +334,18 @@ def main(argv=None) -> int:
     from tools.bench.config import config_record
     from tools.bench.studies.scaling_report import report
     config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
-              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts)}
+              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts), "machine": machine(),
+              "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE}
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
         wall = old.get("wall_s")
         config = {**old["config"], "reanalysed_by": a.command}
     link = None if a.link_efficiency_given else link_calibration.load(out)
-    results = {"config": config, "runs": analyse(a, out, link), "wall_s": wall, "link": link}
-    results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale)
+    if not a.planned:
+        a.planned = load_plans(a, out)
+    results = {"config": config, "runs": analyse(a, out, link), "wall_s": wall, "link": link,
+               "plans": {f"{n}/{name}": rec for (n, name), rec in a.planned.items()}}
+    results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale, a.planned, len(a.core_list))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report(results)
     (out / "report.md").write_text(md)

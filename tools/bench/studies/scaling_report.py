@@ -3,7 +3,8 @@ side by side, the scaling pivot, the paper's figures beside ours, the simulator'
 row. Pure functions of results.json's content."""
 from __future__ import annotations
 
-from tools.bench.report import DISPLAY, _f, spread_cell, table
+from tools.bench.report import _f, spread_cell, table
+from tools.bench.studies.scaling_plan_report import cpu_section, machine_line, name_of, planned_section, targets_section
 
 # What the papers report (seeds 000 and 003 in ../shared/seeds), quoted, not measured here.
 PAPER = [
@@ -32,7 +33,9 @@ def nodes_table(rows: dict, n: int) -> list[str]:
     body = []
     for name, r in rows.items():
         layout = r["layout"] + (f", deferred {r['deferred_stages']}" if r.get("deferred_stages") is not None else "")
-        body.append([DISPLAY.get(name, name), layout, spread_cell(r["step_s"], r.get("step_min"), r.get("step_max"),
+        if r.get("plan"):
+            layout += f", {r['micro_batches']} x {r['micro_batch_size']}, {r['plan']['schedule']}"
+        body.append([name_of(name), layout, spread_cell(r["step_s"], r.get("step_min"), r.get("step_max"),
                                                                   "{:.3f}", ""),
                      _spread(r, "vs_1f1b", real=r.get("real_vs_1f1b")), _spread(r, "vs_dp"),
                      "-" if n == 1 else _spread(r, "scaling", suffix=""),
@@ -45,7 +48,7 @@ def nodes_table(rows: dict, n: int) -> list[str]:
 def scaling_pivot(summary: dict) -> list[str]:
     counts = [n for n in summary["by_nodes"] if n != "1"]
     names = list(summary["by_nodes"].get("1", {}))
-    body = [[DISPLAY.get(s, s)] + [_spread(summary["by_nodes"][n].get(s, {}), "scaling", suffix="") for n in counts]
+    body = [[name_of(s)] + [_spread(summary["by_nodes"][n].get(s, {}), "scaling", suffix="") for n in counts]
             for s in names]
     return table(["schedule"] + [f"1 -> {n} nodes ({n} x stages devices)" for n in counts], body)
 
@@ -54,7 +57,7 @@ def paper_table(summary: dict) -> list[str]:
     """The papers' figures beside the nearest emulated ones (the most nodes run)."""
     top = max(summary["by_nodes"], key=int)
     rows = summary["by_nodes"][top]
-    hip = [s for s in ("hippie", "hippie-1f1b") if s in rows]
+    hip = [s for s in ("hippie", "hippie-1f1b", "planned", "planned-throughput") if s in rows]
 
     def each(fmt, value):
         return ", ".join(f"{s} {fmt.format(v)}" for s in hip if (v := value(rows[s])) is not None) or "-"
@@ -65,7 +68,7 @@ def paper_table(summary: dict) -> list[str]:
             f"{top} nodes: " + each("{:.2f}x", lambda r: r.get("me_vs_dp")),
             "memory per device against GPipe+DP: " + each("{:.0%}", lambda r: 1 - r["memory_bytes"] / gp
                                                           if r.get("memory_bytes") and gp else None),
-            f"speed-up 1 -> {top} nodes: " + (", ".join(f"{DISPLAY.get(s, s)} {v:.2f}x" for s, v in speedup.items())
+            f"speed-up 1 -> {top} nodes: " + (", ".join(f"{name_of(s)} {v:.2f}x" for s, v in speedup.items())
                                                or "-"),
             "-"]
     return table(["the papers report (quoted from the seeds; their hardware)", "paper", "emulated here"],
@@ -117,10 +120,14 @@ def report(results: dict) -> str:
                  "(table *Link calibration*)." if results.get("link") else f"{cfg.get('link_efficiency')}."), ""]
     if results.get("link"):
         lines += ["## Link calibration", ""] + link_table(results["link"]) + [""]
+    if machine_line(cfg):
+        lines += [machine_line(cfg), ""]
+    lines += targets_section(summ, model[9:] if model.startswith("emulated:") else model)
     lines += ["## Scaling efficiency from one node", ""] + scaling_pivot(summ)
     lines += ["", "## Against the papers", ""] + paper_table(summ)
     for n, rows in summ["by_nodes"].items():
         lines += ["", f"## {n} node{'s' if n != '1' else ''}", ""] + nodes_table(rows, int(n))
+    lines += [""] + planned_section(summ) + cpu_section(summ, cfg.get("waited_for_core_share", 0.05))
     errs = [abs(r["prediction_error"]) for rows in summ["by_nodes"].values() for r in rows.values()
             if r.get("prediction_error") is not None]
     if errs:

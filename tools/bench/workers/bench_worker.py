@@ -131,6 +131,11 @@ def parse_args():
     p.add_argument("--costs", default=None, help="cost file for 'deferred_stages: auto' in those configs; "
                    "'measured': measured on the stock engine's warm-up in this job")
     p.add_argument("--plan", action="append", default=[], help="LABEL=PLAN_FILE (needs hippie_ds.PipelineModule)")
+    p.add_argument("--plan-config", default=None, metavar="PLAN_FILE",
+                   help="every hippie-ds label runs this plan as a user does: its DeepSpeed config sets only the "
+                        "optimizer and hippie.plan (the plan's schedule, boundaries, re-computed layers, deferral and "
+                        "batch keys), the module built from that config; --stages and the micro-batch size and count "
+                        "are the plan's (the label should be the plan's schedule)")
     p.add_argument("--partition-method", default="uniform", help="PipelineModule partition_method")
     p.add_argument("--core-per-rank", action="store_true",
                    help="pin each local rank to its own core (a bubble is then idle time, not another rank's)")
@@ -170,6 +175,8 @@ def build_engine(a, label: str, world: int, rank: int):
         log(rank, f"building {label} (deepspeed.initialize, data parallel over {world} rank(s))")
         engine = DPEngine(a, world)
         return engine, engine.module, 0, rank, [], schedule
+    if a.plan_config and schedule != STOCK:
+        return build_planned_engine(a, label, world, rank)
     hippie_section = {}
     if schedule != STOCK:
         schedule, hippie_section = schedule_config(a, schedule)
@@ -184,6 +191,34 @@ def build_engine(a, label: str, world: int, rank: int):
     return engine, module, engine.stage_id, engine.grid.data_parallel_id, list(module.parts), schedule
 
 
+def take_plan_shape(a) -> None:
+    """--plan-config: the run's stages, micro-batch size and count are the plan's (the data and
+    the records follow them)."""
+    from hippie_ds.planner import load_plan
+    plan = load_plan(a.plan_config)
+    a.stages, a.micro_batch_size, a.micro_batches = plan.pipeline_depth, plan.micro_batch_size, plan.micro_batches
+
+
+def build_planned_engine(a, label: str, world: int, rank: int):
+    """A label run as a user runs a plan: the DeepSpeed config names the plan under ``hippie.plan``
+    and sets nothing the plan sets (schedule, batch keys, deferral: the plan fills them in), the
+    module is hippie_ds.PipelineModule built from that config (boundaries and re-computed layers)."""
+    from tools.bench.model import BASE_SEED, layer_specs, loss_of
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": a.lr, "torch_adam": True}}, "steps_per_print": 10 ** 9,
+           "hippie": {"plan": os.path.abspath(a.plan_config),
+                      "timeline_dir": os.path.join(a.out, "raw", label, "timeline")}}
+    if a.comm_dtype:
+        cfg["communication_data_type"] = a.comm_dtype
+    log(rank, f"building {label} (hippie_ds.initialize, config hippie.plan = {a.plan_config})")
+    module = hippie_ds.PipelineModule(layers=layer_specs(a), loss_fn=loss_of(a), config=cfg,
+                                      topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
+                                      seed_layers=True, base_seed=BASE_SEED)
+    engine, *_ = hippie_ds.initialize(model=module, model_parameters=[q for q in module.parameters()
+                                                                      if q.requires_grad], config=cfg)
+    schedule = engine.compiled_schedule.name  # the plan's
+    return engine, module, engine.stage_id, engine.grid.data_parallel_id, list(module.parts), schedule
+
+
 def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world, rank) -> dict:
     """What the steps file says of a label's engine on this rank."""
     return {"rank": rank, "stage": stage, "data_parallel_id": replica, "world": world,
@@ -192,7 +227,8 @@ def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world
             "schedule_params": getattr(getattr(engine, "compiled_schedule", None), "params", {}),
             # share of this stage's gradient applied one step late (hippie.deferred_layers)
             "delayed_fraction": engine.delayed_fraction() if hasattr(engine, "delayed_fraction") else None,
-            "parts": parts,
+            "parts": parts, "checkpointed_layers": list(getattr(module, "checkpointed_layers", None) or []),
+            "plan": a.plan_config,
             # the stages holding each tied module (TiedLayerSpec) this rank holds: what its
             # ReduceTiedGrads waits for (the simulator's Costs.tied_groups)
             "tied_stages": {key: sorted({module._topo.get_coord(r).pipe for r in comm["ranks"]})
@@ -200,6 +236,34 @@ def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world
             "micro_batches": (engine.engine.gradient_accumulation_steps() if schedule == DATA_PARALLEL
                               else a.micro_batches),
             "micro_batch_size": a.micro_batch_size}
+
+
+def runqueue_wait_s() -> dict[int, float] | None:
+    """{thread id: seconds it has waited on a run queue} for every thread of this process
+    (/proc/self/task/*/schedstat, second field, ns); None where the kernel keeps no schedstat."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return out or None
+
+
+def wait_between(before: dict | None, after: dict | None, tid: int | None = None) -> float | None:
+    """Run-queue wait between two :func:`runqueue_wait_s` readings: of thread ``tid`` (the main
+    thread, which runs the schedule's instructions), or summed over every thread (a thread born in
+    between counts from 0; one that ended in between is lost; concurrent waits add up). Pure."""
+    if before is None or after is None:
+        return None
+    if tid is not None:
+        return after[tid] - before[tid] if tid in after and tid in before else None
+    return sum(v - before.get(t, 0.0) for t, v in after.items())
 
 
 class Steps:
@@ -219,6 +283,7 @@ class Steps:
             gc.collect()
         cores = os.sched_getaffinity(0)
         ticks0 = core_ticks(cores)
+        waited0, cpu0 = runqueue_wait_s(), time.process_time()
         start = time.perf_counter()
         if tracker is not None:
             tracker.reset_peak()
@@ -228,9 +293,15 @@ class Steps:
             loss = engine.train_batch(self.iters[label])
         get_accelerator().synchronize()  # a GPU's queued kernels are part of the step (no-op on the CPU)
         end = time.perf_counter()
+        cpu, waited = time.process_time() - cpu0, runqueue_wait_s()
         busy, total = (b - a for a, b in zip(ticks0, core_ticks(cores)))
         rec = {"round": rnd, "index": index, "warmup": warmup, "start": start, "end": end, "loss": float(loss),
-               "core_busy": busy / total if total else None}
+               "core_busy": busy / total if total else None,
+               # this rank's CPU time in the step (all its threads) and the time its threads sat runnable
+               # on a run queue, waiting for a core (the kernel's schedstat; the main thread's, and all
+               # threads' summed): a rank that waited for a core measures the machine's contention
+               "cpu_s": cpu, "runqueue_wait_s": wait_between(waited0, waited, os.getpid()),
+               "runqueue_wait_threads_s": wait_between(waited0, waited)}
         if tracker is not None:
             rec["saved_peak_bytes"], rec["saved_after_bytes"] = tracker.peak, tracker.current
         self.records[label].append(rec)
@@ -268,6 +339,8 @@ def main():
     if a.core_per_rank:
         os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", a.local_rank)) % os.cpu_count()})
     torch.set_num_threads(1)
+    if a.plan_config:
+        take_plan_shape(a)
     deepspeed.init_distributed(dist_backend=backend_name(), timeout=timedelta(seconds=a.timeout_s))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     labels = order_labels(a.schedules, measured_costs=a.costs == "measured")
