@@ -53,7 +53,7 @@ class OpInfo:
 
     short: str  # compact notation and timeline label: F3, B3, sA3, ...; "" = the op's full form
     role: str  # load | compute | send | recv | comm | update | weights
-    category: str  # timeline category and the simulator's cost kind
+    category: str  # timeline category (its time: the cost terms below)
     doc: str  # "Roughly: ..." of what the engine does (also the generated instruction class's docstring)
     instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/instructions.py)
     _: KW_ONLY

@@ -42,7 +42,7 @@ RULES: dict[OpKind, Rules] = {
     _K.WAIT_ALLREDUCE: Rules("_wait_allreduce", ("_wait_allreduce",), ("_wait_allreduce",), "_local"),
     _K.COPY_GRADS_TO_BUFFER: Rules("_copy_grads_to_buffer", ("_copy_to_buffer",), (), "_local"),
     _K.APPLY_BUFFERED_UPDATE: Rules("_apply_buffered_update", ("_apply_buffered_update",), ("_update",), "_local"),
-    _K.OPTIMIZER_STEP: Rules("_optimizer_step", ("_update",), ("_update",), "_collective"),
+    _K.OPTIMIZER_STEP: Rules("_pipeline_collective", ("_update",), ("_update",), "_collective"),
     _K.STAGE_OPTIMIZER_STEP: Rules("_stage_optimizer_step", ("_update",), ("_update",), "_local"),
     _K.STASH_WEIGHTS: Rules("_stash_weights", (), ("_stash_weights",), "_local"),
     _K.FREE_WEIGHTS: Rules("_free_weights", (), ("_free_weights",), "_local"),

@@ -275,8 +275,8 @@ class _Sim:
         """Waits for the stages of each of its tied groups in turn, then is free."""
         yield from self._rendezvous(s, op, st, acc, self.costs.tied_groups_of(s))
 
-    def _optimizer_step(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
-        """DeepSpeed's: waits for every stage (the norm over the pipeline), then steps."""
+    def _pipeline_collective(self, s: int, it: int, op: Op, st: "_StageState", acc) -> Iterator:
+        """Waits for every stage (optimizer_step: DeepSpeed's norm over the pipeline), then takes its cost."""
         yield from self._rendezvous(s, op, st, acc, [(None, range(self.K))])
         yield self._cost(s, op.kind)
 
