@@ -15,9 +15,11 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
 from .costs import CommCost, Costs, _comm_dict
+from .ir import OP_INFO
 
-UPDATE_KINDS = ("OptimizerStep", "StageOptimizerStep", "ApplyBufferedUpdate", "CopyGradsToBuffer")
-SEND_KINDS = ("ISendActivation", "ISendGrad")
+# the instructions of the update ops (OP_INFO role "update") and of the non-blocking sends
+UPDATE_KINDS = tuple(info.instruction for info in OP_INFO.values() if info.role == "update")
+SEND_KINDS = tuple(info.nonblocking_instruction for info in OP_INFO.values() if info.nonblocking_instruction)
 DEFAULT_FORWARD_SHARE = 1 / 3  # forward / (forward + backward) when no stage measured both
 
 

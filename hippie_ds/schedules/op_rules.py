@@ -14,11 +14,13 @@ class Rules(NamedTuple):
     stage: tuple[str, ...]  # stage_checks._StageChecker methods, in order: flush schedules' data flow and gradients
     continuous: tuple[str, ...]  # continuous_checks.ContinuousStageChecker methods: steady-state schedules
     communicate: str  # deadlock._Simulation method: how the op takes part in the pipeline's communication
+    # (one that can wait, i.e. not "_local", has a NAME_stuck too: why a stuck stage cannot move)
 
 
 _K = OpKind
 # One function per kind and analysis (several kinds share one only where it reads what differs from
-# OP_INFO: the compute ops' cost terms and gradient flags, the p2p ops' peer, cargo and direction).
+# OP_INFO: the compute ops' cost terms and gradient flags, the p2p ops' peer, cargo and direction, a
+# pipeline collective's cost terms).
 # Loads, the gradient buffer's copy and weight versions take no simulated time; steady-state
 # schedules refuse split backwards and flush-style updates (continuous.py), so their continuous
 # entries check what little applies; wait_sends and reduce_tied_grads are communication only
