@@ -156,6 +156,7 @@ def measure(a, out: Path) -> float:
     """Run every job on the emulated cluster (set up once for the most nodes), then the link
     calibration (``--calibrate-only``: that alone); wall seconds."""
     cluster_preflight("python -m tools.bench scaling", ("ip", "tc", "taskset"))
+    a.load_at_start = list(__import__("os").getloadavg())
     check_cores(a.cores)
     net = StarNetwork("hdss", "10.82.0", max(a.node_counts))
     _net.append(net)
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
     from tools.bench.config import config_record
     from tools.bench.studies.scaling_report import report
     config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
-              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts), "machine": machine(),
+              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts), "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
               "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE}
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())

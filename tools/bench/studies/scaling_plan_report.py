@@ -152,6 +152,8 @@ def machine_line(cfg: dict) -> str:
     m = cfg.get("machine") or {}
     if not m:
         return ""
-    load = ", ".join(f"{x:.1f}" for x in m.get("load_average") or [])
-    return (f"Machine: {m.get('host')} ({m.get('cpu')}, {m.get('cores')} cores, {m.get('cores_usable')} usable; "
-            f"load average {load} when the analysis ran).")
+    def load(key):
+        return "/".join(f"{x:.1f}" for x in m.get(key) or []) or "-"
+    return (f"Machine: {m.get('host')} ({m.get('cpu')}, {m.get('cores')} cores, {m.get('cores_usable')} usable); "
+            f"load average (1/5/15 min) {load('load_average_at_start')} when the runs began, {load('load_average')} "
+            "when the analysis ran.")
