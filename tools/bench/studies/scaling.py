@@ -157,6 +157,7 @@ def measure(a, out: Path) -> float:
     calibration (``--calibrate-only``: that alone); wall seconds."""
     cluster_preflight("python -m tools.bench scaling", ("ip", "tc", "taskset"))
     a.load_at_start = list(__import__("os").getloadavg())
+    a.source = source_state()
     check_cores(a.cores)
     net = StarNetwork("hdss", "10.82.0", max(a.node_counts))
     _net.append(net)
@@ -306,6 +307,22 @@ def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single
     }
 
 
+def source_state() -> dict:
+    """The commit the run measured and the files of the code it ran that differ from it (a tree
+    shared with other work: the planner's uncommitted changes plan too)."""
+    import subprocess
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[3], capture_output=True,
+                                  text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    dirty = git("status", "--porcelain", "--", "hippie_ds", "tools/bench", "schedules")
+    return {"commit": (git("rev-parse", "HEAD") or "").strip() or None,
+            "uncommitted": [line[3:] for line in (dirty or "").splitlines() if line.strip()]}
+
+
 def machine() -> dict:
     """The machine that gave the figures: host, CPU model, cores, load when the run ended."""
     import os
@@ -336,6 +353,7 @@ def main(argv=None) -> int:
     from tools.bench.studies.scaling_report import report
     config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
               "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts), "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
+              "source": getattr(a, "source", None) or source_state(),
               "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE}
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())

@@ -122,6 +122,10 @@ def report(results: dict) -> str:
         lines += ["## Link calibration", ""] + link_table(results["link"]) + [""]
     if machine_line(cfg):
         lines += [machine_line(cfg), ""]
+    src = cfg.get("source") or {}
+    if src.get("commit"):
+        lines += [f"Code: commit {src['commit'][:7]}" + (f", with uncommitted changes in {', '.join(src['uncommitted'])}"
+                                                         if src.get("uncommitted") else "") + ".", ""]
     lines += targets_section(summ, model[9:] if model.startswith("emulated:") else model)
     lines += ["## Scaling efficiency from one node", ""] + scaling_pivot(summ)
     lines += ["", "## Against the papers", ""] + paper_table(summ)
