@@ -43,6 +43,9 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.pipe.p2p": {"": ("_grid", "_groups")},
     # the loss scale DeepSpeedEngine.backward applies (the split backward's input pass applies it alike)
     "deepspeed.runtime.base_optimizer": {"ZeROOptimizer": ("scale_if_loss", )},
+    # fp16 under per-stage updates: the wrapper's scale update and flag check (fp16_stage.py)
+    "deepspeed.runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": ("_update_scale", "fp16_groups", "fp32_groups",
+                                                                           "overflow_checker")},
     # the data-parallel group clip_grad_norm_ averages the norm over (layout_clip.py computes it as stock does)
     "deepspeed.utils.groups": {"": ("_get_data_parallel_group", )},
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},

@@ -163,7 +163,16 @@ def test_precision_paths_and_refusals():
                        r"inside its own machinery.*a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, "
                        r"zb-v$"):
         check_precision(schedules["zb-h1"], _ds_config(**fp16, zero_optimization={"stage": 1, "overlap_comm": True}))
-    for name in ("hippie", "hippie-1f1b", "hippie-zb", "2bw", "pipedream"):
-        with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*dynamic loss scale.*"
+    for name in ("hippie", "hippie-1f1b", "hippie-zb"):  # one pipeline-wide overflow vote per update (fp16_stage.py)
+        check_precision(schedules[name], _ds_config(**fp16))
+        with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*tied across stages.*"
                            r"runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v$"):
+            check_precision(schedules[name], _ds_config(**fp16), tied=True)
+        with pytest.raises(ConfigError, match=rf"schedule '{name}'.*ZeRO stage 0 only.*runs with fp16: 1f1b, gpipe, "
+                           r"interleaved-1f1b, zb-h1, zb-v$"):
+            check_precision(schedules[name], _ds_config(**fp16, **zero1))
+    for name in ("2bw", "pipedream"):
+        with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*before stage 0 has run "
+                           r"the batch's last backward.*runs with fp16: 1f1b, gpipe, hippie, hippie-1f1b, "
+                           r"hippie-interleaved, hippie-zb, interleaved-1f1b, zb-h1, zb-v$"):
             check_precision(schedules[name], _ds_config(**fp16))

@@ -15,14 +15,12 @@ need as instruction arguments, as DeepSpeed's do. What it changes, and why:
   F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
   DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and the
   engine refuses a schedule that would receive another gradient before using the one it holds;
-- handlers for the new instructions (the op table, :mod:`hippie_ds.schedules.ir`); deferred
-  stages' gradient buffer is saved in checkpoints and restored;
+- handlers for the new instructions (the op table, :mod:`hippie_ds.schedules.ir`); the gradient buffer is checkpointed;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
   :mod:`hippie_ds.adapter.staleness`): compute runs on predicted weights, the update applies to the true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls): ops of
   batches in flight run in the next call, ``drain()`` completes them; weight versions (engine_versions);
-- a public hook called after each instruction (``add_instruction_hook``); the per-rank timeline
-  (Chrome trace, measured cost files) is one.
+- a public hook called after each instruction (``add_instruction_hook``); the timeline is one.
 
 Per-stage update semantics (``StageOptimizerStep`` / ``ApplyBufferedUpdate``): the gradient
 norm used for clipping (and bf16's overflow check) is this stage's own norm, reduced over the
@@ -385,8 +383,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         delayed = {id(p) for p in self._gradients.delayed}
         tie_norm = any(id(w) in delayed for w, _ in self._tied_weights())
         with self._gradients.flushing() as due:
-            if due:
-                self._stage_step.step(counters=False, tie_norm=tie_norm)
+            self._stage_step.drain_step(due, tie_norm)
         return due
 
     def _exec_stash_weights(self, batch: int, version: int):

@@ -12,6 +12,7 @@ import contextlib
 import torch
 from deepspeed import comm as dist
 
+from .fp16_stage import Fp16Votes, fp16_unfused
 from .zero_stage import stage_step
 
 
@@ -63,6 +64,8 @@ class StageStep:
         self._store = store
         self.clip_group = clip_group
         self.clips_itself = clips_itself
+        # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
+        self.fp16 = Fp16Votes(engine) if fp16_unfused(engine.optimizer) else None
 
     def local_mpu(self, tie_norm: bool = True) -> _StageLocalMPU:
         """The mpu whose norms reduce over the stage (``tie_norm``: over its tie group, if any)."""
@@ -84,7 +87,7 @@ class StageStep:
         has_mpu = hasattr(optimizer, "mpu")
         mpu, optimizer_mpu = e.mpu, getattr(optimizer, "mpu", None)
         clipping, clip_grad = e._config.gradient_clipping, getattr(optimizer, "clip_grad", None)
-        scheduler, steps, samples = e.lr_scheduler, e.global_steps, e.global_samples
+        scheduler, steps, samples, skipped = e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps
         now = [g["lr"] for g in groups]
         try:
             if lrs is not None:
@@ -110,23 +113,42 @@ class StageStep:
             if clip_grad is not None:
                 optimizer.clip_grad = clip_grad
             if not counters:
-                e.lr_scheduler, e.global_steps, e.global_samples = scheduler, steps, samples
+                e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps = scheduler, steps, samples, skipped
             if lrs is not None:
                 for g, lr in zip(groups, now):
                     g["lr"] = lr
 
-    def step(self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True) -> None:
+    def step(self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True,
+             overflow: bool | None = None) -> None:
         """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only
-        (arguments: :meth:`swapped`'s)."""
+        (arguments: :meth:`swapped`'s). fp16: the update's pipeline-wide overflow decision, voted
+        here unless ``overflow`` gives it."""
+        if self.fp16 is not None and overflow is None:
+            overflow = self.fp16.vote(self._store.params)
         with self.swapped(counters, lrs, tie_norm) as local:
             self._store.count_for_norm()
-            with stage_step(self._engine.optimizer, local):  # ZeRO-1: its partition of .grad, its norm over the stage
-                self._engine._take_model_step(None)
+            with stage_step(self._engine.optimizer, local), \
+                    self.fp16.decided(overflow) if self.fp16 is not None else contextlib.nullcontext():
+                self._engine._take_model_step(None)  # ZeRO-1: its partition of .grad, its norm over the stage
+
+    def drain_step(self, due: bool, tie_norm: bool) -> None:
+        """``drain()``'s step of a deferred stage's buffered gradient (``due``: there is one, in
+        place), the counters left still. fp16: every rank calls it and votes on that update; a rank
+        with nothing to apply moves its loss scale with the others."""
+        overflow = None if self.fp16 is None else self.fp16.vote(self._store.params if due else None)
+        if due:
+            self.step(counters=False, tie_norm=tie_norm, overflow=overflow)
+        elif self.fp16 is not None:
+            self.fp16.update_scale(overflow, counters=False)
 
     def count_only(self) -> None:
-        """No update; the step counters and the LR schedule advance as an update's would."""
+        """No update; the step counters and the LR schedule advance as an update's would (fp16: the
+        rank votes, moves its loss scale with the others, and counts a skipped update as stock does)."""
+        overflow = self.fp16.vote(None) if self.fp16 is not None else False
+        if self.fp16 is not None:
+            self.fp16.update_scale(overflow)
         self._join_tie_norm()
-        self.bookkeeping()
+        self.bookkeeping(schedule=not overflow)
 
     def _join_tie_norm(self):
         """A holder of a tied module that has nothing to apply (a whole deferred stage's first
@@ -145,11 +167,11 @@ class StageStep:
         elif e.gradient_clipping() > 0:
             clip_grad_norm_([zero], e.gradient_clipping(), mpu=local)
 
-    def bookkeeping(self) -> None:
-        """The LR schedule steps and ``global_steps`` / ``global_samples`` advance, as DeepSpeed's
-        ``_take_model_step`` advances them."""
+    def bookkeeping(self, schedule: bool = True) -> None:
+        """The LR schedule steps (unless ``schedule`` is False: a skipped update) and ``global_steps``
+        / ``global_samples`` advance, as DeepSpeed's ``_take_model_step`` advances them."""
         e = self._engine
-        if e.lr_scheduler is not None:
+        if e.lr_scheduler is not None and schedule:
             try:
                 e.lr_scheduler.step()
             except TypeError:  # as DeepSpeed's _take_model_step: Megatron's scheduler takes the samples

@@ -25,6 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
+from .fp16_stage import Fp16Unmoved, fp16_unfused
 from .zero_stage import ZeroUnmoved, is_zero
 
 
@@ -42,7 +43,7 @@ def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
 def supports(optimizer) -> bool:
     """True when :class:`GradStore` knows where ``optimizer`` keeps gradients."""
     # every DeepSpeed wrapper (ZeRO, fp16) derives from DeepSpeedOptimizer; fp32 gets the bare one
-    return (isinstance(optimizer, BF16_Optimizer) or is_zero(optimizer)
+    return (isinstance(optimizer, BF16_Optimizer) or is_zero(optimizer) or fp16_unfused(optimizer)
             or not isinstance(optimizer, DeepSpeedOptimizer))
 
 
@@ -52,8 +53,10 @@ class GradStore:
     def __init__(self, optimizer, params: list[torch.Tensor]):
         self.params = params
         self.bf16 = isinstance(optimizer, BF16_Optimizer)
-        # one flat optimizer partition (BF16_Optimizer, ZeRO-1): a parameter cannot be left out of a step
-        self.flat = self.bf16 or is_zero(optimizer)
+        self.fp16 = fp16_unfused(optimizer)  # FP16_UnfusedOptimizer: fp16 .grad, whole fp32 masters per rank
+        # a parameter cannot be left out of a step: one flat partition (BF16_Optimizer, ZeRO-1), or fp16's
+        # wrapper, which steps a missing gradient as a zero one
+        self.flat = self.bf16 or is_zero(optimizer) or self.fp16
         self._optimizer = optimizer
         # BF16_Optimizer: parameter -> (group, index) of its view into the flat accumulator
         self._slot = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)
@@ -109,6 +112,10 @@ class GradStore:
         whose ``.grad`` is None. BF16_Optimizer steps one flat partition, so those parameters get a
         zero gradient instead (SGD: no change; Adam: zero moments' input, weight decay still
         applies) and drop out of the gradient norm."""
+        if self.fp16:  # a zero gradient, as the wrapper would make: its norm still counts the parameter
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            return
         if not self.bf16:
             for p in params:
                 p.grad = None
@@ -124,6 +131,8 @@ class GradStore:
         None where the step skips them itself (fp32: ``.grad`` None, :meth:`skip`) or there are none."""
         if not self.flat or not params:
             return None
+        if self.fp16:
+            return Fp16Unmoved(params, self._optimizer)
         return Unmoved(params, self._optimizer) if self.bf16 else ZeroUnmoved(params, self._optimizer)
 
     def count_for_norm(self) -> None:

@@ -128,10 +128,12 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names) if names else "none (1f1b and gpipe run on a module with one model chunk per stage)"
 
 
-def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int, str] | None = None) -> None:
+def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int, str] | None = None,
+                    tied: bool = False) -> None:
     """Raise :class:`ConfigError` (one line: the key, the value, what is allowed) when
     ``compiled`` cannot run on the optimizer path the config selects. ``chunks``: (model chunks per
-    stage, layout) the module holds; the schedules named as allowed are those that run on it."""
+    stage, layout) the module holds; the schedules named as allowed are those that run on it.
+    ``tied``: the model ties a module across stages."""
     path = optimizer_path(config_class)
     own = own_gradient_ops(compiled)
     if path in ("fp32", "bf16") or not own:
@@ -142,6 +144,8 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     if path == "fp16" and own <= SPLIT_BACKWARD_KINDS and (config_class.zero_optimization_stage == 0 or
                                                           _grads_on_params(config_class)):
         return  # a split backward: gradients on .grad, the loss scaled as DeepSpeed's backward scales it
+    if path == "fp16" and config_class.zero_optimization_stage == 0 and not compiled.continuous and not tied:
+        return  # per-stage updates with one pipeline-wide overflow decision per update (fp16_stage.py)
     ops = ", ".join(sorted(k.value for k in own))
     allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
                                      chunks))
@@ -160,11 +164,20 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
                           '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
                           "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
                           f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
-    allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS, compiled.stages,
-                                     compiled.micro_batches, chunks))
-    reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an offloaded "
-              "optimizer or a separate accumulation dtype)" if own <= SPLIT_BACKWARD_KINDS else
-              "fp16's dynamic loss scale skips a step when any stage overflows, which a stage that updates apart "
-              "from the others cannot know without a pipeline-wide wait (not built yet)")
+    zero = config_class.zero_optimization_stage
+    allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS or
+                                     (zero == 0 and not c.continuous and not tied),
+                                     compiled.stages, compiled.micro_batches, chunks))
+    if own <= SPLIT_BACKWARD_KINDS:
+        reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
+                  "offloaded optimizer or a separate accumulation dtype)")
+    elif compiled.continuous:
+        reason = ("its stages update a batch before stage 0 has run the batch's last backward, so no pipeline-wide "
+                  "overflow decision exists when they step (an asynchronous vote is not built)")
+    elif zero:
+        reason = "the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 only"
+    else:
+        reason = ("a module tied across stages clips by its holders' joint norm, which the fp16 wrapper reduces "
+                  "per parameter group: not built for per-stage updates")
     raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
                       f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}")

@@ -150,6 +150,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                             g += p.grad / dp
             losses.append(total)
         _sum_tied(grads, slots)
+        precision.inject(t, grads)
         applies = []
         for s, ps in enumerate(stage_params):
             apply = grads[s]
@@ -163,8 +164,9 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
         # the holders of a tied module clip by their joint norm (each holder's gradients counted)
         holders = {s for s, _ in slots}
         joint = _norm([g for s in holders for g in applies[s]]) if holders and clip > 0 else None
+        skip = precision.decide(applies)  # fp16: one overflow decision for the whole update
         for s, ps in enumerate(stage_params):
-            if all(g is None for g in applies[s]):
+            if skip or all(g is None for g in applies[s]):
                 continue
             precision.apply(ps, opts[s], applies[s], clip, joint if s in holders else None)
     return _result(layers), losses
@@ -220,6 +222,13 @@ class Precision:
         """Per stage: (optimizer, the tensors it steps: the parameters or their fp32 masters)."""
         steps = [[p.detach().float().clone() for p in ps] for ps in stage_params] if self.bf16 else stage_params
         return list(zip(_make_optimizers(steps, optimizer, lr), steps))
+
+    def inject(self, step, grads):
+        """Change batch ``step``'s gradients (reference_fp16: an overflow injected)."""
+
+    def decide(self, applies) -> bool:
+        """Whether the update applying ``applies`` (per stage) is skipped (fp16's overflow)."""
+        return False
 
     def apply(self, ps, opt, grads, clip, norm=None):
         optimizer, steps = opt

@@ -32,7 +32,10 @@ def split_name(name):
     (model.seqfirst_layer_specs: stage boundaries after ``x.transpose(0, 1).contiguous()``),
     "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says),
     "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam", "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
-    with DeepSpeed's immediate_grad_update."""
+    with DeepSpeed's immediate_grad_update, "zb-h1+fp16" in fp16 with DeepSpeed's dynamic loss scale (+zero1: on
+    DeepSpeedZeroOptimizer), "zb-h1+attrs" with Megatron's attributes on every parameter (model.megatron_attributes:
+    an int ``stride`` hides ``Tensor.stride()``), "hippie+fp16+ovf1.2" with stage 1's first gradient infinite in
+    step 2 (:func:`inject_overflows`)."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -108,6 +111,17 @@ def crash_in_first_backward(engine, at_step):
             return _handler(self, *args, **kwargs)
         table[kind] = crashing
     engine._INSTRUCTION_MAP = table  # the instance's: looked up before the class's
+
+
+def inject_overflows(engine, opts):
+    """``ovfS.T`` options: stage S's first parameter gets an infinite gradient in step T (every
+    micro-batch, every replica), as an fp16 overflow would (reference_fp16.Fp16's overflow_at)."""
+    for opt in opts:
+        if opt.startswith("ovf"):
+            stage, step = map(int, opt[3:].split("."))
+            if engine.stage_id == stage:
+                first = next(p for p in engine.module.parameters() if p.requires_grad)
+                first.register_hook(lambda g, step=step: g * float("inf") if engine.global_steps == step else g)
 
 
 def parse_args():
@@ -205,6 +219,7 @@ def main():
         _, opts = split_name(name)
         ckpt_at = next((int(o[4:]) for o in opts if o.startswith("ckpt")), None)
         engine = build(name)
+        inject_overflows(engine, opts)
         replica = engine.grid.data_parallel_id
         hook_counts = {}  # the public instruction hook, beside the timeline it also feeds
         if args.timeline and hasattr(engine, "add_instruction_hook"):
@@ -238,6 +253,7 @@ def main():
                 ckpt = os.path.join(args.out, name, "ckpt")
                 engine.save_checkpoint(ckpt, client_state={"next_step": step})
                 engine = build(name)
+                inject_overflows(engine, opts)
                 _, client = engine.load_checkpoint(ckpt)
                 assert client["next_step"] == step
                 it = data(replica, step, opts)

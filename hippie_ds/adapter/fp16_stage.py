@@ -1,0 +1,113 @@
+"""fp16 under per-stage updates (the hippie family): one pipeline-wide overflow decision per update.
+
+DeepSpeed's fp16 wrapper of a torch optimizer (``FP16_UnfusedOptimizer``) skips a step whose
+gradients overflow, lowers its loss scale, and otherwise steps and may raise it; stock takes that
+flag over the whole pipeline inside the one step every stage takes at the flush. hippie-ds's
+stages step apart (an in-step stage as its own backward ends, a deferred stage one batch late), so:
+
+- **One decision per update.** Each rank flags the gradients it is about to apply (any
+  non-finite value: an in-step stage's all-reduced gradient, a deferred stage's buffered gradient
+  of the batch before and its in-step part) and one MAX all-reduce over the whole job ORs the flags
+  (:meth:`Fp16Votes.vote`). Every rank votes exactly once per ``train_batch``: in its one step op
+  (``stage_optimizer_step`` or ``apply_buffered_update``; the hippie family has exactly one per
+  stage and call), and in ``drain()``. The cost: an in-step stage waits in the vote for the earlier
+  stages' backward, so its optimizer step no longer overlaps them (its all-reduce still does).
+- **A skipped update is skipped everywhere**, a deferred stage's buffered gradient included (it is
+  dropped; the batch just run is buffered for the next update as usual); the step counts as
+  DeepSpeed's skipped step (``skipped_steps``, no LR-schedule step).
+- **One scale.** Every rank updates the loss scale once per update with the same flag (in the
+  wrapper's step, or :meth:`Fp16Votes.update_scale` where a rank has nothing to apply).
+- **One divisor.** Every gradient of an update, a deferred stage's buffered one included, is
+  divided by the scale the wrapper unscales that update with. DeepSpeed 0.19's backward does not
+  scale the loss for this wrapper (docs/precision.md), so no gradient carries a scale of its own.
+
+The wrapper's own flag reduction (a collective over the pipeline inside ``step``) is replaced by
+the vote's result for the step's duration (:meth:`Fp16Votes.decided`). ``FP16_Optimizer`` (the fused
+wrapper, DeepSpeed's FusedAdam) and fp16 with ZeRO are refused at start-up for these schedules.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from deepspeed import comm as dist
+
+
+def fp16_unfused(optimizer) -> bool:
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    return isinstance(optimizer, FP16_UnfusedOptimizer)
+
+
+def check_fp16_wrapper(optimizer, schedule: str) -> None:
+    """Refuse an fp16 wrapper other than FP16_UnfusedOptimizer for a per-stage schedule."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    if isinstance(optimizer, FP16_Optimizer):
+        raise ValueError(f"schedule {schedule!r} in fp16 needs DeepSpeed's FP16_UnfusedOptimizer (a torch "
+                         "optimizer: \"optimizer\": {\"params\": {\"torch_adam\": true}} or a client optimizer), "
+                         "not FP16_Optimizer (DeepSpeed's fused Adam), whose step hippie-ds cannot split by stage")
+
+
+class Fp16Votes:
+    """The engine's fp16 decisions (module docstring); None-safe helpers for the engine's steps."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    @property
+    def scale(self) -> float:
+        return float(self._engine.optimizer.loss_scale)
+
+    def vote(self, params: list[torch.Tensor] | None) -> bool:
+        """True when any rank's gradients of ``params`` (this rank's part of the update; None:
+        nothing) hold a non-finite value. A collective of the whole job."""
+        local = any(not bool(torch.isfinite(p.grad).all()) for p in params or () if p.grad is not None)
+        flag = torch.tensor([1.0 if local else 0.0], device=self._engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @contextlib.contextmanager
+    def decided(self, overflow: bool):
+        """Inside: the wrapper's overflow check answers ``overflow`` (no collective of its own)."""
+        checker = self._engine.optimizer.overflow_checker
+        check = checker.check
+        checker.check = lambda *args, **kwargs: overflow
+        try:
+            yield
+        finally:
+            checker.check = check
+
+    def update_scale(self, overflow: bool, counters: bool = True) -> None:
+        """A rank with nothing to apply in an update: the scale moves as the steppers' does, and
+        the step counts as stock counts a skipped one (``counters``: an update that advances them)."""
+        e = self._engine
+        e.optimizer._update_scale(overflow)
+        e.optimizer.overflow = overflow
+        if overflow and counters:
+            e.skipped_steps += 1
+
+
+class Fp16Unmoved:
+    """Around a step that has nothing to apply to ``params`` (a partly deferred stage's ``drain()``):
+    FP16_UnfusedOptimizer steps every parameter of its groups (a missing gradient becomes a zero
+    one, which still moves Adam's weights), so their fp16 weights, fp32 masters and optimizer state
+    are put back afterwards. Local: the wrapper keeps whole masters on every rank."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer):
+        masters = {id(p): m for lows, highs in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                   for p, m in zip(lows, highs)}
+        self.opt_state = optimizer.optimizer.state
+        self.saved = []
+        for p in params:
+            m = masters[id(p)]
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.opt_state.get(m, {}).items()}
+            self.saved.append((p, m, torch.Tensor.clone(torch.Tensor.detach(p)), m.detach().clone(), state))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, m, weight, master, state in self.saved:
+            torch.Tensor.copy_(p, weight)
+            m.copy_(master)
+            if state:
+                self.opt_state[m] = state
+            else:
+                self.opt_state.pop(m, None)

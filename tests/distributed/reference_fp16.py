@@ -1,0 +1,96 @@
+"""The hippie family's rule in fp16, one process: DeepSpeed's FP16_UnfusedOptimizer (a torch optimizer
+under ``"fp16": {"enabled": true}``) with its dynamic loss scale, and one overflow decision per
+update for the whole pipeline (hippie_ds/adapter/fp16_stage.py).
+
+- the model and the data are fp16; each rank's ``.grad`` accumulates its micro-batches in fp16 (the
+  loss divided by the micro-batches, not scaled: DeepSpeed 0.19's backward scales the loss only for
+  its ZeRO-family wrappers); the replicas average on an fp16 wire (each divided by dp, summed);
+- update t applies the in-step stages' gradient of batch t and the deferred stages' buffered one of
+  batch t-1; if any of them holds a non-finite value, the whole update is skipped (the buffer of
+  t-1 dropped) and the scale halves, else the scale may grow (every ``window`` stable updates);
+- a stage's step, as the wrapper's: the fp16 gradients' norm, the scale updated first, the fp32
+  gradients multiplied by 1 / (scale, or scale x the clipping factor), the fp32 masters stepped,
+  the fp16 weights their rounding. A missing gradient steps as a zero one. The wrapper takes one
+  step of zero gradients when it is made (its ``initialize_optimizer_states``: Adam's step count 1,
+  the weight decay applied to the masters once).
+"""
+import math
+
+import torch
+
+from reference import Precision, _make_optimizers
+
+
+class LossScale:
+    """DeepSpeed's dynamic loss scale of FP16_UnfusedOptimizer (``_update_scale``): no hysteresis."""
+
+    def __init__(self, power: int, window: int, min_scale: float = 1.0, factor: float = 2.0):
+        self.scale, self.window, self.min_scale, self.factor = 2.0 ** power, window, min_scale, factor
+        self.iteration, self.last_overflow = 0, -1
+        self.history = []  # (update, skipped)
+
+    def update(self, skip: bool) -> None:
+        if skip:
+            self.scale = max(self.scale / self.factor, self.min_scale)
+            self.last_overflow = self.iteration
+        else:
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.scale *= self.factor
+        self.history.append((self.iteration, skip))
+        self.iteration += 1
+
+
+class Fp16(Precision):
+    """``overflow_at``: {(batch, stage)}: that stage's first parameter gradient of that batch made
+    infinite (what the rank worker's ``+ovfS.T`` injects)."""
+
+    def __init__(self, scale: LossScale, overflow_at=()):
+        super().__init__(comm=torch.float16, flat=True)
+        self.loss_scale = scale
+        self.overflow_at = set(overflow_at)
+
+    def model(self, layers):
+        for layer in layers:
+            (layer.args[0] if hasattr(layer, "args") else layer).half()
+        return layers
+
+    def data(self, x, y):
+        return x.half(), y.half()
+
+    def optimizers(self, stage_params, optimizer, lr):
+        masters = [[p.detach().float().clone() for p in ps] for ps in stage_params]
+        optimizers = _make_optimizers(masters, optimizer, lr)
+        for opt, ms in zip(optimizers, masters):  # the wrapper's initialize_optimizer_states: one step of zeros
+            for m in ms:
+                m.grad = torch.zeros_like(m)
+            opt.step()
+            for m in ms:
+                m.grad = None
+        return list(zip(optimizers, masters))
+
+    def inject(self, step, grads):
+        for s, gs in enumerate(grads):
+            if (step, s) in self.overflow_at and gs:
+                gs[0].mul_(math.inf)
+
+    def decide(self, applies) -> bool:
+        skip = any(not bool(torch.isfinite(g).all()) for gs in applies for g in gs if g is not None)
+        self.loss_scale.update(skip)
+        return skip
+
+    def apply(self, ps, opt, grads, clip, norm=None):
+        optimizer, masters = opt
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, ps)]
+        total = math.sqrt(sum(float(g.float().norm(2)) ** 2 for g in grads))  # get_weight_norm on fp16 grads
+        combined = self.loss_scale.scale
+        if clip > 0:
+            factor = ((total / combined) + 1e-6) / clip
+            if factor > 1:
+                combined = factor * combined
+        for m, g in zip(masters, grads):
+            m.grad = g.float().mul_(1.0 / combined)
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(ps, masters):
+                p.copy_(m)
