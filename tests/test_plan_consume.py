@@ -9,7 +9,7 @@ import torch
 
 from hippie_ds.config import ConfigError, merge_plan
 from hippie_ds.adapter.memory import ActivationMeter
-from hippie_ds.adapter.pipeline_module import check_plan, checkpoint_runs, layer_names, model_fingerprint
+from hippie_ds.adapter.pipeline_module import check_plan, layer_names, recompute_runs, model_fingerprint
 from hippie_ds.planner import load_profile, make_plan, parse_cluster, save_plan
 from hippie_ds.planner.plan_file import PlanMismatchError
 from hippie_ds.planner.recompute import activations_of
@@ -178,9 +178,9 @@ def test_plan_keys_merge_into_the_config(profile, tmp_path):
         merge_plan({"pipeline": {"schedule": "1f1b"}}, keys, "p.json")
 
 
-def test_checkpoint_runs():
-    assert checkpoint_runs([]) == []
-    assert checkpoint_runs([4, 0, 1, 2, 6, 7]) == [(0, 3), (4, 5), (6, 8)]
+def test_recompute_runs():
+    assert recompute_runs([]) == []
+    assert recompute_runs([4, 0, 1, 2, 6, 7]) == [(0, 3), (4, 5), (6, 8)]
 
 
 def test_profile_cli_writes_a_profile_the_planner_reads(tmp_path):

@@ -114,9 +114,9 @@ def test_activation_meter_sees_the_split_free_everything():
 
 
 def test_plan_recomputation_inside_a_split_stage_is_exact():
-    """hippie_ds.adapter.checkpointing (a plan's per-layer re-computation) accepts autograd.grad: its
+    """hippie_ds.adapter.recompute (a plan's per-layer re-computation) accepts autograd.grad: its
     layers' parameter gradients come during I, the rest during W, the sum is bit-identical."""
-    from hippie_ds.adapter.checkpointing import checkpoint_run
+    from hippie_ds.adapter.recompute import recompute_run
 
     class Stage(torch.nn.Module):
         def __init__(self):
@@ -125,7 +125,7 @@ def test_plan_recomputation_inside_a_split_stage_is_exact():
             self.a, self.b = Block(), Block()
 
         def forward(self, x):
-            return self.b(checkpoint_run(self.a, x))
+            return self.b(recompute_run(self.a, x))
 
     for a, b in zip(run_backwards(False, split=False, stage=Stage)[0],
                     run_backwards(False, split=True, stage=Stage)[0]):

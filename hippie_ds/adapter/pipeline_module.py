@@ -14,7 +14,7 @@ explicit boundaries: DeepSpeed issue #2974) and checkpoints every ``interval`` l
   and ``boundaries`` cut K·v parts), ahead of the config's schedule, which ``hippie_ds.initialize``
   merges in from the plan;
 * re-computes exactly the plan's ``checkpointed_layers``: each maximal run of consecutive
-  checkpointed layers of a stage is one :func:`hippie_ds.adapter.checkpointing.checkpoint_run`.
+  checkpointed layers of a stage is one :func:`hippie_ds.adapter.recompute.recompute_run`.
 
 Built without ``config=`` (as Megatron-DeepSpeed's and GPT-NeoX's pipe models build DeepSpeed's
 class), it takes the config the script names (:mod:`hippie_ds.adapter.config_discovery`:
@@ -39,7 +39,7 @@ from ..config import ConfigError, read_config, split_config
 from ..planner.job_shape import format_changes, shape_changes
 from ..planner.plan_file import Plan, PlanMismatchError, load_plan
 from ..planner.profile import PlannerError, fingerprint_of
-from .checkpointing import checkpoint_run
+from .recompute import recompute_run
 from .config_discovery import FoundConfig, discover
 from .module_chunks import ChunkedLayers, chunks_phrase
 from .tensor_calls import tensor_bytes
@@ -241,7 +241,7 @@ def announce(found: FoundConfig, virtual_stages: int, layout: str, plan: Plan | 
         print(line, flush=True)
 
 
-def checkpoint_runs(local: Sequence[int]) -> list[tuple[int, int]]:
+def recompute_runs(local: Sequence[int]) -> list[tuple[int, int]]:
     """Maximal runs [start, stop) of consecutive local layer indices."""
     runs = []
     for i in sorted(local):
@@ -310,7 +310,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
 
     def _chunk_extra(self, start: int, stop: int) -> dict:
         local = [i - start for i in self._checkpointed if start <= i < stop]
-        return {"_local_runs": checkpoint_runs(local)}
+        return {"_local_runs": recompute_runs(local)}
 
     def _build(self):
         if not self.chunked:
@@ -364,7 +364,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
             if stop is None:
                 break
             args = x if isinstance(x, tuple) else (x, )
-            x = checkpoint_run(lambda *a, _s=start, _e=stop: self._run(_s, _e, a[0] if len(a) == 1 else a), *args)
+            x = recompute_run(lambda *a, _s=start, _e=stop: self._run(_s, _e, a[0] if len(a) == 1 else a), *args)
             i = stop
         return x
 

@@ -28,7 +28,7 @@ compute: I keeps the output and a copy of its gradient, W runs the whole backwar
 Parameters that take no part in the stage's output (unused there) get no gradient, as from
 autograd; :func:`check_coverage` refuses the one case the split would get wrong.
 
-Parameters inside a re-entrant activation checkpoint (:mod:`hippie_ds.adapter.checkpointing`) get their
+Parameters inside a re-entrant activation checkpoint (:mod:`hippie_ds.adapter.recompute`) get their
 gradients during I: the checkpoint's backward re-runs its layers and back-propagates through
 them at once. Values and accumulation order are unchanged; only W has less to do.
 

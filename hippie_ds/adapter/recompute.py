@@ -1,6 +1,7 @@
-"""Per-layer activation checkpointing for planned pipeline stages.
+"""Per-layer re-computation for planned pipeline stages (what DeepSpeed and Megatron call activation
+checkpointing; here "checkpoint" means saved training state only).
 
-:func:`checkpoint_run` runs a run of consecutive layers without keeping their activations and
+:func:`recompute_run` runs a run of consecutive layers without keeping their activations and
 re-runs it in the backward. It is reentrant (an ``autograd.Function``, like DeepSpeed's and
 Megatron's), with two differences that matter here:
 
@@ -25,7 +26,7 @@ def _device_rng_state():
     return None
 
 
-class _CheckpointRun(torch.autograd.Function):
+class _RecomputeRun(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, _requires_grad, *inputs):
@@ -64,7 +65,7 @@ class _CheckpointRun(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-def checkpoint_run(run, *inputs):
+def recompute_run(run, *inputs):
     """``run(*inputs)`` without keeping its activations; re-run in the backward."""
     anchor = torch.empty(0, requires_grad=True)
-    return _CheckpointRun.apply(run, anchor, *inputs)
+    return _RecomputeRun.apply(run, anchor, *inputs)
