@@ -76,7 +76,9 @@ from .objectives import check_objective, score
 from .baselines import plan_baselines
 from .evaluate import choose_recompute, deferred_layers, prediction, sim_cost, simulate_configuration
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
-from .plan_file import GB, Baseline, Plan, StagePlan
+from .candidates import runner_ups
+from .noise import time_spread
+from .plan_file import GB, Baseline, Candidate, Plan, StagePlan
 from .plan_file import SCHEDULES
 from .profile import PlannerError, Profile
 from .traits import schedule_traits
@@ -96,6 +98,14 @@ def _check_schedules(schedules: Sequence[str]) -> None:
             load_spec(name)
         except ScheduleError as exc:
             raise PlannerError(f"schedule {name!r}: {exc}; built-in: {', '.join(available())}") from None
+
+
+def _check_boundaries(boundaries: Sequence[int], depths: Sequence[int] | None, n: int) -> None:
+    b = list(boundaries)
+    if not depths or len(depths) != 1:
+        raise PlannerError(f"boundaries {b}: give one pipeline depth with them (depths {depths})")
+    if len(b) < 2 or b[0] != 0 or b[-1] != n or any(y <= x for x, y in zip(b, b[1:])):
+        raise PlannerError(f"boundaries {b}: need strictly increasing entries from 0 to {n} (the layer count)")
 
 
 def _bound(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str) -> float | None:
@@ -122,7 +132,8 @@ class _SearchResult:
 
 
 def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Sequence[int] | None,
-            micro_batch_sizes: Sequence[int] | None, min_micro_batch: int, keep: int) -> _SearchResult:
+            micro_batch_sizes: Sequence[int] | None, min_micro_batch: int, keep: int,
+            boundaries: Sequence[int] | None = None) -> _SearchResult:
     n, P, G = model.n, model.P, model.G
     combos = []
     least_memory = math.inf
@@ -148,8 +159,10 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
                         too_few_layers[sched] = (K, traits.virtual_stages)
                     continue
                 shape = (traits.virtual_stages, traits.layout if traits.virtual_stages > 1 else "interleaved")
+                if boundaries is not None and len(boundaries) != traits.parts + 1:
+                    continue  # given boundaries cut another number of parts
                 if shape not in layouts:
-                    layouts[shape] = model.layout(K, v=shape[0], kind=shape[1])
+                    layouts[shape] = model.layout(K, parts=boundaries, v=shape[0], kind=shape[1])
                 lay = layouts[shape]
                 bound = _bound(model, lay, sched, b, M, objective)
                 if bound is None:
@@ -186,7 +199,8 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
               depths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
               min_micro_batch: int | None = None, state_factor: float | None = None, memory_metric: str = "mean",
               simulate_top: int = 4, simulate_budget: int = 4096, baselines: bool = True,
-              baseline_budget: float = 2e6, staleness_price: float | None = None) -> Plan:
+              baseline_budget: float = 2e6, staleness_price: float | None = None, candidates: int = 5,
+              boundaries: Sequence[int] | None = None) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
     ``objective`` names what is maximized (:mod:`.objectives`: 'me' memory efficiency,
@@ -199,7 +213,9 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     ``staleness_price``: what the chosen plan's deferred layers are priced with
     (``hippie.staleness_price``; None: the rule's default); the plan records it.
     ``state_factor``: training-state bytes per profiled parameter byte (None: the profile's
-    precision decides, :meth:`.profile.Profile.state_factor`)."""
+    precision decides, :meth:`.profile.Profile.state_factor`). ``candidates``: how many runner-ups
+    the plan lists by predicted step (:mod:`.candidates`; 0: none). ``boundaries``: plan this
+    partition (K·v+1 entries, for the one depth in ``depths``) instead of searching one."""
     t0 = time.perf_counter()
     check_objective(objective)
     if memory_metric not in ("mean", "max"):
@@ -219,8 +235,10 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
 
     if min_micro_batch is None:
         min_micro_batch = max(1, profile.batch_size // 16)
+    if boundaries is not None:
+        _check_boundaries(boundaries, depths, model.n)
     found = _search(model, list(schedules), objective, depths, micro_batch_sizes, min_micro_batch,
-                    keep=max(simulate_top, 1))
+                    keep=max(simulate_top, 1), boundaries=boundaries)
     if not found.best:
         if not found.bounded and found.too_few_layers:
             raise PlannerError("too few layers for the schedules' model chunks: " + "; ".join(
@@ -239,9 +257,12 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
 
     from ..schedules.partial_deferral import STALENESS_PRICE
     price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
-    chosen, est, delayed, simulated = _refine(model, found, objective, simulate_top, simulate_budget, cap, price)
+    chosen, est, delayed, simulated, ranked = _refine(model, found, objective, simulate_top, simulate_budget, cap,
+                                                      price)
     compared = plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget) if baselines else []
-    return _to_plan(model, chosen, est, delayed, objective, memory_cap, compared, price, {
+    others = (runner_ups(model, chosen, est, ranked, objective, simulate_budget, cap, price, candidates)
+              if candidates else [])
+    return _to_plan(model, chosen, est, delayed, objective, memory_cap, compared, price, others, {
         "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
         "configurations_evaluated": found.evaluated, "simulated": simulated,
         "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
@@ -250,11 +271,12 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
 
 
 def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: int, simulate_budget: int,
-            cap: float, staleness_price: float) -> tuple[_Candidate, _Estimate, dict, int]:
+            cap: float, staleness_price: float) -> tuple[_Candidate, _Estimate, dict, int, list]:
     """Simulate the best few analytic candidates, choose each one's deferred layers (priced with
     ``staleness_price``), and rank them by the simulated figures at the priced step (step x steps
     factor: a layout that is fast only while whole stages are stale does not win): (the chosen
-    candidate, its estimate, its {deferred stage: LayersChoice}, how many were simulated)."""
+    candidate, its estimate, its {deferred stage: LayersChoice}, how many were simulated, every
+    ranked (score, candidate, estimate, choice))."""
     simulated = 0
     ranked = []
     for cand in found.best[:max(simulate_top, 0)]:
@@ -271,8 +293,8 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
         # Equal objective values (within rounding): prefer less memory, then a shallower pipeline.
         ranked.sort(key=lambda x: (-round(x[0], 9), model.summarize_memory(x[2].memory), x[1].lay.K, x[1].b))
         _, chosen, est, delayed = ranked[0]
-        return chosen, est, delayed, simulated
-    return found.best[0], found.best[0].est, {}, simulated
+        return chosen, est, delayed, simulated, ranked
+    return found.best[0], found.best[0].est, {}, simulated, ranked
 
 
 def _with_parameters(model: _Model, layers: Sequence[int], count: int) -> int:
@@ -307,7 +329,8 @@ def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict)
 
 
 def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, objective: str,
-             memory_cap: float | None, baselines: list[Baseline], price: float, search: dict) -> Plan:
+             memory_cap: float | None, baselines: list[Baseline], price: float, candidates: list[Candidate],
+             search: dict) -> Plan:
     lay, f = cand.lay, cand.b / model.b0
     stages, checkpointed = [], []
     deferred = set(est.deferred)
@@ -335,7 +358,8 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
                 data_parallel=lay.r, micro_batch_size=cand.b, micro_batches=cand.M, schedule=cand.schedule,
                 virtual_stages=lay.v, layout=lay.kind, schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
                 stages=stages, prediction=prediction(model, est), single_device_throughput=model.single_throughput,
-                baselines=baselines, search=search,
+                baselines=baselines, search=search, candidates=candidates,
+                profile_spread=time_spread(model.profile),
                 assumptions={
                     "state_factor": model.state_factor,
                     "staleness_price": price,

@@ -99,6 +99,29 @@ class Baseline(_Strict):
     skipped: str | None = Field(None, description="why it was not evaluated")
 
 
+class Candidate(_Strict):
+    """A runner-up beside the plan (:mod:`.candidates`): another cut of the plan's configuration, or
+    another configuration, with its predicted step."""
+    kind: Literal["cut", "configuration"]
+    pipeline_depth: int = Field(ge=1)
+    data_parallel: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    micro_batches: int = Field(ge=1)
+    schedule: str
+    virtual_stages: int = Field(1, ge=1)
+    boundaries: list[int]
+    checkpointed_layers: list[int] = Field(default_factory=list)
+    step_time: float = Field(ge=0, description="predicted seconds per step")
+    steps_factor: float = Field(1.0, ge=1.0, description="staleness price, as the plan's prediction")
+    objective_value: float = Field(description="the plan's objective for this candidate")
+    memory_max: float = Field(ge=0)
+    predicted_by: Literal["simulator", "analytic"]
+
+    @property
+    def ranked_step(self) -> float:
+        return self.step_time * self.steps_factor
+
+
 class Plan(_Strict):
     """A plan file: what to run and what it is predicted to do."""
 
@@ -129,6 +152,10 @@ class Plan(_Strict):
     prediction: Prediction
     single_device_throughput: float = Field(gt=0, description="samples/s of one device, the scalability reference")
     baselines: list[Baseline] = Field(default_factory=list)
+    candidates: list[Candidate] = Field(default_factory=list, description="runner-ups by predicted step: other cuts "
+                                        "of this configuration, other configurations")
+    profile_spread: float | None = Field(None, ge=0, description="the profile's relative time spread (noise.time_spread): "
+                                         "candidates within it of the plan's step are not told apart by the profile")
     assumptions: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, Any] = Field(default_factory=dict)
 
@@ -317,4 +344,38 @@ def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
     if p.steps_factor > 1.0:
         lines.append(f"the delayed layers are priced at {p.steps_factor:.3f}x the steps to a loss (staleness_price "
                      f"{plan.assumptions.get('staleness_price')}); candidates were ranked by step x that")
+    lines.extend(format_candidates(plan))
     return "\n".join(lines)
+
+
+def within_spread(plan: Plan) -> list[int]:
+    """Indices of the plan's candidates whose priced step is within the profile's spread of the plan's."""
+    if plan.profile_spread is None:
+        return []
+    mine = plan.prediction.step_time * plan.prediction.steps_factor
+    return [i for i, c in enumerate(plan.candidates) if mine > 0 and abs(c.ranked_step / mine - 1) <= plan.profile_spread]
+
+
+def format_candidates(plan: Plan) -> list[str]:
+    """The candidates table beside the plan, and what the profile's spread says of the margins."""
+    if not plan.candidates:
+        return []
+    p = plan.prediction
+    mine = p.step_time * p.steps_factor
+    spread = plan.profile_spread
+    close = set(within_spread(plan))
+    rows = [["plan", f"{plan.pipeline_depth} x {plan.data_parallel}", plan.schedule,
+             f"{plan.micro_batch_size} x {plan.micro_batches}", _short(plan.boundaries, 12), f"{mine * 1e3:.4g}", "-", ""]]
+    for i, c in enumerate(plan.candidates):
+        rows.append([c.kind, f"{c.pipeline_depth} x {c.data_parallel}", c.schedule, f"{c.micro_batch_size} x "
+                     f"{c.micro_batches}", _short(c.boundaries, 12), f"{c.ranked_step * 1e3:.4g}",
+                     f"{(c.ranked_step / mine - 1) * 100:+.1f}%" if mine > 0 else "-",
+                     "within spread" if i in close else ""])
+    said = f"the profile's spread {spread:.0%}" if spread is not None else "the profile records no spread"
+    lines = ["", f"candidates beside the plan, by predicted step ({said}; the plan is chosen by {plan.objective}):",
+             table(["", "stages x dp", "schedule", "mb x M", "boundaries", "step ms", "vs plan", ""], rows)]
+    if close:
+        lines.append(f"the plan's margin over {len(close)} of them is inside the profile's spread ({spread:.0%}): the "
+                     "profile cannot tell which is fastest; measure them on the job (python -m tools.bench cut-sweep "
+                     "--plan PLAN --profile PROFILE)")
+    return lines
