@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "planner": ("tools.bench.studies.planner_time", "wall time of the planner on a synthetic 1,000-layer profile"),
     "cuda-plan": ("tools.bench.studies.cuda_plan", "one GPU: the job profiles itself, the planner plans one stage, "
                                                    "the plan runs: the plan's memory against max_memory_allocated"),
+    "cut-sweep": ("tools.bench.studies.cut_sweep", "a plan's top candidates (cuts, configurations) trained on the GPT "
+                                                   "example in rotated rounds: measured against predicted ranking"),
     "example-costs": ("tools.bench.studies.example_costs", "a training example's cost file (hippie.costs) for "
                                                            "`python -m tools.bench convergence --costs`"),
     "convergence": ("tools.bench.convergence", "time to a target loss: the examples trained per schedule, seeds, "
