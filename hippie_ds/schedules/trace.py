@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple
 
+from .ir import CATEGORY, COMPUTE_KINDS
+
 COMM = "comm"
 
 
@@ -87,7 +89,7 @@ def chrome_trace(events: Iterable[Any], path: str | Path | None = None, time_uni
 
 
 _ASYNC_SEND = "async_send"  # drawing key only: a non-blocking send in flight on the comm track
-_COMPUTE = ("forward", "backward", "forward_backward", "backward_input", "backward_weight")
+_COMPUTE = frozenset(CATEGORY[k] for k in COMPUTE_KINDS)  # the compute ops' categories: boxes with micro-batch numbers
 _COLOURS = {
     "forward": "#4c72b0", "backward": "#55a868", "forward_backward": "#8172b2", COMM: "#dd8452",
     _ASYNC_SEND: "#f0b27a", "p2p": "#d9d9d9", "allreduce": "#c44e52", "optimizer": "#937860", "sync": "#bdbdbd",
