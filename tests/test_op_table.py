@@ -281,3 +281,23 @@ def test_no_op_kind_comparisons_outside_the_op_table():
     stale = {n: (len(found.get(n, [])), allowed) for n, allowed in ALLOWED.items() if len(found.get(n, [])) < allowed}
     assert stale == {}, "ALLOWED lists more comparisons than the module has (found, allowed): shrink or drop its entry"
 
+
+
+def test_the_documented_new_op_needs_only_three_files():
+    """docs/extending.md's dry run (a new instruction) adds an OpKind, its OP_INFO entry, its engine
+    handler and its RULES row: the row's every function exists already, so no fourth file."""
+    from hippie_ds.schedules.op_rules import Rules
+    from hippie_ds.schedules.ir import OpInfo
+    text = (ROOT / "docs/extending.md").read_text()
+    section = text[text.index("## 2. A new instruction"):text.index("## 3.")]
+    code = [c for c in section.split("`") if c.startswith("_K.")]
+    entries = {c.split(":", 1)[1].strip().split("(", 1)[0]: c.split(":", 1)[1].strip() for c in code}
+    assert set(entries) == {"OpInfo", "Rules"}, f"the dry run shows its OP_INFO entry and RULES row: {code}"
+    kinds = type("Kinds", (), {**OpKind.__members__, "__getattr__": lambda self, name: name})()
+    info = eval(entries["OpInfo"], {"OpInfo": OpInfo, "_K": kinds})
+    rules = eval(entries["Rules"], {"Rules": Rules, "_K": kinds})
+    assert all(isinstance(getattr(StageCost, t, None), property) or t in StageCost.model_fields for t in info.cost)
+    assert not info.args and info.handler.startswith("_exec_")
+    for analysis, cls in ANALYSES.items():
+        for name in _names(getattr(rules, analysis)):
+            assert callable(getattr(cls, name, None)), f"the dry run's row names {cls.__name__}.{name}: not there"
