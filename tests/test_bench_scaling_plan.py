@@ -14,7 +14,8 @@ from tools.bench.workers.bench_worker import wait_between
 
 TINY = ["--nodes", "1,2", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--schedules", "planned",
         "--rounds", "1", "--steps", "1", "--warmup", "1", "--emulate-speedup", "20", "--rate", "100mbit",
-        "--link-efficiency", "0.97", "--no-single", "--timeout", "300", "--port", "29720"]
+        "--link-efficiency", "0.97", "--no-single", "--timeout", "300", "--port", "29720",
+        "--network", "hdsp,10.84.0"]  # beside test_bench_scaling's end-to-end study (hdss)
 
 
 def test_the_emulated_profile_is_the_emulated_module_s():
@@ -112,3 +113,4 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
     row = scaling.summarize({"two_nodes": {"planned": run}}, [2], a.emulate_scale,
                             {(2, "planned"): plan_record(tmp_path / "plans" / "2_nodes_planned.json", 1e-3, None)})
     assert row["by_nodes"]["2"]["planned"]["used_plan"]
+    assert "hdsp-" not in __import__("subprocess").run(["ip", "netns", "list"], capture_output=True, text=True).stdout

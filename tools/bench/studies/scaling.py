@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--analyze-only", action="store_true", help="re-analyse OUT/runs of an earlier run (no root)")
     p.add_argument("--calibrate-only", action="store_true", help="time only the link calibration on OUT/runs of an "
                    "earlier run (root), then re-analyse")
+    p.add_argument("--network", default="hdss,10.82.0", metavar="PREFIX,SUBNET",
+                   help="the namespaces' name prefix and /24 subnet: another pair runs beside a study that uses "
+                        "the default (setting a network up first removes one of the same names)")
     p.add_argument("--plan-memory", type=float, default=16e9, help="bytes of one device for the planned columns "
                    "(planned: hippie-ds plan's ME objective; planned-throughput: its throughput objective), x "
                    "--emulate-scale for the emulated cluster (tools/bench/studies/scaling_plan.py)")
@@ -84,7 +87,9 @@ def parse_args(argv=None):
                 DEFAULT_SCHEDULES, "--out", "out/bench/scaling", "--allreduce-cpu-per-mb", "0"]
     a = bench_args(defaults + rest)
     a.no_single, a.analyze_only, a.calibrate_only = own.no_single, own.analyze_only, own.calibrate_only
-    a.plan_memory, a.planned = own.plan_memory, {}
+    a.plan_memory, a.planned, a.network = own.plan_memory, {}, own.network
+    if len(own.network.split(",")) != 2 or len(own.network.split(",")[1].split(".")) != 3:
+        p.error(f"--network {own.network!r}: expected PREFIX,A.B.C, e.g. hdss,10.82.0")
     # an explicit --link-efficiency replaces the measured ones (link_calibration)
     a.link_efficiency_given = any(x.split("=")[0] == "--link-efficiency" for x in rest)
     try:
@@ -159,7 +164,8 @@ def measure(a, out: Path) -> float:
     a.load_at_start = list(__import__("os").getloadavg())
     a.source = source_state()
     check_cores(a.cores)
-    net = StarNetwork("hdss", "10.82.0", max(a.node_counts))
+    prefix, subnet = a.network.split(",")
+    net = StarNetwork(prefix, subnet, max(a.node_counts))
     _net.append(net)
     atexit.register(_cleanup)
     if not a.calibrate_only:
