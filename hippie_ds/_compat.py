@@ -45,18 +45,28 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.base_optimizer": {"ZeROOptimizer": ("scale_if_loss", )},
     # fp16 under per-stage updates: the wrapper's scale update and flag check (fp16_stage.py)
     "deepspeed.runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": ("_update_scale", "fp16_groups", "fp32_groups",
-                                                                           "overflow_checker")},
+                                                                           "overflow_checker"),
+                                                 "": ("get_global_norm", "get_weight_norm")},
     # the data-parallel group clip_grad_norm_ averages the norm over (layout_clip.py computes it as stock does)
     "deepspeed.utils.groups": {"": ("_get_data_parallel_group", )},
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
     # ZeRO-1's internals the per-stage step hands gradients through (public names, but internals all the same)
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "_release_ipg_buffers", "all_grad_tensors", "averaged_gradients", "bit16_groups",
-                                   "bit16_groups_flat", "check_grad_overflow", "compute_grad_norm", "first_offset", "get_all_grad_tensors", "get_flat_partition",
-                                   "gradient_accumulation_dtype", "has_overflow", "model_parallel_group",
+                                   "bit16_groups_flat", "first_offset", "get_all_grad_tensors", "get_flat_partition",
+                                   "gradient_accumulation_dtype", "model_parallel_group",
                                    "model_parallel_rank", "model_parallel_world_size", "parallel_partitioned_bit16_groups",
                                    "params_in_partition", "partition_size", "real_dp_process_group",
-                                   "scaled_global_norm", "single_partition_of_fp32_groups"),
+                                   "single_partition_of_fp32_groups"),
+    },
+}
+
+# Internals hippie-ds relies on without naming them: swapping ZeRO-1's cached model-parallel group
+# (zero_stage._stage_groups) redirects the reductions these methods make to the stage. Checked to
+# exist like SEAMS; tests/test_seams.py checks that every SEAMS entry is used and these are not.
+RELIED_ON: dict[str, dict[str, tuple[str, ...]]] = {
+    "deepspeed.runtime.zero.stage_1_and_2": {
+        "DeepSpeedZeroOptimizer": ("check_grad_overflow", "compute_grad_norm", "has_overflow", "scaled_global_norm"),
     },
 }
 
@@ -107,7 +117,7 @@ def _defines(owner, name: str) -> bool:
 def missing_seams() -> list[str]:
     """The names of :data:`SEAMS` the installed DeepSpeed lacks, as ``module.Class.name``."""
     missing = []
-    for module_name, owners in SEAMS.items():
+    for module_name, owners in [*SEAMS.items(), *RELIED_ON.items()]:
         try:
             module = importlib.import_module(module_name)
         except ImportError:

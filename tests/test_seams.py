@@ -33,6 +33,19 @@ def _used_by_hippie() -> set[str]:
     return used
 
 
+# tools/ reaches DeepSpeed through the adapter (timeline.time_stock_handlers rebinds the stock map for the
+# bench); what it still touches itself, with why
+TOOLS_ALLOWED = {"_topo": "tools/bench/workers/bench_worker.py reads a module's topology for its report"}
+
+
+def test_tools_touch_no_private_deepspeed_name():
+    used = set()
+    for path in ROOT.glob("tools/**/*.py"):
+        used |= set(re.findall(r"\.(_[A-Za-z]\w*)", path.read_text()))
+    touched = sorted((used & _defined_in_deepspeed()) - set(TOOLS_ALLOWED))
+    assert touched == [], f"tools/ touches DeepSpeed internals itself; go through hippie_ds.adapter: {touched}"
+
+
 def test_every_seam_exists_on_the_installed_deepspeed():
     assert _compat.missing_seams() == []
 
@@ -58,3 +71,17 @@ def test_setup_pins_the_range_the_seams_allow():
     lo, hi = _compat.SUPPORTED_DEEPSPEED
     assert _compat.REQUIREMENT == f"deepspeed>={lo[0]}.{lo[1]}.{lo[2]},<{hi[0]}.{hi[1]}"
     _compat.check_deepspeed_version(deepspeed.__version__)
+
+
+def test_every_seam_is_used():
+    """A SEAMS entry is a DeepSpeed internal hippie-ds reaches (as ``.name``, or a string of the name
+    given to getattr/setattr); one nothing uses only narrows the supported range for nothing."""
+    text = "\n".join(p.read_text() for p in [*ROOT.glob("hippie_ds/**/*.py"), *ROOT.glob("tools/**/*.py")]
+                     if p.name != "_compat.py")
+    unused = sorted(f"{module}.{owner + '.' if owner else ''}{name}" for module, owners in _compat.SEAMS.items()
+                    for owner, names in owners.items() for name in names
+                    if not re.search(rf"\.{re.escape(name)}\b|[\"']{re.escape(name)}[\"']|def {re.escape(name)}\(", text))
+    assert unused == [], f"hippie_ds/_compat.py SEAMS lists internals nothing uses: {unused}"
+    named = sorted(name for owners in _compat.RELIED_ON.values() for names in owners.values() for name in names
+                   if re.search(rf"\.{re.escape(name)}\b", text))
+    assert named == [], f"RELIED_ON lists internals hippie-ds names: move them to SEAMS: {named}"

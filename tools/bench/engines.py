@@ -14,7 +14,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 import hippie_ds
-from hippie_ds.adapter.timeline import compute_clock
+from hippie_ds.adapter.timeline import compute_clock, time_stock_handlers
 from tools.bench.labels import DATA_PARALLEL, STOCK, split_layers
 from tools.bench.model import BASE_SEED, DPModel, layer_specs, loss_of
 
@@ -117,22 +117,16 @@ def schedule_config(a, label):
 
 
 def time_stock_instructions(engine):
-    """Give this engine its own ``_INSTRUCTION_MAP`` whose handlers record start/end."""
+    """Record the stock engine's instructions as events (hippie_ds.adapter.timeline.time_stock_handlers)."""
     engine._bench_t0 = time.perf_counter()
     engine._bench_events = []
-    now = compute_clock(engine.device)  # on CUDA: after the compute stream's kernels
 
-    def timed(cls, fn):
-        def run(self, **kwargs):
-            start = now()
-            fn(self, **kwargs)
-            end = now()
-            self._bench_events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__,
-                                       "start": start - self._bench_t0, "end": end - self._bench_t0,
-                                       "step": self.global_steps, "buffer": kwargs.get("buffer_id")})
-        return run
+    def record(cls, kwargs, start, end):
+        engine._bench_events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__,
+                                     "start": start - engine._bench_t0, "end": end - engine._bench_t0,
+                                     "step": engine.global_steps, "buffer": kwargs.get("buffer_id")})
 
-    engine._INSTRUCTION_MAP = {cls: timed(cls, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    time_stock_handlers(engine, record)
 
 
 def timeline_of(engine):
