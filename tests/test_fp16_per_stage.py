@@ -26,6 +26,12 @@ ENGINES = {"hippie+fp16": (), "hippie+fp16+ovf1.1": {(1, 1)}, "hippie+fp16+ovf0.
            "hippie-1f1b+fp16+ovf1.2": {(2, 1)}, "hippie-zb+fp16+ovf0.2": {(2, 0)},
            "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}}
 INTERLEAVED = "hippie-interleaved+fp16+ovf1.1"
+# the tied model (an embedding on stage 0 tied to the head on stage 1): engine -> (deferred stages, their
+# delayed layers, "untied" rule, overflows). "+dl1" delays the tied weight (stage 1 then delays its copy
+# only); the default ("untied") delays stage 0's first untied layer. The holders clip by their joint norm,
+# reduced once (fp16_stage.Fp16Votes.joint_norm).
+TIED = {"hippie+fp16+tied+dl1": ([0, 1], {0: 1, 1: 0}, False, ()), "hippie+fp16+tied": ([0], {0: 3}, True, ()),
+        "hippie-zb+fp16+tied+dl1+ovf1.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 1)})}
 # measured: 0 (the same fp16 and fp32 operations in the same order); one fp16 unit at |w| < 1 is 2**-11
 FP16_TOLERANCE = 2 ** -10
 
@@ -39,7 +45,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-per-stage")
     rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
                         "AdamW", "--lr", LR, "--clip", CLIP, "--deferred-layers", "default", "--engines",
-                        ",".join([*ENGINES, INTERLEAVED]), timeout=900)
+                        ",".join([*ENGINES, INTERLEAVED, *TIED]), timeout=900)
     assert rc == 0, log[-4000:]
     return out
 
@@ -85,3 +91,27 @@ def test_virtual_stages_take_the_same_decision_on_every_rank(trained):
     ranks = _ranks(trained, INTERLEAVED)
     assert {(r["skipped_steps"], r["loss_scale"]) for r in ranks} == {(1, 2.0 ** POWER / 2)}
     assert all(all(torch.isfinite(torch.tensor(r["losses"]))) for r in ranks if r["losses"])
+
+
+@pytest.mark.parametrize("name", list(TIED))
+def test_tied_module_under_one_overflow_decision(trained, name):
+    """A module tied across stages in fp16: every copy stays identical, the run matches its rule
+    (the copies' gradients summed in fp16 over the tie group, clipped by the holders' joint norm:
+    measured 3e-5 to 1.2e-4, fp16's rounding of another sum order), and an overflow skips the
+    update on every rank."""
+    deferred, layers, untied, overflows = TIED[name]
+    ours, losses, parts, params, replicas = collect(trained, name)
+    assert params["deferred_stages"] == deferred
+    ranks = _ranks(trained, name)
+    copies = [r["tied"]["tied"]["weight"] for r in ranks]
+    assert all(torch.equal(c, copies[0]) for c in copies)
+    precision = reference_fp16.Fp16(reference_fp16.LossScale(POWER, WINDOW), overflow_at=overflows)
+    ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, delayed_layers=layers, tied=True,
+                           untied=untied, staleness=StalenessConfig(), optimizer="AdamW", lr=LR, clip=CLIP,
+                           precision=precision)
+    diff = _max_diff(ours, ref)
+    assert diff <= FP16_TOLERANCE, f"{name}: differs from its fp16 reference by {diff}"
+    assert (copies[0] - ref[0]["weight"].float()).abs().max() <= FP16_TOLERANCE
+    skipped = sum(skip for _, skip in precision.loss_scale.history)
+    assert skipped == len(overflows)
+    assert {(r["skipped_steps"], r["loss_scale"]) for r in ranks} == {(skipped, precision.loss_scale.scale)}

@@ -127,8 +127,10 @@ class StageStep:
             overflow = self.fp16.vote(self._store.params)
         with self.swapped(counters, lrs, tie_norm) as local:
             self._store.count_for_norm()
+            joint = self.fp16.joint_norm(self._store.params, local.get_model_parallel_group()) \
+                if self.fp16 is not None and not overflow and tie_norm and self.clip_group is not None else None
             with stage_step(self._engine.optimizer, local), \
-                    self.fp16.decided(overflow) if self.fp16 is not None else contextlib.nullcontext():
+                    self.fp16.decided(overflow, joint) if self.fp16 is not None else contextlib.nullcontext():
                 self._engine._take_model_step(None)  # ZeRO-1: its partition of .grad, its norm over the stage
 
     def drain_step(self, due: bool, tie_norm: bool) -> None:
@@ -160,6 +162,9 @@ class StageStep:
         from deepspeed.runtime.utils import clip_grad_norm_, get_global_norm_of_tensors
         e = self._engine
         local = self.local_mpu()
+        if self.fp16 is not None:
+            self.fp16.joint_norm([], local.get_model_parallel_group())
+            return
         zero = torch.nn.Parameter(torch.zeros(1, device=e.device))
         zero.grad = torch.zeros_like(zero)
         if e.bfloat16_enabled():

@@ -22,8 +22,10 @@ stages step apart (an in-step stage as its own backward ends, a deferred stage o
   scale the loss for this wrapper (docs/precision.md), so no gradient carries a scale of its own.
 
 The wrapper's own flag reduction (a collective over the pipeline inside ``step``) is replaced by
-the vote's result for the step's duration (:meth:`Fp16Votes.decided`). ``FP16_Optimizer`` (the fused
-wrapper, DeepSpeed's FusedAdam) and fp16 with ZeRO are refused at start-up for these schedules.
+the vote's result for the step's duration (:meth:`Fp16Votes.decided`), and so is, on the holders of
+a module tied across stages, its per-parameter-group norm reduction over the tie group: one joint
+norm, reduced once (:meth:`Fp16Votes.joint_norm`). ``FP16_Optimizer`` (the fused wrapper,
+DeepSpeed's FusedAdam) and fp16 with ZeRO are refused at start-up for these schedules.
 """
 from __future__ import annotations
 
@@ -65,16 +67,31 @@ class Fp16Votes:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def joint_norm(self, params: list[torch.Tensor], group) -> float:
+        """The gradient norm of ``params`` joined over ``group`` (a tied module's holders: they clip
+        by it): one all-reduce, the same on every holder whatever its parameter groups."""
+        local = sum(float(torch.Tensor.float(p.grad).norm(2)) ** 2 for p in params if p.grad is not None)
+        total = torch.tensor([local], dtype=torch.float32, device=self._engine.device)
+        dist.all_reduce(total, group=group)
+        return float(total.item()) ** 0.5
+
     @contextlib.contextmanager
-    def decided(self, overflow: bool):
-        """Inside: the wrapper's overflow check answers ``overflow`` (no collective of its own)."""
+    def decided(self, overflow: bool, joint: float | None = None):
+        """Inside: the wrapper's overflow check answers ``overflow`` (no collective of its own); with
+        ``joint``, its gradient norm is that (:meth:`joint_norm`), where it would reduce one norm per
+        parameter group over the tie group (holders with other groups would wait on each other)."""
+        import deepspeed.runtime.fp16.unfused_optimizer as unfused
         checker = self._engine.optimizer.overflow_checker
-        check = checker.check
+        check, weight_norm, global_norm = checker.check, unfused.get_weight_norm, unfused.get_global_norm
         checker.check = lambda *args, **kwargs: overflow
+        if joint is not None:
+            unfused.get_weight_norm = lambda *args, **kwargs: 0.0
+            unfused.get_global_norm = lambda *args, **kwargs: joint
         try:
             yield
         finally:
             checker.check = check
+            unfused.get_weight_norm, unfused.get_global_norm = weight_norm, global_norm
 
     def update_scale(self, overflow: bool, counters: bool = True) -> None:
         """A rank with nothing to apply in an update: the scale moves as the steppers' does, and

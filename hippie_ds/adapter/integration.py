@@ -9,7 +9,7 @@ import os
 
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed
@@ -188,8 +188,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
                           f"with the {placement!r} layout; build it with "
                           f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
     check_tied(model, compiled)
-    check_precision(compiled, config_class, held_chunks(model),
-                    tied=any(isinstance(s, TiedLayerSpec) for s in model._layer_specs))
+    check_precision(compiled, config_class, held_chunks(model))
     if compiled.splits_backward:
         from .split_backward import check_torch_version
         try:

@@ -128,12 +128,10 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names) if names else "none (1f1b and gpipe run on a module with one model chunk per stage)"
 
 
-def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int, str] | None = None,
-                    tied: bool = False) -> None:
+def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int, str] | None = None) -> None:
     """Raise :class:`ConfigError` (one line: the key, the value, what is allowed) when
     ``compiled`` cannot run on the optimizer path the config selects. ``chunks``: (model chunks per
-    stage, layout) the module holds; the schedules named as allowed are those that run on it.
-    ``tied``: the model ties a module across stages."""
+    stage, layout) the module holds; the schedules named as allowed are those that run on it."""
     path = optimizer_path(config_class)
     own = own_gradient_ops(compiled)
     if path in ("fp32", "bf16") or not own:
@@ -144,7 +142,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     if path == "fp16" and own <= SPLIT_BACKWARD_KINDS and (config_class.zero_optimization_stage == 0 or
                                                           _grads_on_params(config_class)):
         return  # a split backward: gradients on .grad, the loss scaled as DeepSpeed's backward scales it
-    if path == "fp16" and config_class.zero_optimization_stage == 0 and not compiled.continuous and not tied:
+    if path == "fp16" and config_class.zero_optimization_stage == 0 and not compiled.continuous:
         return  # per-stage updates with one pipeline-wide overflow decision per update (fp16_stage.py)
     ops = ", ".join(sorted(k.value for k in own))
     allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
@@ -166,7 +164,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
                           f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
     zero = config_class.zero_optimization_stage
     allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS or
-                                     (zero == 0 and not c.continuous and not tied),
+                                     (zero == 0 and not c.continuous),
                                      compiled.stages, compiled.micro_batches, chunks))
     if own <= SPLIT_BACKWARD_KINDS:
         reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
@@ -174,10 +172,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     elif compiled.continuous:
         reason = ("its stages update a batch before stage 0 has run the batch's last backward, so no pipeline-wide "
                   "overflow decision exists when they step (an asynchronous vote is not built)")
-    elif zero:
-        reason = "the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 only"
     else:
-        reason = ("a module tied across stages clips by its holders' joint norm, which the fp16 wrapper reduces "
-                  "per parameter group: not built for per-stage updates")
+        reason = "the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 only"
     raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
                       f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}")

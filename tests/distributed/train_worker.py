@@ -120,7 +120,10 @@ def inject_overflows(engine, opts):
         if opt.startswith("ovf"):
             stage, step = map(int, opt[3:].split("."))
             if engine.stage_id == stage:
-                first = next(p for p in engine.module.parameters() if p.requires_grad)
+                layers = engine.module.local_layers() if hasattr(engine.module, "local_layers") else \
+                    enumerate(engine.module.forward_funcs)  # the stage's first layer's, as reference_fp16 injects
+                first = next(p for _, layer in layers if isinstance(layer, torch.nn.Module)
+                             for p in layer.parameters() if p.requires_grad)
                 first.register_hook(lambda g, step=step: g * float("inf") if engine.global_steps == step else g)
 
 
@@ -184,7 +187,7 @@ def main():
         schedule, opts = split_name(name)
         specs = (emulated.emulated_specs(args.emulated, tiny.MICRO_BATCH_SIZE, speedup=1000.0) if args.emulated else
                  tiny.seqfirst_layer_specs() if "seqfirst" in opts else
-                 tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied else
+                 tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied or "tied" in opts else
                  tiny.layer_specs())
         cfg = config(args, schedule, dp, opts)
         # hippie_ds.PipelineModule builds the model chunks the config's schedule runs (virtual stages)
