@@ -376,5 +376,7 @@ def main(argv=None) -> int:
     (out / "report.md").write_text(md)
     print(md)
     publish(a.publish, ("report.md", "results.json"), base=out)
+    if a.publish and (out / "plans").is_dir():  # the plans run, their inputs and hippie-ds plan's output
+        publish(Path(a.publish) / "plans", sorted((out / "plans").iterdir()))
     fix_owner(out)
     return 0
