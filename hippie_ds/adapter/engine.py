@@ -185,19 +185,15 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
 
     def _exec_steps_of(self, steps):
         """Run steps of (instruction, op) pairs (op None: an instruction of DeepSpeed's own schedules)."""
-        hooks, continuous = list(self._hooks) if self._training else [], self._continuous and self._training
+        hooks = list(self._hooks) if self._training else []
         for step in steps:
             for cmd, op in step:
-                if continuous and op is not None and self._cursor.skips(op.batch):
-                    continue  # a batch that does not exist (pipeline fill) or was drained
-                if op is not None and op.micro_batch is not None:
-                    self._chunks.select(op.chunk)  # virtual stages (chunk_selector)
+                if op is not None and not self._before(op):
+                    continue
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
                 start = self._timeline.now() if hooks else 0.0
-                if self._versions.versioned and op is not None and op.kind in COMPUTE_KINDS and op.version is not None:
-                    self._versions.use_for_compute(self._abs_version(op.batch, op.version))
                 try:
                     MethodType(handler, self)(**cmd.kwargs)
                 except BaseException as exc:  # the others would wait for this rank: end the job now
@@ -208,6 +204,17 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
                                              self._batch_index, cmd)
                     for hook in hooks:
                         hook(event)
+
+    def _before(self, op) -> bool:
+        """Before an op's handler (which takes its kwargs only): False skips it (a batch not there, filling
+        or drained); else its model chunk is selected and a versioned compute op gets its weights."""
+        if self._continuous and self._training and self._cursor.skips(op.batch):
+            return False
+        if op.micro_batch is not None:
+            self._chunks.select(op.chunk)
+        if self._versions.versioned and op.kind in COMPUTE_KINDS and op.version is not None:
+            self._versions.use_for_compute(self._abs_version(op.batch, op.version))
+        return True
 
     def train_batch(self, data_iter=None):
         self._training = True
@@ -238,12 +245,10 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
     def drain(self) -> bool:
         """Complete every batch still in flight (continuous schedules: the last backwards and
         updates of the last ``train_batch``), so that every micro-batch read is applied exactly
-        once; call it on every rank at the end of training. The math does not depend on where
-        drains happen (a batch's weight versions are declared), so training may continue
-        afterwards: the next call fills the pipeline again. For ``hippie``/``hippie-1f1b`` it
-        applies the buffered gradient: on every rank, since its all-reduce is a collective of the
-        stage's data-parallel group; step counters and the LR schedule do not advance. True if
-        anything was done."""
+        once; call it on every rank at the end of training. The math does not depend on where drains
+        happen (weight versions are declared): training may go on, the next call fills the pipeline.
+        For the hippie family it applies the buffered gradient (a collective of the stage's
+        data-parallel group: on every rank); step counters and the LR schedule stay. True if anything was done."""
         if not self._continuous:
             return self._flush_buffered()
         if not self._cursor.in_flight:
@@ -274,13 +279,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         return self._cursor.in_flight
 
     def eval_batch(self, *args, **kwargs):
-        # Evaluation reuses the pipeline buffers: finish the batches in flight first.
-        self.drain() if self._continuous else None
+        self.drain() if self._continuous else None  # evaluation reuses the pipe buffers: in-flight batches first
         return super().eval_batch(*args, **kwargs)
 
     def write_timeline(self, path: str | None = None) -> str | None:
-        """Write this rank's executed-instruction timeline (JSON) of the last ``timeline_steps``
-        train_batch calls; returns the path."""
+        """Write this rank's timeline (JSON) of the last ``timeline_steps`` calls; returns the path."""
         if self._timeline_dir is None and path is None:
             return None
         return self._timeline.write(path or os.path.join(self._timeline_dir, f"rank{self.global_rank}.json"),

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..schedules.ir import CATEGORY, Op, OpKind, op_name
+from ..schedules.ir import CATEGORY, OP_INFO, Op, op_name
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,10 @@ class Timeline:
         self.events.append({"name": event.name, "kind": event.kind,
                             "category": CATEGORY.get(op.kind, "other") if op else "other", "start": start - self.t0,
                             "end": end - self.t0, "step": step, "micro_batch": op.micro_batch if op else None})
-        if op is not None and op.kind == OpKind.START_ALLREDUCE:
+        phase = OP_INFO[op.kind].allreduce if op is not None else ""
+        if phase == "start":
             self._inflight.setdefault(op.target, start)  # set earlier when the all-reduce started early
-        elif op is not None and op.kind == OpKind.WAIT_ALLREDUCE and op.target in self._inflight:
+        elif phase == "wait" and op.target in self._inflight:
             self.events.append({"name": f"allreduce({op.target})", "kind": "AllReduceInFlight", "category": "comm",
                                 "start": self._inflight.pop(op.target) - self.t0, "end": end - self.t0,
                                 "step": step, "micro_batch": None})

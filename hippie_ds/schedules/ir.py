@@ -85,6 +85,7 @@ class OpInfo:
     carries: str = ""
     direction: int = 0
     own_gradients: bool = False  # its handler reads or writes gradients outside DeepSpeed's backward/reduce/step
+    allreduce: str = ""  # "start" | "wait": the ends of an asynchronous all-reduce (a timeline spans them)
 
     @property
     def split_backward(self) -> bool:
@@ -149,10 +150,11 @@ OP_INFO: dict[OpKind, OpInfo] = {
     _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
                                "asynchronously", "StartAllReduce", handler="_exec_start_allreduce",
                                args=("target", "chunk"), placeable=True, targets=START_TARGETS, own_gradients=True,
-                               steady_state=("epilogue", "after")),  # chunk: read with target 'chunk' only
+                               steady_state=("epilogue", "after"), allreduce="start"),  # chunk: read with target 'chunk' only
     _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce",
                               handler="_exec_wait_allreduce", args=("target",), placeable=True,
-                              targets=ALLREDUCE_TARGETS, own_gradients=True, steady_state=("epilogue", "after")),
+                              targets=ALLREDUCE_TARGETS, own_gradients=True, steady_state=("epilogue", "after"),
+                              allreduce="wait"),
     _K.COPY_GRADS_TO_BUFFER: OpInfo("", "update", "buffer", "buffer = grads; grads = 0 (applied next step)",
                                     "CopyGradsToBuffer", handler="_exec_copy_grads_to_buffer", placeable=True,
                                     consumes_grads=True, own_gradients=True),
