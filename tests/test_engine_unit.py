@@ -140,7 +140,8 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
     from hippie_ds.adapter.engine_step import StageStep
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}, {"lr": 0.2}], mpu="stock mpu", clip_grad=1.0)
     engine = SimpleNamespace(optimizer=optimizer, mpu="stock mpu", grid=SimpleNamespace(), lr_scheduler="schedule",
-                             global_steps=7, global_samples=70, _config=SimpleNamespace(gradient_clipping=1.0),
+                             global_steps=7, global_samples=70, skipped_steps=1,
+                             _config=SimpleNamespace(gradient_clipping=1.0),
                              _force_grad_boundary=False)
     before = {**vars(engine), "lrs": [0.1, 0.2], "optimizer_mpu": "stock mpu", "clip_grad": 1.0, "config": 1.0}
 
@@ -154,7 +155,7 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
             assert ([g["lr"] for g in optimizer.param_groups], engine.lr_scheduler) == ([0.5, 0.6], None)
             clipping = (engine._config.gradient_clipping, optimizer.clip_grad, engine._force_grad_boundary)
             assert clipping == (0.0, 0.0, True)
-            engine.global_steps, engine.global_samples = 8, 80  # what _take_model_step would advance
+            engine.global_steps, engine.global_samples, engine.skipped_steps = 8, 80, 2  # what _take_model_step advances
             raise RuntimeError("the step failed")
     assert state() == before
     with stage.swapped(tie_norm=False) as local:  # an update with counters: they advance, the LRs stay the schedule's
