@@ -21,7 +21,16 @@ profile's size. Each run's step is also predicted by hippie-ds's simulator from 
 measured per-stage times and the link, at the efficiency a lone all-reduce of the same shape
 measured on the same network after the runs (tools/bench/studies/link_calibration.py).
 
-Writes OUT/results.json, OUT/report.md (tools/bench/studies/scaling_report.py); ``--publish DIR`` copies them.
+The planned columns (``planned``: hippie-ds plan's ME objective, ``planned-throughput``: its throughput
+objective; tools/bench/studies/scaling_plan.py): per node count the planner plans for that emulated
+cluster, and the plan runs in a job of its own through the DeepSpeed config key ``hippie.plan`` (its
+stages, boundaries, re-computed layers, schedule, deferral and batch); the report sets the plan's
+predicted step, memory and ME beside the measured ones (scaling_plan_report.py). Every step records each
+rank's CPU time and its run-queue wait; a run whose rank waited for a core more than WAITED_FOR_CORE of
+its step is flagged.
+
+Writes OUT/results.json, OUT/report.md (tools/bench/studies/scaling_report.py); ``--publish DIR`` copies them
+(and OUT/plans to DIR/plans).
 """
 from __future__ import annotations
 
