@@ -176,9 +176,9 @@ def main(argv=None) -> int:
         plan_path, profile_path = Path(args.plan).resolve(), Path(args.profile).resolve()
     candidates = candidate_plans(plan_path, profile_path, args.top, out, args.only)
     start_machine = machine()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     measured = measure(args, candidates, out)
     summary = summarize(candidates, measured)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     summary.update(command="python -m tools.bench cut-sweep " + " ".join(map(shlex.quote, argv or sys.argv[1:])),
                    machine=start_machine, machine_after=machine(), commit=commit, steps=args.steps, skip=args.skip,
                    ranks=args.ranks, model_args=args.model_args)
