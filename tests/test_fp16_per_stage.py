@@ -6,7 +6,8 @@ batch is skipped, and so is the deferred stage's update that goes with it) or in
 stage 0's delayed layer (its buffered gradient overflows; the next update is skipped on every stage).
 Each run matches the single-process reference of the rule in fp16 (reference_fp16.Fp16), skips the
 same updates and ends at the same loss scale on every rank; a run resumed from a checkpoint saved
-mid-way (the loss scaler's state and the buffered gradient in it) too.
+mid-way (the loss scaler's state and the buffered gradient in it) too, and ``drain()``'s update
+(``+flush``: every rank votes; the deferred stage applies its last buffer, its in-step layers unmoved).
 """
 import pytest
 import torch
@@ -24,7 +25,7 @@ POWER, WINDOW = 20, 2  # train_worker's "+fp16": initial_scale_power 20, loss_sc
 # (engine, {(batch, stage)} overflowed); ckpt2: saved after 2 steps, resumed in a fresh engine
 ENGINES = {"hippie+fp16": (), "hippie+fp16+ovf1.1": {(1, 1)}, "hippie+fp16+ovf0.1": {(1, 0)},
            "hippie-1f1b+fp16+ovf1.2": {(2, 1)}, "hippie-zb+fp16+ovf0.2": {(2, 0)},
-           "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}}
+           "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}, "hippie+fp16+flush": (), "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)}}
 INTERLEAVED = "hippie-interleaved+fp16+ovf1.1"
 # the tied model (an embedding on stage 0 tied to the head on stage 1): engine -> (deferred stages, their
 # delayed layers, "untied" rule, overflows). "+dl1" delays the tied weight (stage 1 then delays its copy
@@ -65,7 +66,7 @@ def test_one_overflow_decision_per_update_matches_the_rule(trained, name):
         layers, ref_losses = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred_stages,
                                            delayed_layers={s: 1 for s in deferred_stages},
                                            staleness=StalenessConfig(), optimizer="AdamW", lr=LR, clip=CLIP,
-                                           precision=precision)
+                                           precision=precision, flush="flush" in name)
         return layers, ref_losses, precision.loss_scale
 
     ref, ref_losses, scale = rule(deferred)
@@ -74,9 +75,9 @@ def test_one_overflow_decision_per_update_matches_the_rule(trained, name):
     print(f"{name}: |ours - reference| = {diff:.3g}, synchronous rule {_max_diff(sync, ref):.3g}, "
           f"skipped {[u for u, skip in scale.history if skip]}, scale {scale.scale}")
     assert diff <= FP16_TOLERANCE, f"{name}: differs from its fp16 reference by {diff}"
-    assert _max_diff(sync, ref) > 2 * FP16_TOLERANCE
-    skipped = sum(skip for _, skip in scale.history)
-    assert skipped == len(ENGINES[name])  # each injected overflow skipped exactly one update
+    assert _max_diff(sync, ref) > FP16_TOLERANCE  # the rule is told apart (after a drain: 1.5x)
+    assert sum(skip for _, skip in scale.history) == len(ENGINES[name])  # an overflow skips one update
+    skipped = sum(skip for update, skip in scale.history if update < STEPS)  # drain()'s counts no step
     for r in _ranks(trained, name):  # every rank: the same decisions, the same scale
         assert (r["skipped_steps"], r["loss_scale"]) == (skipped, scale.scale), (r["stage"], r["replica"])
         if r["losses"]:

@@ -87,14 +87,15 @@ def _sum_tied(grads, slots):
 
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None, precision=None, tied=False, untied=False):
+        delayed_layers=None, precision=None, tied=False, untied=False, flush=False):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate", "adam": the
     delayed parameters compute on reference_async.adam_predicted) and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
     copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py);
     ``untied`` (``hippie.deferred_layers: "untied"``): in-step on every holder, even among a
-    stage's delayed leading layers."""
+    stage's delayed leading layers. ``flush``: ``drain()`` after the last step (the deferred stages'
+    last buffered gradient applied, one more update; their in-step parameters left as they are)."""
     precision = precision or FP32
     layers = precision.model(build_tied_layers(parts) if tied else tiny.build_layers())
     indexed = _stage_params(layers, parts)
@@ -169,6 +170,12 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             if skip or all(g is None for g in applies[s]):
                 continue
             precision.apply(ps, opts[s], applies[s], clip, joint if s in holders else None)
+    if flush:  # drain(): one more update, the deferred stages' buffers alone
+        applies = {s: [b if late else None for b, late in zip(pending[s], delayed[s])]
+                   for s in deferred if pending[s] is not None}
+        if not precision.decide(list(applies.values())):
+            for s, apply in applies.items():
+                precision.apply_only(stage_params[s], opts[s], apply, clip)
     return _result(layers), losses
 
 
@@ -229,6 +236,10 @@ class Precision:
     def decide(self, applies) -> bool:
         """Whether the update applying ``applies`` (per stage) is skipped (fp16's overflow)."""
         return False
+
+    def apply_only(self, ps, opt, grads, clip):
+        """``apply`` of the parameters with a gradient, the others left unmoved (weights and state)."""
+        self.apply(ps, opt, grads, clip)
 
     def apply(self, ps, opt, grads, clip, norm=None):
         optimizer, steps = opt

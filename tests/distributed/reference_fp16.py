@@ -79,6 +79,20 @@ class Fp16(Precision):
         self.loss_scale.update(skip)
         return skip
 
+    def apply_only(self, ps, opt, grads, clip):
+        """The wrapper steps every parameter (a missing gradient as zeros): the others' fp16 weights,
+        masters and optimizer state are put back afterwards (hippie_ds.adapter.fp16_stage.Fp16Unmoved)."""
+        optimizer, masters = opt
+        kept = [(p, m, p.detach().clone(), m.detach().clone(),
+                 {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state.get(m, {}).items()})
+                for p, m, g in zip(ps, masters, grads) if g is None]
+        self.apply(ps, opt, grads, clip)
+        with torch.no_grad():
+            for p, m, weight, master, state in kept:
+                p.copy_(weight)
+                m.copy_(master)
+                optimizer.state[m] = state
+
     def apply(self, ps, opt, grads, clip, norm=None):
         optimizer, masters = opt
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, ps)]

@@ -260,7 +260,7 @@ def main():
                 _, client = engine.load_checkpoint(ckpt)
                 assert client["next_step"] == step
                 it = data(replica, step, opts)
-        if args.flush and hasattr(engine, "drain"):
+        if (args.flush or "flush" in opts) and hasattr(engine, "drain"):
             engine.drain()
 
         def module_state():
