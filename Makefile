@@ -107,13 +107,14 @@ soak: $(STAMP)
 # deferral of stage 0's first layer, default staleness correction), hippie@auto (the layers chosen
 # from the example's costs at 1 Gbit/s: GPT's measured by `make bench-gpt`, VGG's from a profile,
 # python -m tools.bench example-costs), hippie@all (all of stage 0 delayed: the paper's rule), hippie@all:none
-# (no correction), 2bw and 2bw:none (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after
-# another; same global batch, weights and data order.
+# (no correction), 2bw, 2bw:adam (Adam's predicted update, hippie.staleness.method "adam") and 2bw:none
+# (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after another; same global batch, weights and
+# data order.
 # Time to accuracy uses the GPT-shape step times at 1 Gbit/s and 250 Mbit/s in
 # docs/convergence/bench_gpt/ (re-measure: `sudo make bench-gpt`). Writes $(OUT)/convergence/ and
-# copies the pictures and results to docs/convergence/. About 110 minutes on 2 cores; e.g. `make
+# copies the pictures and results to docs/convergence/. About 120 minutes on 2 cores; e.g. `make
 # convergence CONVERGENCE_ARGS="--examples vgg --seeds 0"`.
-CONVERGENCE_SCHEDULES ?= dp,1f1b,hippie,hippie@auto,hippie@all,hippie@all:none,2bw,2bw:none
+CONVERGENCE_SCHEDULES ?= dp,1f1b,hippie,hippie@auto,hippie@all,hippie@all:none,2bw,2bw:adam,2bw:none
 CONVERGENCE_STEP_TIMES ?= gpt=docs/convergence/bench_gpt/1gbit.json+docs/convergence/bench_gpt/250mbit.json
 CONVERGENCE_COSTS ?= gpt=docs/convergence/bench_gpt/1gbit.costs.json,vgg=docs/convergence/costs/vgg-1gbit.json
 CONVERGENCE_ARGS ?=

@@ -194,3 +194,32 @@ def test_adam_correction_refuses_optimizers_it_cannot_read():
         with pytest.raises(ConfigError, match=r'"hippie.staleness.method" = "adam".*torch.optim.AdamW.*"extrapolate"'):
             source_of(opt, 1.0)
     assert source_of(torch.optim.Adam(params, lr=0.1), 1.0).kind == "adam"  # L2 decay: in the moments
+
+
+def test_adam_per_version_uses_the_made_weights_when_no_compute_has_used_the_version():
+    """A version no compute has swapped in when the next update is made computes on W(v) + c
+    (W(v+1) - W(v)) (2bw's last stage); one already used keeps Adam's prediction."""
+    from hippie_ds.adapter.adam_prediction import source_of
+    for used, c in ((False, 1.0), (False, C), (True, 1.0)):
+        params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+        opt = torch.optim.AdamW(params, lr=0.02)
+        prediction = make_prediction(StalenessConfig(method="adam", coefficient=c))
+        prediction.bind(source_of(opt, c), params)
+        flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
+        history = [flat()]
+        for version in (1, 2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            history.append(flat())
+            prediction.record(version, [history[version] - history[version - 1]])
+            if version == 1:
+                adams = prediction.predicted(1, None)[0].clone()  # Adam's prediction of version 1
+                if used:  # a compute swaps version 1 in before update 2
+                    assert prediction.knows(1)
+        [seen] = prediction.predicted(1, None)
+        if used:
+            assert torch.equal(seen, adams)
+        else:
+            assert torch.allclose(seen, history[1] + c * (history[2] - history[1]), atol=1e-7, rtol=0)
+            assert c != 1 or torch.equal(seen, history[2])

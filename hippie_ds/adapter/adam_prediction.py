@@ -18,6 +18,14 @@ the rate of the call in which the next update is made, or one scheduler step bef
 parameter the optimizer has not stepped yet (no state) is predicted unchanged. The prediction of
 W(0) is W(0) (nothing known yet), as ``extrapolate``'s.
 
+Where nothing needs predicting. A stage that makes W(v+1) before its first compute on version v
+computes on the made weights instead: ``W(v) + c (W(v+1) - W(v))``, W(v+1) itself at c = 1.
+``2bw``'s last stage is such a stage (it updates at the end of a call, and the next call's
+micro-batches all compute on the version before), so with ``adam`` it follows the synchronous
+rule; on the other stages a micro-batch computes on version v before that update (its backward
+must see its forward's weights), so they keep Adam's prediction (:class:`AdamVersionPrediction`
+decides per version, from the order the engine actually runs).
+
 Where it is computed. fp32 (no ZeRO): the optimizer steps the module's parameters, each rank holds
 every moment of its stage, and computes ``W_hat`` locally. bf16 and bf16 + ZeRO-1
 (``BF16_Optimizer``): the fp32 master weights and the moments are partitioned over the stage's
@@ -87,6 +95,9 @@ def predicted_update(optimizer, kind: str, param: torch.Tensor, weights: torch.T
 class _Fp32Source:
     """fp32: the optimizer steps the module's parameters themselves."""
 
+    def install(self) -> None:
+        pass
+
     def __init__(self, optimizer, kind: str, coefficient: float):
         self.optimizer, self.kind, self.coefficient = optimizer, kind, coefficient
         self.groups = {id(q): g for g in optimizer.param_groups for q in g["params"]}
@@ -115,7 +126,10 @@ class _Bf16Source:
             for param in group:
                 self.where[id(param)] = (i, (torch.Tensor.data_ptr(param) - flat.data_ptr())
                                          // torch.Tensor.element_size(param))
-        bf16_optimizer.update_lp_params = self.update_lp_params  # the instance's; DeepSpeed's step calls it
+
+    def install(self) -> None:
+        """Only on a stage that predicts (the others keep DeepSpeed's all-gather as it is)."""
+        self.outer.update_lp_params = self.update_lp_params  # the instance's; DeepSpeed's step calls it
 
     @torch.no_grad()
     def _predicted_partition(self, i: int) -> torch.Tensor:
@@ -178,16 +192,27 @@ def source_of(optimizer, coefficient: float):
 class AdamVersionPrediction(WeightPrediction):
     """2bw's stages (per version): W_hat(v) is computed once, right after the update that made
     W(v) (:meth:`record`), and kept while compute may use version v (``deltas`` holds the
-    predicted weights, flat, as the version store does)."""
+    predicted weights, flat, as the version store does).
+
+    Where the stage makes W(v+1) before its first compute on version v (2bw's last stage: it
+    updates at the end of a call, and the next call's micro-batches all compute on the version
+    before), nothing needs predicting: version v computes on W(v) + c (W(v+1) - W(v)), the made
+    weights themselves at c = 1. A version is decided at the update after it, once: one that
+    compute has used by then keeps Adam's prediction (a backward sees its forward's weights)."""
     method = METHOD
 
     def __init__(self, coefficient: float):
         super().__init__(coefficient)
         self.source = None
         self.params: list[torch.Tensor] | None = None
+        self.used: set[int] = set()  # versions compute has swapped in (their prediction is fixed)
 
     def bind(self, source, params: list[torch.Tensor]) -> None:
         self.source, self.params = source, params
+
+    def knows(self, version: int) -> bool:
+        self.used.add(version)  # WeightVersions asks before every compute on ``version``
+        return super().knows(version)
 
     @torch.no_grad()
     def predicted(self, version: int, true: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -195,12 +220,26 @@ class AdamVersionPrediction(WeightPrediction):
 
     @torch.no_grad()
     def record(self, version: int, delta: list[torch.Tensor]) -> None:
-        """Called right after the update that made W(version); ``delta`` (W(version) - W(version-1))
-        is not used: the prediction is read from the optimizer."""
+        """Called right after the update that made W(version), with ``delta`` = W(version) -
+        W(version - 1): W_hat(version) from the optimizer, and version - 1 made exact if no compute
+        has used it yet (class docstring)."""
         if self.source is None:
             raise RuntimeError('hippie.staleness.method "adam": the prediction was not bound to the optimizer')
         from torch._utils import _flatten_dense_tensors
+        made = _flatten_dense_tensors([torch.Tensor.detach(param) for param in self.params])
+        before = version - 1
+        if before in self.deltas and before not in self.used:
+            self.deltas[before] = [made if self.coefficient == 1 else
+                                   torch.add(made, delta[0], alpha=self.coefficient - 1)]
         self.deltas[version] = [_flatten_dense_tensors(self.source.predicted(self.params))]
+        self.used = {v for v in self.used if v >= before}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "used": sorted(self.used)}
+
+    def load_state_dict(self, state: dict, device, params=None) -> None:
+        super().load_state_dict(state, device, params)
+        self.used = set(state.get("used", ())) if state.get("method") == self.method else set()
 
 
 class AdamInPlacePrediction(InPlacePrediction):
@@ -277,4 +316,5 @@ def bind(engine, staleness) -> None:
     source = source_of(engine.optimizer, staleness.coefficient)
     prediction = engine._gradients.prediction or engine._versions.prediction
     if prediction is not None:
+        source.install()
         prediction.bind(source, engine._params)

@@ -79,8 +79,9 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     (``hippie.staleness``), batch t computes on W(t-1) + c * (W(t-1) - W(t-2)) instead (no
     prediction while t-1 < 1: version 0 has no previous update); with ``adam`` on
     :func:`adam_predicted` of W(t-1), from the optimizer's state right after the update that made
-    W(t-1). ``tied``: the tied model, its copies ``tie_lag`` updates later (:func:`_lag_tied`),
-    clipped apart (:func:`_clip_apart`)."""
+    W(t-1), except on the last stage, which has made W(t) before batch t computes: there on
+    W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1). ``tied``: the tied model, its copies ``tie_lag`` updates
+    later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`)."""
     precision = precision or FP32
     layers, stage_params, slots = _continuous_model(parts, precision, tied)
     tie_sums = []
@@ -98,7 +99,10 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         if extrapolate and v >= 1:
             compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
         if adam and v >= 1:
-            compute = predicted[v]
+            last = len(everything) - len(stage_params[-1])  # the last stage's tensors: the made W(t)
+            made = [w + staleness.coefficient * (n - w) if staleness.coefficient != 1 else n.clone()
+                    for w, n in zip(history[v][last:], current[last:])]
+            compute = predicted[v][:last] + made
         _load(everything, compute)
         if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,

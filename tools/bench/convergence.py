@@ -22,7 +22,8 @@ cluster); --publish DIR copies those to DIR. The tables and pictures are
 tools/bench/convergence_report.py.
 
 A name NAME:METHOD[=C] runs schedule NAME with hippie.staleness {"method": METHOD, "coefficient":
-C}, e.g. hippie:none (no correction) or hippie:extrapolate=1.5; its runs go to NAME_METHODC.
+C}, e.g. hippie:none (no correction), hippie:extrapolate=1.5 or 2bw:adam (Adam's predicted update);
+its runs go to NAME_METHODC.
 NAME@L sets hippie.deferred_layers = L (partial deferral: a deferred stage delays only its first
 L layers), e.g. hippie@1 or hippie@1:none; NAME@all sets it to "all" (the whole deferred stage is
 delayed: the paper's rule); its runs go to NAME@L. NAME@auto sets it to "auto" (chosen per deferred
