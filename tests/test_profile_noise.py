@@ -31,7 +31,8 @@ def test_identical_layers_share_the_pooled_median_and_keep_their_own_ratio():
     out, groups = pool(records, ["k", "k", "k", "k", "head"])
     assert groups == [[0, 1, 2, 3]]
     pooled = {(r["forward"], r["backward"], r["recompute"], r["spread"]) for r in out[:4]}
-    assert len(pooled) == 1 and out[0]["forward"] == pytest.approx(1.05 * MS)  # median of 12 runs: the busy one moves it little
+    # the median of 12 runs: the busy member's moves it little
+    assert len(pooled) == 1 and out[0]["forward"] == pytest.approx(1.05 * MS)
     assert out[0]["backward"] == 2 * MS and out[0]["backward_weight"] == 0.5 * MS
     assert out[1]["own_ratio"] == pytest.approx((3 + 6) / (1.05 + 2)) and out[0]["own_ratio"] == pytest.approx(3 / 3.05)
     assert "own_ratio" not in out[4] and out[4]["forward"] == 4 * MS and out[4]["spread"] == 0

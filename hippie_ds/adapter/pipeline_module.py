@@ -171,7 +171,8 @@ def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num
         changes = shape_changes(plan, stages=num_stages, world_size=world_size, stages_from=kind)
         again = f" --stages {num_stages}" if num_stages else ""
         raise PlanMismatchError(
-            f"this job has {' on '.join(has)}, but the plan for {plan.model!r} has {plan.pipeline_depth} stages{chunks} "
+            f"this job has {' on '.join(has)}, but the plan for {plan.model!r} has {plan.pipeline_depth} "
+            f"stages{chunks} "
             f"x {plan.data_parallel} data-parallel replicas on {plan.world_size} ranks (boundaries {plan.boundaries}). "
             + format_changes(changes, "To run this plan, change:")
             + f"\nOr plan for this job's shape: hippie-ds plan --profile ...{again} (a profile measured in place "

@@ -33,6 +33,11 @@ shape (only the cuts, re-computation and schedule are searched) unless --stages 
 --micro-batch-size or --global-batch say otherwise, and says so; a plan of another shape prints the
 changes the job needs (the model's pipeline size, the launcher's rank count, the batch keys).
 
+Beside the plan it prints its runner-ups (other cuts of its configuration, other configurations)
+with their predicted steps, and which of them are within the profile's spread of the plan: the
+profile cannot tell those apart (python -m tools.bench cut-sweep measures them). A profile whose
+identical layers disagree by more than 25% is named noisy (on stderr).
+
 examples:
   hippie-ds plan --profile vgg16.txt --cluster 4x4,16GB,100Gbit --global-batch 2048 --out plan.json
   hippie-ds plan --profile model.yaml --cluster cluster.yaml --global-batch 512 --objective throughput \\

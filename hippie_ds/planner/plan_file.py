@@ -154,7 +154,8 @@ class Plan(_Strict):
     baselines: list[Baseline] = Field(default_factory=list)
     candidates: list[Candidate] = Field(default_factory=list, description="runner-ups by predicted step: other cuts "
                                         "of this configuration, other configurations")
-    profile_spread: float | None = Field(None, ge=0, description="the profile's relative time spread (noise.time_spread): "
+    profile_spread: float | None = Field(None, ge=0, description="the profile's relative time spread "
+                                         "(noise.time_spread): "
                                          "candidates within it of the plan's step are not told apart by the profile")
     assumptions: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, Any] = Field(default_factory=dict)
@@ -353,7 +354,8 @@ def within_spread(plan: Plan) -> list[int]:
     if plan.profile_spread is None:
         return []
     mine = plan.prediction.step_time * plan.prediction.steps_factor
-    return [i for i, c in enumerate(plan.candidates) if mine > 0 and abs(c.ranked_step / mine - 1) <= plan.profile_spread]
+    return [i for i, c in enumerate(plan.candidates)
+            if mine > 0 and abs(c.ranked_step / mine - 1) <= plan.profile_spread]
 
 
 def format_candidates(plan: Plan) -> list[str]:
@@ -365,14 +367,16 @@ def format_candidates(plan: Plan) -> list[str]:
     spread = plan.profile_spread
     close = set(within_spread(plan))
     rows = [["plan", f"{plan.pipeline_depth} x {plan.data_parallel}", plan.schedule,
-             f"{plan.micro_batch_size} x {plan.micro_batches}", _short(plan.boundaries, 12), f"{mine * 1e3:.4g}", "-", ""]]
+             f"{plan.micro_batch_size} x {plan.micro_batches}", _short(plan.boundaries, 12), f"{mine * 1e3:.4g}",
+             "-", ""]]
     for i, c in enumerate(plan.candidates):
         rows.append([c.kind, f"{c.pipeline_depth} x {c.data_parallel}", c.schedule, f"{c.micro_batch_size} x "
                      f"{c.micro_batches}", _short(c.boundaries, 12), f"{c.ranked_step * 1e3:.4g}",
                      f"{(c.ranked_step / mine - 1) * 100:+.1f}%" if mine > 0 else "-",
                      "within spread" if i in close else ""])
     said = f"the profile's spread {spread:.0%}" if spread is not None else "the profile records no spread"
-    lines = ["", f"candidates beside the plan, by predicted step ({said}; the plan is chosen by {plan.objective}):",
+    lines = ["", f"candidates beside the plan, by predicted step ({said}; the plan is chosen by the "
+                 f"{plan.objective} objective):",
              table(["", "stages x dp", "schedule", "mb x M", "boundaries", "step ms", "vs plan", ""], rows)]
     if close:
         lines.append(f"the plan's margin over {len(close)} of them is inside the profile's spread ({spread:.0%}): the "
