@@ -176,6 +176,10 @@ def test_the_refusal_names_num_stages_when_the_module_was_given_it(tmp_path):
         hippie_ds.PipelineModule(layers=specs(), num_stages=2, config={"hippie": {"plan": str(tmp_path / "plan.json")}})
     assert "this job has 2 pipeline stages (from num_stages=2), but" in str(info.value)
     assert "- pipeline stages 2 -> 4: num_stages=4 where the PipelineModule is built\n" in str(info.value)
+    with pytest.raises(PlanMismatchError) as info:  # a script's own topology=, no model class of its own
+        hippie_ds.PipelineModule(layers=specs(), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=2),
+                                 config={"hippie": {"plan": str(tmp_path / "plan.json")}})
+    assert "(from topology= (a PipeModelDataParallelTopology with pipe=2, data=2, model=1))" in str(info.value)
 
 
 def test_initialize_names_a_stock_modules_topology(tmp_path):

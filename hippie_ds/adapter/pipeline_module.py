@@ -281,7 +281,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         if resolved is not None:
             world = dist.get_world_size() if dist.is_initialized() else None
             check_plan(resolved, layers, world_size=world, num_stages=stages, virtual_stages=virtual_stages,
-                       layout=layout, stages_from=stages_source(stages, topology, type(self).__name__))
+                       layout=layout, stages_from=stages_source(stages, topology, self._owner()))
             if topology is None and num_stages is None:
                 num_stages = resolved.pipeline_depth
             if checkpointed_layers is not None and sorted(checkpointed_layers) != resolved.checkpointed_layers:
@@ -297,7 +297,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         # Set before DeepSpeed's __init__, which calls _partition_layers.
         object.__setattr__(self, "hippie_plan", resolved)
         object.__setattr__(self, "hippie_config_source", source)  # where config came from (initialize's refusals)
-        object.__setattr__(self, "hippie_stages_from", stages_source(stages, topology, type(self).__name__)
+        object.__setattr__(self, "hippie_stages_from", stages_source(stages, topology, self._owner())
                            if stages is not None else None)  # None: the plan's (num_stages left out)
         object.__setattr__(self, "hippie_plan_source", source if plan is None and resolved is not None else None)
         object.__setattr__(self, "hippie_config_path", found.path if found is not None else
@@ -308,6 +308,10 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
             self._local_runs = self._chunk_extra(self._local_start, self._local_stop)["_local_runs"]
         if found is not None and (self.chunked or resolved is not None) and self.global_rank == 0:
             announce(found, self.virtual_stages, self.layout_kind, resolved)
+
+    def _owner(self) -> str | None:
+        """The model class that built this module (a subclass, as Megatron's GPTModelPipe), for the refusals."""
+        return None if type(self) is PipelineModule else type(self).__name__
 
     def _chunk_extra(self, start: int, stop: int) -> dict:
         local = [i - start for i in self._checkpointed if start <= i < stop]
