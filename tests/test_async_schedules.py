@@ -344,9 +344,16 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     # batches in flight: save_checkpoint drains them and saves both/stashed weight versions),
     # then a fresh engine loads it and continues.
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--optimizer", "AdamW", "--lr", 0.01,
-            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2")
+            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2")
     rc, log, _ = launch(4, tmp_path, *args, timeout=300)
     assert rc == 0, log[-4000:]
+    # hippie.staleness "adam": its predictions and the versions they are fixed for travel in the checkpoint
+    adam, _, parts, _, _ = collect(tmp_path, "2bw+adam")
+    adam_resumed, _, _, _, _ = collect(tmp_path, "2bw+adam+ckpt2")
+    assert _max_diff(adam, adam_resumed) == 0, "2bw adam: resumed differs"
+    adam_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
+                                          staleness=StalenessConfig(method="adam"))
+    assert _max_diff(adam, adam_ref) <= 1e-6
     for name in ("2bw", "pipedream"):
         full, full_losses, parts, _, _ = collect(tmp_path, name)
         resumed, resumed_losses, _, _, replicas = collect(tmp_path, name + "+ckpt2")

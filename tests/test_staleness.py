@@ -204,7 +204,7 @@ def test_adam_per_version_uses_the_made_weights_when_no_compute_has_used_the_ver
         params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
         opt = torch.optim.AdamW(params, lr=0.02)
         prediction = make_prediction(StalenessConfig(method="adam", coefficient=c))
-        prediction.bind(source_of(opt, c), params)
+        prediction.bind(source_of(opt, c), params, made=True)
         flat = lambda: torch.cat([p.detach().flatten() for p in params])  # noqa: E731
         history = [flat()]
         for version in (1, 2):

@@ -23,8 +23,8 @@ computes on the made weights instead: ``W(v) + c (W(v+1) - W(v))``, W(v+1) itsel
 ``2bw``'s last stage is such a stage (it updates at the end of a call, and the next call's
 micro-batches all compute on the version before), so with ``adam`` it follows the synchronous
 rule; on the other stages a micro-batch computes on version v before that update (its backward
-must see its forward's weights), so they keep Adam's prediction (:class:`AdamVersionPrediction`
-decides per version, from the order the engine actually runs).
+must see its forward's weights), so they keep Adam's prediction (:func:`made_before_use` reads
+it from the compiled schedule).
 
 Where it is computed. fp32 (no ZeRO): the optimizer steps the module's parameters, each rank holds
 every moment of its stage, and computes ``W_hat`` locally. bf16 and bf16 + ZeRO-1
@@ -194,11 +194,13 @@ class AdamVersionPrediction(WeightPrediction):
     W(v) (:meth:`record`), and kept while compute may use version v (``deltas`` holds the
     predicted weights, flat, as the version store does).
 
-    Where the stage makes W(v+1) before its first compute on version v (2bw's last stage: it
-    updates at the end of a call, and the next call's micro-batches all compute on the version
-    before), nothing needs predicting: version v computes on W(v) + c (W(v+1) - W(v)), the made
-    weights themselves at c = 1. A version is decided at the update after it, once: one that
-    compute has used by then keeps Adam's prediction (a backward sees its forward's weights)."""
+    On a stage whose schedule makes W(v+1) before its first compute on version v (``made``: its
+    updates run in their own batch's call, as 2bw's last stage's do, and the next call's
+    micro-batches all compute on the version before), nothing needs predicting: version v
+    computes on W(v) + c (W(v+1) - W(v)), the made weights themselves at c = 1. Decided from the
+    compiled schedule, not from the order ops happen to run in (a ``drain()`` before a checkpoint
+    runs a stage's update early; the rule must not change with it); a version compute has already
+    used when the next is made (version 0: batch 0 computes on it) keeps its prediction."""
     method = METHOD
 
     def __init__(self, coefficient: float):
@@ -206,9 +208,10 @@ class AdamVersionPrediction(WeightPrediction):
         self.source = None
         self.params: list[torch.Tensor] | None = None
         self.used: set[int] = set()  # versions compute has swapped in (their prediction is fixed)
+        self.made = False  # the stage makes W(v+1) before it computes on version v (class docstring)
 
-    def bind(self, source, params: list[torch.Tensor]) -> None:
-        self.source, self.params = source, params
+    def bind(self, source, params: list[torch.Tensor], made: bool = False) -> None:
+        self.source, self.params, self.made = source, params, made
 
     def knows(self, version: int) -> bool:
         self.used.add(version)  # WeightVersions asks before every compute on ``version``
@@ -226,9 +229,9 @@ class AdamVersionPrediction(WeightPrediction):
         if self.source is None:
             raise RuntimeError('hippie.staleness.method "adam": the prediction was not bound to the optimizer')
         from torch._utils import _flatten_dense_tensors
-        made = _flatten_dense_tensors([torch.Tensor.detach(param) for param in self.params])
         before = version - 1
-        if before in self.deltas and before not in self.used:
+        if self.made and before in self.deltas and before not in self.used:
+            made = _flatten_dense_tensors([torch.Tensor.detach(param) for param in self.params])
             self.deltas[before] = [made if self.coefficient == 1 else
                                    torch.add(made, delta[0], alpha=self.coefficient - 1)]
         self.deltas[version] = [_flatten_dense_tensors(self.source.predicted(self.params))]
@@ -314,7 +317,17 @@ def bind(engine, staleness) -> None:
     if staleness is None or staleness.method != METHOD:
         return
     source = source_of(engine.optimizer, staleness.coefficient)
-    prediction = engine._gradients.prediction or engine._versions.prediction
-    if prediction is not None:
+    if engine._gradients.prediction is not None:  # hippie's delayed layers
         source.install()
-        prediction.bind(source, engine._params)
+        engine._gradients.prediction.bind(source)
+    elif engine._versions.prediction is not None:  # 2bw's versions
+        source.install()
+        engine._versions.prediction.bind(source, engine._params, made_before_use(engine.compiled_schedule,
+                                                                                 engine.stage_id))
+
+
+def made_before_use(compiled, stage: int) -> bool:
+    """Whether every update of ``stage`` runs in its own batch's call, so that the version a batch
+    computes on is one update behind weights already made (2bw's last stage)."""
+    steps = [op for op in compiled.ops(stage) if op.kind.name == "STAGE_OPTIMIZER_STEP"]
+    return bool(steps) and all(op.batch == 0 for op in steps)
