@@ -140,7 +140,7 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
     from hippie_ds.adapter.engine_step import StageStep
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}, {"lr": 0.2}], mpu="stock mpu", clip_grad=1.0)
     engine = SimpleNamespace(optimizer=optimizer, mpu="stock mpu", grid=SimpleNamespace(), lr_scheduler="schedule",
-                             global_steps=7, global_samples=70, skipped_steps=1,
+                             global_steps=7, global_samples=70, skipped_steps=1, fp16_enabled=lambda: False,
                              _config=SimpleNamespace(gradient_clipping=1.0),
                              _force_grad_boundary=False)
     before = {**vars(engine), "lrs": [0.1, 0.2], "optimizer_mpu": "stock mpu", "clip_grad": 1.0, "config": 1.0}

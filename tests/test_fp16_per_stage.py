@@ -27,6 +27,11 @@ ENGINES = {"hippie+fp16": (), "hippie+fp16+ovf1.1": {(1, 1)}, "hippie+fp16+ovf0.
            "hippie-1f1b+fp16+ovf1.2": {(2, 1)}, "hippie-zb+fp16+ovf0.2": {(2, 0)},
            "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}, "hippie+fp16+flush": (), "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)}}
 INTERLEAVED = "hippie-interleaved+fp16+ovf1.1"
+# ZeRO-1 as written (DeepSpeedZeroOptimizer), which scales the loss: from 2**12 (no overflow of the scaled
+# loss, the scale doubles every 2 updates) a deferred stage's buffer is applied after the scale changed,
+# multiplied by S(now)/S(then) (GradStore.rescale); engine -> overflows
+ZERO = {"hippie+fp16+zero1+p12": (), "hippie+fp16+zero1+p12+ovf1.1": {(1, 1)},
+        "hippie-zb+fp16+zero1+p12+ovf0.2": {(2, 0)}, "hippie+fp16+zero1+p12+ckpt2": ()}
 # the tied model (an embedding on stage 0 tied to the head on stage 1): engine -> (deferred stages, their
 # delayed layers, "untied" rule, overflows). "+dl1" delays the tied weight (stage 1 then delays its copy
 # only); the default ("untied") delays stage 0's first untied layer. The holders clip by their joint norm,
@@ -46,7 +51,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-per-stage")
     rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
                         "AdamW", "--lr", LR, "--clip", CLIP, "--deferred-layers", "default", "--engines",
-                        ",".join([*ENGINES, INTERLEAVED, *TIED]), timeout=900)
+                        ",".join([*ENGINES, INTERLEAVED, *TIED, *ZERO]), timeout=900)
     assert rc == 0, log[-4000:]
     return out
 
@@ -116,3 +121,39 @@ def test_tied_module_under_one_overflow_decision(trained, name):
     skipped = sum(skip for _, skip in precision.loss_scale.history)
     assert skipped == len(overflows)
     assert {(r["skipped_steps"], r["loss_scale"]) for r in ranks} == {(skipped, precision.loss_scale.scale)}
+
+
+@pytest.mark.parametrize("name", list(ZERO))
+def test_zero1_scales_the_loss_and_the_buffer(trained, name):
+    """fp16 + ZeRO-1: the same one decision per update, with the loss scaled; each run equals its
+    rule's reference (reference_fp16.Fp16Zero), which differs from the rule that would not rescale the
+    buffer and from the synchronous rule; a checkpoint resumed mid-way carries the buffer's scale."""
+    ours, _, parts, params, replicas = collect(trained, name)
+    deferred = params["deferred_stages"]
+
+    def rule(zero_class, deferred_stages):
+        precision = zero_class(reference_fp16.LossScale(12, WINDOW), overflow_at=ZERO[name])
+        layers, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred_stages,
+                                  delayed_layers={s: 1 for s in deferred_stages}, staleness=StalenessConfig(),
+                                  optimizer="AdamW", lr=LR, clip=CLIP, precision=precision)
+        return layers, precision.loss_scale
+
+    class NoRescale(reference_fp16.Fp16Zero):
+        def rescaled(self, grads, made_at):
+            return grads
+
+    ref, scale = rule(reference_fp16.Fp16Zero, deferred)
+    diff = _max_diff(ours, ref)
+    print(f"{name}: |ours - reference| = {diff:.3g}, without the rescale {_max_diff(rule(NoRescale, deferred)[0], ref):.3g}, "
+          f"synchronous {_max_diff(rule(reference_fp16.Fp16Zero, ())[0], ref):.3g}, history {scale.history}")
+    assert diff <= FP16_TOLERANCE, f"{name}: differs from its fp16 + ZeRO-1 reference by {diff}"
+    if name != "hippie-zb+fp16+zero1+p12+ovf0.2":  # there the rescaled buffer is the skipped update's
+        assert _max_diff(rule(NoRescale, deferred)[0], ref) > FP16_TOLERANCE
+    assert _max_diff(rule(reference_fp16.Fp16Zero, ())[0], ref) > FP16_TOLERANCE
+    skipped = sum(skip for _, skip in scale.history)
+    assert skipped == len(ZERO[name])
+    for r in _ranks(trained, name):
+        assert (r["skipped_steps"], r["loss_scale"]) == (skipped, scale.scale), (r["stage"], r["replica"])
+    for i in replicas[0]:
+        for k, v in replicas[0][i].items():
+            assert torch.equal(replicas[1][i][k], v), (name, i, k)

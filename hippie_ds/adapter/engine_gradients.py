@@ -78,6 +78,7 @@ class StageGradients:
         self._ties = list(ties)  # (tied weight, tie group): summed over the tie group (adapter/tied.py)
         self._lagged_ties = lagged_ties  # schedules that never flush: tied.LaggedTieSums instead
         self._skip_ties = False  # the lagged tie sum's first update: the tied weights have nothing yet
+        self._batch_scale = self._buffer_scale = None  # fp16 + ZeRO-1: loss scales (GradStore.rescale)
         self._tie_clip = tie_clip  # > 0: the lagged tie sum's clipping, apart from the rest (the step's is off)
         self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
@@ -101,6 +102,7 @@ class StageGradients:
     def count_backwards_from_zero(self) -> None:
         """At the start of a train_batch call (the early all-reduce arms in its last backward)."""
         self._backwards_done = 0
+        self._batch_scale = self.store.loss_scale  # fp16 + ZeRO-1: the scale this call's backwards use
 
     @contextlib.contextmanager
     def early_allreduce_window(self):
@@ -227,6 +229,7 @@ class StageGradients:
             self.buffer.copy_(flat)
         for g in grads:
             g.zero_()
+        self._buffer_scale = self._batch_scale  # the loss scale its gradients carry (GradStore.rescale)
         _checked((None, self.buffer_sm.copy()))
 
     @contextlib.contextmanager
@@ -246,6 +249,7 @@ class StageGradients:
             current = flat_copy(self.delayed_grads())  # this step's delayed gradient, buffered next
             if applies:
                 self.store.load(self._delayed_subset(), self.buffer)
+                self.store.rescale(self._delayed_subset(), self._buffer_scale)
             else:  # first step, partial deferral (or a bf16 tie holder: _steps_first): the synchronous part
                 self.store.skip(self.delayed)  # updates, the delayed part has nothing yet
             yield True
@@ -285,6 +289,7 @@ class StageGradients:
         if self.prediction is not None:
             self.prediction.begin_update()
         self.store.load(self._delayed_subset(), self.buffer)
+        self.store.rescale(self._delayed_subset(), self._buffer_scale)
         self.store.skip(self.synced)  # applied in their own step already
         unmoved = self.store.unmoved(self.synced)  # a flat step would move them too
         yield True
@@ -302,11 +307,13 @@ class StageGradients:
         self.wait_buffer()
         empty = self.buffer_sm.state == "empty" or self.buffer is None  # a spare buffer is not state
         return {"state": self.buffer_sm.state, "buffer": None if empty else self.buffer.clone(),
+                "scale": self._buffer_scale,
                 "tie_sums": None if self._lagged_ties is None else self._lagged_ties.state_dict()}
 
     def load_state_dict(self, state: dict, device) -> None:
         self.buffer_sm.state = state["state"]
         # an empty buffer is re-allocated at this layout's size on first use
         self.buffer = None if state["buffer"] is None else state["buffer"].to(device)
+        self._buffer_scale = state.get("scale")  # fp16 + ZeRO-1: the loss scale the buffer carries
         if self._lagged_ties is not None:  # a checkpoint without them: the lag restarts (nothing applied first)
             self._lagged_ties.load_state_dict(state.get("tie_sums"), device)

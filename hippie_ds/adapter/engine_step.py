@@ -12,7 +12,7 @@ import contextlib
 import torch
 from deepspeed import comm as dist
 
-from .fp16_stage import Fp16Votes, fp16_unfused
+from .fp16_stage import Fp16Votes, fp16_per_stage
 from .zero_stage import stage_step
 
 
@@ -65,7 +65,7 @@ class StageStep:
         self.clip_group = clip_group
         self.clips_itself = clips_itself
         # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
-        self.fp16 = Fp16Votes(engine) if fp16_unfused(engine.optimizer) else None
+        self.fp16 = Fp16Votes(engine) if fp16_per_stage(engine) else None
 
     def local_mpu(self, tie_norm: bool = True) -> _StageLocalMPU:
         """The mpu whose norms reduce over the stage (``tie_norm``: over its tie group, if any)."""
@@ -162,7 +162,7 @@ class StageStep:
         from deepspeed.runtime.utils import clip_grad_norm_, get_global_norm_of_tensors
         e = self._engine
         local = self.local_mpu()
-        if self.fp16 is not None:
+        if self.fp16 is not None and self._store.fp16:  # FP16_UnfusedOptimizer's holders reduce one joint norm
             self.fp16.joint_norm([], local.get_model_parallel_group())
             return
         zero = torch.nn.Parameter(torch.zeros(1, device=e.device))

@@ -40,6 +40,13 @@ def fp16_unfused(optimizer) -> bool:
     return isinstance(optimizer, FP16_UnfusedOptimizer)
 
 
+def fp16_per_stage(engine) -> bool:
+    """fp16 on a wrapper whose per-stage steps :class:`Fp16Votes` decides: FP16_UnfusedOptimizer, or
+    ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
+    from .zero_stage import is_zero
+    return bool(engine.fp16_enabled()) and (fp16_unfused(engine.optimizer) or is_zero(engine.optimizer))
+
+
 def check_fp16_wrapper(optimizer, schedule: str) -> None:
     """Refuse an fp16 wrapper other than FP16_UnfusedOptimizer for a per-stage schedule."""
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
@@ -80,8 +87,16 @@ class Fp16Votes:
         """Inside: the wrapper's overflow check answers ``overflow`` (no collective of its own); with
         ``joint``, its gradient norm is that (:meth:`joint_norm`), where it would reduce one norm per
         parameter group over the tie group (holders with other groups would wait on each other)."""
+        optimizer = self._engine.optimizer
+        if not fp16_unfused(optimizer):  # ZeRO-1: its flag check sets ``overflow``; its norms follow the stage's mpu
+            optimizer.check_overflow = lambda *args, **kwargs: setattr(optimizer, "overflow", overflow)
+            try:
+                yield
+            finally:
+                del optimizer.check_overflow  # the instance's: the class's method again
+            return
         import deepspeed.runtime.fp16.unfused_optimizer as unfused
-        checker = self._engine.optimizer.overflow_checker
+        checker = optimizer.overflow_checker
         check, weight_norm, global_norm = checker.check, unfused.get_weight_norm, unfused.get_global_norm
         checker.check = lambda *args, **kwargs: overflow
         if joint is not None:

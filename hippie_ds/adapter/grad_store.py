@@ -135,6 +135,23 @@ class GradStore:
             return Fp16Unmoved(params, self._optimizer)
         return Unmoved(params, self._optimizer) if self.bf16 else ZeroUnmoved(params, self._optimizer)
 
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the backward multiplies the loss by now: ZeRO-1 in fp16 (``scale_if_loss``);
+        None where DeepSpeed's backward scales nothing (FP16_UnfusedOptimizer, bf16, fp32)."""
+        scaler = getattr(self._optimizer, "loss_scaler", None) if is_zero(self._optimizer) else None
+        return None if scaler is None else float(scaler.loss_scale)
+
+    @torch.no_grad()
+    def rescale(self, params: list[torch.Tensor] | None, made_at: float | None) -> None:
+        """Gradients of ``params`` made at loss scale ``made_at`` (a deferred stage's buffered batch),
+        loaded now: multiplied by S(now) / S(then), a power of two, so that they carry this update's scale."""
+        now = self.loss_scale
+        if now is None or made_at is None or made_at == now:
+            return
+        for g in self.of(params):
+            g.mul_(now / made_at)
+
     def count_for_norm(self) -> None:
         """Before a step: BF16_Optimizer's gradient norm stacks the gradients it counts and fails
         on none, as when a tie holder applies only its tied weight, which DeepSpeed leaves out of

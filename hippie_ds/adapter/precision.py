@@ -142,7 +142,8 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     if path == "fp16" and own <= SPLIT_BACKWARD_KINDS and (config_class.zero_optimization_stage == 0 or
                                                           _grads_on_params(config_class)):
         return  # a split backward: gradients on .grad, the loss scaled as DeepSpeed's backward scales it
-    if path == "fp16" and config_class.zero_optimization_stage == 0 and not compiled.continuous:
+    if path == "fp16" and not compiled.continuous and (config_class.zero_optimization_stage == 0 or
+                                                       _grads_on_params(config_class)):
         return  # per-stage updates with one pipeline-wide overflow decision per update (fp16_stage.py)
     ops = ", ".join(sorted(k.value for k in own))
     allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
@@ -164,7 +165,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
                           f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
     zero = config_class.zero_optimization_stage
     allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS or
-                                     (zero == 0 and not c.continuous),
+                                     ((zero == 0 or _grads_on_params(config_class)) and not c.continuous),
                                      compiled.stages, compiled.micro_batches, chunks))
     if own <= SPLIT_BACKWARD_KINDS:
         reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
@@ -173,6 +174,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
         reason = ("its stages update a batch before stage 0 has run the batch's last backward, so no pipeline-wide "
                   "overflow decision exists when they step (an asynchronous vote is not built)")
     else:
-        reason = "the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 only"
+        reason = ("the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 and on ZeRO stage 1 "
+                  "without overlap_comm, an offload or a separate accumulation dtype")
     raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
                       f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}")

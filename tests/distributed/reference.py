@@ -110,6 +110,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             delayed[s][j] = not untied
     opts = precision.optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
+    made_at = [None] * len(parts)  # the loss scale a buffered gradient carries (fp16 + ZeRO-1)
     extrapolate = staleness is not None and staleness.method == "extrapolate"
     adam = staleness is not None and staleness.method == "adam"  # reference_async.adam_predicted
     true_weights = [None] * len(parts)  # W(t) of a deferred stage while it computes on the prediction
@@ -158,9 +159,9 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             if s in deferred:
                 if true_weights[s] is not None:
                     _load(ps, true_weights[s])
-                buffered = pending[s] or [None] * len(ps)
+                buffered = precision.rescaled(pending[s], made_at[s]) if pending[s] else [None] * len(ps)
                 apply = [b if late else g for b, g, late in zip(buffered, grads[s], delayed[s])]
-                pending[s] = grads[s]
+                pending[s], made_at[s] = grads[s], precision.grad_scale()
             applies.append(apply)
         # the holders of a tied module clip by their joint norm (each holder's gradients counted)
         holders = {s for s, _ in slots}
@@ -171,7 +172,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                 continue
             precision.apply(ps, opts[s], applies[s], clip, joint if s in holders else None)
     if flush:  # drain(): one more update, the deferred stages' buffers alone
-        applies = {s: [b if late else None for b, late in zip(pending[s], delayed[s])]
+        applies = {s: [b if late else None for b, late in zip(precision.rescaled(pending[s], made_at[s]), delayed[s])]
                    for s in deferred if pending[s] is not None}
         if not precision.decide(list(applies.values())):
             for s, apply in applies.items():
@@ -229,6 +230,18 @@ class Precision:
         """Per stage: (optimizer, the tensors it steps: the parameters or their fp32 masters)."""
         steps = [[p.detach().float().clone() for p in ps] for ps in stage_params] if self.bf16 else stage_params
         return list(zip(_make_optimizers(steps, optimizer, lr), steps))
+
+    def scale_loss(self, loss):
+        """The loss as the backward takes it (fp16 + ZeRO-1: times the loss scale)."""
+        return loss
+
+    def grad_scale(self):
+        """The loss scale gradients made now carry (None: none)."""
+        return None
+
+    def rescaled(self, grads, made_at):
+        """Buffered ``grads`` made at scale ``made_at``, as the update applying them now takes them."""
+        return grads
 
     def inject(self, step, grads):
         """Change batch ``step``'s gradients (reference_fp16: an overflow injected)."""
@@ -305,7 +318,7 @@ def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precisi
             losses[n] += loss.item() / dp
             for p in (q for ps in stage_params for q in ps):
                 p.grad = None
-            (loss / micro_batches).backward()
+            precision.scale_loss(loss / micro_batches).backward()
             for s, ps in enumerate(stage_params):
                 for acc, p in zip(rank[s], ps):
                     acc += p.grad.to(acc.dtype)

@@ -108,3 +108,25 @@ class Fp16(Precision):
         with torch.no_grad():
             for p, m in zip(ps, masters):
                 p.copy_(m)
+
+
+class Fp16Zero(Fp16):
+    """fp16 with ZeRO-1 as written (DeepSpeedZeroOptimizer; hippie_ds/adapter/zero_stage.py): the
+    backward takes the loss times the scale, so every gradient carries the scale of the batch that
+    made it, and a deferred stage's buffered one is multiplied by S(now) / S(then) when applied
+    (GradStore.rescale); no zero-gradient step at creation; the same flag, norm and unscale rule."""
+
+    def optimizers(self, stage_params, optimizer, lr):
+        masters = [[p.detach().float().clone() for p in ps] for ps in stage_params]
+        return list(zip(_make_optimizers(masters, optimizer, lr), masters))
+
+    def scale_loss(self, loss):
+        return loss * self.loss_scale.scale
+
+    def grad_scale(self):
+        return self.loss_scale.scale
+
+    def rescaled(self, grads, made_at):
+        if made_at is None or made_at == self.loss_scale.scale:
+            return grads
+        return [None if g is None else g * (self.loss_scale.scale / made_at) for g in grads]

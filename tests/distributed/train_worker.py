@@ -35,7 +35,7 @@ def split_name(name):
     with DeepSpeed's immediate_grad_update, "zb-h1+fp16" in fp16 with DeepSpeed's dynamic loss scale (+zero1: on
     DeepSpeedZeroOptimizer), "zb-h1+attrs" with Megatron's attributes on every parameter (model.megatron_attributes:
     an int ``stride`` hides ``Tensor.stride()``), "hippie+fp16+ovf1.2" with stage 1's first gradient infinite in
-    step 2 (:func:`inject_overflows`)."""
+    step 2 (:func:`inject_overflows`), "hippie+fp16+p12" with an initial loss scale of 2**12 (default 2**20)."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -54,7 +54,8 @@ def config(args, schedule, dp, opts=()):
         cfg["communication_data_type"] = args.comm_dtype
     bf16, zero = args.bf16 or "bf16" in opts, args.zero or (1 if "zero1" in opts else 0)
     if "fp16" in opts:  # dynamic loss scale; 2**20 overflows at the first step (a skipped step, the scale halved)
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
+        power = next((int(o[1:]) for o in opts if o[:1] == "p" and o[1:].isdigit()), 20)  # "+p12": 2**12
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": power, "loss_scale_window": 2, "hysteresis": 1}
     if bf16:
         # immediate: DeepSpeed's hooks move each bf16 gradient into the accumulator during backward
         immediate = args.bf16_immediate or "immediate" in opts
