@@ -29,6 +29,11 @@ def test_measured_against_predicted_ranking():
     text = report(s, ["head"])
     assert text.startswith("head\n") and "| **cut 1** | 1f1b | `[0, 6, 10]` | 110.0 | 2 | 90.0 (90.0, 100.0, 80.0) |" \
         in text and "the 5% target is missed" in text
+    quiet = summarize(CANDIDATES, [[0.1], [0.1], [0.1]], [[0.1, 0.2, 0.3, 0.4, 0.5], [0.3, 0.3, 0.3], [0.05, 0.5]])
+    assert [r["lower_quartile"] for r in quiet["candidates"]] == pytest.approx([0.2, 0.3, 0.1625])
+    assert [r["lower_quartile_rank"] for r in quiet["candidates"]] == [2, 3, 1]
+    assert "| 200.0 (2) |" in report(quiet) and "lower quartile ms (rank)" in report(quiet)
+    assert "lower quartile" not in report(s)
     mine = summarize(CANDIDATES, [[0.09, 0.1], [0.1, 0.09], [0.2, 0.2]])  # the plan ties the best: no new plan
     assert mine["best"] == 0 and mine["target_met"] and not mine["best_holds_every_round"]
     with pytest.raises(ValueError, match="every candidate needs a measured step in every round"):
@@ -58,7 +63,7 @@ def test_a_tiny_sweep_writes_its_report_and_the_measured_best_plan(tmp_path, cap
     sweep = json.loads((out / "sweep.json").read_text())
     rows = sweep["candidates"]
     assert len(rows) == 3 and rows[0]["boundaries"] == plan.boundaries
-    assert all(len(r["measured_steps"]) == 1 and r["measured_step"] > 0 for r in rows)
+    assert all(len(r["measured_steps"]) == 1 and r["measured_step"] > 0 and r["lower_quartile"] > 0 for r in rows)
     assert all(r["schedule"] == plan.schedule and r["boundaries"] != plan.boundaries for r in rows[1:])
     assert sorted(r["measured_rank"] for r in rows) == [1, 2, 3]
     best = out / "measured_best_plan.json"

@@ -16,7 +16,8 @@ schedule and boundaries). Then ``--rounds`` rounds train every candidate once, `
 the same seed, the order rotated from round to round (round r starts at candidate r), so the
 machine's drift lands on every candidate alike; a run's measured step is the median of its steps
 after the first ``--skip``. DIR/sweep.json and DIR/report.md hold measured against predicted ranking
-(:mod:`tools.bench.studies.cut_sweep_report`). When the measured best is not the plan,
+(:mod:`tools.bench.studies.cut_sweep_report`; beside the medians, each candidate's lower quartile
+of all its timed steps: on a busy machine, the steps the job had the cores). When the measured best is not the plan,
 DIR/measured_best_plan.json is the measured best's plan file (train with it: ``"hippie": {"plan":
 ...}``).
 """
@@ -139,11 +140,13 @@ def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, on
     return rows
 
 
-def measure(args, candidates: list[dict], out: Path) -> list[list[float]]:
-    """``--rounds`` rounds of every candidate, order rotated; per candidate its measured step per round."""
+def measure(args, candidates: list[dict], out: Path) -> tuple[list[list[float]], list[list[float]]]:
+    """``--rounds`` rounds of every candidate, order rotated: per candidate its measured step per round,
+    and every timed step of its runs."""
     import statistics
     (out / "config.json").write_text(json.dumps(BASE_CONFIG, indent=1))
     measured: list[list[float]] = [[] for _ in candidates]
+    timed: list[list[float]] = [[] for _ in candidates]
     n = len(candidates)
     for r in range(args.rounds):
         for c in [(r + k) % n for k in range(n)]:
@@ -153,9 +156,10 @@ def measure(args, candidates: list[dict], out: Path) -> list[list[float]]:
                         *shlex.split(args.model_args)], run_dir.with_suffix(".log"))
             steps = json.loads((run_dir / "metrics.json").read_text())["step_seconds"][args.skip:]
             measured[c].append(statistics.median(steps))
+            timed[c].extend(steps)
             print(f"cut-sweep: round {r + 1}/{args.rounds}, {candidates[c]['label']} {candidates[c]['boundaries']}: "
                   f"{measured[c][-1] * 1e3:.1f} ms a step", flush=True)
-    return measured
+    return measured, timed
 
 
 def machine() -> str:
@@ -177,8 +181,8 @@ def main(argv=None) -> int:
     candidates = candidate_plans(plan_path, profile_path, args.top, out, args.only)
     start_machine = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    measured = measure(args, candidates, out)
-    summary = summarize(candidates, measured)
+    measured, timed = measure(args, candidates, out)
+    summary = summarize(candidates, measured, timed)
     summary.update(command="python -m tools.bench cut-sweep " + " ".join(map(shlex.quote, argv or sys.argv[1:])),
                    machine=start_machine, machine_after=machine(), commit=commit, steps=args.steps, skip=args.skip,
                    ranks=args.ranks, model_args=args.model_args)
