@@ -186,3 +186,19 @@ def test_the_call_cursor_skips_fill_and_drained_batches_and_restores_from_a_chec
     resumed = CallCursor()
     resumed.load_state_dict(cursor.state_dict())
     assert (resumed.call, resumed.op_call, resumed.first_batch, resumed.in_flight) == (5, 5, 5, False)
+
+
+def test_an_fp16_wrapper_that_cannot_step_per_stage_is_refused_when_the_engine_is_built():
+    """FP16_Optimizer (DeepSpeed's fused Adam) takes the overflow flag inside its own step over the
+    whole pipeline: a schedule with per-stage updates refuses it as the engine is built, on every rank."""
+    from types import SimpleNamespace
+    from hippie_ds import schedules
+    from hippie_ds.adapter.engine_step import StageStep
+
+    class FP16_Optimizer:  # what DeepSpeed builds for FusedAdam under fp16
+        param_groups = []
+    engine = SimpleNamespace(optimizer=FP16_Optimizer(), fp16_enabled=lambda: True)
+    with pytest.raises(ValueError, match="schedule 'hippie' in fp16 needs DeepSpeed's FP16_UnfusedOptimizer.*not "
+                                         "FP16_Optimizer"):
+        StageStep(engine, store=None, schedule=schedules.compile("hippie", 2, 4))
+    StageStep(engine, store=None, schedule=schedules.compile("zb-h1", 2, 4))  # DeepSpeed's own step: stock's path

@@ -153,7 +153,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
             on_early_start=self._mark_early_allreduce)
         if deferred and self.grid.data_parallel_id == 0:
             gradients.log_delayed_share(self.stage_id)
-        return gradients, StageStep(self, store, clip_group, gradients.clips_itself)
+        return gradients, StageStep(self, store, clip_group, gradients.clips_itself, compiled)
 
     def _mark_early_allreduce(self):
         if self._timeline_dir is not None and self._training:

@@ -12,7 +12,8 @@ import contextlib
 import torch
 from deepspeed import comm as dist
 
-from .fp16_stage import Fp16Votes, fp16_per_stage
+from .fp16_stage import Fp16Votes, check_fp16_wrapper, fp16_per_stage
+from .precision import SPLIT_BACKWARD_KINDS, own_gradient_ops
 from .zero_stage import stage_step
 
 
@@ -59,13 +60,15 @@ class StageStep:
     adapter/tied.py), so the step clips nothing; ``store``: the stage's
     :class:`~hippie_ds.adapter.grad_store.GradStore`."""
 
-    def __init__(self, engine, store, clip_group=None, clips_itself: bool = False):
+    def __init__(self, engine, store, clip_group=None, clips_itself: bool = False, schedule=None):
         self._engine = engine
         self._store = store
         self.clip_group = clip_group
         self.clips_itself = clips_itself
         # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
         self.fp16 = Fp16Votes(engine) if fp16_per_stage(engine) else None
+        if schedule is not None and own_gradient_ops(schedule) - SPLIT_BACKWARD_KINDS:  # it steps per stage
+            check_fp16_wrapper(engine, schedule.name)
 
     def local_mpu(self, tie_norm: bool = True) -> _StageLocalMPU:
         """The mpu whose norms reduce over the stage (``tie_norm``: over its tie group, if any)."""

@@ -17,15 +17,19 @@ stages step apart (an in-step stage as its own backward ends, a deferred stage o
   DeepSpeed's skipped step (``skipped_steps``, no LR-schedule step).
 - **One scale.** Every rank updates the loss scale once per update with the same flag (in the
   wrapper's step, or :meth:`Fp16Votes.update_scale` where a rank has nothing to apply).
-- **One divisor.** Every gradient of an update, a deferred stage's buffered one included, is
-  divided by the scale the wrapper unscales that update with. DeepSpeed 0.19's backward does not
-  scale the loss for this wrapper (docs/precision.md), so no gradient carries a scale of its own.
+- **One scale per update.** Every gradient of an update, a deferred stage's buffered one included,
+  is divided by the scale the wrapper unscales that update with. DeepSpeed 0.19's backward does not
+  scale the loss for FP16_UnfusedOptimizer (docs/precision.md): no gradient carries a scale of its
+  own. ZeRO-1 (DeepSpeedZeroOptimizer) scales it: a buffered gradient carries its batch's scale and is
+  multiplied by S(now) / S(then) when applied (``GradStore.rescale``).
 
 The wrapper's own flag reduction (a collective over the pipeline inside ``step``) is replaced by
 the vote's result for the step's duration (:meth:`Fp16Votes.decided`), and so is, on the holders of
 a module tied across stages, its per-parameter-group norm reduction over the tie group: one joint
-norm, reduced once (:meth:`Fp16Votes.joint_norm`). ``FP16_Optimizer`` (the fused wrapper,
-DeepSpeed's FusedAdam) and fp16 with ZeRO are refused at start-up for these schedules.
+norm, reduced once (:meth:`Fp16Votes.joint_norm`); on ZeRO-1 its flag check answers the vote (its
+norms already follow the stage's mpu, zero_stage.py). ``FP16_Optimizer`` (the fused wrapper,
+DeepSpeed's FusedAdam) is refused when the engine is built (:func:`check_fp16_wrapper`), ZeRO's
+other configurations at start-up (precision.py).
 """
 from __future__ import annotations
 
@@ -47,13 +51,14 @@ def fp16_per_stage(engine) -> bool:
     return bool(engine.fp16_enabled()) and (fp16_unfused(engine.optimizer) or is_zero(engine.optimizer))
 
 
-def check_fp16_wrapper(optimizer, schedule: str) -> None:
-    """Refuse an fp16 wrapper other than FP16_UnfusedOptimizer for a per-stage schedule."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    if isinstance(optimizer, FP16_Optimizer):
+def check_fp16_wrapper(engine, schedule: str) -> None:
+    """On every rank as the engine is built, before any collective: refuse an fp16 wrapper that
+    :class:`Fp16Votes` cannot decide for (``FP16_Optimizer``) under a schedule with per-stage updates."""
+    if engine.fp16_enabled() and not fp16_per_stage(engine):
         raise ValueError(f"schedule {schedule!r} in fp16 needs DeepSpeed's FP16_UnfusedOptimizer (a torch "
-                         "optimizer: \"optimizer\": {\"params\": {\"torch_adam\": true}} or a client optimizer), "
-                         "not FP16_Optimizer (DeepSpeed's fused Adam), whose step hippie-ds cannot split by stage")
+                         "optimizer: \"optimizer\": {\"params\": {\"torch_adam\": true}} or a client optimizer) or "
+                         f"ZeRO-1's DeepSpeedZeroOptimizer, not {type(engine.optimizer).__name__} (FP16_Optimizer: "
+                         "DeepSpeed's fused Adam), whose step hippie-ds cannot split by stage")
 
 
 class Fp16Votes:
