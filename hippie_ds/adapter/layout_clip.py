@@ -13,8 +13,11 @@ and counts (DeepSpeed counts a parameter on model-parallel rank 0 only, unless i
 a pipeline's model-parallel rank is its stage, so stock's norm is stage 0's gradients'), in 1F1B's
 order (tied modules first, as DeepSpeed registers them, then layers by index), and the same
 all-reduces follow. The per-parameter norms are the same tensors in both layouts, so the
-coefficient is bit-identical. Only for DeepSpeed's partition methods: a plan's model parts have
-no one-chunk counterpart (``one_chunk_parts`` None), nor has a per-stage step (its own norm).
+coefficient is bit-identical. A tied module's norms are each stage's own copy's (its copies may
+differ in which parameters have a gradient), which is 1F1B's where the layout puts its holders on
+1F1B's stages (interleaved; the V layout holds it once: equal to rounding). Only for DeepSpeed's
+partition methods: a plan's model parts have no one-chunk counterpart (``one_chunk_parts`` None),
+nor has a per-stage step (its own norm).
 """
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def clip_like_one_chunk(engine, max_norm: float) -> torch.Tensor:
     norms = {}
     for part in gathered:
         norms.update(part)
+    # a tied module's copies differ in which parameters have a gradient (Megatron's head copy leaves the
+    # position table's None): this stage's own copy is the one 1F1B's rank of this stage holds
+    norms.update({key: value for key, value in gathered[grid.get_stage_id()].items() if key[0] == "tied"})
     parts = module.one_chunk_parts
     stage, first = grid.get_stage_id(), engine.mpu.get_model_parallel_rank() == 0
     mine = [n for key in _one_chunk_order(module._layer_specs, parts[stage], parts[stage + 1])
