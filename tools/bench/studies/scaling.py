@@ -87,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--network", default="hdss,10.82.0", metavar="PREFIX,SUBNET",
                    help="the namespaces' name prefix and /24 subnet: another pair runs beside a study that uses "
                         "the default (setting a network up first removes one of the same names)")
+    p.add_argument("--resume", action="store_true", help="keep OUT/runs and OUT/plans of an earlier run of the "
+                   "same command: jobs that finished (raw/done.json) and plans made are not run again")
     p.add_argument("--plan-memory", type=float, default=16e9, help="bytes of one device for the planned columns "
                    "(planned: hippie-ds plan's ME objective; planned-throughput: its throughput objective), x "
                    "--emulate-scale for the emulated cluster (tools/bench/studies/scaling_plan.py)")
@@ -96,7 +98,7 @@ def parse_args(argv=None):
                 DEFAULT_SCHEDULES, "--out", "out/bench/scaling", "--allreduce-cpu-per-mb", "0"]
     a = bench_args(defaults + rest)
     a.no_single, a.analyze_only, a.calibrate_only = own.no_single, own.analyze_only, own.calibrate_only
-    a.plan_memory, a.planned, a.network = own.plan_memory, {}, own.network
+    a.plan_memory, a.planned, a.network, a.resume = own.plan_memory, {}, own.network, own.resume
     if len(own.network.split(",")) != 2 or len(own.network.split(",")[1].split(".")) != 3:
         p.error(f"--network {own.network!r}: expected PREFIX,A.B.C, e.g. hdss,10.82.0")
     # an explicit --link-efficiency replaces the measured ones (link_calibration)
@@ -177,16 +179,19 @@ def measure(a, out: Path) -> float:
     net = StarNetwork(prefix, subnet, max(a.node_counts))
     _net.append(net)
     atexit.register(_cleanup)
-    if not a.calibrate_only:
+    if not a.calibrate_only and not a.resume:
         shutil.rmtree(out / "runs", ignore_errors=True)
     start = time.monotonic()
     with cleanup_on_signals(_cleanup):
         qdiscs = net.setup(a.rate, a.burst)
         print(f"emulated cluster: {net.describe(qdiscs, with_veths=False)}", flush=True)
         if not a.calibrate_only:
-            a.planned = make_plans(a, out)
+            a.planned = make_plans(a, out, reuse=a.resume)
         for i, job in enumerate([] if a.calibrate_only else run_plan(a)):
             run_dir = out / "runs" / job["dir"]
+            if a.resume and (run_dir / "raw" / "done.json").exists():
+                print(f"{job['dir']}: done in an earlier run (--resume)", flush=True)
+                continue
             run_dir.mkdir(parents=True, exist_ok=True)
             cores = [a.core_list[k % len(a.core_list)] for k in range(job["nodes"])]
             j = WorkerJob(net, WORKER, job_args(a, job, run_dir), run_dir / "logs", job["nodes"], job["rpn"], cores,

@@ -73,7 +73,7 @@ def plan_path(out: Path, nodes: int, name: str) -> Path:
     return out / "plans" / f"{nodes}_nodes_{name}.json"
 
 
-def make_plans(a, out: Path, log=print) -> dict:
+def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
     """Plan every planned column for every node count (``hippie-ds plan``, in this process); returns
     {(nodes, name): record} (:func:`plan_record`). Writes OUT/plans/: the profile, one cluster file per
     node count, the plans and each command's output."""
@@ -95,6 +95,9 @@ def make_plans(a, out: Path, log=print) -> dict:
             path = plan_path(out, n, name)
             argv = ["plan", "--profile", str(profile_file), "--cluster", str(cluster_file), "--global-batch",
                     str(global_batch(a, n)), "--objective", PLANNED[name], "--out", str(path)]
+            if reuse and path.exists():  # --resume: the plan an earlier run of the command made and ran
+                found[(n, name)] = plan_record(path, a.emulate_scale, "hippie-ds " + shlex.join(argv))
+                continue
             text = io.StringIO()
             with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
                 rc = hippie_ds_main(argv)
