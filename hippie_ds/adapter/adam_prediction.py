@@ -48,7 +48,7 @@ import math
 import torch
 
 from ..config import ConfigError
-from .staleness import InPlacePrediction, WeightPrediction
+from .staleness import FACTORIES, InPlacePrediction, WeightPrediction
 
 METHOD = "adam"
 ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\" with \"torch_adam\": true)"
@@ -284,6 +284,9 @@ class AdamInPlacePrediction(InPlacePrediction):
 
 def make_adam_prediction(coefficient: float, params: list[torch.Tensor] | None = None):
     return AdamVersionPrediction(coefficient) if params is None else AdamInPlacePrediction(params, coefficient)
+
+
+FACTORIES[METHOD] = make_adam_prediction  # staleness.make_prediction builds "adam" through it
 
 
 def check_config(staleness, ds_config: dict, optimizer=None) -> None:

@@ -151,12 +151,19 @@ class InPlacePrediction(WeightPrediction):
         self._true, self.predicted_now = None, False
 
 
+# Methods beyond extrapolation register their factory here, (coefficient, params or None) -> prediction:
+# adam_prediction.py registers "adam" when imported (hippie_ds.initialize imports it before the engine).
+FACTORIES: dict = {}
+
+
 def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None = None):
     """The correction a delayed stage applies (:class:`InPlacePrediction` on ``params``, or a
     per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction)."""
     if config is None or config.method == "none":
         return None
-    if config.method == "adam":  # Adam's own predicted next update (bound to the optimizer at start-up)
-        from .adam_prediction import make_adam_prediction
-        return make_adam_prediction(config.coefficient, params)
+    if config.method != "extrapolate":  # e.g. "adam": Adam's own prediction (bound to the optimizer at start-up)
+        if config.method not in FACTORIES:
+            raise RuntimeError(f"hippie.staleness.method {config.method!r}: its module is not imported "
+                               "(hippie_ds.initialize imports hippie_ds.adapter.adam_prediction)")
+        return FACTORIES[config.method](config.coefficient, params)
     return WeightPrediction(config.coefficient) if params is None else InPlacePrediction(params, config.coefficient)
