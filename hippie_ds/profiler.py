@@ -65,7 +65,8 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.layer_timing import as_stage_input, attribute_saved, measure_layer, nbytes, param_dtype, work_key
+from .adapter.layer_timing import (as_stage_input, attribute_saved, loadavg, measure_layer, nbytes, param_dtype,
+                                   work_key)
 from .adapter.memory import _tensors
 from .planner.noise import pool
 from .planner.profile import LayerProfile, Profile, ProfileError
@@ -246,17 +247,10 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
 def load_meter() -> Callable[[], MeasuredLoad]:
     """Starts measuring the machine's load; the returned call ends it: load averages before and after,
     this process's CPU seconds over wall seconds (:class:`~hippie_ds.planner.profile_fields.MeasuredLoad`)."""
-    wall, cpu, before = time.perf_counter(), time.process_time(), _loadavg()
+    wall, cpu, before = time.perf_counter(), time.process_time(), loadavg()
 
     def done() -> MeasuredLoad:
         seconds = time.perf_counter() - wall
-        return MeasuredLoad(cpus=os.cpu_count(), load_before=before, load_after=_loadavg(), wall_seconds=seconds,
+        return MeasuredLoad(cpus=os.cpu_count(), load_before=before, load_after=loadavg(), wall_seconds=seconds,
                             cpu_share=(time.process_time() - cpu) / seconds if seconds > 0 else None)
     return done
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # not on this platform
-        return None

@@ -67,10 +67,6 @@ class Fp16Votes:
     def __init__(self, engine):
         self._engine = engine
 
-    @property
-    def scale(self) -> float:
-        return float(self._engine.optimizer.loss_scale)
-
     def vote(self, params: list[torch.Tensor] | None) -> bool:
         """True when any rank's gradients of ``params`` (this rank's part of the update; None:
         nothing) hold a non-finite value. A collective of the whole job."""

@@ -20,6 +20,7 @@ stream; one synchronisation after a layer's runs of one kind, none inside a time
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -307,3 +308,12 @@ def bytes_dtype(trained: str | None, recorded: float, measured: float) -> str | 
     if abs(per - 4) < 0.5:
         return "float32"
     return trained if abs(per - size) < 0.5 else None
+
+
+def loadavg() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none): what both profilers
+    record beside their times."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None

@@ -60,7 +60,7 @@ from ..planner.noise import RUNS, noise_warning, pool
 from ..planner.profile import LayerProfile, Profile, save_profile
 from ..planner.profile_fields import JobShape, MeasuredLoad
 from .failure import end_job_on_failure
-from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, measure_layer, nbytes,
+from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, loadavg, measure_layer, nbytes,
                            param_dtype, work_key)
 from .pipeline_module import layer_name, layer_names, layer_param_bytes, tie_keys
 from .tensor_calls import tensor_bytes
@@ -194,7 +194,7 @@ class InPlaceProfiler:
         grads = [(p, p.grad) for p in self.module.parameters()]
         count = 0
         if self.busy["load_before"] is None:
-            self.busy["load_before"] = _loadavg()
+            self.busy["load_before"] = loadavg()
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             with torch.enable_grad():
@@ -283,7 +283,7 @@ class InPlaceProfiler:
         wall = sum(b["wall"] for b in busy)
         load = MeasuredLoad(cpus=os.cpu_count(), load_before=next((b["load_before"] for b in busy
                                                                    if b["load_before"] is not None), None),
-                            load_after=_loadavg(), wall_seconds=max((b["wall"] for b in busy), default=None),
+                            load_after=loadavg(), wall_seconds=max((b["wall"] for b in busy), default=None),
                             cpu_share=sum(b["cpu"] for b in busy) / wall if wall > 0 else None)
         return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(), load=load,
                        groups=groups or None,
@@ -323,10 +323,3 @@ def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
     peaks = [s["working_bytes"] for _, steps in replicas for s in steps if s["working_bytes"] is not None]
     record["working_bytes"] = max(peaks) if peaks else None
     return record
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # not on this platform
-        return None
