@@ -44,12 +44,13 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_SCHEDULE = "1f1b"
-# hippie.deferred_layers' values, decided in schedules/deferral.py; the one default for the config, `schedule
+# hippie.deferred_layers' values, decided in schedules/deferral/decide.py; the one default for the config, `schedule
 # simulate` and the planner
 UNTIED_LAYERS = "untied"  # hippie.deferred_layers: the first layer with parameters not tied to another stage
 DEFAULT_DEFERRED_LAYERS = UNTIED_LAYERS
 WHOLE_STAGE = "all"  # hippie.deferred_layers: delay a deferred stage's whole gradient
-AUTO_LAYERS = "auto"  # hippie.deferred_layers: chosen from costs (schedules.partial_deferral)
+AUTO_LAYERS = "auto"  # hippie.deferred_layers: chosen from costs (schedules.deferral.auto_layers)
+NOT_DEFERRED = "none"  # hippie.deferred_layers: delay nothing, so the stage is not deferred (a count of 0 reads as it)
 
 
 class ConfigError(ValueError):
@@ -96,7 +97,7 @@ class HippieConfig(BaseModel):
     # the rule that trains as well as data parallelism (docs/results.md). "auto": per stage, from
     # hippie.costs or the plan, the count with the least predicted time to a loss.
     deferred_layers: Any = DEFAULT_DEFERRED_LAYERS
-    # "auto"'s price of staleness (schedules.partial_deferral); None: its measured default.
+    # "auto"'s price of staleness (schedules.deferral.auto_layers); None: its measured default.
     staleness_price: float | None = Field(None, ge=0.0)
     schedule_params: dict[str, Any] = {}
     costs: str | None = None
@@ -136,19 +137,20 @@ class HippieConfig(BaseModel):
     def _layers(cls, v):
         def count(x):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-        if v in (WHOLE_STAGE, AUTO_LAYERS, UNTIED_LAYERS) or count(v):
-            return v
+        # read here once: a count of 0 means the stage is not deferred, said as NOT_DEFERRED
+        if v in (WHOLE_STAGE, AUTO_LAYERS, UNTIED_LAYERS, NOT_DEFERRED) or count(v):
+            return NOT_DEFERRED if v == 0 else v
         if isinstance(v, dict):
             out = {}
             for k, x in v.items():
                 key = int(k) if isinstance(k, str) and k.isdigit() else k
-                if not (count(key) and count(x)):
+                if not (count(key) and (count(x) or x == NOT_DEFERRED)):
                     break
-                out[key] = x
+                out[key] = NOT_DEFERRED if x == 0 else x
             else:
                 return out
         raise ValueError('allowed: "untied" (the first layer with parameters not tied to another stage, the '
-                         'default), a non-negative count of layers with parameters (every deferred stage; 0: not deferred), '
+                         'default), a non-negative count of layers with parameters (every deferred stage; 0 or "none": not deferred), '
                          '"all" (the whole stage), '
                          '"auto" (per stage the count with the least predicted time to a loss, from '
                          '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')

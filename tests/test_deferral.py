@@ -103,8 +103,7 @@ def _config(**hippie):
 
 @pytest.fixture
 def counted(monkeypatch):
-    from hippie_ds import schedules
-    from hippie_ds.schedules import validator
+    from hippie_ds.schedules import resolve as schedules, validator
     from hippie_ds.schedules.costs import Costs
     calls = {"compile": 0, "validate": 0, "costs": 0}
 
@@ -121,11 +120,11 @@ def counted(monkeypatch):
 
 def test_start_up_compiles_and_validates_the_schedule_once(counted):
     from hippie_ds.adapter.integration import prepare
-    *_, compiled, options, (deferral, layers) = prepare(_model(), _config())
+    *_, compiled, options, deferral = prepare(_model(), _config())
     assert counted == {"compile": 1, "validate": 1, "costs": 0}
-    assert compiled.deferred_stages() == deferral.deferred_stages() == [0] and deferral.leading(layers) == {0: 1}
+    assert compiled.deferred_stages() == deferral.deferred_stages() == [0] and deferral.stages[0].layers == (0,)
     # a decision that changes the deferred stages compiles once more, and still validates once
-    *_, compiled, _, (deferral, _) = prepare(_model(), _config(deferred_layers=0))
+    *_, compiled, _, deferral = prepare(_model(), _config(deferred_layers=0))
     assert counted == {"compile": 3, "validate": 2, "costs": 0}
     assert compiled.deferred_stages() == deferral.deferred_stages() == []
 
@@ -138,7 +137,7 @@ def test_start_up_reads_the_cost_file_once(counted, tmp_path):
     path.write_text(Costs.from_dict({"stages": [stage] * 2, "comm": {"allreduce_bandwidth": 1e8,
                                                                      "data_parallel": 2}}).model_dump_json())
     choices = {}
-    *_, compiled, _, (deferral, _) = prepare(_model(built=True), _config(deferred_stages="auto", deferred_layers="auto",
+    *_, compiled, _, deferral = prepare(_model(built=True), _config(deferred_stages="auto", deferred_layers="auto",
                                                                           costs=str(path)), choices=choices)
     assert counted["costs"] == 1 and counted["validate"] == 1
     # both stages defer on this slow link; "auto" chose leading layers, the decision holds their indices

@@ -1,5 +1,6 @@
 """``hippie.deferred_layers: "auto"``: the per-layer costs, the simulator's early in-step
-all-reduce, the chooser (schedules/partial_deferral.py) and its wiring (config, integration).
+all-reduce, the chooser (schedules/deferral/auto_layers.py) and its wiring (config, the one
+resolution pass, integration).
 Pure: no process group."""
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import torch
 from hippie_ds.config import ConfigError, merge_plan, split_config
 from hippie_ds.schedules import compile
 from hippie_ds.schedules.costs import Costs, CostsError, StageCost
-from hippie_ds.schedules.partial_deferral import choose_deferred_layers
+from hippie_ds.schedules.deferral import choose_deferred_layers
 from hippie_ds.schedules.simulator import SimulationError, simulate
 
 K, M, LAYERS = 4, 8, 8
@@ -197,10 +198,20 @@ def _options(tmp_path, c=None, **hippie):
     return split_config({"hippie": {"deferred_layers": "auto", **hippie}})[2]
 
 
+def _resolved(model, options, compiled=HIPPIE):
+    """The schedule ``compiled`` names, at its shape and with its parameters as given, resolved
+    as start-up resolves it for ``model``."""
+    from hippie_ds.adapter.deferred_layers import read_costs, resolve_for_module
+    from hippie_ds.schedules import load_spec
+    from hippie_ds.schedules.resolve import Shape
+    c = None if options.costs is None else read_costs(options, compiled.stages)  # start-up reads it once
+    return resolve_for_module(model, options, load_spec(compiled.name), Shape(compiled.stages, compiled.micro_batches),
+                              dict(compiled.params), c)
+
+
 def _decided(model, options, compiled=HIPPIE):
     """{deferred stage: delayed layers with parameters, or 'whole'} as start-up decides it."""
-    from hippie_ds.adapter.deferred_layers import resolve
-    deferral, _ = resolve(model, options, compiled)
+    deferral = _resolved(model, options, compiled).deferral
     return {s: "whole" if d.whole else len(d.layers) for s, d in deferral.stages.items()}
 
 
@@ -229,7 +240,6 @@ def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, c
     """A per-stage cost file: the stages take the model's own layers' parameter bytes (from its
     layer specs; when those cannot be built, this rank's layers); the choice matches the
     chooser's on the per-layer file, in the decision's unit (global layer indices)."""
-    from hippie_ds.adapter.deferred_layers import final_schedule, resolve
     expected = chosen(5e8, staleness_price=0.0)
     assert 0 < expected[0] < LAYERS
     want = {s: "whole" if k == LAYERS else k for s, k in expected.items() if k}
@@ -238,17 +248,16 @@ def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, c
     assert _decided(_model(stage_id=1), _options(tmp_path, costs(5e8), **price)) == want
     for stage_id in (0, 1):
         assert _decided(_model(stage_id, specs=False), _options(tmp_path, costs(5e8, per_layer=False), **price)) == want
-    choices = {}
-    deferral, _ = resolve(_model(), _options(tmp_path, costs(5e8), **price), HIPPIE, choices=choices)
-    assert deferral.stages[0].layers == tuple(range(expected[0]))  # stage 0's first layers, by index
-    assert {s: c.layers for s, c in choices.items()} == expected
+    resolved = _resolved(_model(), _options(tmp_path, costs(5e8), **price))
+    assert resolved.deferral.stages[0].layers == tuple(range(expected[0]))  # stage 0's first layers, by index
+    assert {s: c.layers for s, c in resolved.choices.items()} == expected
     # the default price: this link's gain is not worth a stale layer: no stage stays deferred
     assert _decided(_model(), _options(tmp_path, costs(5e8))) == {}
     with pytest.raises(ConfigError, match="stage 0 lists 8 layers, the model's stage 0 has 2"):
         _decided(_model(parts=(0, 2, 16, 24, 32)), _options(tmp_path, costs(5e8)))
     # a fast link: nothing delayed, and the stages are then ordinary (no gradient buffer)
-    deferral, _ = resolve(_model(), _options(tmp_path, costs(1e15)), HIPPIE)
-    assert deferral.stages == {} and final_schedule(HIPPIE, deferral).deferred_stages() == []
+    resolved = _resolved(_model(), _options(tmp_path, costs(1e15)))
+    assert resolved.deferral.stages == {} and resolved.compiled.deferred_stages() == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +280,7 @@ def test_cli_simulate_deferred_layers(tmp_path, capsys):
     assert "'some': allowed untied, auto, all or a layer count" in capsys.readouterr().err
     path.write_text(costs(5e8, per_layer=False).model_dump_json(exclude_none=True))
     assert main(common[:-2] + ["--deferred-layers", "auto", "--param", "deferred_stages=0"]) != 0
-    assert "stage(s) [0] have no per-layer costs" in capsys.readouterr().err
+    assert "stage(s) [0]: no per-layer costs" in capsys.readouterr().err
 
 
 def test_cli_simulate_default_is_the_configs(tmp_path, capsys):

@@ -130,7 +130,7 @@ def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
 @need_profiles
 def test_hippie_plan_states_its_deferred_layers(vgg):
     """A plan with deferred stages carries the engine's "auto" choice of delayed layers (the same
-    function, schedules.partial_deferral) into the config it sets and its summary."""
+    function, schedules.deferral.auto_layers) into the config it sets and its summary."""
     plan = make_plan(vgg, parse_cluster("4x4,16GB,10Gbit"), 2048, schedules=["hippie"], depths=[2], baselines=False)
     deferred = [st for st in plan.stages if st.deferred]
     assert deferred and plan.prediction.predicted_by == "simulator"

@@ -7,7 +7,7 @@ import pytest
 from hippie_ds.schedules import compile
 from hippie_ds.schedules.costs import CommCost, Costs, CostsError, StageCost
 from hippie_ds.schedules.ir import CompiledSchedule, Op, OpKind
-from hippie_ds.schedules.auto_params import resolve_auto_params
+from hippie_ds.schedules.deferral import resolve_auto_params
 from hippie_ds.schedules.simulator import SimulationError, simulate
 from hippie_ds.schedules.trace import chrome_trace, timeline_png
 

@@ -3,9 +3,9 @@ parameterless first layer, then a word embedding tied to the output head on the 
 default delays a deferred stage's first layer with parameters that is not tied to another stage
 (the first transformer block), and the tied embedding stays in-step on every holder; an explicit
 1 still delays exactly the first layer with parameters, the tied embedding, and so the head's copy
-too. Read through what start-up uses: ``deferred_layers.resolve`` (the value checked, the module's
-layers read) -> the pure decision (hippie_ds/schedules/deferral.py) -> ``engine_arguments`` and
-``final_schedule``. No processes: the stand-in has every stage's layers built, as
+too. Read through what start-up uses: ``deferred_layers.resolve_for_module`` (the value checked,
+the module's layers read) -> the one pass (hippie_ds/schedules/resolve.py, the pure decision in
+global layer indices) -> the schedule that runs and the engine's ``split_deferred``. No processes: the stand-in has every stage's layers built, as
 ``layers_with_parameters`` gathers them over the world."""
 from types import SimpleNamespace
 
@@ -13,11 +13,12 @@ import pytest
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from hippie_ds.adapter.deferred_layers import engine_arguments, final_schedule, resolve, tied_across_stages
+from hippie_ds.adapter.deferred_layers import resolve_for_module, tied_across_stages
 from hippie_ds.adapter.engine_gradients import split_deferred
 from hippie_ds.config import ConfigError, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, split_config
-from hippie_ds.schedules import compile as compile_schedule
+from hippie_ds.schedules import compile as compile_schedule, load_spec
 from hippie_ds.schedules.deferral import StageLayers, delayed_layers
+from hippie_ds.schedules.resolve import Shape
 
 
 class Embedding(torch.nn.Module):
@@ -54,11 +55,12 @@ HIPPIE = compile_schedule("hippie", 2, 4)  # stage 0 deferred ('auto': the first
 
 
 def _decided(value=None, model=None, compiled=HIPPIE):
-    """(schedule run, engine arguments: deferred_layers {stage: leading layers}, tied_delayed,
-    tied_kept) as start-up decides them for ``hippie.deferred_layers: value``."""
+    """(schedule run, Deferral) as start-up decides them for ``hippie.deferred_layers: value``
+    (``compiled``: the schedule and shape asked for, its parameters as given)."""
     options = split_config({} if value is None else {"hippie": {"deferred_layers": value}})[2]
-    deferral, layers = resolve(megatron() if model is None else model, options, compiled)
-    return final_schedule(compiled, deferral), engine_arguments(deferral, layers)
+    resolved = resolve_for_module(megatron() if model is None else model, options, load_spec(compiled.name),
+                                  Shape(compiled.stages, compiled.micro_batches), dict(compiled.params))
+    return resolved.compiled, resolved.deferral
 
 
 def _untied(flags, tied):
@@ -88,31 +90,32 @@ def test_untied_skips_modules_tied_to_another_stage():
 def test_default_delays_the_first_block_not_the_tied_embedding_nor_the_head():
     """The regression: the old default (1) delayed stage 0's embedding and, by the one rule per
     tied module, the head's weights on the last stage; the default keeps both in-step."""
-    compiled, args = _decided()
-    # _to_float, the embedding (kept in-step), the first block; the head's stage is not made deferred
-    assert compiled.deferred_stages() == [0] and args["deferred_layers"] == {0: 3}
-    assert args["tied_delayed"] == set() and args["tied_kept"] == {"embed"}
+    compiled, deferral = _decided()
+    # the first block (global index 2): the embedding stays in-step; the head's stage is not made deferred
+    assert compiled.deferred_stages() == [0] and deferral.stages[0].layers == (2,) and not deferral.stages[0].whole
+    assert deferral.tied_delayed == set() and deferral.tied_kept == {"embed"}
     model = megatron()
     params = [p for f in model.forward_funcs[:4] if isinstance(f, torch.nn.Module) for p in f.parameters()]
     tied = list(model.tied_modules["embed"].parameters())
-    late, in_step = split_deferred(params, model.forward_funcs[:4], args["deferred_layers"][0], kept=tied)
+    late, in_step = split_deferred(params, model.forward_funcs[:4], 0, deferral.stages[0])
     block = list(model.forward_funcs[2].parameters())
     assert [id(p) for p in late] == [id(p) for p in block]  # the first block alone
     assert {id(p) for p in in_step} == {id(p) for p in tied + list(model.forward_funcs[3].parameters())}
 
 
 def test_explicit_one_still_delays_the_tied_embedding_and_its_head():
-    compiled, args = _decided(1)
-    # _to_float and the embedding: exactly one layer with parameters; the head's holder delays it too
-    assert compiled.deferred_stages() == [0, 1] and args["deferred_layers"] == {0: 2, 1: 0}
-    assert args["tied_delayed"] == {"embed"} and args["tied_kept"] == set()
-    compiled, args = _decided(2)
-    assert args["deferred_layers"] == {0: 3, 1: 0} and args["tied_delayed"] == {"embed"}
+    compiled, deferral = _decided(1)
+    # the embedding (index 1): exactly one layer with parameters; the head's holder delays it too
+    assert compiled.deferred_stages() == [0, 1] and deferral.stages[0].layers == (1,)
+    assert deferral.stages[1].layers == () and deferral.stages[1].tied_keys == {"embed"}
+    assert deferral.tied_delayed == {"embed"} and deferral.tied_kept == set()
+    compiled, deferral = _decided(2)
+    assert deferral.stages[0].layers == (1, 2) and deferral.tied_delayed == {"embed"}
 
 
 def test_untied_applies_only_to_schedules_with_deferred_stages():
-    compiled, args = _decided(compiled=compile_schedule("1f1b", 2, 4))
-    assert args == {"deferred_layers": {}, "tied_delayed": set(), "tied_kept": set()}
+    compiled, deferral = _decided(compiled=compile_schedule("1f1b", 2, 4))
+    assert deferral.stages == {} and deferral.tied_delayed == deferral.tied_kept == set()
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'untied\': schedule \'1f1b\' has no '
                                           r"deferred stages"):
         _decided("untied", compiled=compile_schedule("1f1b", 2, 4))
@@ -123,6 +126,6 @@ def test_a_stage_holding_only_the_tied_embedding_delays_nothing():
     untied layer with parameters, so it delays nothing (an ordinary stage), stage 1 its first block."""
     hippie = compile_schedule("hippie", 4, 4)  # stages 0 and 1 deferred
     assert hippie.deferred_stages() == [0, 1]
-    compiled, args = _decided(model=megatron(parts=(0, 2, 4, 6, 8)), compiled=hippie)
-    assert compiled.deferred_stages() == [1] and args["deferred_layers"] == {1: 1}
-    assert args["tied_delayed"] == args["tied_kept"] == set()  # no deferred stage holds it
+    compiled, deferral = _decided(model=megatron(parts=(0, 2, 4, 6, 8)), compiled=hippie)
+    assert compiled.deferred_stages() == [1] and deferral.stages[1].layers == (2,)
+    assert deferral.tied_delayed == deferral.tied_kept == set()  # no deferred stage holds it

@@ -1,14 +1,14 @@
-"""``hippie.deferred_layers`` in the adapter: what the module tells the decision and what the
-engine takes from it. The decision itself is :func:`hippie_ds.schedules.deferral.decide` (pure,
-one unit: global layer indices); this module only
+"""``hippie.deferred_layers`` in the adapter: what the module tells the one resolution pass
+(:func:`hippie_ds.schedules.resolve.resolve`, pure; the decision is in global layer indices,
+which the engine takes as they are). This module only
 
 * describes every stage's layers from the module (:func:`stage_layers`: which hold trainable
   parameters as built, gathered with one all-reduce over the world since a rank builds only its
   own stage; which are modules tied to another stage, from the layer specs every rank has);
-* resolves ``"auto"`` with the chooser over the cost file read once at start-up
-  (:func:`auto_deferred_layers`), its leading-layer counts put in the config's unit;
-* checks the value against the schedule and renders the result as the engine's arguments
-  (:func:`engine_arguments`: leading-layer counts for ``split_deferred``, tied keys delayed and kept).
+* gives "auto" the model's own layer sizes where the cost file has no per-layer breakdown
+  (:func:`layer_sizes`);
+* checks the value against the schedule and names the config keys in errors
+  (:func:`resolve_for_module`).
 
 The default, ``"untied"``, delays a deferred stage's first layer with parameters that is not a
 module tied to another stage: Megatron's stage 0 starts with the word embedding tied to the
@@ -22,7 +22,9 @@ from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
 from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError
 from ..schedules import load_spec
-from ..schedules.deferral import Deferral, StageLayers, delayed_layers, with_parameters, with_ties
+from ..schedules.costs import Costs, CostsError
+from ..schedules.deferral import Deferral, StageLayers
+from ..schedules.resolve import Resolved, Shape, resolve
 from .tensor_calls import numel
 
 
@@ -89,13 +91,13 @@ def stage_layers(model: PipelineModule, flags: list[bool] | None = None) -> dict
     return out
 
 
-def _check(options, compiled) -> None:
+def _check(options, spec) -> None:
     """The value against the schedule, before anything is decided."""
     value = options.deferred_layers
-    if "deferred_stages" not in compiled.params:
+    if "deferred_stages" not in spec.params:
         if "deferred_layers" not in options.model_fields_set or value == WHOLE_STAGE:
             return  # the default, and "all", mean nothing to a schedule without deferred stages
-        raise ConfigError(f'config key "hippie.deferred_layers" = {value!r}: schedule {compiled.name!r} has no deferred '
+        raise ConfigError(f'config key "hippie.deferred_layers" = {value!r}: schedule {spec.name!r} has no deferred '
                           f"stages (partial deferral applies to the deferred stages of "
                           f"{', '.join(schedules_with_param('deferred_stages'))})")
     if options.staleness_price is not None and value != AUTO_LAYERS:
@@ -103,93 +105,56 @@ def _check(options, compiled) -> None:
                           f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them')
 
 
-def _own(model: PipelineModule, options, compiled, costs=None, choices: dict | None = None):
-    """(deferred stages, what each delays before the tie rule, every stage's layers)."""
-    _check(options, compiled)
-    deferred = [] if compiled.continuous else compiled.deferred_stages()
-    value = options.deferred_layers if "deferred_stages" in compiled.params and deferred else WHOLE_STAGE
-    layers = stage_layers(model, layers_with_parameters(model) if value != WHOLE_STAGE else None)
-    if value == AUTO_LAYERS:
-        auto = auto_deferred_layers(model, options, compiled, costs)
-        (choices if choices is not None else {}).update(auto)
-        value = {s: with_parameters(layers[s].params, c.layers) for s, c in auto.items()}
-    return deferred, delayed_layers(deferred, value, layers), layers
-
-
-def resolve(model: PipelineModule, options, compiled, costs=None,
-            choices: dict | None = None) -> tuple[Deferral, dict[int, StageLayers]]:
-    """(what every stage delays, every stage's layers): ``hippie.deferred_layers`` checked,
-    "auto" chosen (``costs``: the cost file as read at start-up; ``choices`` receives the
-    {stage: LayersChoice} for :func:`log_choice`), decided by the pure rule. The value applies
-    to the schedules with a ``deferred_stages`` parameter; the others delay whole stages."""
-    _, own, layers = _own(model, options, compiled, costs, choices)
-    tie_rule = bool(getattr(model, "tied_comms", None)) and not compiled.uses_tied_reduction \
-        and not compiled.continuous
-    return with_ties(own, layers, tie_rule), layers
+def resolve_for_module(model: PipelineModule, options, spec, shape: Shape, params: dict,
+                       costs: Costs | None = None) -> Resolved:
+    """The schedule ``model`` runs, by :func:`hippie_ds.schedules.resolve.resolve` with what the
+    module tells it: every stage's layers (:func:`stage_layers`, gathered with one all-reduce
+    only when the value needs them), whether it ties modules across stages, and for "auto" on a
+    stage whose costs have no per-layer breakdown, the model's own layers' parameter bytes
+    (:func:`layer_sizes`). ``costs``: ``hippie.costs`` as read once at start-up. Errors name the
+    config keys."""
+    from ..schedules.deferral.auto_layers import NeedsCosts
+    _check(options, spec)
+    shown = f'config key "hippie.deferred_layers" = {AUTO_LAYERS!r}'
+    try:
+        return resolve(spec, shape, params, options.deferred_layers, costs,
+                       lambda need: stage_layers(model, layers_with_parameters(model) if need else None),
+                       ties=bool(getattr(model, "tied_comms", None)), staleness_price=options.staleness_price,
+                       layer_bytes=layer_sizes(model), validate=False)
+    except NeedsCosts:
+        made = (f'; the plan {options.plan!r} ("hippie.plan") states no choice (made before "auto" existed): make it '
+                "again with `hippie-ds plan`" if options.plan is not None else
+                '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)')
+        raise ConfigError(f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
+                          f"(per-layer ones optional, see docs/reference.md){made}") from None
+    except CostsError as exc:
+        raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: {exc}') from None
 
 
 def read_costs(options, num_stages: int):
     """``hippie.costs`` read (once, at start-up), its errors naming the key."""
-    from ..schedules.costs import Costs, CostsError
     try:
         return Costs.from_file(options.costs, num_stages=num_stages)
     except CostsError as exc:
         raise ConfigError(f'config key "hippie.costs" = {options.costs!r}: {exc}') from None
 
 
-def auto_deferred_layers(model: PipelineModule, options, compiled, costs=None) -> dict:
-    """``hippie.deferred_layers: "auto"``: {deferred stage: LayersChoice}, by
-    :func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers` under ``costs``
-    (``hippie.costs``, read here when not given; a plan carries its own choice, merged into the
-    config before this). A deferred stage whose costs have no per-layer breakdown takes the
+def layer_sizes(model: PipelineModule):
+    """``layer_bytes(stage)`` for "auto" on a stage whose costs have no per-layer breakdown: the
     model's own layers' parameter bytes, built on the meta device from the layer specs, the same
     on every rank. When a layer cannot be built there, this rank's stage counts its built layers
     (``model.forward_funcs``) and another stage is taken as equal layers (a stage's choice depends
     on the others' only through the link they share); every replica of a stage still chooses alike."""
-    from ..schedules.costs import LayerShare
-    from ..schedules.partial_deferral import choose_deferred_layers
-
-    shown = f'config key "hippie.deferred_layers" = {AUTO_LAYERS!r}'
-    if options.costs is None:
-        made = (f'; the plan {options.plan!r} ("hippie.plan") states no choice (made before "auto" existed): make it '
-                "again with `hippie-ds plan`" if options.plan is not None else
-                '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)')
-        raise ConfigError(f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
-                          f"(per-layer ones optional, see docs/reference.md){made}")
-    costs = read_costs(options, model.num_stages) if costs is None else costs
     from .pipeline_module import layer_param_bytes
+    every = []
 
-    stages, every = list(costs.stages), None
-    for s in compiled.deferred_stages():
+    def sizes(s: int) -> list[float]:
+        if not every:
+            every.append(layer_param_bytes(model._layer_specs))
         count = model.parts[s + 1] - model.parts[s]
-        if stages[s].layers is None:
-            every = layer_param_bytes(model._layer_specs) if every is None else every
-            sizes = (every[model.parts[s]:model.parts[s + 1]] if every is not None else
-                     _layer_sizes(model, s) if s == model.stage_id else [1.0] * count)
-            stages[s] = stages[s].model_copy(update={"layers": [LayerShare(param_bytes=x) for x in sizes]})
-        elif len(stages[s].layers) != count:
-            raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: stage {s} lists '
-                              f"{len(stages[s].layers)} layers, the model's stage {s} has {count}")
-    return choose_deferred_layers(compiled, costs.model_copy(update={"stages": stages}),
-                                  staleness_price=options.staleness_price)
-
-
-def final_schedule(compiled, deferral: Deferral):
-    """``compiled`` itself when its deferred stages are the decision's, else compiled again (not
-    validated: the caller validates the schedule it runs, once) with the decision's."""
-    if compiled.continuous or compiled.deferred_stages() == deferral.deferred_stages():
-        return compiled
-    from ..schedules import compile as compile_schedule
-    return compile_schedule(compiled.source or compiled.name, compiled.stages, compiled.micro_batches, validate=False,
-                            virtual_stages=compiled.virtual_stages if compiled.virtual_stages > 1 else None,
-                            **{**compiled.params, "deferred_stages": deferral.deferred_stages()})
-
-
-def engine_arguments(deferral: Deferral, layers: dict[int, StageLayers]) -> dict:
-    """The decision as ``HippiePipelineEngine`` takes it: ``deferred_layers`` {stage: leading
-    layers} (a stage left out: whole), ``tied_delayed`` and ``tied_kept`` tie keys."""
-    return {"deferred_layers": deferral.leading(layers), "tied_delayed": deferral.tied_delayed,
-            "tied_kept": deferral.tied_kept}
+        return (every[0][model.parts[s]:model.parts[s + 1]] if every[0] is not None else
+                _layer_sizes(model, s) if s == model.stage_id else [1.0] * count)
+    return sizes
 
 
 def log_choice(model: PipelineModule, choices: dict) -> None:

@@ -40,6 +40,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .._compat import check_deepspeed
 from ..schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule
+from ..schedules.deferral import Deferral
 from . import instructions as hs
 from .allreduce_stream import AllReduceStream
 from .call_cursor import CallCursor
@@ -83,8 +84,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
-                 timeline_steps: int = 100, staleness=None, deferred_layers: dict[int, int] | None = None,
-                 tied_delayed: set[str] | frozenset = frozenset(), tied_kept=frozenset(), **kwargs):
+                 timeline_steps: int = 100, staleness=None, deferral: Deferral | None = None, **kwargs):
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -105,8 +105,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         self._cursor = CallCursor()
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._versions = self._make_versions(compiled_schedule, staleness)
-        self._gradients, self._stage_step = self._make_gradients(compiled_schedule, staleness, deferred_layers,
-                                                                 tied_delayed, tied_kept)
+        self._gradients, self._stage_step = self._make_gradients(compiled_schedule, staleness,
+                                                                 deferral or Deferral({}))
         self._init_split_backward(compiled_schedule)
         atexit.register(warn_in_flight_at_exit, weakref.ref(self))
 
@@ -124,8 +124,8 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
                 for key, comm in self.module.tied_comms.items() if keys is None or key in keys
                 for attr in comm["weight_attr"]]
 
-    def _make_gradients(self, compiled: CompiledSchedule, staleness, deferred_layers, tied_delayed,
-                        tied_kept) -> tuple[StageGradients, StageStep]:
+    def _make_gradients(self, compiled: CompiledSchedule, staleness,
+                        deferral: Deferral) -> tuple[StageGradients, StageStep]:
         deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
         # schedules without reduce_tied_grads sum tied gradients themselves (adapter/tied.py)
         ties = [] if compiled.uses_tied_reduction else self._tied_weights()
@@ -136,11 +136,9 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         if lagged is not None:
             ties = []
         clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
-        delayed, synced = (split_deferred(self._params, self.module.forward_funcs,
-                                          (deferred_layers or {}).get(self.stage_id),
-                                          also=[w for w, _ in self._tied_weights(tied_delayed)],
-                                          kept=[p for k in tied_kept if k in self.module.tied_modules
-                                                for p in self.module.tied_modules[k].parameters()])
+        delayed, synced = (split_deferred(self._params, self.module.forward_funcs, self.module.parts[self.stage_id],
+                                          deferral.stages.get(self.stage_id),
+                                          also=[w for w, _ in self._tied_weights(deferral.tied_delayed)])
                            if deferred else ([], self._params))
         gradients = StageGradients(
             store,

@@ -12,8 +12,9 @@ backward); the declared ``start_allreduce(grads)`` then finds it in flight. Ever
 read and written through :class:`~hippie_ds.adapter.grad_store.GradStore` (fp32 and ZeRO-1's
 DeepSpeedZeroOptimizer: ``.grad``; bf16 and bf16 + ZeRO-1: BF16_Optimizer's accumulator).
 
-From the config to the wire: ``hippie.deferred_layers`` -> ``integration.deferred_layers`` ({stage:
-layers}) -> ``HippiePipelineEngine(deferred_layers=)`` -> :func:`split_deferred` (delayed, synced)
+From the config to the wire: ``hippie.deferred_layers`` -> ``schedules.resolve.resolve`` (a
+:class:`~hippie_ds.schedules.deferral.Deferral`, global layer indices) -> ``HippiePipelineEngine(deferral=)``
+-> :func:`split_deferred` (delayed, synced)
 -> :class:`StageGradients`: the synced part's hooks start the ``grads`` all-reduce inside the last backward,
 the delayed part goes through ``copy_to_buffer`` and the ``buffer`` all-reduce across the next step.
 """
@@ -27,6 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..schedules.deferral import StageDeferral
 from ..schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
 from .grad_store import GradStore, flat_copy
@@ -42,17 +44,18 @@ def _checked(transition: tuple[bool, str | None]) -> bool:
     return does
 
 
-def split_deferred(params: list[torch.Tensor], layers: list, count: int | None, also: list[torch.Tensor] = (),
-                   kept: list[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(delayed, synchronous) parameters of a deferred stage whose layers (``forward_funcs``) are
-    ``layers``: those of its first ``count`` layers but ``kept`` (tied modules that
-    ``deferred_layers: "untied"`` leaves in-step), and ``also`` (tied weights another holder
-    delays) are delayed; all of them when ``count`` is None."""
-    if count is None:
+def split_deferred(params: list[torch.Tensor], layers: list, first: int, delays: StageDeferral | None,
+                   also: list[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(delayed, synchronous) parameters of a deferred stage whose layers (``forward_funcs``, the
+    first at global index ``first``) are ``layers``: those of the layers ``delays`` lists (global
+    indices, :class:`~hippie_ds.schedules.deferral.StageDeferral`), and ``also`` (tied weights
+    another holder delays) are delayed; all of them when the stage is delayed whole (or
+    ``delays`` is None)."""
+    if delays is None or delays.whole:
         return params, []
-    skip = {id(p) for p in kept}
-    delayed = {id(p) for i, layer in enumerate(layers) if i < count and isinstance(layer, torch.nn.Module)
-               for p in layer.parameters() if id(p) not in skip} | {id(p) for p in also}
+    picked = {g - first for g in delays.layers}
+    delayed = {id(p) for i, layer in enumerate(layers) if i in picked and isinstance(layer, torch.nn.Module)
+               for p in layer.parameters()} | {id(p) for p in also}
     return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
 
 

@@ -14,12 +14,11 @@ from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed
 from ..config import AUTO_LAYERS, ConfigError, merge_plan, read_config, schedule_params, split_config
-from .. import schedules
 from ..schedules import load_spec, validator
 from ..schedules.compiler import resolve_virtual_stages
 from .clean_exit import wait_at_exit
-from .deferred_layers import (engine_arguments, final_schedule, log_choice, read_costs, resolve,  # noqa: F401
-                              schedules_with_param)
+from ..schedules.resolve import Shape
+from .deferred_layers import log_choice, read_costs, resolve_for_module, schedules_with_param
 from .module_chunks import chunks_phrase as _chunks, held_chunks
 from .precision import check_precision
 from .tied import check_tied, tied_stage_groups
@@ -143,12 +142,11 @@ def _apply_plan(model: PipelineModule, config: dict, options, config_path: str |
 
 
 def prepare(model: PipelineModule, config: dict, config_path: str | None = None, choices: dict | None = None):
-    """Validate the config, decide the deferral and compile the schedule for ``model``, once:
-    (ds_config, config_class, compiled schedule, hippie options, (Deferral, every stage's
-    StageLayers)). The cost file is read once; the schedule is compiled once and validated once
-    (compiled a second time only when the deferral changes its deferred stages: a stage that
-    delays nothing, a holder of a delayed tied module). Checks only; the one collective is
-    ``layers_with_parameters``' all-reduce (``choices``: the "auto" choice, for the log)."""
+    """Validate the config and resolve the schedule for ``model`` (:func:`~hippie_ds.schedules.resolve.resolve`:
+    'auto' parameters, one compile, the deferral), once: (ds_config, config_class, compiled
+    schedule, hippie options, Deferral). The cost file is read once; the schedule is validated
+    once. Checks only; the one collective is ``layers_with_parameters``' all-reduce
+    (``choices``: the "auto" choice, for the log)."""
     ds_config, schedule_name, options = split_config(config)
     if options.plan is None and getattr(model, "hippie_plan_source", None) is not None:
         raise ConfigError(f'config key "hippie.plan" is not set, but the hippie_ds.PipelineModule took the plan '
@@ -168,16 +166,13 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
     auto_stages = any(params.get(n, p.default) == "auto" for n, p in spec.params.items() if p.kind == "stage_list")
     costs = (read_costs(options, stages) if options.costs is not None and
              (auto_stages or options.deferred_layers == AUTO_LAYERS) else None)  # read once
-    if costs is not None and auto_stages:
-        from ..schedules.auto_params import resolve_auto_params
-        tied = costs if costs.tied_groups is not None else costs.model_copy(  # what ReduceTiedGrads waits for
-            update={"tied_groups": tied_stage_groups(model)})
-        resolved = resolve_auto_params(schedule_name, stages, micro_batches, tied)
-        params = {**resolved, **{k: v for k, v in params.items() if v != "auto"}}
-    compiled = schedules.compile(schedule_name, stages, micro_batches, validate=False,
-                                 virtual_stages=options.virtual_stages, **params)
-    deferral, layers = resolve(model, options, compiled, costs, choices)
-    compiled = validator.validate(final_schedule(compiled, deferral))
+    if costs is not None and costs.tied_groups is None:  # what ReduceTiedGrads waits for
+        costs = costs.model_copy(update={"tied_groups": tied_stage_groups(model)})
+    resolved = resolve_for_module(model, options, spec, Shape(stages, micro_batches, options.virtual_stages), params,
+                                  costs)
+    if choices is not None:
+        choices.update(resolved.choices)
+    compiled = validator.validate(resolved.compiled)
     from .engine import check_single_grad_slot
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
@@ -195,7 +190,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
             check_torch_version()
         except ImportError as exc:
             raise ConfigError(str(exc)) from None
-    return ds_config, config_class, compiled, options, (deferral, layers)
+    return ds_config, config_class, compiled, options, resolved.deferral
 
 
 def module_fix(model, what: str) -> str:
@@ -289,7 +284,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config_path = _config_path(args, config, config_params) or getattr(model, "hippie_config_path", None)
     config = _load_config(args, config, config_params)
     choices: dict = {}
-    ds_config, config_class, compiled, options, (deferral, layers) = prepare(model, config, config_path, choices)
+    ds_config, config_class, compiled, options, deferral = prepare(model, config, config_path, choices)
     from .adam_prediction import check_config as check_staleness  # hippie.staleness "adam": an Adam it reads
     check_staleness(options.staleness, ds_config, optimizer)
 
@@ -308,7 +303,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   config_class=config_class, compiled_schedule=compiled,
                                   timeline_dir=options.timeline_dir,
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
-                                  **engine_arguments(deferral, layers))
+                                  deferral=deferral)
     zero.partition_parameters.restore_init_context()
     from .adam_prediction import bind as bind_staleness  # hippie.staleness "adam" reads the optimizer
     bind_staleness(engine, options.staleness)

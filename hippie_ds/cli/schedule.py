@@ -136,43 +136,6 @@ def _deferred_layers_value(text: str):
     raise argparse.ArgumentTypeError(f"{text!r}: allowed untied, auto, all or a layer count >= 0")
 
 
-def _cost_layers(costs) -> dict:
-    """Every stage's layers as the cost file lists them, for the deferral (a layer holds
-    parameters when its param_bytes > 0; the file names no tied modules); a stage without
-    per-layer costs is one layer."""
-    from ..schedules.deferral import StageLayers
-    out, first = {}, 0
-    for s, st in enumerate(costs.stages):
-        params = tuple(layer.param_bytes > 0 for layer in st.layers) if st.layers else (True,)
-        out[s], first = StageLayers(first, params), first + len(params)
-    return out
-
-
-def _partial_deferral(compiled, costs, value, iterations: int, staleness_price: float | None = None
-                      ) -> tuple[dict[int, int], list, list[int]]:
-    """--deferred-layers for ``compiled``: ({deferred stage: leading layers delayed}, the 'auto'
-    choices, the deferred stages), decided by the engine's rule (schedules.deferral)."""
-    from ..schedules.costs import CostsError
-    from ..schedules.deferral import decide, with_parameters
-    from ..schedules.partial_deferral import choose_deferred_layers
-    deferred = [] if compiled.continuous else compiled.deferred_stages()
-    if not deferred:
-        return {}, [], deferred
-    missing = [s for s in deferred if not costs.stages[s].layers]
-    if missing and value not in (UNTIED_LAYERS, WHOLE_STAGE):
-        raise UsageError(f"--deferred-layers {value}: stage(s) {missing} have no per-layer costs; give a --costs file "
-                         "whose stages list 'layers' (param_bytes, optionally backward, per layer)")
-    layers, choices = _cost_layers(costs), []
-    if value == AUTO_LAYERS:
-        try:
-            picked = choose_deferred_layers(compiled, costs, iterations, staleness_price)
-        except CostsError as exc:
-            raise UsageError(f"--deferred-layers auto: {exc}") from None
-        value, choices = {s: with_parameters(layers[s].params, c.layers) for s, c in picked.items()}, list(picked.values())
-    deferral = decide(deferred, value, layers, tie_rule=False)  # the cost file names no tied modules
-    return deferral.leading(layers), choices, deferral.deferred_stages()
-
-
 def _cmd_list(args) -> int:
     from ..schedules import available
     names = available()
@@ -257,29 +220,31 @@ def _cmd_validate(args) -> int:
 
 
 def _simulate_one(name: str, args, costs, only_declared: bool):
-    """Compile ``name`` with the --param values (only those it declares when ``only_declared``:
-    several schedules compared), validate it, resolve its 'auto' parameters from the costs, and
-    simulate it."""
+    """Resolve ``name`` with the --param values (only those it declares when ``only_declared``:
+    several schedules compared) and the costs ('auto' parameters, --deferred-layers; the engine's
+    one pass, schedules.resolve), validated, and simulate it."""
     from ..schedules import simulator
-    from ..schedules.auto_params import resolve_auto_params
+    from ..schedules.costs import CostsError
+    from ..schedules.resolve import Shape, resolve
     spec = _load(name)
     given = _parse_params(args.param, spec)
     if only_declared:
         given = {k: v for k, v in given.items() if k in spec.params}
-    # Compile and validate first: a broken schedule is reported as such, not as a failed simulation.
-    compiled = _compile(name, args, validate=True, params=given)
-    params = resolve_auto_params(spec, args.stages, args.micro_batches, costs, params=given,
-                                           iterations=args.iterations)
-    if params != compiled.params:
-        compiled = _compile(name, args, validate=True, params=params)
     if args.staleness_price is not None and args.deferred_layers != AUTO_LAYERS:
         raise UsageError(f"--staleness-price {args.staleness_price}: it prices only --deferred-layers auto")
-    layers, choices, deferred = _partial_deferral(compiled, costs, args.deferred_layers, args.iterations,
-                                                  args.staleness_price)
-    if "deferred_stages" in compiled.params and deferred != compiled.params["deferred_stages"]:
-        compiled = _compile(name, args, validate=True, params={**params, "deferred_stages": deferred})
-    result = simulator.simulate(compiled, costs, iterations=args.iterations, deferred_layers=layers)
-    return compiled, result, choices
+    try:
+        resolved = resolve(spec, Shape(args.stages, args.micro_batches, getattr(args, "virtual_stages", None)), given,
+                           args.deferred_layers, costs, staleness_price=args.staleness_price,
+                           iterations=args.iterations, source=str(name))
+    except CostsError as exc:
+        raise UsageError(f"--deferred-layers {args.deferred_layers}: {exc}") from None
+    missing = [s for s in resolved.deferral.stages if not costs.stages[s].layers]
+    if missing and args.deferred_layers not in (UNTIED_LAYERS, WHOLE_STAGE, AUTO_LAYERS):
+        raise UsageError(f"--deferred-layers {args.deferred_layers}: stage(s) {missing} have no per-layer costs; give a "
+                         "--costs file whose stages list 'layers' (param_bytes, optionally backward, per layer)")
+    result = simulator.simulate(resolved.compiled, costs, iterations=args.iterations,
+                                deferred_layers=resolved.simulator_layers())
+    return resolved.compiled, result, list(resolved.choices.values())
 
 
 def _cmd_simulate(args) -> int:

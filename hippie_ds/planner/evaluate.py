@@ -52,19 +52,17 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
     """Simulate a configuration: deferred stages by the simulator's rule when affordable
     (``auto_limit`` micro-batch-stages of repeated simulation), else ``deferred`` (the
     analytic rule's choice)."""
-    from ..schedules import compile as compile_schedule
-    from ..schedules.auto_params import resolve_auto_params
+    from ..config import WHOLE_STAGE
+    from ..schedules.resolve import Shape, resolve
     from ..schedules.simulator import simulate
 
     costs = _costs(model, lay, b, ks)
     traits = schedule_traits(schedule, lay.K, M)
     params: dict[str, Any] = {}
     if traits.defers:
-        if lay.K * M * (lay.K + 1) * 3 <= auto_limit:
-            params = resolve_auto_params(schedule, lay.K, M, costs, {"deferred_stages": "auto"})
-        else:
-            params = {"deferred_stages": list(deferred)}
-    compiled = compile_schedule(schedule, lay.K, M, validate=False, **params)
+        affordable = lay.K * M * (lay.K + 1) * 3 <= auto_limit
+        params = {"deferred_stages": "auto" if affordable else list(deferred)}
+    compiled = resolve(schedule, Shape(lay.K, M), params, WHOLE_STAGE, costs, validate=False).compiled
     # flush schedules repeat identically; deferred and continuous ones reach their steady state
     iterations = 3 if traits.defers or traits.continuous else 1
     res = simulate(compiled, costs, iterations=iterations, critical_path=False)
@@ -81,7 +79,7 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
                     est: _Estimate, staleness_price: float) -> tuple[_Estimate, dict]:
     """``hippie.deferred_layers: "auto"`` for a simulated configuration with deferred stages:
     (the estimate, {deferred stage: LayersChoice}) by the engine's own rule
-    (:func:`hippie_ds.schedules.partial_deferral.choose_deferred_layers`). A stage that delays
+    (:func:`hippie_ds.schedules.resolve.resolve`, the engine's one pass). A stage that delays
     nothing is no longer deferred, the step is the one simulated with the chosen layers (what
     runs) and ``steps_factor`` prices what stays stale; memory keeps each deferred stage's whole
     gradient buffer (an upper bound). Analytic estimates (too large to simulate) and layouts with
@@ -90,11 +88,11 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
         # virtual stages: whole deferred stages (the engine's hippie.deferred_layers counts a
         # stage's leading layers as one contiguous range; a chunked stage's are not)
         return est, {}
-    from ..schedules import compile as compile_schedule
-    from ..schedules.partial_deferral import choose_deferred_layers
+    from ..config import AUTO_LAYERS
+    from ..schedules.resolve import Shape, resolve
 
-    compiled = compile_schedule(schedule, lay.K, M, validate=False, deferred_stages=list(est.deferred))
-    choices = choose_deferred_layers(compiled, _costs(model, lay, b, ks), staleness_price=staleness_price)
+    choices = resolve(schedule, Shape(lay.K, M), {"deferred_stages": list(est.deferred)}, AUTO_LAYERS,
+                      _costs(model, lay, b, ks), staleness_price=staleness_price, validate=False).choices
     kept = [s for s in est.deferred if choices[s].layers]
     memory = est.memory if kept == list(est.deferred) else model.memory(
         lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions)

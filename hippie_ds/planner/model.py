@@ -68,7 +68,7 @@ class _Estimate:
     deferred: list[int]
     predicted_by: str = "analytic"
     # Steps to a loss relative to no staleness, as hippie.staleness_price models the delayed
-    # layers (partial_deferral.LayersChoice.steps_factor); candidates rank by step x this.
+    # layers (deferral.LayersChoice.steps_factor); candidates rank by step x this.
     steps_factor: float = 1.0
 
     @property

@@ -255,7 +255,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
                            f"{cap / GB:.3g} GB each (re-computing everything that helps) holds it;{detail}. "
                            "Use more devices, more memory, or a smaller global batch")
 
-    from ..schedules.partial_deferral import STALENESS_PRICE
+    from ..schedules.deferral import STALENESS_PRICE
     price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
     chosen, est, delayed, simulated, ranked = _refine(model, found, objective, simulate_top, simulate_budget, cap,
                                                       price)

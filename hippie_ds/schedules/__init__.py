@@ -1,5 +1,7 @@
 """Declarative pipeline schedules: load, compile, validate, simulate (pure: no torch, no DeepSpeed;
-:func:`hippie_ds.adapter.instructions.build` turns one into DeepSpeed instructions)."""
+:func:`hippie_ds.adapter.instructions.build` turns one into DeepSpeed instructions). The schedule
+a job runs comes from :func:`hippie_ds.schedules.resolve.resolve` ('auto' parameters, deferral,
+one compile); :func:`compile` here compiles a shape as given (listings, checks, the bench)."""
 from .compiler import compile_schedule, resolve_params
 from .ir import CompiledSchedule, Op, OpKind
 from .spec import ScheduleError, ScheduleSpec, available, load_spec
@@ -16,14 +18,6 @@ def compile(name_or_path, stages: int, micro_batches: int, validate: bool = True
         from .validator import validate as _validate
         _validate(compiled)
     return compiled
-
-
-def recompile(compiled: CompiledSchedule, **params) -> CompiledSchedule:
-    """The same schedule compiled (and validated) again at its shape with ``params`` changed, e.g.
-    other deferred stages."""
-    return compile(compiled.source or compiled.name, compiled.stages, compiled.micro_batches,
-                   virtual_stages=compiled.virtual_stages if compiled.virtual_stages > 1 else None,
-                   **{**compiled.params, **params})
 
 
 def builtins_where(predicate, stages: int, micro_batches: int, chunks: tuple[int, str] | None = None) -> list[str]:
@@ -45,5 +39,5 @@ def builtins_where(predicate, stages: int, micro_batches: int, chunks: tuple[int
     return names
 
 
-__all__ = ["available", "builtins_where", "compile", "compile_schedule", "recompile", "load_spec", "resolve_params", "CompiledSchedule",
+__all__ = ["available", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
            "Op", "OpKind", "ScheduleError", "ScheduleSpec"]

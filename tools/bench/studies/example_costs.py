@@ -12,7 +12,7 @@ and parameter bytes with the per-layer breakdown (``StageCost.layers``), and the
 all-reduce over --replicas across the shaped rate x --link-efficiency. --compute-scale multiplies
 the times: on the emulated cluster two ranks share a node's one core, so a stage computes up to
 twice as slowly as the profile, which measures a rank alone. Prints what "auto" chooses per
-deferred stage of `hippie` at that cost (the rule the engine runs, schedules.partial_deferral).
+deferred stage of `hippie` at that cost (the rule the engine runs, schedules.deferral.auto_layers).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def parse_args(argv=None):
 def example_costs(example: str, rate_bytes: float, a) -> dict:
     """The cost file's contents (a ``Costs`` as a dict) for ``example`` at ``rate_bytes``/s."""
     import torch
-    from deepspeed.runtime.utils import partition_uniform
 
+    from hippie_ds.adapter.ds.module import partition_uniform
     from hippie_ds.profiler import profile_layers
     from hippie_ds.schedules.costs import CommCost, Costs
     from tools.examples import gpt, vgg
@@ -69,16 +69,11 @@ def example_costs(example: str, rate_bytes: float, a) -> dict:
 
 def auto_choice(costs: dict, stages: int, micro_batches: int) -> list[str]:
     """What hippie's "auto" keys choose under ``costs``: one line per deferred stage."""
-    from hippie_ds.schedules import compile as compile_schedule
-    from hippie_ds.schedules.auto_params import resolve_auto_params
     from hippie_ds.schedules.costs import Costs
-    from hippie_ds.schedules.partial_deferral import choose_deferred_layers
+    from hippie_ds.schedules.resolve import Shape, resolve
 
-    c = Costs.from_dict(costs)
-    params = resolve_auto_params("hippie", stages, micro_batches, c, {"deferred_stages": "auto"})
-    compiled = compile_schedule("hippie", stages, micro_batches, **params)
-    choices = choose_deferred_layers(compiled, c)
-    return [f"deferred_stages {params['deferred_stages']}"] + [ch.describe() for ch in choices.values()]
+    resolved = resolve("hippie", Shape(stages, micro_batches), {"deferred_stages": "auto"}, "auto", Costs.from_dict(costs))
+    return [f"deferred_stages {sorted(resolved.choices)}"] + [ch.describe() for ch in resolved.choices.values()]
 
 
 def main(argv=None) -> int:

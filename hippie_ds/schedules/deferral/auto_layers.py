@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costs import Costs, CostsError
-from .ir import CompiledSchedule
-from .simulator import simulate
+from ..costs import Costs, CostsError
+from ..ir import CompiledSchedule
+from ..simulator import simulate
 
 # Extra steps to reach a loss, as a share, when the whole model's gradient is one step stale
 # (the GPT example's least-squares slope through the origin: 0.54).
@@ -34,6 +34,10 @@ STALENESS_PRICE = 0.5
 TOLERANCE = 1e-3
 # Passes over the deferred stages (each stage's count re-chosen with the others fixed) at most.
 PASSES = 4
+
+
+class NeedsCosts(CostsError):
+    """``"auto"`` asked for without costs to choose from."""
 
 
 @dataclass(frozen=True)

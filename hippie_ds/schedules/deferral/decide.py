@@ -13,11 +13,13 @@ functions and parameterless layers before and between them are not counted). Val
 * an int ``n >= 1`` (every deferred stage) or ``{stage: n}`` (the stages named; the others
   whole): the first ``n`` layers with parameters, tied ones included; ``n`` at least the
   stage's count: the whole stage;
-* ``0``: the stage delays nothing, so it is not deferred: it runs as a stage left out of
+* ``"none"`` (:data:`NOT_DEFERRED`; the config reads a count of ``0`` as it, also per stage):
+  the stage delays nothing, so it is not deferred: it runs as a stage left out of
   ``hippie.deferred_stages`` (all-reduce and update in-step, no gradient buffer);
 * ``"all"``: every deferred stage whole (the paper's rule);
-* ``"auto"`` is resolved beforehand (:func:`~hippie_ds.schedules.partial_deferral.choose_deferred_layers`
-  chooses leading layers of a cost file's stage; :func:`with_parameters` counts them in this unit).
+* ``"auto"`` is resolved beforehand (:func:`~hippie_ds.schedules.deferral.auto_layers.choose_deferred_layers`
+  chooses leading layers of a cost file's stage; :func:`with_parameters` counts them in this unit;
+  :func:`hippie_ds.schedules.resolve.resolve` does both).
 
 Tied modules follow one rule (adapter/tied.py): when a stage delays a module tied to other
 stages, every holder delays it; a holder that delays nothing else becomes a deferred stage that
@@ -29,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..config import AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, WHOLE_STAGE, ConfigError
+from ...config import AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, NOT_DEFERRED, UNTIED_LAYERS, WHOLE_STAGE, ConfigError
 
-__all__ = ["AUTO_LAYERS", "DEFAULT_DEFERRED_LAYERS", "UNTIED_LAYERS", "WHOLE_STAGE", "Deferral", "StageDeferral",
+__all__ = ["AUTO_LAYERS", "DEFAULT_DEFERRED_LAYERS", "NOT_DEFERRED", "UNTIED_LAYERS", "WHOLE_STAGE", "Deferral",
+           "StageDeferral",
            "StageLayers", "decide", "delayed_layers", "with_ties", "with_parameters"]
 
 
@@ -84,8 +87,9 @@ class StageDeferral:
 
     def leading(self, first: int) -> int | None:
         """The stage's leading layers up to its last delayed one (``first``: its first layer's
-        global index): the count the engine's ``split_deferred`` and the simulator's
-        ``deferred_layers`` take (None: the whole stage; 0: no layer, only tied weights)."""
+        global index): the count the simulator's ``deferred_layers`` takes, a cost file's unit
+        (None: the whole stage; 0: no layer, only tied weights). The engine takes the
+        :class:`StageDeferral` itself (global indices)."""
         if self.whole:
             return None
         return max(self.layers) + 1 - first if self.layers else 0
@@ -109,8 +113,8 @@ class Deferral:
         return {k for d in self.stages.values() for k in d.kept_keys}
 
     def leading(self, layers: Mapping[int, StageLayers]) -> dict[int, int]:
-        """{stage: leading layers} of the stages not delayed whole (what the engine and the
-        simulator take as ``deferred_layers``)."""
+        """{stage: leading layers} of the stages not delayed whole (what the simulator takes as
+        ``deferred_layers``)."""
         return {s: d.leading(layers[s].first) for s, d in sorted(self.stages.items()) if not d.whole}
 
 
@@ -123,10 +127,14 @@ def delayed_layers(deferred_stages: Sequence[int], value: Any,
     """Per deferred stage, the layers ``value`` delays there, before the tie rule; a stage that
     delays nothing is kept with empty ``layers`` (:func:`with_ties` drops it)."""
     shown = f'config key "hippie.deferred_layers" = {value!r}'
+    if value == NOT_DEFERRED:
+        value = 0
+    elif isinstance(value, dict):
+        value = {s: 0 if n == NOT_DEFERRED else n for s, n in value.items()}
     if value == AUTO_LAYERS:
         raise ConfigError(f"{shown}: resolve it first (choose_deferred_layers, then with_parameters)")
     if not (value in (WHOLE_STAGE, UNTIED_LAYERS) or _count(value) or isinstance(value, dict)):
-        raise ConfigError(f'{shown}: allowed "untied", "all", a count >= 0 or {{stage: count}}')
+        raise ConfigError(f'{shown}: allowed "untied", "all", "none", a count >= 0 or {{stage: count}}')
     if isinstance(value, dict):
         extra = sorted(set(value) - set(deferred_stages))
         if extra:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .costs import Costs
-from .simulator import SimResult, SimulationError, simulate
+from ..costs import Costs
+from ..simulator import SimResult, SimulationError, simulate
 
 
 def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Costs,
@@ -26,8 +26,8 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
 
     Every 'auto' stage-list parameter is resolved with this rule (a parameter listing the
     stages that take the buffered path)."""
-    from .compiler import compile_schedule, resolve_params
-    from .spec import ScheduleSpec, load_spec
+    from ..compiler import compile_schedule, resolve_params
+    from ..spec import ScheduleSpec, load_spec
 
     spec = spec_or_name if isinstance(spec_or_name, ScheduleSpec) else load_spec(spec_or_name)
     given = dict(params or {})
