@@ -260,17 +260,7 @@ class AdamInPlacePrediction(InPlacePrediction):
     @torch.no_grad()
     def predict(self) -> None:
         """Roughly: ``buffer, params = params, W_hat`` (no-op when already predicted)."""
-        if self._true is not None:
-            return
-        predicted = self.deltas.pop(0, None)
-        if predicted is None:
-            self._true = [torch.clone(torch.Tensor.detach(param)) for param in self.params]
-            return
-        for param, buf in zip(self.params, predicted):
-            w_hat = buf.clone()  # one parameter at a time: the buffer turns into W
-            buf.copy_(param)
-            torch.Tensor.copy_(param, w_hat)
-        self._true, self.predicted_now = predicted, True
+        self._swap_in(torch.Tensor.copy_)
 
     @torch.no_grad()
     def end_update(self) -> None:

@@ -104,17 +104,23 @@ class InPlacePrediction(WeightPrediction):
     @torch.no_grad()
     def predict(self) -> None:
         """Roughly: ``buffer, params = params, params + c * delta`` (no-op when already predicted)."""
+        self._swap_in(lambda p, delta: torch.Tensor.add_(p, delta, alpha=self.coefficient))
+
+    def _swap_in(self, make) -> None:
+        """The swap every in-place prediction makes: the kept buffer takes the true weights W and
+        each parameter becomes ``make(param, what the buffer held)``, in place; the buffer holds W
+        until :meth:`restore` (no-op when already predicted; nothing kept yet: W is copied)."""
         if self._true is not None:
             return
-        delta = self.deltas.pop(0, None)
-        if delta is None:
+        kept = self.deltas.pop(0, None)
+        if kept is None:
             self._true = [torch.Tensor.clone(torch.Tensor.detach(p)) for p in self.params]
             return
-        for p, buf in zip(self.params, delta):
-            d = buf.clone()  # one parameter at a time: the buffer turns into W
+        for p, buf in zip(self.params, kept):
+            held = buf.clone()  # one parameter at a time: the buffer turns into W
             buf.copy_(p)
-            torch.Tensor.add_(p, d, alpha=self.coefficient)
-        self._true, self.predicted_now = delta, True
+            make(p, held)
+        self._true, self.predicted_now = kept, True
 
     @torch.no_grad()
     def restore(self) -> None:
