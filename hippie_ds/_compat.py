@@ -1,10 +1,14 @@
 """The DeepSpeed releases hippie-ds runs on, and the DeepSpeed internals ("seams") it relies on.
 
-hippie-ds subclasses ``PipelineEngine`` and ``PipelineModule`` and reads or overrides private names of
-DeepSpeed's engine, pipeline module, p2p module and bf16 optimizer. :data:`SEAMS` lists every one
-of them, by the DeepSpeed module that defines it; the supported range is the releases where all of
-them exist (``tests/test_seams.py`` checks the installed DeepSpeed against the list, and that the
-adapter uses no other private DeepSpeed name). ``_train_schedule``, ``_inference_schedule``,
+hippie-ds subclasses ``PipelineEngine`` and ``PipelineModule``, reads, sets or calls internals of
+DeepSpeed's engines, pipeline module and optimizer wrappers, and overrides some of their private
+methods. :data:`SEAMS` lists every internal it reaches, by the DeepSpeed module that defines it: all
+of them are reached in one package, :mod:`hippie_ds.adapter.ds`, as named operations.
+:data:`OVERRIDES` lists the private methods its subclasses override by name (or the op table names
+as handlers); :data:`RELIED_ON` what it relies on without naming. The supported range is the
+releases where all of them exist. ``tests/test_seams.py`` checks the installed DeepSpeed against the
+lists, that only ``adapter/ds`` (and this module) imports ``deepspeed.runtime`` or reaches those
+names, and that every SEAMS entry is used there. ``_train_schedule``, ``_inference_schedule``,
 ``_loss_stage_global_rank`` and ``_configure_python_gc`` appeared in 0.19.8, hence the floor.
 
 Importing this module does not import DeepSpeed; :func:`check_deepspeed_version` and
@@ -20,27 +24,30 @@ import re
 SUPPORTED_DEEPSPEED = ((0, 19, 8), (0, 20, 0))  # [0.19.8, 0.20)
 REQUIREMENT = "deepspeed>=0.19.8,<0.20"
 
-# DeepSpeed module -> {class name, or "" for module-level names: private names hippie-ds uses}.
+# DeepSpeed module -> {class name, or "" for module-level names: the internals hippie-ds reaches}.
 # A name is a method or class attribute, or an instance attribute the class sets (``self._x = ...``).
+# Every one is used in hippie_ds/adapter/ds/ and nowhere else (tests/test_seams.py).
 SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.engine": {
-        "DeepSpeedEngine": ("_backward_epilogue", "_backward_prologue_per_tensor", "_config",
-                            "_configure_python_gc", "_do_optimizer_sanity_check", "_get_all_ckpt_names",
+        "DeepSpeedEngine": ("_backward_epilogue", "_config", "_configure_python_gc", "_get_all_ckpt_names",
                             "_get_ckpt_name", "_running_engine_backward", "_take_model_step",
                             "torch_autocast_z0_gradscaler"),
     },
     "deepspeed.runtime.pipe.engine": {
-        "PipelineEngine": ("_INSTRUCTION_MAP", "_allocate_or_extend_buffers", "_exec_backward_pass", "_exec_forward_pass", "_exec_recv_activations",
+        # the stock handlers ChunkedEngine falls back on, the pipe buffers, the instruction map
+        "PipelineEngine": ("_INSTRUCTION_MAP", "_allocate_or_extend_buffers", "_exec_recv_activations",
                            "_exec_recv_grads", "_exec_send_activations", "_exec_send_grads", "_force_grad_boundary",
-                           "_grad_layer_buf", "_inference_schedule", "_loss_stage_global_rank", "_next_batch",
-                           "_reserve_pipe_buffers", "_send_tensor_meta", "_train_schedule"),
+                           "_grad_layer_buf", "_reserve_pipe_buffers", "_send_tensor_meta",
+                           # one p2p boundary's state, kept per model chunk (ds.engine.P2P_STATE): public names,
+                           # internals all the same
+                           "first_output_send", "grad_layer", "grad_partition_grad_layer_meta_cache", "meta_buffer",
+                           "pipe_partition_grad_meta_cache", "pipe_partition_input_meta_cache",
+                           "pipe_partition_output_meta_cache", "pipe_recv_buf"),
     },
     "deepspeed.runtime.pipe.module": {
-        "PipelineModule": ("_build", "_layer_specs", "_local_start", "_local_stop", "_partition_layers",
-                           "_precompute_checkpointable_values", "_recursive_getattr", "_set_bounds",
-                           "_synchronize_tied_weights", "_topo", "_grid"),
+        "PipelineModule": ("_layer_specs", "_local_start", "_local_stop", "_precompute_checkpointable_values",
+                           "_recursive_getattr", "_set_bounds", "_topo"),
     },
-    "deepspeed.runtime.pipe.p2p": {"": ("_grid", "_groups")},
     # the loss scale DeepSpeedEngine.backward applies (the split backward's input pass applies it alike)
     "deepspeed.runtime.base_optimizer": {"ZeROOptimizer": ("scale_if_loss", )},
     # fp16 under per-stage updates: the wrapper's scale update and flag check (fp16_stage.py)
@@ -61,13 +68,43 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
+# DeepSpeed's private methods hippie-ds's subclasses override by name (HippiePipelineEngine and its
+# mixins, hippie_ds.PipelineModule), or the op table names as the handler of one of DeepSpeed's own
+# instructions (schedules/ir.py's OP_INFO, resolved on the engine class by adapter/instructions.py).
+# Checked to exist like SEAMS; tests/test_seams.py allows them outside adapter/ds only as a
+# subclass's ``def``, its ``super().name(...)`` / ``self.name(...)``, and the op table's handler names.
+OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
+    "deepspeed.runtime.engine": {
+        # the split backward's hook: no second division where the loss stage divided the loss itself
+        "DeepSpeedEngine": ("_backward_prologue_per_tensor", ),
+    },
+    "deepspeed.runtime.pipe.engine": {
+        "PipelineEngine": (
+            # the declared schedule and its loop (engine.py)
+            "_train_schedule", "_exec_schedule",
+            # per-buffer loss slots, partial deferral's all-reduce window (engine.py)
+            "_exec_forward_pass", "_exec_backward_pass",
+            # virtual stages (engine_chunks.py)
+            "_inference_schedule", "_loss_stage_global_rank", "_next_batch",
+            # DeepSpeed's own handlers the op table names (OP_INFO's handler)
+            "_exec_load_micro_batch", "_exec_optimizer_step", "_exec_reduce_grads", "_exec_reduce_tied_grads"),
+    },
+    # virtual stages and plans' boundaries (pipeline_module.py, module_chunks.py)
+    "deepspeed.runtime.pipe.module": {"PipelineModule": ("_build", "_partition_layers")},
+}
+
 # Internals hippie-ds relies on without naming them: swapping ZeRO-1's cached model-parallel group
-# (zero_stage._stage_groups) redirects the reductions these methods make to the stage. Checked to
-# exist like SEAMS; tests/test_seams.py checks that every SEAMS entry is used and these are not.
+# (ds/zero.py's _stage_groups) redirects the reductions these methods make to the stage; DeepSpeed's
+# checkpoint load overwrites every copy of a tied weight with the first holder's (engine_checkpoint.py
+# puts each stage's own back). Checked to exist like SEAMS; tests/test_seams.py checks that nothing
+# names these.
 RELIED_ON: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.zero.stage_1_and_2": {
         "DeepSpeedZeroOptimizer": ("check_grad_overflow", "compute_grad_norm", "has_overflow", "scaled_global_norm"),
     },
+    "deepspeed.runtime.pipe.module": {"PipelineModule": ("_synchronize_tied_weights", )},
+    # the optimizer path DeepSpeed picks for a config, which precision.optimizer_path repeats
+    "deepspeed.runtime.engine": {"DeepSpeedEngine": ("_do_optimizer_sanity_check", )},
 }
 
 
@@ -115,9 +152,10 @@ def _defines(owner, name: str) -> bool:
 
 
 def missing_seams() -> list[str]:
-    """The names of :data:`SEAMS` the installed DeepSpeed lacks, as ``module.Class.name``."""
+    """The names of :data:`SEAMS`, :data:`OVERRIDES` and :data:`RELIED_ON` the installed DeepSpeed lacks,
+    as ``module.Class.name``."""
     missing = []
-    for module_name, owners in [*SEAMS.items(), *RELIED_ON.items()]:
+    for module_name, owners in [*SEAMS.items(), *OVERRIDES.items(), *RELIED_ON.items()]:
         try:
             module = importlib.import_module(module_name)
         except ImportError:

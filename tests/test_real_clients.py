@@ -26,9 +26,9 @@ SYNCHRONOUS = ["1f1b", "gpipe", "zb-h1"]
 # layer with parameters, the tied embedding (and so the head's copy)
 OTHERS = {"fp32": ["hippie", "hippie+1", "hippie-1f1b", "hippie-zb", "pipedream+drain", "2bw+drain", "hippie+all+drain"],
           "bf16-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain", "pipedream+drain", "hippie+all+drain"],
-          # ZeRO-1 as users write it (fp32, or bf16 without data_types): DeepSpeedZeroOptimizer (zero_stage.py)
+          # ZeRO-1 as users write it (fp32, or bf16 without data_types): DeepSpeedZeroOptimizer (ds/zero.py)
           # hippie+drain: drain() steps the partition for the delayed block alone; the in-step tied embedding
-          # stays put on stage 0 too (zero_stage.ZeroUnmoved; without it the copies part by 0.0156 in bf16)
+          # stays put on stage 0 too (ds.zero.ZeroUnmoved; without it the copies part by 0.0156 in bf16)
           "bf16-plain-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain"],
           "fp32-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain"]}
 STEPS = 4

@@ -1,5 +1,5 @@
 """ZeRO-1 as users write it: ``"zero_optimization": {"stage": 1}`` in fp32, or with ``bf16`` and no
-``data_types`` (DeepSpeed's DeepSpeedZeroOptimizer, hippie_ds/adapter/zero_stage.py), 2 stages x 2
+``data_types`` (DeepSpeed's DeepSpeedZeroOptimizer, hippie_ds/adapter/ds/zero.py), 2 stages x 2
 replicas, real ranks. ``hippie`` and ``2bw`` in both, ``hippie-zb`` in bf16 and ``pipedream`` in
 fp32 (the hippie rules with their default partial deferral) match the single-process reference of
 their rule (``reference.Precision``: flat optimizer partitions, which cannot skip a parameter), and

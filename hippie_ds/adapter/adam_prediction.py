@@ -143,9 +143,10 @@ class _Bf16Source:
         weights, then one all-gather per group over the data-parallel group), gathering the
         predicted partition in the same all-gather."""
         from deepspeed import comm as dist
+        from .ds.zero import dp_group_of
         opt = self.outer
         for i, (parts, master) in enumerate(zip(opt.bf16_partitioned_groups, opt.fp32_groups_flat_partition)):
-            group = opt.real_dp_process_group[i]
+            group = dp_group_of(opt, i)
             rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
             flat = opt.bf16_groups_flat[i]
             if self.flats[i] is None:

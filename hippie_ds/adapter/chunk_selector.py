@@ -18,13 +18,11 @@ from collections import deque
 
 from deepspeed import comm as dist
 
+from .ds import engine as ds_engine
+from .ds.engine import P2P_STATE  # noqa: F401 (re-exported: the engine's p2p boundary state, by name)
+
 ACTIVATION_TAG = 0  # DeepSpeed's p2p: activations (and everything without virtual stages)
 GRADIENT_TAG = 1  # gradients' p2p tag under virtual stages
-
-# PipelineEngine attributes describing one p2p boundary (reset_activation_shape's list)
-P2P_STATE = {"first_output_send": True, "pipe_recv_buf": None, "grad_layer": None, "meta_buffer": None,
-             "pipe_partition_input_meta_cache": None, "pipe_partition_output_meta_cache": None,
-             "pipe_partition_grad_meta_cache": None, "grad_partition_grad_layer_meta_cache": None}
 
 
 def _check_link(grid, src_stage: int, dest_stage: int) -> None:
@@ -138,12 +136,11 @@ class ChunkSelector:
             return
         engine = self._engine
         if self.chunk is not None:
-            self._p2p[self.chunk] = {name: getattr(engine, name) for name in P2P_STATE}
+            self._p2p[self.chunk] = ds_engine.p2p_state(engine)
         if chunk is None:
             engine.prev_stage, engine.next_stage = self._stock_neighbours
         else:
-            for name, value in self._p2p.get(chunk, P2P_STATE).items():
-                setattr(engine, name, value)
+            ds_engine.set_p2p_state(engine, self._p2p.get(chunk, P2P_STATE))
             nxt, prv = self.layout.next(self.stage, chunk), self.layout.prev(self.stage, chunk)
             engine.next_stage = nxt[0] if nxt else self._stock_neighbours[1]
             engine.prev_stage = prv[0] if prv else self._stock_neighbours[0]

@@ -36,7 +36,7 @@ import weakref
 from types import MethodType
 
 import torch
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from .ds import engine as ds_engine, module as ds_module
 
 from .._compat import check_deepspeed
 from ..schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule
@@ -80,7 +80,7 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
             del holding[op.chunk]
 
 
-class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, PipelineEngine):
+class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, ds_engine.PipelineEngine):
     """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
@@ -120,7 +120,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
     def _tied_weights(self, keys=None) -> list[tuple[torch.Tensor, object]]:
         """(weight, tie group) of this stage's tied modules (``keys``: only those), in DeepSpeed's
         order, the same on every holder."""
-        return [(self.module._recursive_getattr(self.module.tied_modules[key], attr), comm["group"])
+        return [(ds_module.recursive_getattr(self.module, self.module.tied_modules[key], attr), comm["group"])
                 for key, comm in self.module.tied_comms.items() if keys is None or key in keys
                 for attr in comm["weight_attr"]]
 
@@ -170,7 +170,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
 
     def _exec_schedule(self, pipe_schedule):
         # DeepSpeed's loop, with each instruction's op (instructions.op_steps), plus an optional timeline.
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        ds_engine.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         self._exec_steps(hs.op_steps(pipe_schedule))
 
@@ -188,7 +188,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
             for cmd, op in step:
                 if op is not None and not self._before(op):
                     continue
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                handler = ds_engine.handler_of(self, cmd)
                 if handler is None:
                     raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
                 start = self._timeline.now() if hooks else 0.0
@@ -319,9 +319,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         outputs = self.pipe_buffers["outputs"][buffer_id]
         if self.has_attention_mask or self.has_bool_tensors:
             outputs = tuple(outputs[:-1]) + (torch.Tensor.half(outputs[-1]), )
-        if self.dynamic_shape or self.first_output_send:
-            self.first_output_send = False
-            self._send_tensor_meta(outputs, self.next_stage)
+        ds_engine.send_meta_once(self, outputs)  # DeepSpeed's shape handshake, before the first send
         for tensor in (outputs, ) if torch.is_tensor(outputs) else outputs:
             self._isend(tensor, self.next_stage)
 
@@ -335,9 +333,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
         autograd passes a gradient on without a copy through views and identities, so a stage whose
         input reaches its output through such ops alone has the received gradient as its input's;
         sent without blocking (or handed to another chunk), the next receive would overwrite it."""
-        layer = self.grad_layer
-        return copy_if_shared(grad, storages_of([*self._grad_layer_buf,
-                                                 *((layer,) if torch.is_tensor(layer) else layer or ())]))
+        return copy_if_shared(grad, storages_of(ds_engine.receive_buffer_tensors(self)))
 
     def _exec_wait_sends(self):
         for work, _ in self._pending_sends:
@@ -395,4 +391,5 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, P
 
 
 # class -> handler, built from the op table (OP_INFO's handler names) over DeepSpeed's own map
-HippiePipelineEngine._INSTRUCTION_MAP = hs.instruction_map(HippiePipelineEngine, PipelineEngine._INSTRUCTION_MAP)
+ds_engine.set_instruction_map(HippiePipelineEngine,
+                              hs.instruction_map(HippiePipelineEngine, ds_engine.stock_instruction_map()))

@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import checkpoint_state as ckpt
+from .ds import checkpoint as ds_checkpoint, module as ds_module
 
 
 def warn_in_flight_at_exit(ref) -> None:
@@ -121,7 +122,7 @@ class CheckpointMixin:
         overwrites every copy with the first holder's (``_synchronize_tied_weights``)."""
         copies = {f"{key}.{attr}": (torch.Tensor.clone(torch.Tensor.detach(w)) if clone else w)
                   for key, comm in self.module.tied_comms.items() for attr in comm["weight_attr"]
-                  for w in (self.module._recursive_getattr(self.module.tied_modules[key], attr), )}
+                  for w in (ds_module.recursive_getattr(self.module, self.module.tied_modules[key], attr), )}
         return copies or None
 
     @torch.no_grad()
@@ -147,10 +148,10 @@ class CheckpointMixin:
                 return False, ""  # DeepSpeed warns and loads nothing
             with open(latest) as f:
                 tag = f.read().strip()
-        files = self._get_all_ckpt_names(load_dir, tag)  # the model-state files DeepSpeed reads (mp_rank_XX)
+        files = ds_checkpoint.checkpoint_files(self, load_dir, tag)  # the model-state files DeepSpeed reads (mp_rank_XX)
         if not files:
             return False, ""
-        own = self._get_ckpt_name(load_dir, tag)  # the one this rank's DeepSpeed load reads
+        own = ds_checkpoint.own_checkpoint_file(self, load_dir, tag)  # the one this rank's DeepSpeed load reads
         with ckpt.loading():
             saved = torch.load(own if os.path.exists(own) else files[0], map_location="cpu", weights_only=False)
         current = ckpt.layout(self.module.parts)

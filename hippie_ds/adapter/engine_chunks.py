@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from deepspeed.runtime.pipe.engine import PIPE_RECV_GRAD_TIMER, PIPE_SEND_GRAD_TIMER, PipelineEngine
+from .ds import engine as ds_engine
 
 from ..schedules.compiler import inference_stream
 from . import chunk_selector as chunk_p2p
@@ -92,7 +92,7 @@ class ChunkedEngine:
         if self._chunks.local(self.next_stage):
             self._chunks.hand_over("activation", self.pipe_buffers["outputs"][buffer_id])
         else:
-            PipelineEngine._exec_send_activations(self, buffer_id)
+            ds_engine.stock_send_activations(self, buffer_id)
 
     def _exec_isend_activations_chunked(self, buffer_id):
         if self._chunks.local(self.next_stage):
@@ -102,7 +102,7 @@ class ChunkedEngine:
 
     def _exec_recv_activations_chunked(self, buffer_id):
         if not self._chunks.local(self.prev_stage):
-            return PipelineEngine._exec_recv_activations(self, buffer_id)
+            return ds_engine.stock_recv_activations(self, buffer_id)
 
         def received(t):  # as DeepSpeed receives: a fresh contiguous leaf, requiring grad when floating point
             out = torch.Tensor.clone(torch.Tensor.detach(t), memory_format=torch.contiguous_format)
@@ -154,8 +154,8 @@ class ChunkedEngine:
         if self._chunks.local(self.prev_stage):
             return self._local_input_grads(buffer_id)
         if not self._chunks.chunked:
-            return PipelineEngine._exec_send_grads(self, buffer_id)
-        with self._timed(PIPE_SEND_GRAD_TIMER):  # DeepSpeed's _exec_send_grads, tagged
+            return ds_engine.stock_send_grads(self, buffer_id)
+        with self._timed(ds_engine.PIPE_SEND_GRAD_TIMER):  # DeepSpeed's _exec_send_grads, tagged
             for grad in self._input_grads(buffer_id):
                 chunk_p2p.send(self.grid, grad, self.prev_stage, self._chunks.gradient_tag)
             self.pipe_buffers["inputs"][buffer_id] = None
@@ -167,18 +167,11 @@ class ChunkedEngine:
 
     def _exec_recv_grads_chunked(self, buffer_id):
         if self._chunks.local(self.next_stage):
-            self.grad_layer = self._chunks.take("gradient")
+            ds_engine.set_received_gradient(self, self._chunks.take("gradient"))
             return
         if not self._chunks.chunked:
-            return PipelineEngine._exec_recv_grads(self, buffer_id)
-        with self._timed(PIPE_RECV_GRAD_TIMER):  # DeepSpeed's _exec_recv_grads (not partitioned), tagged
-            outputs = self.pipe_buffers["outputs"][buffer_id]
-            if self.dynamic_shape or self.grad_layer is None:
-                if torch.is_tensor(outputs):
-                    self.grad_layer = self._allocate_or_extend_buffers(0, list(torch.Tensor.size(outputs)), outputs.dtype)
-                else:
-                    floating = [t for t in outputs if torch.Tensor.is_floating_point(t)]
-                    self.grad_layer = [self._allocate_or_extend_buffers(i, list(torch.Tensor.size(t)), t.dtype)
-                                       for i, t in enumerate(floating)]
-            for buffer in (self.grad_layer, ) if torch.is_tensor(self.grad_layer) else self.grad_layer:
+            return ds_engine.stock_recv_grads(self, buffer_id)
+        with self._timed(ds_engine.PIPE_RECV_GRAD_TIMER):  # DeepSpeed's _exec_recv_grads (not partitioned), tagged
+            grad_layer = ds_engine.receive_buffers(self, self.pipe_buffers["outputs"][buffer_id])
+            for buffer in (grad_layer, ) if torch.is_tensor(grad_layer) else grad_layer:
                 chunk_p2p.recv(self.grid, buffer, self.next_stage, self._chunks.gradient_tag)

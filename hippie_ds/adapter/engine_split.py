@@ -9,6 +9,7 @@ import contextlib
 from deepspeed.utils import logger
 
 from ..schedules.ir import CompiledSchedule
+from .ds import engine as ds_engine
 from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage, check_torch_version
 
 
@@ -45,12 +46,12 @@ class SplitBackwardMixin:
     def _engine_backward(self):
         """What PipelineEngine's backward sets for DeepSpeed's output hooks: the flag they check,
         and on the loss stage that the loss is already divided by the accumulation steps."""
-        self._running_engine_backward = True
+        ds_engine.set_running_engine_backward(self, True)
         self._loss_scaled_by_us = self.is_last_stage()
         try:
             yield
         finally:
-            self._running_engine_backward = False
+            ds_engine.set_running_engine_backward(self, False)
             self._loss_scaled_by_us = False
 
     def _exec_backward_input_pass(self, buffer_id):
@@ -60,9 +61,9 @@ class SplitBackwardMixin:
             return
         if self.is_last_stage():
             # DeepSpeedEngine.backward's scaling; its per-tensor hook must not scale again
-            outputs, grads = self._scale_loss(self._losses.pop(buffer_id) / self.gradient_accumulation_steps()), None
+            outputs, grads = ds_engine.scale_loss(self, self._losses.pop(buffer_id) / self.gradient_accumulation_steps()), None
         else:
-            outputs, grads = self.pipe_buffers["outputs"][buffer_id], self.grad_layer
+            outputs, grads = self.pipe_buffers["outputs"][buffer_id], ds_engine.received_gradient(self)
         inputs, params = self.pipe_buffers["inputs"][buffer_id], self._params
         if self._chunks.chunk not in self._coverage_checked:
             check_coverage(outputs, inputs, params, [n for n, p in self.module.named_parameters() if p.requires_grad])
@@ -72,22 +73,9 @@ class SplitBackwardMixin:
         if self._split_meter is not None:
             self._split_meter.hold(self._pending_weight_grads[buffer_id].tensors())
         if self.is_last_stage():
-            self._backward_epilogue()  # what engine.backward(loss) runs after loss.backward()
+            ds_engine.backward_epilogue(self)  # what engine.backward(loss) runs after loss.backward()
         self.pipe_buffers["output_tensors"][buffer_id] = None
         self.pipe_buffers["outputs"][buffer_id] = None
-
-    def _scale_loss(self, loss):
-        """The loss scale ``DeepSpeedEngine.backward`` applies, applied the same way: a ZeRO-family
-        wrapper's ``scale_if_loss`` (DeepSpeedZeroOptimizer's dynamic fp16 scale; BF16_Optimizer has
-        none), else torch autocast's scaler. DeepSpeed 0.19 scales nothing for ``FP16_Optimizer`` /
-        ``FP16_UnfusedOptimizer`` (not ZeRO-family): their step divides the unscaled gradients by the
-        scale all the same; so does this path, bit-identical to stock (docs/precision.md)."""
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-        if isinstance(self.optimizer, ZeROOptimizer):
-            return self.optimizer.scale_if_loss(loss)
-        if self.torch_autocast_z0_gradscaler is not None:
-            return self.torch_autocast_z0_gradscaler.scale(loss)
-        return loss
 
     def _exec_backward_weight_pass(self, buffer_id):
         """Roughly: ``grads += d out / d params`` of the buffer's micro-batch; frees what I kept."""

@@ -12,9 +12,11 @@ import contextlib
 import torch
 from deepspeed import comm as dist
 
+from .ds import engine as ds_engine
+from .ds.runtime import clip_grad_norm_, get_global_norm_of_tensors
+from .ds.zero import stage_step
 from .fp16_stage import Fp16Votes, check_fp16_wrapper, fp16_per_stage
 from .precision import SPLIT_BACKWARD_KINDS, own_gradient_ops
-from .zero_stage import stage_step
 
 
 class _StageLocalMPU:
@@ -25,18 +27,18 @@ class _StageLocalMPU:
     counting its own gradients (rank 0)."""
 
     def __init__(self, mpu, grid, clip_group=None):
-        self._mpu, self._grid, self._clip_group = mpu, grid, clip_group
+        self._mpu, self._stage_grid, self._clip_group = mpu, grid, clip_group
 
     def get_model_parallel_group(self):
-        return self._clip_group if self._clip_group is not None else self._grid.get_slice_parallel_group()
+        return self._clip_group if self._clip_group is not None else self._stage_grid.get_slice_parallel_group()
 
     def get_model_parallel_world_size(self):
         if self._clip_group is not None:
             return dist.get_world_size(group=self._clip_group)
-        return self._grid.get_slice_parallel_world_size()
+        return self._stage_grid.get_slice_parallel_world_size()
 
     def get_model_parallel_rank(self):
-        return 0 if self._clip_group is not None else self._grid.get_slice_parallel_rank()
+        return 0 if self._clip_group is not None else self._stage_grid.get_slice_parallel_rank()
 
     def get_pipeline_model_parallel_world_size(self):
         return 1
@@ -89,7 +91,7 @@ class StageStep:
         groups = optimizer.param_groups
         has_mpu = hasattr(optimizer, "mpu")
         mpu, optimizer_mpu = e.mpu, getattr(optimizer, "mpu", None)
-        clipping, clip_grad = e._config.gradient_clipping, getattr(optimizer, "clip_grad", None)
+        clipping, clip_grad = ds_engine.clipping_setting(e), getattr(optimizer, "clip_grad", None)
         scheduler, steps, samples, skipped = e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps
         now = [g["lr"] for g in groups]
         try:
@@ -102,17 +104,17 @@ class StageStep:
             if has_mpu:
                 optimizer.mpu = local
             if self.clips_itself:
-                e._config.gradient_clipping = 0.0
+                ds_engine.set_clipping_setting(e, 0.0)
                 if clip_grad is not None:
                     optimizer.clip_grad = 0.0
-            e._force_grad_boundary = True
+            ds_engine.set_grad_boundary(e, True)
             yield local
         finally:
-            e._force_grad_boundary = False
+            ds_engine.set_grad_boundary(e, False)
             e.mpu = mpu
             if has_mpu:
                 optimizer.mpu = optimizer_mpu
-            e._config.gradient_clipping = clipping
+            ds_engine.set_clipping_setting(e, clipping)
             if clip_grad is not None:
                 optimizer.clip_grad = clip_grad
             if not counters:
@@ -134,7 +136,7 @@ class StageStep:
                 if self.fp16 is not None and not overflow and tie_norm and self.clip_group is not None else None
             with stage_step(self._engine.optimizer, local), \
                     self.fp16.decided(overflow, joint) if self.fp16 is not None else contextlib.nullcontext():
-                self._engine._take_model_step(None)  # ZeRO-1: its partition of .grad, its norm over the stage
+                ds_engine.take_model_step(self._engine)  # ZeRO-1: its partition of .grad, its norm over the stage
 
     def drain_step(self, due: bool, tie_norm: bool) -> None:
         """``drain()``'s step of a deferred stage's buffered gradient (``due``: there is one, in
@@ -162,7 +164,6 @@ class StageStep:
         reduces the norm for its overflow check always, fp32 only to clip)."""
         if self.clip_group is None:
             return
-        from deepspeed.runtime.utils import clip_grad_norm_, get_global_norm_of_tensors
         e = self._engine
         local = self.local_mpu()
         if self.fp16 is not None and self._store.fp16:  # FP16_UnfusedOptimizer's holders reduce one joint norm

@@ -27,7 +27,7 @@ The wrapper's own flag reduction (a collective over the pipeline inside ``step``
 the vote's result for the step's duration (:meth:`Fp16Votes.decided`), and so is, on the holders of
 a module tied across stages, its per-parameter-group norm reduction over the tie group: one joint
 norm, reduced once (:meth:`Fp16Votes.joint_norm`); on ZeRO-1 its flag check answers the vote (its
-norms already follow the stage's mpu, zero_stage.py). ``FP16_Optimizer`` (the fused wrapper,
+norms already follow the stage's mpu, ds/zero.py). ``FP16_Optimizer`` (the fused wrapper,
 DeepSpeed's FusedAdam) is refused when the engine is built (:func:`check_fp16_wrapper`), ZeRO's
 other configurations at start-up (precision.py).
 """
@@ -38,16 +38,17 @@ import contextlib
 import torch
 from deepspeed import comm as dist
 
+from .ds import fp16 as ds_fp16
+
 
 def fp16_unfused(optimizer) -> bool:
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    return isinstance(optimizer, FP16_UnfusedOptimizer)
+    return ds_fp16.is_unfused(optimizer)
 
 
 def fp16_per_stage(engine) -> bool:
     """fp16 on a wrapper whose per-stage steps :class:`Fp16Votes` decides: FP16_UnfusedOptimizer, or
     ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
-    from .zero_stage import is_zero
+    from .ds.zero import is_zero
     return bool(engine.fp16_enabled()) and (fp16_unfused(engine.optimizer) or is_zero(engine.optimizer))
 
 
@@ -96,24 +97,14 @@ class Fp16Votes:
             finally:
                 del optimizer.check_overflow  # the instance's: the class's method again
             return
-        import deepspeed.runtime.fp16.unfused_optimizer as unfused
-        checker = optimizer.overflow_checker
-        check, weight_norm, global_norm = checker.check, unfused.get_weight_norm, unfused.get_global_norm
-        checker.check = lambda *args, **kwargs: overflow
-        if joint is not None:
-            unfused.get_weight_norm = lambda *args, **kwargs: 0.0
-            unfused.get_global_norm = lambda *args, **kwargs: joint
-        try:
+        with ds_fp16.decided(optimizer, overflow, joint):  # its overflow check (and norms) answer these
             yield
-        finally:
-            checker.check = check
-            unfused.get_weight_norm, unfused.get_global_norm = weight_norm, global_norm
 
     def update_scale(self, overflow: bool, counters: bool = True) -> None:
         """A rank with nothing to apply in an update: the scale moves as the steppers' does, and
         the step counts as stock counts a skipped one (``counters``: an update that advances them)."""
         e = self._engine
-        e.optimizer._update_scale(overflow)
+        ds_fp16.update_scale(e.optimizer, overflow)
         e.optimizer.overflow = overflow
         if overflow and counters:
             e.skipped_steps += 1
@@ -126,8 +117,7 @@ class Fp16Unmoved:
     are put back afterwards. Local: the wrapper keeps whole masters on every rank."""
 
     def __init__(self, params: list[torch.Tensor], optimizer):
-        masters = {id(p): m for lows, highs in zip(optimizer.fp16_groups, optimizer.fp32_groups)
-                   for p, m in zip(lows, highs)}
+        masters = ds_fp16.masters(optimizer)
         self.opt_state = optimizer.optimizer.state
         self.saved = []
         for p in params:

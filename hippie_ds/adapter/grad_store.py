@@ -3,7 +3,7 @@
 - fp32 (a torch optimizer, no wrapper): each parameter's ``.grad``.
 - ZeRO-1 (DeepSpeed's ``DeepSpeedZeroOptimizer``: fp32, or bf16 accumulated in bf16): each
   parameter's ``.grad`` too, where ZeRO-1 leaves it until its own reduce, which hippie-ds never
-  calls; the per-stage step hands ZeRO its partition of it (:mod:`hippie_ds.adapter.zero_stage`).
+  calls; the per-stage step hands ZeRO its partition of it (:mod:`hippie_ds.adapter.ds.zero`).
 - bf16, with or without ZeRO-1 (DeepSpeed's ``BF16_Optimizer``): the bf16 ``.grad`` of a backward
   is added into the optimizer's flat accumulator (fp32 with ``data_types.grad_accum_dtype: fp32``,
   else bf16) after each backward, or by DeepSpeed's own hooks with ``immediate_grad_update``. A
@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
+from .ds import zero as ds_zero
+from .ds.zero import BF16_Optimizer, DeepSpeedOptimizer, ZeroUnmoved, is_zero
 from .fp16_stage import Fp16Unmoved, fp16_unfused
-from .zero_stage import ZeroUnmoved, is_zero
 
 
 def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -104,7 +103,7 @@ class GradStore:
         if self.moves_after_backward and param.grad is not None:
             i, j = self._slot[id(param)]
             # adds the bf16 grad into the accumulator and zeroes it: the move after the backward adds 0
-            self._optimizer._update_hp_grad(param, i, j, clear_lp_grads=True)
+            ds_zero.accumulate_hp_grad(self._optimizer, param, i, j, clear_lp_grads=True)
 
     @torch.no_grad()
     def skip(self, params: list[torch.Tensor]) -> None:
@@ -127,7 +126,7 @@ class GradStore:
 
     def unmoved(self, params: list[torch.Tensor]):
         """What puts ``params`` back after a step that has nothing to apply to them, started
-        before the step (:class:`Unmoved` on BF16_Optimizer, ``zero_stage.ZeroUnmoved`` on ZeRO-1);
+        before the step (:class:`Unmoved` on BF16_Optimizer, ``ds.zero.ZeroUnmoved`` on ZeRO-1);
         None where the step skips them itself (fp32: ``.grad`` None, :meth:`skip`) or there are none."""
         if not self.flat or not params:
             return None
@@ -178,7 +177,7 @@ class GradStore:
             for p in group:
                 if p.grad is not None:
                     i, j = self._slot[id(p)]
-                    self._optimizer._update_hp_grad(p, i, j, clear_lp_grads=False)
+                    ds_zero.accumulate_hp_grad(self._optimizer, p, i, j, clear_lp_grads=False)
                     p.grad = None
 
 
@@ -206,9 +205,7 @@ class Unmoved:
 
     def __init__(self, params: list[torch.Tensor], optimizer=None):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-        link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # the moments' fragments are linked after the optimizer's first step
-            link()
+        ds_zero.link_optimizer_state(optimizer)  # the moments' fragments are linked after the optimizer's first step
         self.params = params
         self.weights = [torch.Tensor.clone(torch.Tensor.detach(p)) for p in params]
         self.masters = [safe_get_full_fp32_param(p) for p in params]

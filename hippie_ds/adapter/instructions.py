@@ -3,14 +3,13 @@
 the table names one, :data:`~hippie_ds.schedules.ir.DEEPSPEED_INSTRUCTIONS`; the others generated
 here and importable by name: ``ForwardBackwardPass``, ``StartAllReduce``, ...), its arguments
 (:func:`~hippie_ds.schedules.ir.handler_kwargs`) and the engine's ``_INSTRUCTION_MAP``
-(:func:`instruction_map`). Imports DeepSpeed."""
+(:func:`instruction_map`). Imports DeepSpeed (:mod:`hippie_ds.adapter.ds.schedule`)."""
 from __future__ import annotations
 
 from typing import Iterator
 
-from deepspeed.runtime.pipe import schedule as ds
-
 from ..schedules.ir import OP_INFO, DEEPSPEED_INSTRUCTIONS, CompiledSchedule, Op, OpKind, OpInfo, handler_kwargs
+from .ds import schedule as ds
 
 
 def _docstring(kind: OpKind, info: OpInfo, nonblocking: bool) -> str:
@@ -40,7 +39,7 @@ NEW_INSTRUCTIONS = tuple(NEW_CLASSES.values())
 
 
 def _class(name: str) -> type:
-    return getattr(ds, name) if name in DEEPSPEED_INSTRUCTIONS else NEW_CLASSES[name]
+    return ds.instruction(name) if name in DEEPSPEED_INSTRUCTIONS else NEW_CLASSES[name]
 
 
 def instruction_class(op: Op) -> type:

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+from .ds import module as ds_module
+from .ds.module import TiedLayerSpec
+from .ds.runtime import data_parallel_group, is_model_parallel_parameter
 
 
 def _norm(p) -> tuple[torch.Tensor, bool]:
     """clip_grad_norm_'s per-parameter norm, and whether every rank counts it (a model-parallel
     parameter: DeepSpeed counts the others on model-parallel rank 0 only, which for a pipeline's
     mpu is stage 0: stock's norm is stage 0's gradients' and the model-parallel ones')."""
-    from deepspeed.runtime.utils import is_model_parallel_parameter
     return p.grad.data.detach().float().norm(2.0), bool(is_model_parallel_parameter(p))
 
 
@@ -56,7 +58,6 @@ def _one_chunk_order(specs, start: int, stop: int) -> list[tuple[str, object]]:
 
 def clip_like_one_chunk(engine, max_norm: float) -> torch.Tensor:
     """Clip this rank's fp32 gradients by 1F1B's coefficient; returns the total norm (as stock)."""
-    from deepspeed.utils import groups
     module, grid = engine.module, engine.grid
     gathered = [None] * grid.get_pipe_parallel_world_size()
     dist.all_gather_object(gathered, _local_norms(module), group=grid.get_pipe_parallel_group())
@@ -68,13 +69,13 @@ def clip_like_one_chunk(engine, max_norm: float) -> torch.Tensor:
     norms.update({key: value for key, value in gathered[grid.get_stage_id()].items() if key[0] == "tied"})
     parts = module.one_chunk_parts
     stage, first = grid.get_stage_id(), engine.mpu.get_model_parallel_rank() == 0
-    mine = [n for key in _one_chunk_order(module._layer_specs, parts[stage], parts[stage + 1])
+    mine = [n for key in _one_chunk_order(ds_module.layer_specs(module), parts[stage], parts[stage + 1])
             for n, everywhere in norms.get(key, []) if first or everywhere]
     total = torch.stack(mine).pow(2.0).sum().float() if mine else torch.FloatTensor([0.0])
     total = total.to(engine.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=engine.mpu.get_model_parallel_group())
     total = total.pow(1.0 / 2.0)
-    dp = groups._get_data_parallel_group()
+    dp = data_parallel_group()
     total = total * 1.0 / float(dist.get_world_size(group=dp))
     dist.all_reduce(total, group=dp)
     params = [p for p in module.parameters() if p.grad is not None]

@@ -13,6 +13,7 @@ import contextlib
 import io
 
 from ..schedules.layout import Layout
+from .ds import module as ds_module
 
 
 def chunks_phrase(n: int, layout: str | None) -> str:
@@ -32,7 +33,7 @@ class ChunkedLayers:
     def _init_chunks(self, virtual_stages: int, layout: str) -> None:
         object.__setattr__(self, "virtual_stages", int(virtual_stages))
         object.__setattr__(self, "layout_kind", layout)
-        object.__setattr__(self, "_chunk_views", [])  # per chunk: the attributes set_chunk swaps in
+        object.__setattr__(self, "_chunk_views", [])  # per chunk: the layers, range and attributes set_chunk swaps in
         object.__setattr__(self, "_whole_view", None)
         object.__setattr__(self, "current_chunk", None)
 
@@ -63,24 +64,23 @@ class ChunkedLayers:
         if len(self.parts) != layout.parts + 1:
             raise ValueError(f"{len(self.parts) - 1} model parts for {self.num_stages} stages x {self.virtual_stages} "
                              f"virtual stages: expected {layout.parts}")
-        stage = self._topo.get_coord(self.global_rank).pipe
+        stage = ds_module.stage_of_rank(self, self.global_rank)
         self._chunk_bounds = [(self.parts[p], self.parts[p + 1]) for p in layout.chunks(stage)]
-        self._set_bounds(start=self._chunk_bounds[0][0], stop=self._chunk_bounds[0][1])
+        ds_module.set_bounds(self, *self._chunk_bounds[0])
 
     def _build_chunks(self, build_one) -> None:
         """Build every chunk with DeepSpeed's ``_build`` (``build_one``), then record each one's view."""
         funcs: list = []
         for start, stop in self._chunk_bounds:
-            self._set_bounds(start=start, stop=stop)
+            ds_module.set_bounds(self, start, stop)
             self.forward_funcs = []
             build_one()
-            self._chunk_views.append({"forward_funcs": self.forward_funcs, "_local_start": start,
-                                      "_local_stop": stop, **self._chunk_extra(start, stop)})
+            self._chunk_views.append({"forward_funcs": self.forward_funcs, "local_range": (start, stop),
+                                      **self._chunk_extra(start, stop)})
             funcs += self.forward_funcs
         # The whole stage: every chunk's layers (parameters, compile, state); forward needs a chunk.
         first = self._chunk_bounds[0]
-        self._whole_view = {"forward_funcs": funcs, "_local_start": first[0], "_local_stop": first[1],
-                            **self._chunk_extra(*first)}
+        self._whole_view = {"forward_funcs": funcs, "local_range": first, **self._chunk_extra(*first)}
         self._apply_view(self._whole_view)
 
     def _chunk_extra(self, start: int, stop: int) -> dict:
@@ -89,11 +89,14 @@ class ChunkedLayers:
 
     def _apply_view(self, view: dict) -> None:
         for name, value in view.items():
-            object.__setattr__(self, name, value)
+            if name == "local_range":
+                ds_module.set_local_range(self, *value)  # DeepSpeed's _local_start / _local_stop
+            else:
+                object.__setattr__(self, name, value)
         # DeepSpeed caches which interval blocks of forward_funcs are checkpointable
         self.is_checkpointable_results_interval = None
         if self.activation_checkpoint_interval > 0:
-            self._precompute_checkpointable_values()
+            ds_module.precompute_checkpointable_values(self)
 
     def set_chunk(self, chunk: int | None) -> None:
         """Run chunk ``chunk`` from now on (None: the whole stage, which ``forward`` refuses)."""
@@ -105,8 +108,8 @@ class ChunkedLayers:
     def local_layers(self) -> list[tuple[int, object]]:
         """(global layer index, layer) of every layer this stage holds, all chunks."""
         views = self._chunk_views if self.chunked else [{"forward_funcs": self.forward_funcs,
-                                                          "_local_start": self._local_start}]
-        return [(view["_local_start"] + i, f) for view in views for i, f in enumerate(view["forward_funcs"])]
+                                                          "local_range": ds_module.local_range(self)}]
+        return [(view["local_range"][0] + i, f) for view in views for i, f in enumerate(view["forward_funcs"])]
 
     def chunk_parameters(self, chunk: int) -> list:
         """The trainable parameters of chunk ``chunk``'s own layers (tied modules, which chunks and

@@ -41,6 +41,7 @@ from ..planner.plan_file import Plan, PlanMismatchError, load_plan
 from ..planner.profile import PlannerError, fingerprint_of
 from .recompute import recompute_run
 from .config_discovery import FoundConfig, discover
+from .ds import module as ds_module
 from .module_chunks import ChunkedLayers, chunks_phrase
 from .tensor_calls import tensor_bytes
 
@@ -144,7 +145,7 @@ def module_stages_source(module) -> str | None:
     recorded = getattr(module, "hippie_stages_from", None)
     if recorded is not None:
         return recorded
-    topo = getattr(module, "_topo", None)
+    topo = ds_module.topology(module)
     if topo is None:
         return None
     if type(topo).__name__ == "PipeDataParallelTopology":
@@ -305,7 +306,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         object.__setattr__(self, "_checkpointed", sorted({int(i) for i in checkpointed_layers or ()}))
         super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
         if not self.chunked:
-            self._local_runs = self._chunk_extra(self._local_start, self._local_stop)["_local_runs"]
+            self._local_runs = self._chunk_extra(*ds_module.local_range(self))["_local_runs"]
         if found is not None and (self.chunked or resolved is not None) and self.global_rank == 0:
             announce(found, self.virtual_stages, self.layout_kind, resolved)
 
@@ -350,8 +351,8 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         if self.hippie_plan is None:
             return super()._partition_layers(method=method)
         self.parts = list(self.hippie_plan.boundaries)
-        stage_id = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+        stage_id = ds_module.stage_of_rank(self, self.global_rank)
+        ds_module.set_bounds(self, self.parts[stage_id], self.parts[stage_id + 1])
 
     def forward(self, forward_input):
         if self.chunked and self.current_chunk is None:
@@ -375,14 +376,13 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
 
     def _run(self, start: int, stop: int, x):
         for idx, layer in enumerate(self.forward_funcs[start:stop]):
-            self.curr_layer = start + idx + self._local_start
+            self.curr_layer = start + idx + ds_module.local_range(self)[0]
             if self.seed_layers:
                 seed = self.base_seed * (self.micro_offset + 1) + self.curr_layer
                 if self.seed_fn:
                     self.seed_fn(seed)
                 else:
-                    from deepspeed.runtime import utils as ds_utils
-                    ds_utils.set_random_seed(seed)
+                    ds_module.set_random_seed(seed)
             x = layer(x)
         return x
 

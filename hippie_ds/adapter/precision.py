@@ -22,7 +22,7 @@ path       where a stage's gradients live        what hippie-ds hands the wrappe
 =========  ====================================  ===========================================================
 fp32       ``.grad``                             the all-reduced ``.grad``; a per-stage norm
 bf16       BF16_Optimizer's flat accumulator     the all-reduced accumulator; a per-stage norm
-zero       ``.grad`` (ZeRO-1 leaves it there)    its partition of the all-reduced ``.grad`` (zero_stage.py);
+zero       ``.grad`` (ZeRO-1 leaves it there)    its partition of the all-reduced ``.grad`` (ds/zero.py);
                                                  its norm and overflow reductions over the stage
 =========  ====================================  ===========================================================
 
@@ -66,7 +66,7 @@ PATHS = ("fp32", "bf16", "zero", "fp16")
 
 
 def _fp32_accumulation(config_class) -> bool:
-    from deepspeed.runtime.config import DtypeEnum
+    from .ds.runtime import DtypeEnum
     import torch
     dtype = config_class.grad_accum_dtype
     return dtype is not None and DtypeEnum(dtype).value == torch.float32
@@ -82,7 +82,7 @@ def _grads_on_params(config_class) -> bool:
     until DeepSpeed's own ``reduce_grads`` (no ``overlap_comm`` hooks reducing them during the
     backward, no separate accumulation dtype): a split backward's weight pass may add to them."""
     import torch
-    from deepspeed.runtime.config import DtypeEnum
+    from .ds.runtime import DtypeEnum
     model = torch.bfloat16 if config_class.bfloat16_config.enabled else \
         torch.float16 if config_class.float16_config.enabled else torch.float32
     accumulation = config_class.grad_accum_dtype
@@ -138,7 +138,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
         return
     if path == "zero" and _grads_on_params(config_class) and (own <= SPLIT_BACKWARD_KINDS or
                                                                not _offloads_optimizer(config_class)):
-        return  # ZeRO-1 with gradients on .grad: hippie-ds reduces them, hands ZeRO its partition (zero_stage.py)
+        return  # ZeRO-1 with gradients on .grad: hippie-ds reduces them, hands ZeRO its partition (ds/zero.py)
     if path == "fp16" and own <= SPLIT_BACKWARD_KINDS and (config_class.zero_optimization_stage == 0 or
                                                           _grads_on_params(config_class)):
         return  # a split backward: gradients on .grad, the loss scaled as DeepSpeed's backward scales it

@@ -59,6 +59,7 @@ from deepspeed.pipe import TiedLayerSpec
 from ..planner.noise import RUNS, noise_warning, pool
 from ..planner.profile import LayerProfile, Profile, save_profile
 from ..planner.profile_fields import JobShape, MeasuredLoad
+from .ds import module as ds_module
 from .failure import end_job_on_failure
 from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, loadavg, measure_layer, nbytes,
                            param_dtype, work_key)
@@ -93,7 +94,7 @@ class InPlaceProfiler:
     def __init__(self, engine, options):
         self.engine, self.options = engine, options
         self.module = engine.module
-        self.specs = list(self.module._layer_specs)
+        self.specs = list(ds_module.layer_specs(self.module))
         self.calls = 0
         self.records: dict[int, list[dict]] = {}  # global layer index -> one record per measured step
         self.input_bytes: float | None = None
@@ -110,8 +111,8 @@ class InPlaceProfiler:
         """(global index of its first layer, its layers) of every model chunk this stage holds."""
         module = self.module
         if getattr(module, "chunked", False):
-            return [(view["_local_start"], view["forward_funcs"]) for view in module._chunk_views]
-        return [(module._local_start, module.forward_funcs)]
+            return [(view["local_range"][0], view["forward_funcs"]) for view in module._chunk_views]
+        return [(ds_module.local_range(module)[0], module.forward_funcs)]
 
     def layer_params(self, index: int, layer) -> tuple[list[torch.Tensor], float]:
         """(the parameters the layer uses, the bytes the profile gives it: a tied module's at

@@ -53,14 +53,14 @@ import collections
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.utils import clip_tensors_by_global_norm
 
 from ..config import ConfigError
 from ..schedules import builtins_where
 from ..schedules.continuous import sum_lag
 from ..schedules.ir import CompiledSchedule
 from .deferred_layers import tie_holders
+from .ds.module import PipelineModule
+from .ds.runtime import clip_tensors_by_global_norm
 from .module_chunks import held_chunks
 
 
@@ -106,7 +106,7 @@ class LaggedTieSums:
     def __init__(self, store, ties: list[tuple[torch.Tensor, object]], lag: int, dp_group, replica: int):
         self._store = store  # GradStore: the gradients the step reads
         self._weights = [w for w, _ in ties]
-        self._groups = [g for _, g in ties]
+        self._tie_groups = [g for _, g in ties]
         self.lag = lag
         self._dp_group, self._replica = dp_group, replica  # checkpoints hold every replica's sums
         # oldest first; each entry one update's sums: [(work or None when complete, tensor)]
@@ -130,7 +130,7 @@ class LaggedTieSums:
         is none (the first ``lag`` updates: the caller leaves the tied weights out of the step)."""
         grads = self._store.of(self._weights)
         self._pending.append([(dist.all_reduce(t, group=group, async_op=True), t)
-                              for t, group in zip((g.clone() for g in grads), self._groups)])
+                              for t, group in zip((g.clone() for g in grads), self._tie_groups)])
         if len(self._pending) <= self.lag:
             for g in grads:
                 g.zero_()

@@ -64,7 +64,8 @@ def time_stock_handlers(engine, record: Callable[[type, dict, float, float], Non
             handler(self, **kwargs)
             record(cls, kwargs, start, now())
         return run
-    engine._INSTRUCTION_MAP = {cls: timed(cls, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    from .ds.engine import wrap_handlers
+    wrap_handlers(engine, timed)
 
 
 class Timeline:

@@ -111,7 +111,7 @@ class Fp16(Precision):
 
 
 class Fp16Zero(Fp16):
-    """fp16 with ZeRO-1 as written (DeepSpeedZeroOptimizer; hippie_ds/adapter/zero_stage.py): the
+    """fp16 with ZeRO-1 as written (DeepSpeedZeroOptimizer; hippie_ds/adapter/ds/zero.py): the
     backward takes the loss times the scale, so every gradient carries the scale of the batch that
     made it, and a deferred stage's buffered one is multiplied by S(now) / S(then) when applied
     (GradStore.rescale); no zero-gradient step at creation; the same flag, norm and unscale rule."""

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-from deepspeed.runtime.pipe.module import LayerSpec
 from torch import nn
+
+from hippie_ds.adapter.ds.module import LayerSpec
 
 # the vendored copies of PipeDream's profiles (tests/data/pipedream/README.md: source and licence)
 PROFILES = Path(__file__).resolve().parents[2] / "tests" / "data" / "pipedream"

@@ -11,9 +11,9 @@ import time
 
 import deepspeed
 import torch
-from deepspeed.runtime.pipe.module import PipelineModule
 
 import hippie_ds
+from hippie_ds.adapter.ds.module import PipelineModule
 from hippie_ds.adapter.timeline import compute_clock, time_stock_handlers
 from tools.bench.labels import DATA_PARALLEL, STOCK, split_layers
 from tools.bench.model import BASE_SEED, DPModel, layer_specs, loss_of

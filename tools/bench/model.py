@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepspeed.runtime.pipe.module import LayerSpec
 from torch import nn
+
+from hippie_ds.adapter.ds.module import LayerSpec
 
 BASE_SEED = 4321
 

@@ -54,6 +54,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 import hippie_ds
+from hippie_ds.adapter.ds.module import stage_of_rank
 from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
 from tools.bench.analysis import last_arrivals, wire_bytes, work_after_arrivals
 from tools.bench.cluster import core_ticks
@@ -231,7 +232,7 @@ def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world
             "plan": a.plan_config,
             # the stages holding each tied module (TiedLayerSpec) this rank holds: what its
             # ReduceTiedGrads waits for (the simulator's Costs.tied_groups)
-            "tied_stages": {key: sorted({module._topo.get_coord(r).pipe for r in comm["ranks"]})
+            "tied_stages": {key: sorted({stage_of_rank(module, r) for r in comm["ranks"]})
                             for key, comm in sorted(getattr(module, "tied_comms", {}).items())},
             "micro_batches": (engine.engine.gradient_accumulation_steps() if schedule == DATA_PARALLEL
                               else a.micro_batches),

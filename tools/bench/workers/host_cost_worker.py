@@ -17,10 +17,10 @@ import time
 
 import deepspeed
 import torch
-from deepspeed.runtime.pipe import schedule as ds_schedule
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
 import hippie_ds
+from hippie_ds.adapter.ds import schedule as ds_schedule
+from hippie_ds.adapter.ds.module import LayerSpec, PipelineModule
 
 
 def count_stock_instructions(engine) -> int:

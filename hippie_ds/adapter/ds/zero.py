@@ -17,6 +17,10 @@ reduced ``.grad`` as its partition (what its reduce's epilogue builds, without a
 and makes its norm and overflow reductions run over the stage (or its tie group) instead of the
 pipeline. A flat partition cannot skip a parameter: one without a gradient takes a zero one (as
 under BF16_Optimizer: AdamW still decays it and counts the step).
+
+Also DeepSpeed's other optimizer wrappers' internals the gradient store reaches (``BF16_Optimizer``'s
+accumulator, ``DeepSpeedOptimizer``), each a named operation. Part of :mod:`hippie_ds.adapter.ds`:
+the one package that reaches DeepSpeed's internals.
 """
 from __future__ import annotations
 
@@ -24,7 +28,11 @@ import contextlib
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+__all__ = ["BF16_Optimizer", "DeepSpeedOptimizer", "DeepSpeedZeroOptimizer", "ZeroUnmoved", "is_zero", "stage_step"]
 
 
 def is_zero(optimizer) -> bool:
@@ -127,3 +135,22 @@ class ZeroUnmoved:
             for key, t in self._tensors(fp32).items():
                 # state created by this very step (none before): zero for the parameters it did not concern
                 t[mask] = values[key] if key in values else 0
+
+
+def dp_group_of(optimizer, i: int):
+    """Roughly: ``optimizer.real_dp_process_group[i]`` (the data-parallel group of parameter group ``i``'s partitions)."""
+    return optimizer.real_dp_process_group[i]
+
+
+def accumulate_hp_grad(optimizer, param, i: int, j: int, clear_lp_grads: bool) -> None:
+    """Roughly: ``BF16_Optimizer._update_hp_grad(param, i, j, clear_lp_grads)`` (``param``'s bf16
+    gradient added into its fp32 accumulator slot, group ``i`` index ``j``)."""
+    optimizer._update_hp_grad(param, i, j, clear_lp_grads=clear_lp_grads)
+
+
+def link_optimizer_state(optimizer) -> None:
+    """Roughly: ``optimizer._lazy_init_hp_params_optimizer_state()`` where it has one (BF16_Optimizer,
+    ZeRO-1: the moments' fragments linked to the parameters, done at the first step otherwise)."""
+    link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
