@@ -92,6 +92,9 @@ class WeightVersions:
         if version < 0:
             return  # the initial weights are freed as version 0
         self.stashed.discard(version)
+        if version == self.count and (self.loaded != self.count or self._predicted):
+            self._prune()  # fp16's held update (fp16_async): still the current version, kept for it
+            return
         self.store.pop(version, None)
         self._prune()
 
@@ -108,6 +111,8 @@ class WeightVersions:
         current version (and their delta the next prediction)."""
         if self.versioned:
             self.use(self.count)
+            if self.count in self.stashed and self.count not in self.store:  # fp16's held update (fp16_async):
+                self.store[self.count] = flat_copy([p.data for p in self.params])  # the stash outlives the step
         versions = tuple(p._version for p in self.params)
         before = None if self.prediction is None else flat_copy([p.data for p in self.params])
         step()

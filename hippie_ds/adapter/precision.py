@@ -43,15 +43,14 @@ with their reasons:
   optimizer (fp32 accumulation of an fp32 model).
 - ``fp16``: DeepSpeed's own gradient ops run as stock (1f1b, gpipe, interleaved-1f1b), and so does a
   split backward (zb-h1, zb-v: gradients on ``.grad``, its input pass scales the loss as
-  ``DeepSpeedEngine.backward`` does), with ZeRO stage 0 or stage 1 as written. The rest is
-  refused: the dynamic loss scale skips a step when any stage overflows, so every stage must
-  know every stage's overflow flag before it applies; a stage that updates early (or late, from a
-  buffer, or from a weight version) cannot, without a pipeline-wide wait that would undo the
-  schedule (a pipeline-wide decision is not built yet). Skipping every
-  stage's update of a batch together does not fit either: the flag is taken on all-reduced
-  gradients and a deferred stage's all-reduce of batch b ends during batch b+1 (the in-step stages
-  would wait for it: deferred too, another rule), and 2bw/pipedream update a stage for a batch
-  before the earlier stages have run its backward (docs/precision.md).
+  ``DeepSpeedEngine.backward`` does), with ZeRO stage 0 or stage 1 as written. Per-stage updates
+  need one pipeline-wide overflow decision per update (the dynamic loss scale skips an update when
+  any stage overflows): the hippie family votes in its step op (fp16_stage.py; ZeRO stage 0 or
+  stage 1 as written); 2bw and pipedream, whose stages update before stage 0 has run the
+  update's last backward, vote asynchronously and apply an update once decided (fp16_async.py;
+  ZeRO stage 0 only, and only where :func:`~hippie_ds.adapter.fp16_async.vote_problem` finds every
+  wait after the votes it waits for: 2bw at every shape, pipedream at 2 stages). The rest is refused
+  (docs/precision.md).
 """
 from __future__ import annotations
 
@@ -132,6 +131,7 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     """Raise :class:`ConfigError` (one line: the key, the value, what is allowed) when
     ``compiled`` cannot run on the optimizer path the config selects. ``chunks``: (model chunks per
     stage, layout) the module holds; the schedules named as allowed are those that run on it."""
+    from .fp16_async import vote_problem
     path = optimizer_path(config_class)
     own = own_gradient_ops(compiled)
     if path in ("fp32", "bf16") or not own:
@@ -145,6 +145,9 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     if path == "fp16" and not compiled.continuous and (config_class.zero_optimization_stage == 0 or
                                                        _grads_on_params(config_class)):
         return  # per-stage updates with one pipeline-wide overflow decision per update (fp16_stage.py)
+    if path == "fp16" and compiled.continuous and config_class.zero_optimization_stage == 0 and \
+            vote_problem(compiled) is None:
+        return  # never flushing: one decision per update, voted asynchronously (fp16_async.py)
     ops = ", ".join(sorted(k.value for k in own))
     allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
                                      chunks))
@@ -165,14 +168,18 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
                           f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
     zero = config_class.zero_optimization_stage
     allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS or
-                                     ((zero == 0 or _grads_on_params(config_class)) and not c.continuous),
+                                     ((zero == 0 or _grads_on_params(config_class)) and not c.continuous) or
+                                     (zero == 0 and c.continuous and vote_problem(c) is None),
                                      compiled.stages, compiled.micro_batches, chunks))
     if own <= SPLIT_BACKWARD_KINDS:
         reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
                   "offloaded optimizer or a separate accumulation dtype)")
+    elif compiled.continuous and zero != 0:
+        reason = ("the asynchronous overflow vote of the schedules that never flush is built on ZeRO stage 0 "
+                  "(FP16_UnfusedOptimizer)")
     elif compiled.continuous:
-        reason = ("its stages update a batch before stage 0 has run the batch's last backward, so no pipeline-wide "
-                  "overflow decision exists when they step (an asynchronous vote is not built)")
+        reason = (f"the asynchronous overflow vote cannot be waited for in time: {vote_problem(compiled)} "
+                  "(hippie_ds/adapter/fp16_async.py)")
     else:
         reason = ("the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 and on ZeRO stage 1 "
                   "without overlap_comm, an offload or a separate accumulation dtype")

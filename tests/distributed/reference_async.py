@@ -30,6 +30,20 @@ def _lag_tied(grads, slots, pending, lag=1):
         grads[s][j] = None if applied is None else applied.clone()
 
 
+def _fp16_inject(precision, batch, indices, grads):
+    """fp16 (reference_fp16.Fp16Async): the overflows injected into the backwards of micro-batches
+    ``indices`` of ``batch`` (before the tie sum: a tied copy's overflow reaches the sum)."""
+    inject = getattr(precision, "inject_backwards", None)
+    if inject is not None:
+        inject(batch, indices, grads)
+
+
+def _fp16_decision(precision, grads):
+    """fp16: the update's one decision over every stage's gradient it applies, the lagged tie sum
+    included (True: skipped on every stage, that sum dropped). False under the other precisions."""
+    return hasattr(precision, "inject_backwards") and precision.decide(grads)
+
+
 def _clip_apart(grads, slots, clip):
     """Clipping of the tied model under a schedule that never flushes (LaggedTieSums.clip_apart):
     on each stage, its tied copy by the norm of its (summed) gradient, the rest by theirs. Returns
@@ -81,7 +95,9 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     :func:`adam_predicted` of W(t-1), from the optimizer's state right after the update that made
     W(t-1), except on the last stage, which has made W(t) before batch t computes: there on
     W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1). ``tied``: the tied model, its copies ``tie_lag`` updates
-    later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`)."""
+    later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
+    reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
+    (the lagged tie sum included) is not finite (:func:`_fp16_decision`)."""
     precision = precision or FP32
     layers, stage_params, slots = _continuous_model(parts, precision, tied)
     tie_sums = []
@@ -119,10 +135,13 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
                         acc += x
         losses.append(total)
         _load(everything, current)
+        _fp16_inject(precision, t, range(micro_batches), grads)
         _lag_tied(grads, slots, tie_sums, tie_lag)
         step_clip = _clip_apart(grads, slots, clip)
+        skip = _fp16_decision(precision, grads)
         for s, ps in enumerate(stage_params):
-            precision.apply(ps, opts[s], grads[s], step_clip)
+            if not skip:
+                precision.apply(ps, opts[s], grads[s], step_clip)
         history[t + 1] = _snapshot(everything)
         if adam:
             predicted[t + 1] = [w for opt in opts for w in adam_predicted(opt, staleness.coefficient, precision)]
@@ -143,7 +162,9 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
     """PipeDream with weight stashing: micro-batch i runs forward and backward on stage s with
     weight version ``pipedream_version(s, K, i)``; each stage applies micro-batch i's gradient
     (grad(loss / M), averaged over replicas) as its (i+1)-th update. ``tied``: the tied model,
-    its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`)."""
+    its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`).
+    fp16 (reference_fp16.Fp16Async): micro-batch i's update is skipped on every stage when any
+    gradient it applies is not finite."""
     K = len(parts)
     precision = precision or FP32
     layers, stage_params, slots = _continuous_model(parts, precision, tied)
@@ -162,10 +183,13 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
         if m == 0:
             losses.append(0.0)
         losses[-1] += loss / micro_batches
+        _fp16_inject(precision, t, [m], grads)
         _lag_tied(grads, slots, tie_sums, tie_lag)
         step_clip = _clip_apart(grads, slots, clip)
+        skip = _fp16_decision(precision, grads)
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][-1])
-            precision.apply(ps, opts[s], grads[s], step_clip)
+            if not skip:
+                precision.apply(ps, opts[s], grads[s], step_clip)
             history[s].append(_snapshot(ps))
     return _result(layers), losses

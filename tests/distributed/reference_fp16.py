@@ -130,3 +130,32 @@ class Fp16Zero(Fp16):
         if made_at is None or made_at == self.loss_scale.scale:
             return grads
         return [None if g is None else g * (self.loss_scale.scale / made_at) for g in grads]
+
+
+class Fp16Async(Fp16):
+    """The rule of ``2bw`` and ``pipedream`` in fp16 (hippie_ds/adapter/fp16_async.py), for
+    reference_async's ``run_2bw`` and ``run_pipedream``: one decision per update (2bw: a batch;
+    pipedream: a micro-batch) over every stage's gradient of that update; a skipped update moves no
+    stage (the weight version still counts it) and halves the scale; every update unscales by the
+    scale after its decision. ``overflow_at``: {(call, stage)}: that stage's first parameter gradient made
+    infinite in every backward the stage runs during ``train_batch`` call ``call`` (or in the
+    ``drain()`` after call ``call`` - 1): what the rank worker's ``+ovfS.T`` injects, by
+    ``engine.global_steps``, which these schedules advance once per call. Where a backward runs:
+    :meth:`backward_call`."""
+
+    def __init__(self, scale: LossScale, stages: int, micro_batches: int, overflow_at=()):
+        super().__init__(scale, overflow_at)
+        self.stages, self.micro_batches = stages, micro_batches
+
+    def backward_call(self, stage: int, batch: int, index: int) -> int:
+        """The call that runs ``stage``'s backward of micro-batch ``index`` of ``batch``: both schedules
+        place it at timeline step ``batch * 2M + 2 index + 2K - 1 - stage`` and a stage's call window
+        starts at step ``call * 2M + stage`` (schedules/2bw.yaml, schedules/pipedream.yaml)."""
+        period = 2 * self.micro_batches
+        return batch + (2 * index + 2 * self.stages - 1 - 2 * stage) // period
+
+    def inject_backwards(self, batch, indices, grads):
+        """The overflows injected into the backwards of micro-batches ``indices`` of ``batch``."""
+        for s, gs in enumerate(grads):
+            if gs and any((self.backward_call(s, batch, m), s) in self.overflow_at for m in indices):
+                gs[0].mul_(math.inf)

@@ -1,0 +1,196 @@
+"""fp16 under the schedules that never flush (``2bw``, ``pipedream``): one pipeline-wide overflow
+decision per update, voted asynchronously (:class:`AsyncVotes`).
+
+Their stages update apart, and a stage's update u can come before another stage has run the
+backward that update u applies on that stage (2bw's last stage updates batch t before stage 0 has
+run batch t's last backward). A blocking vote at each update would deadlock against the
+pipeline's own sends, so the vote is asynchronous and its result is waited for where it is first
+needed. The rule, per update u (the u-th update of every stage: batch u for 2bw, micro-batch u of
+the run for pipedream):
+
+- **The vote.** At its update op, each rank flags the gradient it is about to apply (its
+  data-parallel all-reduced gradient of u: any non-finite value) and starts a MAX all-reduce of the
+  flag over the whole job, on a process group of its own (every rank starts votes 0, 1, 2, ... in
+  that order, so they pair up whatever runs between them).
+- **Held until decided.** A stage whose update op comes, on the schedule's timeline, no earlier
+  than every other stage's update u (2bw's and pipedream's stage 0: its backward is the batch's or
+  micro-batch's last) waits for the vote there and applies or skips at once. Any other stage keeps
+  the gradient aside (a copy: one gradient of the stage) and applies or skips update u just before
+  the first op that needs its result: a compute op or ``stash_weights`` of a version after u, or
+  its next update op; ``drain()`` (hence ``save_checkpoint``, ``eval_batch``) resolves what is
+  still held. Until then the stage's current version is W(u): the compute ops between run on
+  versions up to u, as declared.
+- **A skipped update is skipped on every stage**, the version counter advances all the same (the
+  new version equals the old one), and each rank counts it in ``skipped_steps``.
+- **One scale.** Every rank resolves updates 0, 1, 2, ... in order, each through the wrapper's step
+  with the decided flag, which moves the dynamic loss scale once per update: the same trajectory
+  on every rank, and the scale update u unscales by is the one the single-process rule gives it
+  (tests/distributed/reference_fp16.py). The LR schedule steps once per ``train_batch`` call, as
+  for these schedules in fp32 and bf16 (a skipped update does not hold it back).
+
+Where a stage waits must not be before another stage's update u on the timeline, nor in an earlier
+``train_batch`` call (a call ends with DeepSpeed's pipeline-wide loss broadcast, which the
+waiting stage would never reach): :func:`vote_problem` checks it from the compiled schedule
+(waits at the same timeline step are allowed: a step's receives and sends come before its compute
+op, and an update after it). 2bw passes at every shape (only its stage 0 waits at its update op;
+the others hold one gradient each, resolved at their next update op, which comes after stage 0's
+on the timeline). pipedream passes at 1 and 2 stages (its stage 1 then waits for stage 0's
+backward of micro-batch u before its forward of u + 1: those two no longer overlap) and is refused
+at 3 stages or more, with or without ``vertical_sync``: stage 2 would need micro-batch u's
+decision (for its forward of u + 1, or with vertical sync for its update u + 1) before stage 0
+has run u's backward, or in the call before it does.
+
+A module tied across stages (its tie sum lags L updates, adapter/tied.py): the flag covers what the
+update applies, the lagged sum of update u - L included; a skipped update drops that sum, as the
+hippie family drops a deferred stage's buffer.
+
+Built on ``FP16_UnfusedOptimizer`` (ZeRO stage 0, a torch optimizer); ZeRO-1, whose backward scales
+the loss, is refused (hippie_ds/adapter/precision.py): a held gradient would carry the scale of its
+backward, which on stages that hold differs from stage 0's for the same update.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+from deepspeed import comm as dist
+from torch._utils import _unflatten_dense_tensors
+
+from ..schedules.ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, OpKind, weight_version
+from .grad_store import flat_copy
+
+
+def _timeline(compiled: CompiledSchedule, stage: int, calls: int) -> list[tuple[int, int, str, int]]:
+    """Stage ``stage``'s update and version-using ops over ``calls`` calls from a fresh pipeline:
+    (timeline step, call, "update" with its index u | "use" with the absolute version)."""
+    period, per_batch = compiled.period, compiled.updates_per_batch[stage]
+    out, count = [], 0
+    for call in range(calls):
+        for t, ops in enumerate(compiled.streams[stage]):
+            for op in ops:
+                batch = call + op.batch
+                if batch < 0:  # filling: the engine skips it
+                    continue
+                at = call * period + compiled.offsets[stage] + t
+                if op.kind in UPDATE_KINDS:
+                    out.append((at, call, "update", count))
+                    count += 1
+                elif op.version is not None and (op.kind in COMPUTE_KINDS or op.kind == OpKind.STASH_WEIGHTS):
+                    out.append((at, call, "use", weight_version(batch, per_batch, op.version)))
+    return out
+
+
+def vote_points(compiled: CompiledSchedule, calls: int = 6) -> dict[int, dict[int, tuple]]:
+    """Per stage, per update u: ((step, call) of its update op, (step, call) of the first op that
+    needs its result: a use of a version after u, or update u + 1; None past the simulated calls)."""
+    points = {}
+    for s in range(compiled.stages):
+        events = _timeline(compiled, s, calls)
+        per = {}
+        for i, (at, call, kind, u) in enumerate(events):
+            if kind != "update":
+                continue
+            need = next(((a, c) for a, c, k, x in events[i + 1:]
+                         if (k == "use" and x > u) or (k == "update" and x == u + 1)), None)
+            per[u] = ((at, call), need)
+        points[s] = per
+    return points
+
+
+def _not_after(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """(step, call) ``a`` is no later than ``b`` on the timeline and in no later call."""
+    return a[0] <= b[0] and a[1] <= b[1]
+
+
+def waits_at_update(compiled: CompiledSchedule, stage: int) -> bool:
+    """True when ``stage``'s update u comes no earlier than every stage's update u (timeline and
+    call): it waits for the vote at its update op and holds nothing."""
+    points = vote_points(compiled)
+    common = set.intersection(*(set(p) for p in points.values()))
+    return all(_not_after(points[o][u][0], points[stage][u][0]) for u in common for o in points)
+
+
+def vote_problem(compiled: CompiledSchedule) -> str | None:
+    """None when every stage can learn each update's decision before it needs it without waiting
+    for a contribution made later (module docstring); else why not, in words."""
+    points = vote_points(compiled)
+    common = set.intersection(*(set(p) for p in points.values()))
+    for u in sorted(common):
+        for s, per in points.items():
+            need = per[u][1]
+            if need is None:
+                continue
+            for o in points:
+                made = points[o][u][0]
+                if not _not_after(made, need):
+                    when = "in a later train_batch call" if made[1] > need[1] else "later on the timeline"
+                    return (f"stage {s} needs the overflow decision of update {u} (its next weights) at timeline "
+                            f"step {need[0]}, but stage {o} flags that update at step {made[0]}, {when}")
+    return None
+
+
+class AsyncVotes:
+    """One stage's fp16 updates under a schedule that never flushes (module docstring). ``apply(overflow,
+    lrs)`` takes the update whose gradient is in place (the engine's versioned per-stage step)."""
+
+    def __init__(self, engine, store, apply, immediate: bool, current):
+        self._engine = engine
+        self._store = store
+        self._apply = apply
+        self._current = current  # () -> the stage's current weight version
+        self.immediate = immediate
+        world = dist.get_world_size()
+        self._group = dist.new_group(ranks=list(range(world)))  # votes only: they pair up in order
+        self._held: collections.deque = collections.deque()  # (work, flag, flat gradient, lrs), oldest first
+
+    @property
+    def holding(self) -> int:
+        return len(self._held)
+
+    @torch.no_grad()
+    def update(self, lrs) -> None:
+        """The stage's update op: vote on the gradient in place; apply or skip it now
+        (``immediate``), else keep it aside until it is needed."""
+        self.resolve_all()  # an earlier update still held (none where vote_problem passes)
+        params = self._store.params
+        grads = self._store.of(params)
+        local = any(not bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([1.0 if local else 0.0], device=self._engine.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if self.immediate:
+            work.wait()
+            self._decided(bool(flag.item()), lrs)
+            return
+        held = flat_copy(grads)
+        for p in params:
+            p.grad = None  # the next backwards accumulate afresh
+        self._held.append((work, flag, held, lrs))
+
+    def before_use(self, version: int) -> None:
+        """Before an op that uses weight ``version`` (a compute op, ``stash_weights``): the held
+        updates that make it, decided and applied."""
+        while self._held and version > self._current():
+            self._resolve_one()
+
+    def resolve_all(self) -> None:
+        while self._held:
+            self._resolve_one()
+
+    @torch.no_grad()
+    def _resolve_one(self) -> None:
+        work, flag, held, lrs = self._held.popleft()
+        work.wait()
+        params = self._store.params
+        accumulating = [p.grad for p in params]  # the next batch's backwards so far
+        for p, g in zip(params, _unflatten_dense_tensors(held, params)):
+            p.grad = g
+        try:
+            self._decided(bool(flag.item()), lrs)
+        finally:
+            for p, g in zip(params, accumulating):
+                p.grad = g
+
+    def _decided(self, overflow: bool, lrs) -> None:
+        self._apply(overflow, lrs)
+        if overflow:  # the continuous step keeps the counters still; a skipped update counts, as stock's
+            self._engine.skipped_steps += 1
