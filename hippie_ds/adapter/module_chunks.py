@@ -108,7 +108,7 @@ class ChunkedLayers:
     def local_layers(self) -> list[tuple[int, object]]:
         """(global layer index, layer) of every layer this stage holds, all chunks."""
         views = self._chunk_views if self.chunked else [{"forward_funcs": self.forward_funcs,
-                                                          "local_range": ds_module.local_range(self)}]
+                                                          "local_range": (ds_module.local_start(self), None)}]
         return [(view["local_range"][0] + i, f) for view in views for i, f in enumerate(view["forward_funcs"])]
 
     def chunk_parameters(self, chunk: int) -> list:

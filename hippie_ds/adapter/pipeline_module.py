@@ -376,7 +376,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
 
     def _run(self, start: int, stop: int, x):
         for idx, layer in enumerate(self.forward_funcs[start:stop]):
-            self.curr_layer = start + idx + ds_module.local_range(self)[0]
+            self.curr_layer = start + idx + ds_module.local_start(self)
             if self.seed_layers:
                 seed = self.base_seed * (self.micro_offset + 1) + self.curr_layer
                 if self.seed_fn:

@@ -112,7 +112,7 @@ class InPlaceProfiler:
         module = self.module
         if getattr(module, "chunked", False):
             return [(view["local_range"][0], view["forward_funcs"]) for view in module._chunk_views]
-        return [(ds_module.local_range(module)[0], module.forward_funcs)]
+        return [(ds_module.local_start(module), module.forward_funcs)]
 
     def layer_params(self, index: int, layer) -> tuple[list[torch.Tensor], float]:
         """(the parameters the layer uses, the bytes the profile gives it: a tied module's at

@@ -49,9 +49,10 @@ def local_range(module) -> tuple[int, int]:
     return module._local_start, module._local_stop
 
 
-def local_start(module, default=None) -> int:
-    """Roughly: ``module._local_start`` (``default`` where the module has none)."""
-    return getattr(module, "_local_start", default)
+def local_start(module, *default) -> int:
+    """Roughly: ``module._local_start`` (the global index of the rank's first layer; ``default``,
+    if given, where the module has none)."""
+    return getattr(module, "_local_start", *default)
 
 
 def set_bounds(module, start: int, stop: int) -> None:
