@@ -171,9 +171,10 @@ def test_precision_paths_and_refusals():
         with pytest.raises(ConfigError, match=rf"schedule '{name}'.*ZeRO stage 0 and on ZeRO stage 1 without "
                            r"overlap_comm.*runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v$"):
             check_precision(schedules[name], _ds_config(**fp16, zero_optimization={"stage": 1, "overlap_comm": True}))
-    for name in ("2bw", "pipedream"):  # never flushing: the asynchronous overflow vote (fp16_async.py), ZeRO stage 0
+    for name in ("2bw", "pipedream"):  # never flushing: the asynchronous overflow vote (fp16_async.py)
         check_precision(schedules[name], _ds_config(**fp16))
+        check_precision(schedules[name], _ds_config(**fp16, **zero1))  # ZeRO-1 as written: .grad, ZeRO's own scaler
         with pytest.raises(ConfigError, match=rf"\"fp16.enabled\" = true: schedule '{name}'.*vote of the schedules "
-                           r"that never flush is built on ZeRO stage 0.*runs with fp16: 1f1b, gpipe, hippie, "
-                           r"hippie-1f1b, hippie-interleaved, hippie-zb, interleaved-1f1b, zb-h1, zb-v$"):
-            check_precision(schedules[name], _ds_config(**fp16, **zero1))
+                           r"that never flush is built on ZeRO stage 0 and on ZeRO stage 1 without overlap_comm.*"
+                           r"runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v$"):
+            check_precision(schedules[name], _ds_config(**fp16, zero_optimization={"stage": 1, "overlap_comm": True}))

@@ -52,7 +52,7 @@ from .engine_split import SplitBackwardMixin
 from .engine_step import StageStep
 from .engine_versions import WeightVersions
 from .failure import end_job_on_failure
-from .fp16_async import AsyncVotes, waits_at_update
+from .fp16_async import AsyncVotes, loss_scale_updates, waits_at_update
 from .grad_store import GradStore
 from .split_backward import copy_if_shared, storages_of
 from .staleness import make_prediction
@@ -159,12 +159,19 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         """fp16 under a schedule that never flushes: the asynchronous overflow vote (adapter/fp16_async.py)."""
         if not (compiled.continuous and self._stage_step.fp16 is not None):
             return None
+        if self._gradients.store.loss_scale is not None and self.module.tied_comms:  # ZeRO-1 scales the loss
+            raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1 with a module tied across stages: the "
+                             "lagged tie sum would carry an older update's loss scale (not built); use fp16 "
+                             "without ZeRO (FP16_UnfusedOptimizer), or bf16")
+        carried = loss_scale_updates(compiled) if self._gradients.store.loss_scale is not None else None
+        if isinstance(carried, str):
+            raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1: {carried}; use fp16 without ZeRO")
         step = self._stage_step
 
         def apply(overflow, lrs):
             self._versions.update(lambda: step.step(counters=False, lrs=lrs, overflow=overflow))
         return AsyncVotes(self, self._gradients.store, apply, waits_at_update(compiled, self.stage_id),
-                          lambda: self._versions.count)
+                          lambda: self._versions.count, carried)
 
     def _mark_early_allreduce(self):
         if self._timeline_dir is not None and self._training:
@@ -271,7 +278,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         try:
             self._exec_steps(self._declared.drain.op_steps())
             if self._async_fp16 is not None:  # fp16: every update still held, decided and applied
-                self._async_fp16.resolve_all()
+                self._async_fp16.drained()
         finally:
             self._training = False
         self._cursor.drained()

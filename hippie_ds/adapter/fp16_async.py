@@ -44,9 +44,20 @@ A module tied across stages (its tie sum lags L updates, adapter/tied.py): the f
 update applies, the lagged sum of update u - L included; a skipped update drops that sum, as the
 hippie family drops a deferred stage's buffer.
 
-Built on ``FP16_UnfusedOptimizer`` (ZeRO stage 0, a torch optimizer); ZeRO-1, whose backward scales
-the loss, is refused (hippie_ds/adapter/precision.py): a held gradient would carry the scale of its
-backward, which on stages that hold differs from stage 0's for the same update.
+On ``FP16_UnfusedOptimizer`` (ZeRO stage 0, a torch optimizer) and on ZeRO-1 as written
+(``DeepSpeedZeroOptimizer``), whose backward multiplies the loss by the optimizer's current scale
+on the last stage, so that every stage's gradient of a micro-batch carries the scale the last
+stage had when it ran that micro-batch's backward. With S(j) the scale after decisions 0 .. j - 1
+(the same on every rank), the last stage runs update u's backwards having resolved r(u) updates, a
+count fixed by the schedule (:func:`loss_scale_updates`: 2bw r(u) = u - 1, the last stage resolving
+update u - 1 only after batch u's backwards; pipedream at 2 stages r(u) = u; counted from the
+update that starts a fresh pipeline, after a drain or a checkpoint load): so at its update op
+each stage multiplies its gradient by S(u) / S(r(u)) (a power of two: exact unless it overflows)
+before it flags it, and every gradient of update u enters the vote and the step carrying S(u), as
+in a single-process rule that computes the update with the scale of its step. A schedule whose
+last stage would run one update's backwards under two scales is refused. ZeRO-1 with a module tied
+across stages is refused when the engine is built (the lagged tie sum of update u - L carries
+another update's scale; not built).
 """
 from __future__ import annotations
 
@@ -56,13 +67,14 @@ import torch
 from deepspeed import comm as dist
 from torch._utils import _unflatten_dense_tensors
 
-from ..schedules.ir import COMPUTE_KINDS, UPDATE_KINDS, CompiledSchedule, OpKind, weight_version
+from ..schedules.ir import COMPUTE_KINDS, UPDATE_KINDS, WEIGHT_GRAD_KINDS, CompiledSchedule, OpKind, weight_version
 from .grad_store import flat_copy
 
 
 def _timeline(compiled: CompiledSchedule, stage: int, calls: int) -> list[tuple[int, int, str, int]]:
     """Stage ``stage``'s update and version-using ops over ``calls`` calls from a fresh pipeline:
-    (timeline step, call, "update" with its index u | "use" with the absolute version)."""
+    (timeline step, call, "update" with its index u | "use" with the absolute version | "backward"
+    with the update that applies its gradient, the stage's next)."""
     period, per_batch = compiled.period, compiled.updates_per_batch[stage]
     out, count = [], 0
     for call in range(calls):
@@ -77,6 +89,8 @@ def _timeline(compiled: CompiledSchedule, stage: int, calls: int) -> list[tuple[
                     count += 1
                 elif op.version is not None and (op.kind in COMPUTE_KINDS or op.kind == OpKind.STASH_WEIGHTS):
                     out.append((at, call, "use", weight_version(batch, per_batch, op.version)))
+                if op.kind in WEIGHT_GRAD_KINDS:
+                    out.append((at, call, "backward", count))
     return out
 
 
@@ -129,16 +143,55 @@ def vote_problem(compiled: CompiledSchedule) -> str | None:
     return None
 
 
+def loss_scale_updates(compiled: CompiledSchedule, calls: int = 6) -> tuple[list[int], int] | str:
+    """From a fresh pipeline: (r(u) for the first updates, the lag d with r(u) = u - d after them):
+    how many updates the last stage (which scales the loss) has resolved when it runs the backwards
+    update u applies. A string (why) where one update's backwards would see two counts."""
+    s = compiled.stages - 1
+    events = _timeline(compiled, s, calls)
+    immediate = waits_at_update(compiled, s)
+    resolved_at = {}  # update v -> index of the event before which (or, immediate: at which) it is resolved
+    for i, (_, _, kind, u) in enumerate(events):
+        if kind != "update":
+            continue
+        if immediate:
+            resolved_at[u] = i
+            continue
+        for j in range(i + 1, len(events)):
+            k, x = events[j][2], events[j][3]
+            if (k == "use" and x > u) or (k == "update" and x == u + 1):
+                resolved_at[u] = j
+                break
+    last = max(resolved_at, default=-1)  # past it the simulated calls end
+    counts: dict[int, set[int]] = {}
+    for i, (_, _, kind, u) in enumerate(events):
+        if kind == "backward" and u <= last:
+            counts.setdefault(u, set()).add(sum(1 for at in resolved_at.values() if at < i or
+                                                (not immediate and at == i)))
+    for u, seen in counts.items():
+        if len(seen) > 1:
+            return (f"the last stage would run the backwards of update {u} under {len(seen)} loss scales (after "
+                    f"{sorted(seen)} decisions)")
+    table = [counts[u].pop() for u in sorted(counts)]
+    lag = len(table) - 1 - table[-1]
+    return table, lag
+
+
 class AsyncVotes:
     """One stage's fp16 updates under a schedule that never flushes (module docstring). ``apply(overflow,
     lrs)`` takes the update whose gradient is in place (the engine's versioned per-stage step)."""
 
-    def __init__(self, engine, store, apply, immediate: bool, current):
+    def __init__(self, engine, store, apply, immediate: bool, current, carried=None):
         self._engine = engine
         self._store = store
         self._apply = apply
         self._current = current  # () -> the stage's current weight version
         self.immediate = immediate
+        # ZeRO-1 (the loss scaled): loss_scale_updates' (table, lag); the scale after each decision, from the
+        # update that started the running fill of the pipeline (None: a fresh one starts at the next update)
+        self._carried = carried
+        self._scales: dict[int, float] | None = None
+        self._fill = 0
         world = dist.get_world_size()
         self._group = dist.new_group(ranks=list(range(world)))  # votes only: they pair up in order
         self._held: collections.deque = collections.deque()  # (work, flag, flat gradient, lrs), oldest first
@@ -154,6 +207,7 @@ class AsyncVotes:
         self.resolve_all()  # an earlier update still held (none where vote_problem passes)
         params = self._store.params
         grads = self._store.of(params)
+        self._to_update_scale(grads)
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
         flag = torch.tensor([1.0 if local else 0.0], device=self._engine.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
@@ -176,6 +230,27 @@ class AsyncVotes:
         while self._held:
             self._resolve_one()
 
+    def drained(self) -> None:
+        """Everything resolved and nothing in flight: the next update starts a fresh pipeline."""
+        self.resolve_all()
+        self._scales = None
+
+    def _to_update_scale(self, grads) -> None:
+        """ZeRO-1: ``grads`` of update u carry S(r(u)), the last stage's scale at their backwards;
+        multiplied to S(u), the scale of the update's step (module docstring)."""
+        if self._carried is None or self._store.loss_scale is None:
+            return
+        u = self._current() + len(self._held)
+        if self._scales is None or u not in self._scales:  # a fresh pipeline (or a checkpoint loaded)
+            self._fill, self._scales = u, {u: self._store.loss_scale}
+        table, lag = self._carried
+        k = u - self._fill
+        made = self._fill + (table[k] if k < len(table) else k - lag)
+        factor = self._scales[u] / self._scales[made]
+        if factor != 1.0:
+            for g in grads:
+                g.mul_(factor)
+
     @torch.no_grad()
     def _resolve_one(self) -> None:
         work, flag, held, lrs = self._held.popleft()
@@ -192,5 +267,7 @@ class AsyncVotes:
 
     def _decided(self, overflow: bool, lrs) -> None:
         self._apply(overflow, lrs)
+        if self._scales is not None:
+            self._scales[self._current()] = self._store.loss_scale  # S(j): after decisions 0 .. j - 1
         if overflow:  # the continuous step keeps the counters still; a skipped update counts, as stock's
             self._engine.skipped_steps += 1

@@ -48,9 +48,9 @@ with their reasons:
   any stage overflows): the hippie family votes in its step op (fp16_stage.py; ZeRO stage 0 or
   stage 1 as written); 2bw and pipedream, whose stages update before stage 0 has run the
   update's last backward, vote asynchronously and apply an update once decided (fp16_async.py;
-  ZeRO stage 0 only, and only where :func:`~hippie_ds.adapter.fp16_async.vote_problem` finds every
-  wait after the votes it waits for: 2bw at every shape, pipedream at 2 stages). The rest is refused
-  (docs/precision.md).
+  ZeRO stage 0 or stage 1 as written, and only where
+  :func:`~hippie_ds.adapter.fp16_async.vote_problem` finds every wait after the votes it waits for:
+  2bw at every shape, pipedream at 2 stages). The rest is refused (docs/precision.md).
 """
 from __future__ import annotations
 
@@ -145,8 +145,8 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     if path == "fp16" and not compiled.continuous and (config_class.zero_optimization_stage == 0 or
                                                        _grads_on_params(config_class)):
         return  # per-stage updates with one pipeline-wide overflow decision per update (fp16_stage.py)
-    if path == "fp16" and compiled.continuous and config_class.zero_optimization_stage == 0 and \
-            vote_problem(compiled) is None:
+    if path == "fp16" and compiled.continuous and (config_class.zero_optimization_stage == 0 or
+                                                   _grads_on_params(config_class)) and vote_problem(compiled) is None:
         return  # never flushing: one decision per update, voted asynchronously (fp16_async.py)
     ops = ", ".join(sorted(k.value for k in own))
     allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
@@ -169,14 +169,15 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     zero = config_class.zero_optimization_stage
     allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS or
                                      ((zero == 0 or _grads_on_params(config_class)) and not c.continuous) or
-                                     (zero == 0 and c.continuous and vote_problem(c) is None),
+                                     ((zero == 0 or _grads_on_params(config_class)) and c.continuous and
+                                      vote_problem(c) is None),
                                      compiled.stages, compiled.micro_batches, chunks))
     if own <= SPLIT_BACKWARD_KINDS:
         reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
                   "offloaded optimizer or a separate accumulation dtype)")
-    elif compiled.continuous and zero != 0:
-        reason = ("the asynchronous overflow vote of the schedules that never flush is built on ZeRO stage 0 "
-                  "(FP16_UnfusedOptimizer)")
+    elif compiled.continuous and zero != 0 and not _grads_on_params(config_class):
+        reason = ("the asynchronous overflow vote of the schedules that never flush is built on ZeRO stage 0 and "
+                  "on ZeRO stage 1 without overlap_comm, an offload or a separate accumulation dtype")
     elif compiled.continuous:
         reason = (f"the asynchronous overflow vote cannot be waited for in time: {vote_problem(compiled)} "
                   "(hippie_ds/adapter/fp16_async.py)")

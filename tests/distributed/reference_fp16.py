@@ -159,3 +159,10 @@ class Fp16Async(Fp16):
         for s, gs in enumerate(grads):
             if gs and any((self.backward_call(s, batch, m), s) in self.overflow_at for m in indices):
                 gs[0].mul_(math.inf)
+
+
+class Fp16AsyncZero(Fp16Async, Fp16Zero):
+    """2bw's and pipedream's rule in fp16 + ZeRO-1 as written (hippie_ds/adapter/fp16_async.py): as
+    :class:`Fp16Async`, with Fp16Zero's scaled loss and optimizers; update u's gradient is computed with
+    the scale after decisions 0 .. u - 1 on every stage (the engine rescales what a stage accumulated
+    under an older scale)."""
