@@ -52,7 +52,7 @@ from .engine_split import SplitBackwardMixin
 from .engine_step import StageStep
 from .engine_versions import WeightVersions
 from .failure import end_job_on_failure
-from .fp16_async import AsyncVotes, loss_scale_updates, waits_at_update
+from .fp16_async import continuous_updates
 from .grad_store import GradStore
 from .split_backward import copy_if_shared, storages_of
 from .staleness import make_prediction
@@ -109,7 +109,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         self._gradients, self._stage_step = self._make_gradients(compiled_schedule, staleness,
                                                                  deferral or Deferral({}))
         self._init_split_backward(compiled_schedule)
-        self._async_fp16 = self._make_async_fp16(compiled_schedule)
+        self._updates = continuous_updates(self, compiled_schedule, self._versions, self._stage_step)  # fp16: votes
         atexit.register(warn_in_flight_at_exit, weakref.ref(self))
 
     def _make_versions(self, compiled: CompiledSchedule, staleness) -> WeightVersions:
@@ -154,24 +154,6 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         if deferred and self.grid.data_parallel_id == 0:
             gradients.log_delayed_share(self.stage_id)
         return gradients, StageStep(self, store, clip_group, gradients.clips_itself, compiled)
-
-    def _make_async_fp16(self, compiled: CompiledSchedule) -> AsyncVotes | None:
-        """fp16 under a schedule that never flushes: the asynchronous overflow vote (adapter/fp16_async.py)."""
-        if not (compiled.continuous and self._stage_step.fp16 is not None):
-            return None
-        if self._gradients.store.loss_scale is not None and self.module.tied_comms:  # ZeRO-1 scales the loss
-            raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1 with a module tied across stages: the "
-                             "lagged tie sum would carry an older update's loss scale (not built); use fp16 "
-                             "without ZeRO (FP16_UnfusedOptimizer), or bf16")
-        carried = loss_scale_updates(compiled) if self._gradients.store.loss_scale is not None else None
-        if isinstance(carried, str):
-            raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1: {carried}; use fp16 without ZeRO")
-        step = self._stage_step
-
-        def apply(overflow, lrs):
-            self._versions.update(lambda: step.step(counters=False, lrs=lrs, overflow=overflow))
-        return AsyncVotes(self, self._gradients.store, apply, waits_at_update(compiled, self.stage_id),
-                          lambda: self._versions.count, carried)
 
     def _mark_early_allreduce(self):
         if self._timeline_dir is not None and self._training:
@@ -231,8 +213,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         if op.micro_batch is not None:
             self._chunks.select(op.chunk)
         if self._versions.versioned and op.kind in COMPUTE_KINDS and op.version is not None:
-            if self._async_fp16 is not None:  # fp16: the held updates that make this version, decided
-                self._async_fp16.before_use(self._abs_version(op.batch, op.version))
+            self._updates.before_use(self._abs_version(op.batch, op.version))  # fp16: held updates decided
             self._versions.use_for_compute(self._abs_version(op.batch, op.version))
         return True
 
@@ -277,8 +258,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         self._cursor.start()  # drain ops' batches are relative to the call that would come next
         try:
             self._exec_steps(self._declared.drain.op_steps())
-            if self._async_fp16 is not None:  # fp16: every update still held, decided and applied
-                self._async_fp16.drained()
+            self._updates.drained()  # fp16: every update still held, decided and applied
         finally:
             self._training = False
         self._cursor.drained()
@@ -394,10 +374,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         # (an update may run in the next call: every stage, and every holder of a tied module,
         # applies a batch's gradient at the same rate wherever the call boundary falls)
         rates = self._cursor.lrs(batch)
-        if self._async_fp16 is not None:  # fp16: voted asynchronously, applied once decided (fp16_async)
-            self._async_fp16.update(rates)
-            return
-        self._versions.update(lambda: self._stage_step.step(counters=False, lrs=rates))
+        self._updates.update(rates)  # on the current version (fp16: once the overflow vote decides, fp16_async)
 
     def _flush_buffered(self) -> bool:
         """A deferred stage's buffered gradient applied now (``drain()``). Its step clips by the
@@ -411,8 +388,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         return due
 
     def _exec_stash_weights(self, batch: int, version: int):
-        if self._async_fp16 is not None:  # fp16: the held update that makes this version, decided first
-            self._async_fp16.before_use(self._abs_version(batch, version))
+        self._updates.before_use(self._abs_version(batch, version))  # fp16: the held update making it, decided
         self._versions.stash(self._abs_version(batch, version))
 
     def _exec_free_weights(self, batch: int, version: int):

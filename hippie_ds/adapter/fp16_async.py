@@ -67,7 +67,8 @@ import torch
 from deepspeed import comm as dist
 from torch._utils import _unflatten_dense_tensors
 
-from ..schedules.ir import COMPUTE_KINDS, UPDATE_KINDS, WEIGHT_GRAD_KINDS, CompiledSchedule, OpKind, weight_version
+from ..schedules.ir import (COMPUTE_KINDS, UPDATE_KINDS, WEIGHT_GRAD_KINDS, WEIGHT_KINDS, CompiledSchedule,
+                             weight_version)
 from .grad_store import flat_copy
 
 
@@ -87,7 +88,7 @@ def _timeline(compiled: CompiledSchedule, stage: int, calls: int) -> list[tuple[
                 if op.kind in UPDATE_KINDS:
                     out.append((at, call, "update", count))
                     count += 1
-                elif op.version is not None and (op.kind in COMPUTE_KINDS or op.kind == OpKind.STASH_WEIGHTS):
+                elif op.version is not None and op.kind in COMPUTE_KINDS | WEIGHT_KINDS:  # free: older ones
                     out.append((at, call, "use", weight_version(batch, per_batch, op.version)))
                 if op.kind in WEIGHT_GRAD_KINDS:
                     out.append((at, call, "backward", count))
@@ -271,3 +272,41 @@ class AsyncVotes:
             self._scales[self._current()] = self._store.loss_scale  # S(j): after decisions 0 .. j - 1
         if overflow:  # the continuous step keeps the counters still; a skipped update counts, as stock's
             self._engine.skipped_steps += 1
+
+
+class InPlaceUpdates:
+    """A continuous schedule's per-stage updates where no vote is needed (fp32, bf16): each applied at
+    its op. :class:`AsyncVotes`' interface."""
+
+    def __init__(self, apply):
+        self._apply = apply
+
+    def update(self, lrs) -> None:
+        self._apply(None, lrs)
+
+    def before_use(self, version: int) -> None:
+        pass
+
+    def drained(self) -> None:
+        pass
+
+
+def continuous_updates(engine, compiled: CompiledSchedule, versions, stage_step):
+    """The engine's per-stage updates of a continuous schedule: :class:`AsyncVotes` in fp16 (the
+    refusals the engine makes as it is built included), else :class:`InPlaceUpdates`. Each update
+    steps on the current weight version (``versions``: WeightVersions) by ``stage_step`` (StageStep),
+    the counters kept still, at its batch's learning rates."""
+    def apply(overflow, lrs):
+        versions.update(lambda: stage_step.step(counters=False, lrs=lrs, overflow=overflow))
+    if not (compiled.continuous and stage_step.fp16 is not None):
+        return InPlaceUpdates(apply)
+    store = engine._gradients.store
+    if store.loss_scale is not None and engine.module.tied_comms:  # ZeRO-1 scales the loss
+        raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1 with a module tied across stages: the "
+                         "lagged tie sum would carry an older update's loss scale (not built); use fp16 "
+                         "without ZeRO (FP16_UnfusedOptimizer), or bf16")
+    carried = loss_scale_updates(compiled) if store.loss_scale is not None else None
+    if isinstance(carried, str):
+        raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1: {carried}; use fp16 without ZeRO")
+    return AsyncVotes(engine, store, apply, waits_at_update(compiled, engine.stage_id), lambda: versions.count,
+                      carried)
