@@ -151,7 +151,7 @@ def loss_scale_updates(compiled: CompiledSchedule, calls: int = 6) -> tuple[list
     s = compiled.stages - 1
     events = _timeline(compiled, s, calls)
     immediate = waits_at_update(compiled, s)
-    resolved_at = {}  # update v -> index of the event before which (or, immediate: at which) it is resolved
+    resolved_at = {}  # update v -> index of the event before which (immediate: at which, after its backward) it is
     for i, (_, _, kind, u) in enumerate(events):
         if kind != "update":
             continue
@@ -167,8 +167,7 @@ def loss_scale_updates(compiled: CompiledSchedule, calls: int = 6) -> tuple[list
     counts: dict[int, set[int]] = {}
     for i, (_, _, kind, u) in enumerate(events):
         if kind == "backward" and u <= last:
-            counts.setdefault(u, set()).add(sum(1 for at in resolved_at.values() if at < i or
-                                                (not immediate and at == i)))
+            counts.setdefault(u, set()).add(sum(1 for at in resolved_at.values() if at < i))
     for u, seen in counts.items():
         if len(seen) > 1:
             return (f"the last stage would run the backwards of update {u} under {len(seen)} loss scales (after "
@@ -196,10 +195,6 @@ class AsyncVotes:
         world = dist.get_world_size()
         self._group = dist.new_group(ranks=list(range(world)))  # votes only: they pair up in order
         self._held: collections.deque = collections.deque()  # (work, flag, flat gradient, lrs), oldest first
-
-    @property
-    def holding(self) -> int:
-        return len(self._held)
 
     @torch.no_grad()
     def update(self, lrs) -> None:
