@@ -143,12 +143,12 @@ def test_the_refusal_names_where_the_module_took_its_config():
 
 
 def test_precision_refusal_names_only_schedules_this_module_runs():
-    """fp16 with a schedule that updates apart and no overflow decision (2bw), or on a ZeRO
-    configuration the vote does not run on: the schedules suggested are those that run on this
-    configuration and this module (DeepSpeed's: no virtual stages)."""
-    text = _refusal(_model(), _config("2bw", 2, fp16={"enabled": True}))
-    assert text.endswith("a schedule that runs with fp16 and this module (one model chunk per stage): 1f1b, gpipe, "
-                         "hippie, hippie-1f1b, hippie-zb, zb-h1"), text
+    """fp16 with a schedule whose overflow vote cannot be waited for in time (pipedream at 3
+    stages), or on a ZeRO configuration the vote does not run on: the schedules suggested are
+    those that run on this configuration and this module (DeepSpeed's: no virtual stages)."""
+    text = _refusal(_model(3), _config("pipedream", 4, fp16={"enabled": True}))
+    assert text.endswith("a schedule that runs with fp16 and this module (one model chunk per stage): 1f1b, 2bw, "
+                         "gpipe, hippie, hippie-1f1b, hippie-zb, zb-h1"), text
     chunked = _model(virtual_stages=2, layout_kind="interleaved", hippie_config_source="config=")
     overlap = {"stage": 1, "overlap_comm": True}
     text = _refusal(chunked, _config("hippie-interleaved", 2, fp16={"enabled": True}, zero_optimization=overlap))

@@ -18,13 +18,14 @@ codebases tried; "untied" delays the first transformer layer instead (docs/resul
 """
 from __future__ import annotations
 
-from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 
 from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError
 from ..schedules import load_spec
 from ..schedules.costs import Costs, CostsError
 from ..schedules.deferral import Deferral, StageLayers
 from ..schedules.resolve import Resolved, Shape, resolve
+from .ds import module as ds_module
+from .ds.module import PipelineModule, TiedLayerSpec
 from .tensor_calls import numel
 
 
@@ -41,10 +42,10 @@ def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    flags = torch.zeros(len(model._layer_specs), dtype=torch.int32, device=get_accelerator().current_device_name())
+    flags = torch.zeros(len(ds_module.layer_specs(model)), dtype=torch.int32, device=get_accelerator().current_device_name())
     for i, f in enumerate(funcs):
         if isinstance(f, torch.nn.Module) and any(p.requires_grad for p in f.parameters()):
-            flags[model._local_start + i] = 1
+            flags[ds_module.local_start(model) + i] = 1
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [bool(x) for x in flags.tolist()]
@@ -53,7 +54,7 @@ def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
 def tie_holders(model: PipelineModule) -> dict[str, dict[int, list[int]]]:
     """{tie key: {stage: the layer indices of that stage where the tied module appears}}."""
     holders: dict[str, dict[int, list[int]]] = {}
-    for idx, spec in enumerate(model._layer_specs):
+    for idx, spec in enumerate(ds_module.layer_specs(model)):
         if isinstance(spec, TiedLayerSpec):
             holders.setdefault(spec.key, {}).setdefault(model.stage_owner(idx), []).append(idx)
     return {key: stages for key, stages in holders.items() if len(stages) > 1}
@@ -61,7 +62,7 @@ def tie_holders(model: PipelineModule) -> dict[str, dict[int, list[int]]]:
 
 def _tie_keys(model: PipelineModule) -> tuple[dict[int, str], dict[int, set[str]]]:
     """({layer index: key} of the modules tied to another stage, {stage: keys it holds})."""
-    if not getattr(model, "tied_comms", None) or not hasattr(model, "_layer_specs"):
+    if not getattr(model, "tied_comms", None) or not ds_module.has_layer_specs(model):
         return {}, {}
     at, held = {}, {}
     for key, stages in tie_holders(model).items():
@@ -74,7 +75,7 @@ def _tie_keys(model: PipelineModule) -> tuple[dict[int, str], dict[int, set[str]
 def tied_across_stages(model: PipelineModule) -> list[bool]:
     """For each layer of ``model``: whether it is a module tied to a layer of another stage."""
     at = _tie_keys(model)[0]
-    return [i in at for i in range(len(model._layer_specs))]
+    return [i in at for i in range(len(ds_module.layer_specs(model)))]
 
 
 def stage_layers(model: PipelineModule, flags: list[bool] | None = None) -> dict[int, StageLayers]:
@@ -150,7 +151,7 @@ def layer_sizes(model: PipelineModule):
 
     def sizes(s: int) -> list[float]:
         if not every:
-            every.append(layer_param_bytes(model._layer_specs))
+            every.append(layer_param_bytes(ds_module.layer_specs(model)))
         count = model.parts[s + 1] - model.parts[s]
         return (every[0][model.parts[s]:model.parts[s + 1]] if every[0] is not None else
                 _layer_sizes(model, s) if s == model.stage_id else [1.0] * count)
@@ -160,7 +161,7 @@ def layer_sizes(model: PipelineModule):
 def log_choice(model: PipelineModule, choices: dict) -> None:
     """The 'auto' choice of this rank's stage, on its first replica (DeepSpeed logger, INFO)."""
     mine = choices.get(model.stage_id)
-    if mine is not None and model._topo.get_coord(model.global_rank).data == 0:
+    if mine is not None and ds_module.data_parallel_index(model, model.global_rank) == 0:
         from deepspeed.utils import logger
         logger.info(f"hippie-ds: deferred_layers auto, {mine.describe()}")
 
@@ -169,7 +170,7 @@ def _layer_sizes(model: PipelineModule, stage: int) -> list[float]:
     """Parameter count of each of ``stage``'s layers as this rank built them (0 for functions
     and tied modules reached through a function, which the engine never delays either)."""
     import torch
-    start = model.parts[stage] - getattr(model, "_local_start", model.parts[stage])
+    start = model.parts[stage] - ds_module.local_start(model, model.parts[stage])
     funcs = model.forward_funcs[start:start + model.parts[stage + 1] - model.parts[stage]]
     return [float(numel(f.parameters())) if isinstance(f, torch.nn.Module) else 0.0 for f in funcs]
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 import os
 
 import deepspeed
-from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from .._compat import check_deepspeed
 from ..config import AUTO_LAYERS, ConfigError, merge_plan, read_config, schedule_params, split_config
 from ..schedules import load_spec, validator
 from ..schedules.compiler import resolve_virtual_stages
-from .clean_exit import wait_at_exit
 from ..schedules.resolve import Shape
+from .clean_exit import wait_at_exit
+from .ds import engine as ds_engine, module as ds_module
+from .ds.module import PipelineModule, ProcessTopology
+from .ds.runtime import DeepSpeedConfig
 from .deferred_layers import log_choice, read_costs, resolve_for_module, schedules_with_param
 from .module_chunks import chunks_phrase as _chunks, held_chunks
 from .precision import check_precision
@@ -84,9 +84,9 @@ def _placement_of(topology: ProcessTopology) -> str | None:
 
 def _suggest_placement(model: PipelineModule, options, compiled) -> None:
     """One info line (rank 0) when the model keeps DeepSpeed's layout and Hippie's would help."""
-    if options.placement is not None or model._topo.get_dim("data") < 2 or not compiled.has_early_allreduce:
+    if options.placement is not None or ds_module.topology(model).get_dim("data") < 2 or not compiled.has_early_allreduce:
         return
-    if _placement_of(model._topo) != "data_parallel_in_node":
+    if _placement_of(ds_module.topology(model)) != "data_parallel_in_node":
         return
     from deepspeed.utils import log_dist
     log_dist(f"hippie-ds: schedule {compiled.name!r} runs in the module's layout (DeepSpeed's default: data-parallel "
@@ -125,7 +125,7 @@ def _apply_plan(model: PipelineModule, config: dict, options, config_path: str |
     from .pipeline_module import check_plan, locate_plan, module_stages_source, resolve_plan
 
     plan = resolve_plan(locate_plan(options.plan, config_path))
-    check_plan(plan, model._layer_specs, world_size=model.world_size, num_stages=model.num_stages,
+    check_plan(plan, ds_module.layer_specs(model), world_size=model.world_size, num_stages=model.num_stages,
                stages_from=module_stages_source(model))
     # a chunked module's parts are its K·v+1 model-part boundaries (module_chunks), placed by its layout
     held, planned = held_chunks(model), (plan.virtual_stages, plan.layout)
@@ -176,9 +176,9 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
     from .engine import check_single_grad_slot
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
-    placement = _placement_of(model._topo)
+    placement = _placement_of(ds_module.topology(model))
     if options.placement is not None and placement is not None and placement != options.placement and \
-            model._topo.get_dim("data") > 1:
+            ds_module.topology(model).get_dim("data") > 1:
         raise ConfigError(f'config key "hippie.placement" = {options.placement!r}, but the PipelineModule was built '
                           f"with the {placement!r} layout; build it with "
                           f"topology=hippie_ds.make_topology(num_stages, world_size, {options.placement!r})")
@@ -229,10 +229,9 @@ def check_chunks(model: PipelineModule, schedule: str, wanted: tuple[int, str], 
 
 def _is_dualpipev(model) -> bool:
     try:
-        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+        return isinstance(model, ds_module.dualpipev_module())
     except ImportError:  # DeepSpeed before DualPipeV
         return False
-    return isinstance(model, DualPipeVModule)
 
 
 def check_dualpipev_config(config: dict) -> None:
@@ -311,5 +310,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
         from .profile_in_place import profile_in_place
         profile_in_place(engine, options.profile)
-    engine._configure_python_gc()
+    ds_engine.configure_python_gc(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
