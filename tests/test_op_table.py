@@ -222,14 +222,20 @@ def _names_kinds(node: ast.AST, names: set) -> bool:
     return _is_member(node, names)
 
 
+def _kind_spelled(node: ast.AST) -> bool:
+    """``x.kind.name`` or ``x.kind.value``: a kind compared by its spelling (``op.kind.name == "FORWARD"``)."""
+    return (isinstance(node, ast.Attribute) and node.attr in ("name", "value")
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "kind")
+
+
 def kind_comparisons(source: str) -> list[int]:
     """The lines of ``source`` that compare against op kinds: ==, !=, is, is not, in, not in with a
-    kind or a literal collection of kinds, and ``match`` cases on kinds."""
+    kind, a literal collection of kinds or a kind's spelling, and ``match`` cases on kinds."""
     tree = ast.parse(source)
     names, lines = _kind_names(tree), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and any(isinstance(o, _COMPARISONS) for o in node.ops):
-            if any(_names_kinds(x, names) for x in (node.left, *node.comparators)):
+            if any(_names_kinds(x, names) or _kind_spelled(x) for x in (node.left, *node.comparators)):
                 lines.append(node.lineno)
         elif isinstance(node, ast.MatchValue) and _is_member(node.value, names):
             lines.append(node.lineno)
@@ -249,8 +255,9 @@ f = rule.op in [OpKind.BACKWARD_INPUT.value]
 match kind:
     case OpKind.FORWARD:
         pass
+g = op.kind.name == "STAGE_OPTIMIZER_STEP"
 """
-    assert kind_comparisons(caught) == [4, 5, 6, 7, 8, 9, 11]
+    assert kind_comparisons(caught) == [4, 5, 6, 7, 8, 9, 11, 13]
     fine = """
 a = op.kind in COMPUTE_KINDS
 b = OP_INFO[op.kind].forward

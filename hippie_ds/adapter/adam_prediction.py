@@ -323,5 +323,6 @@ def bind(engine, staleness) -> None:
 def made_before_use(compiled, stage: int) -> bool:
     """Whether every update of ``stage`` runs in its own batch's call, so that the version a batch
     computes on is one update behind weights already made (2bw's last stage)."""
-    steps = [op for op in compiled.ops(stage) if op.kind.name == "STAGE_OPTIMIZER_STEP"]
-    return bool(steps) and all(op.batch == 0 for op in steps)
+    from ..schedules.ir import OP_INFO
+    steps = [op for op in compiled.ops(stage) if OP_INFO[op.kind].new_version]
+    return compiled.continuous and bool(steps) and all(op.batch == 0 for op in steps)
