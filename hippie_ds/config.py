@@ -62,10 +62,12 @@ class StalenessConfig(BaseModel):
     for it; see :mod:`hippie_ds.adapter.staleness`."""
     model_config = ConfigDict(extra="forbid")
 
-    # "extrapolate": W_hat = W + c (W - W_previous); "adam": W_hat = W + c u_hat, u_hat the next
-    # update predicted from Adam's own state (hippie_ds.adapter.adam_prediction; torch Adam/AdamW
-    # only, refused at start-up otherwise); "none": no correction.
-    method: Literal["none", "extrapolate", "adam"] = "extrapolate"
+    # "extrapolate": W_hat = W + c (W - W_previous); "extrapolate-made": the same, but a stage that has
+    # made the next weights before it computes (2bw's last stage) computes on them, any optimizer;
+    # "adam": W_hat = W + c u_hat, u_hat the next update predicted from Adam's own state, made weights
+    # where made (hippie_ds.adapter.adam_prediction; torch Adam/AdamW only, refused at start-up
+    # otherwise); "none": no correction.
+    method: Literal["none", "extrapolate", "extrapolate-made", "adam"] = "extrapolate"
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
 
 

@@ -297,7 +297,8 @@ def test_async_schedules_match_reference(tmp_path, stages, dp):
 def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages, dp):
     """2bw computes batch t on W(t-1) + c * (W(t-1) - W(t-2)) (hippie.staleness extrapolate,
     here c = 1.5), with "adam" on W(t-1) + c * u_hat (AdamW's next update predicted from its
-    moments, reference_async.adam_predicted; c = 1.5), and applies the update to W(t); with
+    moments, reference_async.adam_predicted; c = 1.5), with "extrapolate-made" extrapolating except on
+    the last stage, which computes on the weights it has made (as "adam" there), and applies the update to W(t); with
     "none" on W(t-1). Each matches the reference of its rule; they differ from each other. One
     launch ("+nostale", "+adam" engines; CI time). (SGD at 2x2 and AdamW at 4x1 also passed when
     written; one shape keeps CI short. test_async_schedules_match_reference covers 2bw's default
@@ -305,7 +306,8 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     results = {}
     c = 1.5
     rules = {"2bw": StalenessConfig(method="extrapolate", coefficient=c), "2bw+nostale": StalenessConfig(method="none"),
-             "2bw+adam": StalenessConfig(method="adam", coefficient=c)}
+             "2bw+adam": StalenessConfig(method="adam", coefficient=c),
+             "2bw+made": StalenessConfig(method="extrapolate-made", coefficient=c)}
     rc, log, _ = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", 5,
                         "--optimizer", optimizer, "--lr", lr, "--engines", ",".join(rules), "--drain",
                         "--staleness", f"extrapolate:{c}", timeout=300)
@@ -336,6 +338,8 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     assert _max_diff(results["extrapolate"], results["none"]) > 1e-4, "the correction changed nothing"
     assert _max_diff(results["adam"], results["extrapolate"]) > 1e-4, "adam is extrapolate's rule"
     assert _max_diff(results["adam"], results["none"]) > 1e-4, "adam changed nothing"
+    assert _max_diff(results["extrapolate-made"], results["extrapolate"]) > 1e-4, "the made weights changed nothing"
+    assert _max_diff(results["extrapolate-made"], results["adam"]) > 1e-4, "extrapolate-made is adam's rule"
 
 
 @pytest.mark.distributed
@@ -344,7 +348,7 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     # batches in flight: save_checkpoint drains them and saves both/stashed weight versions),
     # then a fresh engine loads it and continues.
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--optimizer", "AdamW", "--lr", 0.01,
-            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2")
+            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2")
     rc, log, _ = launch(4, tmp_path, *args, timeout=300)
     assert rc == 0, log[-4000:]
     # hippie.staleness "adam": its predictions and the versions they are fixed for travel in the checkpoint
@@ -354,6 +358,12 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     adam_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
                                           staleness=StalenessConfig(method="adam"))
     assert _max_diff(adam, adam_ref) <= 1e-6
+    # "extrapolate-made": the versions whose prediction is fixed travel too
+    made, made_resumed = collect(tmp_path, "2bw+made")[0], collect(tmp_path, "2bw+made+ckpt2")[0]
+    assert _max_diff(made, made_resumed) == 0, "2bw extrapolate-made: resumed differs"
+    made_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
+                                          staleness=StalenessConfig(method="extrapolate-made"))
+    assert _max_diff(made, made_ref) <= 1e-6
     for name in ("2bw", "pipedream"):
         full, full_losses, parts, _, _ = collect(tmp_path, name)
         resumed, resumed_losses, _, _, replicas = collect(tmp_path, name + "+ckpt2")

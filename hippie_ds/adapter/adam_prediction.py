@@ -23,7 +23,7 @@ computes on the made weights instead: ``W(v) + c (W(v+1) - W(v))``, W(v+1) itsel
 ``2bw``'s last stage is such a stage (it updates at the end of a call, and the next call's
 micro-batches all compute on the version before), so with ``adam`` it follows the synchronous
 rule; on the other stages a micro-batch computes on version v before that update (its backward
-must see its forward's weights), so they keep Adam's prediction (:func:`made_before_use` reads
+must see its forward's weights), so they keep Adam's prediction (:func:`~hippie_ds.adapter.staleness.made_before_use` reads
 it from the compiled schedule).
 
 Where it is computed. fp32 (no ZeRO): the optimizer steps the module's parameters, each rank holds
@@ -48,7 +48,7 @@ import math
 import torch
 
 from ..config import ConfigError
-from .staleness import FACTORIES, InPlacePrediction, WeightPrediction
+from .staleness import FACTORIES, InPlacePrediction, WeightPrediction, made_before_use
 
 METHOD = "adam"
 ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\" with \"torch_adam\": true)"
@@ -318,11 +318,3 @@ def bind(engine, staleness) -> None:
         source.install()
         engine._versions.prediction.bind(source, engine._params, made_before_use(engine.compiled_schedule,
                                                                                  engine.stage_id))
-
-
-def made_before_use(compiled, stage: int) -> bool:
-    """Whether every update of ``stage`` runs in its own batch's call, so that the version a batch
-    computes on is one update behind weights already made (2bw's last stage)."""
-    from ..schedules.ir import OP_INFO
-    steps = [op for op in compiled.ops(stage) if OP_INFO[op.kind].new_version]
-    return compiled.continuous and bool(steps) and all(op.batch == 0 for op in steps)

@@ -305,7 +305,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   deferral=deferral)
     zero.partition_parameters.restore_init_context()
     from .adam_prediction import bind as bind_staleness  # hippie.staleness "adam" reads the optimizer
+    from .staleness import bind_made_weights
     bind_staleness(engine, options.staleness)
+    bind_made_weights(engine, options.staleness)  # "extrapolate-made": from the compiled schedule
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
         from .profile_in_place import profile_in_place

@@ -157,6 +157,60 @@ class InPlacePrediction(WeightPrediction):
         self._true, self.predicted_now = None, False
 
 
+class MadeWeightsPrediction(WeightPrediction):
+    """``extrapolate-made``: 2bw's versions as ``extrapolate`` predicts them, except on a stage that
+    makes W(v+1) before its first compute on version v (``made``: its updates run in their own
+    batch's call, as 2bw's last stage's do, and the next call's micro-batches all compute on the
+    version before; :func:`made_before_use`): there version v computes on the weights already made,
+    W(v) + c (W(v+1) - W(v)), W(v+1) itself at c = 1, as ``adam`` does on that stage
+    (adapter/adam_prediction.py), with any optimizer. A version compute has already used when the
+    next is made (version 0: batch 0 computes on it; a ``drain()`` that ran the update early) keeps
+    its prediction: the rule is the schedule's, not the order ops happen to run in."""
+    method = "extrapolate-made"
+
+    def __init__(self, coefficient: float):
+        super().__init__(coefficient)
+        self.used: set[int] = set()  # versions compute has asked for (their prediction is fixed)
+        self.made = False  # set at start-up from the compiled schedule (bind_made_weights)
+
+    def knows(self, version: int) -> bool:
+        self.used.add(version)  # WeightVersions asks before every compute on ``version``
+        return super().knows(version)
+
+    def record(self, version: int, delta: list[torch.Tensor]) -> None:
+        """delta(version) = W(version) - W(version - 1); on a ``made`` stage also version - 1's
+        prediction made exact: W(version - 1) + c * delta(version), if no compute has used it."""
+        before = version - 1
+        if self.made and before in self.deltas and before not in self.used:
+            self.deltas[before] = delta
+        super().record(version, delta)
+        self.used = {v for v in self.used if v >= before}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "used": sorted(self.used)}
+
+    def load_state_dict(self, state: dict, device, params=None) -> None:
+        super().load_state_dict(state, device, params)
+        self.used = set(state.get("used", ())) if state.get("method") == self.method else set()
+
+
+def made_before_use(compiled, stage: int) -> bool:
+    """Whether every update of ``stage`` runs in its own batch's call on a schedule that never
+    flushes, so that the version a batch computes on is one update behind weights already made
+    (2bw's last stage)."""
+    from ..schedules.ir import OP_INFO
+    steps = [op for op in compiled.ops(stage) if OP_INFO[op.kind].new_version]
+    return compiled.continuous and bool(steps) and all(op.batch == 0 for op in steps)
+
+
+def bind_made_weights(engine, config: StalenessConfig | None) -> None:
+    """At start-up: an ``extrapolate-made`` stage learns from the compiled schedule whether it makes
+    its next weights before it computes (:func:`made_before_use`)."""
+    prediction = getattr(engine, "_versions", None) and engine._versions.prediction
+    if config is not None and config.method == MadeWeightsPrediction.method and prediction is not None:
+        prediction.made = made_before_use(engine.compiled_schedule, engine.stage_id)
+
+
 # Methods beyond extrapolation register their factory here, (coefficient, params or None) -> prediction:
 # adam_prediction.py registers "adam" when imported (hippie_ds.initialize imports it before the engine).
 FACTORIES: dict = {}
@@ -167,6 +221,9 @@ def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] |
     per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction)."""
     if config is None or config.method == "none":
         return None
+    if config.method == MadeWeightsPrediction.method:  # hippie's delayed layers make nothing before use
+        return MadeWeightsPrediction(config.coefficient) if params is None else InPlacePrediction(params,
+                                                                                                  config.coefficient)
     if config.method != "extrapolate":  # e.g. "adam": Adam's own prediction (bound to the optimizer at start-up)
         if config.method not in FACTORIES:
             raise RuntimeError(f"hippie.staleness.method {config.method!r}: its module is not imported "

@@ -94,7 +94,8 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     prediction while t-1 < 1: version 0 has no previous update); with ``adam`` on
     :func:`adam_predicted` of W(t-1), from the optimizer's state right after the update that made
     W(t-1), except on the last stage, which has made W(t) before batch t computes: there on
-    W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1). ``tied``: the tied model, its copies ``tie_lag`` updates
+    W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1); ``extrapolate-made``: extrapolate's, with the last stage's
+    made weights as ``adam``'s. ``tied``: the tied model, its copies ``tie_lag`` updates
     later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
     reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
     (the lagged tie sum included) is not finite (:func:`_fp16_decision`)."""
@@ -103,8 +104,9 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     tie_sums = []
     everything = [p for ps in stage_params for p in ps]
     opts = precision.optimizers(stage_params, optimizer, lr)
-    extrapolate = staleness is not None and staleness.method == "extrapolate"
+    extrapolate = staleness is not None and staleness.method in ("extrapolate", "extrapolate-made")
     adam = staleness is not None and staleness.method == "adam"
+    made_weights = adam or (staleness is not None and staleness.method == "extrapolate-made")
     history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
     predicted = {}  # adam: W_hat(v), made right after the update that made W(v)
     losses = []
@@ -114,11 +116,11 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         compute = history[v]
         if extrapolate and v >= 1:
             compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
-        if adam and v >= 1:
+        if made_weights and v >= 1:
             last = len(everything) - len(stage_params[-1])  # the last stage's tensors: the made W(t)
             made = [w + staleness.coefficient * (n - w) if staleness.coefficient != 1 else n.clone()
                     for w, n in zip(history[v][last:], current[last:])]
-            compute = predicted[v][:last] + made
+            compute = (predicted[v] if adam else compute)[:last] + made
         _load(everything, compute)
         if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,

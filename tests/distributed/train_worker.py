@@ -31,7 +31,7 @@ def split_name(name):
     (hippie_ds.PipelineModule's checkpointed_layers), "zb-h1+seqfirst" on the sequence-first model
     (model.seqfirst_layer_specs: stage boundaries after ``x.transpose(0, 1).contiguous()``),
     "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says),
-    "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam", "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
+    "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam" ("2bw+made": "extrapolate-made"), "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
     with DeepSpeed's immediate_grad_update, "zb-h1+fp16" in fp16 with DeepSpeed's dynamic loss scale (+zero1: on
     DeepSpeedZeroOptimizer), "zb-h1+attrs" with Megatron's attributes on every parameter (model.megatron_attributes:
     an int ``stride`` hides ``Tensor.stride()``), "hippie+fp16+ovf1.2" with stage 1's first gradient infinite in
@@ -84,6 +84,8 @@ def config(args, schedule, dp, opts=()):
             cfg["hippie"]["staleness"] = {"method": "none"}
         if "adam" in opts:  # Adam's predicted update, with --staleness's coefficient when given
             cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "method": "adam"}
+        if "made" in opts:  # extrapolation and the made weights, with --staleness's coefficient when given
+            cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "method": "extrapolate-made"}
         if "sync" in opts:
             cfg["hippie"]["deferred_stages"] = []
         if "vs" in opts:
