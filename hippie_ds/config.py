@@ -24,7 +24,9 @@
         "plan": null,                           # a planner plan file (`hippie-ds plan --out`): stage
                                                 #   boundaries, checkpointed layers, schedule, batch
         "staleness": {                          # correction for stages that update one step late
-            "method": "extrapolate",            #   W_hat = W + c * (W - W_previous); "adam": W_hat = W +
+            "method": "extrapolate-made",       #   W_hat = W + c * (W - W_previous), and where a stage has
+                                                #   made its next weights before it computes (2bw's last
+                                                #   stage), those ("extrapolate": never); "adam": W_hat = W +
                                                 #   c * (Adam's predicted next update, from its moments,
                                                 #   step count and LR; Adam/AdamW only); or "none" (the
                                                 #   plain one-step-delayed rule)
@@ -67,7 +69,7 @@ class StalenessConfig(BaseModel):
     # "adam": W_hat = W + c u_hat, u_hat the next update predicted from Adam's own state, made weights
     # where made (hippie_ds.adapter.adam_prediction; torch Adam/AdamW only, refused at start-up
     # otherwise); "none": no correction.
-    method: Literal["none", "extrapolate", "extrapolate-made", "adam"] = "extrapolate"
+    method: Literal["none", "extrapolate", "extrapolate-made", "adam"] = "extrapolate-made"
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
 
 

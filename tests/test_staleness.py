@@ -5,7 +5,7 @@ earlier shapes (format 1) load into it."""
 import torch
 
 from hippie_ds.adapter import checkpoint_state as ckpt
-from hippie_ds.adapter.staleness import InPlacePrediction, WeightPrediction, make_prediction
+from hippie_ds.adapter.staleness import InPlacePrediction, MadeWeightsPrediction, WeightPrediction, make_prediction
 from hippie_ds.config import StalenessConfig
 
 C = 1.5
@@ -101,7 +101,8 @@ def test_no_correction_is_none():
     assert make_prediction(StalenessConfig(method="none"), [torch.zeros(1)]) is None
     assert make_prediction(None) is None
     assert isinstance(make_prediction(StalenessConfig(), [torch.zeros(1)]), InPlacePrediction)
-    assert type(make_prediction(StalenessConfig())) is WeightPrediction
+    assert type(make_prediction(StalenessConfig())) is MadeWeightsPrediction  # 2bw's default: extrapolate-made
+    assert type(make_prediction(StalenessConfig(method="extrapolate"))) is WeightPrediction
 
 
 def test_checkpoint_state_format_and_format1_keys():

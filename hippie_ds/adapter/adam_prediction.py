@@ -57,7 +57,7 @@ ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\"
 def _refuse(what: str) -> ConfigError:
     return ConfigError(f'config key "hippie.staleness.method" = "{METHOD}": {what}; allowed with the optimizers '
                        f'{ALLOWED} (fp32, or bf16 / bf16 + ZeRO-1 on BF16_Optimizer); other optimizers take '
-                       f'"extrapolate" or "none"')
+                       f'"extrapolate-made" (the default), "extrapolate" or "none"')
 
 
 def _adam_kind(optimizer) -> str:

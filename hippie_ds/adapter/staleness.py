@@ -205,10 +205,13 @@ def made_before_use(compiled, stage: int) -> bool:
 
 def bind_made_weights(engine, config: StalenessConfig | None) -> None:
     """At start-up: an ``extrapolate-made`` stage learns from the compiled schedule whether it makes
-    its next weights before it computes (:func:`made_before_use`)."""
+    its next weights before it computes (:func:`made_before_use`). In fp16 a stage that holds its
+    update until the pipeline's overflow vote is in (adapter/fp16_async.py: every stage of 2bw but
+    the first) has not made them yet when it computes: it keeps the prediction."""
     prediction = getattr(engine, "_versions", None) and engine._versions.prediction
     if config is not None and config.method == MadeWeightsPrediction.method and prediction is not None:
-        prediction.made = made_before_use(engine.compiled_schedule, engine.stage_id)
+        held = not getattr(engine._updates, "immediate", True)  # AsyncVotes that hold the update
+        prediction.made = made_before_use(engine.compiled_schedule, engine.stage_id) and not held
 
 
 # Methods beyond extrapolation register their factory here, (coefficient, params or None) -> prediction:

@@ -88,7 +88,7 @@ def _sum_tied(grads, slots):
 
 def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
         delayed_layers=None, precision=None, tied=False, untied=False, flush=False):
-    """``staleness``: None or an object with ``method`` ("none", "extrapolate", "adam": the
+    """``staleness``: None or an object with ``method`` ("none", "extrapolate", "extrapolate-made", "adam": the
     delayed parameters compute on reference_async.adam_predicted) and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
@@ -111,7 +111,8 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     opts = precision.optimizers(stage_params, optimizer, lr)
     pending = [None] * len(parts)
     made_at = [None] * len(parts)  # the loss scale a buffered gradient carries (fp16 + ZeRO-1)
-    extrapolate = staleness is not None and staleness.method == "extrapolate"
+    # "extrapolate-made" is extrapolate on hippie's delayed layers: they make nothing before they compute
+    extrapolate = staleness is not None and staleness.method in ("extrapolate", "extrapolate-made")
     adam = staleness is not None and staleness.method == "adam"  # reference_async.adam_predicted
     true_weights = [None] * len(parts)  # W(t) of a deferred stage while it computes on the prediction
     previous = [_snapshot(ps) for ps in stage_params]  # W(t-1)

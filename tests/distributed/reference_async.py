@@ -95,7 +95,7 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     :func:`adam_predicted` of W(t-1), from the optimizer's state right after the update that made
     W(t-1), except on the last stage, which has made W(t) before batch t computes: there on
     W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1); ``extrapolate-made``: extrapolate's, with the last stage's
-    made weights as ``adam``'s. ``tied``: the tied model, its copies ``tie_lag`` updates
+    made weights as ``adam``'s (not in fp16: the last stage holds its update until the vote is in). ``tied``: the tied model, its copies ``tie_lag`` updates
     later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
     reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
     (the lagged tie sum included) is not finite (:func:`_fp16_decision`)."""
@@ -106,7 +106,9 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     opts = precision.optimizers(stage_params, optimizer, lr)
     extrapolate = staleness is not None and staleness.method in ("extrapolate", "extrapolate-made")
     adam = staleness is not None and staleness.method == "adam"
-    made_weights = adam or (staleness is not None and staleness.method == "extrapolate-made")
+    # "extrapolate-made": not in fp16, where the last stage holds its update until the vote is in
+    made_weights = adam or (staleness is not None and staleness.method == "extrapolate-made"
+                            and not hasattr(precision, "inject_backwards"))
     history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
     predicted = {}  # adam: W_hat(v), made right after the update that made W(v)
     losses = []
