@@ -48,7 +48,7 @@ import math
 import torch
 
 from ..config import ConfigError
-from .staleness import FACTORIES, InPlacePrediction, WeightPrediction, made_before_use
+from .staleness import FACTORIES, InPlacePrediction, MadeWeightsPrediction, made_before_use
 
 METHOD = "adam"
 ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\" with \"torch_adam\": true)"
@@ -190,7 +190,7 @@ def source_of(optimizer, coefficient: float):
     return _Fp32Source(optimizer, _adam_kind(optimizer), coefficient)
 
 
-class AdamVersionPrediction(WeightPrediction):
+class AdamVersionPrediction(MadeWeightsPrediction):
     """2bw's stages (per version): W_hat(v) is computed once, right after the update that made
     W(v) (:meth:`record`), and kept while compute may use version v (``deltas`` holds the
     predicted weights, flat, as the version store does).
@@ -205,18 +205,12 @@ class AdamVersionPrediction(WeightPrediction):
     method = METHOD
 
     def __init__(self, coefficient: float):
-        super().__init__(coefficient)
+        super().__init__(coefficient)  # the versions compute has used, and ``made``: MadeWeightsPrediction's
         self.source = None
         self.params: list[torch.Tensor] | None = None
-        self.used: set[int] = set()  # versions compute has swapped in (their prediction is fixed)
-        self.made = False  # the stage makes W(v+1) before it computes on version v (class docstring)
 
     def bind(self, source, params: list[torch.Tensor], made: bool = False) -> None:
         self.source, self.params, self.made = source, params, made
-
-    def knows(self, version: int) -> bool:
-        self.used.add(version)  # WeightVersions asks before every compute on ``version``
-        return super().knows(version)
 
     @torch.no_grad()
     def predicted(self, version: int, true: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -230,20 +224,12 @@ class AdamVersionPrediction(WeightPrediction):
         if self.source is None:
             raise RuntimeError('hippie.staleness.method "adam": the prediction was not bound to the optimizer')
         from torch._utils import _flatten_dense_tensors
-        before = version - 1
-        if self.made and before in self.deltas and before not in self.used:
+        if self._may_make(version - 1):
             made = _flatten_dense_tensors([torch.Tensor.detach(param) for param in self.params])
-            self.deltas[before] = [made if self.coefficient == 1 else
-                                   torch.add(made, delta[0], alpha=self.coefficient - 1)]
+            self.deltas[version - 1] = [made if self.coefficient == 1 else
+                                        torch.add(made, delta[0], alpha=self.coefficient - 1)]
         self.deltas[version] = [_flatten_dense_tensors(self.source.predicted(self.params))]
-        self.used = {v for v in self.used if v >= before}
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "used": sorted(self.used)}
-
-    def load_state_dict(self, state: dict, device, params=None) -> None:
-        super().load_state_dict(state, device, params)
-        self.used = set(state.get("used", ())) if state.get("method") == self.method else set()
+        self._forget_used_before(version - 1)
 
 
 class AdamInPlacePrediction(InPlacePrediction):

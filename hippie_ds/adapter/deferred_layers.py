@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..config import AUTO_LAYERS, WHOLE_STAGE, ConfigError
 from ..schedules import load_spec
 from ..schedules.costs import Costs, CostsError
-from ..schedules.deferral import Deferral, StageLayers
+from ..schedules.deferral import StageLayers
 from ..schedules.resolve import Resolved, Shape, resolve
 from .ds import module as ds_module
 from .ds.module import PipelineModule, TiedLayerSpec

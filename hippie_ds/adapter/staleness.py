@@ -180,10 +180,17 @@ class MadeWeightsPrediction(WeightPrediction):
     def record(self, version: int, delta: list[torch.Tensor]) -> None:
         """delta(version) = W(version) - W(version - 1); on a ``made`` stage also version - 1's
         prediction made exact: W(version - 1) + c * delta(version), if no compute has used it."""
-        before = version - 1
-        if self.made and before in self.deltas and before not in self.used:
-            self.deltas[before] = delta
+        if self._may_make(version - 1):
+            self.deltas[version - 1] = delta
         super().record(version, delta)
+        self._forget_used_before(version - 1)
+
+    def _may_make(self, before: int) -> bool:
+        """Whether version ``before``, now that the next is made, computes on the made weights: a
+        ``made`` stage, a version still kept, no compute has used it (class docstring)."""
+        return self.made and before in self.deltas and before not in self.used
+
+    def _forget_used_before(self, before: int) -> None:
         self.used = {v for v in self.used if v >= before}
 
     def state_dict(self) -> dict:
