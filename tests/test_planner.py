@@ -85,7 +85,8 @@ def test_plan_memory_agrees_with_the_simulator(vgg, vgg_plan):
     for s, st in enumerate(vgg_plan.stages):
         k = next(k for k in range(lay.rec[s].options) if lay.rec[s].layers(k) == st.checkpointed)
         ks.append(k)
-    costs = pl._costs(model, lay, vgg_plan.micro_batch_size, ks)
+    from hippie_ds.planner.sim_costs import _costs
+    costs = _costs(model, lay, vgg_plan.micro_batch_size, ks)
     compiled = compile_schedule(vgg_plan.schedule, vgg_plan.pipeline_depth, vgg_plan.micro_batches,
                                 **vgg_plan.schedule_params)
     delayed = {st.stage: st.deferred_layers for st in vgg_plan.stages if st.deferred}  # the plan's "auto" choice

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hippie_ds.data_files import read_data_file
 
+from .host import HostCost
 from .profile import PlannerError
 
 DEFAULT_INTRA_NODE_BANDWIDTH = 100e9
@@ -43,14 +44,23 @@ class Cluster(BaseModel):
     intra_node_bandwidth: float = Field(DEFAULT_INTRA_NODE_BANDWIDTH, gt=0,
                                         description="bandwidth between devices of a node (bytes/s)")
     latency: float = Field(0.0, ge=0, description="start-up latency of one message (s)")
+    host: HostCost | None = Field(None, description="the host's CPU per instruction kind (planner/host.py); "
+                                  "none: the host is never the bottleneck")
 
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
+    @property
+    def message_latency(self) -> float:
+        """Start-up of one pipeline message: the link's latency, or the host's per send/receive when longer."""
+        return max(self.latency, self.host.p2p.fixed if self.host else 0.0)
+
     def describe(self) -> str:
+        host = (f"; host per forward {self.host.forward.fixed * 1e3:.3g} ms + {self.host.forward.per_layer * 1e3:.3g} "
+                f"ms/layer" if self.host else "")
         return (f"{self.nodes} node(s) x {self.devices_per_node} device(s), {_bytes(self.device_memory)} each, "
-                f"{_rate(self.inter_node_bandwidth)} between nodes, {_rate(self.intra_node_bandwidth)} inside")
+                f"{_rate(self.inter_node_bandwidth)} between nodes, {_rate(self.intra_node_bandwidth)} inside{host}")
 
 
 def _bytes(n: float) -> str:

@@ -7,7 +7,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from .model import _costs, _Estimate, _Layout, _Model
+from .model import _Estimate, _Layout, _Model
+from .sim_costs import _costs
 from .objectives import score
 from .plan_file import TARGETS, Prediction
 from .traits import schedule_traits

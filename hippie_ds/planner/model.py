@@ -8,6 +8,7 @@ from typing import Sequence
 
 from . import partition as part
 from .cluster import Cluster
+from .host import floor
 from .plan_file import GB
 from .profile import PlannerError, Profile
 from .recompute import ChunkedRecompute, StageRecompute
@@ -202,7 +203,7 @@ class _Model:
         if s < 0 or s >= lay.K - 1:
             return 0.0
         bw = self.cluster.inter_node_bandwidth if lay.inter_link[s] else self.cluster.intra_node_bandwidth
-        return self.cluster.latency + f * lay.cut_out[s] / bw
+        return self.cluster.message_latency + f * lay.cut_out[s] / bw
 
     @staticmethod
     def in_flight(schedule: str, K: int, M: int) -> list:
@@ -228,6 +229,11 @@ class _Model:
         K, v = lay.K, lay.v
         F = [f * x / v for x in lay.fwd]
         B = [f * (lay.bwd[s] + lay.rec[s].time(ks[s])) / v for s in range(K)]
+        host = self.cluster.host
+        if host is not None:  # an instruction takes at least what its host spends issuing it
+            n = self.stage_layers(lay)
+            F = [floor(F[s], host.forward_s(n[s] / v)) for s in range(K)]
+            B = [floor(B[s], host.backward_s(n[s] / v, len(lay.rec[s].layers(ks[s])) / v)) for s in range(K)]
         c = [self.p2p(lay, s, f) for s in range(K)]
         around = [(c[s - 1] if s else 0.0) + c[s] for s in range(K)]
         fill = sum(F) + sum(B) + 2 * v * sum(c)
@@ -244,9 +250,24 @@ class _Model:
             return M * cycle, F, B, c
         return (M - 1) * cycle + fill, F, B, c
 
+    def stage_layers(self, lay: _Layout) -> list[int]:
+        """Layers per stage (all its chunks)."""
+        return [sum(b - a for a, b in lay.chunk_ranges(s)) for s in range(lay.K)]
+
+    def host_step(self, lay: _Layout) -> float:
+        """What the slowest stage's host spends issuing its optimizer step (0 without a host cost)."""
+        host = self.cluster.host
+        return max(host.step_s(n) for n in self.stage_layers(lay)) if host is not None else 0.0
+
     def step_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int],
                   deferred: Sequence[int] | None = None) -> tuple[float, list[int]]:
-        """Analytic step time and the deferred stages (given, or by the rule)."""
+        """Analytic step time and the deferred stages (given, or by the rule), with the host's
+        optimizer step."""
+        step, chosen = self._pipeline_time(lay, schedule, f, M, ks, deferred)
+        return step + self.host_step(lay), chosen
+
+    def _pipeline_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int],
+                       deferred: Sequence[int] | None) -> tuple[float, list[int]]:
         K = lay.K
         T, F, B, c = self.compute_time(lay, schedule, f, M, ks)
         a = lay.ar_work
@@ -313,63 +334,6 @@ class _Model:
         scal = thr / (self.P * self.single_throughput)
         m = self.summarize_memory(mem)
         return thr, scal, m, scal * thr / (m / GB) if m > 0 else math.inf
-
-
-def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
-    """hippie_ds Costs for a configuration (what the simulator runs), through Costs.from_layers.
-    A stage's activation_bytes is what crosses its cut (branched graphs: several tensors); a link
-    that crosses nodes is expressed as proportionally more bytes on the intra-node p2p bandwidth."""
-    from ..schedules.costs import CommCost, Costs
-
-    c, f = model.cluster, b / model.b0
-    comm = CommCost(p2p_bandwidth=c.intra_node_bandwidth, p2p_latency=c.latency,
-                    allreduce_bandwidth=c.inter_node_bandwidth if lay.ar_inter else c.intra_node_bandwidth,
-                    allreduce_latency=c.latency, data_parallel=lay.r, shared_link=True)
-    if lay.v > 1:
-        return _chunked_costs(model, lay, f, ks, comm)
-    layer_costs = []
-    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
-        chosen = set(lay.rec[s].layers(ks[s]))
-        scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
-        held = model.stage_params([(a, e)])
-        for i in range(a, e):
-            layer_costs.append({
-                # a re-computed layer's W runs in the input pass, the first stage's whole backward in W
-                "forward": f * model.fwd[i], "backward": f * model.bwd[i],
-                "backward_weight": f * (model.bwd[i] if s == 0 else 0.0 if i in chosen else model.wgt[i]),
-                "recompute": f * model.rc[i] if i in chosen else 0.0,
-                "param_bytes": held[i],
-                "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
-            })
-    return Costs.from_layers(layer_costs, lay.parts, comm)
-
-
-def _chunked_costs(model: _Model, lay: _Layout, f: float, ks: Sequence, comm):
-    """Costs of a layout with v chunks per stage: a stage's figures are its chunks' sums (the
-    simulator times a chunk op as 1/v of its stage: unequal chunks are modelled by their
-    stage's totals), its activation_bytes the largest cut its chunks send, its layers in model
-    order (the first chunk's first: what partial deferral delays)."""
-    from ..schedules.costs import Costs
-
-    c = model.cluster
-    stages = []
-    for s in range(lay.K):
-        chosen = set(lay.rec[s].layers(ks[s]))
-        scale = c.intra_node_bandwidth / c.inter_node_bandwidth if lay.inter_link[s] else 1.0
-        layers = [i for a, e in lay.chunk_ranges(s) for i in range(a, e)]
-        held = model.stage_params(lay.chunk_ranges(s))
-        # the model's first part (stage 0's chunk 0 in either layout): its whole backward is W
-        first = set(range(lay.parts[0], lay.parts[1])) if s == 0 else set()
-        stages.append({
-            "forward": f * sum(model.fwd[i] for i in layers), "backward": f * sum(model.bwd[i] for i in layers),
-            "recompute": f * sum(model.rc[i] for i in layers if i in chosen),
-            "backward_weight": f * sum(model.bwd[i] if i in first else 0.0 if i in chosen else model.wgt[i]
-                                       for i in layers),
-            "param_bytes": sum(held[i] for i in layers),
-            "activation_bytes": f * lay.cut_out[s] * scale,
-            "layers": [{"param_bytes": held[i], "backward": f * model.bwd[i]} for i in layers],
-        })
-    return Costs.from_dict({"stages": stages, "comm": comm.model_dump()}, where="planner costs")
 
 
 @dataclass(order=True)
