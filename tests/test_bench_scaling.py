@@ -25,7 +25,7 @@ def test_defaults_and_run_plan():
     assert [j["dir"] for j in plan] == [f"{n}{c}" for n in ("one_node", "two_nodes", "four_nodes")
                                         for c in columns] + ["one_device"]
     plan = [j for j in plan if "planned" not in j["dir"]]
-    assert plan[0]["labels"] == "stock,gpipe,hippie,hippie-1f1b"  # every pipeline in one job, as engine labels
+    assert plan[0]["labels"] == "stock,gpipe,hippie-1f1b"  # every pipeline in one job, as engine labels
     pipelines = scaling.job_args(a, plan[0], scaling.Path("/tmp/x"))
     assert pipelines[pipelines.index("--costs") + 1] == "measured"  # deferred_stages: auto from stock's costs
     assert plan[5]["labels"] == "dp" and plan[5]["config"] == "four_nodes"  # DP alone in its processes
@@ -34,6 +34,20 @@ def test_defaults_and_run_plan():
     assert args[args.index("--global-batch") + 1] == str(32 * 8 * 4)  # DP: the 4 pipelines' batch
     single = scaling.job_args(a, plan[6], scaling.Path("/tmp/x"))
     assert single[single.index("--global-batch") + 1] == str(32 * 8) and "dp" in single
+
+
+def test_dilated_options_and_host_cores():
+    a = _args("--nodes", "1,2,4", "--dilate", "8", "--timeout", "100", "--emulate-scale", "0.002",
+              "--emulate-speedup", "2")
+    d = scaling.dilated(a)
+    assert (d.emulate_scale, d.emulate_speedup, d.timeout) == (0.016, 0.25, 800)  # bytes x 8, times x 8
+    assert (a.emulate_scale, a.emulate_speedup) == (0.002, 2)  # the undilated cluster, what the planner sees
+    args = scaling.job_args(a, scaling.run_plan(a)[0], scaling.Path("/tmp/x"))
+    assert args[args.index("--emulate-scale") + 1] == "0.016" and args[args.index("--emulate-speedup") + 1] == "0.25"
+    # 4 ranks a node, nodes round-robin on 2 cores: 4, 4 and 8 ranks on the busiest core
+    assert [scaling.host_cores(a, n) for n in (1, 2, 4)] == [2.0, 2.0, 1.0]
+    with pytest.raises(SystemExit):
+        _args("--nodes", "1,2", "--dilate", "0.5")
 
 
 @pytest.mark.parametrize("nodes", ["2,4", "1", "1,x"])
@@ -182,7 +196,7 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     out = tmp_path / "scaling"
     res = subprocess.run([sys.executable, "-m", "tools.bench", "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
                           "--micro-batch-size", "4", "--schedules", "dp,1f1b,hippie-1f1b", "--rounds", "2",
-                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "20", "--rate", "100mbit",
+                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate", "100mbit",
                           "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -201,6 +215,16 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
         comm = results["runs"]["two_nodes"][schedule]["prediction"]["costs"]["comm"]
         assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 * link[shape]["efficiency"])
     assert results["runs"]["two_nodes"]["1f1b"]["prediction"]["costs"]["tied_groups"] == []  # the model is untied
+    # --dilate 2: the ranks ran the model's bytes x 2 and its times x 2; the report divides them back
+    assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {"1": 1.0, "2": 1.0}  # 2 ranks a core, D = 2
+    raw = results["runs"]["two_nodes"]["1f1b"]
+    assert two["1f1b"]["step_s"] == pytest.approx(raw["median_step_s"] / 2)
+    assert two["1f1b"]["throughput"] == pytest.approx(raw["throughput_samples_s"] * 2)
+    params = {json.loads(f.read_text())["params"] for f in (out / "runs" / "one_device" / "raw" / "dp").glob("rank*.steps.json")}
+    from tools.bench.config import parameter_count
+    assert params == {parameter_count(scaling.dilated(scaling.parse_args(["--out", "/tmp/x", "--dilate", "2"])))}
+    host = json.loads((out / "host_cost.json").read_text())  # fitted from every rank's instructions
+    assert host["forward"]["fixed"] + host["forward"]["per_layer"] > 0 and host["p2p"]["fixed"] > 0
     assert "hdss-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 

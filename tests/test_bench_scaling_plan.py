@@ -13,7 +13,7 @@ from tools.bench.studies.scaling_plan_report import cpu_section, planned_section
 from tools.bench.workers.bench_worker import wait_between
 
 TINY = ["--nodes", "1,2", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--schedules", "planned",
-        "--rounds", "1", "--steps", "1", "--warmup", "1", "--emulate-speedup", "20", "--rate", "100mbit",
+        "--rounds", "1", "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate", "100mbit",
         "--link-efficiency", "0.97", "--no-single", "--timeout", "300", "--port", "29720",
         "--network", "hdsp,10.84.0"]  # beside test_bench_scaling's end-to-end study (hdss)
 
@@ -28,12 +28,24 @@ def test_the_emulated_profile_is_the_emulated_module_s():
     assert p.cuts()[3] == pytest.approx(real.cuts()[3] * 1e-3) and p.batch_size == real.batch_size
 
 
-def test_the_emulated_cluster_and_the_planned_jobs():
+def test_the_emulated_cluster_and_the_planned_jobs(tmp_path):
     a = scaling.parse_args(["--out", "/tmp/unused", "--nodes", "1,4"])
     assert a.schedule_list[-2:] == ["planned", "planned-throughput"]  # in the defaults
+    a.dilate = 1.0
     c = cluster_record(a, 4)
     assert c["devices_per_node"] == 4 and c["device_memory"] == pytest.approx(16e6)  # 16 GB x 1e-3
     assert c["inter_node_bandwidth"] == pytest.approx(1.25e6 * 0.97)  # 10mbit: 10 Gbit/s x 1e-3
+    a.dilate = 16.0  # the ranks' bytes x 16 at the same rate: the planner's cluster is the undilated one
+    d = cluster_record(a, 4)
+    assert d["device_memory"] == pytest.approx(16 * 16e6) and d["inter_node_bandwidth"] == pytest.approx(
+        16 * 1.25e6 * 0.97) and d["latency"] == pytest.approx(c["latency"] / 16) and "host" not in d
+    from hippie_ds.planner.host import HostCost, KindCost
+    a.host_cost = str(tmp_path / "host.json")
+    (tmp_path / "host.json").write_text(HostCost(backward=KindCost(fixed=4e-3, per_layer=1e-3)).model_dump_json())
+    h = cluster_record(a, 4)["host"]  # 16 ranks on 2 cores at D = 16: a rank has 2 cores of host, half the time
+    assert h["backward"] == {"fixed": pytest.approx(2e-3), "per_layer": pytest.approx(5e-4)}
+    h = cluster_record(a, 1)["host"]  # 4 ranks on 1 core at D = 16: 4 cores of host, a quarter of the time
+    assert h["backward"] == {"fixed": pytest.approx(1e-3), "per_layer": pytest.approx(2.5e-4)}
     assert global_batch(a, 4) == 32 * 8 * 4  # the pipelines' and DP's
     a.planned = {(4, "planned"): {"schedule": "hippie", "pipeline_depth": 2, "micro_batch_size": 16,
                                   "micro_batches": 32, "file": "/p.json"}}
@@ -95,10 +107,15 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
     """The plan -> bench path: hippie-ds plan for a 2-node x 2-device emulated cluster, the run through
     hippie.plan (one job, one round of one step), and what every rank recorded is the plan."""
     from hippie_ds.planner import load_plan
-    a = scaling.parse_args([*TINY, "--out", str(tmp_path)])
+    from hippie_ds.planner.host import HostCost, KindCost
+    host = tmp_path / "host_cost.json"  # a host the tiny plan must price: 1 ms + 0.5 ms a layer per forward
+    host.write_text(HostCost(forward=KindCost(fixed=1e-3, per_layer=5e-4), source="test").model_dump_json())
+    a = scaling.parse_args([*TINY, "--out", str(tmp_path), "--host-cost", str(host)])
     a.node_counts = [2]  # the study's scaling needs one node too; this test needs one job only
     scaling.measure(a, tmp_path)
     plan = load_plan(tmp_path / "plans" / "2_nodes_planned.json")
+    # the planner saw that host, scaled to a rank's share at D = 2: 2 ranks on each core -> x 2 / 2
+    assert plan.cluster.host.forward.fixed == pytest.approx(1e-3) and "D = 2" in plan.cluster.host.source
     assert plan.checkpointed_layers, "the tiny plan re-computes nothing: pick a shape whose plan does"
     ranks = [json.loads(f.read_text()) for f in (tmp_path / "runs" / "two_nodes_planned" / "raw" / plan.schedule)
              .glob("rank*.steps.json")]
@@ -110,7 +127,10 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
         assert {k: v for k, v in rec["schedule_params"].items() if k in plan.schedule_params} == plan.schedule_params
         assert all(s["cpu_s"] >= 0 and "runqueue_wait_s" in s for s in rec["steps"])
     run = scaling.analyse(a, tmp_path, None)["two_nodes"]["planned"]
-    row = scaling.summarize({"two_nodes": {"planned": run}}, [2], a.emulate_scale,
-                            {(2, "planned"): plan_record(tmp_path / "plans" / "2_nodes_planned.json", 1e-3, None)})
+    assert all(s["cpu_by_instruction"].get("ForwardPass", [0])[0] >= 1 for rec in ranks for s in rec["steps"])
+    row = scaling.summarize({"two_nodes": {"planned": run}}, [2], 2e-3,
+                            {(2, "planned"): plan_record(tmp_path / "plans" / "2_nodes_planned.json", 2e-3, None)},
+                            dilation=2.0)
     assert row["by_nodes"]["2"]["planned"]["used_plan"]
+    assert row["by_nodes"]["2"]["planned"]["step_s"] == pytest.approx(run["median_step_s"] / 2)
     assert "hdsp-" not in __import__("subprocess").run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -120,8 +120,11 @@ def time_stock_instructions(engine):
     """Record the stock engine's instructions as events (hippie_ds.adapter.timeline.time_stock_handlers)."""
     engine._bench_t0 = time.perf_counter()
     engine._bench_events = []
+    engine._bench_on_instruction = []  # callbacks(class name) after each instruction (instruction_cpu.py)
 
     def record(cls, kwargs, start, end):
+        for callback in engine._bench_on_instruction:
+            callback(cls.__name__)
         engine._bench_events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__,
                                      "start": start - engine._bench_t0, "end": end - engine._bench_t0,
                                      "step": engine.global_steps, "buffer": kwargs.get("buffer_id")})

@@ -46,24 +46,19 @@ from pathlib import Path
 from tools.bench.analysis import analyse_job, combine_rounds
 from tools.bench.cluster import Refuse, StarNetwork, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate
 from tools.bench.cluster import preflight as cluster_preflight
-from tools.bench.figures import round_ratios, spread_excludes
 from tools.bench.labels import engine_label
 from tools.bench.publish import publish
 from tools.bench.runs import WORKER, worker_args
 from tools.bench.studies import link_calibration
 from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names
+from tools.bench.studies.scaling_summary import WAITED_FOR_CORE, config_name, host_cores, summarize
 
-NAMES = {1: "one_node", 2: "two_nodes", 4: "four_nodes", 8: "eight_nodes"}
-# a rank that waited for a core longer than this share of the step measured the machine's contention
-WAITED_FOR_CORE = 0.05
-DEFAULT_SCHEDULES = "dp,1f1b,gpipe,hippie,hippie-1f1b,planned,planned-throughput"
+DEFAULT_SCHEDULES = "dp,1f1b,gpipe,hippie-1f1b,planned,planned-throughput"
+# Time dilation by default (tools/bench/studies/dilation.py: the step at D is within 5% of its limit
+# T_inf of T(D) = T_inf + h / D; at least ranks / cores = 8 for 4 nodes x 4 on 2 cores)
+DEFAULT_DILATION = 16.0
 _net: list[StarNetwork] = []
 _jobs: list[WorkerJob] = []
-
-
-def config_name(nodes: int) -> str:
-    """The runs' key of a node count: one_node, two_nodes, four_nodes, ... (``N_nodes`` otherwise)."""
-    return NAMES.get(nodes, f"{nodes}_nodes")
 
 
 def parse_args(argv=None):
@@ -89,6 +84,14 @@ def parse_args(argv=None):
                         "the default (setting a network up first removes one of the same names)")
     p.add_argument("--resume", action="store_true", help="keep OUT/runs and OUT/plans of an earlier run of the "
                    "same command: jobs that finished (raw/done.json) and plans made are not run again")
+    p.add_argument("--dilate", type=float, default=DEFAULT_DILATION, metavar="D",
+                   help="time dilation: every device time x D and every transfer D x longer (the tensors' bytes "
+                        "x D at --rate), so each rank has D x cores / ranks cores of host; reports divide every "
+                        "time by D (tools/bench/studies/dilation.py measures the choice)")
+    p.add_argument("--host-cost", default=None, metavar="FILE",
+                   help="the host's CPU per instruction kind (a host_cost.json this study wrote: fitted from every "
+                        "instruction's CPU on its ranks); the planned columns' planner charges it, scaled to this "
+                        "cluster's host (ranks a core / D). Default: none (the planner prices no host)")
     p.add_argument("--plan-memory", type=float, default=16e9, help="bytes of one device for the planned columns "
                    "(planned: hippie-ds plan's ME objective; planned-throughput: its throughput objective), x "
                    "--emulate-scale for the emulated cluster (tools/bench/studies/scaling_plan.py)")
@@ -99,6 +102,11 @@ def parse_args(argv=None):
     a = bench_args(defaults + rest)
     a.no_single, a.analyze_only, a.calibrate_only = own.no_single, own.analyze_only, own.calibrate_only
     a.plan_memory, a.planned, a.network, a.resume = own.plan_memory, {}, own.network, own.resume
+    if own.dilate < 1:
+        p.error(f"--dilate {own.dilate}: D must be at least 1 (1: no dilation)")
+    a.dilate, a.host_cost = own.dilate, own.host_cost
+    if own.host_cost and not Path(own.host_cost).is_file():
+        p.error(f"--host-cost {own.host_cost!r}: no such file (python -m tools.bench scaling writes OUT/host_cost.json)")
     if len(own.network.split(",")) != 2 or len(own.network.split(",")[1].split(".")) != 3:
         p.error(f"--network {own.network!r}: expected PREFIX,A.B.C, e.g. hdss,10.82.0")
     # an explicit --link-efficiency replaces the measured ones (link_calibration)
@@ -146,6 +154,7 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
     the worker measures on the stock engine in the same job at the link's bandwidth."""
     pipelines = job["labels"] != "dp"
     planned = job.get("plan")
+    a = dilated(a)
     args = worker_args(a, {**job, "schedule": "" if pipelines else "dp", "label": job["labels"]},
                        run_dir, "measured" if pipelines and not planned else None)
     args[args.index("--rounds") + 1] = str(a.rounds)
@@ -157,6 +166,16 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
     replicas = job["nodes"] * job["rpn"] // a.stages or 1  # DP: the pipelines' global batch, every rank
     args[args.index("--global-batch") + 1] = str(a.micro_batch_size * a.micro_batches * replicas)
     return args + ["--allreduce-bandwidth", str(parse_rate(a.rate) * a.link_efficiency)]
+
+
+def dilated(a):
+    """The options as the ranks run them at ``a.dilate`` = D: device times x D (``emulate_speedup`` / D),
+    tensors' bytes x D (``emulate_scale`` x D) on the same shaped rate, so every transfer takes D x
+    longer; time-outs x D. Pure."""
+    d = copy.copy(a)
+    d.emulate_scale, d.emulate_speedup = a.emulate_scale * a.dilate, a.emulate_speedup / a.dilate
+    d.timeout = int(a.timeout * a.dilate)
+    return d
 
 
 def _cleanup():
@@ -198,11 +217,11 @@ def measure(a, out: Path) -> float:
                           a.port + i, t0=start, tag=job["dir"], accelerator=a.accelerator, device_count=a.device_count)
             _jobs.append(j)
             try:
-                j.run(a.timeout)
+                j.run(dilated(a).timeout)
             finally:
                 _jobs.remove(j)
         if not a.link_efficiency_given:  # an explicit --link-efficiency replaces the measured ones
-            link_calibration.measure(a, out, net, run_plan(a), a.port + 50, start)
+            link_calibration.measure(dilated(a), out, net, run_plan(a), a.port + 50, start)
     return time.monotonic() - start
 
 
@@ -215,9 +234,8 @@ def analyse(a, out: Path, link: dict | None) -> dict:
         for s in job["schedules"]:
             one = {**job, "schedule": s, "label": job["labels"] if job.get("plan") else engine_label(s)}
             measured = link_calibration.efficiency(link, job["nodes"], s)
-            a_run = a
+            a_run = dilated(a)
             if measured is not None:
-                a_run = copy.copy(a)
                 a_run.link_efficiency = measured
             per_round = [analyse_job(out / "runs" / job["dir"], one, a_run, parse_rate(a.rate), only_round=r)
                          for r in range(a.rounds if job["config"] != "one_device" else 1)]
@@ -227,104 +245,15 @@ def analyse(a, out: Path, link: dict | None) -> dict:
     return runs
 
 
-def emulated_memory(r: dict, scale: float) -> float | None:
-    """Mean bytes per rank an emulated device would hold: parameters, gradients, optimizer state and
-    the peak saved for backward, divided by the model's scale (the profile's real sizes)."""
-    state, saved = r.get("mean_state_bytes"), r.get("mean_peak_saved_bytes")
-    if state is None or saved is None:
+def write_host_cost(a, out: Path) -> dict | None:
+    """Fit the host's CPU per instruction kind over every pipeline run of this study (each rank's
+    instructions, tools/bench/studies/host_samples.py) into OUT/host_cost.json; its record."""
+    from tools.bench.studies.host_samples import fit_runs
+    host = fit_runs(out / "runs", source=f"fitted from {out / 'runs'} ({a.command})")
+    if host is None:
         return None
-    return (state + saved) / scale
-
-
-def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | None = None,
-              cores: int | None = None) -> dict:
-    """Per node count and schedule: ratios to 1F1B and DP per round, scaling from one node per
-    round, scalability, memory and ME against DP (the paper's definitions); the planned columns'
-    predictions beside their measured figures (``plans``: {(nodes, name): scaling_plan.plan_record});
-    each run's CPU per step against ``cores`` (the cores its nodes were pinned to, at most one per
-    node). Pure."""
-    single = ((runs.get("one_device") or {}).get("dp") or {}).get("throughput_samples_s")
-    one = runs.get(config_name(1), {})
-    out = {"single_device_throughput": single, "by_nodes": {}}
-    for n in node_counts:
-        here = runs.get(config_name(n), {})
-        devices = next(iter(here.values()))["world"] if here else n  # every run on n nodes uses them all
-        rows = {}
-        for s, r in here.items():
-            rows[s] = _row(s, r, here, one.get(s) or {}, n, devices, single, scale)
-            rows[s].update(cpu_fields(r, min(n, cores) if cores else None))
-        dp_me = (rows.get("dp") or {}).get("me")
-        for row in rows.values():
-            row["me_vs_dp"] = row["me"] / dp_me if row.get("me") and dp_me else None
-        for s, row in rows.items():
-            if (n, s) in (plans or {}):
-                row.update(planned_fields(row, here[s], plans[(n, s)]))
-        out["by_nodes"][str(n)] = rows
-    return out
-
-
-def _error(predicted, measured):
-    return (predicted - measured) / measured if predicted is not None and measured else None
-
-
-def planned_fields(row: dict, run: dict, plan: dict) -> dict:
-    """A planned column's plan and its predictions beside the measured row: step, memory per device,
-    ME and ME against DP, each with its error ((predicted - measured) / measured); ``used_plan``: the
-    run's stage boundaries and re-computed layers are the plan's (as its ranks recorded them). Pure."""
-    p = plan["predicted"]
-    return {"plan": {k: plan[k] for k in ("objective", "schedule", "pipeline_depth", "data_parallel",
-                                          "micro_batch_size", "micro_batches", "boundaries", "checkpointed_layers",
-                                          "schedule_params", "deferred_layers", "command", "file")},
-            "used_plan": run.get("parts") == plan["boundaries"] and run.get("checkpointed_layers") == plan[
-                "checkpointed_layers"],
-            "plan_predicted_step_s": p["step_s"], "plan_step_error": _error(p["step_s"], row.get("step_s")),
-            "plan_predicted_memory_bytes": p["memory_bytes"],
-            "plan_memory_error": _error(p["memory_bytes"], row.get("memory_bytes")),
-            "plan_predicted_me": p["me"], "plan_me_error": _error(p["me"], row.get("me")),
-            "plan_predicted_me_vs_dp": p["me_vs_dp"], "plan_me_vs_dp_error": _error(p["me_vs_dp"], row.get("me_vs_dp")),
-            "plan_predicted_by": p["predicted_by"]}
-
-
-def cpu_fields(r: dict, cores: int | None) -> dict:
-    """A run's CPU per step (analysis.cpu_figures) and its verdict: ``waited_for_core`` when in any
-    round a rank waited for a core more than WAITED_FOR_CORE of the step (the run then measures the
-    machine's contention: reported, not averaged in); ``cpu_load_vs_cores``: the CPU every rank asked
-    per step over what ``cores`` give in a step. Pure."""
-    waits = [w for w in (r.get("round_runqueue_wait_share_max") or [r.get("runqueue_wait_share_max")])
-             if w is not None]
-    total, step = r.get("cpu_s_per_step_all_ranks"), r.get("median_step_s")
-    return {"cpu_s_per_step_all_ranks": total, "cpu_share_median": r.get("cpu_share_median"),
-            "runqueue_wait_share_max": max(waits) if waits else None,
-            "waited_for_core": max(waits) > WAITED_FOR_CORE if waits else None, "cores": cores,
-            "cpu_load_vs_cores": total / (step * cores) if total is not None and step and cores else None}
-
-
-def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single, scale: float) -> dict:
-    thr = r.get("throughput_samples_s")
-    v1 = round_ratios(r.get("round_throughput_samples_s"), (here.get("1f1b") or {}).get("round_throughput_samples_s"))
-    vd = round_ratios(r.get("round_throughput_samples_s"), (here.get("dp") or {}).get("round_throughput_samples_s"))
-    sc = round_ratios(r.get("round_throughput_samples_s"), one.get("round_throughput_samples_s"))
-    mem = emulated_memory(r, scale)
-    scal = thr / (devices * single) if thr and single else None
-    pred = r.get("prediction") or {}
-    return {
-        "step_s": r.get("median_step_s"), "step_min": r.get("median_step_s_min"), "step_max": r.get("median_step_s_max"),
-        "throughput": thr, "devices": devices,
-        "vs_1f1b": v1["median"], "vs_1f1b_min": v1["min"], "vs_1f1b_max": v1["max"],
-        "real_vs_1f1b": spread_excludes(v1["min"], v1["max"]) if v1["n"] > 1 and name != "1f1b" else None,
-        "vs_dp": vd["median"], "vs_dp_min": vd["min"], "vs_dp_max": vd["max"],
-        "scaling": sc["median"] / n if sc["median"] else None,
-        "scaling_min": sc["min"] / n if sc["min"] else None, "scaling_max": sc["max"] / n if sc["max"] else None,
-        "scaling_rounds": [x / n if x else None for x in sc["rounds"]],
-        "memory_bytes": mem, "scalability": scal, "me": scal * thr / (mem / 1e9) if scal and mem else None,
-        "exposed_allreduce_s": r.get("exposed_allreduce_s_per_step"),
-        "predicted_step_s": pred.get("step_time"), "prediction_error": pred.get("error"),
-        "layout": (f"DP x{r['world']}" if name == "dp" else f"{r['stages']} stages x {r['world'] // r['stages']}"),
-        "micro_batches": r.get("micro_batches"), "micro_batch_size": r.get("micro_batch_size"),
-        "parts": r.get("parts"), "checkpointed_layers": r.get("checkpointed_layers"),
-        "deferred_stages": (r.get("schedule_params") or {}).get("deferred_stages"),
-        "delayed_fraction": r.get("delayed_fraction"),
-    }
+    (out / "host_cost.json").write_text(host.model_dump_json(indent=1))
+    return host.model_dump()
 
 
 def source_state() -> dict:
@@ -374,7 +303,9 @@ def main(argv=None) -> int:
     config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
               "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts), "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
               "source": getattr(a, "source", None) or source_state(),
-              "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE}
+              "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE,
+              "dilation": a.dilate, "host_cost_file": a.host_cost,
+              "host_per_rank_cores": {str(n): host_cores(a, n) for n in a.node_counts}}
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
         wall = old.get("wall_s")
@@ -384,7 +315,9 @@ def main(argv=None) -> int:
         a.planned = load_plans(a, out)
     results = {"config": config, "runs": analyse(a, out, link), "wall_s": wall, "link": link,
                "plans": {f"{n}/{name}": rec for (n, name), rec in a.planned.items()}}
-    results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale, a.planned, len(a.core_list))
+    results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale * a.dilate, a.planned,
+                                   len(a.core_list), a.dilate)
+    results["host_cost"] = write_host_cost(a, out)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report(results)
     (out / "report.md").write_text(md)

@@ -56,12 +56,29 @@ def emulated_profile(model: str, scale: float, speedup: float = 1.0):
                                                  "(tools/bench/studies/scaling_plan.py)"))
 
 
+def tensor_scale(a) -> float:
+    """The emulated model's bytes as its ranks build them: --emulate-scale x the dilation D."""
+    return a.emulate_scale * getattr(a, "dilate", 1.0)
+
+
 def cluster_record(a, nodes: int) -> dict:
-    """The emulated cluster of ``nodes`` nodes, as a ``hippie-ds plan --cluster`` file holds it."""
+    """The emulated cluster of ``nodes`` nodes, undilated, as a ``hippie-ds plan --cluster`` file holds
+    it: the model's bytes are x D (what its ranks build, so the plan's fingerprint is theirs), so every
+    bandwidth is x D and the latency / D (each transfer takes its undilated time); the host is the
+    measured one (``--host-cost``) scaled to what a rank has of it: ranks on its core / (D x 1 core)."""
+    from hippie_ds.planner.host import HostCost
     from tools.bench.cluster import parse_rate
-    return {"nodes": nodes, "devices_per_node": a.stages, "device_memory": a.plan_memory * a.emulate_scale,
-            "inter_node_bandwidth": parse_rate(a.rate) * a.link_efficiency,
-            "intra_node_bandwidth": a.p2p_bandwidth, "latency": a.p2p_latency}
+    from tools.bench.studies.scaling_summary import host_cores
+    d = getattr(a, "dilate", 1.0)
+    rec = {"nodes": nodes, "devices_per_node": a.stages, "device_memory": a.plan_memory * tensor_scale(a),
+           "inter_node_bandwidth": parse_rate(a.rate) * a.link_efficiency * d,
+           "intra_node_bandwidth": a.p2p_bandwidth * d, "latency": a.p2p_latency / d}
+    if getattr(a, "host_cost", None):
+        cores = host_cores(a, nodes)
+        host = HostCost.model_validate_json(Path(a.host_cost).read_text())
+        rec["host"] = host.scaled(1 / cores, f"each rank has {cores:.3g} cores of host: D = {d:g} x cores / "
+                                              f"ranks on a core").model_dump()
+    return rec
 
 
 def global_batch(a, nodes: int) -> int:
@@ -86,7 +103,7 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     model = a.model.split(":", 1)[1]
     profile_file = d / f"{model}.profile.yaml"
-    save_profile(emulated_profile(model, a.emulate_scale, a.emulate_speedup), profile_file)
+    save_profile(emulated_profile(model, tensor_scale(a), a.emulate_speedup), profile_file)
     found = {}
     for n in a.node_counts:
         cluster_file = d / f"cluster_{n}_nodes.json"
@@ -96,7 +113,7 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
             argv = ["plan", "--profile", str(profile_file), "--cluster", str(cluster_file), "--global-batch",
                     str(global_batch(a, n)), "--objective", PLANNED[name], "--out", str(path)]
             if reuse and path.exists():  # --resume: the plan an earlier run of the command made and ran
-                found[(n, name)] = plan_record(path, a.emulate_scale, "hippie-ds " + shlex.join(argv))
+                found[(n, name)] = plan_record(path, tensor_scale(a), "hippie-ds " + shlex.join(argv))
                 continue
             text = io.StringIO()
             with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
@@ -104,7 +121,7 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
             (d / f"{n}_nodes_{name}.txt").write_text(text.getvalue())
             if rc != 0:
                 raise RuntimeError(f"hippie-ds {shlex.join(argv)} failed ({rc}):\n{text.getvalue()[-2000:]}")
-            found[(n, name)] = plan_record(path, a.emulate_scale, "hippie-ds " + shlex.join(argv))
+            found[(n, name)] = plan_record(path, tensor_scale(a), "hippie-ds " + shlex.join(argv))
             r = found[(n, name)]
             log(f"planned {name} on {n} node(s): {r['pipeline_depth']} stages x {r['data_parallel']}, {r['schedule']}"
                 f", {r['micro_batches']} x {r['micro_batch_size']}, boundaries {r['boundaries']}, re-computed "
@@ -119,7 +136,7 @@ def load_plans(a, out: Path) -> dict:
         for name in planned_names(a.schedule_list):
             path = plan_path(out, n, name)
             if path.exists():
-                found[(n, name)] = plan_record(path, a.emulate_scale, None)
+                found[(n, name)] = plan_record(path, tensor_scale(a), None)
     return found
 
 

@@ -92,6 +92,22 @@ def link_table(link: dict) -> list[str]:
     return lines
 
 
+def dilation_line(cfg: dict) -> str:
+    """What the time dilation was and what host it emulates (empty for reports before --dilate)."""
+    d = cfg.get("dilation")
+    if not d:
+        return ""
+    cores = cfg.get("host_per_rank_cores") or {}
+    host = ", ".join(f"{n} node{'s' if n != '1' else ''}: {c:.3g}" for n, c in cores.items())
+    return (f"**Time dilation D = {d:g}**: the ranks ran every device time x {d:g} and every transfer {d:g} x longer "
+            f"(the tensors' bytes x {d:g} at the shaped rate); every time below is divided by {d:g} (throughput "
+            f"x {d:g}), so the figures are those of the undilated cluster whose ranks each have D x cores / "
+            f"ranks-on-a-core cores of host ({host}). " + (f"The planner priced the host measured in "
+                                                            f"`{cfg['host_cost_file']}`, scaled to that share."
+                                                            if cfg.get("host_cost_file") else
+                                                            "The planner priced no host cost.") + "\n")
+
+
 def report(results: dict) -> str:
     cfg, summ = results["config"], results["summary"]
     model = str(cfg.get("model", "gpt"))
@@ -106,6 +122,7 @@ def report(results: dict) -> str:
              f"same global batch on every rank. {cfg['warmup']} warm-up + {cfg['steps']} timed steps per run, "
              f"{cfg['rounds']} rounds (order rotated), fp32 AdamW. Command: `{cfg['command']}`"
              + (f"; then `{cfg['reanalysed_by']}`." if cfg.get("reanalysed_by") else "."), "",
+             dilation_line(cfg),
              "All figures below are **emulated** on this 2-core machine: the compute is the profiled V100 time "
              "slept, the link is scaled with the model; only the paper's own figures (last table) are the "
              "paper's. Cells: median over rounds (min-max over rounds); ratios and scaling are taken per round "

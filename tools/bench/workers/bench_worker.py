@@ -73,6 +73,7 @@ from tools.bench.engines import (
 )
 from tools.bench.labels import DATA_PARALLEL, STOCK
 from tools.bench.model import data_iter
+from tools.bench.workers.instruction_cpu import InstructionCpu
 
 
 def backend_name() -> str:
@@ -275,6 +276,7 @@ class Steps:
     def __init__(self, tracker: ActivationMeter | None):
         self.tracker = tracker
         self.engines, self.iters, self.records, self.meta = {}, {}, {}, {}
+        self.cpu = InstructionCpu()  # the main thread's CPU per instruction class (host-cost samples)
 
     def run(self, label, rnd, index, warmup) -> float:
         engine, tracker = self.engines[label], self.tracker
@@ -286,6 +288,7 @@ class Steps:
         ticks0 = core_ticks(cores)
         waited0, cpu0 = runqueue_wait_s(), time.process_time()
         start = time.perf_counter()
+        self.cpu.start()
         if tracker is not None:
             tracker.reset_peak()
             with tracker:
@@ -302,7 +305,7 @@ class Steps:
                # on a run queue, waiting for a core (the kernel's schedstat; the main thread's, and all
                # threads' summed): a rank that waited for a core measures the machine's contention
                "cpu_s": cpu, "runqueue_wait_s": wait_between(waited0, waited, os.getpid()),
-               "runqueue_wait_threads_s": wait_between(waited0, waited)}
+               "runqueue_wait_threads_s": wait_between(waited0, waited), "cpu_by_instruction": self.cpu.take()}
         if tracker is not None:
             rec["saved_peak_bytes"], rec["saved_after_bytes"] = tracker.peak, tracker.current
         self.records[label].append(rec)
@@ -357,6 +360,7 @@ def main():
             hold_stage_io(module, steps.tracker)
             if hasattr(engine, "count_split_state_in"):  # zero-bubble: gradients kept from I until W
                 engine.count_split_state_in(steps.tracker)
+        steps.cpu.attach(engine)
         steps.engines[label], steps.iters[label], steps.records[label] = engine, data_iter(a, replica), []
         steps.meta[label] = engine_meta(a, engine, module, label, schedule, stage, replica, parts, world, rank)
         for w in range(a.warmup):
