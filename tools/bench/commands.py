@@ -14,6 +14,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "scaling": ("tools.bench.studies.scaling", "the paper's scaling table: 1, 2, 4 emulated nodes, emulated "
                                                "accelerator models, beside the paper's figures (needs root)"),
+    "dilation": ("tools.bench.studies.dilation", "does the time dilation hold: one node count of the scaling study "
+                                                 "at several D, T(D) = T_inf + h / D fitted (needs root)"),
     "schedules": ("tools.bench.studies.schedules", "flush schedules side by side on one node (step, bubble, memory; "
                                                    "measured and simulated)"),
     "allreduce": ("tools.bench.studies.allreduce", "all-reduce bandwidth and CPU cost on the emulated link "

@@ -1,0 +1,151 @@
+"""``python -m tools.bench dilation``: does the time dilation hold? The scaling study's cluster at one node
+count (default VGG-16, 4 nodes x 4), stock 1F1B and one fixed plan, run at several dilations D.
+
+With D, every device time and transfer is D x longer and the host's CPU per instruction is not, so
+a step measured at D and divided back by D is T(D) = T_inf + h / D: T_inf the emulated cluster's own
+step, h / D what its ranks still wait for the host (and for each other's cores). The study fits that
+line over the D run (least squares in 1 / D) per schedule and reports, per D, how far the step
+lies above T_inf: the smallest D within ``--within`` (5%) of it for every schedule is the dilation
+the scaling study may use. The plan is the planner's at the first D listed in ``--fixed-plan-at`` (the
+scaling study's default) and is then re-planned at every other D with the same depth, schedule,
+micro-batch size and boundaries (a plan's fingerprint holds the ranks' bytes, x D), so every D runs
+the same configuration; the report says whether the re-computed layers agreed too.
+
+Writes OUT/D<d>/ (each D's scaling study: runs, plans, its results.json), OUT/results.json and
+OUT/report.md; the host cost fitted from the first D's runs into OUT/host_cost.json (what the scaling
+study's ``--host-cost`` takes). ``--publish DIR`` copies results.json, report.md and host_cost.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tools.bench.publish import publish
+
+WITHIN = 0.05
+
+
+def fit_dilation(points: list[tuple[float, float]]) -> dict:
+    """Least squares of T(D) = T_inf + h / D over ``points`` [(D, step / D)]; each D's excess
+    T(D) / T_inf - 1. Pure."""
+    xs, ys = [1 / d for d, _ in points], [t for _, t in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    h = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    t_inf = my - h * mx
+    return {"t_inf": t_inf, "h": h, "points": [{"dilation": d, "step_s": t,
+                                                "excess": t / t_inf - 1 if t_inf > 0 else None}
+                                               for d, t in points]}
+
+
+def smallest_dilation(fits: dict, within: float = WITHIN) -> float | None:
+    """The smallest D whose fitted T(D) = T_inf + h / D is within ``within`` of T_inf for every
+    schedule (h / D <= within x T_inf), among the D measured; None when none is. Pure."""
+    measured = sorted({p["dilation"] for f in fits.values() for p in f["points"]})
+    for d in measured:
+        if all(f["t_inf"] > 0 and f["h"] / d <= within * f["t_inf"] for f in fits.values()):
+            return d
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tools.bench dilation", description=__doc__.split("\n\n")[0],
+                                epilog="example: sudo .venv/bin/python -m tools.bench dilation --model emulated:vgg16 "
+                                       "--nodes 4 --dilations 16,4,8,32 --publish docs/bench/dilation/vgg16. Other "
+                                       "options go to the scaling study (python -m tools.bench scaling --help).")
+    p.add_argument("--nodes", type=int, default=4, help="the one node count measured")
+    p.add_argument("--dilations", default="16,4,8,32",
+                   help="the D to run, the first the one the fixed plan is made at (the scaling study's default)")
+    p.add_argument("--schedules", default="1f1b,planned", help="the scaling study's columns to run at each D")
+    p.add_argument("--within", type=float, default=WITHIN, help="how close to T_inf the chosen D must be")
+    p.add_argument("--out", default="out/bench/dilation")
+    p.add_argument("--publish", default=None, metavar="DIR")
+    own, rest = p.parse_known_args(argv)
+    try:
+        own.dilation_list = [float(x) for x in own.dilations.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--dilations {own.dilations!r}: expected numbers, e.g. 16,4,8,32")
+    if len(own.dilation_list) < 2 or min(own.dilation_list) < 1:
+        p.error(f"--dilations {own.dilations!r}: at least two D of at least 1 (a line needs two points)")
+    return own, rest
+
+
+def study_args(own, rest: list[str], d: float, out: Path):
+    """The scaling study's options at dilation ``d``: one node count, no single-device run, no
+    link calibration (the simulator is not what this study checks)."""
+    from tools.bench.studies import scaling
+    a = scaling.parse_args(["--nodes", f"1,{own.nodes}" if own.nodes != 1 else "1,2", "--dilate", str(d),
+                            "--schedules", own.schedules, "--no-single", "--resume", "--out", str(out), *rest])
+    a.node_counts, a.link_efficiency_given = [own.nodes], True
+    a.command = " ".join(["python -m tools.bench dilation", *sys.argv[1:]])
+    return a
+
+
+def fix_plan(first: Path, a, out: Path) -> dict:
+    """Re-plan the plan at ``first`` for ``a``'s dilation with its depth, schedule, micro-batch size and
+    boundaries, into the scaling study's plan path under ``out``; what it chose beside the first."""
+    from hippie_ds.planner import load_plan, make_plan, parse_cluster, save_plan
+    from tools.bench.studies.scaling_plan import cluster_record, emulated_profile, plan_path, tensor_scale
+    p0 = load_plan(first)
+    (out / "plans").mkdir(parents=True, exist_ok=True)
+    cluster_file = out / "plans" / f"cluster_{a.node_counts[0]}_nodes.json"
+    cluster_file.write_text(json.dumps(cluster_record(a, a.node_counts[0]), indent=1))
+    profile = emulated_profile(a.model.split(":", 1)[1], tensor_scale(a), a.emulate_speedup)
+    plan = make_plan(profile, parse_cluster(str(cluster_file)), p0.global_batch, objective=p0.objective,
+                     schedules=(p0.schedule,), depths=(p0.pipeline_depth,), micro_batch_sizes=(p0.micro_batch_size,),
+                     boundaries=p0.boundaries, candidates=0, baselines=False)
+    save_plan(plan, plan_path(out, a.node_counts[0], "planned"))
+    return {"same_configuration": (plan.schedule, plan.micro_batches, list(plan.boundaries)) ==
+            (p0.schedule, p0.micro_batches, list(p0.boundaries)),
+            "same_recomputation": list(plan.checkpointed_layers) == list(p0.checkpointed_layers)}
+
+
+def main(argv=None) -> int:
+    from tools.bench.studies import scaling
+    from tools.bench.studies.host_samples import fit_runs
+    own, rest = parse_args(argv)
+    out = Path(own.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    steps: dict[str, list] = {}
+    per_d, first_plan = {}, None
+    for d in own.dilation_list:
+        out_d = out / f"D{d:g}"
+        a = study_args(own, rest, d, out_d)
+        fixed = None
+        if "planned" in a.schedule_list and first_plan is not None:
+            fixed = fix_plan(first_plan, a, out_d)
+        print(f"dilation D = {d:g}: {out_d}", flush=True)
+        scaling.measure(a, out_d)
+        if "planned" in a.schedule_list and first_plan is None:
+            first_plan = out_d / "plans" / f"{own.nodes}_nodes_planned.json"
+        runs = scaling.analyse(a, out_d, None)
+        from tools.bench.studies.scaling_plan import load_plans, tensor_scale
+        summary = scaling.summarize(runs, a.node_counts, tensor_scale(a), load_plans(a, out_d), len(a.core_list), d)
+        rows = summary["by_nodes"][str(own.nodes)]
+        per_d[f"{d:g}"] = {"rows": rows, "fixed_plan": fixed, "load_average": list(__import__("os").getloadavg())}
+        for name, row in rows.items():
+            steps.setdefault(name, []).append((d, row["step_s"]))
+    fits = {name: fit_dilation(points) for name, points in steps.items() if len(points) >= 2}
+    # the host at the first D only: bytes x D grow the tensors' CPU work with D, so a host cost holds at
+    # the D it was measured at (the scaling study's default)
+    d0 = own.dilation_list[0]
+    host = fit_runs(out / f"D{d0:g}" / "runs", source=f"fitted from every rank's instructions at D = {d0:g} "
+                                                       f"({out / f'D{d0:g}'}, python -m tools.bench dilation)")
+    results = {"command": " ".join(["python -m tools.bench dilation", *sys.argv[1:]]), "nodes": own.nodes,
+               "per_dilation": per_d, "fits": fits, "within": own.within,
+               "smallest_dilation": smallest_dilation(fits, own.within),
+               "source": scaling.source_state(), "machine": scaling.machine(),
+               "host_cost": host.model_dump() if host else None}
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    if host:
+        (out / "host_cost.json").write_text(host.model_dump_json(indent=1))
+    from tools.bench.studies.dilation_report import report
+    (out / "report.md").write_text(report(results))
+    print(report(results))
+    publish(own.publish, ("report.md", "results.json", "host_cost.json") if host else ("report.md", "results.json"),
+            base=out)
+    return 0
+
