@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                "accelerator models, beside the paper's figures (needs root)"),
     "dilation": ("tools.bench.studies.dilation", "does the time dilation hold: one node count of the scaling study "
                                                  "at several D, T(D) = T_inf + h / D fitted (needs root)"),
+    "headline": ("tools.bench.studies.headline", "README's headline table and picture from the scaling study's "
+                                                 "published results (no run)"),
     "schedules": ("tools.bench.studies.schedules", "flush schedules side by side on one node (step, bubble, memory; "
                                                    "measured and simulated)"),
     "allreduce": ("tools.bench.studies.allreduce", "all-reduce bandwidth and CPU cost on the emulated link "

@@ -4,9 +4,10 @@ count (default VGG-16, 4 nodes x 4), stock 1F1B and one fixed plan, run at sever
 With D, every device time and transfer is D x longer and the host's CPU per instruction is not, so
 a step measured at D and divided back by D is T(D) = T_inf + h / D: T_inf the emulated cluster's own
 step, h / D what its ranks still wait for the host (and for each other's cores). The study fits that
-line over the D run (least squares in 1 / D) per schedule and reports, per D, how far the step
-lies above T_inf: the smallest D within ``--within`` (5%) of it for every schedule is the dilation
-the scaling study may use. The plan is the planner's at the first D listed in ``--fixed-plan-at`` (the
+line (least squares in 1 / D) per schedule over the D that give each rank at least one core of host
+(D >= ranks on a core: below it the waits grow faster than 1 / D; the fit over every D is reported
+too) and reports, per D, how far the step lies above T_inf: the smallest D within ``--within`` (5%)
+of it for every schedule is the dilation the scaling study may use. The plan is the planner's at the first D listed in ``--fixed-plan-at`` (the
 scaling study's default) and is then re-planned at every other D with the same depth, schedule,
 micro-batch size and boundaries (a plan's fingerprint holds the ranks' bytes, x D), so every D runs
 the same configuration; the report says whether the re-computed layers agreed too.
@@ -41,6 +42,14 @@ def fit_dilation(points: list[tuple[float, float]]) -> dict:
                                                for d, t in points]}
 
 
+def fits_above(steps: dict, least: float) -> dict:
+    """Per schedule the fit over the D of at least ``least`` (ranks on a core: below it a rank has less
+    than a core of host, the waits grow faster than 1 / D and no line holds), where two such D
+    were run. Pure."""
+    return {name: fit_dilation([(d, t) for d, t in points if d >= least]) for name, points in steps.items()
+            if sum(d >= least for d, _ in points) >= 2}
+
+
 def smallest_dilation(fits: dict, within: float = WITHIN) -> float | None:
     """The smallest D whose fitted T(D) = T_inf + h / D is within ``within`` of T_inf for every
     schedule (h / D <= within x T_inf), among the D measured; None when none is. Pure."""
@@ -63,6 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--within", type=float, default=WITHIN, help="how close to T_inf the chosen D must be")
     p.add_argument("--out", default="out/bench/dilation")
     p.add_argument("--publish", default=None, metavar="DIR")
+    p.add_argument("--analyze-only", action="store_true", help="re-fit OUT/results.json of an earlier run")
     own, rest = p.parse_known_args(argv)
     try:
         own.dilation_list = [float(x) for x in own.dilations.split(",") if x.strip()]
@@ -109,6 +119,13 @@ def main(argv=None) -> int:
     own, rest = parse_args(argv)
     out = Path(own.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if own.analyze_only:
+        results = json.loads((out / "results.json").read_text())
+        steps = {}
+        for d, entry in results["per_dilation"].items():
+            for name, row in entry["rows"].items():
+                steps.setdefault(name, []).append((float(d), row["step_s"]))
+        return finish(own, out, results, steps, study_args(own, rest, own.dilation_list[0], out / "unused"))
     steps: dict[str, list] = {}
     per_d, first_plan = {}, None
     for d in own.dilation_list:
@@ -128,23 +145,31 @@ def main(argv=None) -> int:
         per_d[f"{d:g}"] = {"rows": rows, "fixed_plan": fixed, "load_average": list(__import__("os").getloadavg())}
         for name, row in rows.items():
             steps.setdefault(name, []).append((d, row["step_s"]))
-    fits = {name: fit_dilation(points) for name, points in steps.items() if len(points) >= 2}
     # the host at the first D only: bytes x D grow the tensors' CPU work with D, so a host cost holds at
     # the D it was measured at (the scaling study's default)
     d0 = own.dilation_list[0]
     host = fit_runs(out / f"D{d0:g}" / "runs", source=f"fitted from every rank's instructions at D = {d0:g} "
                                                        f"({out / f'D{d0:g}'}, python -m tools.bench dilation)")
     results = {"command": " ".join(["python -m tools.bench dilation", *sys.argv[1:]]), "nodes": own.nodes,
-               "per_dilation": per_d, "fits": fits, "within": own.within,
-               "smallest_dilation": smallest_dilation(fits, own.within),
-               "source": scaling.source_state(), "machine": scaling.machine(),
+               "per_dilation": per_d, "source": scaling.source_state(), "machine": scaling.machine(),
                "host_cost": host.model_dump() if host else None}
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     if host:
         (out / "host_cost.json").write_text(host.model_dump_json(indent=1))
+    return finish(own, out, results, steps, a)
+
+
+def finish(own, out: Path, results: dict, steps: dict, a) -> int:
+    """Fit, write results.json and report.md, publish."""
     from tools.bench.studies.dilation_report import report
+    from tools.bench.studies.scaling_summary import host_cores
+    least = own.dilation_list[0] / host_cores(a, own.nodes)  # ranks on the busiest core
+    fits = fits_above(steps, least)
+    results.update({"fits": fits, "fits_every_dilation": fits_above(steps, 0.0), "fitted_from_dilation": least,
+                    "within": own.within, "smallest_dilation": smallest_dilation(fits, own.within)})
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "report.md").write_text(report(results))
     print(report(results))
+    host = (out / "host_cost.json").exists()
     publish(own.publish, ("report.md", "results.json", "host_cost.json") if host else ("report.md", "results.json"),
             base=out)
     return 0

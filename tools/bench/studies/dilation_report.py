@@ -11,17 +11,21 @@ def report(results: dict) -> str:
     lines = ["# Does the time dilation hold? (python -m tools.bench dilation)", "",
              f"The scaling study's emulated cluster at {results['nodes']} nodes, each schedule run at every "
              f"dilation D, its step divided back by D (emulated figures). Fit: T(D) = T_inf + h / D (least squares "
-             f"in 1/D); excess = T(D) / T_inf - 1. Command: `{results['command']}`. Commit "
+             f"in 1/D) over the D of at least {results.get('fitted_from_dilation', 0):g} (each rank has a core of "
+             f"host or more; below, the waits grow faster than 1/D); excess = T(D) / T_inf - 1 of the fitted line. Command: `{results['command']}`. Commit "
              f"{(results.get('source') or {}).get('commit', '?')[:7]}; machine "
              f"{(results.get('machine') or {}).get('cpu')}, {(results.get('machine') or {}).get('cores')} cores.", ""]
     head = ["schedule"] + [f"D = {d}: step (s)" for d in ds] + ["T_inf (s)", "h (s)"] + [f"excess at D = {d}" for d in ds]
     body = []
     for name, fit in fits.items():
-        steps = {f"{p['dilation']:g}": p for p in fit["points"]}
-        body.append([name_of(name)] + [_f((steps.get(d) or {}).get("step_s"), "{:.3f}") for d in ds]
+        body.append([name_of(name)] + [_f((per_d[d]["rows"].get(name) or {}).get("step_s"), "{:.3f}") for d in ds]
                     + [_f(fit["t_inf"], "{:.3f}"), _f(fit["h"], "{:.2f}")]
                     + [_f(fit["h"] / float(d) / fit["t_inf"] if fit["t_inf"] > 0 else None, "{:+.1%}") for d in ds])
     lines += table(head, body) + [""]
+    every = results.get("fits_every_dilation") or {}
+    if every:
+        lines += ["The same line fitted over every D: " + "; ".join(
+            f"{name_of(n)} T_inf {f['t_inf']:.3f} s, h {f['h']:.2f} s" for n, f in every.items()) + ".", ""]
     waits = []
     for d, entry in per_d.items():
         for name, row in entry["rows"].items():
