@@ -1,5 +1,5 @@
 """python -m tools.bench headline: README's headline table from a scaling study's results (pure), and
-its figures block is the one tests/test_docs.py checks (every figure cited, a waited row no figure)."""
+its figures block is the one tests/test_doc_figures.py checks (every figure cited, a waited row no figure)."""
 import json
 
 import pytest
