@@ -17,16 +17,15 @@ detached tensor that requires grad when it is floating point). Per layer:
   (``groups``, ``own_ratio``: :mod:`hippie_ds.planner.noise`); identical layers that part by more
   than 25% make the CLI warn that the profile is noisy. ``load``: the machine's load average and
   this process's CPU over wall time while measuring;
-* ``backward_weight``: W of a split backward (zero-bubble schedules), the part of the backward
-  that only the parameter gradients need. Two more passes are timed (medians): the input pass I,
-  ``autograd.grad`` towards the layer's floating-point inputs that require grad, and the
-  parameter pass, towards its parameters (the leaves of its autograd graph other than its
-  inputs: a tied module's weights count at every use). W = backward - I, the work the input
-  gradient does not need, clamped to [0, the parameter pass]: never negative (timing noise),
-  never more than the parameter pass, which bounds it from above (it also repeats the
-  propagation to inner parameters that the engine's W takes from what I kept). A layer without
-  parameters has W = 0; one whose inputs need no gradient (an embedding of token ids) runs its
-  whole backward as W, as the engine's split does;
+* ``backward_weight`` and ``split_extra``: the split backward of the zero-bubble schedules as the
+  engine runs it (issue 57): the engine's own I and W (:mod:`hippie_ds.adapter.split_backward`:
+  I one ``autograd.grad`` towards the layer's floating-point inputs that require grad, keeping
+  the gradients at its parameter ops; W one ``autograd.grad`` per parameter group) are timed on
+  the layer (medians); ``backward_weight`` is W (at most the backward), ``split_extra`` what I + W
+  cost beyond the whole backward (at least 0: two autograd passes instead of one), so the planner
+  charges I = backward - W + split_extra. A layer without parameters has W = 0 and no extra; one
+  whose inputs need no gradient (an embedding of token ids) runs its whole backward as W, as the
+  engine's split does, and has no extra either;
 * ``recompute``: re-computation re-runs the forward with autograd recording, so the forward
   time (what a reentrant checkpoint adds to the backward);
 * ``output_bytes``: the bytes of the output tensors (what crosses a cut after the layer);

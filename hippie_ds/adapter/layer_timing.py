@@ -164,6 +164,43 @@ def weight_time(fn, inp: Any, backward: float, repeats: int, warmup: int, clock=
     return min(max(0.0, backward - median_pass(False)), median_pass(True))
 
 
+def split_times(fn, inp: Any, backward: float, repeats: int, warmup: int,
+                clock=WALL_CLOCK) -> tuple[float, float] | None:
+    """(I, W), medians, of the layer's backward split as a zero-bubble stage runs it
+    (:mod:`hippie_ds.adapter.split_backward`: I one ``autograd.grad`` towards the input, keeping the
+    gradients at the parameter ops; W one ``autograd.grad`` per parameter group). None: no input
+    gradient (the engine runs the whole backward as W); no parameters: (backward, 0). The
+    parameters' ``.grad`` and the inputs' are restored afterwards (measuring inside a running job)."""
+    from .split_backward import backward_input, backward_weight
+    outs, ins, params = grad_targets(fn(inp), inp)
+    if not outs or not ins:
+        return None
+    if not params:
+        return backward, 0.0
+    kept = [(t, t.grad) for t in list(params) + ins]
+
+    def forward():
+        for t in ins:
+            t.grad = None
+        outs, ins_, params = grad_targets(fn(inp), inp)
+        return outs, ins_, params, [torch.ones_like(t) for t in outs]
+
+    def input_pass(targets):
+        outs, ins_, params, grads = targets
+        return backward_input(outs, grads, ins_, params), params
+
+    def weight_pass(pending):
+        backward_weight(*pending)
+    try:
+        _timed(clock, warmup, lambda t: weight_pass(input_pass(t)), forward)
+        i = statistics.median(_timed(clock, repeats, input_pass, forward))
+        w = statistics.median(_timed(clock, repeats, weight_pass, lambda: input_pass(forward())))
+    finally:
+        for t, g in kept:
+            t.grad = g
+    return i, w
+
+
 def saved_storages(fn, x: Any) -> tuple[dict[tuple, int], Any]:
     """({storage: bytes} autograd saves during one forward of ``fn`` on ``x``, output)."""
     packed: dict[tuple, int] = {}
@@ -237,14 +274,19 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     forward_runs = _timed(clock, repeats, lambda _: forward_fn(inp))
     backward_runs = _timed(clock, repeats, backward_fn, lambda: forward_fn(inp))
     forward, backward = statistics.median(forward_runs), statistics.median(backward_runs)
-    weight = guard(weight_time, "backward")(forward_fn, inp, backward, repeats, warmup, clock)
+    split = guard(split_times, "backward")(forward_fn, inp, backward, repeats, warmup, clock)
+    if split is None:  # no input gradient: the whole backward is W (no parameters: 0), no split_extra
+        weight, extra = guard(weight_time, "backward")(forward_fn, inp, backward, repeats, warmup, clock), None
+    else:  # the split as the engine runs it: W, and what I + W cost beyond the whole backward
+        weight = min(split[1], backward)
+        extra = max(0.0, split[0] + split[1] - backward)
     peak = peak_above(lambda: backward_fn(forward_fn(inp)), _cuda_device(inp))
     packed, out = saved_storages(forward_fn, inp)
     ins, outs, excluded = _keys(inp), _keys(out), _keys(list(params))
     own = {k: v for k, v in packed.items() if k not in ins and k not in excluded}
     output = {k: k[2] for k in outs - ins}
     kept = sum({**own, **output}.values())  # held until the backward: the planner counts it as activations
-    record = dict(forward=forward, backward=backward, backward_weight=weight, recompute=forward,
+    record = dict(forward=forward, backward=backward, backward_weight=weight, split_extra=extra, recompute=forward,
                   forward_runs=list(forward_runs), backward_runs=list(backward_runs),
                   working_bytes=None if peak is None else max(0.0, peak - kept),
                   output_bytes=float(nbytes(out)), param_bytes=float(param_bytes),

@@ -10,8 +10,9 @@ own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_ba
   keeps, per model chunk (virtual stages), a detached copy of the input of the chunk's first
   micro-batch. After the call returns (the schedule ran unchanged), each of the stage's layers is
   re-run in isolation on its real input (the chunk's input through the layers before it), by
-  :func:`hippie_ds.adapter.layer_timing.measure_layer`: forward, backward, W (backward_weight),
-  re-compute, output bytes, bytes saved for backward, parameter bytes, and on CUDA the working
+  :func:`hippie_ds.adapter.layer_timing.measure_layer`: forward, backward, W (backward_weight) and
+  what the split backward costs beyond the whole one (split_extra), both from the engine's own
+  split run on the layer, re-compute, output bytes, bytes saved for backward, parameter bytes, and on CUDA the working
   memory (the allocator's peak over one more forward+backward, less what the layer keeps; it
   resets the device's peak statistic); medians over ``repeats`` timed runs after one untimed
   run. The backward is ``torch.autograd.grad`` towards the inputs and the layer's parameters:
@@ -287,7 +288,7 @@ class InPlaceProfiler:
                             load_after=loadavg(), wall_seconds=max((b["wall"] for b in busy), default=None),
                             cpu_share=sum(b["cpu"] for b in busy) / wall if wall > 0 else None)
         return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(), load=load,
-                       groups=groups or None,
+                       groups=groups or None, steps=int(self.options.steps),
                        batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers, loss=loss,
                        param_dtype=dtype, param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers),
                                                                         measured),
@@ -313,7 +314,7 @@ class InPlaceProfiler:
 def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
     """One record from (data-parallel index, per-step records) of every replica: every timed run of
     every step and replica pooled (``forward_runs``, ``backward_runs``: :func:`noise.pool` takes their
-    medians), W the median over steps, then over replicas; the working memory the largest; sizes the
+    medians), W and the split's extra the median over steps, then over replicas; the working memory the largest; sizes the
     lowest index's."""
     replicas = sorted(replicas, key=lambda r: r[0])
     record = dict(replicas[0][1][0])
@@ -321,6 +322,9 @@ def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
         record[key] = [t for _, steps in replicas for s in steps for t in s[key]]
     record["backward_weight"] = statistics.median(statistics.median(s["backward_weight"] for s in steps)
                                                   for _, steps in replicas)
+    extras = [statistics.median(e) for _, steps in replicas
+              if (e := [s["split_extra"] for s in steps if s.get("split_extra") is not None])]
+    record["split_extra"] = statistics.median(extras) if extras else None
     peaks = [s["working_bytes"] for _, steps in replicas for s in steps if s["working_bytes"] is not None]
     record["working_bytes"] = max(peaks) if peaks else None
     return record

@@ -13,7 +13,7 @@ from .plan_file import GB
 from .profile import PlannerError, Profile
 from .recompute import ChunkedRecompute, StageRecompute
 from .traits import schedule_traits
-from .split_bounds import split_backward_time
+from .split_bounds import split_backward_time, split_stage_times
 
 # ---------------------------------------------------------------------------------------------
 # Cost model
@@ -91,6 +91,10 @@ class _Model:
         self.fwd = [x.forward for x in layers]
         self.bwd = [x.backward for x in layers]
         self.wgt = [x.weight_time for x in layers]
+        self.extra = [x.split_time for x in layers]  # the engine's split backward beyond the whole one
+        self.any_split_extra = any(self.extra)
+        # the first part's whole backward runs as W unless the profile timed a split of its first layer
+        self.first_whole = layers[0].split_extra is None
         self.rc = [x.recompute_time for x in layers]
         self.saved = [x.saved for x in layers]
         self.out = [x.output_bytes for x in layers]
@@ -160,7 +164,8 @@ class _Model:
             chunk_recs, weight, moved_all = [], 0.0, []
             for a, b in ranges:
                 chunk_recs.append(self._stage_recompute(a, b))
-                first = a == 0  # the model's first part: its data needs no gradient, its whole backward is W
+                first = a == 0 and self.first_whole  # the model's first part: its data needs no gradient,
+                                                     # its whole backward is W
                 weight += sum(self.bwd[a:b]) if first else sum(self.wgt[a:b])
                 moved = [0.0]
                 for i in chunk_recs[-1].order:
@@ -213,11 +218,6 @@ class _Model:
         return list(traits.in_flight_chunks if traits.virtual_stages > 1 else traits.in_flight)
 
     # -- time -----------------------------------------------------------------------------------
-    @staticmethod
-    def weight_time(lay: _Layout, f: float, ks: Sequence[int]) -> list[float]:
-        """W per stage of a split backward, with the prefixes ``ks`` re-computed."""
-        return [f * (lay.wgt[s] - lay.moved(s, ks[s])) / lay.v for s in range(lay.K)]
-
     def compute_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int]):
         """(T_c, per-stage forward, backward incl. re-computation, p2p) for one step.
 
@@ -240,8 +240,8 @@ class _Model:
         traits = schedule_traits(schedule, K, M)
         M = M * v
         if traits.splits_backward and not traits.continuous:
-            W = self.weight_time(lay, f, ks)
-            return split_backward_time(F, [b - w for b, w in zip(B, W)], W, c, M, traits.in_flight), F, B, c
+            I, W = split_stage_times(self, lay, f, ks, B)  # as the engine runs them: its extra cost in I
+            return split_backward_time(F, I, W, c, M, traits.in_flight), F, B, c
         if traits.interleaved:  # 1F1B order: one forward and one backward per micro-batch
             cycle = max(F[s] + B[s] + 2 * around[s] for s in range(K))
         else:  # GPipe order: the forward and backward maxima separately
@@ -274,7 +274,7 @@ class _Model:
         traits = schedule_traits(schedule, K, M)
         drain = [B[s] + c[s] for s in range(K)]
         if traits.splits_backward:  # the postponed W's fill the drain: stages finish closer together
-            drain = [max(0.0, B[s] - 2 * w + c[s]) for s, w in enumerate(self.weight_time(lay, f, ks))]
+            drain = [max(0.0, i - w + c[s]) for s, (i, w) in enumerate(zip(*split_stage_times(self, lay, f, ks, B)))]
         ready, acc = [], T
         for s in range(K):  # stage s's last backward ends before stage s-1's by B_{s-1} + c
             if s:

@@ -16,17 +16,24 @@ their raw timed runs here, and ``hippie-ds plan`` asks :func:`noise_warning` and
   be the same work). Each member keeps ``own_ratio``, its own median forward + backward over the
   pooled one.
 * **Noisy**: a group whose members' own medians part by more than :data:`NOISE_MARGIN` (25%:
-  max own / min own - 1) is noisy; the profilers print :func:`noise_warning` when they write such
-  a profile and ``hippie-ds plan`` when it plans from one. Profiles written before groups existed
-  are checked on inferred groups (same name, parameter bytes and output bytes) from their
-  recorded times.
+  max own / min own - 1), by time that matters (:data:`MATERIAL`: the members' distances from
+  their median own time add up to 1% of the model's forward + backward or more: a disagreement
+  that could move a cut) is noisy; the profilers print :func:`noise_warning` when they write such
+  a profile and ``hippie-ds plan`` when it plans from one.
+* **Inferred groups**: a profile that records no groups (written before groups existed, imported
+  from PipeDream, built by a tool) is checked on inferred groups: same name, parameter bytes,
+  input bytes and output bytes (issue 57: a max-pool and a ReLU share a name, no parameters and an
+  output size, not their input), from their recorded times. A first layer whose input the profile
+  does not size (the loaded data) joins the one group that matches it on the rest, if one does.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Sequence
 
 NOISE_MARGIN = 0.25  # identical layers whose own medians part by more than this: a noisy profile
+MATERIAL = 0.01  # ... and by this share of the model's forward + backward (summed distances from their median)
 RUNS = ("forward_runs", "backward_runs")
 
 
@@ -59,6 +66,8 @@ def pool(records: list[dict], keys: Sequence[str | None]) -> tuple[list[dict], l
         r["forward"] = r["recompute"] = statistics.median(fw)
         r["backward"] = statistics.median(bw)
         r["backward_weight"] = min(r["backward_weight"], r["backward"])
+        if r.get("split_extra") is not None:  # the split's I + W over the whole backward, never below it
+            r["split_extra"] = max(0.0, r["split_extra"])
         r["spread"] = _spread(fw, bw)
         out.append(r)
     for members in groups:
@@ -67,38 +76,54 @@ def pool(records: list[dict], keys: Sequence[str | None]) -> tuple[list[dict], l
         forward, backward = statistics.median(fw), statistics.median(bw)
         weight = min(statistics.median(out[i]["backward_weight"] for i in members), backward)
         spread = _spread(fw, bw)
+        extras = [out[i]["split_extra"] for i in members if out[i].get("split_extra") is not None]
         for i in members:
             own = out[i]["forward"] + out[i]["backward"]
             out[i].update(forward=forward, recompute=forward, backward=backward, backward_weight=weight,
                           spread=spread, own_ratio=own / (forward + backward) if forward + backward > 0 else 1.0)
+            if extras:
+                out[i]["split_extra"] = statistics.median(extras)
     return out, groups
 
 
 def _inferred_groups(profile) -> list[list[int]]:
-    """Groups of a profile that records none: same name, parameter bytes and output bytes (a first
-    layer's input is the loaded data, which such a profile may not size)."""
+    """Groups of a profile that records none: same name, parameter bytes, input bytes and output
+    bytes; a first layer with no ``input_bytes`` (the loaded data, which such a profile may not
+    size) joins the one group that matches it on the rest."""
     by: dict[tuple, list[int]] = {}
+    inputs, unsized = profile.inputs(), None
     for i, x in enumerate(profile.layers):
         if x.tied_key is None and x.name != "<lambda>" and x.forward + x.backward > 0:
-            by.setdefault((x.name, x.param_bytes, x.output_bytes), []).append(i)
+            if i == 0 and x.input_bytes is None:
+                unsized = (x.name, x.param_bytes, x.output_bytes)
+            else:
+                by.setdefault((x.name, x.param_bytes, inputs[i], x.output_bytes), []).append(i)
+    if unsized is not None:
+        matches = [m for key, m in by.items() if (key[0], key[1], key[3]) == unsized]
+        if len(matches) == 1:
+            matches[0].insert(0, 0)
     return [m for m in by.values() if len(m) > 1]
+
+
+def _material(own: Sequence[float], total: float) -> bool:
+    """The members' own times part by time that matters: their distances from the median add up
+    to :data:`MATERIAL` of the model's forward + backward or more."""
+    middle = statistics.median(own)
+    return sum(abs(t - middle) for t in own) >= MATERIAL * total
 
 
 def disagreements(profile, margin: float = NOISE_MARGIN) -> list[tuple[list[int], float, float]]:
     """(members, least, largest own forward + backward in seconds) of every group whose members part
-    by more than ``margin``: recorded groups by their ``own_ratio``, an older profile's inferred ones
-    by their times."""
-    out = []
-    if profile.groups:
-        for members in profile.groups:
+    by more than ``margin``, by time that matters (:func:`_material`): recorded groups by their
+    ``own_ratio``, an older profile's inferred ones by their times."""
+    out, total = [], sum(x.forward + x.backward for x in profile.layers)
+    for members in profile.groups or _inferred_groups(profile):
+        if profile.groups:
             pooled = profile.layers[members[0]].forward + profile.layers[members[0]].backward
             own = [pooled * (profile.layers[i].own_ratio or 1.0) for i in members]
-            if min(own) > 0 and max(own) / min(own) - 1 > margin:
-                out.append((members, min(own), max(own)))
-        return out
-    for members in _inferred_groups(profile):
-        own = [profile.layers[i].forward + profile.layers[i].backward for i in members]
-        if min(own) > 0 and max(own) / min(own) - 1 > margin:
+        else:
+            own = [profile.layers[i].forward + profile.layers[i].backward for i in members]
+        if min(own) > 0 and max(own) / min(own) - 1 > margin and _material(own, total):
             out.append((members, min(own), max(own)))
     return out
 
@@ -139,3 +164,25 @@ def time_spread(profile) -> float | None:
         own = [profile.layers[i].forward + profile.layers[i].backward for i in members]
         ranges.append((max(own) - min(own)) / statistics.median(own))
     return statistics.median(ranges) if ranges else None
+
+
+def steps_to_separate(spread: float | None, margin: float, steps: int | None) -> int | None:
+    """Profiling steps (``hippie.profile``'s ``steps``) after which a relative ``margin`` between two
+    predicted steps is outside the profile's uncertainty: the uncertainty of a median falls as one
+    over the square root of the runs it is taken over, and a profile of ``steps`` steps (None: one
+    pass) cannot tell apart what is within its ``spread``, so ``steps x (spread / margin)^2``,
+    rounded up. None: no spread recorded, or no margin (predicted equal: no step count separates
+    them)."""
+    if spread is None or margin <= 0:
+        return None
+    return max(1, math.ceil((steps or 1) * (spread / margin) ** 2 - 1e-9))
+
+
+def separating_steps(plan) -> tuple[int | None, float]:
+    """(:func:`steps_to_separate` for the plan's nearest candidate, their relative margin): what a plan's
+    summary states (None: no candidates, spread or margin)."""
+    mine = plan.prediction.step_time * plan.prediction.steps_factor
+    if not plan.candidates or mine <= 0:
+        return None, 0.0
+    margin = min(abs(c.ranked_step / mine - 1) for c in plan.candidates)
+    return steps_to_separate(plan.profile_spread, margin, plan.profile_steps), margin

@@ -29,8 +29,10 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   the inter-node link when the group spans nodes, all stages sharing it;
 * compute of a flush pipeline: T_c = (M-1) max_s(F_s+B_s+2c_{s-1}+2c_s) + sum_s(F_s+B_s) +
   2 sum_s c_s (GPipe order: the forward and backward maxima separately); a split backward
-  (zero-bubble: B_s = I_s + w_s, the input gradient and the parameter gradients, w_s from the
-  profile's ``backward_weight``) takes the largest of five lower bounds of the step
+  (zero-bubble: I_s = B_s - w_s + x_s, the input gradient with the split's extra cost x_s (the
+  profile's ``split_extra``: the engine's two autograd passes beyond the whole backward), and w_s,
+  the parameter gradients, from the profile's ``backward_weight``) takes the largest of five lower
+  bounds of the step
   (:func:`.split_bounds.split_backward_time`; ZB-H1 with equal stages: M (F+I+w) + (K-1)
   max(F, I, F+I-w)), so its bound never prunes wrongly; flush schedules
   all-reduce at the end (the link drains the work as stages finish, last stage first);
@@ -359,7 +361,7 @@ def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obj
                 virtual_stages=lay.v, layout=lay.kind, schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
                 stages=stages, prediction=prediction(model, est), single_device_throughput=model.single_throughput,
                 baselines=baselines, search=search, candidates=candidates,
-                profile_spread=time_spread(model.profile),
+                profile_spread=time_spread(model.profile), profile_steps=model.profile.steps,
                 assumptions={
                     "state_factor": model.state_factor,
                     "staleness_price": price,

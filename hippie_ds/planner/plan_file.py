@@ -157,6 +157,8 @@ class Plan(_Strict):
     profile_spread: float | None = Field(None, ge=0, description="the profile's relative time spread "
                                          "(noise.time_spread): "
                                          "candidates within it of the plan's step are not told apart by the profile")
+    profile_steps: int | None = Field(None, ge=1, description="the steps the profile was measured over "
+                                      "(Profile.steps); none: one pass or not recorded")
     assumptions: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, Any] = Field(default_factory=dict)
 
@@ -382,4 +384,10 @@ def format_candidates(plan: Plan) -> list[str]:
         lines.append(f"the plan's margin over {len(close)} of them is inside the profile's spread ({spread:.0%}): the "
                      "profile cannot tell which is fastest; measure them on the job (python -m tools.bench cut-sweep "
                      "--plan PLAN --profile PROFILE)")
+    from .noise import separating_steps
+    steps, margin = separating_steps(plan)
+    if steps is not None:
+        lines.append(f"profiling steps that would separate the plan from its nearest candidate ({margin:.1%} apart): "
+                     f"{steps} ('hippie': {{'profile': {{'steps': {steps}}}}}; this profile measured "
+                     f"{plan.profile_steps or 'one pass'})")
     return lines

@@ -10,6 +10,14 @@ micro-batch size. Times are seconds per micro-batch of ``batch_size`` samples, s
   ``backward`` (a larger value is an error); default half of ``backward`` (the zero-bubble
   paper's B = W). 0 for a layer without parameters; the whole backward for a layer whose input
   needs no gradient (an embedding of token ids).
+* ``split_extra``: what the engine's split backward costs beyond ``backward`` (its I and W are two
+  autograd passes, W one ``autograd.grad`` per parameter group): the profilers time the engine's
+  own I and W on the layer and record W as ``backward_weight`` and I + W - backward here (at least
+  0), so I = backward - backward_weight + split_extra; default 0 (the split free). Only a layer
+  with an input gradient has one: a first layer without (None) is fed data that needs no gradient
+  (token ids), and the stage holding it runs its whole backward as W; a first layer with one is
+  fed floating-point data, which DeepSpeed's first stage marks as requiring grad, and that stage
+  splits like the others.
 * ``output_bytes``: the layer's output activation; ``saved_bytes``: what the layer keeps for
   its backward per in-flight micro-batch, attributed to the layer that produced it (default:
   ``output_bytes``); ``output_saved``: whether that includes the output (false when neither
@@ -104,6 +112,9 @@ class LayerProfile(_Strict):
     backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
     backward_weight: float | None = Field(None, ge=0, description="the parameter-gradient part of backward (W of a "
                                           "split backward, s; default half of backward)")
+    split_extra: float | None = Field(None, ge=0, description="what the engine's split backward (I, then W: one "
+                                      "autograd.grad per parameter group) costs beyond the whole backward (s); its I "
+                                      "is backward - backward_weight + this (default 0: the split free)")
     recompute: float | None = Field(None, ge=0, description="extra backward time when re-computed (default forward)")
     output_bytes: float = Field(0.0, ge=0, description="bytes of the layer's output activation")
     saved_bytes: float | None = Field(None, ge=0, description="bytes kept for backward (default output_bytes)")
@@ -138,6 +149,11 @@ class LayerProfile(_Strict):
         return self.backward / 2 if self.backward_weight is None else self.backward_weight
 
     @property
+    def split_time(self) -> float:
+        """What the split backward costs beyond the whole backward (0 when the profile does not say)."""
+        return self.split_extra or 0.0
+
+    @property
     def saved(self) -> float:
         return self.output_bytes if self.saved_bytes is None else self.saved_bytes
 
@@ -158,6 +174,8 @@ class Profile(_Strict):
     load: MeasuredLoad | None = Field(None, description="the machine's load while the profile was measured")
     groups: list[list[int]] | None = Field(None, description="layers that are the same work (class, parameter "
                                            "shapes, input shape), measured as one group: they share their times")
+    steps: int | None = Field(None, ge=1, description="train_batch calls the times were measured over "
+                              "(hippie.profile's steps); none: one pass (hippie-ds profile) or not recorded")
 
     @model_validator(mode="after")
     def _check_cuts(self) -> "Profile":
@@ -245,8 +263,8 @@ class Profile(_Strict):
 
         def scale(layer: LayerProfile) -> LayerProfile:
             d = layer.model_dump()
-            for key in ("forward", "backward", "backward_weight", "recompute", "output_bytes", "saved_bytes",
-                        "input_bytes", "working_bytes"):
+            for key in ("forward", "backward", "backward_weight", "split_extra", "recompute", "output_bytes",
+                        "saved_bytes", "input_bytes", "working_bytes"):
                 if d[key] is not None:
                     d[key] *= f
             return LayerProfile(**d)

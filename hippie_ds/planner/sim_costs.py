@@ -30,7 +30,9 @@ def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
             layer_costs.append({
                 # a re-computed layer's W runs in the input pass, the first stage's whole backward in W
                 "forward": f * model.fwd[i], "backward": f * model.bwd[i],
-                "backward_weight": f * (model.bwd[i] if s == 0 else 0.0 if i in chosen else model.wgt[i]),
+                "backward_weight": f * (model.bwd[i] if s == 0 and model.first_whole else 0.0 if i in chosen
+                                        else model.wgt[i]),
+                "split_extra": f * (0.0 if (s == 0 and model.first_whole) or i in chosen else model.extra[i]),
                 "recompute": f * model.rc[i] if i in chosen else 0.0,
                 "param_bytes": held[i],
                 "output_bytes": f * lay.cut_out[s] * scale if i == e - 1 else 0.0,
@@ -63,12 +65,13 @@ def _chunked_costs(model: _Model, lay: _Layout, f: float, ks: Sequence, comm):
         layers = [i for a, e in lay.chunk_ranges(s) for i in range(a, e)]
         held = model.stage_params(lay.chunk_ranges(s))
         # the model's first part (stage 0's chunk 0 in either layout): its whole backward is W
-        first = set(range(lay.parts[0], lay.parts[1])) if s == 0 else set()
+        first = set(range(lay.parts[0], lay.parts[1])) if s == 0 and model.first_whole else set()
         stages.append({
             "forward": f * sum(model.fwd[i] for i in layers), "backward": f * sum(model.bwd[i] for i in layers),
             "recompute": f * sum(model.rc[i] for i in layers if i in chosen),
             "backward_weight": f * sum(model.bwd[i] if i in first else 0.0 if i in chosen else model.wgt[i]
                                        for i in layers),
+            "split_extra": f * sum(0.0 if i in first or i in chosen else model.extra[i] for i in layers),
             "param_bytes": sum(held[i] for i in layers),
             "activation_bytes": f * lay.cut_out[s] * scale,
             "layers": [{"param_bytes": held[i], "backward": f * model.bwd[i]} for i in layers],

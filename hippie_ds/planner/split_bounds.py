@@ -1,8 +1,32 @@
 """The analytic step time of a flush step whose backward is split (zero-bubble schedules, e.g.
-ZB-H1): lower bounds on the paths the step cannot shorten. Pure Python; :mod:`.model` uses it."""
+ZB-H1): lower bounds on the paths the step cannot shorten, and what each stage's I and W cost as
+the engine runs them (:func:`split_stage_times`). Pure Python; :mod:`.model` uses it."""
 from __future__ import annotations
 
 from typing import Sequence
+
+
+def split_extra(model, lay, s: int, k) -> float:
+    """What stage s's split backward costs beyond its whole backward, at the profile's batch size:
+    its layers' ``split_extra`` (the engine's I + W over the whole backward, measured by the
+    profilers), but the model's first part's when its data needs no gradient (its whole backward
+    runs as W, one autograd call) and the layers re-computed with prefix ``k`` (a re-entrant checkpoint
+    runs their whole backward inside I)."""
+    if not model.any_split_extra:
+        return 0.0
+    chosen = set(lay.rec[s].layers(k))
+    first = lay.parts[1] if s == 0 and model.first_whole else 0  # stage 0's first chunk is the model's first part
+    return sum(model.extra[i] for a, b in lay.chunk_ranges(s) for i in range(max(a, first), b) if i not in chosen)
+
+
+def split_stage_times(model, lay, f: float, ks: Sequence, B: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(I, W) per stage of a split backward as the engine runs it, at batch factor ``f`` (one
+    chunk's with v chunks per stage): W the stage's parameter-gradient part (the first stage's
+    whole backward; a re-computed layer's W runs in I), I the rest of the backward ``B``
+    (re-computation included) plus :func:`split_extra`, the second autograd pass's cost."""
+    v = lay.v
+    W = [f * (lay.wgt[s] - lay.moved(s, ks[s])) / v for s in range(lay.K)]
+    return [B[s] - W[s] + f * split_extra(model, lay, s, ks[s]) / v for s in range(lay.K)], W
 
 
 def split_backward_time(F: Sequence[float], I: Sequence[float], W: Sequence[float], c: Sequence[float], M: int,

@@ -65,6 +65,8 @@ class StageCost(_Strict):
     recompute: float = Field(0.0, ge=0, description="extra backward time when activations are re-computed (s)")
     backward_weight: float | None = Field(None, ge=0, description="the part of backward that computes parameter "
                                           "gradients (W of a split backward, s); default half of backward")
+    split_extra: float = Field(0.0, ge=0, description="what a split backward's two autograd passes cost beyond "
+                               "backward, charged in its input pass (s; a profile's split_extra)")
     activation_bytes: float = Field(0.0, ge=0, description="bytes sent to the next stage per micro-batch "
                                                            "(its gradient sent back has the same size)")
     saved_bytes: float = Field(0.0, ge=0, description="activation memory held per in-flight micro-batch")
@@ -114,8 +116,9 @@ class StageCost(_Strict):
 
     @property
     def input_time(self) -> float:
-        """B of a split backward (backward_input): the gradient sent to the previous stage."""
-        return self.backward - self.weight_time
+        """B of a split backward (backward_input): the gradient sent to the previous stage, with
+        what the split costs beyond the whole backward."""
+        return self.backward - self.weight_time + self.split_extra
 
 
 class CommCost(_Strict):
@@ -233,7 +236,7 @@ class Costs(_Strict):
     def from_layers(cls, layer_costs: Sequence[Mapping[str, Any]], boundaries: Sequence[int],
                     comm: CommCost | Mapping[str, Any] | None = None) -> "Costs":
         """Stages from per-layer costs. Each layer: forward, backward, and optionally recompute,
-        backward_weight (summed when every layer of the stage has it), saved_bytes, param_bytes,
+        backward_weight (summed when every layer of the stage has it), split_extra, saved_bytes, param_bytes,
         optimizer_time (summed over the stage's layers) and
         output_bytes (the stage's activation_bytes is its last layer's); each stage keeps its
         layers' param_bytes and backward (``StageCost.layers``, for partial deferral). ``boundaries`` are
@@ -260,6 +263,7 @@ class Costs(_Strict):
             stages.append({
                 "forward": sum(x.forward for x in seg), "backward": sum(x.backward for x in seg),
                 "recompute": sum(x.recompute for x in seg), "saved_bytes": sum(x.saved_bytes for x in seg),
+                "split_extra": sum(x.split_extra for x in seg),
                 "backward_weight": (None if any(x.backward_weight is None for x in seg)
                                     else sum(x.backward_weight for x in seg)),
                 "param_bytes": sum(x.param_bytes for x in seg), "optimizer_time": sum(x.optimizer_time for x in seg),
@@ -280,6 +284,7 @@ class _LayerCost(_Strict):
     forward: float = Field(ge=0)
     backward: float = Field(ge=0)
     backward_weight: float | None = Field(None, ge=0)
+    split_extra: float = Field(0.0, ge=0)
     recompute: float = Field(0.0, ge=0)
     saved_bytes: float = Field(0.0, ge=0)
     param_bytes: float = Field(0.0, ge=0)

@@ -5,7 +5,8 @@ free, as a GPU kernel does. On this 2-core machine the compute then no longer co
 collectives' CPU work, so a schedule's hidden all-reduce is hidden as it would be on a GPU, and
 several ranks per core are fine.
 
-One :class:`EmulatedLayer` per profiled layer, in the profile's linear order (``read_pipedream``):
+One :class:`EmulatedLayer` per profiled layer, in the profile's linear order (``read_pipedream``),
+of a subclass named after the layer's kind (:func:`layer_class`: ``EmulatedConv2d``, ``EmulatedReLU``):
 
 * parameters: the layer's ``param_bytes`` / 4 fp32 elements, times ``scale``;
 * output: per sample, the bytes crossing the cut after the layer (``cut_bytes``: every tensor a
@@ -111,6 +112,22 @@ class EmulatedLayer(nn.Module):
                 f"forward={self.forward_s * 1e3:.3f} ms, backward={self.backward_s * 1e3:.3f} ms")
 
 
+_KINDS: dict[str, type] = {}
+
+
+def layer_class(name: str) -> type:
+    """The :class:`EmulatedLayer` subclass named after a profiled layer's kind (PipeDream's
+    ``node6:MaxPool2d``: ``EmulatedMaxPool2d``), so a profile of the module keeps the layers' own
+    kinds, as the in-place profiler keeps class names, and layers of one kind and shape look alike
+    and no others (:mod:`hippie_ds.planner.noise`). Made once per kind, importable (picklable)."""
+    kind = "Emulated" + "".join(c for c in name.rsplit(":", 1)[-1] if c.isalnum())
+    if kind == "Emulated":
+        return EmulatedLayer
+    if kind not in _KINDS:
+        _KINDS[kind] = globals()[kind] = type(kind, (EmulatedLayer,), {"__module__": __name__})
+    return _KINDS[kind]
+
+
 def read_profile(model: str):
     """The :class:`hippie_ds.planner.profile.Profile` of ``model`` (vgg16, gnmt8, gnmt16, or a path)."""
     from hippie_ds.planner.pipedream_profile import read_pipedream
@@ -119,13 +136,13 @@ def read_profile(model: str):
 
 
 def emulated_specs(model: str, micro_batch: int, scale: float = 1e-3, speedup: float = 1.0) -> list:
-    """One ``LayerSpec(EmulatedLayer, ...)`` per profiled layer of ``model`` (see the module docstring)."""
+    """One ``LayerSpec(layer_class(name), ...)`` per profiled layer of ``model`` (see the module docstring)."""
     profile = read_profile(model)
     share = micro_batch / profile.batch_size / speedup  # a micro-batch's share of the profiled minibatch's time
     cuts = list(profile.cut_bytes) + [profile.layers[-1].output_bytes]
     specs = []
     for layer, cut in zip(profile.layers, cuts):
-        specs.append(LayerSpec(EmulatedLayer, int(round(layer.param_bytes / 4 * scale)),
+        specs.append(LayerSpec(layer_class(layer.name), int(round(layer.param_bytes / 4 * scale)),
                                int(round(cut / 4 / profile.batch_size * scale)), layer.forward * share,
                                layer.backward * share, layer.name,
                                None if layer.backward_weight is None else layer.backward_weight * share))

@@ -8,8 +8,9 @@ The emulated cluster, as the planner sees it. An emulated model (tools/bench/emu
 profile's parameters and activations x ``--emulate-scale`` and sleeps the profiled time / ``--emulate-speedup``;
 its link is the shaped rate (10 Gbit/s x 1e-3 = ``10mbit``). So the planner gets that model's own profile
 (:func:`emulated_profile`: the PipeDream profile with every byte figure x scale, every time / speedup,
-each layer named as the module names it, ``EmulatedLayer``, and its parameter bytes as the module builds
-them, so the plan's fingerprint is the module's) and the emulated cluster (:func:`cluster_record`): N nodes
+each layer named as the module names it, by its kind (``EmulatedConv2d``, ``EmulatedReLU``:
+emulated.layer_class), and its parameter bytes as the module builds them, so the plan's fingerprint is
+the module's) and the emulated cluster (:func:`cluster_record`): N nodes
 x ``--stages`` devices, device memory ``--plan-memory`` x scale, the shaped link x ``--link-efficiency``
 between nodes, ``--p2p-bandwidth``/``--p2p-latency`` inside. Every decision the planner makes is then the
 one it makes for the real-sized cluster, but for the latency. Its predicted memory and ME are given
@@ -36,12 +37,12 @@ def emulated_profile(model: str, scale: float, speedup: float = 1.0):
     """The :class:`hippie_ds.planner.Profile` of the emulated model ``model`` (vgg16, gnmt8, gnmt16) as
     tools/bench/emulated.py builds it (the module docstring says how)."""
     from hippie_ds.planner import LayerProfile, read_pipedream
-    from tools.bench.emulated import MODELS, PROFILES
+    from tools.bench.emulated import MODELS, PROFILES, layer_class
     profile = read_pipedream(PROFILES / MODELS[model], model=model)
     layers = []
     for layer in profile.layers:
         d = layer.model_dump()
-        d["name"] = "EmulatedLayer"
+        d["name"] = layer_class(layer.name).__name__  # its kind, as the module names it
         d["param_bytes"] = 4.0 * int(round(layer.param_bytes / 4 * scale))  # EmulatedLayer's weight
         for key in ("output_bytes", "saved_bytes", "input_bytes", "working_bytes"):
             if d[key] is not None:
