@@ -54,6 +54,12 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": ("_update_scale", "fp16_groups", "fp32_groups",
                                                                            "overflow_checker"),
                                                  "": ("get_global_norm", "get_weight_norm")},
+    # fp16 with DeepSpeed's fused Adam (FP16_Optimizer): its scale update, flag check, flattened norm and flat
+    # masters (ds/fp16.py); both wrappers' overflow checker (CheckOverflow)
+    "deepspeed.runtime.fp16.fused_optimizer": {"FP16_Optimizer": ("_update_scale", "fp16_groups", "fp32_groups_flat",
+                                                                  "overflow_checker"),
+                                               "": ("get_flattened_grad_norm", )},
+    "deepspeed.runtime.utils": {"CheckOverflow": ("has_overflow", )},
     # the data-parallel group clip_grad_norm_ averages the norm over (layout_clip.py computes it as stock does)
     "deepspeed.utils.groups": {"": ("_get_data_parallel_group", )},
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
@@ -100,7 +106,8 @@ OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
 # names these.
 RELIED_ON: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer": ("check_grad_overflow", "compute_grad_norm", "has_overflow", "scaled_global_norm"),
+        # (its has_overflow too; the name is CheckOverflow's in SEAMS, which ds/fp16.py swaps)
+        "DeepSpeedZeroOptimizer": ("check_grad_overflow", "compute_grad_norm", "scaled_global_norm"),
     },
     "deepspeed.runtime.pipe.module": {"PipelineModule": ("_synchronize_tied_weights", )},
     # the optimizer path DeepSpeed picks for a config, which precision.optimizer_path repeats

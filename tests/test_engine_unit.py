@@ -189,16 +189,17 @@ def test_the_call_cursor_skips_fill_and_drained_batches_and_restores_from_a_chec
 
 
 def test_an_fp16_wrapper_that_cannot_step_per_stage_is_refused_when_the_engine_is_built():
-    """FP16_Optimizer (DeepSpeed's fused Adam) takes the overflow flag inside its own step over the
-    whole pipeline: a schedule with per-stage updates refuses it as the engine is built, on every rank."""
+    """An fp16 wrapper other than FP16_UnfusedOptimizer, FP16_Optimizer (DeepSpeed's fused Adam, which
+    steps per stage since issue 61: tests/test_fp16_gpt.py) and ZeRO-1's: a schedule with per-stage
+    updates refuses it as the engine is built, on every rank."""
     from types import SimpleNamespace
     from hippie_ds import schedules
     from hippie_ds.adapter.engine_step import StageStep
 
-    class FP16_Optimizer:  # what DeepSpeed builds for FusedAdam under fp16
+    class OnebitWrapper:  # a wrapper hippie-ds does not know
         param_groups = []
-    engine = SimpleNamespace(optimizer=FP16_Optimizer(), fp16_enabled=lambda: True)
-    with pytest.raises(ValueError, match="schedule 'hippie' in fp16 needs DeepSpeed's FP16_UnfusedOptimizer.*not "
-                                         "FP16_Optimizer"):
+    engine = SimpleNamespace(optimizer=OnebitWrapper(), fp16_enabled=lambda: True)
+    with pytest.raises(ValueError, match="schedule 'hippie' in fp16 needs DeepSpeed's FP16_UnfusedOptimizer.*"
+                                         "FP16_Optimizer.*not OnebitWrapper"):
         StageStep(engine, store=None, schedule=schedules.compile("hippie", 2, 4))
     StageStep(engine, store=None, schedule=schedules.compile("zb-h1", 2, 4))  # DeepSpeed's own step: stock's path

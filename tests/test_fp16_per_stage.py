@@ -25,7 +25,10 @@ POWER, WINDOW = 20, 2  # train_worker's "+fp16": initial_scale_power 20, loss_sc
 # (engine, {(batch, stage)} overflowed); ckpt2: saved after 2 steps, resumed in a fresh engine
 ENGINES = {"hippie+fp16": (), "hippie+fp16+ovf1.1": {(1, 1)}, "hippie+fp16+ovf0.1": {(1, 0)},
            "hippie-1f1b+fp16+ovf1.2": {(2, 1)}, "hippie-zb+fp16+ovf0.2": {(2, 0)},
-           "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}, "hippie+fp16+flush": (), "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)}}
+           "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}, "hippie+fp16+flush": (), "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)},
+           # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer (issue 61)
+           "hippie+fp16+fused+ovf1.1": {(1, 1)}, "hippie-zb+fp16+fused+flush+ovf0.2": {(2, 0)},
+           "hippie+fp16+fused+ckpt2": ()}
 INTERLEAVED = "hippie-interleaved+fp16+ovf1.1"
 # ZeRO-1 as written (DeepSpeedZeroOptimizer), which scales the loss: from 2**12 (no overflow of the scaled
 # loss, the scale doubles every 2 updates) a deferred stage's buffer is applied after the scale changed,
@@ -37,7 +40,8 @@ ZERO = {"hippie+fp16+zero1+p12": (), "hippie+fp16+zero1+p12+ovf1.1": {(1, 1)},
 # only); the default ("untied") delays stage 0's first untied layer. The holders clip by their joint norm,
 # reduced once (fp16_stage.Fp16Votes.joint_norm).
 TIED = {"hippie+fp16+tied+dl1": ([0, 1], {0: 1, 1: 0}, False, ()), "hippie+fp16+tied": ([0], {0: 3}, True, ()),
-        "hippie-zb+fp16+tied+dl1+ovf1.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 1)})}
+        "hippie-zb+fp16+tied+dl1+ovf1.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 1)}),
+        "hippie+fp16+fused+tied+dl1+ovf0.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 0)})}
 # measured: 0 (the same fp16 and fp32 operations in the same order); one fp16 unit at |w| < 1 is 2**-11
 FP16_TOLERANCE = 2 ** -10
 

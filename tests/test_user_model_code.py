@@ -119,7 +119,5 @@ def test_fp16_skips_the_steps_stock_skips(trained, precision):
         decisions = {(r["skipped_steps"], r["loss_scale"]) for r in ranks}
         assert len(decisions) == 1, (name, decisions)  # one decision per update, on every rank
         if name.split("+")[0] in SYNCHRONOUS or precision == "fp16":  # the loss unscaled: no overflow anywhere
-            if name.startswith("pipedream"):  # an update per micro-batch: the scale grows per micro-batch
-                assert decisions == {(0, 2.0 ** 20 * 2 ** (STEPS * 4 // 2 - 1))}, (name, decisions)
-                continue
+            # (pipedream too: an update per micro-batch, the scale moved once per batch, issue 61)
             assert decisions == {(stock["skipped_steps"], stock["loss_scale"])}, name

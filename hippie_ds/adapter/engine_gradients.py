@@ -83,6 +83,9 @@ class StageGradients:
         self._skip_ties = False  # the lagged tie sum's first update: the tied weights have nothing yet
         self._batch_scale = self._buffer_scale = None  # fp16 + ZeRO-1: loss scales (GradStore.rescale)
         self._tie_clip = tie_clip  # > 0: the lagged tie sum's clipping, apart from the rest (the step's is off)
+        # fp16 + ZeRO-1: the lagged tie sums are clipped at the update op, once every part carries one loss
+        # scale (fp16_async.AsyncVotes sets it)
+        self.clip_at_update = False
         self._on_early_start = on_early_start
         self._allreduce: dict[str, tuple | None] = {"grads": None, "buffer": None}
         self._chunk_parts: list[tuple] = []  # start_chunk_allreduce's (work, flat, grads), waited with "grads"
@@ -203,13 +206,18 @@ class StageGradients:
                         grad.copy_(reduced)
             self._allreduce["grads"] = None
             self._chunk_parts, self._chunk_started = [], set()
-            if self.clips_itself:
+            if self.clips_itself and not self.clip_at_update:
                 self._lagged_ties.clip_apart(self._tie_clip)
             if self._skip_ties:  # after clipping: the fp32 store would materialise a skipped gradient again
                 self.store.skip(self._lagged_ties.weights)
                 self._skip_ties = False
         else:
             self.wait_buffer()
+
+    @property
+    def lagged_ties(self):
+        """The lagged tie sums (tied.LaggedTieSums) and their clip, or None."""
+        return None if self._lagged_ties is None else (self._lagged_ties, self._tie_clip)
 
     @property
     def clips_itself(self) -> bool:

@@ -69,6 +69,8 @@ class StageStep:
         self.clips_itself = clips_itself
         # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
         self.fp16 = Fp16Votes(engine) if fp16_per_stage(engine) else None
+        # drain() applies a buffered update only where some stage defers (else it votes on nothing)
+        self._defers = schedule is None or bool(schedule.deferred_stages())
         if schedule is not None and own_gradient_ops(schedule) - SPLIT_BACKWARD_KINDS:  # it steps per stage
             check_fp16_wrapper(engine, schedule.name)
 
@@ -142,6 +144,8 @@ class StageStep:
         """``drain()``'s step of a deferred stage's buffered gradient (``due``: there is one, in
         place), the counters left still. fp16: every rank calls it and votes on that update; a rank
         with nothing to apply moves its loss scale with the others."""
+        if not due and not self._defers:  # no stage defers (1f1b, zb-h1, ...): no update, no vote, the scale stays
+            return
         overflow = None if self.fp16 is None else self.fp16.vote(self._store.params if due else None)
         if due:
             self.step(counters=False, tie_norm=tie_norm, overflow=overflow)

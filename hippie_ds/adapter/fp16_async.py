@@ -22,9 +22,15 @@ the run for pipedream):
   versions up to u, as declared.
 - **A skipped update is skipped on every stage**, the version counter advances all the same (the
   new version equals the old one), and each rank counts it in ``skipped_steps``.
-- **One scale.** Every rank resolves updates 0, 1, 2, ... in order, each through the wrapper's step
-  with the decided flag, which moves the dynamic loss scale once per update: the same trajectory
-  on every rank, and the scale update u unscales by is the one the single-process rule gives it
+- **One scale, moved once per batch.** Every rank resolves updates 0, 1, 2, ... in order, each
+  through the wrapper's step with the decided flag. The dynamic loss scale moves once per batch, as
+  stock's does: at the batch's last update, by whether any of its updates overflowed (2bw: every
+  update; pipedream: the M-th, the others' steps leave the scale and its iteration count as they
+  are, ``ds.fp16.scale_moves``). Moving it at every micro-batch update would grow it M times as
+  fast; without ZeRO the loss is not scaled, nothing overflows and the scale only grows while the
+  wrapper divides every gradient by it, so pipedream's gradients sank below Adam's ``eps`` and the
+  loss rose (issue 61, tests/test_fp16_gpt.py). The same trajectory on every rank, and the scale
+  update u unscales by is the one the single-process rule gives it
   (tests/distributed/reference_fp16.py). The LR schedule steps once per ``train_batch`` call, as
   for these schedules in fp32 and bf16 (a skipped update does not hold it back).
 
@@ -55,9 +61,12 @@ update that starts a fresh pipeline, after a drain or a checkpoint load): so at 
 each stage multiplies its gradient by S(u) / S(r(u)) (a power of two: exact unless it overflows)
 before it flags it, and every gradient of update u enters the vote and the step carrying S(u), as
 in a single-process rule that computes the update with the scale of its step. A schedule whose
-last stage would run one update's backwards under two scales is refused. ZeRO-1 with a module tied
-across stages is refused when the engine is built (the lagged tie sum of update u - L carries
-another update's scale; not built).
+last stage would run one update's backwards under two scales is refused. A module tied across
+stages: the lagged tie sum of update u - L, started at that update with the scale its gradients
+carried, S(r(u - L)), is multiplied by S(u) / S(r(u - L)) when update u applies it (each update's
+carried scale is kept until its sum is applied; a drain brings the sums still in flight to the scale
+it leaves, which a checkpoint saved then holds), and the tied part and the rest are then clipped
+apart as their unscaled values would be (``max_norm`` clip x S(u)).
 """
 from __future__ import annotations
 
@@ -69,6 +78,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from ..schedules.ir import (COMPUTE_KINDS, UPDATE_KINDS, WEIGHT_GRAD_KINDS, WEIGHT_KINDS, CompiledSchedule,
                              weight_version)
+from .ds import fp16 as ds_fp16
 from .grad_store import flat_copy
 
 
@@ -181,8 +191,14 @@ class AsyncVotes:
     """One stage's fp16 updates under a schedule that never flushes (module docstring). ``apply(overflow,
     lrs)`` takes the update whose gradient is in place (the engine's versioned per-stage step)."""
 
-    def __init__(self, engine, store, apply, immediate: bool, current, carried=None):
+    def __init__(self, engine, store, apply, immediate: bool, current, carried=None, per_batch: int = 1, ties=None):
         self._engine = engine
+        # ZeRO-1 with a module tied across stages: (tied.LaggedTieSums, clip); the scale each update's gradient
+        # carried at its backwards (the tie sum of update v is applied at v + lag, rescaled from it)
+        self._ties = ties if carried is not None else None
+        self._carries: dict[int, float] = {}
+        self._per_batch = per_batch  # updates per batch: the loss scale moves once per batch (module docstring)
+        self._batch_overflow = False  # any of the running batch's updates skipped so far
         self._store = store
         self._apply = apply
         self._current = current  # () -> the stage's current weight version
@@ -203,7 +219,7 @@ class AsyncVotes:
         self.resolve_all()  # an earlier update still held (none where vote_problem passes)
         params = self._store.params
         grads = self._store.of(params)
-        self._to_update_scale(grads)
+        self._to_update_scale(params, grads)
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
         flag = torch.tensor([1.0 if local else 0.0], device=self._engine.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
@@ -227,13 +243,21 @@ class AsyncVotes:
             self._resolve_one()
 
     def drained(self) -> None:
-        """Everything resolved and nothing in flight: the next update starts a fresh pipeline."""
+        """Everything resolved and nothing in flight: the next update starts a fresh pipeline. ZeRO-1
+        with a tied module: the tie sums still to apply are brought to the scale now (the one the
+        next fill starts from, and a checkpoint saved now holds)."""
         self.resolve_all()
-        self._scales = None
+        if self._ties is not None and self._scales is not None:
+            sums, now = self._ties[0], self._store.loss_scale
+            first = self._current() - sums.in_flight
+            sums.rescale_pending([now / self._carries.get(v, self._scales[self._fill])
+                                  for v in range(first, self._current())])
+        self._scales, self._carries = None, {}
 
-    def _to_update_scale(self, grads) -> None:
+    def _to_update_scale(self, params, grads) -> None:
         """ZeRO-1: ``grads`` of update u carry S(r(u)), the last stage's scale at their backwards;
-        multiplied to S(u), the scale of the update's step (module docstring)."""
+        multiplied to S(u), the scale of the update's step (module docstring). A tied module's lagged
+        sum of update u - L carries S(r(u - L)): multiplied from that; then clipped apart at S(u)."""
         if self._carried is None or self._store.loss_scale is None:
             return
         u = self._current() + len(self._held)
@@ -242,10 +266,20 @@ class AsyncVotes:
         table, lag = self._carried
         k = u - self._fill
         made = self._fill + (table[k] if k < len(table) else k - lag)
-        factor = self._scales[u] / self._scales[made]
-        if factor != 1.0:
-            for g in grads:
+        now, carried = self._scales[u], self._scales[made]
+        tied, lagged = set(), carried
+        if self._ties is not None:
+            sums, clip = self._ties
+            tied = {id(w) for w in sums.weights}
+            lagged = self._carries.get(u - sums.lag, self._scales[self._fill])  # before the fill: the drain's scale
+            self._carries = {v: c for v, c in self._carries.items() if v > u - sums.lag}
+            self._carries[u] = carried
+        for p, g in zip(params, grads):
+            factor = now / (lagged if id(p) in tied else carried)
+            if factor != 1.0:
                 g.mul_(factor)
+        if self._ties is not None and self._ties[1] > 0:
+            self._ties[0].clip_apart(self._ties[1], now)
 
     @torch.no_grad()
     def _resolve_one(self) -> None:
@@ -262,7 +296,15 @@ class AsyncVotes:
                 p.grad = g
 
     def _decided(self, overflow: bool, lrs) -> None:
-        self._apply(overflow, lrs)
+        if self._per_batch == 1:
+            self._apply(overflow, lrs)
+        else:  # the batch's last update moves the scale once, by whether any of its updates overflowed
+            self._batch_overflow = self._batch_overflow or overflow
+            last = (self._current() + 1) % self._per_batch == 0
+            with ds_fp16.scale_moves(self._engine.optimizer, self._batch_overflow if last else None):
+                self._apply(overflow, lrs)
+            if last:
+                self._batch_overflow = False
         if self._scales is not None:
             self._scales[self._current()] = self._store.loss_scale  # S(j): after decisions 0 .. j - 1
         if overflow:  # the continuous step keeps the counters still; a skipped update counts, as stock's
@@ -296,12 +338,10 @@ def continuous_updates(engine, compiled: CompiledSchedule, versions, stage_step)
     if not (compiled.continuous and stage_step.fp16 is not None):
         return InPlaceUpdates(apply)
     store = engine._gradients.store
-    if store.loss_scale is not None and engine.module.tied_comms:  # ZeRO-1 scales the loss
-        raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1 with a module tied across stages: the "
-                         "lagged tie sum would carry an older update's loss scale (not built); use fp16 "
-                         "without ZeRO (FP16_UnfusedOptimizer), or bf16")
     carried = loss_scale_updates(compiled) if store.loss_scale is not None else None
     if isinstance(carried, str):
         raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1: {carried}; use fp16 without ZeRO")
+    ties = engine._gradients.lagged_ties if carried is not None else None
+    engine._gradients.clip_at_update = ties is not None  # clipped apart at S(u) by AsyncVotes
     return AsyncVotes(engine, store, apply, waits_at_update(compiled, engine.stage_id), lambda: versions.count,
-                      carried)
+                      carried, compiled.updates_per_batch[engine.stage_id], ties)

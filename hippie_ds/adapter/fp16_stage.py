@@ -1,6 +1,6 @@
 """fp16 under per-stage updates (the hippie family): one pipeline-wide overflow decision per update.
 
-DeepSpeed's fp16 wrapper of a torch optimizer (``FP16_UnfusedOptimizer``) skips a step whose
+DeepSpeed's fp16 wrappers (``FP16_UnfusedOptimizer``, ``FP16_Optimizer``, ZeRO-1's) skip a step whose
 gradients overflow, lowers its loss scale, and otherwise steps and may raise it; stock takes that
 flag over the whole pipeline inside the one step every stage takes at the flush. hippie-ds's
 stages step apart (an in-step stage as its own backward ends, a deferred stage one batch late), so:
@@ -27,9 +27,11 @@ The wrapper's own flag reduction (a collective over the pipeline inside ``step``
 the vote's result for the step's duration (:meth:`Fp16Votes.decided`), and so is, on the holders of
 a module tied across stages, its per-parameter-group norm reduction over the tie group: one joint
 norm, reduced once (:meth:`Fp16Votes.joint_norm`); on ZeRO-1 its flag check answers the vote (its
-norms already follow the stage's mpu, ds/zero.py). ``FP16_Optimizer`` (the fused wrapper,
-DeepSpeed's FusedAdam) is refused when the engine is built (:func:`check_fp16_wrapper`), ZeRO's
-other configurations at start-up (precision.py).
+norms already follow the stage's mpu, ds/zero.py). ``FP16_Optimizer`` (DeepSpeed's fused Adam,
+``"optimizer": {"type": "Adam"}``) is decided for as ``FP16_UnfusedOptimizer`` is: its overflow check
+answers the vote, its flattened norm the joint norm (ds/fp16.py); it keeps flat fp32 masters per
+parameter group, so a step with nothing to apply to some parameters puts back their slices
+(``ds.fp16.FusedUnmoved``). ZeRO's other configurations are refused at start-up (precision.py).
 """
 from __future__ import annotations
 
@@ -42,24 +44,27 @@ from .ds import fp16 as ds_fp16
 
 
 def fp16_unfused(optimizer) -> bool:
-    return ds_fp16.is_unfused(optimizer)
+    """DeepSpeed's fp16 wrapper without ZeRO: FP16_UnfusedOptimizer (a torch optimizer) or
+    FP16_Optimizer (its fused Adam). Both keep fp16 ``.grad`` and whole fp32 masters on every rank,
+    do not scale the loss, and step every parameter of their groups."""
+    return ds_fp16.is_unfused(optimizer) or ds_fp16.is_fused(optimizer)
 
 
 def fp16_per_stage(engine) -> bool:
-    """fp16 on a wrapper whose per-stage steps :class:`Fp16Votes` decides: FP16_UnfusedOptimizer, or
-    ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
+    """fp16 on a wrapper whose per-stage steps :class:`Fp16Votes` decides: FP16_UnfusedOptimizer,
+    FP16_Optimizer (DeepSpeed's fused Adam), or ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
     from .ds.zero import is_zero
     return bool(engine.fp16_enabled()) and (fp16_unfused(engine.optimizer) or is_zero(engine.optimizer))
 
 
 def check_fp16_wrapper(engine, schedule: str) -> None:
     """On every rank as the engine is built, before any collective: refuse an fp16 wrapper that
-    :class:`Fp16Votes` cannot decide for (``FP16_Optimizer``) under a schedule with per-stage updates."""
+    :class:`Fp16Votes` cannot decide for under a schedule with per-stage updates (none of
+    DeepSpeed 0.19's fp16 pipeline paths: a safeguard for another wrapper)."""
     if engine.fp16_enabled() and not fp16_per_stage(engine):
         raise ValueError(f"schedule {schedule!r} in fp16 needs DeepSpeed's FP16_UnfusedOptimizer (a torch "
-                         "optimizer: \"optimizer\": {\"params\": {\"torch_adam\": true}} or a client optimizer) or "
-                         f"ZeRO-1's DeepSpeedZeroOptimizer, not {type(engine.optimizer).__name__} (FP16_Optimizer: "
-                         "DeepSpeed's fused Adam), whose step hippie-ds cannot split by stage")
+                         "optimizer), FP16_Optimizer (its fused Adam) or ZeRO-1's DeepSpeedZeroOptimizer, not "
+                         f"{type(engine.optimizer).__name__}, whose step hippie-ds cannot split by stage")
 
 
 class Fp16Votes:
@@ -108,6 +113,11 @@ class Fp16Votes:
         e.optimizer.overflow = overflow
         if overflow and counters:
             e.skipped_steps += 1
+
+
+def fp16_unmoved(params: list[torch.Tensor], optimizer):
+    """:class:`Fp16Unmoved` (FP16_UnfusedOptimizer) or ``ds.fp16.FusedUnmoved`` (FP16_Optimizer)."""
+    return ds_fp16.FusedUnmoved(params, optimizer) if ds_fp16.is_fused(optimizer) else Fp16Unmoved(params, optimizer)
 
 
 class Fp16Unmoved:

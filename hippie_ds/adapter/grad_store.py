@@ -25,7 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .ds import zero as ds_zero
 from .ds.zero import BF16_Optimizer, DeepSpeedOptimizer, ZeroUnmoved, is_zero
-from .fp16_stage import Fp16Unmoved, fp16_unfused
+from .fp16_stage import fp16_unfused, fp16_unmoved
 
 
 def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -52,7 +52,7 @@ class GradStore:
     def __init__(self, optimizer, params: list[torch.Tensor]):
         self.params = params
         self.bf16 = isinstance(optimizer, BF16_Optimizer)
-        self.fp16 = fp16_unfused(optimizer)  # FP16_UnfusedOptimizer: fp16 .grad, whole fp32 masters per rank
+        self.fp16 = fp16_unfused(optimizer)  # FP16_(Unfused)Optimizer: fp16 .grad, whole fp32 masters per rank
         # a parameter cannot be left out of a step: one flat partition (BF16_Optimizer, ZeRO-1), or fp16's
         # wrapper, which steps a missing gradient as a zero one
         self.flat = self.bf16 or is_zero(optimizer) or self.fp16
@@ -131,7 +131,7 @@ class GradStore:
         if not self.flat or not params:
             return None
         if self.fp16:
-            return Fp16Unmoved(params, self._optimizer)
+            return fp16_unmoved(params, self._optimizer)
         return Unmoved(params, self._optimizer) if self.bf16 else ZeroUnmoved(params, self._optimizer)
 
     @property

@@ -140,15 +140,32 @@ class LaggedTieSums:
         return True
 
     @torch.no_grad()
-    def clip_apart(self, clip: float) -> None:
+    def clip_apart(self, clip: float, scale: float = 1.0) -> None:
         """Roughly: after the data-parallel all-reduce, clip the tied weights' gradients by their
         norm and the stage's other gradients by theirs (DeepSpeed's own clipping function, local
-        norms), instead of the optimizer's clipping by the whole stage's norm."""
+        norms), instead of the optimizer's clipping by the whole stage's norm. ``scale``: the loss
+        scale the gradients carry (fp16 + ZeRO-1), clipped as their unscaled values would be."""
         tied = {id(w) for w in self._weights}
         for part in (self._weights, [p for p in self._store.params if id(p) not in tied]):
             grads = self._store.of(part)
             if grads:
-                clip_tensors_by_global_norm(grads, max_norm=clip)
+                clip_tensors_by_global_norm(grads, max_norm=clip * scale, eps=1e-6 * scale)
+
+    @torch.no_grad()
+    def rescale_pending(self, factors: list[float]) -> None:
+        """The sums in flight (oldest first) multiplied by ``factors`` (fp16 + ZeRO-1: each brought to
+        the loss scale a drain leaves, adapter/fp16_async.py); waited for first."""
+        for i, (entry, factor) in enumerate(zip(list(self._pending), factors)):
+            sums = self._wait(entry)
+            if factor != 1.0:
+                for t in sums:
+                    t.mul_(factor)
+            self._pending[i] = [(None, t) for t in sums]
+
+    @property
+    def in_flight(self) -> int:
+        """How many updates' sums are started and not applied yet."""
+        return len(self._pending)
 
     def state_dict(self) -> dict | None:
         """The sums the next updates apply, of every replica (each replica's own until the next

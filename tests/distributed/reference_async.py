@@ -16,18 +16,24 @@ def _continuous_model(parts, precision, tied):
     return layers, stage_params, _tied_slots(stage_params, layers) if tied else []
 
 
-def _lag_tied(grads, slots, pending, lag=1):
+def _lag_tied(grads, slots, pending, lag=1, precision=None):
     """Tied copies under a schedule that never flushes (hippie_ds/adapter/tied.py's
     LaggedTieSums): each copy's update u applies the sum over the copies of their update-(u-lag)
     gradients (none before u = lag: the copies are left out of the step). ``pending``: a list
     of the sums not applied yet, oldest first (updated here). ``lag=0``: the sum of update u
-    itself (a rule the tests tell apart from hippie-ds's)."""
+    itself (a rule the tests tell apart from hippie-ds's). fp16 + ZeRO-1 (a ``precision`` whose
+    gradients carry the loss scale): the sum of update u - lag, made at that update's scale, is
+    applied at update u's, multiplied by S(u) / S(u - lag) (a power of two)."""
     if not slots:
         return
-    pending.append(sum(grads[s][j] for s, j in slots))
+    scale = None if precision is None else precision.grad_scale()
+    pending.append((sum(grads[s][j] for s, j in slots), scale))
     applied = pending.pop(0) if len(pending) > lag else None
+    if applied is not None and scale is not None and applied[1] != scale and getattr(precision, "rescales_tie_sums",
+                                                                                      True):
+        applied = (applied[0] * (scale / applied[1]), scale)
     for s, j in slots:
-        grads[s][j] = None if applied is None else applied.clone()
+        grads[s][j] = None if applied is None else applied[0].clone()
 
 
 def _fp16_inject(precision, batch, indices, grads):
@@ -44,12 +50,26 @@ def _fp16_decision(precision, grads):
     return hasattr(precision, "inject_backwards") and precision.decide(grads)
 
 
-def _clip_apart(grads, slots, clip):
+def _clip_apart(grads, slots, clip, precision=None):
     """Clipping of the tied model under a schedule that never flushes (LaggedTieSums.clip_apart):
     on each stage, its tied copy by the norm of its (summed) gradient, the rest by theirs. Returns
-    the clip the step itself applies after that (0 when clipped here)."""
+    the clip the step itself applies after that (0 when clipped here). Gradients that carry the
+    loss scale S (fp16 + ZeRO-1): DeepSpeed's rule at ``max_norm`` clip * S and ``eps`` 1e-6 * S."""
     if not slots or clip <= 0:
         return clip
+    scale = None if precision is None else precision.grad_scale()
+    if scale is not None:
+        for s, stage in enumerate(grads):
+            tied = {j for t, j in slots if t == s}
+            for part in ([j for j in range(len(stage)) if j in tied], [j for j in range(len(stage)) if j not in tied]):
+                present = [j for j in part if stage[j] is not None]
+                if present:
+                    norm = float(torch.stack([stage[j].float().norm(2) for j in present]).pow(2).sum().sqrt())
+                    coef = clip * scale / (norm + 1e-6 * scale)
+                    if coef < 1:
+                        for j in present:
+                            stage[j] = stage[j] * coef
+        return 0.0
     for s, stage in enumerate(grads):
         tied = {j for t, j in slots if t == s}
         for part in ([j for j in range(len(stage)) if j in tied], [j for j in range(len(stage)) if j not in tied]):
@@ -140,8 +160,8 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         losses.append(total)
         _load(everything, current)
         _fp16_inject(precision, t, range(micro_batches), grads)
-        _lag_tied(grads, slots, tie_sums, tie_lag)
-        step_clip = _clip_apart(grads, slots, clip)
+        _lag_tied(grads, slots, tie_sums, tie_lag, precision)
+        step_clip = _clip_apart(grads, slots, clip, precision)
         skip = _fp16_decision(precision, grads)
         for s, ps in enumerate(stage_params):
             if not skip:
@@ -168,12 +188,14 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
     (grad(loss / M), averaged over replicas) as its (i+1)-th update. ``tied``: the tied model,
     its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`).
     fp16 (reference_fp16.Fp16Async): micro-batch i's update is skipped on every stage when any
-    gradient it applies is not finite."""
+    gradient it applies is not finite; the loss scale moves once per batch, at its last update."""
     K = len(parts)
     precision = precision or FP32
     layers, stage_params, slots = _continuous_model(parts, precision, tied)
     tie_sums = []
     opts = precision.optimizers(stage_params, optimizer, lr)
+    if hasattr(precision, "updates_per_batch"):  # fp16: the loss scale moves once per batch of M updates
+        precision.updates_per_batch = micro_batches
     history = [[_snapshot(ps)] for ps in stage_params]  # stage -> version -> values
     losses = []
     for i in range(steps * micro_batches):
@@ -188,8 +210,8 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
             losses.append(0.0)
         losses[-1] += loss / micro_batches
         _fp16_inject(precision, t, [m], grads)
-        _lag_tied(grads, slots, tie_sums, tie_lag)
-        step_clip = _clip_apart(grads, slots, clip)
+        _lag_tied(grads, slots, tie_sums, tie_lag, precision)
+        step_clip = _clip_apart(grads, slots, clip, precision)
         skip = _fp16_decision(precision, grads)
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][-1])

@@ -136,8 +136,9 @@ class Fp16Async(Fp16):
     """The rule of ``2bw`` and ``pipedream`` in fp16 (hippie_ds/adapter/fp16_async.py), for
     reference_async's ``run_2bw`` and ``run_pipedream``: one decision per update (2bw: a batch;
     pipedream: a micro-batch) over every stage's gradient of that update; a skipped update moves no
-    stage (the weight version still counts it) and halves the scale; every update unscales by the
-    scale after its decision. ``overflow_at``: {(call, stage)}: that stage's first parameter gradient made
+    stage (the weight version still counts it); the scale moves once per batch (:meth:`decide`), so
+    an update unscales by the scale after its batch's move if it is the batch's last, else by the
+    scale before it. ``overflow_at``: {(call, stage)}: that stage's first parameter gradient made
     infinite in every backward the stage runs during ``train_batch`` call ``call`` (or in the
     ``drain()`` after call ``call`` - 1): what the rank worker's ``+ovfS.T`` injects, by
     ``engine.global_steps``, which these schedules advance once per call. Where a backward runs:
@@ -146,6 +147,21 @@ class Fp16Async(Fp16):
     def __init__(self, scale: LossScale, stages: int, micro_batches: int, overflow_at=()):
         super().__init__(scale, overflow_at)
         self.stages, self.micro_batches = stages, micro_batches
+        self.updates_per_batch = 1  # run_pipedream sets micro_batches: the scale moves once per batch
+        self.skipped = []  # per update, whether it was skipped
+        self._batch_overflow = False
+
+    def decide(self, applies) -> bool:
+        """Update u's decision; the scale moves once per batch, at its last update, by whether any of
+        the batch's updates overflowed (DeepSpeed's scaler moves once per step of a batch; an update
+        per micro-batch moving it would grow it M times as fast: issue 61)."""
+        skip = any(not bool(torch.isfinite(g).all()) for gs in applies for g in gs if g is not None)
+        self.skipped.append(skip)
+        self._batch_overflow = self._batch_overflow or skip
+        if len(self.skipped) % self.updates_per_batch == 0:
+            self.loss_scale.update(self._batch_overflow)
+            self._batch_overflow = False
+        return skip
 
     def backward_call(self, stage: int, batch: int, index: int) -> int:
         """The call that runs ``stage``'s backward of micro-batch ``index`` of ``batch``: both schedules

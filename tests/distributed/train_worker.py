@@ -33,7 +33,7 @@ def split_name(name):
     "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says),
     "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam" ("2bw+made": "extrapolate-made"), "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
     with DeepSpeed's immediate_grad_update, "zb-h1+fp16" in fp16 with DeepSpeed's dynamic loss scale (+zero1: on
-    DeepSpeedZeroOptimizer), "zb-h1+attrs" with Megatron's attributes on every parameter (model.megatron_attributes:
+    DeepSpeedZeroOptimizer; +fused: with "optimizer": {"type": "Adam"}, FP16_Optimizer), "zb-h1+attrs" with Megatron's attributes on every parameter (model.megatron_attributes:
     an int ``stride`` hides ``Tensor.stride()``), "hippie+fp16+ovf1.2" with stage 1's first gradient infinite in
     step 2 (:func:`inject_overflows`), "hippie+fp16+p12" with an initial loss scale of 2**12 (default 2**20)."""
     schedule, *opts = name.split("+")
@@ -53,6 +53,8 @@ def config(args, schedule, dp, opts=()):
     if args.comm_dtype:
         cfg["communication_data_type"] = args.comm_dtype
     bf16, zero = args.bf16 or "bf16" in opts, args.zero or (1 if "zero1" in opts else 0)
+    if "fused" in opts:  # DeepSpeed's own Adam (FusedAdam; FP16_Optimizer in fp16), decoupled decay as torch's AdamW
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": args.lr, "weight_decay": 0.01}}
     if "fp16" in opts:  # dynamic loss scale; 2**20 overflows at the first step (a skipped step, the scale halved)
         power = next((int(o[1:]) for o in opts if o[:1] == "p" and o[1:].isdigit()), 20)  # "+p12": 2**12
         cfg["fp16"] = {"enabled": True, "initial_scale_power": power, "loss_scale_window": 2, "hysteresis": 1}
