@@ -13,16 +13,16 @@ def _results():
            "waited_for_core": False}
     stock = {**row, "vs_1f1b": 1.0, "vs_1f1b_min": None, "vs_1f1b_max": None, "me_vs_dp": 1.75}
     waited = {**row, "runqueue_wait_share_max": 0.259, "waited_for_core": True}
-    return {"config": {"stages": 4, "dilation": 16.0, "link": "tbf 10mbit"},
+    return {"config": {"stages": 4, "dilation": 16.0, "link": "tbf 10mbit burst min", "emulate_scale": 1e-3},
             "summary": {"by_nodes": {"1": {}, "4": {"1f1b": stock, "hippie-1f1b": row, "planned": waited}}}}
 
 
 def test_table_and_figures_block():
     lines = model_table(_results(), "docs/bench/scaling/vgg16/results.json", "VGG-16")
     text = "\n".join(lines)
-    assert "D = 16" in text and "| hippie-1f1b | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
-    assert "| 1F1B (stock DeepSpeed) | 1.00x |" in text
-    assert "| planned (ME) | not a figure | - | - | - | **yes** (25.9%) |" in text  # flagged: no figures
+    assert "D = 16" in text and "10 Gbit/s between nodes" in text and "| hippie-1f1b | emulated | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
+    assert "| 1F1B (stock DeepSpeed) | emulated | 1.00x |" in text
+    assert "| planned (ME) | emulated | not a figure | - | - | - | **yes** (25.9%) |" in text  # flagged: no figures
     assert "hippie-1f1b | vs stock 1F1B | {summary.by_nodes.4.hippie-1f1b.vs_1f1b} " \
            "{summary.by_nodes.4.hippie-1f1b.vs_1f1b_min} {summary.by_nodes.4.hippie-1f1b.vs_1f1b_max}" in text
     assert "planned (ME) | memory" not in text

@@ -35,16 +35,26 @@ def _range(row: dict, key: str, fmt: str) -> tuple[str, list[str]]:
             [f"{{{{path}}.{key}}}", f"{{{{path}}.{key}_min}}", f"{{{{path}}.{key}_max}}"])
 
 
+def link_equivalent(cfg: dict) -> str:
+    """The real link the shaped one stands for: its rate / the emulated model's scale (10mbit x 1e-3:
+    10 Gbit/s). Pure."""
+    from tools.bench.cluster import parse_rate
+    rate = next((t for t in str(cfg.get("link", "")).split() if t[:1].isdigit()), None)
+    if rate is None or not cfg.get("emulate_scale"):
+        return str(cfg.get("link"))
+    return f"{parse_rate(rate) * 8 / cfg['emulate_scale'] / 1e9:g} Gbit/s"
+
+
 def model_table(results: dict, source: str, model: str) -> list[str]:
     """The markdown table of ``model``'s most nodes, then its figures block citing ``source``. Pure."""
     by_nodes = results["summary"]["by_nodes"]
     n = max(by_nodes, key=int)
     rows = by_nodes[n]
     cfg = results["config"]
-    lines = [f"**{model}, {n} nodes x {cfg['stages']} (emulated, D = {cfg.get('dilation', 1):g}, link "
-             f"{cfg['link']})**", "",
-             "| column | vs stock 1F1B | scaling 1 -> " + n + " nodes | memory/device (GB) | ME vs DP | waited for a core |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"**{model}, {n} nodes x {cfg['stages']} V100s (emulated, time dilation D = {cfg.get('dilation', 1):g}), "
+             f"{link_equivalent(cfg)} between nodes**", "",
+             "| schedule | kind | vs stock 1F1B | scaling 1 -> " + n + " nodes | memory/device (GB) | ME vs DP | "
+             "waited for a core |", "|---|---|---|---|---|---|---|"]
     block = [f"<!-- figures {source}"]
     for s in COLUMNS:
         row = rows.get(s)
@@ -54,7 +64,7 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         label = name_of(s)
         wait = row.get("runqueue_wait_share_max")
         if row.get("waited_for_core"):  # it measured the machine's contention: no figure (issue 56 item 4)
-            lines.append(f"| {label} | not a figure | - | - | - | **yes** ({wait:.1%}) |")
+            lines.append(f"| {label} | emulated | not a figure | - | - | - | **yes** ({wait:.1%}) |")
             block.append(f"{label} | waited | {{{path}.runqueue_wait_share_max}}*100")
             continue
         vs, e_vs = _range(row, "vs_1f1b", "{:.2f}x")
@@ -62,7 +72,7 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         mem = f"{row['memory_bytes'] / 1e9:.2f}" if row.get("memory_bytes") else "-"
         me = f"{row['me_vs_dp']:.2f}x" if row.get("me_vs_dp") else "-"
         waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core") else f"no ({wait:.1%})")
-        lines.append(f"| {label} | {vs} | {sc} | {mem} | {me} | {waited} |")
+        lines.append(f"| {label} | emulated | {vs} | {sc} | {mem} | {me} | {waited} |")
         for column, exprs in (("vs stock 1F1B", e_vs), ("scaling", e_sc)):
             if exprs:
                 block.append(f"{label} | {column} | " + " ".join(e.replace("{path}", path) for e in exprs))
@@ -88,14 +98,19 @@ def picture(models: dict, path: Path) -> None:
         names = [s for s in COLUMNS if s in rows]
         for ax, key in zip(axes, ("me_vs_dp", "scaling")):
             xs = [COLUMNS.index(s) + (k - (len(models) - 1) / 2) * width for s in names]
-            ax.bar(xs, [rows[s].get(key) or 0 for s in names], width, label=model)
+            bars = ax.bar(xs, [rows[s].get(key) or 0 for s in names], width, label=model)
+            for bar, s in zip(bars, names):  # a rank waited for a core: drawn, but marked as no figure
+                if rows[s].get("waited_for_core"):
+                    bar.set_hatch("//")
+                    bar.set_alpha(0.35)
     for ax, ref, title in ((axes[0], PAPER_ME, "memory efficiency vs DP (4 nodes)"),
                            (axes[1], PAPER_SCALING, "scaling efficiency 1 -> 4 nodes")):
         ax.axhline(ref, color="k", ls="--", lw=1, label=f"Hippie paper: {ref:g}")
         ax.set_xticks(range(len(COLUMNS)), [name_of(s).replace(" (", "\n(") for s in COLUMNS], fontsize=7)
         ax.set_title(title)
         ax.legend(fontsize=7)
-    fig.suptitle("emulated cluster (PipeDream's V100 profiles, time-dilated on a 2-core CPU): no GPU run", fontsize=9)
+    fig.suptitle("emulated cluster (PipeDream's V100 profiles, time-dilated on a 2-core CPU): no GPU run; "
+                 "hatched: a rank waited for a core (not a figure)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -114,7 +129,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench headline", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", action="append", default=None, metavar="MODEL=FILE",
                    help="a scaling study's results.json per model (default: VGG-16 and GNMT-16's published ones)")
-    p.add_argument("--readme", default=str(REPO / "README.md"))
+    p.add_argument("--readme", action="append", default=None, metavar="FILE",
+                   help="a markdown file with the markers to write into (default: README.md and docs/results.md)")
     p.add_argument("--picture", default=str(REPO / "docs" / "images" / "headline.png"))
     a = p.parse_args(argv)
     given = a.results or [f"VGG-16={REPO / 'docs/bench/scaling/vgg16/results.json'}",
@@ -130,9 +146,11 @@ def main(argv=None) -> int:
         section += model_table(models[model], source, model) + [""]
     if not models:
         raise SystemExit("no results.json found: run python -m tools.bench scaling first")
-    pic, readme = Path(a.picture).resolve(), Path(a.readme).resolve()
+    pic = Path(a.picture).resolve()
     picture(models, pic)
-    section.append(f"![ME against DP and scaling per column]({os.path.relpath(pic, readme.parent)})")
-    readme.write_text(splice(readme.read_text(), "\n".join(section)))
+    for doc in a.readme or [str(REPO / "README.md"), str(REPO / "docs" / "results.md")]:
+        doc = Path(doc).resolve()
+        image = f"![ME against DP and scaling per column]({os.path.relpath(pic, doc.parent)})"
+        doc.write_text(splice(doc.read_text(), "\n".join(section + [image])))
     print("\n".join(section))
     return 0
