@@ -30,8 +30,10 @@ def _costs(model: _Model, lay: _Layout, b: int, ks: Sequence[int]):
             layer_costs.append({
                 # a re-computed layer's W runs in the input pass, the first stage's whole backward in W
                 "forward": f * model.fwd[i], "backward": f * model.bwd[i],
+                # a measured W can exceed the whole backward (the split's second pass): the excess is in
+                # split_extra already (I + W - B), so W is charged at most B and I the rest
                 "backward_weight": f * (model.bwd[i] if s == 0 and model.first_whole else 0.0 if i in chosen
-                                        else model.wgt[i]),
+                                        else min(model.wgt[i], model.bwd[i])),
                 "split_extra": f * (0.0 if (s == 0 and model.first_whole) or i in chosen else model.extra[i]),
                 "recompute": f * model.rc[i] if i in chosen else 0.0,
                 "param_bytes": held[i],
