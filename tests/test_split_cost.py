@@ -96,10 +96,11 @@ def test_the_profiler_times_the_engines_split_and_leaves_gradients_alone():
     from hippie_ds.adapter.layer_timing import as_stage_input, measure_layer
     block, x = _Block(), as_stage_input(torch.randn(16, 64))
     params = list(block.parameters())
+    held = block.fc.weight.grad = torch.full_like(block.fc.weight, 7.0)  # a job's gradient, kept as it was
     record = measure_layer(block, x, params, 1.0, repeats=3, warmup=1, accumulate=False).record
     assert record["split_extra"] is not None and record["split_extra"] >= 0
     assert 0 <= record["backward_weight"] <= record["backward"]
-    assert all(p.grad is None for p in params) and x.grad is None
+    assert block.fc.weight.grad is held and torch.all(held == 7.0) and block.fc.bias.grad is None and x.grad is None
     emb = torch.nn.Embedding(10, 8)  # token ids: no input gradient, the whole backward is W, no split
     record = measure_layer(emb, torch.randint(0, 10, (4, 3)), list(emb.parameters()), 1.0, repeats=2, warmup=1,
                            accumulate=False).record

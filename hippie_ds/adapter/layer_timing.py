@@ -179,15 +179,15 @@ def split_times(fn, inp: Any, backward: float, repeats: int, warmup: int,
         return backward, 0.0
     kept = [(t, t.grad) for t in list(params) + ins]
 
-    def forward():
-        for t in ins:
+    def forward():  # W adds into a .grad in place: never into one the caller holds
+        for t, _ in kept:
             t.grad = None
-        outs, ins_, params = grad_targets(fn(inp), inp)
-        return outs, ins_, params, [torch.ones_like(t) for t in outs]
+        outs_, ins_, params_ = grad_targets(fn(inp), inp)
+        return outs_, ins_, params_, [torch.ones_like(t) for t in outs_]
 
     def input_pass(targets):
-        outs, ins_, params, grads = targets
-        return backward_input(outs, grads, ins_, params), params
+        outs_, ins_, params_, grads = targets
+        return backward_input(outs_, grads, ins_, params_), params_
 
     def weight_pass(pending):
         backward_weight(*pending)

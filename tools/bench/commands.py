@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                    "the plan runs: the plan's memory against max_memory_allocated"),
     "cut-sweep": ("tools.bench.studies.cut_sweep", "a plan's top candidates (cuts, configurations) trained on the GPT "
                                                    "example in rotated rounds: measured against predicted ranking"),
+    "split-backward": ("tools.bench.studies.split_backward", "zb-h1's I and W from the engine's timelines beside "
+                                                             "1f1b's whole backward and a profile's charges (no run)"),
     "example-costs": ("tools.bench.studies.example_costs", "a training example's cost file (hippie.costs) for "
                                                            "`python -m tools.bench convergence --costs`"),
     "convergence": ("tools.bench.convergence", "time to a target loss: the examples trained per schedule, seeds, "

@@ -5,7 +5,7 @@ over the instructions of the recorded steps after ``--skip`` (warm-up and in-pla
 layer profile cut at the stages (``--boundaries``, default DeepSpeed's uniform), the backward B, W,
 the old charge I = B - W and the engine's I = B - W + split_extra. Pure: reads the files.
 
-    python -m tools.bench.studies.split_backward --zb OUT_ZB/timeline --whole OUT_1F1B/timeline \\
+    python -m tools.bench split-backward --zb OUT_ZB/timeline --whole OUT_1F1B/timeline \\
         --profile profile.yaml [--boundaries 0,5,10] [--skip 4]
 """
 from __future__ import annotations
@@ -74,7 +74,3 @@ def main(argv=None) -> None:
         print(f"{s} | {i[0]:.1f} / {i[1]:.1f} | {w[0]:.1f} / {w[1]:.1f} | {i[0] + w[0]:.1f} / {i[1] + w[1]:.1f} | "
               f"{b[0]:.1f} / {b[1]:.1f} | {ratio[0]:.2f} / {ratio[1]:.2f} | {charge['B']:.1f} | {charge['W']:.1f} | "
               f"{charge['I_old']:.1f} | {charge['I']:.1f}")
-
-
-if __name__ == "__main__":
-    main()
