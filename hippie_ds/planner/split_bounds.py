@@ -23,9 +23,11 @@ def split_stage_times(model, lay, f: float, ks: Sequence, B: Sequence[float]) ->
     """(I, W) per stage of a split backward as the engine runs it, at batch factor ``f`` (one
     chunk's with v chunks per stage): W the stage's parameter-gradient part (the first stage's
     whole backward; a re-computed layer's W runs in I), I the rest of the backward ``B``
-    (re-computation included) plus :func:`split_extra`, the second autograd pass's cost."""
+    (re-computation included) plus :func:`split_extra`, the second autograd pass's cost. W is at
+    most ``B`` (a profile edited by hand may give a layer more W than backward; the simulator's
+    costs clamp it alike, :mod:`.sim_costs`)."""
     v = lay.v
-    W = [f * (lay.wgt[s] - lay.moved(s, ks[s])) / v for s in range(lay.K)]
+    W = [min(f * (lay.wgt[s] - lay.moved(s, ks[s])) / v, B[s]) for s in range(lay.K)]
     return [B[s] - W[s] + f * split_extra(model, lay, s, ks[s]) / v for s in range(lay.K)], W
 
 
