@@ -159,7 +159,7 @@ class LaggedTieSums:
             sums = self._wait(entry)
             if factor != 1.0:
                 for t in sums:
-                    t.mul_(factor)
+                    torch.Tensor.mul_(t, factor)
             self._pending[i] = [(None, t) for t in sums]
 
     @property

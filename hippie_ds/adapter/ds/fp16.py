@@ -94,8 +94,8 @@ class FusedUnmoved:
         for i, group in enumerate(optimizer.fp16_groups):
             offset = 0
             for p in group:
-                where[id(p)] = (i, offset, p.numel())
-                offset += p.numel()
+                where[id(p)] = (i, offset, torch.Tensor.numel(p))  # a user's parameter: through torch.Tensor
+                offset += torch.Tensor.numel(p)
         self.saved = []
         for p in params:
             i, offset, n = where[id(p)]
@@ -103,11 +103,12 @@ class FusedUnmoved:
             state = optimizer.optimizer.state.get(master, {})
             tensors = [master] + [v for v in state.values() if torch.is_tensor(v) and v.numel() == master.numel()]
             self.saved.append((p, torch.Tensor.clone(torch.Tensor.detach(p)),
-                               [(t, t.detach().narrow(0, offset, n).clone(), offset, n) for t in tensors]))
+                               [(t, torch.Tensor.clone(torch.Tensor.narrow(torch.Tensor.detach(t), 0, offset, n)), offset, n)
+                                for t in tensors]))
 
     @torch.no_grad()
     def restore(self) -> None:
         for p, weight, slices in self.saved:
             torch.Tensor.copy_(p, weight)
             for t, value, offset, n in slices:
-                t.narrow(0, offset, n).copy_(value)
+                torch.Tensor.copy_(torch.Tensor.narrow(t, 0, offset, n), value)
