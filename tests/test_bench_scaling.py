@@ -236,3 +236,13 @@ def test_worker_label_order_and_dp_alone():
     assert order_labels("dp") == ["dp"]
     with pytest.raises(SystemExit, match="dp must run alone"):  # DeepSpeed's groups.mpu would regroup DP
         order_labels("dp,stock")
+
+
+def test_worst_wait_is_the_worst_rank_s_median_share(tmp_path):
+    """The rerun rule reads the same wait share as the report's flag (analysis.cpu_figures)."""
+    assert scaling.worst_wait(tmp_path) is None  # no records
+    (tmp_path / "raw" / "stock").mkdir(parents=True)
+    for rank, wait in ((0, 0.01), (1, 0.2)):
+        (tmp_path / "raw" / "stock" / f"rank{rank}.steps.json").write_text(json.dumps(
+            {"rank": rank, "steps": [{"warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": wait}] * 3}))
+    assert scaling.worst_wait(tmp_path) == pytest.approx(0.2)

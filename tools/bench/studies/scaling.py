@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench.analysis import analyse_job, combine_rounds
+from tools.bench.analysis import analyse_job, combine_rounds, cpu_figures, load_run
 from tools.bench.cluster import Refuse, StarNetwork, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate
 from tools.bench.cluster import preflight as cluster_preflight
 from tools.bench.labels import engine_label
@@ -243,16 +243,12 @@ def run_job(a, net, job: dict, run_dir: Path, port: int, start: float) -> None:
 
 
 def worst_wait(run_dir: Path) -> float | None:
-    """The largest share of a timed step any rank's main thread waited for a core, per rank the median
-    over its timed steps (RUN/raw/LABEL/rank*.steps.json; the worst label); None without records."""
-    import statistics
-    worst = None
-    for f in run_dir.glob("raw/*/rank*.steps.json"):
-        shares = [s["runqueue_wait_s"] / (s["end"] - s["start"]) for s in json.loads(f.read_text())["steps"]
-                  if not s.get("warmup") and s.get("runqueue_wait_s") is not None and s["end"] > s["start"]]
-        if shares:
-            worst = max(worst or 0.0, statistics.median(shares))
-    return worst
+    """The largest share of a timed step any rank's main thread waited for a core (each rank's median
+    over its timed steps, analysis.cpu_figures), over the job's labels; None without records."""
+    waits = [cpu_figures(load_run(run_dir, d.name)).get("runqueue_wait_share_max") for d in (run_dir / "raw").iterdir()
+             if d.is_dir()] if (run_dir / "raw").is_dir() else []
+    waits = [w for w in waits if w is not None]
+    return max(waits) if waits else None
 
 
 def analyse(a, out: Path, link: dict | None) -> dict:
