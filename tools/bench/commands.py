@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                              "1f1b's whole backward and a profile's charges (no run)"),
     "example-costs": ("tools.bench.studies.example_costs", "a training example's cost file (hippie.costs) for "
                                                            "`python -m tools.bench convergence --costs`"),
+    "staleness": ("tools.bench.studies.staleness", "one process: which correction lets a one-step-late stage reach "
+                                                   "data parallelism's loss (rules per stage, seeds)"),
     "convergence": ("tools.bench.convergence", "time to a target loss: the examples trained per schedule, seeds, "
                                                "step times and costs"),
     "multinode": ("tools.bench.multinode", "DeepSpeed's launcher across emulated nodes (one launcher per node, "
