@@ -30,8 +30,9 @@
                                                 #   c * (Adam's predicted next update, from its moments,
                                                 #   step count and LR; Adam/AdamW only); or "none" (the
                                                 #   plain one-step-delayed rule)
-            "coefficient": 1.0                  #   c
-        },
+            "coefficient": 1.0,                 #   c
+            "error_feedback": 0.0               # 2bw: update u(t) + g (u(t) - u(t-1)), u the optimizer's
+        },                                      #   step (g; 0: off)
         "profile": null                         # {"out": "profile.yaml", "steps": 3, "repeats": 3}: measure
                                                 #   every layer of every stage in place (after one warm-up
                                                 #   train_batch, during the next `steps`), write one profile
@@ -71,6 +72,9 @@ class StalenessConfig(BaseModel):
     # otherwise); "none": no correction.
     method: Literal["none", "extrapolate", "extrapolate-made", "adam"] = "extrapolate-made"
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
+    # Error feedback on 2bw's one-update-late stages (hippie_ds.adapter.error_feedback): the update
+    # u(t) + g (u(t) - u(t-1)), u the optimizer's own step; 0: off.
+    error_feedback: float = Field(0.0, ge=0.0, le=4.0)
 
 
 class ProfileConfig(BaseModel):

@@ -307,7 +307,8 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     c = 1.5
     rules = {"2bw": StalenessConfig(method="extrapolate", coefficient=c), "2bw+nostale": StalenessConfig(method="none"),
              "2bw+adam": StalenessConfig(method="adam", coefficient=c),
-             "2bw+made": StalenessConfig(method="extrapolate-made", coefficient=c)}
+             "2bw+made": StalenessConfig(method="extrapolate-made", coefficient=c),
+             "2bw+made+ef5": StalenessConfig(method="extrapolate-made", coefficient=c, error_feedback=0.5)}
     rc, log, _ = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", 5,
                         "--optimizer", optimizer, "--lr", lr, "--engines", ",".join(rules), "--drain",
                         "--staleness", f"extrapolate:{c}", timeout=300)
@@ -322,7 +323,7 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
         for rank_losses in losses.values():
             assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
         _replicas_identical(replicas)
-        results[staleness.method] = ours
+        results[staleness.method + ("+ef" if staleness.error_feedback else "")] = ours
         # After the last train_batch, batches in flight (before drain), every stage's module holds its
         # true current weights, the rule's after that many updates, not the prediction (or the stashed
         # version) its last forward computed on
@@ -340,6 +341,8 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     assert _max_diff(results["adam"], results["none"]) > 1e-4, "adam changed nothing"
     assert _max_diff(results["extrapolate-made"], results["extrapolate"]) > 1e-4, "the made weights changed nothing"
     assert _max_diff(results["extrapolate-made"], results["adam"]) > 1e-4, "extrapolate-made is adam's rule"
+    # error feedback on the first stage (one update behind; the last computes on its made weights)
+    assert _max_diff(results["extrapolate-made+ef"], results["extrapolate-made"]) > 1e-4, "error feedback changed nothing"
 
 
 @pytest.mark.distributed
@@ -348,7 +351,8 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     # batches in flight: save_checkpoint drains them and saves both/stashed weight versions),
     # then a fresh engine loads it and continues.
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--optimizer", "AdamW", "--lr", 0.01,
-            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2")
+            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2,"
+            "2bw+made+ef5,2bw+made+ef5+ckpt2")
     rc, log, _ = launch(4, tmp_path, *args, timeout=300)
     assert rc == 0, log[-4000:]
     # hippie.staleness "adam": its predictions and the versions they are fixed for travel in the checkpoint
@@ -364,6 +368,13 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     made_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
                                           staleness=StalenessConfig(method="extrapolate-made"))
     assert _max_diff(made, made_ref) <= 1e-6
+    # error feedback: its last update lives in the optimizer's state, which the checkpoint carries
+    ef, ef_resumed = collect(tmp_path, "2bw+made+ef5")[0], collect(tmp_path, "2bw+made+ef5+ckpt2")[0]
+    assert _max_diff(ef, ef_resumed) == 0, "2bw error feedback: resumed differs"
+    ef_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
+                                        staleness=StalenessConfig(method="extrapolate-made", error_feedback=0.5))
+    assert _max_diff(ef, ef_ref) <= 1e-6
+    assert _max_diff(ef, made) > 1e-4, "error feedback changed nothing"
     for name in ("2bw", "pipedream"):
         full, full_losses, parts, _, _ = collect(tmp_path, name)
         resumed, resumed_losses, _, _, replicas = collect(tmp_path, name + "+ckpt2")

@@ -286,6 +286,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_config, config_class, compiled, options, deferral = prepare(model, config, config_path, choices)
     from .adam_prediction import check_config as check_staleness  # hippie.staleness "adam": an Adam it reads
     check_staleness(options.staleness, ds_config, optimizer)
+    from .error_feedback import check as check_error_feedback  # hippie.staleness.error_feedback: 2bw only
+    check_error_feedback(options.staleness, compiled)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),
@@ -308,6 +310,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from .staleness import bind_made_weights
     bind_staleness(engine, options.staleness)
     bind_made_weights(engine, options.staleness)  # "extrapolate-made": from the compiled schedule
+    from .error_feedback import bind as bind_error_feedback  # on the stages one update behind, not made
+    bind_error_feedback(engine.optimizer, engine._versions.prediction, options.staleness)
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
         from .profile_in_place import profile_in_place

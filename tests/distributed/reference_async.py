@@ -2,6 +2,8 @@
 (``run_2bw``: double-buffered weights, every stage one step late) and PipeDream (``run_pipedream``:
 one weight version per in-flight micro-batch, ``vertical_sync`` optionally), for the distributed
 tests; the synchronous and deferred rules, and what both share, are reference.py's."""
+import math
+
 import torch
 
 import model as tiny
@@ -27,7 +29,15 @@ def _lag_tied(grads, slots, pending, lag=1, precision=None):
     if not slots:
         return
     scale = None if precision is None else precision.grad_scale()
-    pending.append((sum(grads[s][j] for s, j in slots), scale))
+    if precision is not None and precision.tie_before_dp and precision.accumulates_per_rank:
+        # fp16: each replica summed its copies before the average (_batch_grads): every slot holds the sum; an
+        # overflow injected into any copy reaches it
+        total = grads[slots[0][0]][slots[0][1]]
+        if any(not bool(torch.isfinite(grads[s][j]).all()) for s, j in slots):
+            total = total * math.inf
+        pending.append((total, scale))
+    else:
+        pending.append((sum(grads[s][j] for s, j in slots), scale))
     applied = pending.pop(0) if len(pending) > lag else None
     if applied is not None and scale is not None and applied[1] != scale and getattr(precision, "rescales_tie_sums",
                                                                                       True):
@@ -58,6 +68,18 @@ def _clip_apart(grads, slots, clip, precision=None):
     if not slots or clip <= 0:
         return clip
     scale = None if precision is None else precision.grad_scale()
+    if getattr(precision, "ds_clipping", False):  # fp16: DeepSpeed's own function, as the engine clips (its rounding)
+        from deepspeed.runtime.utils import clip_tensors_by_global_norm
+        for s, stage in enumerate(grads):
+            tied = {j for t, j in slots if t == s}
+            for part in ([j for j in range(len(stage)) if j in tied], [j for j in range(len(stage)) if j not in tied]):
+                present = [j for j in part if stage[j] is not None]
+                for j in present:
+                    stage[j] = stage[j].clone()
+                if present:
+                    clip_tensors_by_global_norm([stage[j] for j in present], max_norm=clip * (scale or 1.0),
+                                                eps=1e-6 * (scale or 1.0))
+        return 0.0
     if scale is not None:
         for s, stage in enumerate(grads):
             tied = {j for t, j in slots if t == s}
@@ -105,6 +127,30 @@ def adam_predicted(opt, coefficient, precision=None):
     return out
 
 
+def error_feedback(optimizer, gain):
+    """``hippie.staleness.error_feedback`` = ``gain`` on one stage's optimizer, written from its rule:
+    after each step of the values the optimizer steps (the masters, before a precision copies them
+    to the model), W -= gain * (u - u_prev), u = W before the step - W after it, u_prev the last
+    one (0 at first); a value the optimizer holds no state for (never stepped) is left alone."""
+    last, start = {}, []
+
+    def before(opt, args, kwargs):
+        start[:] = [(p, p.detach().clone()) for group in opt.param_groups for p in group["params"]
+                    if p.grad is not None]
+
+    def after(opt, args, kwargs):
+        with torch.no_grad():
+            for p, w in start:
+                if not opt.state.get(p):
+                    continue
+                u = w - p
+                p.sub_(u - last[p] if p in last else u, alpha=gain)
+                last[p] = u
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
 def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None, precision=None,
             tied=False, tie_lag=1):
     """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
@@ -115,7 +161,8 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     :func:`adam_predicted` of W(t-1), from the optimizer's state right after the update that made
     W(t-1), except on the last stage, which has made W(t) before batch t computes: there on
     W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1); ``extrapolate-made``: extrapolate's, with the last stage's
-    made weights as ``adam``'s (not in fp16: the last stage holds its update until the vote is in). ``tied``: the tied model, its copies ``tie_lag`` updates
+    made weights as ``adam``'s (not in fp16: the last stage holds its update until the vote is in);
+    ``error_feedback`` > 0 (:func:`error_feedback`) on every stage that does not compute on made weights. ``tied``: the tied model, its copies ``tie_lag`` updates
     later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
     reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
     (the lagged tie sum included) is not finite (:func:`_fp16_decision`)."""
@@ -129,6 +176,10 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     # "extrapolate-made": not in fp16, where the last stage holds its update until the vote is in
     made_weights = adam or (staleness is not None and staleness.method == "extrapolate-made"
                             and not hasattr(precision, "inject_backwards"))
+    gain = getattr(staleness, "error_feedback", 0.0) if staleness is not None else 0.0
+    for s, opt in enumerate(opts if gain else ()):  # every stage computing one update behind
+        if not (made_weights and s == len(opts) - 1):
+            error_feedback(opt[0] if isinstance(opt, tuple) else opt, gain)
     history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
     predicted = {}  # adam: W_hat(v), made right after the update that made W(v)
     losses = []
@@ -146,7 +197,7 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
         _load(everything, compute)
         if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
-                                               precision)
+                                               precision, slots if precision.tie_before_dp else ())
             total = sum(batch_losses) / micro_batches
         else:
             grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
@@ -203,7 +254,8 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][pipedream_version(s, K, i, vertical_sync)])
         if precision.accumulates_per_rank:
-            grads, (loss,) = _batch_grads(layers, stage_params, t, [m], dp, micro_batches, precision)
+            grads, (loss,) = _batch_grads(layers, stage_params, t, [m], dp, micro_batches, precision,
+                                          slots if precision.tie_before_dp else ())
         else:
             grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
         if m == 0:

@@ -88,6 +88,9 @@ def config(args, schedule, dp, opts=()):
             cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "method": "adam"}
         if "made" in opts:  # extrapolation and the made weights, with --staleness's coefficient when given
             cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "method": "extrapolate-made"}
+        for opt in opts:  # "efG": hippie.staleness.error_feedback G/10 (ef5: 0.5) on top of the method above
+            if opt.startswith("ef") and opt[2:].isdigit():
+                cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "error_feedback": int(opt[2:]) / 10}
         if "sync" in opts:
             cfg["hippie"]["deferred_stages"] = []
         if "vs" in opts:
@@ -174,6 +177,9 @@ def parse_args():
     p.add_argument("--crash-in-handler", action="store_true", help="--crash-rank raises inside the handler of its "
                    "first backward of step 1, and every rank's script catches what train_batch raises and calls a "
                    "barrier before re-raising")
+    p.add_argument("--refusal-barrier", action="store_true", help="a rank whose engine build raises prints the "
+                   "error, then waits in a barrier for the others to do the same before it exits (the launcher ends "
+                   "the other ranks at the first failure: a slower rank's refusal would go unprinted)")
     p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section; its "
                    "'pipeline' and 'deepspeed' keys into the pipeline section and the top level (bad-input tests)")
     return p.parse_args()
@@ -226,7 +232,13 @@ def main():
     for name in args.engines.split(","):
         _, opts = split_name(name)
         ckpt_at = next((int(o[4:]) for o in opts if o.startswith("ckpt")), None)
-        engine = build(name)
+        try:
+            engine = build(name)
+        except Exception as e:
+            if args.refusal_barrier:  # every rank's refusal printed before any rank exits
+                print(f"rank {rank} refused: {e}", flush=True)
+                torch.distributed.barrier()
+            raise
         inject_overflows(engine, opts)
         replica = engine.grid.data_parallel_id
         hook_counts = {}  # the public instruction hook, beside the timeline it also feeds
@@ -238,7 +250,7 @@ def main():
             _, client = engine.load_checkpoint(args.resume, **(weights_only if args.resume_weights_only else {}))
             start = client["next_step"]
         it = data(replica, start, opts)
-        losses = []
+        losses, applied = [], []
         step = start
         if args.crash_in_handler and args.crash_rank == rank:
             crash_in_first_backward(engine, at_step=1)
@@ -249,6 +261,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
                 losses.append(float(engine.train_batch(it)))
+                applied.append(bool(engine.was_step_applied()))  # what a client reads (Megatron: skipped iterations)
             except BaseException:
                 if args.crash_in_handler:  # a script's clean-up collective (a barrier, a checkpoint)
                     torch.distributed.barrier()
@@ -282,7 +295,7 @@ def main():
         drained = bool(engine.drain()) if args.drain and getattr(engine, "has_in_flight", lambda: False)() else None
         state = module_state()
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
-        torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "layers": state,
+        torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "applied": applied, "layers": state,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
                     if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,

@@ -144,18 +144,18 @@ def load_example(name: str):
 def build_layers(specs, device):
     """The layers as DeepSpeed's PipelineModule builds them with seed_layers=True: layer i under
     ds_utils.set_random_seed(base_seed + i), whatever stage holds it."""
-    from deepspeed.runtime import utils as ds_utils
+    from hippie_ds.adapter.ds.module import set_random_seed
     layers = []
     for i, spec in enumerate(specs):
-        ds_utils.set_random_seed(BASE_SEED + i)
+        set_random_seed(BASE_SEED + i)
         layers.append(spec.build().to(device))
     return layers
 
 
 def stage_bounds(num_layers: int, stages: int) -> list[int]:
     """PipelineModule(partition_method='uniform')'s cut (the examples' default)."""
-    from deepspeed.runtime import utils as ds_utils
-    return [int(b) for b in ds_utils.partition_uniform(num_items=num_layers, num_parts=stages)]
+    from hippie_ds.adapter.ds.module import partition_uniform
+    return [int(b) for b in partition_uniform(num_layers, stages)]
 
 
 # -------------------------------------------------------------------------------------------- runs

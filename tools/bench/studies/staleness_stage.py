@@ -16,7 +16,7 @@ class Stage:
     def __init__(self, params, delayed: bool, methods: dict, lr: float, steps: int, muon: set | None = None,
                  muon_lr: float = 0.02):
         import torch
-        from deepspeed.runtime.lr_schedules import WarmupDecayLR
+        from hippie_ds.adapter.ds.runtime import warmup_decay_lr
         self.torch = torch
         self.params = params
         self.delayed = delayed
@@ -36,7 +36,7 @@ class Stage:
             peaks = peak
         else:
             self.opt, peaks = self._muon(params, muon, muon_lr * scale, peak, beta1)
-        self.sched = WarmupDecayLR(self.opt, total_num_steps=steps, warmup_min_lr=0.0, warmup_max_lr=peaks,
+        self.sched = warmup_decay_lr(self.opt, total_num_steps=steps, warmup_min_lr=0.0, warmup_max_lr=peaks,
                                    warmup_num_steps=max(1, steps // 20), warmup_type="linear")
         self.pending = None  # the delayed gradient
         self.saved = None  # the true weights while the parameters hold the predicted ones
@@ -50,14 +50,14 @@ class Stage:
         """DeepSpeed's "Muon" optimizer (MuonWithAuxAdam, torch's AdamW for the rest): Muon (momentum
         0.95, Newton-Schulz) on the parameters whose ids are in ``muon``, AdamW on the others; weight
         decay 0.01 on both. Returns it and the per-group peak learning rates."""
-        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+        from hippie_ds.adapter.ds.runtime import muon_with_aux_adam
         torch = self.torch
         groups = [dict(params=[p for p in params if id(p) in muon], use_muon=True, lr=muon_lr, momentum=0.95,
                        weight_decay=0.01, ns_method="gram"),
                   dict(params=[p for p in params if id(p) not in muon], use_muon=False, lr=adam_lr,
                        betas=(beta1, 0.999), eps=1e-8, weight_decay=0.01)]
         groups = [g for g in groups if g["params"]]
-        opt = MuonWithAuxAdam(groups, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"lr": adam_lr})
+        opt = muon_with_aux_adam(groups, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"lr": adam_lr})
         return opt, [g["lr"] for g in groups]
 
     # weights used by the forward/backward

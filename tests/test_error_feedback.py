@@ -1,0 +1,146 @@
+"""``hippie.staleness.error_feedback`` (hippie_ds/adapter/error_feedback.py): on 2bw's stages one update
+behind, the update u(t) + g (u(t) - u(t-1)) of the optimizer's own step u, applied to the values the
+optimizer steps. The rule alone (pure), then real ranks in every precision and ZeRO setting 2bw runs, each
+against reference_async.run_2bw with the rule written separately (reference_async.error_feedback), and
+a checkpoint taken with batches in flight. fp32 (torch AdamW, with a checkpoint): test_async_schedules."""
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+import reference
+import reference_async
+import reference_fp16
+from launch import collect, launch
+
+from hippie_ds import schedules
+from hippie_ds.adapter.error_feedback import STATE_KEY, ErrorFeedback, check
+from hippie_ds.config import ConfigError, StalenessConfig
+
+STEPS, MICRO_BATCHES, LR, CLIP, GAIN = 4, 4, 0.01, 0.5, 0.5
+BF16_TOLERANCE = 2 ** -8  # test_precision.py: the order of a few fp32 sums can flip one bf16 rounding
+ZERO_SCALE_GROWS = 2 ** -20  # test_fp16_async.py: fp16 + ZeRO-1's gradient made at half its step's scale
+
+
+def test_the_rule_on_a_torch_optimizer_and_its_state_travels():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5))
+    plain = torch.nn.Parameter(w.detach().clone())
+    opt, ref_opt = torch.optim.AdamW([w], lr=0.1), torch.optim.AdamW([plain], lr=0.1)
+    ErrorFeedback(opt, GAIN)
+    grads = [torch.randn(5) for _ in range(4)]
+    previous = torch.zeros(5)
+    for g in grads:
+        w.grad, plain.grad = g.clone(), g.clone()
+        before = plain.detach().clone()
+        ref_opt.step()  # the optimizer's own step u, then the correction by hand
+        u = before - plain.detach()
+        with torch.no_grad():
+            plain.sub_(u - previous, alpha=GAIN)
+        previous = u
+        opt.step()
+        assert torch.equal(w, plain)
+    assert torch.equal(opt.state[w][STATE_KEY], previous)  # u(t-1) lives in the optimizer's state
+    # a fresh optimizer loading the state continues identically (what a checkpoint does)
+    other = torch.nn.Parameter(w.detach().clone())
+    resumed = torch.optim.AdamW([other], lr=0.1)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)  # as a checkpoint: no tensor shared with the running optimizer
+    saved.seek(0)
+    resumed.load_state_dict(torch.load(saved))
+    ErrorFeedback(resumed, GAIN)
+    w.grad, other.grad = grads[0].clone(), grads[0].clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(w, other)
+    # a parameter without a gradient is not stepped and not corrected
+    idle = torch.nn.Parameter(torch.ones(3))
+    opt2 = torch.optim.AdamW([idle], lr=0.1)
+    ErrorFeedback(opt2, GAIN)
+    opt2.step()
+    assert torch.equal(idle, torch.ones(3)) and not opt2.state.get(idle)
+
+
+def test_refused_where_it_is_not_built():
+    on = StalenessConfig(error_feedback=GAIN)
+    check(on, schedules.compile("2bw", 2, 4))
+    check(StalenessConfig(), schedules.compile("1f1b", 2, 4))  # off: nothing to check
+    for name in ("hippie", "pipedream", "1f1b"):
+        with pytest.raises(ConfigError, match=r'"hippie.staleness.error_feedback" = 0.5: schedule .* built for 2bw'):
+            check(on, schedules.compile(name, 2, 4))
+    with pytest.raises(ConfigError, match=r'"hippie.staleness.method" = "none"'):
+        check(StalenessConfig(method="none", error_feedback=GAIN), schedules.compile("2bw", 2, 4))
+
+
+# engine -> (precision, {(call, stage)} overflowed): bf16 (BF16_Optimizer), bf16 + ZeRO-1 (its fp32 masters
+# partitioned; resumed from a checkpoint saved after 2 calls, batches in flight), fp16 (FP16_UnfusedOptimizer,
+# with an overflow that skips an update), fp16 with DeepSpeed's fused Adam (FP16_Optimizer), fp16 + ZeRO-1
+ENGINES = {"2bw+bf16+ef5": ("bf16", ()), "2bw+bf16+zero1+ef5": ("bf16+zero1", ()),
+           "2bw+bf16+zero1+ef5+ckpt2": ("bf16+zero1", ()), "2bw+bf16+zero1": ("bf16+zero1", ()),
+           "2bw+fp16+ef5+ovf1.1": ("fp16", {(1, 1)}), "2bw+fp16+ef5": ("fp16", ()),
+           "2bw+fp16+fused+ef5": ("fp16+fused", ()), "2bw+fp16+zero1+p12+ef5+ckpt2": ("fp16+zero1", ())}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("error-feedback")
+    rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
+                        "AdamW", "--lr", LR, "--clip", CLIP, "--drain", "--engines", ",".join(ENGINES), timeout=900)
+    assert rc == 0, log[-4000:]
+    return out
+
+
+def _rule(name, parts, gain=GAIN, overflows=None):
+    kind, injected = ENGINES[name]
+    overflows = injected if overflows is None else overflows
+    if kind.startswith("bf16"):
+        precision = reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in kind else torch.bfloat16)
+    else:
+        cls = (reference_fp16.Fp16AsyncZero if "zero1" in kind else reference_fp16.Fp16AsyncFused if "fused" in kind
+               else reference_fp16.Fp16Async)
+        precision = cls(reference_fp16.LossScale(12 if "zero1" in kind else 20, 2), 2, MICRO_BATCHES,
+                        overflow_at=overflows)
+    staleness = StalenessConfig(error_feedback=gain)
+    return reference_async.run_2bw(parts, 2, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP,
+                                   precision=precision, staleness=staleness)[0], precision
+
+
+def _max_diff(a, b):
+    return max((a[i][k].float() - b[i][k].float()).abs().max().item() for i in b for k in b[i])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n for n in ENGINES if "+ef5" in n])
+def test_error_feedback_matches_its_rule(trained, name):
+    ours, _, parts, _, replicas = collect(trained, name)
+    ref, precision = _rule(name, parts)
+    without, _ = _rule(name, parts, gain=0.0)
+    kind = ENGINES[name][0]
+    tolerance = BF16_TOLERANCE if kind.startswith("bf16") else ZERO_SCALE_GROWS if "zero1" in kind else 0.0
+    diff, off = _max_diff(ours, ref), _max_diff(without, ref)
+    print(f"{name}: |ours - reference| = {diff:.3g}; the rule without error feedback is {off:.3g} away")
+    assert diff <= tolerance, f"{name}: differs from its reference by {diff}"
+    assert off > 2 * max(tolerance, 2 ** -10), "error feedback changed nothing the test can see"
+    if ENGINES[name][1]:  # the overflow skipped an update, on every stage alike
+        assert any(precision.skipped)
+        assert _max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
+    for i in replicas[0]:
+        for k, v in replicas[0][i].items():
+            assert torch.equal(replicas[1][i][k], v), (name, i, k)
+
+
+@pytest.mark.distributed
+def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
+    """Saved after 2 calls (save_checkpoint drains the batches in flight) and resumed in a fresh engine:
+    u(t-1) travels in DeepSpeed's optimizer state, per rank and ZeRO partition."""
+    for full, resumed in (("2bw+bf16+zero1+ef5", "2bw+bf16+zero1+ef5+ckpt2"),):
+        a, b = collect(trained, full)[0], collect(trained, resumed)[0]
+        assert _max_diff(a, b) == 0, f"{resumed}: differs from the run without a checkpoint"
+        assert any(Path(trained, resumed, "ckpt").iterdir())
+    # fp16 + ZeRO-1, resumed, against its rule (ZeRO's partitioned masters, the loss scale in flight)
+    ours, _, parts, _, _ = collect(trained, "2bw+fp16+zero1+p12+ef5+ckpt2")
+    assert _max_diff(ours, _rule("2bw+fp16+zero1+p12+ef5+ckpt2", parts)[0]) <= ZERO_SCALE_GROWS
+    # the run without error feedback is another run
+    plain = collect(trained, "2bw+bf16+zero1")[0]
+    assert _max_diff(plain, collect(trained, "2bw+bf16+zero1+ef5")[0]) > 2 * BF16_TOLERANCE
