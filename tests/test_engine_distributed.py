@@ -272,8 +272,8 @@ def test_failed_rank_ends_the_job(tmp_path, failure):
 ])
 def test_bad_config_fails_on_every_rank(tmp_path, override, message):
     import json
-    rc, log, secs = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--schedule-override", json.dumps(override),
-                           timeout=120)
+    rc, log, secs = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--refusal-barrier",  # as test_precision's
+                           "--schedule-override", json.dumps(override), timeout=120)
     assert rc != 0
     assert log.count(message) >= 2, log[-3000:]
 

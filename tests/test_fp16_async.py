@@ -27,8 +27,9 @@ from hippie_ds.config import ConfigError, StalenessConfig
 
 STEPS, MICRO_BATCHES, LR, CLIP = 4, 4, 0.01, 0.5
 POWER, WINDOW = 20, 2  # train_worker's "+fp16": initial_scale_power 20, loss_scale_window 2
-FP16_TOLERANCE = 2 ** -10  # as tests/test_fp16_per_stage.py (measured: 0; the tied model 6e-5 to 2.4e-4, the fp16
-# rounding of the tie sum's and the clipping norm's other order, as the hippie family's tied runs)
+FP16_TOLERANCE = 2 ** -10  # how far the rules are told apart; each run equals its own rule to 0 (the reference sums
+# a tied module's copies per replica before the average and clips apart with DeepSpeed's function, as the engine does)
+ZERO_SCALE_GROWS = 2 ** -20
 # engine -> {(call, stage)} overflowed (the worker's "+ovfS.T" is stage S, call T); ckpt2: saved after 2 calls
 # (save_checkpoint drains first), resumed in a fresh engine
 TWO_BY_TWO = {"2bw+fp16": set(), "2bw+fp16+ovf1.1": {(1, 1)}, "2bw+fp16+ovf0.2": {(2, 0)},
@@ -37,8 +38,8 @@ TWO_BY_TWO = {"2bw+fp16": set(), "2bw+fp16+ovf1.1": {(1, 1)}, "2bw+fp16+ovf0.2":
               "pipedream+fp16+ckpt2+ovf0.1": {(1, 0)},
               # the tied model (stage 0's embedding tied to stage 1's head; the tie sum lags 1 update): stage 0's
               # injected gradient is the tied weight's, so it reaches the updates that apply its lagged sum
-              "2bw+fp16+tied+ovf0.1": {(1, 0)}, "pipedream+fp16+tied+ovf1.1": {(1, 1)},
-              "2bw+fp16+tied+ckpt2+ovf1.2": {(2, 1)},
+              "2bw+fp16+tied+attrs+ovf0.1": {(1, 0)}, "pipedream+fp16+tied+attrs+ovf1.1": {(1, 1)},
+              "2bw+fp16+tied+attrs+ckpt2+ovf1.2": {(2, 1)},
               # ZeRO-1 as written (DeepSpeedZeroOptimizer scales the loss), from 2**12 (doubling every 2 updates):
               # each update's gradient multiplied from the last stage's scale at its backwards to its step's
               "2bw+fp16+zero1+p12": set(), "2bw+fp16+zero1+p12+ovf1.1": {(1, 1)},
@@ -46,11 +47,11 @@ TWO_BY_TWO = {"2bw+fp16": set(), "2bw+fp16+ovf1.1": {(1, 1)}, "2bw+fp16+ovf0.2":
               "2bw+fp16+zero1+p12+ckpt2": set(),
               # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer (issue 61), tied too
               "2bw+fp16+fused+ovf1.1": {(1, 1)}, "pipedream+fp16+fused+ovf0.2": {(2, 0)},
-              "2bw+fp16+fused+tied+ckpt2+ovf0.1": {(1, 0)}, "pipedream+fp16+fused+tied+ovf1.1": {(1, 1)},
+              "2bw+fp16+fused+tied+attrs+ckpt2+ovf0.1": {(1, 0)}, "pipedream+fp16+fused+tied+attrs+ovf1.1": {(1, 1)},
               # ZeRO-1 with the tied model (issue 61): the lagged tie sum rescaled from its update's scale to the
               # applying update's; overflows injected into the tied copies' stages (0: the embedding; 1: the head)
-              "2bw+fp16+zero1+p12+tied": set(), "2bw+fp16+zero1+p12+tied+ovf0.1": {(1, 0)},
-              "pipedream+fp16+zero1+p12+tied+ovf1.1": {(1, 1)}, "2bw+fp16+zero1+p12+tied+ckpt2+ovf1.2": {(2, 1)}}
+              "2bw+fp16+zero1+p12+tied+attrs": set(), "2bw+fp16+zero1+p12+tied+attrs+ovf0.1": {(1, 0)},
+              "pipedream+fp16+zero1+p12+tied+attrs+ovf1.1": {(1, 1)}, "2bw+fp16+zero1+p12+tied+attrs+ckpt2+ovf1.2": {(2, 1)}}
 # 4 stages x 1: stages 1-3 hold their gradient, resolved at their next update op
 FOUR_BY_ONE = {"2bw+fp16+ovf3.1": {(1, 3)}, "2bw+fp16+ovf0.2": {(2, 0)}, "2bw+fp16+ckpt2+ovf2.1": {(1, 2)},
                "2bw+fp16+zero1+p12+ovf3.1": {(1, 3)}, "2bw+fp16+zero1+p12+ckpt2": set()}
@@ -98,9 +99,13 @@ class _TieSumNotRescaled(reference_fp16.Fp16AsyncZero):
 
 def _rule(name, parts, stages, dp, overflows, kind=None):
     zero = "+zero1" in name
-    kind = kind or (reference_fp16.Fp16AsyncZero if zero else reference_fp16.Fp16Async)
+    fused = "+fused" in name and kind is None  # DeepSpeed's FusedAdam step (a run resumed after 2 calls: see Fp16Fused)
+    kind = kind or (reference_fp16.Fp16AsyncZero if zero else reference_fp16.Fp16AsyncFused if fused else
+                    reference_fp16.Fp16Async)
     precision = kind(reference_fp16.LossScale(12 if zero else POWER, WINDOW), stages, MICRO_BATCHES,
                      overflow_at=overflows)
+    if fused and "ckpt2" in name:
+        precision.resumed_after = 2
     kw = dict(optimizer="AdamW", lr=LR, clip=CLIP, precision=precision, tied="+tied" in name)
     if name.startswith("2bw"):  # the config's default staleness correction (extrapolate)
         layers, losses = reference_async.run_2bw(parts, dp, MICRO_BATCHES, STEPS, staleness=StalenessConfig(), **kw)
@@ -125,9 +130,10 @@ def test_one_asynchronous_decision_per_update_matches_the_rule(trained, shape, n
     diff = _max_diff(ours, ref)
     skipped = [u for u, skip in enumerate(precision.skipped) if skip]
     print(f"{name} {stages}x{dp}: |ours - reference| = {diff:.3g}, skipped updates {skipped}, scale {scale.scale}")
-    assert diff <= FP16_TOLERANCE, f"{name}: differs from its fp16 reference by {diff}"
-    if "+tied" not in name and "+zero1" not in name and "+fused" not in name:  # fused: FusedAdam's rounding of
-        assert diff == 0, f"{name}: differs from its fp16 reference by {diff}"  # the masters (one fp16 unit)
+    # ZeRO-1 untied: a gradient the last stage computed at half the scale of its step loses its smallest bits in fp16
+    # (the rule computes it at the step's scale); measured 4.8e-7 where the scale grows, 0 elsewhere
+    assert diff <= (ZERO_SCALE_GROWS if "+zero1" in name and "+tied" not in name else 0), \
+        f"{name}: differs from its fp16 reference by {diff}"
     if name.startswith("2bw") and "+zero1" in name and not overflows:  # the factor is seen
         unscaled = _max_diff(ours, _rule(name, parts, stages, dp, overflows, _NotRescaled)[0])
         print(f"  without the factor S(u) / S(u - 1): {unscaled:.3g}")
@@ -155,6 +161,23 @@ def test_one_asynchronous_decision_per_update_matches_the_rule(trained, shape, n
     for i in replicas[0]:
         for k, v in replicas[0][i].items():
             assert torch.equal(replicas[1 if dp > 1 else 0][i][k], v), (name, i, k)
+
+
+@pytest.mark.distributed
+def test_was_step_applied_reports_only_skipped_updates(trained):
+    """``engine.was_step_applied()`` after each call (Megatron-DeepSpeed counts a False as a skipped
+    iteration and logs no loss for it): True on every rank and call without an overflow, though the stages
+    after the first hold their update to a later call (2bw's last stage answered False after the first
+    call, on Megatron-DeepSpeed's GPT too); an injected overflow shows as a False."""
+    for (stages, dp), engines in SHAPES.items():
+        for name, overflows in engines.items():
+            ranks = [torch.load(f) for f in sorted(Path(trained[stages, dp], name).glob("rank*.pt"))]
+            applied = [r["applied"] for r in ranks]
+            assert all(len(a) == STEPS for a in applied), (name, applied)
+            if not overflows:
+                assert all(all(a) for a in applied), (name, applied)
+            elif "ckpt" not in name:  # (2bw ckpt2: save_checkpoint's drain decides the skipped update)
+                assert not all(all(a) for a in applied), (name, applied)
 
 
 @pytest.mark.distributed

@@ -211,6 +211,10 @@ class AsyncVotes:
         world = dist.get_world_size()
         self._group = dist.new_group(ranks=list(range(world)))  # votes only: they pair up in order
         self._held: collections.deque = collections.deque()  # (work, flag, flat gradient, lrs), oldest first
+        # was_step_applied() after a call that decided no update yet (2bw: stage 0 updates from the second call on,
+        # the others hold the first call's update): no skip known. Megatron-DeepSpeed counted 2bw's first iteration
+        # as skipped and logged no loss for it. Each decision sets it from then on.
+        ds_fp16.set_step_applied(engine, True)
 
     @torch.no_grad()
     def update(self, lrs) -> None:

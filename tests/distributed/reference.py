@@ -50,6 +50,8 @@ def build_tied_layers(parts):
             if first is not None:
                 module.load_state_dict(first.state_dict())
             module.tied_key = spec.key
+            for p in module.parameters():  # reference_fp16.Fp16Fused: the engine holds a tied copy first
+                p.tied_key = spec.key
             copies[spec.key, stage[idx]] = module
         module = copies[spec.key, stage[idx]]
         layers.append(module if spec.forward_fn is None else functools.partial(spec.forward_fn, module))
@@ -132,7 +134,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             previous[s] = true_weights[s]
         if precision.accumulates_per_rank:
             grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
-                                               precision)
+                                               precision, slots if precision.tie_before_dp else ())
             losses.append(sum(batch_losses) / micro_batches)
         else:
             grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
@@ -152,7 +154,8 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                         for g, p in zip(grads[s], ps):
                             g += p.grad / dp
             losses.append(total)
-        _sum_tied(grads, slots)
+        if not (precision.accumulates_per_rank and precision.tie_before_dp):
+            _sum_tied(grads, slots)
         precision.inject(t, grads)
         applies = []
         for s, ps in enumerate(stage_params):
@@ -166,7 +169,11 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
             applies.append(apply)
         # the holders of a tied module clip by their joint norm (each holder's gradients counted)
         holders = {s for s, _ in slots}
-        joint = _norm([g for s in holders for g in applies[s]]) if holders and clip > 0 else None
+        first = min(holders, default=None)  # DeepSpeed marks the other holders' copies ds_pipe_replicated
+        replicated = [{j for t, j in slots if t == s and s != first} for s in sorted(holders)]
+        joint = None if not holders or clip <= 0 else \
+            precision.joint_norm([applies[s] for s in sorted(holders)], replicated) \
+            if hasattr(precision, "joint_norm") else _norm([g for s in holders for g in applies[s]])
         skip = precision.decide(applies)  # fp16: one overflow decision for the whole update
         for s, ps in enumerate(stage_params):
             if skip or all(g is None for g in applies[s]):
@@ -231,6 +238,8 @@ class Precision:
         """Per stage: (optimizer, the tensors it steps: the parameters or their fp32 masters)."""
         steps = [[p.detach().float().clone() for p in ps] for ps in stage_params] if self.bf16 else stage_params
         return list(zip(_make_optimizers(steps, optimizer, lr), steps))
+
+    tie_before_dp = False  # fp16 (reference_fp16.Fp16): each replica sums a tied module's copies before the average
 
     def scale_loss(self, loss):
         """The loss as the backward takes it (fp16 + ZeRO-1: times the loss scale)."""
@@ -302,10 +311,11 @@ def _micro_batch_grads(layers, stage_params, step, index, dp, micro_batches):
     return grads, total
 
 
-def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precision):
+def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precision, slots=()):
     """bf16 or a rounding wire: the gradient of micro-batches ``indices`` of batch ``step`` as the engine
     computes it (each rank accumulates its micro-batches, the replicas' sums are averaged); and
-    the mean loss per micro-batch over replicas."""
+    the mean loss per micro-batch over replicas. ``slots``: tied copies whose accumulated gradients
+    each replica sums over the tie group before the average (the hippie family's order)."""
     grads = [[precision.zeros(p) for p in ps] for ps in stage_params]
     losses = [0.0] * len(indices)
     for r in range(dp):
@@ -323,6 +333,7 @@ def _batch_grads(layers, stage_params, step, indices, dp, micro_batches, precisi
             for s, ps in enumerate(stage_params):
                 for acc, p in zip(rank[s], ps):
                     acc += p.grad.to(acc.dtype)
+        _sum_tied(rank, slots)
         for s in range(len(stage_params)):
             for g, acc in zip(grads[s], rank[s]):
                 g += (acc / dp).to(precision.comm).to(g.dtype)  # each replica's share, rounded on the wire

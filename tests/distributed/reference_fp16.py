@@ -45,6 +45,9 @@ class Fp16(Precision):
     """``overflow_at``: {(batch, stage)}: that stage's first parameter gradient of that batch made
     infinite (what the rank worker's ``+ovfS.T`` injects)."""
 
+    tie_before_dp = True  # the hippie family sums a tied module's copies, then all-reduces over the replicas
+    ds_clipping = True  # 2bw's and pipedream's tied model: clipped apart by DeepSpeed's clip_tensors_by_global_norm
+
     def __init__(self, scale: LossScale, overflow_at=()):
         super().__init__(comm=torch.float16, flat=True)
         self.loss_scale = scale
@@ -93,10 +96,24 @@ class Fp16(Precision):
                 m.copy_(master)
                 optimizer.state[m] = state
 
+    counts_replicated = True  # Fp16Votes.joint_norm: every holder counts its own copy
+
+    def joint_norm(self, grads_per_holder, replicated):
+        """A tied module's holders' joint gradient norm (``Fp16Votes.joint_norm``; ZeRO-1's over the tie
+        group): each holder's sum of squared norms, an fp32 value each, summed over the holders.
+        ``replicated``: per holder, the indices of its tied copies DeepSpeed marks ``ds_pipe_replicated``
+        (every holder's but the first), which ZeRO-1's norm leaves out (:attr:`counts_replicated`)."""
+        total = torch.zeros(1, dtype=torch.float32)
+        for gs, skip in zip(grads_per_holder, replicated):
+            total += torch.tensor([sum(float(g.float().norm(2)) ** 2 for j, g in enumerate(gs) if g is not None
+                                       and (self.counts_replicated or j not in skip))], dtype=torch.float32)
+        return float(total.item()) ** 0.5
+
     def apply(self, ps, opt, grads, clip, norm=None):
+        """``norm``: a tied module's holders' joint norm (:meth:`joint_norm`), else this stage's."""
         optimizer, masters = opt
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, ps)]
-        total = math.sqrt(sum(float(g.float().norm(2)) ** 2 for g in grads))  # get_weight_norm on fp16 grads
+        total = norm if norm is not None else math.sqrt(sum(float(g.float().norm(2)) ** 2 for g in grads))
         combined = self.loss_scale.scale
         if clip > 0:
             factor = ((total / combined) + 1e-6) / clip
@@ -115,6 +132,8 @@ class Fp16Zero(Fp16):
     backward takes the loss times the scale, so every gradient carries the scale of the batch that
     made it, and a deferred stage's buffered one is multiplied by S(now) / S(then) when applied
     (GradStore.rescale); no zero-gradient step at creation; the same flag, norm and unscale rule."""
+
+    counts_replicated = False  # ZeRO's norm (get_grad_norm_direct) skips a ds_pipe_replicated tied copy
 
     def optimizers(self, stage_params, optimizer, lr):
         masters = [[p.detach().float().clone() for p in ps] for ps in stage_params]
@@ -182,3 +201,94 @@ class Fp16AsyncZero(Fp16Async, Fp16Zero):
     :class:`Fp16Async`, with Fp16Zero's scaled loss and optimizers; update u's gradient is computed with
     the scale after decisions 0 .. u - 1 on every stage (the engine rescales what a stage accumulated
     under an older scale)."""
+
+
+class Fp16Fused(Fp16):
+    """fp16 with ``"optimizer": {"type": "Adam"}`` (DeepSpeed's FP16_Optimizer over its FusedAdam, decoupled
+    decay ``weight_decay``): the same update as :class:`Fp16`, computed as that wrapper computes it, so
+    that a run equals it bit for bit. Per stage one flat fp32 master (the stage's parameters in the
+    engine's order: a tied copy first, as PipelineModule registers ``tied_modules`` before its layers)
+    stepped by DeepSpeed's own FusedAdam (its CPU kernel rounds otherwise than torch's AdamW: one fp16
+    unit of a weight now and then), a zero-gradient step at creation (``initialize_optimizer_states``);
+    the norm of the flat fp32 gradient as ``get_flattened_grad_norm`` takes it (an fp32 round trip), or,
+    on a tied module's holders, their joint norm as ``Fp16Votes.joint_norm`` reduces it (:meth:`joint_norm`)."""
+
+    def __init__(self, scale: LossScale, overflow_at=(), weight_decay: float = 0.01, resumed_after=None):
+        super().__init__(scale, overflow_at)
+        self.weight_decay, self.resumed_after = weight_decay, resumed_after
+
+    def _resume(self):
+        """A run resumed from a checkpoint after ``resumed_after`` updates: its fresh engine's creation
+        step (step 1) resets the CPU FusedAdam kernel's process-wide beta powers, which it then takes
+        by ``pow`` at the loaded step count instead of by one multiplication per step (fp32 rounding,
+        ~2e-7 in a master: an fp16 unit of a weight now and then); the reference's steps do the same."""
+        from deepspeed.ops.adam import FusedAdam
+        done = len(getattr(self, "skipped", self.loss_scale.history))
+        if self.resumed_after is not None and done > self.resumed_after:
+            self.resumed_after = None
+            x = torch.zeros(1, requires_grad=True)
+            x.grad = torch.zeros(1)
+            FusedAdam([x], weight_decay=self.weight_decay).step()
+
+    @staticmethod
+    def order(ps):
+        """The engine's order of a stage's parameters: the tied copy (``tied_key``) first."""
+        return sorted(range(len(ps)), key=lambda j: not hasattr(ps[j], "tied_key"))
+
+    def optimizers(self, stage_params, optimizer, lr):
+        from deepspeed.ops.adam import FusedAdam
+        from torch._utils import _flatten_dense_tensors
+        assert optimizer == "AdamW", "FP16_Optimizer is DeepSpeed's fused Adam"
+        out = []
+        for ps in stage_params:
+            flat = _flatten_dense_tensors([ps[j].detach().clone() for j in self.order(ps)]).float().requires_grad_()
+            opt = FusedAdam([flat], lr=lr, weight_decay=self.weight_decay, adam_w_mode=True)
+            flat.grad = torch.zeros_like(flat)
+            opt.step()
+            flat.grad = None
+            out.append((opt, flat))
+        return out
+
+    def apply(self, ps, opt, grads, clip, norm=None):
+        from deepspeed.runtime.utils import get_flattened_grad_norm, get_global_norm
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        optimizer, flat = opt
+        self._resume()
+        order = self.order(ps)
+        flat.grad = _flatten_dense_tensors([torch.zeros(ps[j].shape) if grads[j] is None else grads[j].float()
+                                            for j in order])
+        own = get_flattened_grad_norm([flat]) if norm is None else norm
+        total = get_global_norm(norm_list=[own])
+        combined = self.loss_scale.scale
+        if clip > 0:
+            factor = ((total / combined) + 1e-6) / clip
+            if factor > 1:
+                combined = factor * combined
+        flat.grad.mul_(1. / combined)
+        optimizer.step()
+        flat.grad = None
+        with torch.no_grad():
+            for j, q in zip(order, _unflatten_dense_tensors(flat, [ps[j] for j in order])):
+                ps[j].copy_(q)
+
+    def apply_only(self, ps, opt, grads, clip):
+        """As ``ds.fp16.FusedUnmoved``: the parameters without a gradient get their fp16 weights and
+        their slices of the flat master and of Adam's moments back after the step."""
+        optimizer, flat = opt
+        offsets, at = {}, 0
+        for j in self.order(ps):
+            offsets[j], at = (at, ps[j].numel()), at + ps[j].numel()
+        tensors = [flat] + [v for v in optimizer.state[flat].values() if torch.is_tensor(v) and v.numel() == flat.numel()]
+        kept = [(ps[j], ps[j].detach().clone(), [(t, *offsets[j], t.detach().narrow(0, *offsets[j]).clone())
+                                                  for t in tensors]) for j, g in enumerate(grads) if g is None]
+        self.apply(ps, opt, grads, clip)
+        with torch.no_grad():
+            for p, weight, slices in kept:
+                p.copy_(weight)
+                for t, offset, n, value in slices:
+                    t.narrow(0, offset, n).copy_(value)
+
+
+class Fp16AsyncFused(Fp16Async, Fp16Fused):
+    """2bw's and pipedream's rule in fp16 with ``"optimizer": {"type": "Adam"}`` (FP16_Optimizer over
+    FusedAdam): :class:`Fp16Async`'s decisions, :class:`Fp16Fused`'s steps."""

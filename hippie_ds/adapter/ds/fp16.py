@@ -14,7 +14,7 @@ from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 __all__ = ["FP16_UnfusedOptimizer", "FP16_Optimizer", "is_unfused", "is_fused", "decided", "update_scale",
-           "scale_moves", "masters", "FusedUnmoved"]
+           "scale_moves", "masters", "FusedUnmoved", "set_step_applied"]
 
 
 def is_unfused(optimizer) -> bool:
@@ -50,6 +50,12 @@ def decided(optimizer, overflow: bool, joint: float | None = None):
         checker.check, checker.has_overflow = check, has_overflow
         unfused.get_weight_norm, unfused.get_global_norm = weight_norm, global_norm
         fused.get_flattened_grad_norm = flattened
+
+
+def set_step_applied(engine, applied: bool) -> None:
+    """Roughly: ``engine._step_applied = applied`` (what ``engine.was_step_applied()`` answers until the
+    next step sets it)."""
+    engine._step_applied = applied
 
 
 def update_scale(optimizer, overflow: bool) -> None:
