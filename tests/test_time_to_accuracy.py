@@ -90,6 +90,8 @@ def test_step_times_from_bench_results_files(tmp_path):
 def test_staleness_variant_names_set_the_config(tmp_path):
     assert convergence.split_name("hippie:extrapolate=1.5") == ("hippie", {"method": "extrapolate", "coefficient": 1.5})
     assert convergence.split_name("hippie") == ("hippie", None)
+    assert convergence.split_name("2bw:extrapolate-made+ef=0.5") == ("2bw", {"method": "extrapolate-made",
+                                                                             "error_feedback": 0.5})
     assert convergence.split_layers("hippie@1:none") == ("hippie:none", 1)
     assert convergence.split_layers("hippie") == ("hippie", None)
     assert convergence.split_layers("hippie@auto") == ("hippie", "auto")

@@ -41,9 +41,12 @@ def split_layers(label: str) -> tuple[str, int | str | None]:
 
 def split_name(label: str) -> tuple[str, dict | None]:
     """'hippie:extrapolate=1.5' -> ('hippie', {'method': 'extrapolate', 'coefficient': 1.5}): the
-    label's ``hippie.staleness`` (None when it sets none) and its schedule."""
+    label's ``hippie.staleness`` (None when it sets none) and its schedule. '+ef=G' after the method
+    adds ``error_feedback`` G ('2bw:extrapolate-made+ef=0.5')."""
     schedule, _, variant = label.partition(":")
     if not variant:
         return schedule, None
+    variant, _, feedback = variant.partition("+ef=")
     method, _, value = variant.partition("=")
-    return schedule, {"method": method, **({"coefficient": float(value)} if value else {})}
+    return schedule, {"method": method, **({"coefficient": float(value)} if value else {}),
+                      **({"error_feedback": float(feedback)} if feedback else {})}
