@@ -144,3 +144,23 @@ def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
     # the run without error feedback is another run
     plain = collect(trained, "2bw+bf16+zero1")[0]
     assert _max_diff(plain, collect(trained, "2bw+bf16+zero1+ef5")[0]) > 2 * BF16_TOLERANCE
+
+
+@pytest.mark.distributed
+def test_nesterov_as_the_configs_optimizer(tmp_path):
+    """The Nesterov method's recipe (Ajanthan et al., ICML 2025: NAdam(W) on the delayed stages) is a
+    config, not a method: "optimizer": {"type": "NAdam"} (DeepSpeed builds torch.optim.NAdam by name) with
+    2bw's default correction, alone and with error feedback; each equals its rule."""
+    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
+                        "NAdam", "--lr", LR, "--drain", "--engines", "2bw,2bw+ef5", timeout=300)
+    assert rc == 0, log[-4000:]
+    runs = {}
+    for name, gain in (("2bw", 0.0), ("2bw+ef5", GAIN)):
+        ours, _, parts, _, _ = collect(tmp_path, name)
+        ref, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR,
+                                         staleness=StalenessConfig(error_feedback=gain))
+        assert _max_diff(ours, ref) <= 1e-6, name
+        runs[name] = ours
+    adam, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR,
+                                      staleness=StalenessConfig())
+    assert _max_diff(runs["2bw"], adam) > 1e-4 and _max_diff(runs["2bw+ef5"], runs["2bw"]) > 1e-4

@@ -193,7 +193,8 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
 
 def _make_optimizers(stage_params, optimizer, lr):
     make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
-            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr)}[optimizer]
+            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr),
+            "NAdam": lambda ps: torch.optim.NAdam(ps, lr=lr)}[optimizer]
     return [make(ps) for ps in stage_params]
 
 
