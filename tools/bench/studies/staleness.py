@@ -47,7 +47,8 @@ step (flush, at the optimizer's learning rate then). METHOD (several joined by '
 
 Every run is saved as OUT/runs/EXAMPLE/RULE/seedS.json (--reuse skips those already there) and
 the tables of all saved runs (held-out loss at the budget, mean and min-max over seeds, % vs
-sync of the same seeds, VGG accuracy, seconds) go to OUT/tables.md.
+sync of the same seeds, VGG accuracy, seconds) go to OUT/tables.md, and each run's final figures
+(no curves) to OUT/summary.json, the file a results page cites.
 """
 from __future__ import annotations
 
@@ -314,13 +315,30 @@ def tables(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(runs: list[dict]) -> dict:
+    """{example: {rule: {seed: final figures, seconds, correction seconds per step, stages}}}."""
+    out: dict = {}
+    for r in runs:
+        out.setdefault(r["example"], {}).setdefault(r["rule"], {})[str(r["seed"])] = {
+            **r["final"], "seconds": r["seconds"], "steps": r["steps"], "stages": len(r["stage_bounds"]) - 1,
+            "correction_seconds_per_step": r.get("correction_seconds", 0.0) / r["steps"],
+            "delayed_params": r["delayed_params"]}
+    return out
+
+
+def write_reports(out: Path) -> str:
+    runs = load_runs(out)
+    text = tables(runs)
+    (out / "tables.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(summary(runs), indent=1, sort_keys=True))
+    return text
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     if args.report_only:
-        text = tables(load_runs(out))
-        (out / "tables.md").write_text(text)
-        print(text)
+        print(write_reports(out))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
@@ -354,7 +372,5 @@ def main(argv=None) -> int:
             path.write_text(json.dumps(record, indent=1))
             final = ", ".join(f"{k} {v:.4f}" for k, v in record["final"].items())
             bar.write(f"[staleness] {example} {rule['name']} seed {seed}: {record['seconds']:.0f} s, held-out {final}")
-    text = tables(load_runs(out))
-    (out / "tables.md").write_text(text)
-    print(text)
+    print(write_reports(out))
     return 0
