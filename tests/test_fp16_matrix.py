@@ -125,3 +125,16 @@ def test_delayed_schedules_equal_their_fp16_rule(trained, name):
     for i in replicas[0]:
         for k, v in replicas[0][i].items():
             assert torch.equal(replicas[1][i][k], v), (name, i, k)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_pipedream_at_three_stages_is_refused_on_every_rank(tmp_path, wrapper):
+    """The one refusal left (issue 61 item 4, docs/precision.md: the vote order): pipedream in fp16 at 3
+    stages, on the tied model with Megatron's attributes, under each wrapper, on every rank before any
+    collective, naming the stage that would wait for a later decision."""
+    rc, log, _ = launch(3, tmp_path, "--stages", 3, "--micro-batches", MICRO_BATCHES, "--optimizer", "AdamW",
+                        "--engines", f"pipedream+tied+attrs{WRAPPERS[wrapper]}", "--refusal-barrier", timeout=300)
+    assert rc != 0
+    message = "cannot be waited for in time: stage 2 needs the overflow decision"
+    assert sum(f"rank {r} refused: " in line and message in line for r in range(3) for line in log.splitlines()) == 3, \
+        log[-3000:]
