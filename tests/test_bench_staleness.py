@@ -43,3 +43,18 @@ def test_layouts_train_what_they_say():
     assert len({sync, first, last}) == 3
     # NAdamW on the delayed stage changes its update
     assert final("2bw-made:extrapolate=1+nadam=0.99") != made
+
+
+def test_2bw_pairing_computes_on_weights_one_update_old():
+    """weights=1: step t computes on W(t-1) (W(0) at steps 0 and 1) and updates W(t) at once: its first
+    loss is the synchronous one, its run is neither the synchronous one nor hippie's pairing (step t-1's
+    gradient applied at step t)."""
+    args = SimpleNamespace(stages=2, lr=1e-3, optimizer="adamw", muon_lr=0.02, device="cpu", threads=1)
+
+    def run(rule):
+        record = run_one("vgg", parse_rule(rule, 2), 0, args, 12, _Bar())
+        return record["train_loss"], record["final"]["loss"]
+
+    (sync_losses, sync), (losses, final) = run("sync"), run("2bw-made:weights=1+extrapolate=1")
+    assert losses[0] == sync_losses[0] and losses != sync_losses
+    assert final != sync and final != run("2bw-made:extrapolate=1")[1]

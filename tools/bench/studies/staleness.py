@@ -17,8 +17,9 @@ corrects for that:
     hippie@L:METHOD             partial deferral (hippie.deferred_layers = L): only stage 0's first L
                                 layers delayed, the rest of stage 0 synchronous
     2bw:METHOD                  every stage delayed (PipeDream-2BW's rule)
-    2bw-made:METHOD             every stage but the last delayed: 2bw under extrapolate-made, whose
-                                last stage computes on the weights it has already made (synchronous)
+    2bw-made:METHOD             every stage but the last delayed: with weights=1, 2bw under
+                                extrapolate-made, whose last stage computes on the weights it has
+                                already made (synchronous)
     stage=K:METHOD              only stage K delayed (where the delay costs, one stage at a time)
 
 A delayed stage follows W(t+1) = W(t) - lr * g(W(t-1)) with AdamW fed g(W(t-1)) at step t; nothing
@@ -36,6 +37,11 @@ step (flush, at the optimizer's learning rate then). METHOD (several joined by '
     dcasgd=L                    DC-ASGD-a delay compensation with Adam's second moment as the mean
                                 square: g + L * g * g * (W(t) - W_g) / (sqrt(v_hat) + eps)
     beta1=B                     the delayed stages' AdamW uses beta1 = B (default 0.9)
+    weights=1                   2bw's own pairing: step t computes on the stage's weights one update
+                                old, W(t-1) (extrapolated with extrapolate=C), beside the other stages'
+                                current ones, and its gradient updates W(t) at once; without it a
+                                delayed stage applies step t-1's gradient at step t (hippie's pairing,
+                                which 2bw-made approximates 2bw with unless weights=1 is given)
     nadam=B                     the delayed stages use NAdamW (torch NAdam, decoupled weight decay)
                                 with beta1 = B: the Nesterov method's recipe (Ajanthan et al.,
                                 ICML 2025, run with beta1 0.99)
@@ -69,7 +75,7 @@ EXAMPLES = {  # tools/convergence.py's budgets; GPT evaluates 16 held-out batche
     "gpt": {"steps": 800, "eval_every": 100, "eval_batches": 16},
     "vgg": {"steps": 500, "eval_every": 50},
 }
-METHODS = ("none", "extrapolate", "pipeoptim", "ef", "dcasgd", "beta1", "lrscale", "nadam")
+METHODS = ("none", "extrapolate", "pipeoptim", "ef", "dcasgd", "beta1", "lrscale", "nadam", "weights")
 
 
 def parse_args(argv=None):

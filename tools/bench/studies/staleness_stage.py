@@ -64,6 +64,8 @@ class Stage:
     def before_compute(self):
         if not self.delayed:
             return
+        if "weights" in self.methods:
+            return self._stale_weights()
         torch = self.torch
         start = time.perf_counter()
         with torch.no_grad():
@@ -93,10 +95,40 @@ class Stage:
                 self.computed_on = [p.detach().clone() for p in self.params]
         self.correction_seconds += time.perf_counter() - start
 
+    def _stale_weights(self):
+        """2bw's pairing (``weights``): step t computes on W(t-1) (W(0) while t < 2), predicted as
+        W(t-1) + c (W(t-1) - W(t-2)) with ``extrapolate`` once t - 1 >= 1, and its own gradient
+        updates W(t) at once (after_backward)."""
+        torch = self.torch
+        start = time.perf_counter()
+        with torch.no_grad():
+            current = [p.detach().clone() for p in self.params]
+            history = getattr(self, "history", [])
+            compute = history[-1] if history else current
+            if "extrapolate" in self.methods and len(history) >= 2:
+                c = self.methods["extrapolate"]
+                compute = [w + c * (w - q) for w, q in zip(history[-1], history[-2])]
+            for p, w in zip(self.params, compute):
+                p.copy_(w)
+            self.saved = current
+            self.history = (history + [current])[-2:]
+            if "dcasgd" in self.methods:
+                self.computed_on = [w.clone() for w in compute]
+        self.correction_seconds += time.perf_counter() - start
+
     def after_backward(self):
         torch = self.torch
         if not self.delayed:
             self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return
+        if "weights" in self.methods:  # the update applies now, to W(t)
+            with torch.no_grad():
+                for p, w in zip(self.params, self.saved):
+                    p.copy_(w)
+            self.saved = None
+            grads = [p.grad.detach().clone() for p in self.params]
+            self._apply(grads, self.computed_on)
             self.opt.zero_grad(set_to_none=True)
             return
         start = time.perf_counter()
