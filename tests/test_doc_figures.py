@@ -92,11 +92,16 @@ def _source(spec: str):
 
 
 def _lookup(data, dotted: str):
-    node = data
-    for key in dotted.split("."):
+    node, parts = data, dotted.split(".")
+    while parts:
+        key = parts.pop(0)
         if isinstance(node, list):
             node = node[int(key)]
-        elif isinstance(node, dict) and key in node:
+            continue
+        # a key may hold dots itself (a run named "2bw:extrapolate-made+ef=0.5"): the shortest that is a key
+        while isinstance(node, dict) and key not in node and parts:
+            key += "." + parts.pop(0)
+        if isinstance(node, dict) and key in node:
             node = node[key]
         else:
             raise KeyError(f"{{{dotted}}}: no key {key!r}")
