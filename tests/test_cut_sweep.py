@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from hippie_ds.planner import load_plan
+from hippie_ds.planner import load_plan, load_profile
 from tools.bench.studies import cut_sweep
 from tools.bench.studies.cut_sweep_report import ranks, report, summarize
 
@@ -49,6 +49,30 @@ def test_cli_help_and_bad_options(capsys):
     assert info.value.code == 2 and "--plan and --profile come together" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cut_sweep.parse_args(["--out", "x", "--steps", "3", "--skip", "3"])
+
+
+def test_every_single_boundary_cut():
+    assert cut_sweep.every_cut([0, 3, 6]) == [[0, 1, 6], [0, 2, 6], [0, 4, 6], [0, 5, 6]]
+    assert cut_sweep.every_cut([0, 1, 3, 4]) == [[0, 2, 3, 4], [0, 1, 2, 4]]
+    args = cut_sweep.parse_args(["--out", "x", "--vocab", "32000", "--schedules", "zb-h1", "--only", "every-cut"])
+    assert args.model_args == "--layers 8 --vocab 32000" and args.schedules == "zb-h1"
+
+
+@pytest.mark.distributed
+def test_every_cut_of_a_large_vocabulary_planned_with_one_schedule(tmp_path):
+    """--only every-cut trains the plan and every other single-boundary cut; --vocab reaches the model;
+    --schedules reaches the planner."""
+    out = tmp_path / "every"
+    code = cut_sweep.main(["--out", str(out), "--rounds", "1", "--steps", "2", "--skip", "1", "--only", "every-cut",
+                           "--schedules", "1f1b", "--vocab", "512", "--profile-steps", "1",
+                           "--model-args", "--dim 16 --layers 2 --seq-len 8",
+                           "--launcher", os.environ.get("HIPPIE_TEST_LAUNCHER", "fork")])
+    assert code == 0
+    plan = load_plan(out / "plan.json")
+    assert plan.schedule == "1f1b"
+    rows = json.loads((out / "sweep.json").read_text())["candidates"]
+    assert sorted(r["boundaries"][1] for r in rows) == [1, 2, 3]  # embedding, 2 blocks, head: 3 cuts
+    assert max(layer.param_bytes for layer in load_profile(out / "profile.yaml").layers) >= 512 * 16 * 4
 
 
 @pytest.mark.distributed

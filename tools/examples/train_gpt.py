@@ -36,6 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="the model's vocabulary (embedding rows, output-head width), at least the corpus's "
+                        "characters (about 100; the rest are never drawn); e.g. 32000 for a Megatron-sized head, "
+                        "where default partitions go wrong (default: the corpus's)")
     p.add_argument("--out", default="out/demo", help="timelines, trace, picture and metrics.json go here")
     add_common_args(p, steps=40)
     return p.parse_args(argv)
@@ -50,11 +54,14 @@ def main(argv=None):
     config = load_config(args)
     out = Path(args.out)
     data = gpt.CharData(args.seq_len)
+    vocab = len(data.vocab) if args.vocab is None else args.vocab
+    if vocab < len(data.vocab):
+        raise SystemExit(f"--vocab {args.vocab}: allowed >= {len(data.vocab)}, the corpus's characters")
     trainer = Trainer(args, config,
-                      lambda: gpt.layer_specs(len(data.vocab), dim=args.dim, layers=args.layers, seq_len=args.seq_len),
+                      lambda: gpt.layer_specs(vocab, dim=args.dim, layers=args.layers, seq_len=args.seq_len),
                       gpt.lm_loss, "gpt", out)
     trainer.metrics.update(model={"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len,
-                                  "vocab": len(data.vocab)})
+                                  "vocab": vocab})
     rank = trainer.rank
     train = trainer.share(data.global_batches("train", trainer.global_batch, args.seed))
 

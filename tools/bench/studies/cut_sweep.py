@@ -53,17 +53,24 @@ def parse_args(argv=None):
     p.add_argument("--cluster", default=None, help="hippie-ds plan's --cluster (default 1xRANKS,16GB,10Gbit)")
     p.add_argument("--top", type=int, default=4, help="candidates trained: the plan and its best runner-ups "
                                                       "(default 4)")
-    p.add_argument("--only", choices=["all", "cut"], default="all",
+    p.add_argument("--only", choices=["all", "cut", "every-cut"], default="all",
                    help="the candidates: the plan's runner-ups as it lists them (all), or only other cuts of its "
-                        "configuration: every boundary moved by up to 2 layers, planned and ranked by predicted step")
+                        "configuration: every boundary moved by up to 2 layers, planned and ranked by predicted step "
+                        "(cut), or every position of each boundary, the others kept (every-cut: at 2 stages every "
+                        "single-boundary cut; --top does not cap it)")
+    p.add_argument("--schedules", default=None, help="hippie-ds plan's --schedules (e.g. zb-h1 or 1f1b; default: its own)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, order rotated (default 3)")
     p.add_argument("--steps", type=int, default=25, help="training steps per run (default 25)")
     p.add_argument("--skip", type=int, default=5, help="untimed first steps of a run (default 5)")
     p.add_argument("--model-args", default="--layers 8", help="train_gpt.py's model options (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="the model's vocabulary (train_gpt.py --vocab, added to --model-args), e.g. 32000")
     p.add_argument("--launcher", choices=["deepspeed", "fork"], default="deepspeed",
                    help="how the ranks start (LocalJob; default: DeepSpeed's launcher, as a user runs it)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     args = p.parse_args(argv)
+    if args.vocab is not None:
+        args.model_args = f"{args.model_args} --vocab {args.vocab}"
     if (args.plan is None) != (args.profile is None):
         p.error("--plan and --profile come together (the candidates' plans are made from the profile)")
     if args.top < 1 or args.rounds < 1 or args.steps <= args.skip or args.skip < 0:
@@ -95,12 +102,24 @@ def profile_and_plan(args, out: Path) -> tuple[Path, Path]:
                 *shlex.split(args.model_args)], out / "profile.log")
     cluster = args.cluster or f"1x{args.ranks},16GB,10Gbit"
     plan = subprocess.run([sys.executable, "-m", "hippie_ds.cli", "plan", "--profile", str(out / "profile.yaml"),
-                           "--cluster", cluster, "--out", str(out / "plan.json")], capture_output=True, text=True)
+                           "--cluster", cluster, "--out", str(out / "plan.json"),
+                           *(["--schedules", args.schedules] if args.schedules else [])], capture_output=True, text=True)
     (out / "plan.txt").write_text(plan.stdout + plan.stderr)
     if plan.returncode != 0:
         raise SystemExit(f"cut-sweep: hippie-ds plan failed:\n{plan.stderr}")
     print(plan.stdout + plan.stderr, flush=True)
     return out / "plan.json", out / "profile.yaml"
+
+
+def every_cut(parts: list[int]) -> list[list[int]]:
+    """Every partition with one interior boundary of ``parts`` at another position between its
+    neighbours, the others kept (at 2 stages: every single-boundary cut but the plan's)."""
+    out = []
+    for i in range(1, len(parts) - 1):
+        for position in range(parts[i - 1] + 1, parts[i + 1]):
+            if position != parts[i]:
+                out.append(parts[:i] + [position] + parts[i + 1:])
+    return out
 
 
 def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, only: str = "all") -> list[dict]:
@@ -121,10 +140,12 @@ def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, on
 
     def step(p):
         return p.prediction.step_time * p.prediction.steps_factor
-    if only == "cut":
+    if only in ("cut", "every-cut"):
+        cuts = neighbour_cuts(plan.boundaries) if only == "cut" else every_cut(plan.boundaries)
         made = [("cut", planned(plan.schedule, plan.pipeline_depth, plan.micro_batch_size, parts))
-                for parts in (neighbour_cuts(plan.boundaries) if plan.virtual_stages == 1 else [])]
+                for parts in (cuts if plan.virtual_stages == 1 else [])]
         made.sort(key=lambda x: (step(x[1]), x[1].boundaries))
+        top = len(made) + 1 if only == "every-cut" else top
     else:
         made = [(c.kind, planned(c.schedule, c.pipeline_depth, c.micro_batch_size, c.boundaries))
                 for c in plan.candidates[:top - 1]]
