@@ -150,16 +150,21 @@ def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
 def test_nesterov_as_the_configs_optimizer(tmp_path):
     """The Nesterov method's recipe (Ajanthan et al., ICML 2025: NAdam(W) on the delayed stages) is a
     config, not a method: "optimizer": {"type": "NAdam"} (DeepSpeed builds torch.optim.NAdam by name) with
-    2bw's default correction, alone and with error feedback; each equals its rule."""
+    2bw's default correction, alone and with error feedback, in fp32, bf16 and bf16 + ZeRO-1; each
+    equals its rule."""
     rc, log, _ = launch(2, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "NAdam", "--lr", LR, "--drain", "--engines", "2bw,2bw+ef5", timeout=300)
+                        "NAdam", "--lr", LR, "--drain", "--engines", "2bw,2bw+ef5,2bw+bf16+ef5,2bw+bf16+zero1+ef5",
+                        timeout=300)
     assert rc == 0, log[-4000:]
     runs = {}
-    for name, gain in (("2bw", 0.0), ("2bw+ef5", GAIN)):
+    for name, gain in (("2bw", 0.0), ("2bw+ef5", GAIN), ("2bw+bf16+ef5", GAIN), ("2bw+bf16+zero1+ef5", GAIN)):
         ours, _, parts, _, _ = collect(tmp_path, name)
-        ref, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR,
+        bf16 = "+bf16" in name
+        precision = reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in name else torch.bfloat16) \
+            if bf16 else None
+        ref, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR, precision=precision,
                                          staleness=StalenessConfig(error_feedback=gain))
-        assert _max_diff(ours, ref) <= 1e-6, name
+        assert _max_diff(ours, ref) <= (BF16_TOLERANCE if bf16 else 1e-6), name
         runs[name] = ours
     adam, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR,
                                       staleness=StalenessConfig())
