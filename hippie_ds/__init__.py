@@ -22,23 +22,23 @@ def make_topology(num_stages: int, world_size: int, placement: str = "pipeline_i
 
 def set_config(config):
     """The DeepSpeed config (dict or JSON path) a ``hippie_ds.PipelineModule`` built without ``config=``
-    takes, ahead of ``--deepspeed_config`` in ``sys.argv`` (see :mod:`hippie_ds.adapter.config_discovery`)."""
-    from .adapter.config_discovery import set_config as _set_config
+    takes, ahead of ``--deepspeed_config`` in ``sys.argv`` (see :mod:`hippie_ds.adapter.module.config_discovery`)."""
+    from .adapter.module.config_discovery import set_config as _set_config
     _set_config(config)
 
 
 def shutdown(timeout: float = 10.0) -> bool:
     """The end of a script, on every rank: wait until gloo's worker threads have released their
     last collectives, then destroy the process groups; a rank exiting without it may die at exit
-    with "terminate called without an active exception" (see :mod:`hippie_ds.adapter.clean_exit`)."""
-    from .adapter.clean_exit import shutdown as _shutdown
+    with "terminate called without an active exception" (see :mod:`hippie_ds.adapter.process.clean_exit`)."""
+    from .adapter.process.clean_exit import shutdown as _shutdown
     return _shutdown(timeout)
 
 
 def __getattr__(name):
     # Lazy: importing hippie_ds must not import DeepSpeed (the schedule tools do without it).
     if name == "PipelineModule":
-        from .adapter.pipeline_module import PipelineModule
+        from .adapter.module.pipeline_module import PipelineModule
         return PipelineModule
     raise AttributeError(f"module 'hippie_ds' has no attribute {name!r}")
 

@@ -76,7 +76,7 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
 
 # DeepSpeed's private methods hippie-ds's subclasses override by name (HippiePipelineEngine and its
 # mixins, hippie_ds.PipelineModule), or the op table names as the handler of one of DeepSpeed's own
-# instructions (schedules/ir.py's OP_INFO, resolved on the engine class by adapter/instructions.py).
+# instructions (schedules/ir.py's OP_INFO, resolved on the engine class by adapter/engine/instructions.py).
 # Checked to exist like SEAMS; tests/test_seams.py allows them outside adapter/ds only as a
 # subclass's ``def``, its ``super().name(...)`` / ``self.name(...)``, and the op table's handler names.
 OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {

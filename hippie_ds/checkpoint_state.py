@@ -1,4 +1,4 @@
 # Checkpoints saved before the move to hippie_ds.adapter pickled InFlightState's reducer by this path.
-from .adapter.checkpoint_state import InFlightState, _unwrap
+from .adapter.checkpoint.state import InFlightState, _unwrap
 
 __all__ = ["InFlightState", "_unwrap"]

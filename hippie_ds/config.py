@@ -62,13 +62,13 @@ class ConfigError(ValueError):
 
 class StalenessConfig(BaseModel):
     """How a stage that applies its gradient one step late (hippie's deferred stages) corrects
-    for it; see :mod:`hippie_ds.adapter.staleness`."""
+    for it; see :mod:`hippie_ds.adapter.staleness.prediction`."""
     model_config = ConfigDict(extra="forbid")
 
     # "extrapolate": W_hat = W + c (W - W_previous); "extrapolate-made": the same, but a stage that has
     # made the next weights before it computes (2bw's last stage) computes on them, any optimizer;
     # "adam": W_hat = W + c u_hat, u_hat the next update predicted from Adam's own state, made weights
-    # where made (hippie_ds.adapter.adam_prediction; torch Adam/AdamW only, refused at start-up
+    # where made (hippie_ds.adapter.staleness.adam; torch Adam/AdamW only, refused at start-up
     # otherwise); "none": no correction.
     method: Literal["none", "extrapolate", "extrapolate-made", "adam"] = "extrapolate-made"
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
@@ -79,7 +79,7 @@ class StalenessConfig(BaseModel):
 
 class ProfileConfig(BaseModel):
     """``hippie.profile``: the job profiles its own layers in place
-    (:mod:`hippie_ds.adapter.profile_in_place`) and global rank 0 writes one profile file."""
+    (:mod:`hippie_ds.adapter.profiling.profile_in_place`) and global rank 0 writes one profile file."""
     model_config = ConfigDict(extra="forbid")
 
     # The profile to write (.json, else YAML), relative to the working directory of rank 0.

@@ -18,7 +18,7 @@ detached tensor that requires grad when it is floating point). Per layer:
   than 25% make the CLI warn that the profile is noisy. ``load``: the machine's load average and
   this process's CPU over wall time while measuring;
 * ``backward_weight`` and ``split_extra``: the split backward of the zero-bubble schedules as the
-  engine runs it (issue 57): the engine's own I and W (:mod:`hippie_ds.adapter.split_backward`:
+  engine runs it (issue 57): the engine's own I and W (:mod:`hippie_ds.adapter.gradients.split_backward`:
   I one ``autograd.grad`` towards the layer's floating-point inputs that require grad, keeping
   the gradients at its parameter ops; W one ``autograd.grad`` per parameter group) are timed on
   the layer (medians); ``backward_weight`` is W (at most the backward), ``split_extra`` what I + W
@@ -37,13 +37,13 @@ detached tensor that requires grad when it is floating point). Per layer:
   in-flight micro-batch (``hippie_ds.planner.recompute``);
 * ``param_bytes``: its parameters' bytes (a tied module at its first use only);
 * ``working_bytes``: on CUDA the allocator's peak over one forward+backward less what the layer
-  keeps (:mod:`hippie_ds.adapter.layer_timing`); on the CPU none (the planner estimates it).
+  keeps (:mod:`hippie_ds.adapter.profiling.layer_timing`); on the CPU none (the planner estimates it).
 
 With a ``loss_fn`` the loss is measured the same way on the last layer's output and the labels,
 as the profile's ``loss`` entry (not a layer: the layer list and the fingerprint stay the
 model's). The profile records ``param_dtype``, the dtype of the built layers' parameters.
 
-Layer names are :func:`hippie_ds.adapter.pipeline_module.layer_names`, so a plan made from the profile
+Layer names are :func:`hippie_ds.adapter.module.pipeline_module.layer_names`, so a plan made from the profile
 recognises the model (``Profile.fingerprint``).
 
 What the target's own code raises (importing its module, calling its function, building a layer,
@@ -64,13 +64,13 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.layer_timing import (as_stage_input, attribute_saved, loadavg, measure_layer, nbytes, param_dtype,
+from .adapter.profiling.layer_timing import (as_stage_input, attribute_saved, loadavg, measure_layer, nbytes, param_dtype,
                                    work_key)
-from .adapter.memory import _tensors
+from .adapter.profiling.memory import _tensors
 from .planner.noise import pool
 from .planner.profile import LayerProfile, Profile, ProfileError
 from .planner.profile_fields import MeasuredLoad
-from .adapter.tensor_calls import tensor_bytes
+from .adapter.module.tensor_calls import tensor_bytes
 
 
 class TargetError(Exception):
@@ -160,7 +160,7 @@ def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch
     constructor raises is a :class:`TargetError`."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    from .adapter.pipeline_module import layer_name
+    from .adapter.module.pipeline_module import layer_name
 
     funcs, params, tied = [], [], {}
     for layer in layers:
@@ -194,7 +194,7 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     ``loss_fn`` and ``labels``: the loss, measured on the last layer's output (``loss``)."""
     from tqdm import tqdm
 
-    from .adapter.pipeline_module import layer_names, tie_keys
+    from .adapter.module.pipeline_module import layer_names, tie_keys
 
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0")

@@ -4,7 +4,7 @@ embedding) and its micro-batches' inputs, and the parameter and input gradients 
 micro-batches' backwards, full or split."""
 import torch
 
-from hippie_ds.adapter.split_backward import backward_input, backward_weight
+from hippie_ds.adapter.gradients.split_backward import backward_input, backward_weight
 
 
 class Block(torch.nn.Module):

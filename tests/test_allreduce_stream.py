@@ -1,4 +1,4 @@
-"""hippie_ds.adapter.allreduce_stream: the asynchronous averaging all-reduce, over real process
+"""hippie_ds.adapter.gradients.allreduce_stream: the asynchronous averaging all-reduce, over real process
 groups (gloo on the CPU here; NCCL on a CUDA side stream wherever CUDA is available)."""
 import os
 import socket
@@ -24,7 +24,7 @@ def _init(rank: int, world: int, port: int, backend: str):
 def _cpu_worker(rank: int, port: int):
     from deepspeed import comm as dist
 
-    from hippie_ds.adapter.allreduce_stream import AllReduceStream
+    from hippie_ds.adapter.gradients.allreduce_stream import AllReduceStream
     _init(rank, 2, port, "gloo")
     stream = AllReduceStream("cpu", None, 2)
     assert stream.stream is None  # gloo's threads carry it; no stream on the CPU
@@ -54,7 +54,7 @@ def test_cpu_allreduce_averages_over_the_group():
 def _cuda_worker(rank: int, port: int):
     from deepspeed import comm as dist
 
-    from hippie_ds.adapter.allreduce_stream import AllReduceStream
+    from hippie_ds.adapter.gradients.allreduce_stream import AllReduceStream
     _init(rank, 1, port, "nccl")
     torch.cuda.set_device(0)
     stream = AllReduceStream("cuda:0", None, 4)  # divides by 4: shows whether the side stream saw the value

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hippie_ds.adapter.timeline import Timeline, compute_clock
+from hippie_ds.adapter.profiling.timeline import Timeline, compute_clock
 from tools.bench.cluster import Refuse, gpu_slices, node_env
 from tools.bench.config import resolve_accelerator
 

@@ -19,7 +19,7 @@ TINY = ["--nodes", "1,2", "--stages", "2", "--micro-batches", "2", "--micro-batc
 
 
 def test_the_emulated_profile_is_the_emulated_module_s():
-    from hippie_ds.adapter.pipeline_module import model_fingerprint
+    from hippie_ds.adapter.module.pipeline_module import model_fingerprint
     from tools.bench.emulated import emulated_specs, read_profile
     p = emulated_profile("vgg16", 1e-3, speedup=2.0)
     assert p.fingerprint() == model_fingerprint(emulated_specs("vgg16", 8, 1e-3))  # a plan for it fits the module

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hippie_ds.adapter import checkpoint_state as ckpt
+from hippie_ds.adapter.checkpoint import state as ckpt
 
 
 # ---------------------------------------------------------------------------------------------

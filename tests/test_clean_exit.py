@@ -1,5 +1,5 @@
 """The teardown abort ("terminate called without an active exception" at interpreter exit) and its
-workaround, hippie_ds/adapter/clean_exit.py: a gloo worker thread that takes the GIL after the
+workaround, hippie_ds/adapter/process/clean_exit.py: a gloo worker thread that takes the GIL after the
 interpreter began to finalize aborts the process; waiting for the workers at exit prevents it."""
 import ctypes
 import sys
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hippie_ds.adapter import clean_exit
+from hippie_ds.adapter.process import clean_exit
 
 linux_proc = pytest.mark.skipif(clean_exit._FUTEX is None or not Path("/proc/self/task").is_dir(),
                                 reason="reads /proc/self/task (Linux, x86-64 or aarch64)")
@@ -81,4 +81,4 @@ def test_exit_waits_for_the_gloo_workers(tmp_path):
 def test_shutdown_is_exported():
     import hippie_ds
     assert hippie_ds.shutdown.__module__ == "hippie_ds" and "shutdown" in hippie_ds.__all__
-    assert sys.modules["hippie_ds.adapter.clean_exit"].shutdown is clean_exit.shutdown
+    assert sys.modules["hippie_ds.adapter.process.clean_exit"].shutdown is clean_exit.shutdown

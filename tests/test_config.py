@@ -69,7 +69,7 @@ def test_deferred_layers_checked_against_the_schedule():
     is ignored by the others; "all" delays whole stages; 0 leaves a stage in-step."""
     from types import SimpleNamespace
 
-    from hippie_ds.adapter.deferred_layers import resolve_for_module
+    from hippie_ds.adapter.module.deferred_layers import resolve_for_module
     from hippie_ds.schedules import compile as compile_schedule, load_spec
     from hippie_ds.schedules.resolve import Shape
 
@@ -121,9 +121,9 @@ class _OneReplica:
 
 
 def test_precision_paths_and_refusals():
-    """Which optimizer path DeepSpeed takes for a config (hippie_ds.adapter.precision), and what
+    """Which optimizer path DeepSpeed takes for a config (hippie_ds.adapter.precision.paths), and what
     each schedule refuses on it, by key, value and what is allowed, before any process group."""
-    from hippie_ds.adapter.precision import check_precision, optimizer_path
+    from hippie_ds.adapter.precision.paths import check_precision, optimizer_path
     from hippie_ds.schedules import compile as compile_schedule
 
     bf16 = {"bf16": {"enabled": True}}

@@ -241,7 +241,7 @@ def test_reference_op_table_names_every_op_kind():
 
 
 def _new_instruction_classes() -> set[str]:
-    """The instruction classes hippie-ds adds: adapter/instructions.py generates one per table name
+    """The instruction classes hippie-ds adds: adapter/engine/instructions.py generates one per table name
     that is not DeepSpeed's (tests/test_op_table.py checks both sets against DeepSpeed)."""
     return {name for info in OP_INFO.values() for name in (info.instruction, info.nonblocking_instruction)
             if name and name not in DEEPSPEED_INSTRUCTIONS}
@@ -267,7 +267,7 @@ def test_reference_op_table_row_matches_op_info(kind):
     assert _code(instruction) == expected, f"{where}: the instruction cell should name {expected}, in that order"
     stock = info.instruction not in _new_instruction_classes()
     assert ("DeepSpeed's" in instruction) == stock, \
-        f"{where}: `{info.instruction}` is {'DeepSpeed' if stock else 'hippie-ds'}'s (adapter/instructions.py)"
+        f"{where}: `{info.instruction}` is {'DeepSpeed' if stock else 'hippie-ds'}'s (adapter/engine/instructions.py)"
     assert _code(flags) == [f for f in FLAGS if getattr(info, f)], \
         f"{where}: flags should be {[f for f in FLAGS if getattr(info, f)]} (OP_INFO)"
 
@@ -293,7 +293,7 @@ def _modules() -> set[str]:
 def _named_modules(cell: str, context: str = "") -> set[str]:
     """The modules a table cell names, as paths from the root. ``hippie_ds/...`` paths are taken
     as they are and set the folder for the bare names after them (`hippie_ds/adapter/`:
-    `engine.py`, ...); a name with a folder of the package (`adapter/memory.py`) is under
+    `engine.py`, ...); a name with a folder of the package (`adapter/profiling/memory.py`) is under
     ``hippie_ds/``. Paths outside hippie_ds (tools/, tests/) and the bare names after them are
     not modules of the package and are left out."""
     named = set()
@@ -305,7 +305,7 @@ def _named_modules(cell: str, context: str = "") -> set[str]:
             continue
         if not token.endswith(".py"):
             continue
-        if "/" in token and not token.startswith("hippie_ds/"):  # adapter/memory.py; benchmarks/... is tools'
+        if "/" in token and not token.startswith("hippie_ds/"):  # adapter/profiling/memory.py; benchmarks/... is tools'
             token = "hippie_ds/" + token if (ROOT / "hippie_ds" / token.split("/")[0]).is_dir() else token
         elif "/" not in token:
             token = context + token

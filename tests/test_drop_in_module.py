@@ -1,5 +1,5 @@
 """``from hippie_ds import PipelineModule`` as a drop-in base class (issue 40): where a module built
-without ``config=`` finds the DeepSpeed config (hippie_ds/adapter/config_discovery.py), and the
+without ``config=`` finds the DeepSpeed config (hippie_ds/adapter/module/config_discovery.py), and the
 start-up refusals that follow from it (issue 42): the module named first, where its config came
 from, parameters printed readably, only schedules that run on this module suggested. Pure: stand-in
 modules, no process group. The real ranks are in tests/test_real_clients.py
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from hippie_ds import schedules
-from hippie_ds.adapter import config_discovery as cd
+from hippie_ds.adapter.module import config_discovery as cd
 from hippie_ds.config import ConfigError
 from hippie_ds.schedules import ScheduleError
 
@@ -73,7 +73,7 @@ def test_set_config_comes_first(tmp_path):
 def test_the_module_reads_what_it_found(tmp_path):
     """What the module takes from a found config: the chunks of its schedule, and its plan relative
     to the config file (virtual_stages_of / resolve_plan, which PipelineModule.__init__ calls)."""
-    from hippie_ds.adapter.pipeline_module import virtual_stages_of
+    from hippie_ds.adapter.module.pipeline_module import virtual_stages_of
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(CONFIG))
     found = cd.discover(["--deepspeed_config", str(path)])

@@ -32,7 +32,7 @@ def test_deepspeed_version_pin():
 
 def test_builtins_receive_each_gradient_in_its_backward_step():
     # The engine keeps DeepSpeed's single received-gradient slot; every compiled built-in fits it.
-    from hippie_ds.adapter.engine import check_single_grad_slot
+    from hippie_ds.adapter.engine.engine import check_single_grad_slot
     for name in BUILTINS:
         for stages in range(1, 6):
             for micro_batches in (1, 3, 8):
@@ -49,7 +49,7 @@ def test_builtins_receive_each_gradient_in_its_backward_step():
 def test_in_flight_state_pickled_under_the_old_module_path_still_loads():
     # pickle.dumps(InFlightState({"step": 3}), protocol=2) (torch.save's protocol) as saved when the
     # module was hippie_ds.checkpoint_state, before the move to hippie_ds.adapter.
-    from hippie_ds.adapter import checkpoint_state as ckpt
+    from hippie_ds.adapter.checkpoint import state as ckpt
     old = b"\x80\x02chippie_ds.checkpoint_state\n_unwrap\nq\x00}q\x01X\x04\x00\x00\x00stepq\x02K\x03s\x85q\x03Rq\x04."
     with pytest.raises(ckpt.InFlightCheckpointError):
         pickle.loads(old)  # outside hippie-ds's load_checkpoint: refused, as before the move
@@ -63,7 +63,7 @@ def test_a_gradient_aliasing_the_receive_buffer_is_copied_before_it_leaves():
     reaches its output through views and identities) is copied before a non-blocking send or a
     local hand-over; any other is sent as it is."""
     from types import SimpleNamespace
-    from hippie_ds.adapter.engine import HippiePipelineEngine
+    from hippie_ds.adapter.engine.engine import HippiePipelineEngine
     buf = torch.arange(12.0)
     received = buf[:6].view(2, 3)  # what _allocate_or_extend_buffers hands out
     engine = SimpleNamespace(_grad_layer_buf=[buf], grad_layer=received)
@@ -75,7 +75,7 @@ def test_a_gradient_aliasing_the_receive_buffer_is_copied_before_it_leaves():
 
 def _fake_engine():
     from types import SimpleNamespace
-    from hippie_ds.adapter.chunk_selector import P2P_STATE
+    from hippie_ds.adapter.engine.chunk_selector import P2P_STATE
     chosen = []
     engine = SimpleNamespace(stage_id=0, prev_stage=-1, next_stage=1, is_pipe_partitioned=False,
                              is_grad_partitioned=False, module=SimpleNamespace(set_chunk=chosen.append), **P2P_STATE)
@@ -83,7 +83,7 @@ def _fake_engine():
 
 
 def test_the_chunk_selector_keeps_each_chunks_p2p_state_and_neighbours():
-    from hippie_ds.adapter.chunk_selector import GRADIENT_TAG, ChunkSelector
+    from hippie_ds.adapter.engine.chunk_selector import GRADIENT_TAG, ChunkSelector
     from hippie_ds.schedules.layout import Layout
     engine, chosen = _fake_engine()
     chunks = ChunkSelector(engine, Layout("v", 2, 2), 2)  # stage 0 holds parts 0 and 3
@@ -118,7 +118,7 @@ def test_chunked_gradients_go_with_an_explicit_tag(monkeypatch):
     module is not rebound) and keep p2p's neighbour check."""
     from types import SimpleNamespace
     from deepspeed.runtime.pipe import p2p
-    from hippie_ds.adapter import chunk_selector
+    from hippie_ds.adapter.engine import chunk_selector
     calls = []
     monkeypatch.setattr(chunk_selector, "dist", SimpleNamespace(
         send=lambda t, dst, tag: calls.append(("send", dst, tag)),
@@ -137,7 +137,7 @@ def test_chunked_gradients_go_with_an_explicit_tag(monkeypatch):
 
 def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure():
     from types import SimpleNamespace
-    from hippie_ds.adapter.engine_step import StageStep
+    from hippie_ds.adapter.precision.step import StageStep
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}, {"lr": 0.2}], mpu="stock mpu", clip_grad=1.0)
     engine = SimpleNamespace(optimizer=optimizer, mpu="stock mpu", grid=SimpleNamespace(), lr_scheduler="schedule",
                              global_steps=7, global_samples=70, skipped_steps=1, fp16_enabled=lambda: False,
@@ -165,7 +165,7 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
 
 
 def test_the_call_cursor_skips_fill_and_drained_batches_and_restores_from_a_checkpoint():
-    from hippie_ds.adapter.call_cursor import CallCursor
+    from hippie_ds.adapter.engine.call_cursor import CallCursor
     cursor = CallCursor()
     cursor.start()
     cursor.keep_lrs([0.1])
@@ -194,7 +194,7 @@ def test_an_fp16_wrapper_that_cannot_step_per_stage_is_refused_when_the_engine_i
     updates refuses it as the engine is built, on every rank."""
     from types import SimpleNamespace
     from hippie_ds import schedules
-    from hippie_ds.adapter.engine_step import StageStep
+    from hippie_ds.adapter.precision.step import StageStep
 
     class OnebitWrapper:  # a wrapper hippie-ds does not know
         param_groups = []

@@ -2,7 +2,7 @@
 dynamic loss scale (FP16_UnfusedOptimizer; ``+fused``: FP16_Optimizer, DeepSpeed's fused Adam, issue 61;
 ``+zero1``: DeepSpeedZeroOptimizer), real ranks on gloo. The loss scale moves once per batch (pipedream:
 at a batch's last micro-batch update). One overflow decision per update
-for the whole pipeline, voted asynchronously (hippie_ds/adapter/fp16_async.py): each rank starts a
+for the whole pipeline, voted asynchronously (hippie_ds/adapter/precision/fp16_async.py): each rank starts a
 MAX all-reduce of its flag at its update op; stage 0 (its backward is the update's last) waits for
 it there, every other stage holds its gradient and applies or skips the update just before the
 first op that needs it. Overflows are injected (the worker's ``+ovfS.T``: stage S's first gradient
@@ -189,7 +189,7 @@ def test_checkpoint_carries_the_loss_scaler(trained):
     full, _, _, _, _ = collect(out, "2bw+fp16+ovf1.1")
     resumed, _, _, _, _ = collect(out, "2bw+fp16+ckpt2+ovf1.1")
     assert _max_diff(full, resumed) == 0
-    from hippie_ds.adapter import checkpoint_state
+    from hippie_ds.adapter.checkpoint import state as checkpoint_state
     scales = set()
     for f in Path(out, "2bw+fp16+ckpt2+ovf1.1", "ckpt").rglob("*.pt"):
         with checkpoint_state.loading():  # the in-flight state (stashed versions) unpickles here only
@@ -211,8 +211,8 @@ def test_where_the_vote_can_be_waited_for():
     """2bw runs in fp16 at every shape; pipedream at 2 stages (with and without vertical sync), refused
     at 3 stages or more, naming the stage that would wait for a later decision; ZeRO-1 as written runs,
     with overlap_comm refused."""
-    from hippie_ds.adapter.fp16_async import vote_problem, waits_at_update
-    from hippie_ds.adapter.precision import check_precision
+    from hippie_ds.adapter.precision.fp16_async import vote_problem, waits_at_update
+    from hippie_ds.adapter.precision.paths import check_precision
     fp16 = {"fp16": {"enabled": True}}
     for stages in (2, 3, 4, 6):
         for micro_batches in (stages, 8):
@@ -234,6 +234,6 @@ def test_where_the_vote_can_be_waited_for():
                                           r"overlap_comm"):
         check_precision(schedules.compile("2bw", 2, 4), _ds_config(**fp16, zero_optimization={"stage": 1,
                                                                                              "overlap_comm": True}))
-    from hippie_ds.adapter.fp16_async import loss_scale_updates  # the last stage's resolved updates at its backwards
+    from hippie_ds.adapter.precision.fp16_async import loss_scale_updates  # the last stage's resolved updates at its backwards
     assert loss_scale_updates(schedules.compile("2bw", 4, 8))[1] == 1  # r(u) = u - 1
     assert loss_scale_updates(schedules.compile("pipedream", 2, 4))[1] == 0  # r(u) = u

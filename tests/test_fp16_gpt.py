@@ -12,7 +12,7 @@ so its scale grew M times as fast (2**51 against stock's 2**16 here), the unscal
 below Adam's ``eps`` and the updates vanished while AdamW's weight decay went on: measured here, the
 loss fell from 3.466 to 3.441 by step 9, then rose to 3.445 at step 20 (stock fp16: 2.844). The rule now moves the scale once per
 batch, at its last update, by whether any of the batch's updates overflowed
-(hippie_ds/adapter/fp16_async.py), and the fp16 reference follows (reference_fp16.Fp16Async).
+(hippie_ds/adapter/precision/fp16_async.py), and the fp16 reference follows (reference_fp16.Fp16Async).
 """
 import math
 from pathlib import Path

@@ -1,7 +1,7 @@
 """fp16 under per-stage updates (issue 48): the hippie family with DeepSpeed's dynamic loss scale
 (FP16_UnfusedOptimizer; ``+fused``: FP16_Optimizer, DeepSpeed's fused Adam, issue 61; ``+zero1``:
 DeepSpeedZeroOptimizer), 2 stages x 2 replicas, real ranks. One overflow decision per update for
-the whole pipeline (hippie_ds/adapter/fp16_stage.py): overflows are injected into one stage's
+the whole pipeline (hippie_ds/adapter/precision/fp16_stage.py): overflows are injected into one stage's
 gradient at a chosen step (the worker's ``+ovfS.T``): into the in-step stage 1 (its update of that
 batch is skipped, and so is the deferred stage's update that goes with it) or into the deferred
 stage 0's delayed layer (its buffered gradient overflows; the next update is skipped on every stage).

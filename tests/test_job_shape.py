@@ -15,8 +15,8 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelD
 
 import hippie_ds
 from cli_run import run
-from hippie_ds.adapter import config_discovery
-from hippie_ds.adapter.pipeline_module import layer_names, layer_param_bytes
+from hippie_ds.adapter.module import config_discovery
+from hippie_ds.adapter.module.pipeline_module import layer_names, layer_param_bytes
 from hippie_ds.planner import LayerProfile, PlanMismatchError, PlannerError, Profile, load_profile, make_plan
 from hippie_ds.planner import parse_cluster, save_plan, save_profile
 from hippie_ds.planner.job_shape import changes_from_job, keep_shape, shape_changes

@@ -14,8 +14,8 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from hippie_ds import schedules
-from hippie_ds.adapter import instructions as hs
-from hippie_ds.adapter.engine import HippiePipelineEngine
+from hippie_ds.adapter.engine import instructions as hs
+from hippie_ds.adapter.engine.engine import HippiePipelineEngine
 from hippie_ds.schedules import continuous_checks, deadlock, simulator, stage_checks
 from hippie_ds.schedules.compiler import inference_stream
 from hippie_ds.schedules.costs import StageCost
@@ -98,7 +98,7 @@ def test_instruction_classes_and_arguments_come_from_the_table(kind):
             assert type(inst) is getattr(ds, cls_name)
         else:  # generated, importable by name, DeepSpeed-style docstring from the table
             cls = getattr(hs, cls_name)
-            assert type(inst) is cls and cls.__module__ == "hippie_ds.adapter.instructions"
+            assert type(inst) is cls and cls.__module__ == "hippie_ds.adapter.engine.instructions"
             assert issubclass(cls, ds.BufferOpInstruction if info.micro_batch else ds.PipeInstruction)
             assert "Roughly:" in cls.__doc__ and info.doc in cls.__doc__
         assert HippiePipelineEngine._INSTRUCTION_MAP[type(inst)] is getattr(HippiePipelineEngine, handler)

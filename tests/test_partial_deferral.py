@@ -201,7 +201,7 @@ def _options(tmp_path, c=None, **hippie):
 def _resolved(model, options, compiled=HIPPIE):
     """The schedule ``compiled`` names, at its shape and with its parameters as given, resolved
     as start-up resolves it for ``model``."""
-    from hippie_ds.adapter.deferred_layers import read_costs, resolve_for_module
+    from hippie_ds.adapter.module.deferred_layers import read_costs, resolve_for_module
     from hippie_ds.schedules import load_spec
     from hippie_ds.schedules.resolve import Shape
     c = None if options.costs is None else read_costs(options, compiled.stages)  # start-up reads it once

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hippie_ds.adapter.config_discovery import FoundConfig
-from hippie_ds.adapter.pipeline_module import announce, check_plan, chunks_of_plan
+from hippie_ds.adapter.module.config_discovery import FoundConfig
+from hippie_ds.adapter.module.pipeline_module import announce, check_plan, chunks_of_plan
 from hippie_ds.config import ConfigError, split_config
 from hippie_ds.planner import PlanMismatchError, save_plan
 

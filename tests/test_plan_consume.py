@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hippie_ds.config import ConfigError, merge_plan
-from hippie_ds.adapter.memory import ActivationMeter
-from hippie_ds.adapter.pipeline_module import check_plan, layer_names, recompute_runs, model_fingerprint
+from hippie_ds.adapter.profiling.memory import ActivationMeter
+from hippie_ds.adapter.module.pipeline_module import check_plan, layer_names, recompute_runs, model_fingerprint
 from hippie_ds.planner import load_profile, make_plan, parse_cluster, save_plan
 from hippie_ds.planner.plan_file import PlanMismatchError
 from hippie_ds.planner.recompute import activations_of

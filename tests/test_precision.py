@@ -249,7 +249,7 @@ TIED_TOLERANCE = 1e-4
 @pytest.mark.parametrize("precision", ["fp32", "bf16+zero1"])
 def test_tied_weights_under_per_stage_updates(tied_launch, precision):
     """hippie, hippie-1f1b and hippie-zb with a module tied across the first and the last stage
-    (hippie_ds/adapter/tied.py). ``deferred_layers: 1`` delays stage 0's first layer, the tied one,
+    (hippie_ds/adapter/gradients/tied.py). ``deferred_layers: 1`` delays stage 0's first layer, the tied one,
     so the last stage delays its copy too; the default ("untied") delays stage 0's first layer that
     is not tied (the Linear after it) and both copies update in-step. Every rank's
     copy stays bit-identical; in fp32 each run matches the single-process reference of its rule
@@ -291,7 +291,7 @@ CONTINUOUS_TIED_CLIP = 0.05  # low enough that pipedream's per-micro-batch gradi
                          ids=["2x2-fp32", "2x2-bf16+zero1", "4x2-bf16+zero1"])
 def test_tied_weights_under_continuous_schedules(tmp_path, stages, precision):
     """2bw and pipedream with a module tied across the first and the last stage: the tie sum lags
-    (one update; three for pipedream on 4 stages) and each holder clips its tied weights apart from the rest (hippie_ds/adapter/tied.py's
+    (one update; three for pipedream on 4 stages) and each holder clips its tied weights apart from the rest (hippie_ds/adapter/gradients/tied.py's
     LaggedTieSums). Every rank's copy stays bit-identical; each run matches the single-process
     reference of that rule (within CONTINUOUS_TIED_TOLERANCE in fp32, BF16_TOLERANCE in bf16 +
     ZeRO-1) and is farther than that from the rule that sums in-step and from the unclipped run;

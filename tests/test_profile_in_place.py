@@ -5,7 +5,7 @@ written). The job itself profiling in place: ``tests/test_real_clients.py``
 import pytest
 import torch
 
-from hippie_ds.adapter.layer_timing import (WALL_CLOCK, CudaClock, as_stage_input, attribute_saved, clock_for,
+from hippie_ds.adapter.profiling.layer_timing import (WALL_CLOCK, CudaClock, as_stage_input, attribute_saved, clock_for,
                                             measure_layer)
 from hippie_ds.config import ConfigError, ProfileConfig, split_config
 
@@ -80,7 +80,7 @@ def _loss_stage(loss_fn):
     job itself is tests/test_real_clients.py's)."""
     from types import SimpleNamespace
 
-    from hippie_ds.adapter.profile_in_place import InPlaceProfiler
+    from hippie_ds.adapter.profiling.profile_in_place import InPlaceProfiler
     head = torch.nn.Linear(8, 10)
     module = torch.nn.Module()
     module.loss_fn, module._local_start, module.forward_funcs = loss_fn, 0, [head]
@@ -92,7 +92,7 @@ def _loss_stage(loss_fn):
 
 @pytest.mark.parametrize("loss_fn", [lm_loss, torch.nn.CrossEntropyLoss()], ids=["function", "module"])
 def test_in_place_loss_keeps_the_first_labels_and_is_measured_like_a_layer(loss_fn):
-    from hippie_ds.adapter.profile_in_place import _combine
+    from hippie_ds.adapter.profiling.profile_in_place import _combine
     from hippie_ds.planner.profile import LayerProfile
     torch.manual_seed(0)
     profiler, head = _loss_stage(loss_fn)
@@ -116,7 +116,7 @@ def test_in_place_loss_keeps_the_first_labels_and_is_measured_like_a_layer(loss_
 def test_working_bytes_is_the_peak_less_what_the_layer_keeps(monkeypatch):
     """The allocator's figure (CUDA) less the layer's saved tensors and output; faked here, so
     that the arithmetic is checked on any machine (the real allocator: the CUDA test below)."""
-    from hippie_ds.adapter import layer_timing
+    from hippie_ds.adapter.profiling import layer_timing
     linear = torch.nn.Linear(8, 8)
     monkeypatch.setattr(layer_timing, "_cuda_device", lambda obj: "fake")
     monkeypatch.setattr(layer_timing, "peak_above", lambda run, device: (run(), 10_000.0)[1])

@@ -16,7 +16,7 @@ MS = 1e-3
 
 
 def test_the_emulated_vgg16_profile_as_the_bench_builds_it_is_not_noisy():
-    from hippie_ds.adapter.pipeline_module import model_fingerprint
+    from hippie_ds.adapter.module.pipeline_module import model_fingerprint
     from tools.bench.emulated import emulated_specs
     from tools.bench.studies.scaling_plan import emulated_profile
     profile = emulated_profile("vgg16", 1e-3)

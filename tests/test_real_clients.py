@@ -120,8 +120,8 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
     (after a warm-up call, during 2 train_batch calls); rank 0 writes one profile that names the
     model's layers in global order with its fingerprint, with the real output and parameter
     bytes, and ``hippie-ds plan`` plans from it. Training is bit-identical to the run without the key."""
-    from hippie_ds.adapter.layer_timing import nbytes
-    from hippie_ds.adapter.pipeline_module import layer_names, model_fingerprint
+    from hippie_ds.adapter.profiling.layer_timing import nbytes
+    from hippie_ds.adapter.module.pipeline_module import layer_names, model_fingerprint
     from hippie_ds.cli import main
     from hippie_ds.planner import load_plan, load_profile
     from hippie_ds.profiler import build_layers

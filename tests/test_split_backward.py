@@ -1,4 +1,4 @@
-"""The split backward (hippie_ds.adapter.split_backward) against torch's full backward, one process:
+"""The split backward (hippie_ds.adapter.gradients.split_backward) against torch's full backward, one process:
 I then W bit-identical to the full backward (W in order; close out of order), what I leaves pending
 for W, the coverage check and the torch version check, the activation meter and a plan's
 re-computation inside a split stage, and the layout (strides) of the gradients I and W set. Real
@@ -7,7 +7,7 @@ test_split_backward_clients.py's."""
 import pytest
 import torch
 
-from hippie_ds.adapter.split_backward import (SplitBackwardError, backward_input, backward_weight, check_coverage,
+from hippie_ds.adapter.gradients.split_backward import (SplitBackwardError, backward_input, backward_weight, check_coverage,
                                       check_torch_version)
 
 from split_backward_models import Block, make_inputs, make_stage, run_backwards
@@ -92,7 +92,7 @@ def test_activation_meter_sees_the_split_free_everything():
     """The meter keeps detached aliases: a loss stage's graph kept by I (retain_graph) and
     released by W is freed (log_softmax saves its own output: an alias carrying that node as
     grad_fn would make a cycle through C++ and leak), and gradients under the meter are the same."""
-    from hippie_ds.adapter.memory import ActivationMeter
+    from hippie_ds.adapter.profiling.memory import ActivationMeter
 
     def loss_stage(meter=None):
         model = make_stage(False)
@@ -114,9 +114,9 @@ def test_activation_meter_sees_the_split_free_everything():
 
 
 def test_plan_recomputation_inside_a_split_stage_is_exact():
-    """hippie_ds.adapter.recompute (a plan's per-layer re-computation) accepts autograd.grad: its
+    """hippie_ds.adapter.module.recompute (a plan's per-layer re-computation) accepts autograd.grad: its
     layers' parameter gradients come during I, the rest during W, the sum is bit-identical."""
-    from hippie_ds.adapter.recompute import recompute_run
+    from hippie_ds.adapter.module.recompute import recompute_run
 
     class Stage(torch.nn.Module):
         def __init__(self):
@@ -189,7 +189,7 @@ def test_gradients_are_laid_out_as_a_full_backward_lays_them_out(kind):
 
 
 def test_as_accumulated_follows_torch_layout_contract():
-    from hippie_ds.adapter.split_backward import as_accumulated, obeys_layout
+    from hippie_ds.adapter.gradients.split_backward import as_accumulated, obeys_layout
     leaf = torch.zeros(3, 5, 8).transpose(0, 1)
     grad = torch.randn(5, 3, 8)  # contiguous: not the leaf's strides
     laid = as_accumulated(grad, leaf)

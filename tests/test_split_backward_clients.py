@@ -1,4 +1,4 @@
-"""The split backward (hippie_ds.adapter.split_backward) on what real clients' models do
+"""The split backward (hippie_ds.adapter.gradients.split_backward) on what real clients' models do
 (Megatron-DeepSpeed's GPTModelPipe): views as stage outputs, one gradient buffer reused for every
 micro-batch, parameters unused on a stage or reaching the output around the input's path, fewer
 micro-batches than stages; and what a rank failing in a handler must do (end with its peers, not
@@ -8,7 +8,7 @@ with a failing rank ending in seconds; the rest run in one process."""
 import pytest
 import torch
 
-from hippie_ds.adapter.split_backward import SplitBackwardError, backward_input, backward_weight, check_coverage
+from hippie_ds.adapter.gradients.split_backward import SplitBackwardError, backward_input, backward_weight, check_coverage
 
 from split_backward_models import Block, make_inputs, run_backwards
 
@@ -73,7 +73,7 @@ def test_view_outputs_and_a_reused_gradient_buffer_split_exactly(stage):
 def test_a_view_output_is_released_after_its_weight_pass():
     """The view output cannot be detached: once the caller drops it (the engine does after I; its
     pending sends keep a detached alias), W still frees everything the micro-batch held."""
-    from hippie_ds.adapter.memory import ActivationMeter
+    from hippie_ds.adapter.profiling.memory import ActivationMeter
     torch.manual_seed(0)
     model = ViewOut()
     params = list(model.parameters())
@@ -160,7 +160,7 @@ def test_coverage_refuses_what_the_split_would_get_wrong():
 
 _FAILING_RANK = """
 import sys, torch, torch.distributed as dist
-from hippie_ds.adapter.failure import end_job_on_failure
+from hippie_ds.adapter.process.failure import end_job_on_failure
 dist.init_process_group("gloo")
 if dist.get_rank() == 0:
     dist.all_reduce(torch.zeros(1), async_op=True)  # in flight, never joined: teardown would wait for it
@@ -188,7 +188,7 @@ else:
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["uncaught", "caught", "stuck"])
 def test_a_rank_failing_in_a_handler_ends_with_its_peers(tmp_path, mode):
-    """hippie_ds.adapter.failure on two gloo processes: rank 0 fails in a handler with an
+    """hippie_ds.adapter.process.failure on two gloo processes: rank 0 fails in a handler with an
     all-reduce of its own in flight (its interpreter's teardown would wait for it for ever), rank
     1 waits for a message from it. Both end within seconds: rank 0 with status 1 whether its
     script lets the exception out, catches it and calls a collective (then exits normally), or

@@ -93,7 +93,7 @@ class _Block(torch.nn.Module):
 
 
 def test_the_profiler_times_the_engines_split_and_leaves_gradients_alone():
-    from hippie_ds.adapter.layer_timing import as_stage_input, measure_layer
+    from hippie_ds.adapter.profiling.layer_timing import as_stage_input, measure_layer
     block, x = _Block(), as_stage_input(torch.randn(16, 64))
     params = list(block.parameters())
     held = block.fc.weight.grad = torch.full_like(block.fc.weight, 7.0)  # a job's gradient, kept as it was

@@ -1,11 +1,11 @@
-"""The one staleness correction (hippie_ds/adapter/staleness.py) and hippie-ds's checkpoint state
+"""The one staleness correction (hippie_ds/adapter/staleness/prediction.py) and hippie-ds's checkpoint state
 format, without processes: the in-place form on a deferred stage's parameters and the per-version
 form of 2bw follow the same rule, W_hat(v) = W(v) + c * (W(v) - W(v-1)); checkpoints of both
 earlier shapes (format 1) load into it."""
 import torch
 
-from hippie_ds.adapter import checkpoint_state as ckpt
-from hippie_ds.adapter.staleness import InPlacePrediction, MadeWeightsPrediction, WeightPrediction, make_prediction
+from hippie_ds.adapter.checkpoint import state as ckpt
+from hippie_ds.adapter.staleness.prediction import InPlacePrediction, MadeWeightsPrediction, WeightPrediction, make_prediction
 from hippie_ds.config import StalenessConfig
 
 C = 1.5
@@ -126,7 +126,7 @@ def test_checkpoint_state_format_and_format1_keys():
 
 
 # ---------------------------------------------------------------------------------------------
-# "adam": Adam's own predicted next update (hippie_ds/adapter/adam_prediction.py)
+# "adam": Adam's own predicted next update (hippie_ds/adapter/staleness/adam.py)
 
 def _adam_hat(opt, p, c):
     """The rule written out: W + c * (-lr) (m / (1 - b1^(k+1)) / (sqrt(s / (1 - b2^(k+1))) + eps) + wd W)."""
@@ -138,7 +138,7 @@ def _adam_hat(opt, p, c):
 
 
 def test_adam_in_place_prediction_is_the_rule_and_restores_exactly():
-    from hippie_ds.adapter.adam_prediction import AdamInPlacePrediction, source_of
+    from hippie_ds.adapter.staleness.adam import AdamInPlacePrediction, source_of
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
     opt = torch.optim.AdamW(params, lr=0.01)
@@ -171,7 +171,7 @@ def test_adam_in_place_prediction_is_the_rule_and_restores_exactly():
 
 
 def test_adam_per_version_prediction_reads_the_optimizer():
-    from hippie_ds.adapter.adam_prediction import AdamVersionPrediction, source_of
+    from hippie_ds.adapter.staleness.adam import AdamVersionPrediction, source_of
     params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
     opt = torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
     prediction = make_prediction(StalenessConfig(method="adam"))
@@ -188,7 +188,7 @@ def test_adam_per_version_prediction_reads_the_optimizer():
 def test_adam_correction_refuses_optimizers_it_cannot_read():
     import pytest
 
-    from hippie_ds.adapter.adam_prediction import source_of
+    from hippie_ds.adapter.staleness.adam import source_of
     from hippie_ds.config import ConfigError
     params = [torch.nn.Parameter(torch.randn(2))]
     for opt in (torch.optim.SGD(params, lr=0.1), torch.optim.AdamW(params, lr=0.1, amsgrad=True)):
@@ -200,7 +200,7 @@ def test_adam_correction_refuses_optimizers_it_cannot_read():
 def test_adam_per_version_uses_the_made_weights_when_no_compute_has_used_the_version():
     """A version no compute has swapped in when the next update is made computes on W(v) + c
     (W(v+1) - W(v)) (2bw's last stage); one already used keeps Adam's prediction."""
-    from hippie_ds.adapter.adam_prediction import source_of
+    from hippie_ds.adapter.staleness.adam import source_of
     for used, c in ((False, 1.0), (False, C), (True, 1.0)):
         params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
         opt = torch.optim.AdamW(params, lr=0.02)

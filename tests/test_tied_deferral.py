@@ -13,8 +13,8 @@ import pytest
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from hippie_ds.adapter.deferred_layers import resolve_for_module, tied_across_stages
-from hippie_ds.adapter.engine_gradients import split_deferred
+from hippie_ds.adapter.module.deferred_layers import resolve_for_module, tied_across_stages
+from hippie_ds.adapter.gradients.stage import split_deferred
 from hippie_ds.config import ConfigError, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, split_config
 from hippie_ds.schedules import compile as compile_schedule, load_spec
 from hippie_ds.schedules.deferral import StageLayers, delayed_layers

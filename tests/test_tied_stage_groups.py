@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from hippie_ds.adapter.tied import tied_stage_groups
+from hippie_ds.adapter.gradients.tied import tied_stage_groups
 
 
 def _model(specs, parts):

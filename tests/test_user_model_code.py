@@ -82,7 +82,7 @@ def test_synchronous_schedules_are_bit_identical_to_stock(trained, precision):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_virtual_stages_clip_with_1f1bs_coefficient(trained, precision):
     """Issue 48 item 4: interleaved-1f1b and zb-v bit-identical to stock with gradient clipping on at
-    every step (fp32's coefficient computed as 1F1B's ranks compute it: adapter/layout_clip.py; before,
+    every step (fp32's coefficient computed as 1F1B's ranks compute it: adapter/precision/layout_clip.py; before,
     fp32 parted by 4e-3 and 1.6e-2 after 6 steps at this clip)."""
     out, _ = trained
     stock, *names = _names(precision, "+attrs")

@@ -2,7 +2,7 @@
 method of the same name (Megatron's ``ColumnParallelLinear``: ``bias.stride = stride``, an int, so
 ``bias.stride()`` raised ``'int' object is not callable`` in the split backward's weight pass). Every
 call hippie-ds makes on a user's parameter or activation goes through ``torch.Tensor``
-(hippie_ds/adapter/tensor_calls.py says why). The sweep is checked here over the source; the model
+(hippie_ds/adapter/module/tensor_calls.py says why). The sweep is checked here over the source; the model
 that carries Megatron's attributes trains under every schedule in tests/test_user_model_code.py."""
 import ast
 from pathlib import Path
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hippie_ds.adapter import split_backward
-from hippie_ds.adapter.tensor_calls import numel, tensor_bytes
+from hippie_ds.adapter.gradients import split_backward
+from hippie_ds.adapter.module.tensor_calls import numel, tensor_bytes
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hippie_ds"
 # the names the adapter gives a user's parameters and activations (gradients and buffers are torch's
@@ -34,13 +34,13 @@ def test_no_tensor_method_is_called_on_a_user_tensor_by_attribute():
                     node.func.attr in TENSOR_METHODS and isinstance(node.func.value, ast.Name) and \
                     node.func.value.id in USER_TENSOR_NAMES:
                 found.append(f"{f.relative_to(PACKAGE.parent)}:{node.lineno}: {node.func.value.id}.{node.func.attr}()")
-    assert not found, "call these through torch.Tensor (hippie_ds/adapter/tensor_calls.py):\n" + "\n".join(found)
+    assert not found, "call these through torch.Tensor (hippie_ds/adapter/module/tensor_calls.py):\n" + "\n".join(found)
 
 
 def test_the_sweep_covers_the_modules_that_touch_tensors():
     """The scan is not vacuous: it reads the split backward and the profiler, and would flag a call."""
     names = {f.name for f in _torch_modules()}
-    assert {"split_backward.py", "profiler.py", "engine.py", "grad_store.py"} <= names
+    assert {"split_backward.py", "profiler.py", "engine.py", "store.py"} <= names
     tree = ast.parse("p.stride()")
     call = tree.body[0].value
     assert call.func.attr in TENSOR_METHODS and call.func.value.id in USER_TENSOR_NAMES

@@ -14,14 +14,14 @@ from ..config import AUTO_LAYERS, ConfigError, merge_plan, read_config, schedule
 from ..schedules import load_spec, validator
 from ..schedules.compiler import resolve_virtual_stages
 from ..schedules.resolve import Shape
-from .clean_exit import wait_at_exit
+from .process.clean_exit import wait_at_exit
 from .ds import engine as ds_engine, module as ds_module
 from .ds.module import PipelineModule, ProcessTopology
 from .ds.runtime import DeepSpeedConfig
-from .deferred_layers import log_choice, read_costs, resolve_for_module, schedules_with_param
-from .module_chunks import chunks_phrase as _chunks, held_chunks
-from .precision import check_precision
-from .tied import check_tied, tied_stage_groups
+from .module.deferred_layers import log_choice, read_costs, resolve_for_module, schedules_with_param
+from .module.chunks import chunks_phrase as _chunks, held_chunks
+from .precision.paths import check_precision
+from .gradients.tied import check_tied, tied_stage_groups
 
 check_deepspeed()
 
@@ -114,7 +114,7 @@ def _load_config(args, config, config_params):
     if config is None:
         raise ConfigError("DeepSpeed requires a config: pass config= or --deepspeed_config")
     if isinstance(config, (str, os.PathLike)):
-        from .config_discovery import decode
+        from .module.config_discovery import decode
         return decode(config)[0]  # a file, or the base64 JSON DeepSpeed also accepts
     return read_config(config)
 
@@ -122,7 +122,7 @@ def _load_config(args, config, config_params):
 def _apply_plan(model: PipelineModule, config: dict, options, config_path: str | None) -> dict:
     """The config with the plan's keys merged in, after checking that ``model`` was built from
     the same plan (boundaries, checkpointed layers, model, world size)."""
-    from .pipeline_module import check_plan, locate_plan, module_stages_source, resolve_plan
+    from .module.pipeline_module import check_plan, locate_plan, module_stages_source, resolve_plan
 
     plan = resolve_plan(locate_plan(options.plan, config_path))
     check_plan(plan, ds_module.layer_specs(model), world_size=model.world_size, num_stages=model.num_stages,
@@ -173,7 +173,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
     if choices is not None:
         choices.update(resolved.choices)
     compiled = validator.validate(resolved.compiled)
-    from .engine import check_single_grad_slot
+    from .engine.engine import check_single_grad_slot
     for stage in range(stages):
         check_single_grad_slot(compiled, stage)
     placement = _placement_of(ds_module.topology(model))
@@ -185,7 +185,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
     check_tied(model, compiled)
     check_precision(compiled, config_class, held_chunks(model))
     if compiled.splits_backward:
-        from .split_backward import check_torch_version
+        from .gradients.split_backward import check_torch_version
         try:
             check_torch_version()
         except ImportError as exc:
@@ -195,7 +195,7 @@ def prepare(model: PipelineModule, config: dict, config_path: str | None = None,
 
 def module_fix(model, what: str) -> str:
     """How to build ``model`` so that it holds ``what`` this config asks for: it names where the
-    module took its config from (:mod:`hippie_ds.adapter.config_discovery`)."""
+    module took its config from (:mod:`hippie_ds.adapter.module.config_discovery`)."""
     if not hasattr(model, "hippie_config_source"):
         return (f"the model is DeepSpeed's PipelineModule ({type(model).__name__}), which cannot hold {what}: build it "
                 "with hippie_ds.PipelineModule, which takes DeepSpeed's arguments (`from hippie_ds import "
@@ -277,14 +277,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from deepspeed.accelerator import get_accelerator
     from deepspeed import set_optimizer_flags
 
-    from .engine import HippiePipelineEngine
+    from .engine.engine import HippiePipelineEngine
 
     # plan paths: relative to the config file; for a dict, to the file the module found (set_config, sys.argv)
     config_path = _config_path(args, config, config_params) or getattr(model, "hippie_config_path", None)
     config = _load_config(args, config, config_params)
     choices: dict = {}
     ds_config, config_class, compiled, options, deferral = prepare(model, config, config_path, choices)
-    from .adam_prediction import check_config as check_staleness  # hippie.staleness "adam": an Adam it reads
+    from .staleness.adam import check_config as check_staleness  # hippie.staleness "adam": an Adam it reads
     check_staleness(options.staleness, ds_config, optimizer)
     from .error_feedback import check as check_error_feedback  # hippie.staleness.error_feedback: 2bw only
     check_error_feedback(options.staleness, compiled)
@@ -306,15 +306,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
                                   deferral=deferral)
     zero.partition_parameters.restore_init_context()
-    from .adam_prediction import bind as bind_staleness  # hippie.staleness "adam" reads the optimizer
-    from .staleness import bind_made_weights
+    from .staleness.adam import bind as bind_staleness  # hippie.staleness "adam" reads the optimizer
+    from .staleness.prediction import bind_made_weights
     bind_staleness(engine, options.staleness)
     bind_made_weights(engine, options.staleness)  # "extrapolate-made": from the compiled schedule
     from .error_feedback import bind as bind_error_feedback  # on the stages one update behind, not made
     bind_error_feedback(engine.optimizer, engine._versions.prediction, options.staleness)
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
-        from .profile_in_place import profile_in_place
+        from .profiling.profile_in_place import profile_in_place
         profile_in_place(engine, options.profile)
     ds_engine.configure_python_gc(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,7 +1,7 @@
 """The job's shape and the plan's (issue 48): what ``hippie-ds plan`` keeps of the job a profile was
 measured in (:func:`keep_shape`), and the changes a plan of another shape asks of the job
 (:func:`shape_changes`), printed by ``hippie-ds plan`` and by the start-up refusal of a module whose
-stage count is not the plan's (:func:`hippie_ds.adapter.pipeline_module.check_plan`). Pure Python.
+stage count is not the plan's (:func:`hippie_ds.adapter.module.pipeline_module.check_plan`). Pure Python.
 
 A job's shape lives in three places the user sets: the model's pipeline size (``num_stages=`` where
 the ``PipelineModule`` is built, or the ``topology=`` a model class builds from its own argument:

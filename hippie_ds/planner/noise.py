@@ -1,6 +1,6 @@
 """Profiles that survive a busy machine (issue 52): robust per-layer times, identical layers pooled,
 and the warning a noisy profile gives. Pure Python; both profilers (``hippie-ds profile``,
-:mod:`hippie_ds.profiler`, and ``hippie.profile``, :mod:`hippie_ds.adapter.profile_in_place`) hand
+:mod:`hippie_ds.profiler`, and ``hippie.profile``, :mod:`hippie_ds.adapter.profiling.profile_in_place`) hand
 their raw timed runs here, and ``hippie-ds plan`` asks :func:`noise_warning` and :func:`time_spread`.
 
 * **Robust times**: a layer's forward and backward are the medians of all its timed runs (every

@@ -275,7 +275,7 @@ class Profile(_Strict):
 
 def fingerprint_of(names: Sequence[str], param_bytes: Sequence[float]) -> str:
     """Hash of layer names and parameter sizes (``Profile.fingerprint``; the model side computes it
-    from its layer specs: ``hippie_ds.adapter.pipeline_module.model_fingerprint``)."""
+    from its layer specs: ``hippie_ds.adapter.module.pipeline_module.model_fingerprint``)."""
     h = hashlib.sha256()
     for name, size in zip(names, param_bytes):
         h.update(name.encode())

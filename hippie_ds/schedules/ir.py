@@ -55,9 +55,9 @@ class OpInfo:
     role: str  # load | compute | send | recv | comm | update | weights
     category: str  # timeline category (its time: the cost terms below)
     doc: str  # "Roughly: ..." of what the engine does (also the generated instruction class's docstring)
-    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/instructions.py)
+    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/engine/instructions.py)
     _: KW_ONLY
-    handler: str  # the engine method that runs it (adapter/engine.py's _INSTRUCTION_MAP is built from these)
+    handler: str  # the engine method that runs it (adapter/engine/engine.py's _INSTRUCTION_MAP is built from these)
     args: tuple[str, ...] = ()  # its keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
     nonblocking_instruction: str | None = None  # sends with blocking: false ...
     nonblocking_handler: str | None = None  # ... and their handler (same args)
@@ -177,7 +177,7 @@ OP_INFO: dict[OpKind, OpInfo] = {
 }
 del _K
 # The instruction classes of the table that are DeepSpeed's own (deepspeed.runtime.pipe.schedule);
-# adapter/instructions.py generates the others, so stock code and PipelineEngine's map keep working.
+# adapter/engine/instructions.py generates the others, so stock code and PipelineEngine's map keep working.
 DEEPSPEED_INSTRUCTIONS = frozenset({"LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
                                     "SendGrad", "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"})
 HANDLER_ARG_FIELDS = {"buffer_id": "buffer"}  # handler argument -> the Op field it is read from, where names differ

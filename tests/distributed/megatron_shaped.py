@@ -46,7 +46,7 @@ import torch
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 import hippie_ds
-from hippie_ds.adapter.module_chunks import held_chunks
+from hippie_ds.adapter.module.chunks import held_chunks
 from tools.examples.lr_schedule import ParamScheduler
 
 VOCAB, HIDDEN, SEQ, MICRO = 32, 16, 8, 2
@@ -143,7 +143,7 @@ def chunked_plan(stages=2, micro_batches=4, dp=2, schedule="interleaved-1f1b", b
     """A plan of :func:`specs` (``blocks`` blocks) for ``schedule``: ``hippie_ds.planner.make_plan`` on a
     synthetic profile with this model's layer names and parameter sizes (so its fingerprint fits),
     then set to ``boundaries`` and ``checkpointed`` through the ``Plan`` model (which checks them)."""
-    from hippie_ds.adapter.pipeline_module import layer_names, layer_param_bytes
+    from hippie_ds.adapter.module.pipeline_module import layer_names, layer_param_bytes
     from hippie_ds.planner import LayerProfile, Plan, Profile, make_plan, parse_cluster
     layers = specs(blocks)
     profile = Profile(model="megatron-shaped", batch_size=MICRO, layers=[

@@ -11,7 +11,7 @@ import deepspeed
 import plan_model
 
 import hippie_ds
-from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
+from hippie_ds.adapter.profiling.memory import ActivationMeter, hold_stage_io
 
 
 def main():

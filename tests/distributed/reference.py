@@ -2,7 +2,7 @@
 
 Gradient of step t: the mean over replicas of the sum over micro-batches of grad(loss / M),
 as DeepSpeed computes it. Immediate stages apply g(t) at step t; deferred stages apply g(t-1)
-(nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.adapter.engine). Staleness
+(nothing at t = 0). Clipping, when on, is per stage (see hippie_ds.adapter.engine.engine). Staleness
 correction ``extrapolate`` (``hippie.staleness``): a deferred stage computes step t on
 W(t) + c * (W(t) - W(t-1)) and its update applies to W(t). Partial deferral
 (``hippie.deferred_layers``): only the parameters of a deferred stage's first k layers follow the
@@ -94,7 +94,7 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     delayed parameters compute on reference_async.adam_predicted) and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
     ``precision``: a :class:`Precision` (default fp32); ``tied``: the tied model, whose tied
-    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/tied.py);
+    copies follow one rule: delayed on every holder when a holder delays it (hippie_ds/adapter/gradients/tied.py);
     ``untied`` (``hippie.deferred_layers: "untied"``): in-step on every holder, even among a
     stage's delayed leading layers. ``flush``: ``drain()`` after the last step (the deferred stages'
     last buffered gradient applied, one more update; their in-step parameters left as they are)."""
@@ -356,7 +356,7 @@ def _clipped(grads, clip, norm=None):
 
 
 def _apply(ps, opt, grads, clip, norm=None):
-    """``norm``: the norm to clip by (default: these gradients', per stage as hippie_ds.adapter.engine's
+    """``norm``: the norm to clip by (default: these gradients', per stage as hippie_ds.adapter.engine.engine's
     per-stage updates)."""
     if clip > 0:
         grads = _clipped(grads, clip, norm)

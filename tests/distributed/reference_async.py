@@ -19,7 +19,7 @@ def _continuous_model(parts, precision, tied):
 
 
 def _lag_tied(grads, slots, pending, lag=1, precision=None):
-    """Tied copies under a schedule that never flushes (hippie_ds/adapter/tied.py's
+    """Tied copies under a schedule that never flushes (hippie_ds/adapter/gradients/tied.py's
     LaggedTieSums): each copy's update u applies the sum over the copies of their update-(u-lag)
     gradients (none before u = lag: the copies are left out of the step). ``pending``: a list
     of the sums not applied yet, oldest first (updated here). ``lag=0``: the sum of update u

@@ -1,6 +1,6 @@
 """The hippie family's rule in fp16, one process: DeepSpeed's FP16_UnfusedOptimizer (a torch optimizer
 under ``"fp16": {"enabled": true}``) with its dynamic loss scale, and one overflow decision per
-update for the whole pipeline (hippie_ds/adapter/fp16_stage.py).
+update for the whole pipeline (hippie_ds/adapter/precision/fp16_stage.py).
 
 - the model and the data are fp16; each rank's ``.grad`` accumulates its micro-batches in fp16 (the
   loss divided by the micro-batches, not scaled: DeepSpeed 0.19's backward scales the loss only for
@@ -84,7 +84,7 @@ class Fp16(Precision):
 
     def apply_only(self, ps, opt, grads, clip):
         """The wrapper steps every parameter (a missing gradient as zeros): the others' fp16 weights,
-        masters and optimizer state are put back afterwards (hippie_ds.adapter.fp16_stage.Fp16Unmoved)."""
+        masters and optimizer state are put back afterwards (hippie_ds.adapter.precision.fp16_stage.Fp16Unmoved)."""
         optimizer, masters = opt
         kept = [(p, m, p.detach().clone(), m.detach().clone(),
                  {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state.get(m, {}).items()})
@@ -152,7 +152,7 @@ class Fp16Zero(Fp16):
 
 
 class Fp16Async(Fp16):
-    """The rule of ``2bw`` and ``pipedream`` in fp16 (hippie_ds/adapter/fp16_async.py), for
+    """The rule of ``2bw`` and ``pipedream`` in fp16 (hippie_ds/adapter/precision/fp16_async.py), for
     reference_async's ``run_2bw`` and ``run_pipedream``: one decision per update (2bw: a batch;
     pipedream: a micro-batch) over every stage's gradient of that update; a skipped update moves no
     stage (the weight version still counts it); the scale moves once per batch (:meth:`decide`), so
@@ -197,7 +197,7 @@ class Fp16Async(Fp16):
 
 
 class Fp16AsyncZero(Fp16Async, Fp16Zero):
-    """2bw's and pipedream's rule in fp16 + ZeRO-1 as written (hippie_ds/adapter/fp16_async.py): as
+    """2bw's and pipedream's rule in fp16 + ZeRO-1 as written (hippie_ds/adapter/precision/fp16_async.py): as
     :class:`Fp16Async`, with Fp16Zero's scaled loss and optimizers; update u's gradient is computed with
     the scale after decisions 0 .. u - 1 on every stage (the engine rescales what a stage accumulated
     under an older scale)."""

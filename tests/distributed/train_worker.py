@@ -110,7 +110,7 @@ def crash_in_first_backward(engine, at_step):
     step ``at_step`` raises inside its handler, mid-schedule, as a model the handler cannot serve
     would."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
-    from hippie_ds.adapter import instructions as hs
+    from hippie_ds.adapter.engine import instructions as hs
     table = dict(engine._INSTRUCTION_MAP)
     for kind in (ds_schedule.BackwardPass, hs.BackwardInputPass, hs.ForwardBackwardPass):
         def crashing(self, *args, _handler=table[kind], **kwargs):

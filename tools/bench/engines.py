@@ -14,12 +14,12 @@ import torch
 
 import hippie_ds
 from hippie_ds.adapter.ds.module import PipelineModule
-from hippie_ds.adapter.timeline import compute_clock, time_stock_handlers
+from hippie_ds.adapter.profiling.timeline import compute_clock, time_stock_handlers
 from tools.bench.labels import DATA_PARALLEL, STOCK, split_layers
 from tools.bench.model import BASE_SEED, DPModel, layer_specs, loss_of
 
 # ---------------------------------------------------------------------------------- memory
-# Bytes held for backward: hippie_ds.adapter.memory.ActivationMeter (saved-tensor hooks, storage-
+# Bytes held for backward: hippie_ds.adapter.profiling.memory.ActivationMeter (saved-tensor hooks, storage-
 # deduplicated, parameters excluded) plus the stage's input and output, which the engine keeps in
 # its pipe buffers until the backward (what the planner's activation memory predicts).
 
@@ -117,7 +117,7 @@ def schedule_config(a, label):
 
 
 def time_stock_instructions(engine):
-    """Record the stock engine's instructions as events (hippie_ds.adapter.timeline.time_stock_handlers)."""
+    """Record the stock engine's instructions as events (hippie_ds.adapter.profiling.timeline.time_stock_handlers)."""
     engine._bench_t0 = time.perf_counter()
     engine._bench_events = []
     engine._bench_on_instruction = []  # callbacks(class name) after each instruction (instruction_cpu.py)

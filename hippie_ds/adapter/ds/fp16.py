@@ -1,6 +1,6 @@
 """DeepSpeed's fp16 wrappers without ZeRO reached by name: ``FP16_UnfusedOptimizer`` (a torch
 optimizer) and ``FP16_Optimizer`` (DeepSpeed's fused Adam, ``"optimizer": {"type": "Adam"}``); the
-internals fp16 per-stage steps (:mod:`hippie_ds.adapter.fp16_stage`) read or swap, each as a named
+internals fp16 per-stage steps (:mod:`hippie_ds.adapter.precision.fp16_stage`) read or swap, each as a named
 operation (roughly: what it does in DeepSpeed's own terms)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-stage steps on DeepSpeed's ZeRO-1 optimizer (``DeepSpeedZeroOptimizer``, stage 1): what
 DeepSpeed picks for ``"zero_optimization": {"stage": 1}`` in fp32, or with ``bf16`` and no
-``data_types.grad_accum_dtype`` (:mod:`hippie_ds.adapter.precision`'s ``zero`` path).
+``data_types.grad_accum_dtype`` (:mod:`hippie_ds.adapter.precision.paths`'s ``zero`` path).
 
 ZeRO-1 keeps a backward's gradients on the parameters' ``.grad`` (in the model dtype) until its own
 reduce (``reduce_gradients``, from DeepSpeed's ``reduce_grads``), which averages them over the
@@ -11,7 +11,7 @@ rank's fp32 partition (master weights and optimizer state: 1/dp of them per rank
 the updated parameters over the stage's data-parallel group.
 
 Schedules that handle gradients themselves keep ``.grad`` as the gradient store (as fp32 does,
-:mod:`hippie_ds.adapter.grad_store`): hippie-ds all-reduces it at the rule's time (early, deferred,
+:mod:`hippie_ds.adapter.gradients.store`): hippie-ds all-reduces it at the rule's time (early, deferred,
 buffered) and never calls ZeRO's reduce. At the per-stage step, :func:`stage_step` hands ZeRO the
 reduced ``.grad`` as its partition (what its reduce's epilogue builds, without a second average)
 and makes its norm and overflow reductions run over the stage (or its tie group) instead of the
@@ -89,7 +89,7 @@ def stage_step(optimizer, mpu):
 class ZeroUnmoved:
     """Around a ZeRO-1 step that has nothing to apply to ``params`` (a deferred stage's ``drain()``:
     only the delayed layers' gradient is pending), the ZeRO counterpart of
-    :class:`hippie_ds.adapter.grad_store.Unmoved`: the flat fp32 partition cannot leave a parameter
+    :class:`hippie_ds.adapter.gradients.store.Unmoved`: the flat fp32 partition cannot leave a parameter
     out and a zero gradient still moves it (Adam's moments, weight decay), so ``params``' elements
     of this rank's fp32 partition and of its optimizer state, and the full model-dtype weights every
     rank holds, are put back after the step. Local to each rank: each restores the fragment it owns

@@ -21,7 +21,7 @@ functions and parameterless layers before and between them are not counted). Val
   chooses leading layers of a cost file's stage; :func:`with_parameters` counts them in this unit;
   :func:`hippie_ds.schedules.resolve.resolve` does both).
 
-Tied modules follow one rule (adapter/tied.py): when a stage delays a module tied to other
+Tied modules follow one rule (adapter/gradients/tied.py): when a stage delays a module tied to other
 stages, every holder delays it; a holder that delays nothing else becomes a deferred stage that
 delays only its tied weights (``layers`` empty, ``tied_keys`` set) - the one way a stage with no
 delayed layer is deferred.

@@ -14,7 +14,7 @@ rounds inside one job (the order rotated each round). Then, per schedule:
 * the simulator's step time and bubble with the measured costs (per stage, each compute kind's
   time per micro-batch summed over the stage's chunks; the end-of-step ReduceGrads +
   OptimizerStep and one p2p transfer from the runs) and its relative error;
-* peak bytes held for backward per stage (``hippie_ds.adapter.memory.ActivationMeter``; a split
+* peak bytes held for backward per stage (``hippie_ds.adapter.profiling.memory.ActivationMeter``; a split
   backward adds the gradients its backward_input keeps until W) against the simulator's peak, the
   bytes per micro-batch calibrated on the first schedule (1f1b: peak / micro-batches in flight).
 

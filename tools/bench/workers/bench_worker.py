@@ -20,7 +20,7 @@ while another still finishes the previous label's. Labels:
   warm-up in this job (``stock`` is then built first).
 
 With ``--memory`` every step also records the peak bytes held for backward
-(``hippie_ds.adapter.memory.ActivationMeter``: saved tensors counted once per storage until the autograd
+(``hippie_ds.adapter.profiling.memory.ActivationMeter``: saved tensors counted once per storage until the autograd
 graph releases them, parameters excluded, plus the stage's input and output that the engine
 keeps until the backward), and each rank its resident memory
 (VmRSS before the model is built, VmHWM at the end). Run one label per process for a
@@ -55,7 +55,7 @@ from deepspeed.accelerator import get_accelerator
 
 import hippie_ds
 from hippie_ds.adapter.ds.module import stage_of_rank
-from hippie_ds.adapter.memory import ActivationMeter, hold_stage_io
+from hippie_ds.adapter.profiling.memory import ActivationMeter, hold_stage_io
 from tools.bench.analysis import last_arrivals, wire_bytes, work_after_arrivals
 from tools.bench.cluster import core_ticks
 from tools.bench.config import add_model_choice

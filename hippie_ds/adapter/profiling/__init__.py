@@ -1,0 +1,1 @@
+"""Measuring: in-place profiling, one layer's timing, activation memory, and the instruction timeline."""

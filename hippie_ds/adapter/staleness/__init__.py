@@ -1,0 +1,1 @@
+"""Stale weights: weight versions and the staleness corrections (predictions) of delayed stages."""
