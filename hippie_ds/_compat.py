@@ -90,18 +90,18 @@ OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
             "_train_schedule", "_exec_schedule",
             # per-buffer loss slots, partial deferral's all-reduce window (engine.py)
             "_exec_forward_pass", "_exec_backward_pass",
-            # virtual stages (engine_chunks.py)
+            # virtual stages (adapter/engine/chunks.py)
             "_inference_schedule", "_loss_stage_global_rank", "_next_batch",
             # DeepSpeed's own handlers the op table names (OP_INFO's handler)
             "_exec_load_micro_batch", "_exec_optimizer_step", "_exec_reduce_grads", "_exec_reduce_tied_grads"),
     },
-    # virtual stages and plans' boundaries (pipeline_module.py, module_chunks.py)
+    # virtual stages and plans' boundaries (adapter/module/pipeline_module.py, chunks.py)
     "deepspeed.runtime.pipe.module": {"PipelineModule": ("_build", "_partition_layers")},
 }
 
 # Internals hippie-ds relies on without naming them: swapping ZeRO-1's cached model-parallel group
 # (ds/zero.py's _stage_groups) redirects the reductions these methods make to the stage; DeepSpeed's
-# checkpoint load overwrites every copy of a tied weight with the first holder's (engine_checkpoint.py
+# checkpoint load overwrites every copy of a tied weight with the first holder's (adapter/checkpoint/in_flight.py
 # puts each stage's own back). Checked to exist like SEAMS; tests/test_seams.py checks that nothing
 # names these.
 RELIED_ON: dict[str, dict[str, tuple[str, ...]]] = {

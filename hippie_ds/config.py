@@ -72,7 +72,7 @@ class StalenessConfig(BaseModel):
     # otherwise); "none": no correction.
     method: Literal["none", "extrapolate", "extrapolate-made", "adam"] = "extrapolate-made"
     coefficient: float = Field(1.0, ge=0.0, le=4.0)
-    # Error feedback on 2bw's one-update-late stages (hippie_ds.adapter.error_feedback): the update
+    # Error feedback on 2bw's one-update-late stages (hippie_ds.adapter.staleness.error_feedback): the update
     # u(t) + g (u(t) - u(t-1)), u the optimizer's own step; 0: off.
     error_feedback: float = Field(0.0, ge=0.0, le=4.0)
 

@@ -1,4 +1,4 @@
-"""``hippie.staleness.error_feedback`` (hippie_ds/adapter/error_feedback.py): on 2bw's stages one update
+"""``hippie.staleness.error_feedback`` (hippie_ds/adapter/staleness/error_feedback.py): on 2bw's stages one update
 behind, the update u(t) + g (u(t) - u(t-1)) of the optimizer's own step u, applied to the values the
 optimizer steps. The rule alone (pure), then real ranks in every precision and ZeRO setting 2bw runs, each
 against reference_async.run_2bw with the rule written separately (reference_async.error_feedback), and
@@ -15,7 +15,7 @@ import reference_fp16
 from launch import collect, launch
 
 from hippie_ds import schedules
-from hippie_ds.adapter.error_feedback import STATE_KEY, ErrorFeedback, check
+from hippie_ds.adapter.staleness.error_feedback import STATE_KEY, ErrorFeedback, check
 from hippie_ds.config import ConfigError, StalenessConfig
 
 STEPS, MICRO_BATCHES, LR, CLIP, GAIN = 4, 4, 0.01, 0.5, 0.5

@@ -1,12 +1,26 @@
 """The DeepSpeed adapter: the modules that import DeepSpeed, and the torch code they run (the standalone
-profiler, ``hippie_ds/profiler.py``, touches torch too). DeepSpeed's internals (``deepspeed.runtime``,
-its private names) are reached in one package, ``ds`` (:mod:`hippie_ds.adapter.ds`), as named
-operations; the other modules call those, and use public DeepSpeed (``deepspeed.comm``, ``deepspeed.pipe``,
-the logger, the accelerator) directly.
+profiler, ``hippie_ds/profiler.py``, touches torch too), in packages by concern. Importing this
+package imports none of them.
 
-``engine`` (``HippiePipelineEngine``) with its parts ``engine_gradients``, ``engine_versions``,
-``engine_checkpoint``, ``engine_split``, ``engine_chunks`` and ``engine_step``; ``instructions`` (a compiled schedule as DeepSpeed
-``PipeInstruction``s); ``integration`` (``hippie_ds.initialize``); ``pipeline_module`` and
-``recompute`` (``hippie_ds.PipelineModule``); ``split_backward``, ``staleness``, ``memory``
-and ``checkpoint_state`` (torch-level helpers). Importing this package imports nothing of them.
+Dependencies run one way: a package imports only the packages below it in :data:`PACKAGES`
+(bottom first), never one above it (``tests/test_structure.py`` checks it, and that no module
+outside ``engine/`` reads a private attribute of the engine):
+
+* ``ds`` -- the one package that reaches DeepSpeed's internals (``deepspeed.runtime``, private
+  names), as named operations; the others call those, and use public DeepSpeed directly;
+* ``process`` -- a handler that raises ends the job; gloo idle before the interpreter finalizes;
+* ``module`` -- ``hippie_ds.PipelineModule`` (plan boundaries, chunks, re-computation), the config
+  it discovers, its deferred layers, calls on user tensors;
+* ``precision`` -- optimizer paths, fp16 votes, a virtual layout's clipping, the per-stage step;
+* ``gradients`` -- the gradient store, the all-reduce stream and buffer, tied modules, the split backward;
+* ``staleness`` -- weight versions and the staleness corrections;
+* ``checkpoint`` -- the checkpoint's state format, and the in-flight state a save gathers and a load restores;
+* ``profiling`` -- in-place profiling, layer timing, activation memory, the timeline;
+* ``engine`` -- ``HippiePipelineEngine``: its loop, DeepSpeed's overrides, the handlers, p2p;
+* ``integration`` (a module) -- ``hippie_ds.initialize``, at the top.
+
+:data:`ALIASES` are modules kept at paths that saved checkpoints pickled (they re-export the new place).
 """
+PACKAGES = ("ds", "process", "module", "precision", "gradients", "staleness", "checkpoint", "profiling", "engine",
+            "integration")
+ALIASES = ("checkpoint_state", )

@@ -127,7 +127,7 @@ def _apply_plan(model: PipelineModule, config: dict, options, config_path: str |
     plan = resolve_plan(locate_plan(options.plan, config_path))
     check_plan(plan, ds_module.layer_specs(model), world_size=model.world_size, num_stages=model.num_stages,
                stages_from=module_stages_source(model))
-    # a chunked module's parts are its K·v+1 model-part boundaries (module_chunks), placed by its layout
+    # a chunked module's parts are its K·v+1 model-part boundaries (adapter/module/chunks.py), placed by its layout
     held, planned = held_chunks(model), (plan.virtual_stages, plan.layout)
     ckpt = list(getattr(model, "checkpointed_layers", []))
     if _chunks(*held) != _chunks(*planned) or list(model.parts) != plan.boundaries or \
@@ -284,9 +284,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config = _load_config(args, config, config_params)
     choices: dict = {}
     ds_config, config_class, compiled, options, deferral = prepare(model, config, config_path, choices)
-    from .staleness.adam import check_config as check_staleness  # hippie.staleness "adam": an Adam it reads
+    # hippie.staleness "adam": an Adam it reads (importing it registers the method, which the engine builds with
+    # the optimizer DeepSpeed makes)
+    from .staleness.adam import check_config as check_staleness
     check_staleness(options.staleness, ds_config, optimizer)
-    from .error_feedback import check as check_error_feedback  # hippie.staleness.error_feedback: 2bw only
+    from .staleness.error_feedback import check as check_error_feedback  # hippie.staleness.error_feedback: 2bw only
     check_error_feedback(options.staleness, compiled)
 
     zero.partition_parameters.shutdown_init_context()
@@ -306,12 +308,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   timeline_steps=options.timeline_steps, staleness=options.staleness,
                                   deferral=deferral)
     zero.partition_parameters.restore_init_context()
-    from .staleness.adam import bind as bind_staleness  # hippie.staleness "adam" reads the optimizer
-    from .staleness.prediction import bind_made_weights
-    bind_staleness(engine, options.staleness)
-    bind_made_weights(engine, options.staleness)  # "extrapolate-made": from the compiled schedule
-    from .error_feedback import bind as bind_error_feedback  # on the stages one update behind, not made
-    bind_error_feedback(engine.optimizer, engine._versions.prediction, options.staleness)
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
         from .profiling.profile_in_place import profile_in_place

@@ -62,7 +62,7 @@ def set_bounds(module, start: int, stop: int) -> None:
 
 def set_local_range(module, start: int, stop: int) -> None:
     """Roughly: ``_set_bounds`` without ``nn.Module.__setattr__``: ``object.__setattr__`` of
-    ``_local_start`` / ``_local_stop`` (a chunk's view swapped in, module_chunks.py)."""
+    ``_local_start`` / ``_local_stop`` (a chunk's view swapped in, adapter/module/chunks.py)."""
     object.__setattr__(module, "_local_start", start)
     object.__setattr__(module, "_local_stop", stop)
 

@@ -1,15 +1,22 @@
 """``HippiePipelineEngine``: DeepSpeed's ``PipelineEngine`` running any declared schedule.
 
-The engine wires components that each own their state, behind named interfaces:
+This file holds the class, its loop (``_exec_schedule`` -> ``_exec_steps``: each instruction with
+its op) and its overrides of DeepSpeed's methods; its parts in this package hold the handlers the
+instruction map calls: :mod:`~hippie_ds.adapter.engine.handlers` (the components' instructions and
+the split backward), :mod:`~hippie_ds.adapter.engine.p2p` (sends and receives),
+:mod:`~hippie_ds.adapter.engine.chunks` (virtual stages' overrides) and
+:mod:`~hippie_ds.adapter.engine.checkpoint` (``save_checkpoint`` / ``load_checkpoint``). The
+components each own their state and are built with what they use (:mod:`~hippie_ds.adapter.engine.build`):
 :class:`~hippie_ds.adapter.gradients.stage.StageGradients` (all-reduces, gradient buffer, partial
-deferral), :class:`~hippie_ds.adapter.staleness.versions.WeightVersions` (weight versions),
-:mod:`~hippie_ds.adapter.staleness.prediction` (the one staleness correction), the split backward
-(:mod:`~hippie_ds.adapter.engine.split`), the per-stage step (:class:`~hippie_ds.adapter.precision.step.StageStep`:
-every swap a step makes, in one context manager), virtual stages' per-chunk state
-(:class:`~hippie_ds.adapter.engine.chunk_selector.ChunkSelector`), the continuous schedules' call cursor
-(:class:`~hippie_ds.adapter.engine.call_cursor.CallCursor`) and checkpoint I/O (:mod:`~hippie_ds.adapter.engine.checkpoint`);
-with them, the only modules that touch DeepSpeed's engine internals. Handlers receive what they
-need as instruction arguments, as DeepSpeed's do. What it changes, and why:
+deferral), :class:`~hippie_ds.adapter.staleness.versions.WeightVersions` (weight versions) with
+:mod:`~hippie_ds.adapter.staleness.prediction` (the staleness correction),
+:class:`~hippie_ds.adapter.gradients.split.SplitBackward`, the per-stage step
+(:class:`~hippie_ds.adapter.precision.step.StageStep`: every swap a step makes, in one context
+manager), virtual stages' per-chunk state (:class:`~hippie_ds.adapter.engine.chunk_selector.ChunkSelector`),
+the continuous schedules' call cursor (:class:`~hippie_ds.adapter.engine.call_cursor.CallCursor`)
+and the checkpoint's in-flight state (:class:`~hippie_ds.adapter.checkpoint.in_flight.TrainingState`).
+No component reads the engine's private attributes. Handlers receive what they need as
+instruction arguments, as DeepSpeed's do. What it changes, and why:
 - ``_train_schedule`` returns the compiled, validated declaration instead of ``TrainSchedule``;
 - the loss lives in per-buffer slots (the stock engine keeps one, so any order but strict
   F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
@@ -19,7 +26,7 @@ need as instruction arguments, as DeepSpeed's do. What it changes, and why:
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
   :mod:`hippie_ds.adapter.staleness.prediction`): compute runs on predicted weights, the update applies to the true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls): ops of
-  batches in flight run in the next call, ``drain()`` completes them; weight versions (engine_versions);
+  batches in flight run in the next call, ``drain()`` completes them; weight versions (adapter/staleness/versions.py);
 - a public hook called after each instruction (``add_instruction_hook``); the timeline is one.
 
 Per-stage update semantics (``StageOptimizerStep`` / ``ApplyBufferedUpdate``): the gradient
@@ -35,30 +42,21 @@ import os
 import weakref
 from types import MethodType
 
-import torch
-from ..ds import engine as ds_engine, module as ds_module
-
 from ..._compat import check_deepspeed
-from ...schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, WHOLE_BACKWARD_KINDS, CompiledSchedule
 from ...schedules.deferral import Deferral
+from ...schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, CompiledSchedule
+from ..checkpoint.in_flight import TrainingState
+from ..ds import engine as ds_engine
+from ..module.tensor_calls import tensor_bytes
+from ..process.failure import end_job_on_failure
+from ..profiling.timeline import InstructionEvent, Timeline, compute_clock
 from . import instructions as hs
-from ..gradients.allreduce_stream import AllReduceStream
+from .build import build, flush_buffered
 from .call_cursor import CallCursor
 from .checkpoint import CheckpointMixin, warn_in_flight_at_exit
-from . import chunk_selector as chunk_p2p
 from .chunks import ChunkedEngine
-from ..gradients.stage import StageGradients, split_deferred
-from .split import SplitBackwardMixin
-from ..precision.step import StageStep
-from ..staleness.versions import WeightVersions
-from ..process.failure import end_job_on_failure
-from ..precision.fp16_async import continuous_updates
-from ..gradients.store import GradStore
-from ..gradients.split_backward import copy_if_shared, storages_of
-from ..staleness.prediction import make_prediction
-from ..profiling.timeline import InstructionEvent, Timeline, compute_clock
-from ..module.tensor_calls import tensor_bytes
-from ..gradients.tied import LaggedTieSums, tie_sum_lag
+from .handlers import ComponentHandlers
+from .p2p import P2PHandlers
 
 check_deepspeed()
 
@@ -67,7 +65,7 @@ __all__ = ["HippiePipelineEngine", "check_single_grad_slot"]
 
 def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
     """DeepSpeed receives gradients into one reused tensor (``grad_layer``; one per model chunk
-    with virtual stages, engine_chunks): a stage must run a chunk's micro-batch's backward before
+    with virtual stages, adapter/engine/p2p.py): a stage must run a chunk's micro-batch's backward before
     it receives that chunk's next gradient."""
     holding: dict[int, int] = {}  # chunk -> the micro-batch whose received gradient it holds
     for op in compiled.ops(stage):
@@ -81,11 +79,17 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
             del holding[op.chunk]
 
 
-class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, ds_engine.PipelineEngine):
-    """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration."""
+class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, ChunkedEngine, ds_engine.PipelineEngine):
+    """A ``PipelineEngine`` whose training schedule is a compiled hippie-ds declaration. This file holds
+    its loop and its overrides of DeepSpeed's methods (each docstring names the one it overrides)
+    and its public methods; the handlers are its parts in adapter/engine/ (``handlers.py``,
+    ``p2p.py``, ``chunks.py``, ``checkpoint.py``), the components are built in ``build.py``."""
+
+    _split = None  # DeepSpeed's __init__ runs before the components are built
 
     def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
                  timeline_steps: int = 100, staleness=None, deferral: Deferral | None = None, **kwargs):
+        """Overrides ``PipelineEngine.__init__`` (calls it), then builds the components (build.py)."""
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
@@ -104,60 +108,16 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         # continuous schedules: where the calls stand (call_cursor); weight versions (module docstring)
         self._continuous = compiled_schedule.continuous
         self._cursor = CallCursor()
-        self._params = [p for p in self.module.parameters() if p.requires_grad]
-        self._versions = self._make_versions(compiled_schedule, staleness)
-        self._gradients, self._stage_step = self._make_gradients(compiled_schedule, staleness,
-                                                                 deferral or Deferral({}))
-        self._init_split_backward(compiled_schedule)
-        self._updates = continuous_updates(self, compiled_schedule, self._versions, self._stage_step)  # fp16: votes
+
+        def early_allreduce():  # the timeline marks an all-reduce started inside a backward
+            if self._timeline_dir is not None and self._training:
+                self._timeline.mark_start("grads")
+        parts = build(self, compiled_schedule, staleness, deferral, early_allreduce)
+        self._params, self._versions, self._gradients = parts.params, parts.versions, parts.gradients
+        self._stage_step, self._updates, self._split, self._tied = parts.step, parts.updates, parts.split, parts.tied
+        self._in_flight = TrainingState(self.module, self._gradients, self._versions, self._cursor, self._continuous,
+                                        self.stage_id, self.device)  # what a checkpoint saves and restores
         atexit.register(warn_in_flight_at_exit, weakref.ref(self))
-
-    def _make_versions(self, compiled: CompiledSchedule, staleness) -> WeightVersions:
-        # 2bw's stages compute one update behind: corrected per version (hippie.staleness)
-        behind = compiled.versioned and compiled.one_version_behind(self.stage_id)
-        return WeightVersions(self._params, self.stage_id,
-                              compiled.updates_per_batch[self.stage_id] if compiled.continuous else 0,
-                              compiled.versioned, make_prediction(staleness) if behind else None)
-
-    def _tied_weights(self, keys=None) -> list[tuple[torch.Tensor, object]]:
-        """(weight, tie group) of this stage's tied modules (``keys``: only those), in DeepSpeed's
-        order, the same on every holder."""
-        return [(ds_module.recursive_getattr(self.module, self.module.tied_modules[key], attr), comm["group"])
-                for key, comm in self.module.tied_comms.items() if keys is None or key in keys
-                for attr in comm["weight_attr"]]
-
-    def _make_gradients(self, compiled: CompiledSchedule, staleness,
-                        deferral: Deferral) -> tuple[StageGradients, StageStep]:
-        deferred = not compiled.continuous and self.stage_id in compiled.deferred_stages()
-        # schedules without reduce_tied_grads sum tied gradients themselves (adapter/gradients/tied.py)
-        ties = [] if compiled.uses_tied_reduction else self._tied_weights()
-        store = GradStore(self.optimizer, self._params)
-        # never flushing: the tie sum lags (tie_sum_lag updates), clipped apart from the rest (adapter/gradients/tied.py)
-        lagged = (LaggedTieSums(store, ties, tie_sum_lag(self.module, compiled), self.grid.get_data_parallel_group(),
-                                self.grid.data_parallel_id) if ties and compiled.continuous else None)
-        if lagged is not None:
-            ties = []
-        clip_group = ties[0][1] if ties else None  # check_tied: one tie group per stage
-        delayed, synced = (split_deferred(self._params, self.module.forward_funcs, self.module.parts[self.stage_id],
-                                          deferral.stages.get(self.stage_id),
-                                          also=[w for w, _ in self._tied_weights(deferral.tied_delayed)])
-                           if deferred else ([], self._params))
-        gradients = StageGradients(
-            store,
-            AllReduceStream(self.device, self.grid.get_data_parallel_group(), self.dp_world_size,
-                            self.communication_data_type),
-            reduce=self.is_data_parallel, deferred=deferred, delayed=delayed, synced=synced, ties=ties,
-            lagged_ties=lagged, tie_clip=self.gradient_clipping(),
-            backwards_per_call=sum(op.kind in WHOLE_BACKWARD_KINDS for op in compiled.ops(self.stage_id)),
-            prediction=make_prediction(staleness, delayed) if deferred and delayed else None,
-            on_early_start=self._mark_early_allreduce)
-        if deferred and self.grid.data_parallel_id == 0:
-            gradients.log_delayed_share(self.stage_id)
-        return gradients, StageStep(self, store, clip_group, gradients.clips_itself, compiled)
-
-    def _mark_early_allreduce(self):
-        if self._timeline_dir is not None and self._training:
-            self._timeline.mark_start("grads")
 
     def add_instruction_hook(self, hook):
         """Call ``hook(event)`` (:class:`~hippie_ds.adapter.profiling.timeline.InstructionEvent`) after each
@@ -168,9 +128,11 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
+        """Overrides ``PipelineEngine._train_schedule``: the compiled declaration, not ``TrainSchedule``."""
         return self._declared
 
     def _exec_schedule(self, pipe_schedule):
+        """Overrides ``PipelineEngine._exec_schedule``: DeepSpeed's loop, each instruction with its op."""
         # DeepSpeed's loop, with each instruction's op (instructions.op_steps), plus an optional timeline.
         ds_engine.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
@@ -181,7 +143,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
             self._exec_steps_of(steps)
         finally:
             self._chunks.select(None)  # outside ops DeepSpeed sees the stage as one part (the loss broadcast)
-            self._versions.hold_current()  # the module holds true weights between calls (engine_versions)
+            self._versions.hold_current()  # the module holds true weights between calls (staleness/versions.py)
 
     def _exec_steps_of(self, steps):
         """Run steps of (instruction, op) pairs (op None: an instruction of DeepSpeed's own schedules)."""
@@ -217,7 +179,13 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
             self._versions.use_for_compute(self._abs_version(op.batch, op.version))
         return True
 
+    def _abs_version(self, batch: int, version: int, clamp: bool = True) -> int:
+        """Absolute weight version of an op of ``batch`` (relative to the running call)."""
+        return self._versions.absolute(self._cursor.batch(batch), version, clamp)
+
     def train_batch(self, data_iter=None):
+        """Overrides ``PipelineEngine.train_batch`` (calls it): a deferred stage computes on predicted
+        weights; a continuous schedule's call advances the counters once and keeps its learning rates."""
         self._training = True
         self._cursor.start()
         self._gradients.count_backwards_from_zero()
@@ -251,7 +219,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         For the hippie family it applies the buffered gradient (a collective of the stage's
         data-parallel group: on every rank); step counters and the LR schedule stay. True if anything was done."""
         if not self._continuous:
-            return self._flush_buffered()
+            return flush_buffered(self._gradients, self._stage_step, self._tied)
         if not self._cursor.in_flight:
             return False
         self._training = True
@@ -281,6 +249,7 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
         return self._cursor.in_flight
 
     def eval_batch(self, *args, **kwargs):
+        """Overrides ``PipelineEngine.eval_batch`` (calls it), after ``drain()`` on a continuous schedule."""
         self.drain() if self._continuous else None  # evaluation reuses the pipe buffers: in-flight batches first
         return super().eval_batch(*args, **kwargs)
 
@@ -295,104 +264,31 @@ class HippiePipelineEngine(CheckpointMixin, SplitBackwardMixin, ChunkedEngine, d
 
     # ------------------------------------------------------------------ per-buffer slots
     def _exec_forward_pass(self, buffer_id):
+        """Overrides ``PipelineEngine._exec_forward_pass`` (calls it): the loss kept in its buffer's slot."""
         super()._exec_forward_pass(buffer_id)
         if self.is_last_stage():
             self._losses[buffer_id] = self.loss
 
     def _exec_backward_pass(self, buffer_id):
+        """Overrides ``PipelineEngine._exec_backward_pass`` (calls it): the buffer's loss; partial deferral's
+        early all-reduce window."""
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
-        with self._gradients.early_allreduce_window():  # partial deferral (engine_gradients)
+        with self._gradients.early_allreduce_window():  # partial deferral (gradients/stage.py)
             super()._exec_backward_pass(buffer_id)
 
     def _exec_forward_backward_pass(self, buffer_id):
+        """The handler of ``ForwardBackwardPass`` (DeepSpeed's ``_INSTRUCTION_MAP``): DeepSpeed's forward and backward."""
         self._exec_forward_pass(buffer_id)
         self._exec_backward_pass(buffer_id)
         # The loss stage is done with this micro-batch: drop its output before the next one.
         self.pipe_buffers["outputs"][buffer_id] = None
 
-    # ------------------------------------------------------------------ non-blocking sends
-    def _isend(self, tensor, stage, tag=chunk_p2p.ACTIVATION_TAG):
-        # Keep the tensor with its work handle: the buffer slot may be reused before completion.
-        # A detached alias (same storage): an output the split backward cannot detach in place
-        # (a view) must not keep its micro-batch's graph alive until the sends are waited for.
-        work = chunk_p2p.isend(self.grid, tensor, stage, tag)
-        self._pending_sends.append((work, torch.Tensor.detach(tensor)))
-
-    def _exec_isend_activations(self, buffer_id):
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        if self.has_attention_mask or self.has_bool_tensors:
-            outputs = tuple(outputs[:-1]) + (torch.Tensor.half(outputs[-1]), )
-        ds_engine.send_meta_once(self, outputs)  # DeepSpeed's shape handshake, before the first send
-        for tensor in (outputs, ) if torch.is_tensor(outputs) else outputs:
-            self._isend(tensor, self.next_stage)
-
-    def _exec_isend_grads(self, buffer_id):
-        for grad in self._input_grads(buffer_id):  # engine_chunks: DeepSpeed's choice of gradients
-            self._isend(self._not_receive_buffer(grad), self.prev_stage, self._chunks.gradient_tag)
-        self.pipe_buffers["inputs"][buffer_id] = None
-
-    def _not_receive_buffer(self, grad):
-        """``grad``, copied when it shares memory with DeepSpeed's reused received-gradient buffer:
-        autograd passes a gradient on without a copy through views and identities, so a stage whose
-        input reaches its output through such ops alone has the received gradient as its input's;
-        sent without blocking (or handed to another chunk), the next receive would overwrite it."""
-        return copy_if_shared(grad, storages_of(ds_engine.receive_buffer_tensors(self)))
-
-    def _exec_wait_sends(self):
-        for work, _ in self._pending_sends:
-            work.wait()
-        self._pending_sends = []
-
-    # ------------------------------------------------------------------ handlers of the components
-    def _abs_version(self, batch: int, version: int, clamp: bool = True) -> int:
-        """Absolute weight version of an op of ``batch`` (relative to the running call)."""
-        return self._versions.absolute(self._cursor.batch(batch), version, clamp)
-
-    def _exec_start_allreduce(self, target, chunk):
-        if target == "chunk":  # virtual stages: one chunk's gradients, its backwards done
-            self._gradients.start_chunk_allreduce(self.module.chunk_parameters(chunk))
-        else:
-            self._gradients.start_allreduce(target)
-
-    def _exec_wait_allreduce(self, target):
-        self._gradients.wait_allreduce(target)
-
-    def _exec_copy_grads_to_buffer(self):
-        self._gradients.copy_to_buffer()
-
-    def _exec_apply_buffered_update(self):
-        with self._gradients.buffered_update() as updates:  # the buffered gradient in place
-            self._stage_step.step() if updates else self._stage_step.count_only()
-
-    def _exec_stage_optimizer_step(self, batch: int = 0):
-        if not self._continuous:
-            self._stage_step.step()
-            return
-        # a per-stage update of a continuous schedule: on the current version, per-stage
-        # clipping, no step counters (the call advances them), at its batch's learning rates
-        # (an update may run in the next call: every stage, and every holder of a tied module,
-        # applies a batch's gradient at the same rate wherever the call boundary falls)
-        rates = self._cursor.lrs(batch)
-        self._updates.update(rates)  # on the current version (fp16: once the overflow vote decides, fp16_async)
-
-    def _flush_buffered(self) -> bool:
-        """A deferred stage's buffered gradient applied now (``drain()``). Its step clips by the
-        tie group's joint norm only when the buffer holds this stage's tied weights (then every
-        holder delays them and flushes too, adapter/gradients/tied.py); else (``deferred_layers: "untied"``:
-        the tied copy in-step) the other holders do not step and it clips by the stage's own norm."""
-        delayed = {id(p) for p in self._gradients.delayed}
-        tie_norm = any(id(w) in delayed for w, _ in self._tied_weights())
-        with self._gradients.flushing() as due:
-            self._stage_step.drain_step(due, tie_norm)
-        return due
-
-    def _exec_stash_weights(self, batch: int, version: int):
-        self._updates.before_use(self._abs_version(batch, version))  # fp16: the held update making it, decided
-        self._versions.stash(self._abs_version(batch, version))
-
-    def _exec_free_weights(self, batch: int, version: int):
-        self._versions.free(self._abs_version(batch, version, clamp=False))
+    def count_split_state_in(self, meter) -> None:
+        """Also count in ``meter`` (a :class:`hippie_ds.adapter.profiling.memory.ActivationMeter`) what
+        backward_input keeps for backward_weight beyond the graph's saved tensors: the gradients at
+        the parameter ops (benchmarks compare it with the simulator's memory held until W)."""
+        self._split.meter = meter
 
 
 # class -> handler, built from the op table (OP_INFO's handler names) over DeepSpeed's own map

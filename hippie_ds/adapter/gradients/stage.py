@@ -32,7 +32,6 @@ from ...schedules.deferral import StageDeferral
 from ...schedules.grad_buffer import FILLED, GradBuffer
 from .allreduce_stream import AllReduceStream
 from .store import GradStore, flat_copy
-from ..staleness.prediction import InPlacePrediction
 from ..module.tensor_calls import numel
 
 
@@ -71,7 +70,7 @@ class StageGradients:
     def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
                  delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
                  ties: list[tuple[torch.Tensor, object]] = (), lagged_ties=None, tie_clip: float = 0.0,
-                 prediction: InPlacePrediction | None = None, on_early_start: Callable[[], None] | None = None):
+                 prediction: "staleness.prediction.InPlacePrediction | None" = None, on_early_start: Callable[[], None] | None = None):
         self.store = store  # where gradients live (fp32 / bf16)
         self._stream = stream  # on CUDA a side stream (see allreduce_stream); on the CPU gloo's own threads
         self._reduce = reduce  # the stage has data-parallel peers

@@ -25,18 +25,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..ds import zero as ds_zero
 from ..ds.zero import BF16_Optimizer, DeepSpeedOptimizer, ZeroUnmoved, is_zero
+from ..module.tensor_calls import flat_copy  # noqa: F401 (the store's callers take it from here too)
 from ..precision.fp16_stage import fp16_unfused, fp16_unmoved
-
-
-def flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat tensor holding a copy of ``tensors``. torch's ``_flatten_dense_tensors`` returns a
-    view of a lone tensor, not a copy: a buffer or a saved version made of one parameter (a
-    bias-free embedding delayed alone) would change with it. No tensors: an empty one (a deferred
-    stage without parameters)."""
-    if not tensors:
-        return torch.empty(0)
-    flat = _flatten_dense_tensors(tensors)
-    return flat.clone() if len(tensors) == 1 else flat
 
 
 def supports(optimizer) -> bool:

@@ -79,7 +79,7 @@ from torch._utils import _unflatten_dense_tensors
 from ...schedules.ir import (COMPUTE_KINDS, UPDATE_KINDS, WEIGHT_GRAD_KINDS, WEIGHT_KINDS, CompiledSchedule,
                              weight_version)
 from ..ds import fp16 as ds_fp16
-from ..gradients.store import flat_copy
+from ..module.tensor_calls import flat_copy
 
 
 def _timeline(compiled: CompiledSchedule, stage: int, calls: int) -> list[tuple[int, int, str, int]]:
@@ -189,10 +189,13 @@ def loss_scale_updates(compiled: CompiledSchedule, calls: int = 6) -> tuple[list
 
 class AsyncVotes:
     """One stage's fp16 updates under a schedule that never flushes (module docstring). ``apply(overflow,
-    lrs)`` takes the update whose gradient is in place (the engine's versioned per-stage step)."""
+    lrs)`` takes the update whose gradient is in place (the engine's versioned per-stage step);
+    ``device``: where the vote's flag lives; ``optimizer``: the fp16 wrapper whose scale moves;
+    ``on_skip()``: an update was skipped (the engine counts it as DeepSpeed's ``skipped_steps``)."""
 
-    def __init__(self, engine, store, apply, immediate: bool, current, carried=None, per_batch: int = 1, ties=None):
-        self._engine = engine
+    def __init__(self, device, optimizer, on_skip, store, apply, immediate: bool, current, carried=None,
+                 per_batch: int = 1, ties=None):
+        self._device, self._optimizer, self._on_skip = device, optimizer, on_skip
         # ZeRO-1 with a module tied across stages: (tied.LaggedTieSums, clip); the scale each update's gradient
         # carried at its backwards (the tie sum of update v is applied at v + lag, rescaled from it)
         self._ties = ties if carried is not None else None
@@ -211,10 +214,6 @@ class AsyncVotes:
         world = dist.get_world_size()
         self._group = dist.new_group(ranks=list(range(world)))  # votes only: they pair up in order
         self._held: collections.deque = collections.deque()  # (work, flag, flat gradient, lrs), oldest first
-        # was_step_applied() after a call that decided no update yet (2bw: stage 0 updates from the second call on,
-        # the others hold the first call's update): no skip known. Megatron-DeepSpeed counted 2bw's first iteration
-        # as skipped and logged no loss for it. Each decision sets it from then on.
-        ds_fp16.set_step_applied(engine, True)
 
     @torch.no_grad()
     def update(self, lrs) -> None:
@@ -225,7 +224,7 @@ class AsyncVotes:
         grads = self._store.of(params)
         self._to_update_scale(params, grads)
         local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        flag = torch.tensor([1.0 if local else 0.0], device=self._engine.device)
+        flag = torch.tensor([1.0 if local else 0.0], device=self._device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         if self.immediate:
             work.wait()
@@ -305,14 +304,14 @@ class AsyncVotes:
         else:  # the batch's last update moves the scale once, by whether any of its updates overflowed
             self._batch_overflow = self._batch_overflow or overflow
             last = (self._current() + 1) % self._per_batch == 0
-            with ds_fp16.scale_moves(self._engine.optimizer, self._batch_overflow if last else None):
+            with ds_fp16.scale_moves(self._optimizer, self._batch_overflow if last else None):
                 self._apply(overflow, lrs)
             if last:
                 self._batch_overflow = False
         if self._scales is not None:
             self._scales[self._current()] = self._store.loss_scale  # S(j): after decisions 0 .. j - 1
         if overflow:  # the continuous step keeps the counters still; a skipped update counts, as stock's
-            self._engine.skipped_steps += 1
+            self._on_skip()
 
 
 class InPlaceUpdates:
@@ -332,20 +331,22 @@ class InPlaceUpdates:
         pass
 
 
-def continuous_updates(engine, compiled: CompiledSchedule, versions, stage_step):
+def continuous_updates(compiled: CompiledSchedule, stage: int, versions, stage_step, gradients, device, optimizer,
+                       on_skip):
     """The engine's per-stage updates of a continuous schedule: :class:`AsyncVotes` in fp16 (the
     refusals the engine makes as it is built included), else :class:`InPlaceUpdates`. Each update
     steps on the current weight version (``versions``: WeightVersions) by ``stage_step`` (StageStep),
-    the counters kept still, at its batch's learning rates."""
+    the counters kept still, at its batch's learning rates. ``gradients``: the stage's
+    StageGradients; ``device``, ``optimizer``, ``on_skip``: :class:`AsyncVotes`'."""
     def apply(overflow, lrs):
         versions.update(lambda: stage_step.step(counters=False, lrs=lrs, overflow=overflow))
     if not (compiled.continuous and stage_step.fp16 is not None):
         return InPlaceUpdates(apply)
-    store = engine._gradients.store
+    store = gradients.store
     carried = loss_scale_updates(compiled) if store.loss_scale is not None else None
     if isinstance(carried, str):
         raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1: {carried}; use fp16 without ZeRO")
-    ties = engine._gradients.lagged_ties if carried is not None else None
-    engine._gradients.clip_at_update = ties is not None  # clipped apart at S(u) by AsyncVotes
-    return AsyncVotes(engine, store, apply, waits_at_update(compiled, engine.stage_id), lambda: versions.count,
-                      carried, compiled.updates_per_batch[engine.stage_id], ties)
+    ties = gradients.lagged_ties if carried is not None else None
+    gradients.clip_at_update = ties is not None  # clipped apart at S(u) by AsyncVotes
+    return AsyncVotes(device, optimizer, on_skip, store, apply, waits_at_update(compiled, stage),
+                      lambda: versions.count, carried, compiled.updates_per_batch[stage], ties)

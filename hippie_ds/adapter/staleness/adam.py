@@ -33,7 +33,7 @@ data-parallel group; each rank computes ``bf16(W_master + c * u_hat)`` on its pa
 all-gather DeepSpeed makes after every step to give each rank the new bf16 weights carries the
 predicted partition beside the weights' (one all-gather of twice the bytes instead of DeepSpeed's
 own; no extra collective). ZeRO-1 as written (``DeepSpeedZeroOptimizer``) and optimizers that are
-not torch.optim.Adam / AdamW are refused at start-up (:func:`bind`).
+not torch.optim.Adam / AdamW are refused at start-up (:func:`_take_inputs`, as the correction is built).
 
 Memory per corrected parameter: the predicted weights replace ``extrapolate``'s delta (fp32: 4
 bytes, bf16: 2 bytes per version kept: one for hippie's delayed layers, up to two for 2bw), plus
@@ -48,7 +48,7 @@ import math
 import torch
 
 from ...config import ConfigError
-from .prediction import FACTORIES, InPlacePrediction, MadeWeightsPrediction, made_before_use
+from .prediction import FACTORIES, INPUTS, InPlacePrediction, MadeWeightsPrediction
 
 METHOD = "adam"
 ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\" with \"torch_adam\": true)"
@@ -268,7 +268,7 @@ FACTORIES[METHOD] = make_adam_prediction  # staleness.make_prediction builds "ad
 
 def check_config(staleness, ds_config: dict, optimizer=None) -> None:
     """Before the engine (and any collective), on every rank: refuse what the config or the
-    client's optimizer already shows the ``adam`` correction cannot read (:func:`bind` checks the
+    client's optimizer already shows the ``adam`` correction cannot read (:func:`_take_inputs` checks the
     optimizer DeepSpeed then builds)."""
     if staleness is None or staleness.method != METHOD:
         return
@@ -290,17 +290,17 @@ def check_config(staleness, ds_config: dict, optimizer=None) -> None:
         raise _refuse('the config\'s optimizer runs with "amsgrad": true')
 
 
-def bind(engine, staleness) -> None:
-    """At start-up, on every rank (the same optimizer everywhere, so every rank refuses alike):
-    check that the optimizer is one the ``adam`` correction reads and give this stage's
-    correction (if any) its optimizer."""
-    if staleness is None or staleness.method != METHOD:
-        return
-    source = source_of(engine.optimizer, staleness.coefficient)
-    if engine._gradients.prediction is not None:  # hippie's delayed layers
+def _take_inputs(prediction, coefficient: float, inputs) -> None:
+    """As a stage's correction is built, on every rank (the same optimizer everywhere, so every rank
+    refuses alike; ``prediction`` None: a rank without one): check that the optimizer is one the
+    ``adam`` correction reads and give the correction its optimizer."""
+    source = source_of(inputs.optimizer, coefficient)
+    if isinstance(prediction, AdamInPlacePrediction):  # hippie's delayed layers
         source.install()
-        engine._gradients.prediction.bind(source)
-    elif engine._versions.prediction is not None:  # 2bw's versions
+        prediction.bind(source)
+    elif isinstance(prediction, AdamVersionPrediction):  # 2bw's versions
         source.install()
-        engine._versions.prediction.bind(source, engine._params, made_before_use(engine.compiled_schedule,
-                                                                                 engine.stage_id))
+        prediction.bind(source, inputs.params, inputs.made)
+
+
+INPUTS[METHOD] = _take_inputs  # staleness.make_prediction gives "adam" its optimizer through it

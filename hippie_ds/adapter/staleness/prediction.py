@@ -25,6 +25,8 @@ Schedules whose stages are more than one update behind (``pipedream``) are not c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...config import StalenessConfig
@@ -171,7 +173,7 @@ class MadeWeightsPrediction(WeightPrediction):
     def __init__(self, coefficient: float):
         super().__init__(coefficient)
         self.used: set[int] = set()  # versions compute has asked for (their prediction is fixed)
-        self.made = False  # set at start-up from the compiled schedule (bind_made_weights)
+        self.made = False  # set as it is built, from the compiled schedule (PredictionInputs.made)
 
     def knows(self, version: int) -> bool:
         self.used.add(version)  # WeightVersions asks before every compute on ``version``
@@ -210,25 +212,49 @@ def made_before_use(compiled, stage: int) -> bool:
     return compiled.continuous and bool(steps) and all(op.batch == 0 for op in steps)
 
 
-def bind_made_weights(engine, config: StalenessConfig | None) -> None:
-    """At start-up: an ``extrapolate-made`` stage learns from the compiled schedule whether it makes
-    its next weights before it computes (:func:`made_before_use`). In fp16 a stage that holds its
-    update until the pipeline's overflow vote is in (adapter/precision/fp16_async.py: every stage of 2bw but
-    the first) has not made them yet when it computes: it keeps the prediction."""
-    prediction = getattr(engine, "_versions", None) and engine._versions.prediction
-    if config is not None and config.method == MadeWeightsPrediction.method and prediction is not None:
-        held = not getattr(engine._updates, "immediate", True)  # AsyncVotes that hold the update
-        prediction.made = made_before_use(engine.compiled_schedule, engine.stage_id) and not held
+@dataclass
+class PredictionInputs:
+    """What a stage's correction reads besides its weights, given when it is built (the engine
+    makes them): ``optimizer``, DeepSpeed's ``engine.optimizer`` (``adam`` reads its state);
+    ``params``, the stage's trained parameters (a per-version correction's); ``made``, whether the
+    stage makes its next weights before it computes on the version before (:func:`made_before_use`;
+    False where fp16 holds the update until the pipeline's overflow vote is in,
+    adapter/precision/fp16_async.py: every stage of 2bw but the first)."""
+    optimizer: object = None
+    params: list | None = None
+    made: bool = False
 
 
 # Methods beyond extrapolation register their factory here, (coefficient, params or None) -> prediction:
 # adam_prediction.py registers "adam" when imported (hippie_ds.initialize imports it before the engine).
 FACTORIES: dict = {}
+# A method that reads more than the weights registers what it takes from PredictionInputs, (prediction or
+# None, coefficient, inputs) -> None, called as the prediction is built (None: on a rank without one, which
+# checks the inputs all the same, so that every rank refuses alike; :func:`check_inputs`).
+INPUTS: dict = {}
 
 
-def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None = None):
+def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None = None,
+                    inputs: PredictionInputs | None = None):
     """The correction a delayed stage applies (:class:`InPlacePrediction` on ``params``, or a
-    per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction)."""
+    per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction), built
+    with what it reads (``inputs``)."""
+    prediction = _new_prediction(config, params)
+    if prediction is not None and inputs is not None:
+        if config.method == MadeWeightsPrediction.method and isinstance(prediction, MadeWeightsPrediction):
+            prediction.made = inputs.made
+        if config.method in INPUTS:
+            INPUTS[config.method](prediction, config.coefficient, inputs)
+    return prediction
+
+
+def check_inputs(config: StalenessConfig | None, inputs: PredictionInputs) -> None:
+    """On a rank whose stage has no correction: what the method reads, checked as where it has one."""
+    if config is not None and config.method in INPUTS:
+        INPUTS[config.method](None, config.coefficient, inputs)
+
+
+def _new_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None):
     if config is None or config.method == "none":
         return None
     if config.method == MadeWeightsPrediction.method:  # hippie's delayed layers make nothing before use

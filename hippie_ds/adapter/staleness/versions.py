@@ -22,7 +22,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ...schedules.ir import weight_version
-from ..gradients.store import flat_copy
+from ..module.tensor_calls import flat_copy
 from .prediction import WeightPrediction
 
 

@@ -23,7 +23,7 @@ correction (its u is zero). Memory: one fp32 value per master element, and one m
 step (the values it starts from).
 
 Applied on ``2bw``'s stages that compute one update behind (every stage but a last stage that
-computes on the weights it has made, ``extrapolate-made``): :func:`attach` at start-up. Not built
+computes on the weights it has made, ``extrapolate-made``): :func:`attach` as the engine is built. Not built
 for the hippie family's delayed layers (part of a stage's masters) or ``pipedream`` (more than one
 update behind): refused at start-up (:func:`check`).
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 STATE_KEY = "hippie_error_feedback"
 
@@ -90,7 +90,7 @@ def check(staleness, compiled) -> None:
 
 def attach(optimizer, gain: float) -> ErrorFeedback:
     """The correction on DeepSpeed's ``optimizer`` (its torch optimizer, ds.runtime.torch_optimizer)."""
-    from .ds.runtime import torch_optimizer
+    from ..ds.runtime import torch_optimizer
     inner = torch_optimizer(optimizer)
     if inner is None:
         raise ConfigError(f'config key "hippie.staleness.error_feedback" = {gain!r}: the optimizer '
@@ -99,8 +99,8 @@ def attach(optimizer, gain: float) -> ErrorFeedback:
 
 
 def bind(optimizer, prediction, staleness) -> ErrorFeedback | None:
-    """At start-up, after :func:`~hippie_ds.adapter.staleness.bind_made_weights`: the correction on a
-    stage one update behind (``prediction``: its weight prediction, None on other stages) that does
+    """As the engine is built (adapter/engine/build.py), once the stage's prediction is (it knows whether
+    the stage makes its weights first, ``PredictionInputs.made``): the correction on a stage one update behind (``prediction``: its weight prediction, None on other stages) that does
     not compute on weights it has already made; kept on the prediction. None where it does not apply."""
     gain = getattr(staleness, "error_feedback", 0.0) if staleness is not None else 0.0
     if not gain or prediction is None or getattr(prediction, "made", False):
