@@ -2,6 +2,7 @@
 DeepSpeed: how hippie-ds reads a stock checkpoint's layout (pure), and modules tied across stages
 under the schedules that never flush, resumed under an LR schedule (real ranks)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +88,46 @@ def test_tied_module_resumes_exactly_under_lr_schedule(tmp_path, precision):
             assert resumed_losses == full_losses, f"{name}+{suffix} {precision}: losses differ"
             for a, b in zip(tied_copies(name), tied_copies(f"{name}+{suffix}"), strict=True):
                 assert torch.equal(a, b), f"{name}+{suffix} {precision}: a tied copy differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint saved before the adapter moved into packages (issue 59)
+
+BEFORE_THE_MOVE = Path(__file__).with_name("data") / "checkpoint_before_issue59"
+
+
+def test_a_checkpoint_saved_before_the_move_pickles_the_old_path():
+    """The files hold the reducer by the path of the day (``hippie_ds.adapter.checkpoint_state``, now
+    an alias module), and unpickle, inside hippie-ds's load, to today's ``InFlightState``."""
+    for name in ("hippie", "2bw"):
+        own = BEFORE_THE_MOVE / name / "global_step3" / "mp_rank_00_model_states.pt"
+        with ckpt.loading():
+            saved = torch.load(own, map_location="cpu", weights_only=False)
+        state = ckpt.read_training_state(saved)
+        assert state["grad_buffer"] is not None or state["weight_versions"] is not None, name
+        with pytest.raises(Exception, match="stock DeepSpeed would drop"):
+            torch.load(own, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["hippie", "2bw"])
+def test_a_checkpoint_saved_before_the_move_resumes_exactly(tmp_path, name):
+    """Saved by the code before issue 59 (``tests/data/checkpoint_before_issue59``: 2 ranks, 2 stages, 3
+    micro-batches, AdamW at 0.01, after 3 of 5 steps; hippie with stage 0 deferred: a buffered
+    gradient in flight; 2bw: weight versions), resumed by today's code: bit-identical to 5 steps
+    uninterrupted."""
+    import shutil
+
+    from launch import collect, launch
+    common = ("--stages", 2, "--micro-batches", 3, "--optimizer", "AdamW", "--lr", 0.01, "--engines", name,
+              *(("--deferred", "0") if name == "hippie" else ()), "--steps", 5)
+    saved = shutil.copytree(BEFORE_THE_MOVE / name, tmp_path / "saved")
+    rc, log, _ = launch(2, tmp_path / "full", *common)
+    assert rc == 0, log[-4000:]
+    rc, log, _ = launch(2, tmp_path / "resumed", *common, "--resume", saved)
+    assert rc == 0, log[-4000:]
+    full, *_ = collect(tmp_path / "full", name)
+    resumed, *_ = collect(tmp_path / "resumed", name)
+    for i in full:
+        for k in full[i]:
+            assert torch.equal(full[i][k], resumed[i][k]), f"{name}: layer {i} {k} differs after the resume"
