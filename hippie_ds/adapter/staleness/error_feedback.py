@@ -36,16 +36,21 @@ from ...config import ConfigError
 STATE_KEY = "hippie_error_feedback"
 
 
+def _gain(staleness) -> float:
+    """``hippie.staleness.error_feedback`` (0: off, also when no staleness config is given)."""
+    return 0.0 if staleness is None else staleness.error_feedback
+
+
 class ErrorFeedback:
-    """The correction on one torch optimizer (module docstring); ``remove()`` takes it off."""
+    """The correction on one torch optimizer (module docstring), for as long as the optimizer lives."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, gain: float):
         if gain <= 0:
             raise ValueError(f"error feedback gain {gain!r}: needs > 0")
         self.optimizer, self.gain = optimizer, gain
         self._start: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._hooks = [optimizer.register_step_pre_hook(self._before),
-                       optimizer.register_step_post_hook(self._after)]
+        optimizer.register_step_pre_hook(self._before)
+        optimizer.register_step_post_hook(self._after)
 
     @torch.no_grad()
     def _before(self, optimizer, args, kwargs) -> None:
@@ -65,16 +70,11 @@ class ErrorFeedback:
             state[STATE_KEY] = update
         self._start = []
 
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-
 
 def check(staleness, compiled) -> None:
     """At start-up, before any process group: error feedback only where it is built (module
     docstring), with a correction that predicts the compute weights."""
-    gain = getattr(staleness, "error_feedback", 0.0) if staleness is not None else 0.0
+    gain = _gain(staleness)
     if not gain:
         return
     stages = range(compiled.stages)
@@ -99,10 +99,11 @@ def attach(optimizer, gain: float) -> ErrorFeedback:
 
 
 def bind(optimizer, prediction, staleness) -> ErrorFeedback | None:
-    """As the engine is built (adapter/engine/build.py), once the stage's prediction is (it knows whether
-    the stage makes its weights first, ``PredictionInputs.made``): the correction on a stage one update behind (``prediction``: its weight prediction, None on other stages) that does
-    not compute on weights it has already made; kept on the prediction. None where it does not apply."""
-    gain = getattr(staleness, "error_feedback", 0.0) if staleness is not None else 0.0
+    """As the engine is built (adapter/engine/build.py), once the stage's prediction is (it knows
+    whether the stage makes its weights first, ``PredictionInputs.made``): the correction on a stage
+    one update behind (``prediction``: its weight prediction, None on other stages) that does not
+    compute on weights it has already made; kept on the prediction. None where it does not apply."""
+    gain = _gain(staleness)
     if not gain or prediction is None or getattr(prediction, "made", False):
         return None
     prediction.error_feedback = attach(optimizer, gain)
