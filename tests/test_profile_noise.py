@@ -41,6 +41,22 @@ def test_identical_layers_share_the_pooled_median_and_keep_their_own_ratio():
     assert groups == [] and alone[1]["forward"] == 3 * MS and alone[0]["spread"] > 0
 
 
+def test_a_layer_with_no_input_gradient_keeps_w_equal_to_its_pooled_backward():
+    """An embedding's backward is all W. Each measured step sets W to that step's median backward,
+    and pooling takes the median of every run: W must be that pooled backward, not a median of
+    medians a little below it (the in-place profile of a 2-replica job failed CI this way)."""
+    embed = dict(_record([1 * MS] * 3, [2 * MS, 2.2 * MS, 1.9 * MS, 2.5 * MS], w=2.05 * MS), weight_is_backward=True)
+    out, _ = pool([embed], [None])
+    assert out[0]["backward"] == pytest.approx(2.1 * MS) and out[0]["backward_weight"] == out[0]["backward"]
+    assert "weight_is_backward" not in out[0]  # never a LayerProfile field
+    group = [dict(embed), dict(embed, backward_runs=[3 * MS] * 4, backward_weight=3 * MS)]
+    out, groups = pool(group, ["e", "e"])
+    assert groups == [[0, 1]] and out[0]["backward_weight"] == out[1]["backward_weight"] == out[0]["backward"]
+    partial = [dict(embed), dict(embed, weight_is_backward=False, backward_weight=0.5 * MS)]
+    out, _ = pool(partial, ["e", "e"])  # one member splits: the members' median W, as for any group
+    assert out[0]["backward_weight"] < out[0]["backward"]
+
+
 def _profile(times, groups=None, ratios=None, **extra):
     layers = [LayerProfile(name="Block", forward=t, backward=2 * t, output_bytes=8.0, param_bytes=4.0,
                            own_ratio=None if ratios is None else ratios[i]) for i, t in enumerate(times)]

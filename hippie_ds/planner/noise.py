@@ -65,7 +65,9 @@ def pool(records: list[dict], keys: Sequence[str | None]) -> tuple[list[dict], l
         fw, bw = record["forward_runs"], record["backward_runs"]
         r["forward"] = r["recompute"] = statistics.median(fw)
         r["backward"] = statistics.median(bw)
-        r["backward_weight"] = min(r["backward_weight"], r["backward"])
+        # a layer with no input gradient runs its whole backward as W: W is the pooled backward itself
+        whole = r.pop("weight_is_backward", False)
+        r["backward_weight"] = r["backward"] if whole else min(r["backward_weight"], r["backward"])
         if r.get("split_extra") is not None:  # the split's I + W over the whole backward, never below it
             r["split_extra"] = max(0.0, r["split_extra"])
         r["spread"] = _spread(fw, bw)
@@ -74,7 +76,8 @@ def pool(records: list[dict], keys: Sequence[str | None]) -> tuple[list[dict], l
         fw = [t for i in members for t in records[i]["forward_runs"]]
         bw = [t for i in members for t in records[i]["backward_runs"]]
         forward, backward = statistics.median(fw), statistics.median(bw)
-        weight = min(statistics.median(out[i]["backward_weight"] for i in members), backward)
+        weight = backward if all(records[i].get("weight_is_backward") for i in members) else \
+            min(statistics.median(out[i]["backward_weight"] for i in members), backward)
         spread = _spread(fw, bw)
         extras = [out[i]["split_extra"] for i in members if out[i].get("split_extra") is not None]
         for i in members:

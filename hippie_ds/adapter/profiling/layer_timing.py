@@ -277,9 +277,11 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     split = guard(split_times, "backward")(forward_fn, inp, backward, repeats, warmup, clock)
     if split is None:  # no input gradient: the whole backward is W (no parameters: 0), no split_extra
         weight, extra = guard(weight_time, "backward")(forward_fn, inp, backward, repeats, warmup, clock), None
+        all_weight = weight == backward > 0  # noise.pool keeps W equal to the pooled backward, not to this median
     else:  # the split as the engine runs it: W, and what I + W cost beyond the whole backward
         weight = min(split[1], backward)
         extra = max(0.0, split[0] + split[1] - backward)
+        all_weight = False
     peak = peak_above(lambda: backward_fn(forward_fn(inp)), _cuda_device(inp))
     packed, out = saved_storages(forward_fn, inp)
     ins, outs, excluded = _keys(inp), _keys(out), _keys(list(params))
@@ -287,6 +289,7 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     output = {k: k[2] for k in outs - ins}
     kept = sum({**own, **output}.values())  # held until the backward: the planner counts it as activations
     record = dict(forward=forward, backward=backward, backward_weight=weight, split_extra=extra, recompute=forward,
+                  weight_is_backward=all_weight,
                   forward_runs=list(forward_runs), backward_runs=list(backward_runs),
                   working_bytes=None if peak is None else max(0.0, peak - kept),
                   output_bytes=float(nbytes(out)), param_bytes=float(param_bytes),
