@@ -108,3 +108,17 @@ def test_staleness_variant_names_set_the_config(tmp_path):
     config = convergence.make_config("hippie:none", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)
     assert config["pipeline"]["schedule"] == "hippie" and config["hippie"]["staleness"] == {"method": "none"}
     assert convergence.run_dir(tmp_path, "gpt", "hippie:extrapolate=1.5", 0, [0]) == tmp_path / "gpt" / "hippie_extrapolate1.5"
+
+
+def test_the_bench_sets_a_labels_staleness_beside_the_schedules_config(tmp_path):
+    """The cluster bench's rank worker reads ``2bw:extrapolate-made+ef=0.5`` as schedule 2bw (its
+    configs/2bw.json section kept) with that ``hippie.staleness``; a plain name sets none."""
+    from argparse import Namespace
+    from tools.bench.engines import schedule_config
+    a = Namespace(schedule_configs="configs")
+    name, hippie = schedule_config(a, "2bw:extrapolate-made+ef=0.5")
+    assert name == "2bw" and hippie["placement"] == "pipeline_in_node"
+    assert hippie["staleness"] == {"method": "extrapolate-made", "error_feedback": 0.5}
+    assert "staleness" not in schedule_config(a, "2bw")[1]
+    assert schedule_config(Namespace(schedule_configs=None), "hippie@all:none") == (
+        "hippie", {"deferred_layers": "all", "staleness": {"method": "none"}})

@@ -15,7 +15,7 @@ import torch
 import hippie_ds
 from hippie_ds.adapter.ds.module import PipelineModule
 from hippie_ds.adapter.profiling.timeline import compute_clock, time_stock_handlers
-from tools.bench.labels import DATA_PARALLEL, STOCK, split_layers
+from tools.bench.labels import DATA_PARALLEL, STOCK, split_layers, split_name
 from tools.bench.model import BASE_SEED, DPModel, layer_specs, loss_of
 
 # ---------------------------------------------------------------------------------- memory
@@ -102,9 +102,12 @@ def ds_config(a, label, schedule, dp, out, hippie_section=None):
 def schedule_config(a, label):
     """(schedule name, hippie section) from ``--schedule-configs``/LABEL.json, if there is one.
     A label NAME@L is NAME with ``hippie.deferred_layers`` = L (partial deferral; NAME@all: the
-    whole deferred stage)."""
+    whole deferred stage); NAME:METHOD[=C][+ef=G] sets ``hippie.staleness`` (tools/bench/labels.py)."""
     name, layers = split_layers(label)
+    name, staleness = split_name(name)
     extra = {"deferred_layers": layers} if layers is not None else {}
+    if staleness is not None:
+        extra["staleness"] = staleness
     if not a.schedule_configs:
         return name, extra
     path = os.path.join(a.schedule_configs, f"{name}.json")
