@@ -71,6 +71,9 @@ class DelayCompensation:
 
     @torch.no_grad()
     def _before(self, optimizer, args, kwargs) -> None:
+        if kwargs.get("grads") is not None:  # DeepSpeed's legacy fusion: still scaled, and not in .grad
+            raise RuntimeError(f"{KEY}: the optimizer is stepped with gradients passed to step() (DeepSpeed's "
+                               '"legacy_fusion"), which the correction does not see; turn legacy_fusion off')
         self._stepping = []
         for group in optimizer.param_groups:
             for p in group["params"]:
