@@ -31,8 +31,10 @@
                                                 #   step count and LR; Adam/AdamW only); or "none" (the
                                                 #   plain one-step-delayed rule)
             "coefficient": 1.0,                 #   c
-            "error_feedback": 0.0               # 2bw: update u(t) + g (u(t) - u(t-1)), u the optimizer's
-        },                                      #   step (g; 0: off)
+            "error_feedback": 0.0,              # 2bw: update u(t) + g (u(t) - u(t-1)), u the optimizer's
+                                                #   step (g; 0: off)
+            "delay_compensation": 0.0           # 2bw with "method": "none": DC-ASGD's gradient g + L g g
+        },                                      #   (W - W_computed_on) / (sqrt(v_hat) + eps) (L; 0: off)
         "profile": null                         # {"out": "profile.yaml", "steps": 3, "repeats": 3}: measure
                                                 #   every layer of every stage in place (after one warm-up
                                                 #   train_batch, during the next `steps`), write one profile
@@ -75,6 +77,10 @@ class StalenessConfig(BaseModel):
     # Error feedback on 2bw's one-update-late stages (hippie_ds.adapter.staleness.error_feedback): the update
     # u(t) + g (u(t) - u(t-1)), u the optimizer's own step; 0: off.
     error_feedback: float = Field(0.0, ge=0.0, le=4.0)
+    # Delay compensation (DC-ASGD) on 2bw's one-update-late stages with method "none"
+    # (hippie_ds.adapter.staleness.delay_compensation): the gradient g + L g g (W - W_computed_on) /
+    # (sqrt(v_hat) + eps), v the stepped gradients' second moment; 0: off.
+    delay_compensation: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 
 
 class ProfileConfig(BaseModel):

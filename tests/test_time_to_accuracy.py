@@ -92,6 +92,11 @@ def test_staleness_variant_names_set_the_config(tmp_path):
     assert convergence.split_name("hippie") == ("hippie", None)
     assert convergence.split_name("2bw:extrapolate-made+ef=0.5") == ("2bw", {"method": "extrapolate-made",
                                                                              "error_feedback": 0.5})
+    assert convergence.split_name("2bw:none+dc=300") == ("2bw", {"method": "none", "delay_compensation": 300.0})
+    assert convergence.split_name("2bw:none+dc=2+ef=0.5") == ("2bw", {"method": "none", "delay_compensation": 2.0,
+                                                                     "error_feedback": 0.5})
+    with pytest.raises(SystemExit, match=r"\+dc=D"):
+        convergence.split_name("2bw:none+dc")
     assert convergence.split_layers("hippie@1:none") == ("hippie:none", 1)
     assert convergence.split_layers("hippie") == ("hippie", None)
     assert convergence.split_layers("hippie@auto") == ("hippie", "auto")

@@ -290,6 +290,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     check_staleness(options.staleness, ds_config, optimizer)
     from .staleness.error_feedback import check as check_error_feedback  # hippie.staleness.error_feedback: 2bw only
     check_error_feedback(options.staleness, compiled)
+    from .staleness.delay_compensation import check as check_delay_compensation  # 2bw with method "none" only
+    check_delay_compensation(options.staleness, compiled)
 
     zero.partition_parameters.shutdown_init_context()
     init_kwargs = dict(dist_backend=get_accelerator().communication_backend_name(),

@@ -151,6 +151,41 @@ def error_feedback(optimizer, gain):
     optimizer.register_step_post_hook(after)
 
 
+def delay_compensation(optimizer, strength):
+    """``hippie.staleness.delay_compensation`` = ``strength`` on one stage's optimizer, written from its
+    rule: each step of the values the optimizer steps (the masters) takes the gradient g + L g g (W -
+    W_g) / (sqrt(v / (1 - 0.999^n)) + 1e-8), W_g the values the last step started from, v the moving
+    average (0.999) of the n gradients stepped before; the first step takes g as it is."""
+    computed_on, second_moment, counts, stepping = {}, {}, {}, []
+
+    def before(opt, args, kwargs):
+        stepping.clear()
+        with torch.no_grad():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    g = p.grad
+                    if p in computed_on:
+                        n = counts[p]
+                        denominator = (second_moment[p] / (1 - 0.999 ** n)).sqrt() + 1e-8
+                        p.grad = (p - computed_on[p]) * g * g * strength / denominator + g
+                    computed_on[p] = p.detach().clone()
+                    stepping.append((p, g))
+
+    def after(opt, args, kwargs):
+        with torch.no_grad():
+            for p, g in stepping:
+                stepped = p.grad
+                second_moment[p] = torch.addcmul(second_moment.get(p, torch.zeros_like(p)) * 0.999, stepped, stepped,
+                                                 value=1 - 0.999)  # torch Adam's exp_avg_sq, its rounding
+                counts[p] = counts.get(p, 0) + 1
+                p.grad = g
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
 def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None, precision=None,
             tied=False, tie_lag=1):
     """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
@@ -162,8 +197,9 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     W(t-1), except on the last stage, which has made W(t) before batch t computes: there on
     W(t-1) + c (W(t) - W(t-1)) (t-1 >= 1); ``extrapolate-made``: extrapolate's, with the last stage's
     made weights as ``adam``'s (not in fp16: the last stage holds its update until the vote is in);
-    ``error_feedback`` > 0 (:func:`error_feedback`) on every stage that does not compute on made weights. ``tied``: the tied model, its copies ``tie_lag`` updates
-    later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
+    ``error_feedback`` > 0 (:func:`error_feedback`) on every stage that does not compute on made weights;
+    ``delay_compensation`` > 0 (:func:`delay_compensation`, ``method`` "none") on every stage. ``tied``: the
+    tied model, its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
     reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
     (the lagged tie sum included) is not finite (:func:`_fp16_decision`)."""
     precision = precision or FP32
@@ -180,6 +216,11 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     for s, opt in enumerate(opts if gain else ()):  # every stage computing one update behind
         if not (made_weights and s == len(opts) - 1):
             error_feedback(opt[0] if isinstance(opt, tuple) else opt, gain)
+    strength = getattr(staleness, "delay_compensation", 0.0) if staleness is not None else 0.0
+    if strength:
+        assert staleness.method == "none", "delay compensation: built with no prediction only"
+        for opt in opts:  # every stage computes on W(t-1)
+            delay_compensation(opt[0] if isinstance(opt, tuple) else opt, strength)
     history = {0: _snapshot(everything)}  # W(v) for the versions still computed on
     predicted = {}  # adam: W_hat(v), made right after the update that made W(v)
     losses = []

@@ -91,6 +91,9 @@ def config(args, schedule, dp, opts=()):
         for opt in opts:  # "efG": hippie.staleness.error_feedback G/10 (ef5: 0.5) on top of the method above
             if opt.startswith("ef") and opt[2:].isdigit():
                 cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "error_feedback": int(opt[2:]) / 10}
+        for opt in opts:  # "dcL": hippie.staleness.delay_compensation L (with "nostale": method "none")
+            if opt.startswith("dc") and opt[2:].isdigit():
+                cfg["hippie"]["staleness"] = {**cfg["hippie"].get("staleness", {}), "delay_compensation": int(opt[2:])}
         if "sync" in opts:
             cfg["hippie"]["deferred_stages"] = []
         if "vs" in opts:

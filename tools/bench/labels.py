@@ -1,12 +1,13 @@
 """The run labels of the bench (the cluster bench, its studies, convergence and the rank worker),
 parsed in one place:
 
-    NAME[@L][:METHOD[=C]]
+    NAME[@L][:METHOD[=C]][+ef=G][+dc=D]
 
 NAME is ``dp`` (DeepSpeed's data-parallel engine over every rank, no pipeline) or a schedule; ``@L``
 sets ``hippie.deferred_layers`` = L (a layer count, or ``all``: whole deferred stages; ``auto``:
 chosen from costs, which the tool must supply); ``:METHOD[=C]`` sets ``hippie.staleness``
-{"method": METHOD, "coefficient": C}. e.g. ``hippie@1``, ``hippie@all:none``, ``2bw:extrapolate=1.5``.
+{"method": METHOD, "coefficient": C}, ``+ef=G`` its ``error_feedback`` and ``+dc=D`` its
+``delay_compensation`` (:func:`split_name`). e.g. ``hippie@1``, ``hippie@all:none``, ``2bw:extrapolate=1.5``.
 
 Which engine runs a NAME: the bench's names are the reports' and the papers', where ``1f1b`` is
 DeepSpeed's stock engine and ``hds-1f1b`` hippie-ds's compiled 1F1B. The rank workers (the
@@ -39,14 +40,24 @@ def split_layers(label: str) -> tuple[str, int | str | None]:
     return schedule + colon + variant, int(layers) if layers.isdigit() else layers
 
 
+_ADDITIONS = {"ef": "error_feedback", "dc": "delay_compensation"}  # '+KEY=VALUE' after a label's method
+
+
 def split_name(label: str) -> tuple[str, dict | None]:
     """'hippie:extrapolate=1.5' -> ('hippie', {'method': 'extrapolate', 'coefficient': 1.5}): the
     label's ``hippie.staleness`` (None when it sets none) and its schedule. '+ef=G' after the method
-    adds ``error_feedback`` G ('2bw:extrapolate-made+ef=0.5')."""
+    adds ``error_feedback`` G ('2bw:extrapolate-made+ef=0.5'), '+dc=D' ``delay_compensation`` D
+    ('2bw:none+dc=300'), in either order."""
     schedule, _, variant = label.partition(":")
     if not variant:
         return schedule, None
-    variant, _, feedback = variant.partition("+ef=")
+    variant, *additions = variant.split("+")
     method, _, value = variant.partition("=")
-    return schedule, {"method": method, **({"coefficient": float(value)} if value else {}),
-                      **({"error_feedback": float(feedback)} if feedback else {})}
+    staleness = {"method": method, **({"coefficient": float(value)} if value else {})}
+    for addition in additions:
+        key, _, number = addition.partition("=")
+        if key not in _ADDITIONS or not number:
+            raise SystemExit(f"{label!r}: expected NAME:METHOD[=C][+ef=G][+dc=D], not {'+' + addition!r}")
+        staleness[_ADDITIONS[key]] = float(number)
+    return schedule, staleness
+

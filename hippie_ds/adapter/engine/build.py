@@ -19,7 +19,7 @@ from ..gradients.tied import LaggedTieSums, tie_sum_lag
 from ..precision.fp16_async import AsyncVotes, continuous_updates, waits_at_update
 from ..precision.fp16_stage import fp16_per_stage
 from ..precision.step import StageStep
-from ..staleness import error_feedback
+from ..staleness import delay_compensation, error_feedback
 from ..staleness.prediction import PredictionInputs, check_inputs, made_before_use, make_prediction
 from ..staleness.versions import WeightVersions
 
@@ -63,6 +63,8 @@ def build(engine, compiled: CompiledSchedule, staleness, deferral: Deferral | No
                               compiled.versioned, make_prediction(staleness, None, inputs) if behind else None)
     # hippie.staleness.error_feedback: on the stages one update behind that compute on predicted weights
     error_feedback.bind(engine.optimizer, versions.prediction, staleness)
+    # hippie.staleness.delay_compensation: on the stages one update behind, computing on unpredicted weights
+    delay_compensation.bind(engine.optimizer, behind, staleness)
     tied = tied_weights(engine)
     gradients, step = _gradients(engine, compiled, params, staleness, inputs, deferral or Deferral({}), tied,
                                  on_early_start)
