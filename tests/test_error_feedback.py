@@ -150,21 +150,28 @@ def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
 def test_nesterov_as_the_configs_optimizer(tmp_path):
     """The Nesterov method's recipe (Ajanthan et al., ICML 2025: NAdam(W) on the delayed stages) is a
     config, not a method: "optimizer": {"type": "NAdam"} (DeepSpeed builds torch.optim.NAdam by name) with
-    2bw's default correction, alone and with error feedback, in fp32, bf16 and bf16 + ZeRO-1; each
-    equals its rule."""
+    2bw's default correction, alone and with error feedback, in fp32, bf16, bf16 + ZeRO-1 and fp16
+    (FP16_UnfusedOptimizer around torch's NAdam); each equals its rule."""
+    engines = {"2bw": 0.0, "2bw+ef5": GAIN, "2bw+bf16+ef5": GAIN, "2bw+bf16+zero1+ef5": GAIN, "2bw+fp16+ef5": GAIN}
     rc, log, _ = launch(2, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "NAdam", "--lr", LR, "--drain", "--engines", "2bw,2bw+ef5,2bw+bf16+ef5,2bw+bf16+zero1+ef5",
-                        timeout=300)
+                        "NAdam", "--lr", LR, "--drain", "--engines", ",".join(engines), timeout=300)
     assert rc == 0, log[-4000:]
     runs = {}
-    for name, gain in (("2bw", 0.0), ("2bw+ef5", GAIN), ("2bw+bf16+ef5", GAIN), ("2bw+bf16+zero1+ef5", GAIN)):
+    for name, gain in engines.items():
         ours, _, parts, _, _ = collect(tmp_path, name)
         bf16 = "+bf16" in name
         precision = reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in name else torch.bfloat16) \
-            if bf16 else None
+            if bf16 else reference_fp16.Fp16Async(reference_fp16.LossScale(20, 2), 2, MICRO_BATCHES) \
+            if "+fp16" in name else None
         ref, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR, precision=precision,
                                          staleness=StalenessConfig(error_feedback=gain))
         assert _max_diff(ours, ref) <= (BF16_TOLERANCE if bf16 else 1e-6), name
+        if "+fp16" in name:  # its rule without error feedback is another run
+            without, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR,
+                                                 precision=reference_fp16.Fp16Async(reference_fp16.LossScale(20, 2),
+                                                                                    2, MICRO_BATCHES),
+                                                 staleness=StalenessConfig())
+            assert _max_diff(ours, without) > 1e-4, name
         runs[name] = ours
     adam, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR,
                                       staleness=StalenessConfig())
