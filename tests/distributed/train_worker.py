@@ -253,7 +253,7 @@ def main():
             _, client = engine.load_checkpoint(args.resume, **(weights_only if args.resume_weights_only else {}))
             start = client["next_step"]
         it = data(replica, start, opts)
-        losses, applied = [], []
+        losses, applied, norms = [], [], []
         step = start
         if args.crash_in_handler and args.crash_rank == rank:
             crash_in_first_backward(engine, at_step=1)
@@ -265,6 +265,8 @@ def main():
             try:
                 losses.append(float(engine.train_batch(it)))
                 applied.append(bool(engine.was_step_applied()))  # what a client reads (Megatron: skipped iterations)
+                norm = engine.get_global_grad_norm()  # Megatron logs it as "grad norm"
+                norms.append(None if norm is None else float(norm))
             except BaseException:
                 if args.crash_in_handler:  # a script's clean-up collective (a barrier, a checkpoint)
                     torch.distributed.barrier()
@@ -299,6 +301,7 @@ def main():
         state = module_state()
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
         torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "applied": applied, "layers": state,
+                    "grad_norms": norms,
                     "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
                     if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,

@@ -158,6 +158,12 @@ def take_model_step(engine) -> None:
     engine._take_model_step(None)
 
 
+def set_global_grad_norm(engine, norm: float) -> None:
+    """Roughly: ``engine._global_grad_norm = norm`` (what ``get_global_grad_norm()`` returns; DeepSpeed
+    sets it from the optimizer after each step)."""
+    engine._global_grad_norm = norm
+
+
 def clipping_setting(engine) -> float:
     """Roughly: ``engine._config.gradient_clipping`` (the config's value ``_take_model_step`` reads)."""
     return engine._config.gradient_clipping

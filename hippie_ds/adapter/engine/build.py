@@ -112,7 +112,9 @@ def _gradients(engine, compiled: CompiledSchedule, params, staleness, inputs, de
         on_early_start=on_early_start)
     if deferred and grid.data_parallel_id == 0:
         gradients.log_delayed_share(stage)
-    return gradients, StageStep(engine, store, clip_group, gradients.clips_itself, compiled)
+    ties = gradients.lagged_ties
+    return gradients, StageStep(engine, store, clip_group, gradients.clips_itself, compiled,
+                                tie_sums=ties[0] if ties is not None else None)
 
 
 def flush_buffered(gradients: StageGradients, step: StageStep, tied) -> bool:

@@ -111,6 +111,7 @@ class LaggedTieSums:
         self._dp_group, self._replica = dp_group, replica  # checkpoints hold every replica's sums
         # oldest first; each entry one update's sums: [(work or None when complete, tensor)]
         self._pending: collections.deque[list[tuple[object, torch.Tensor]]] = collections.deque()
+        self.norm_before_clip: float | None = None  # the last clip_apart's stage gradient norm (unscaled)
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -146,10 +147,13 @@ class LaggedTieSums:
         norms), instead of the optimizer's clipping by the whole stage's norm. ``scale``: the loss
         scale the gradients carry (fp16 + ZeRO-1), clipped as their unscaled values would be."""
         tied = {id(w) for w in self._weights}
+        squares = 0.0
         for part in (self._weights, [p for p in self._store.params if id(p) not in tied]):
             grads = self._store.of(part)
             if grads:
-                clip_tensors_by_global_norm(grads, max_norm=clip * scale, eps=1e-6 * scale)
+                squares += float(clip_tensors_by_global_norm(grads, max_norm=clip * scale, eps=1e-6 * scale)) ** 2
+        # what the engine reports as its gradient norm (a client logs it): the stage's, before clipping
+        self.norm_before_clip = squares ** 0.5 / scale
 
     @torch.no_grad()
     def rescale_pending(self, factors: list[float]) -> None:

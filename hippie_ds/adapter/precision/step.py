@@ -59,14 +59,17 @@ class StageStep:
 
     ``clip_group``: the tie group whose joint norm the step clips by (adapter/gradients/tied.py; None:
     the stage's own); ``clips_itself``: the gradients come clipped already (a lagged tie sum,
-    adapter/gradients/tied.py), so the step clips nothing; ``store``: the stage's
+    adapter/gradients/tied.py), so the step clips nothing; ``tie_sums``: then the lagged tie sums
+    (tied.LaggedTieSums) whose norm before clipping the engine reports as its gradient norm, as
+    DeepSpeed reports the norm its optimizer clipped by; ``store``: the stage's
     :class:`~hippie_ds.adapter.gradients.store.GradStore`."""
 
-    def __init__(self, engine, store, clip_group=None, clips_itself: bool = False, schedule=None):
+    def __init__(self, engine, store, clip_group=None, clips_itself: bool = False, schedule=None, tie_sums=None):
         self._engine = engine
         self._store = store
         self.clip_group = clip_group
         self.clips_itself = clips_itself
+        self._tie_sums = tie_sums
         # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
         self.fp16 = Fp16Votes(engine) if fp16_per_stage(engine) else None
         # drain() applies a buffered update only where some stage defers (else it votes on nothing)
@@ -139,6 +142,9 @@ class StageStep:
             with stage_step(self._engine.optimizer, local), \
                     self.fp16.decided(overflow, joint) if self.fp16 is not None else contextlib.nullcontext():
                 ds_engine.take_model_step(self._engine)  # ZeRO-1: its partition of .grad, its norm over the stage
+        if self.clips_itself and self._tie_sums is not None and not overflow \
+                and self._tie_sums.norm_before_clip is not None:  # the optimizer saw clipped gradients
+            ds_engine.set_global_grad_norm(self._engine, self._tie_sums.norm_before_clip)
 
     def drain_step(self, due: bool, tie_norm: bool) -> None:
         """``drain()``'s step of a deferred stage's buffered gradient (``due``: there is one, in
