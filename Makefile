@@ -110,12 +110,13 @@ soak: $(STAMP)
 # (no correction), 2bw, 2bw:adam (Adam's predicted update, hippie.staleness.method "adam") and 2bw:none
 # (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after another; same global batch, weights and
 # data order.
-# Time to accuracy uses the GPT-shape step times at 1 Gbit/s and 250 Mbit/s in
-# docs/convergence/bench_gpt/ (re-measure: `sudo make bench-gpt`). Writes $(OUT)/convergence/ and
-# copies the pictures and results to docs/convergence/. About 120 minutes on 2 cores; e.g. `make
+# Time to accuracy uses each example's step times at 1 Gbit/s and 250 Mbit/s in
+# docs/convergence/bench_{gpt,vgg}/ (re-measure: `sudo make bench-gpt bench-vgg`). Writes
+# $(OUT)/convergence/ and copies the pictures and results to docs/convergence/. About 120 minutes on 2 cores; e.g. `make
 # convergence CONVERGENCE_ARGS="--examples vgg --seeds 0"`.
 CONVERGENCE_SCHEDULES ?= dp,1f1b,hippie,hippie@auto,hippie@all,hippie@all:none,2bw,2bw:adam,2bw:none
-CONVERGENCE_STEP_TIMES ?= gpt=docs/convergence/bench_gpt/1gbit.json+docs/convergence/bench_gpt/250mbit.json
+STEP_TIMES_OF = $(1)=docs/convergence/bench_$(1)/1gbit.json+docs/convergence/bench_$(1)/250mbit.json
+CONVERGENCE_STEP_TIMES ?= $(call STEP_TIMES_OF,gpt),$(call STEP_TIMES_OF,vgg)
 CONVERGENCE_COSTS ?= gpt=docs/convergence/bench_gpt/1gbit.costs.json,vgg=docs/convergence/costs/vgg-1gbit.json
 CONVERGENCE_ARGS ?=
 .PHONY: convergence bench-gpt
