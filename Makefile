@@ -110,12 +110,13 @@ soak: $(STAMP)
 # (no correction), 2bw, 2bw:adam (Adam's predicted update, hippie.staleness.method "adam") and 2bw:none
 # (2 stages x 2 replicas), seeds 0,1,2, one 4-rank job after another; same global batch, weights and
 # data order.
-# Time to accuracy uses the GPT-shape step times at 1 Gbit/s and 250 Mbit/s in
-# docs/convergence/bench_gpt/ (re-measure: `sudo make bench-gpt`). Writes $(OUT)/convergence/ and
-# copies the pictures and results to docs/convergence/. About 120 minutes on 2 cores; e.g. `make
+# Time to accuracy uses each example's step times at 1 Gbit/s and 250 Mbit/s in
+# docs/convergence/bench_{gpt,vgg}/ (re-measure: `sudo make bench-gpt bench-vgg`). Writes
+# $(OUT)/convergence/ and copies the pictures and results to docs/convergence/. About 120 minutes on 2 cores; e.g. `make
 # convergence CONVERGENCE_ARGS="--examples vgg --seeds 0"`.
 CONVERGENCE_SCHEDULES ?= dp,1f1b,hippie,hippie@auto,hippie@all,hippie@all:none,2bw,2bw:adam,2bw:none
-CONVERGENCE_STEP_TIMES ?= gpt=docs/convergence/bench_gpt/1gbit.json+docs/convergence/bench_gpt/250mbit.json
+STEP_TIMES_OF = $(1)=docs/convergence/bench_$(1)/1gbit.json+docs/convergence/bench_$(1)/250mbit.json
+CONVERGENCE_STEP_TIMES ?= $(call STEP_TIMES_OF,gpt),$(call STEP_TIMES_OF,vgg)
 CONVERGENCE_COSTS ?= gpt=docs/convergence/bench_gpt/1gbit.costs.json,vgg=docs/convergence/costs/vgg-1gbit.json
 CONVERGENCE_ARGS ?=
 .PHONY: convergence bench-gpt
@@ -124,23 +125,36 @@ convergence: $(STAMP)
 		--schedules $(CONVERGENCE_SCHEDULES) --seeds 0,1,2 --step-times $(CONVERGENCE_STEP_TIMES) \
 		--costs $(CONVERGENCE_COSTS) --publish docs/convergence $(CONVERGENCE_ARGS)
 
-# Step times at the GPT example's shape on the emulated two-node cluster (needs root), at 1 Gbit/s
-# and 250 Mbit/s: 7 interleaved rounds each (schedule order rotated per round), into
-# docs/convergence/bench_gpt/LINK.json, and the stock 1F1B run's measured costs (what `make
-# convergence` gives its GPT hippie@auto runs at 1 Gbit/s) into docs/convergence/bench_gpt/LINK.costs.json.
+# Step times at a convergence example's shape on the emulated two-node cluster (needs root), at
+# 1 Gbit/s and 250 Mbit/s: 7 interleaved rounds each (schedule order rotated per round), into
+# docs/convergence/bench_EXAMPLE/LINK.json, and the stock 1F1B run's measured costs into
+# docs/convergence/bench_EXAMPLE/LINK.costs.json. $(call bench_example,EXAMPLE,SHAPE,RATES).
+define bench_example
+	mkdir -p docs/convergence/bench_$(1)
+	for rate in $(3); do \
+		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench --out $(OUT)/bench-$(1)/$$rate \
+			--rate $$rate $(2) && cp $(OUT)/bench-$(1)/$$rate/results.json \
+			docs/convergence/bench_$(1)/$$rate.json && cp $(OUT)/bench-$(1)/$$rate/runs/two_nodes/costs.json \
+			docs/convergence/bench_$(1)/$$rate.costs.json || exit 1; \
+	done
+endef
+BENCH_EXAMPLE_RUNS := --no-scaling --no-single --no-projection --rounds 7
+# The GPT example (the 1 Gbit/s costs are what `make convergence` gives its GPT hippie@auto runs).
 # About 20 minutes.
 BENCH_GPT_SHAPE := --d-model 128 --layers 4 --heads 4 --vocab 103 --seq 64 --micro-batch-size 4 \
-	--micro-batches 4 --steps 12 --warmup 2 --no-scaling --no-single --no-projection --rounds 7 \
-	--schedules dp,1f1b,hippie,hippie@all,2bw
+	--micro-batches 4 --steps 12 --warmup 2 $(BENCH_EXAMPLE_RUNS) --schedules dp,1f1b,hippie,hippie@all,2bw
 BENCH_GPT_RATES ?= 1gbit 250mbit
+# The VGG example (--model vgg-example: tools/examples/vgg.py's network, loss and digits), its
+# convergence runs' batch: micro-batches of 4, 4 per replica, 2 stages x 2 replicas (global batch 32;
+# dp: 4 replicas x 2). Schedules: 2bw as its default (extrapolate-made) and with error feedback 0.5.
+BENCH_VGG_SHAPE := --model vgg-example --micro-batch-size 4 --micro-batches 4 --steps 12 --warmup 2 \
+	$(BENCH_EXAMPLE_RUNS) --schedules dp,1f1b,hippie,2bw,2bw:extrapolate-made+ef=0.5
+BENCH_VGG_RATES ?= 1gbit 250mbit
+.PHONY: bench-vgg
 bench-gpt: $(STAMP)
-	mkdir -p docs/convergence/bench_gpt
-	for rate in $(BENCH_GPT_RATES); do \
-		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench --out $(OUT)/bench-gpt/$$rate \
-			--rate $$rate $(BENCH_GPT_SHAPE) && cp $(OUT)/bench-gpt/$$rate/results.json \
-			docs/convergence/bench_gpt/$$rate.json && cp $(OUT)/bench-gpt/$$rate/runs/two_nodes/costs.json \
-			docs/convergence/bench_gpt/$$rate.costs.json || exit 1; \
-	done
+	$(call bench_example,gpt,$(BENCH_GPT_SHAPE),$(BENCH_GPT_RATES))
+bench-vgg: $(STAMP)
+	$(call bench_example,vgg,$(BENCH_VGG_SHAPE),$(BENCH_VGG_RATES))
 
 clean:
 	rm -rf $(OUT) build dist *.egg-info .pytest_cache

@@ -64,6 +64,37 @@ def test_ratio_to_stock_1f1b_per_round_and_per_link():
     assert "0.60x [0.50, 0.70] **real**" in table and "1.00x [0.90, 1.10] |" in table
 
 
+def test_a_run_the_bench_measured_under_its_own_label_is_timed_by_it():
+    """2bw:extrapolate-made+ef=0.5 by its own bench run (error feedback's extra work); a variant the
+    bench did not measure (2bw:adam) by its schedule's."""
+    link = times("1gbit", {"1f1b": 1.0, "2bw": 0.8, "2bw:extrapolate-made+ef=0.5": 0.9},
+                 {"1f1b": 1.0, "2bw": 0.8, "2bw:extrapolate-made+ef=0.5": 1.1})
+    assert link.timed_as("2bw:extrapolate-made+ef=0.5") == "2bw:extrapolate-made+ef=0.5"
+    assert link.timed_as("2bw:adam") == "2bw" and link.timed_as("2bw") == "2bw"
+    runs = {name: [run(1.0, [(100, 1.2), (200, 1.0)])] for name in ("dp", "1f1b", "2bw:adam",
+                                                                     "2bw:extrapolate-made+ef=0.5")}
+    rows = tta.summarize(runs, "dp", [link])["rows"]
+    ef, adam = rows["2bw:extrapolate-made+ef=0.5"]["links"]["1gbit"], rows["2bw:adam"]["links"]["1gbit"]
+    assert ef["median_step_s"] == pytest.approx(1.0) and ef["vs_reference_range"] == [pytest.approx(0.9),
+                                                                                      pytest.approx(1.1)]
+    assert adam["timed_as"] == "2bw" and adam["vs_reference"] == pytest.approx(0.8) and adam["vs_reference_real"]
+
+
+def test_price_gives_a_committed_summary_new_step_times():
+    """A results.json's time_to_accuracy (seeds as JSON keys, no links) priced anew: the same as
+    summarizing the runs with those step times; the input is left as it was."""
+    runs = {"dp": [run(1.0, [(100, 1.2), (200, 1.0)])], "1f1b": [run(1.0, [(100, 1.2), (200, 1.0)])],
+            "2bw": [run(0.9, [(100, 1.0), (200, 0.9)])]}
+    link = times("250mbit", {"dp": 3.0, "1f1b": 2.0, "2bw": 1.0}, {"dp": 3.0, "1f1b": 2.0, "2bw": 1.5})
+    committed = json.loads(json.dumps(tta.summarize(runs, "dp", None)))
+    priced = tta.price(committed, "dp", [link])
+    assert committed["links"] == [] and committed["rows"]["2bw"]["links"] == {}
+    assert priced["links"] == ["250mbit"] and priced["targets_per_seed"] == {"0": pytest.approx(1.01)}
+    assert priced["rows"] == json.loads(json.dumps(tta.summarize(runs, "dp", [link])))["rows"]
+    assert priced["rows"]["2bw"]["links"]["250mbit"]["vs_reference_range"] == [pytest.approx(0.25),
+                                                                               pytest.approx(0.375)]
+
+
 def test_step_times_from_bench_results_files(tmp_path):
     f = tmp_path / "results.json"
     f.write_text(json.dumps({"config": {"link": "tbf 1gbit"},

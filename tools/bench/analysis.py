@@ -40,7 +40,8 @@ def stage_timings(ranks: dict) -> dict:
     out = {}
     arrivals = _collective_arrivals(ranks)
     for r, (steps, tl) in ranks.items():
-        st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "_d": {}, "_exposed": []})
+        st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "parts": steps.get("parts"),
+                                             "_d": {}, "_exposed": []})
         st["ranks"].append(r)
         per_step = [0.0] * sum(1 for s in steps["steps"] if not s["warmup"])
         for e, start, end, i in _timed_events(steps, tl):
@@ -104,13 +105,14 @@ def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: fl
     the deferred buffer counts as update time: the simulator's copy_grads_to_buffer is free, the
     engine's takes 10-20 ms a step on the bench model; issuing a send or starting an all-reduce
     costs the caller its measured median), plus the bench's sizes and the all-reduce's CPU share."""
+    from tools.bench.model import stage_output_bytes  # torch: not for the rest of this module
     share = forward_share(st["median"] for st in timings.values())
     stages = []
     for s in sorted(timings):
         stages.append({**stage_fields(timings[s]["median"], share),
                        "allreduce_cpu_time": a.allreduce_cpu_per_mb * wire_bytes(a) * timings[s]["params"] / 1e6,
                        "param_bytes": 4.0 * timings[s]["params"],
-                       "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model,
+                       "activation_bytes": stage_output_bytes(a, s, timings[s].get("parts")),
                        "saved_bytes": 0.0})
     return {"stages": stages, "comm": {"allreduce_bandwidth": allreduce_bandwidth, "data_parallel": data_parallel,
                                        "wire_ratio": wire_bytes(a) / 4.0,

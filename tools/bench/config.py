@@ -59,8 +59,11 @@ def _add_run_arguments(p: argparse.ArgumentParser):
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
     """--model and the emulated models' --emulate-* options (the bench, its worker, python -m tools.bench schedules)."""
-    p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model) or emulated:NAME, a profiled "
-                   "model whose compute is a CPU-free wait (tools/bench/emulated.py; NAME: vgg16, gnmt8, gnmt16)")
+    p.add_argument("--model", default="gpt", help="gpt (the GPT-like bench model; --d-model, --layers, ... set its "
+                   "shape), vgg-example (the VGG convergence example's network, loss and digits, "
+                   "tools/examples/vgg.py at train_vgg.py's default width; the GPT shape options are ignored) or "
+                   "emulated:NAME, a profiled model whose compute is a CPU-free wait (tools/bench/emulated.py; "
+                   "NAME: vgg16, gnmt8, gnmt16)")
     p.add_argument("--emulate-scale", type=float, default=1e-3, help="emulated models: parameters and activations "
                    "x this (scale the link by it too: every transfer then takes its profiled time)")
     p.add_argument("--emulate-speedup", type=float, default=1.0, help="emulated models: the profiled times / this")
@@ -195,8 +198,12 @@ def _allreduce_cpu_per_mb(p: argparse.ArgumentParser, value: str, rate: str | No
 def parameter_count(a) -> int:
     """Parameters of the worker's GPT-like model (tools/bench/model.py) at the shape of ``a``:
     embeddings, ``layers`` pre-LN blocks (attention + 4x MLP, 12 d^2 + 13 d each), the final
-    LayerNorm and the untied head; an emulated model's: its profile's, scaled."""
+    LayerNorm and the untied head; an emulated model's: its profile's, scaled; the VGG example's:
+    its layers', built (they are small)."""
+    from tools.bench.model import VGG_EXAMPLE, vgg_example_specs
     model = getattr(a, "model", "gpt") or "gpt"
+    if model == VGG_EXAMPLE:
+        return sum(q.numel() for spec in vgg_example_specs() for q in spec.build().parameters())
     if model.startswith("emulated:"):
         from tools.bench.emulated import read_profile
         return sum(int(round(layer.param_bytes / 4 * a.emulate_scale)) for layer in read_profile(model[9:]).layers)

@@ -16,7 +16,7 @@ import hippie_ds
 from hippie_ds.adapter.ds.module import PipelineModule
 from hippie_ds.adapter.profiling.timeline import compute_clock, time_stock_handlers
 from tools.bench.labels import DATA_PARALLEL, STOCK, split_layers, split_name
-from tools.bench.model import BASE_SEED, DPModel, layer_specs, loss_of
+from tools.bench.model import BASE_SEED, DPModel, layer_specs, loss_of, stage_output_bytes
 
 # ---------------------------------------------------------------------------------- memory
 # Bytes held for backward: hippie_ds.adapter.profiling.memory.ActivationMeter (saved-tensor hooks, storage-
@@ -157,7 +157,7 @@ def stage_costs(a, engine, steps_from):
             # keeps only each one's work after the last stage arrived
             "optimizer_spans": [(e["step"], e["start"] + t0, e["end"] + t0) for e in events
                                 if e["kind"] == "OptimizerStep" and e["step"] >= steps_from],
-            "activation_bytes": 4.0 * a.micro_batch_size * a.seq * a.d_model}
+            "activation_bytes": stage_output_bytes(a, engine.stage_id, getattr(engine.module, "parts", None))}
 
 
 class DPEngine:

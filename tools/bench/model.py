@@ -1,6 +1,9 @@
 """The benchmark's model: a GPT-like stack of LayerSpecs (embedding, pre-LN blocks, untied head)
 and its learnable synthetic data, identical for every schedule; the whole model as one module
-for data parallelism, seeded as the pipeline seeds its layers."""
+for data parallelism, seeded as the pipeline seeds its layers. ``--model vgg-example``: the VGG
+convergence example's network, loss and digits instead (tools/examples/vgg.py, at
+tools/examples/train_vgg.py's default width); ``--model emulated:NAME``: a profiled model
+(tools/bench/emulated.py)."""
 from __future__ import annotations
 
 import torch
@@ -54,10 +57,25 @@ def loss_fn(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+VGG_EXAMPLE = "vgg-example"  # --model: the VGG convergence example's network (tools/examples/vgg.py)
+
+
 def emulated(a) -> str | None:
     """The profiled model of ``--model emulated:NAME`` (tools/bench/emulated.py), else None (the GPT)."""
     model = getattr(a, "model", "gpt") or "gpt"
     return model.split(":", 1)[1] if model.startswith("emulated:") else None
+
+
+def is_vgg_example(a) -> bool:
+    return getattr(a, "model", "gpt") == VGG_EXAMPLE
+
+
+def vgg_example_specs():
+    """The layers python -m tools.bench convergence trains as its ``vgg`` example: train_vgg.py's
+    network at its default --width and --hidden (read from its own command line, not repeated here)."""
+    from tools.examples import train_vgg, vgg
+    example = train_vgg.parse_args([])
+    return vgg.layer_specs(example.width, example.hidden)
 
 
 def loss_of(a):
@@ -65,6 +83,9 @@ def loss_of(a):
     if emulated(a):
         from tools.bench.emulated import loss_fn as emulated_loss
         return emulated_loss
+    if is_vgg_example(a):
+        from tools.examples import vgg
+        return vgg.loss_fn
     return loss_fn
 
 
@@ -72,6 +93,8 @@ def layer_specs(a):
     if emulated(a):
         from tools.bench.emulated import emulated_specs
         return emulated_specs(emulated(a), a.micro_batch_size, a.emulate_scale, a.emulate_speedup)
+    if is_vgg_example(a):
+        return vgg_example_specs()
     return ([LayerSpec(Embedding, a.vocab, a.seq, a.d_model)]
             + [LayerSpec(Block, a.d_model, a.heads) for _ in range(a.layers)]
             + [LayerSpec(Head, a.d_model, a.vocab)])
@@ -80,10 +103,15 @@ def layer_specs(a):
 def data_iter(a, replica):
     """Learnable synthetic sequences (arithmetic progressions mod vocab), identical for every
     schedule: micro-batch m of step s of replica r is seeded by (s, r, m). The emulated models:
-    random inputs of their input size (tools/bench/emulated.py)."""
+    random inputs of their input size (tools/bench/emulated.py). The VGG example: micro-batches of its
+    digits (fp32 8x8 images, int64 labels), replica r drawing its own order (seed r)."""
     if emulated(a):
         from tools.bench.emulated import data_iter as emulated_data
         yield from emulated_data(emulated(a), a.micro_batch_size, a.micro_batches, replica, a.emulate_scale)
+        return
+    if is_vgg_example(a):
+        from tools.examples.vgg import Digits
+        yield from Digits().global_batches(a.micro_batch_size, seed=replica)
         return
     step = 0
     while True:
@@ -94,6 +122,23 @@ def data_iter(a, replica):
             seq = (start + stride * torch.arange(a.seq + 1)) % a.vocab
             yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
         step += 1
+
+
+def stage_output_bytes(a, stage: int, parts: list[int] | None = None) -> float:
+    """Bytes one micro-batch sends from ``stage`` to the next (the cost files' ``activation_bytes``):
+    the GPT's (and, as before, an emulated model's) hidden state; the VGG example's: the output of its
+    first ``parts[stage + 1]`` layers (``parts``: the module's boundaries; default: the uniform
+    partition into ``a.stages``), found by running them on one micro-batch."""
+    if not is_vgg_example(a):
+        return 4.0 * a.micro_batch_size * a.seq * a.d_model
+    from hippie_ds.adapter.ds.module import partition_uniform
+    specs = layer_specs(a)
+    parts = parts or partition_uniform(len(specs), a.stages)
+    x = next(data_iter(a, 0))[0]
+    with torch.no_grad():
+        for spec in specs[:parts[min(stage + 1, len(parts) - 1)]]:
+            x = spec.build()(x)
+    return float(x.numel() * x.element_size())
 
 
 class DPModel(nn.Module):

@@ -182,6 +182,8 @@ def measured_section(results: dict) -> list[str]:
            f"wait; parameters and activations x {cfg.get('emulate_scale')}, times / {cfg.get('emulate_speedup')}), "
            f"fp32 AdamW ({cfg.get('params_total', '?')} parameters). "
            if str(cfg.get("model", "gpt")).startswith("emulated:") else
+           f"Model: the VGG convergence example (tools/examples/vgg.py: scikit-learn's 8x8 digits), fp32 AdamW "
+           f"({cfg.get('params_total', '?')} parameters). " if cfg.get("model") == "vgg-example" else
            f"Model: GPT-like, {cfg.get('layers')} blocks, d_model {cfg.get('d_model')}, vocab {cfg.get('vocab')}, "
            f"sequence {cfg.get('seq')}, fp32 AdamW ({cfg.get('params_total', '?')} parameters). ") +
         f"{cfg.get('micro_batches')} micro-batches of {cfg.get('micro_batch_size')} per replica and step "

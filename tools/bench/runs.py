@@ -205,12 +205,15 @@ def auto_plan(a, out: Path) -> dict:
         return {}
     d = out / "plans"
     d.mkdir(parents=True, exist_ok=True)
-    shape = types.SimpleNamespace(vocab=a.vocab, seq=a.seq, d_model=a.d_model, heads=a.heads, layers=a.layers)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as a rank runs: one core per node, OMP_NUM_THREADS=1
-    sample = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq))
-    profile = profile_layers(bench_model.layer_specs(shape), sample, model="bench-gpt", repeats=5, warmup=2,
-                             progress=sys.stdout)
+    if bench_model.is_vgg_example(a):
+        specs, sample, name = bench_model.layer_specs(a), next(bench_model.data_iter(a, 0))[0], "bench-vgg-example"
+    else:  # the GPT at the run's shape (an emulated model is profiled as the GPT, as before)
+        shape = types.SimpleNamespace(vocab=a.vocab, seq=a.seq, d_model=a.d_model, heads=a.heads, layers=a.layers)
+        specs, sample, name = bench_model.layer_specs(shape), torch.randint(0, a.vocab, (a.micro_batch_size, a.seq)), \
+            "bench-gpt"
+    profile = profile_layers(specs, sample, model=name, repeats=5, warmup=2, progress=sys.stdout)
     save_profile(profile, d / "profile.yaml")
     link = (1.25e9 if a.no_shape else parse_rate(a.rate)) * a.link_efficiency
     cluster = Cluster(nodes=2, devices_per_node=a.stages, device_memory=8e9, inter_node_bandwidth=link,

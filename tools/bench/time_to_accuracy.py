@@ -12,11 +12,14 @@ the emulated cluster (two nodes, shaped link) at the example's shape. python -m 
 the bench's results.json files as --step-times EXAMPLE=FILE1+FILE2+...: files are grouped by
 their link (the bench config's ``link``, e.g. "tbf 250mbit"), one table column group per link,
 and a file's rounds (``round_median_step_s``; a single-round file is one round) are that link's
-rounds. Ratios to stock 1F1B are taken per round (the bench rotates the schedule order, so a
+rounds. A run is timed by the bench run of its own label where there is one (e.g.
+2bw:extrapolate-made+ef=0.5), else by its schedule's (hippie:none by hippie). Ratios to stock
+1F1B are taken per round (the bench rotates the schedule order, so a
 round's schedules ran side by side) and reported as the median with the min-max spread; a
 difference is **real** when the spread excludes 1.0, the benchmark's rule.
 
-Pure functions over the runs' metrics; python -m tools.bench convergence calls them.
+Pure functions over the runs' metrics; python -m tools.bench convergence calls them. :func:`price`
+re-prices a committed comparison (a results.json's steps to target) with other step times.
 """
 from __future__ import annotations
 
@@ -43,6 +46,11 @@ class StepTimes:
     def round_ratios(self, name: str, reference: str) -> list[float]:
         """name's step over reference's, per round where both ran."""
         return [r[name] / r[reference] for r in self.rounds if r.get(name) and r.get(reference)]
+
+    def timed_as(self, name: str) -> str:
+        """The bench run that times a convergence run: its own label where the bench measured it
+        (2bw:extrapolate-made+ef=0.5: error feedback's extra work), else :func:`bench_name`'s."""
+        return name if any(r.get(name) for r in self.rounds) else bench_name(name)
 
 
 def target_loss(baseline_final_losses: list[float]) -> float:
@@ -78,8 +86,9 @@ def load_step_times(paths: str | Path, config: str = "two_nodes") -> list[StepTi
 
 
 def bench_name(schedule: str) -> str:
-    """The bench run that times a convergence run: a staleness variant (hippie:none) times as its
-    schedule (the correction's extra time is in the engine's step either way)."""
+    """The bench run that times a convergence run the bench did not measure under its own label: a
+    staleness variant (hippie:none) times as its schedule (the correction's extra time is in the
+    engine's step either way)."""
     return schedule.split(":")[0]
 
 
@@ -93,15 +102,16 @@ def _steps_row(runs: list[dict], targets: dict) -> dict:
 
 def _wall(row: dict, times: StepTimes, name: str, ref: dict | None) -> dict:
     """One link's wall time to target for a row, and its ratio to the reference per round."""
-    step_s = times.median(bench_name(name))
-    wall = {"median_step_s": step_s}
+    timed_as = times.timed_as(name)
+    step_s = times.median(timed_as)
+    wall = {"median_step_s": step_s, "timed_as": timed_as}
     if step_s is None or row["steps_mean"] is None:
         return wall
     wall["wall_s_mean"] = row["steps_mean"] * step_s
     wall["wall_s_range"] = [row["steps_range"][0] * step_s, row["steps_range"][1] * step_s]
     if ref is not None and ref["steps_mean"] is not None:
         steps_ratio = row["steps_mean"] / ref["steps_mean"]
-        ratios = [steps_ratio * x for x in times.round_ratios(bench_name(name), REFERENCE)]
+        ratios = [steps_ratio * x for x in times.round_ratios(timed_as, REFERENCE)]
         if ratios:
             wall["vs_reference"] = statistics.median(ratios)
             wall["vs_reference_range"] = [min(ratios), max(ratios)]
@@ -117,6 +127,15 @@ def summarize(metrics_by_name: dict[str, list[dict]], baseline: str, step_times:
     targets = {m.get("seed"): target_loss([m["final"]["loss"]]) for m in metrics_by_name[baseline]}
     rows = {name: _steps_row([m for m in runs if m.get("seed") in targets], targets)
             for name, runs in metrics_by_name.items()}
+    return price({"target_loss": statistics.fmean(targets.values()), "targets_per_seed": targets,
+                  "margin_pct": TARGET_MARGIN_PCT, "reference": REFERENCE, "rows": rows}, baseline, step_times)
+
+
+def price(summary: dict, baseline: str, step_times: list[StepTimes] | None) -> dict:
+    """``summary`` (:func:`summarize`'s, or a results.json's ``time_to_accuracy``) with its rows'
+    wall-time columns made anew from their steps to target for the links of ``step_times``: how a
+    committed comparison gets step times measured after it, without its runs. A copy."""
+    rows = {name: {k: v for k, v in row.items() if k != "links"} for name, row in summary["rows"].items()}
     ref = rows.get(REFERENCE)
     for name, row in rows.items():
         row["links"] = {t.link: _wall(row, t, name, ref) for t in step_times or []}
@@ -125,9 +144,7 @@ def summarize(metrics_by_name: dict[str, list[dict]], baseline: str, step_times:
         for row in rows.values():
             if row["links"][link].get("wall_s_mean") is not None and base:
                 row["links"][link]["wall_vs_baseline"] = row["links"][link]["wall_s_mean"] / base
-    return {"target_loss": statistics.fmean(targets.values()), "targets_per_seed": targets,
-            "margin_pct": TARGET_MARGIN_PCT, "reference": REFERENCE,
-            "links": [t.link for t in step_times or []], "rows": rows}
+    return {**summary, "links": [t.link for t in step_times or []], "rows": rows}
 
 
 def _ratio_cell(w: dict, is_reference: bool) -> str:
@@ -165,7 +182,7 @@ def markdown(example: str, tta: dict, baseline: str) -> list[str]:
 def plot_wall(ax, curves: dict, times: StepTimes, target: float):
     """Held-out loss against emulated wall time (steps x median step time) at one link speed."""
     for i, (name, c) in enumerate(curves.items()):
-        step_s = times.median(bench_name(name))
+        step_s = times.median(times.timed_as(name))
         if step_s is None:
             continue
         ax.plot([e["step"] * step_s for e in c["eval"]], [e["loss"] for e in c["eval"]], color=f"C{i}", lw=1.2,
