@@ -301,7 +301,8 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     return LayerMeasure(record=record, output=detach(result))
 
 
-ACCOUNTING = ("own_saved", "output_extra", "saves_output", "saves_input", "forward_runs", "backward_runs")
+ACCOUNTING = ("own_saved", "output_extra", "saves_output", "saves_input", "forward_runs", "backward_runs",
+              "weight_is_backward")  # noise.pool reads it; never a LayerProfile field
 
 
 def work_key(name: str, params: Sequence[torch.Tensor], inp: Any, tied: bool = False) -> str | None:
