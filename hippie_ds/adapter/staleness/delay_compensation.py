@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ...config import ConfigError
+from .step_hooks import hooked_optimizer, require_stage_one_behind
 
 KEY = "hippie.staleness.delay_compensation"
 STATE_PREFIX = "hippie_delay_compensation"
@@ -120,11 +121,7 @@ def check(staleness, compiled) -> None:
     strength = _strength(staleness)
     if not strength:
         return
-    stages = range(compiled.stages)
-    if not (compiled.versioned and any(compiled.one_version_behind(s) for s in stages)):
-        raise ConfigError(f'config key "{KEY}" = {strength!r}: schedule {compiled.name!r} has no stage one update '
-                          "behind that it applies to; it is built for 2bw (not for the hippie family's delayed "
-                          "layers or pipedream); allowed there: 0 (off)")
+    require_stage_one_behind(KEY, strength, compiled)
     if staleness.method != "none":
         raise ConfigError(f'config key "{KEY}" = {strength!r} with "hippie.staleness.method" = '
                           f'"{staleness.method}": delay compensation corrects the gradient of weights one update '
@@ -134,12 +131,7 @@ def check(staleness, compiled) -> None:
 
 def attach(optimizer, strength: float) -> DelayCompensation:
     """The correction on DeepSpeed's ``optimizer`` (its torch optimizer, ds.runtime.torch_optimizer)."""
-    from ..ds.runtime import torch_optimizer
-    inner = torch_optimizer(optimizer)
-    if inner is None:
-        raise ConfigError(f'config key "{KEY}" = {strength!r}: the optimizer {type(optimizer).__qualname__} holds '
-                          "no torch.optim.Optimizer to wrap")
-    return DelayCompensation(inner, strength)
+    return DelayCompensation(hooked_optimizer(optimizer, KEY, strength), strength)
 
 
 def bind(optimizer, behind: bool, staleness) -> DelayCompensation | None:

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 
 from ...config import ConfigError
+from .step_hooks import hooked_optimizer, require_stage_one_behind
 
+KEY = "hippie.staleness.error_feedback"
 STATE_KEY = "hippie_error_feedback"
 
 
@@ -77,25 +79,16 @@ def check(staleness, compiled) -> None:
     gain = _gain(staleness)
     if not gain:
         return
-    stages = range(compiled.stages)
-    if not (compiled.versioned and any(compiled.one_version_behind(s) for s in stages)):
-        raise ConfigError(f'config key "hippie.staleness.error_feedback" = {gain!r}: schedule {compiled.name!r} has no '
-                          "stage one update behind that it applies to; it is built for 2bw (not for the hippie "
-                          "family's delayed layers or pipedream); allowed there: 0 (off)")
+    require_stage_one_behind(KEY, gain, compiled)
     if staleness.method == "none":
-        raise ConfigError(f'config key "hippie.staleness.error_feedback" = {gain!r} with "hippie.staleness.method" = '
+        raise ConfigError(f'config key "{KEY}" = {gain!r} with "hippie.staleness.method" = '
                           '"none": error feedback corrects the update of a stage whose compute weights are predicted; '
                           'allowed with "extrapolate-made" (the default), "extrapolate" or "adam"')
 
 
 def attach(optimizer, gain: float) -> ErrorFeedback:
     """The correction on DeepSpeed's ``optimizer`` (its torch optimizer, ds.runtime.torch_optimizer)."""
-    from ..ds.runtime import torch_optimizer
-    inner = torch_optimizer(optimizer)
-    if inner is None:
-        raise ConfigError(f'config key "hippie.staleness.error_feedback" = {gain!r}: the optimizer '
-                          f"{type(optimizer).__qualname__} holds no torch.optim.Optimizer to wrap")
-    return ErrorFeedback(inner, gain)
+    return ErrorFeedback(hooked_optimizer(optimizer, KEY, gain), gain)
 
 
 def bind(optimizer, prediction, staleness) -> ErrorFeedback | None:
