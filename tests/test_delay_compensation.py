@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import reference
 import reference_async
-import reference_fp16
 from launch import collect, launch
+from rule_check import assert_matches_rule, assert_replicas_equal, max_diff, reference_precision
 
 from hippie_ds import schedules
 from hippie_ds.adapter.staleness import error_feedback
@@ -22,8 +21,6 @@ from hippie_ds.adapter.staleness.delay_compensation import (COMPUTED_ON_KEY, COU
 from hippie_ds.config import ConfigError, StalenessConfig, split_config
 
 STEPS, MICRO_BATCHES, LR, CLIP, STRENGTH = 4, 4, 0.01, 0.5, 30
-BF16_TOLERANCE = 2 ** -8  # test_precision.py: the order of a few fp32 sums can flip one bf16 rounding
-ZERO_SCALE_GROWS = 2 ** -20  # test_fp16_async.py: fp16 + ZeRO-1's gradient made at half its step's scale
 
 
 def test_the_rule_is_the_studys_on_adamw_and_its_state_travels():
@@ -127,24 +124,11 @@ def trained(tmp_path_factory):
 
 def _rule(name, parts, strength=STRENGTH, overflows=None):
     kind, injected = ENGINES[name]
-    overflows = injected if overflows is None else overflows
-    if kind == "fp32":
-        precision = None
-    elif kind.startswith("bf16"):
-        precision = reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in kind else torch.bfloat16)
-    else:
-        cls = (reference_fp16.Fp16AsyncZero if "zero1" in kind else reference_fp16.Fp16AsyncFused if "fused" in kind
-               else reference_fp16.Fp16Async)
-        precision = cls(reference_fp16.LossScale(12 if "+p12" in name else 20, 2), 2, MICRO_BATCHES,
-                        overflow_at=overflows)
+    precision = reference_precision(kind, name, MICRO_BATCHES, injected if overflows is None else overflows)
     staleness = StalenessConfig(method="none", delay_compensation=strength)
     dp = 1 if name in FP32 else 2
     return reference_async.run_2bw(parts, dp, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP,
                                    precision=precision, staleness=staleness)[0], precision
-
-
-def _max_diff(a, b):
-    return max((a[i][k].float() - b[i][k].float()).abs().max().item() for i in b for k in b[i])
 
 
 @pytest.mark.distributed
@@ -152,19 +136,13 @@ def _max_diff(a, b):
 def test_delay_compensation_matches_its_rule(trained, name):
     ours, _, parts, _, replicas = collect(trained[name], name)
     ref, precision = _rule(name, parts)
-    without, _ = _rule(name, parts, strength=0.0)
-    kind = ENGINES[name][0]
-    tolerance = BF16_TOLERANCE if kind.startswith("bf16") else ZERO_SCALE_GROWS if "zero1" in kind else 0.0
-    diff, off = _max_diff(ours, ref), _max_diff(without, ref)
-    print(f"{name}: |ours - reference| = {diff:.3g}; the rule without delay compensation is {off:.3g} away")
-    assert diff <= tolerance, f"{name}: differs from its reference by {diff}"
-    assert off > 2 * max(tolerance, 2 ** -10), "delay compensation changed nothing the test can see"
+    assert_matches_rule("delay compensation", name, ENGINES[name][0], ours, ref,
+                        _rule(name, parts, strength=0.0)[0])
     if ENGINES[name][1]:  # the overflow skipped an update, on every stage alike
         assert any(precision.skipped)
-        assert _max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
-    for i in replicas[0] if name not in FP32 else ():
-        for k, v in replicas[0][i].items():
-            assert torch.equal(replicas[1][i][k], v), (name, i, k)
+        assert max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
+    if name not in FP32:  # fp32 runs one replica
+        assert_replicas_equal(replicas, name)
 
 
 @pytest.mark.distributed
@@ -173,5 +151,5 @@ def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
     W_g, v and n travel in DeepSpeed's optimizer state (fp16 + ZeRO-1: per partition, checked against
     its rule in test_delay_compensation_matches_its_rule)."""
     a, b = (collect(trained[n], n)[0] for n in ("2bw+nostale+dc30", "2bw+nostale+dc30+ckpt2"))
-    assert _max_diff(a, b) == 0, "fp32: resumed differs from the run without a checkpoint"
+    assert max_diff(a, b) == 0, "fp32: resumed differs from the run without a checkpoint"
     assert any(Path(trained["2bw+nostale+dc30+ckpt2"], "2bw+nostale+dc30+ckpt2", "ckpt").iterdir())

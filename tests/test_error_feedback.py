@@ -9,18 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import reference
 import reference_async
-import reference_fp16
 from launch import collect, launch
+from rule_check import (BF16_TOLERANCE, ZERO_SCALE_GROWS, assert_matches_rule, assert_replicas_equal, max_diff,
+                        reference_precision)
 
 from hippie_ds import schedules
 from hippie_ds.adapter.staleness.error_feedback import STATE_KEY, ErrorFeedback, check
 from hippie_ds.config import ConfigError, StalenessConfig
 
 STEPS, MICRO_BATCHES, LR, CLIP, GAIN = 4, 4, 0.01, 0.5, 0.5
-BF16_TOLERANCE = 2 ** -8  # test_precision.py: the order of a few fp32 sums can flip one bf16 rounding
-ZERO_SCALE_GROWS = 2 ** -20  # test_fp16_async.py: fp16 + ZeRO-1's gradient made at half its step's scale
 
 
 def test_the_rule_on_a_torch_optimizer_and_its_state_travels():
@@ -93,21 +91,10 @@ def trained(tmp_path_factory):
 
 def _rule(name, parts, gain=GAIN, overflows=None):
     kind, injected = ENGINES[name]
-    overflows = injected if overflows is None else overflows
-    if kind.startswith("bf16"):
-        precision = reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in kind else torch.bfloat16)
-    else:
-        cls = (reference_fp16.Fp16AsyncZero if "zero1" in kind else reference_fp16.Fp16AsyncFused if "fused" in kind
-               else reference_fp16.Fp16Async)
-        precision = cls(reference_fp16.LossScale(12 if "zero1" in kind else 20, 2), 2, MICRO_BATCHES,
-                        overflow_at=overflows)
+    precision = reference_precision(kind, name, MICRO_BATCHES, injected if overflows is None else overflows)
     staleness = StalenessConfig(error_feedback=gain)
     return reference_async.run_2bw(parts, 2, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP,
                                    precision=precision, staleness=staleness)[0], precision
-
-
-def _max_diff(a, b):
-    return max((a[i][k].float() - b[i][k].float()).abs().max().item() for i in b for k in b[i])
 
 
 @pytest.mark.distributed
@@ -115,19 +102,11 @@ def _max_diff(a, b):
 def test_error_feedback_matches_its_rule(trained, name):
     ours, _, parts, _, replicas = collect(trained, name)
     ref, precision = _rule(name, parts)
-    without, _ = _rule(name, parts, gain=0.0)
-    kind = ENGINES[name][0]
-    tolerance = BF16_TOLERANCE if kind.startswith("bf16") else ZERO_SCALE_GROWS if "zero1" in kind else 0.0
-    diff, off = _max_diff(ours, ref), _max_diff(without, ref)
-    print(f"{name}: |ours - reference| = {diff:.3g}; the rule without error feedback is {off:.3g} away")
-    assert diff <= tolerance, f"{name}: differs from its reference by {diff}"
-    assert off > 2 * max(tolerance, 2 ** -10), "error feedback changed nothing the test can see"
+    assert_matches_rule("error feedback", name, ENGINES[name][0], ours, ref, _rule(name, parts, gain=0.0)[0])
     if ENGINES[name][1]:  # the overflow skipped an update, on every stage alike
         assert any(precision.skipped)
-        assert _max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
-    for i in replicas[0]:
-        for k, v in replicas[0][i].items():
-            assert torch.equal(replicas[1][i][k], v), (name, i, k)
+        assert max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
+    assert_replicas_equal(replicas, name)
 
 
 @pytest.mark.distributed
@@ -136,14 +115,14 @@ def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
     u(t-1) travels in DeepSpeed's optimizer state, per rank and ZeRO partition."""
     for full, resumed in (("2bw+bf16+zero1+ef5", "2bw+bf16+zero1+ef5+ckpt2"),):
         a, b = collect(trained, full)[0], collect(trained, resumed)[0]
-        assert _max_diff(a, b) == 0, f"{resumed}: differs from the run without a checkpoint"
+        assert max_diff(a, b) == 0, f"{resumed}: differs from the run without a checkpoint"
         assert any(Path(trained, resumed, "ckpt").iterdir())
     # fp16 + ZeRO-1, resumed, against its rule (ZeRO's partitioned masters, the loss scale in flight)
     ours, _, parts, _, _ = collect(trained, "2bw+fp16+zero1+p12+ef5+ckpt2")
-    assert _max_diff(ours, _rule("2bw+fp16+zero1+p12+ef5+ckpt2", parts)[0]) <= ZERO_SCALE_GROWS
+    assert max_diff(ours, _rule("2bw+fp16+zero1+p12+ef5+ckpt2", parts)[0]) <= ZERO_SCALE_GROWS
     # the run without error feedback is another run
     plain = collect(trained, "2bw+bf16+zero1")[0]
-    assert _max_diff(plain, collect(trained, "2bw+bf16+zero1+ef5")[0]) > 2 * BF16_TOLERANCE
+    assert max_diff(plain, collect(trained, "2bw+bf16+zero1+ef5")[0]) > 2 * BF16_TOLERANCE
 
 
 @pytest.mark.distributed
@@ -160,19 +139,16 @@ def test_nesterov_as_the_configs_optimizer(tmp_path):
     for name, gain in engines.items():
         ours, _, parts, _, _ = collect(tmp_path, name)
         bf16 = "+bf16" in name
-        precision = reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in name else torch.bfloat16) \
-            if bf16 else reference_fp16.Fp16Async(reference_fp16.LossScale(20, 2), 2, MICRO_BATCHES) \
-            if "+fp16" in name else None
-        ref, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR, precision=precision,
-                                         staleness=StalenessConfig(error_feedback=gain))
-        assert _max_diff(ours, ref) <= (BF16_TOLERANCE if bf16 else 1e-6), name
-        if "+fp16" in name:  # its rule without error feedback is another run
-            without, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR,
-                                                 precision=reference_fp16.Fp16Async(reference_fp16.LossScale(20, 2),
-                                                                                    2, MICRO_BATCHES),
-                                                 staleness=StalenessConfig())
-            assert _max_diff(ours, without) > 1e-4, name
+        kind = ("bf16+zero1" if "+zero1" in name else "bf16") if bf16 else "fp16" if "+fp16" in name else "fp32"
+
+        def nadam_rule(gain):
+            return reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR,
+                                           precision=reference_precision(kind, name, MICRO_BATCHES),
+                                           staleness=StalenessConfig(error_feedback=gain))[0]
+        assert max_diff(ours, nadam_rule(gain)) <= (BF16_TOLERANCE if bf16 else 1e-6), name
+        if kind == "fp16":  # its rule without error feedback is another run
+            assert max_diff(ours, nadam_rule(0.0)) > 1e-4, name
         runs[name] = ours
     adam, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR,
                                       staleness=StalenessConfig())
-    assert _max_diff(runs["2bw"], adam) > 1e-4 and _max_diff(runs["2bw+ef5"], runs["2bw"]) > 1e-4
+    assert max_diff(runs["2bw"], adam) > 1e-4 and max_diff(runs["2bw+ef5"], runs["2bw"]) > 1e-4
