@@ -131,6 +131,7 @@ def _rule(name, parts, strength=STRENGTH, overflows=None):
                                    precision=precision, staleness=staleness)[0], precision
 
 
+@pytest.mark.fp16  # its launch builds fp16 engines too
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in ENGINES if "ckpt" not in n or "fp16" in n])
 def test_delay_compensation_matches_its_rule(trained, name):
@@ -145,6 +146,7 @@ def test_delay_compensation_matches_its_rule(trained, name):
         assert_replicas_equal(replicas, name)
 
 
+@pytest.mark.fp16  # its launch builds fp16 engines too
 @pytest.mark.distributed
 def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
     """Saved after 2 calls (save_checkpoint drains the batches in flight) and resumed in a fresh engine:

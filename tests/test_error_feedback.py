@@ -97,6 +97,7 @@ def _rule(name, parts, gain=GAIN, overflows=None):
                                    precision=precision, staleness=staleness)[0], precision
 
 
+@pytest.mark.fp16  # its launch builds fp16 engines too
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in ENGINES if "+ef5" in n])
 def test_error_feedback_matches_its_rule(trained, name):
@@ -109,6 +110,7 @@ def test_error_feedback_matches_its_rule(trained, name):
     assert_replicas_equal(replicas, name)
 
 
+@pytest.mark.fp16  # its launch builds fp16 engines too
 @pytest.mark.distributed
 def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
     """Saved after 2 calls (save_checkpoint drains the batches in flight) and resumed in a fresh engine:
@@ -125,6 +127,7 @@ def test_checkpoint_with_batches_in_flight_resumes_exactly(trained):
     assert max_diff(plain, collect(trained, "2bw+bf16+zero1+ef5")[0]) > 2 * BF16_TOLERANCE
 
 
+@pytest.mark.fp16  # its launch builds fp16 engines too
 @pytest.mark.distributed
 def test_nesterov_as_the_configs_optimizer(tmp_path):
     """The Nesterov method's recipe (Ajanthan et al., ICML 2025: NAdam(W) on the delayed stages) is a

@@ -75,6 +75,8 @@ def test_synchronous_schedules_are_stock(trained, wrapper, model):
     assert {r["optimizer"] for r in ref_ranks} == {optimizer[wrapper]}
     decisions = {(r["skipped_steps"], r["loss_scale"]) for r in ref_ranks}
     assert len(decisions) == 1
+    for name in (stock, *names):  # fp16 for real: a silent fallback to fp32 would compare fp32 with fp32
+        assert {tuple(r["param_dtypes"]) for r in _ranks(trained, name)} == {("torch.float16",)}, name
     if wrapper == "zero1":  # the scaled loss overflows at 2**20: skipped steps are compared too
         assert next(iter(decisions))[0] > 0, decisions
     copies = {r["tied"]["tied"]["weight"].sum().item() for r in ref_ranks if r["tied"]} if "tied" in model else set()

@@ -18,7 +18,7 @@ import torch
 
 from launch import collect, launch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.fp16]  # the shared launch builds fp16 engines too
 
 SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v")
 VIRTUAL = ("interleaved-1f1b", "zb-v")

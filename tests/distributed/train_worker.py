@@ -172,6 +172,8 @@ def parse_args():
                    help="record the largest tensor alive after training (a gc scan: 0.5 s per engine and rank)")
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
+    p.add_argument("--resave", default=None, help="with --resume: save what was loaded to this dir, in today's "
+                   "format, before training on")
     p.add_argument("--resume-weights-only", action="store_true", help="--resume loads DeepSpeed's per-layer weight "
                    "files only (a checkpoint of another layout: optimizer state is per stage)")
     p.add_argument("--eval", action="store_true", help="eval_batch on the next batch after training; its loss saved")
@@ -252,6 +254,8 @@ def main():
             weights_only = {"load_optimizer_states": False, "load_lr_scheduler_states": False}
             _, client = engine.load_checkpoint(args.resume, **(weights_only if args.resume_weights_only else {}))
             start = client["next_step"]
+            if args.resave:
+                engine.save_checkpoint(args.resave, client_state={"next_step": start})
         it = data(replica, start, opts)
         losses, applied, norms = [], [], []
         step = start
@@ -307,6 +311,8 @@ def main():
                     "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
                     "between_calls": between_calls, "hook_counts": hook_counts,
                     "optimizer": type(engine.optimizer).__name__, "skipped_steps": engine.skipped_steps,
+                    # what the module really computes in (an fp16 engine that fell back to fp32 shows it)
+                    "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
                     "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None,
                     "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
                              for k, m in engine.module.tied_modules.items()},
