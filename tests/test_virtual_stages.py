@@ -234,6 +234,12 @@ def test_interleaved_engines_exact(tmp_path):
 
 
 SEQFIRST = ("1f1b", "zb-h1", "hippie-zb+sync", "zb-v")  # the first: the others' baseline
+# zb-v's 4 chunks cut the sequence-first model where 1f1b's 2 stages do not. A gradient received at a
+# cut is contiguous (SEQ, B, W); inside one stage's graph it is the transposed view of a (B, SEQ, W)
+# tensor, and the bias gradient then sums (B, SEQ) in another memory order. Measured after 3 steps:
+# 0 on the Intel Xeons, 2.3e-10 (layer 1's bias) on AMD EPYC; zb-v equals interleaved-1f1b (the same
+# cuts) bit for bit on both.
+ZB_V_SEQFIRST = 1e-9
 
 
 @pytest.mark.distributed
@@ -249,7 +255,8 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
     (no deferred stage: the synchronous rule) and zb-v bit-identical to 1f1b in fp32 and bf16 +
     ZeRO-1 (their split backward's input gradient had the transposed strides, which the send of
     zb-h1's first ISendGrad refused: "input tensor has to be contiguous")."""
-    seqfirst = [f"{name}+seqfirst{p}" for p in ("", "+bf16+zero1") for name in SEQFIRST]
+    seqfirst = [f"{name}+seqfirst{p}" for p in ("", "+bf16+zero1") for name in SEQFIRST] + \
+        ["interleaved-1f1b+seqfirst"]
     engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")] + \
         ["hippie-interleaved", "hippie-interleaved+bf16+zero1", "hippie-interleaved+zero1"] + seqfirst
     rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
@@ -277,9 +284,19 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
         base, base_losses, _, _, _ = collect(tmp_path, f"1f1b+seqfirst{p}")
         for name in SEQFIRST[1:]:
             ours, losses, parts, params, replicas = collect(tmp_path, f"{name}+seqfirst{p}")
-            assert _max_diff(base, ours) == 0.0 and losses == base_losses, f"{name}+seqfirst{p} differs from 1f1b"
+            assert losses == base_losses, f"{name}+seqfirst{p}: losses differ from 1f1b"
+            diff = _max_diff(base, ours)
+            if name == "zb-v":  # 4 chunks: cuts 1f1b does not have (docs/precision.md, "zb-v on sequence-first")
+                print(f"zb-v+seqfirst{p}: |zb-v - 1f1b| = {diff:.3g}")
+                assert diff <= ZB_V_SEQFIRST, f"zb-v+seqfirst{p} differs from 1f1b by {diff:.3g}"
+            else:
+                assert diff == 0.0, f"{name}+seqfirst{p} differs from 1f1b by {diff:.3g}"
             assert _max_diff(replicas[0], replicas[1]) == 0.0
             assert len(parts) == (4 if name == "zb-v" else 2) and params.get("deferred_stages", []) == []
+    # where the cuts are the same, bit-identical on every CPU: zb-v's V against interleaved-1f1b's loop
+    same_cuts, same_losses, *_ = collect(tmp_path, "interleaved-1f1b+seqfirst")
+    ours, losses, *_ = collect(tmp_path, "zb-v+seqfirst")
+    assert _max_diff(same_cuts, ours) == 0.0 and losses == same_losses, "zb-v+seqfirst differs from interleaved-1f1b"
 
 
 @pytest.mark.distributed
