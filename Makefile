@@ -10,6 +10,10 @@ HIPPIE := $(VENV)/bin/hippie-ds
 # torch==2.13.0 is the CPU wheel on these machines.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# What every target that runs DeepSpeed gives it: the venv's bin first on PATH (torch's JIT build of
+# DeepSpeed's CPU ops runs a bare `ninja`, the venv's when the venv is not activated) and the build
+# folder inside the venv.
+RUN_ENV := PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions
 
 # What `make test` runs; e.g. `make test TESTS="tests tests/slow"` or PYTEST_FLAGS="-q -x".
 TESTS ?= tests
@@ -33,18 +37,18 @@ $(STAMP): setup.py
 	touch $@
 
 test: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
+	$(RUN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
 
 # The fast half: single-process tests only (no `deepspeed` launcher); about a minute.
 test-unit: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) -m "not distributed" $(TESTS)
+	$(RUN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) -m "not distributed" $(TESTS)
 
 # The demo trains the GPT example with the hippie schedule on 4 local ranks (2 stages x 2
 # data-parallel replicas) and draws the executed schedule to $(OUT)/demo/timeline.png.
 DEMO_RANKS ?= 4
 DEMO_ARGS ?= --deepspeed_config configs/hippie.json --stages 2 --steps 40
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(VENV)/bin/deepspeed \
+	OMP_NUM_THREADS=1 $(RUN_ENV) $(VENV)/bin/deepspeed \
 		--num_gpus $(DEMO_RANKS) tools/examples/train_gpt.py $(DEMO_ARGS) --out $(OUT)/demo
 
 schedule-demo: $(STAMP)
@@ -69,7 +73,7 @@ schedule-demo: $(STAMP)
 BENCH_SCHEDULES ?= dp,gpipe,1f1b,hippie,hippie@auto,hippie@all,hippie-1f1b,2bw,pipedream
 BENCH_ARGS ?=
 bench: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench --out $(OUT)/bench \
+	$(RUN_ENV) $(PY) -m tools.bench --out $(OUT)/bench \
 		--publish docs/bench --auto-plan --schedules $(BENCH_SCHEDULES) $(BENCH_ARGS)
 
 # The paper's scaling table on an emulated accelerator (needs root): VGG-16 at 10 Gbit/s and GNMT-16
@@ -77,9 +81,9 @@ bench: $(STAMP)
 # on 1, 2 and 4 emulated nodes of 4 ranks, DP / stock 1F1B / GPipe+DP / hippie / hippie-1f1b in 3
 # interleaved rounds, beside the paper's figures; docs/bench/scaling/{vgg16,gnmt16}/. About 20 minutes.
 bench-scaling: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench scaling --model emulated:vgg16 \
+	$(RUN_ENV) $(PY) -m tools.bench scaling --model emulated:vgg16 \
 		--rate 10mbit --out $(OUT)/bench/scaling-vgg16 --publish docs/bench/scaling/vgg16
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench scaling --model emulated:gnmt16 \
+	$(RUN_ENV) $(PY) -m tools.bench scaling --model emulated:gnmt16 \
 		--rate 100mbit --out $(OUT)/bench/scaling-gnmt16 --publish docs/bench/scaling/gnmt16
 
 # Multi-node with DeepSpeed's own launcher (needs root): two emulated nodes (network namespaces joined
@@ -90,7 +94,7 @@ bench-scaling: $(STAMP)
 MULTINODE_ARGS ?=
 .PHONY: multinode
 multinode: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench multinode --out $(OUT)/multinode \
+	$(RUN_ENV) $(PY) -m tools.bench multinode --out $(OUT)/multinode \
 		$(MULTINODE_ARGS)
 
 # Soak: 1,000 steps of hippie on 4 local ranks with timelines on; resident memory must grow less
@@ -99,7 +103,7 @@ multinode: $(STAMP)
 SOAK_ARGS ?=
 .PHONY: soak
 soak: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench soak --out $(OUT)/soak $(SOAK_ARGS)
+	$(RUN_ENV) $(PY) -m tools.bench soak --out $(OUT)/soak $(SOAK_ARGS)
 
 # Convergence and time to accuracy: both examples (GPT on Python's docs, VGG on scikit-learn's
 # digits) trained to a fixed budget with data parallelism (4 replicas) and with 1f1b (synchronous,
@@ -121,7 +125,7 @@ CONVERGENCE_COSTS ?= gpt=docs/convergence/bench_gpt/1gbit.costs.json,vgg=docs/co
 CONVERGENCE_ARGS ?=
 .PHONY: convergence bench-gpt
 convergence: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench convergence --out $(OUT)/convergence \
+	$(RUN_ENV) $(PY) -m tools.bench convergence --out $(OUT)/convergence \
 		--schedules $(CONVERGENCE_SCHEDULES) --seeds 0,1,2 --step-times $(CONVERGENCE_STEP_TIMES) \
 		--costs $(CONVERGENCE_COSTS) --publish docs/convergence $(CONVERGENCE_ARGS)
 
@@ -132,7 +136,7 @@ convergence: $(STAMP)
 define bench_example
 	mkdir -p docs/convergence/bench_$(1)
 	for rate in $(3); do \
-		TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m tools.bench --out $(OUT)/bench-$(1)/$$rate \
+		$(RUN_ENV) $(PY) -m tools.bench --out $(OUT)/bench-$(1)/$$rate \
 			--rate $$rate $(2) && cp $(OUT)/bench-$(1)/$$rate/results.json \
 			docs/convergence/bench_$(1)/$$rate.json && cp $(OUT)/bench-$(1)/$$rate/runs/two_nodes/costs.json \
 			docs/convergence/bench_$(1)/$$rate.costs.json || exit 1; \

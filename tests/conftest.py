@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import fp16_switch
+import host_checks
 from planner_fixtures import PROFILES, V100_CLUSTER
 
 FP16 = {}  # the switch's decision, set once in pytest_configure
@@ -33,6 +34,7 @@ def _cpu_model() -> str:
 def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: launches real ranks (deepspeed launcher, gloo, processes)")
     config.addinivalue_line("markers", "fp16: builds fp16 engines (itself or in its fixture's launch)")
+    host_checks.environment()
     decision = fp16_switch.decide()
     if decision.switch:
         fp16_switch.switch_on_for_children()
@@ -41,6 +43,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     decision = FP16["decision"]
+    if any(item.get_closest_marker("distributed") for item in items) and not config.option.collectonly:
+        _prepare_host_for_ranks(config)
     for item in items:
         callspec = getattr(item, "callspec", None)  # an fp16 file (test_fp16_*.py) or an fp16 parameter
         if ("fp16" in item.path.name or (callspec is not None and "fp16" in callspec.id.lower())) and \
@@ -48,6 +52,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fp16)
         if decision.skip and item.get_closest_marker("fp16") is not None:
             item.add_marker(pytest.mark.skip(reason=f"fp16: {decision.skip}"))
+
+
+def _prepare_host_for_ranks(config):
+    """Before the first launch: /dev/shm room, no stale build lock, DeepSpeed's CPU ops built."""
+    problem = host_checks.shm_problem()
+    if problem:
+        pytest.exit(f"the distributed tests cannot run here: {problem}", returncode=3)
+    report = config.pluginmanager.get_plugin("terminalreporter")
+    for lock in host_checks.remove_stale_locks():
+        report.write_line(f"removed a stale build lock: {lock}")
+    try:
+        lines = host_checks.build_ops()
+    except Exception as e:  # no compiler, no ninja: every rank would fail the same way later
+        pytest.exit(f"DeepSpeed's CPU ops do not build here ({type(e).__name__}: {e}); the distributed tests "
+                    f"need ninja and g++", returncode=3)
+    if report is not None:
+        report.write_line("DeepSpeed's CPU ops: " + "; ".join(lines))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -147,7 +147,7 @@ def test_stock_optimizer_step_counts_only_its_work_after_the_pipeline_barrier():
 
 def _netns_available() -> bool:
     try:
-        preflight("tests/test_bench_scaling.py", ("ip", "tc"))
+        preflight("tests/test_bench_scaling.py", ("ip", "tc", "taskset"))  # the bench pins each node to a core
         return True
     except Exception:
         return False

@@ -20,7 +20,7 @@ def _raises():
 
 @pytest.mark.parametrize("mkldnn,deepspeed_accepts", [(lambda: True, True), (lambda: False, False),
                                                        (lambda: None, False), (_raises, False)],
-                         ids=["mkldnn-fp16", "no-mkldnn-fp16", "none", "raises"])
+                         ids=["mkldnn-yes", "mkldnn-no", "mkldnn-none", "mkldnn-raises"])
 def test_the_switch_is_on_exactly_when_deepspeed_refuses_fp16(mkldnn, deepspeed_accepts):
     """The mkldnn answer forced each way: DeepSpeed's own ``is_fp16_supported`` (unpatched) decides, and
     the switch is its negation where torch computes fp16 (every x86 CPU these machines have)."""

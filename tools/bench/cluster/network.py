@@ -60,6 +60,11 @@ def preflight(what: str, tools: Iterable[str] = ("ip", "tc"), hint: str = ""):
         raise Refuse(f"{what} creates network namespaces and a veth pair, which needs root: "
                      f"sudo {sys.executable} {' '.join(sys.argv)}{hint}")
     res = sh("ip", "netns", "list", check=False)
+    if res.returncode == 0:  # listing works where adding does not (a container without CAP_SYS_ADMIN)
+        probe = f"hds-probe-{os.getpid()}"
+        res = sh("ip", "netns", "add", probe, check=False)
+        if res.returncode == 0:
+            sh("ip", "netns", "del", probe, check=False)
     if res.returncode != 0:
         raise Refuse(f"`ip netns` is not available here ({res.stderr.strip() or 'exit ' + str(res.returncode)}); "
                      f"network namespaces are needed to emulate two nodes.{hint}")

@@ -31,10 +31,12 @@ def free_port() -> int:
 
 def local_env(base: dict | None = None) -> dict:
     """A local job's environment: one OpenMP thread, the repository first on PYTHONPATH (the ranks
-    import this checkout's hippie_ds, and the rank scripts ``tools.bench...``), the venv's
-    torch_extensions unless set."""
+    import this checkout's hippie_ds, and the rank scripts ``tools.bench...``), this Python's bin
+    folder first on PATH (torch's JIT build of DeepSpeed's CPU ops runs a bare ``ninja``: the venv's,
+    even when the venv is not activated), the venv's torch_extensions unless set."""
     env = dict(os.environ if base is None else base)
     env.update({"OMP_NUM_THREADS": "1",
+                "PATH": os.pathsep.join(filter(None, [os.path.dirname(sys.executable), env.get("PATH")])),
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
     return env

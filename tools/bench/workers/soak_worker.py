@@ -12,6 +12,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 import hippie_ds
+from hippie_ds.adapter.integration import deepspeed_shm_segments
 
 
 def parse_args():
@@ -28,7 +29,8 @@ def parse_args():
 def sample(engine, step):
     return {"step": step, "rss": psutil.Process().memory_info().rss, "fds": len(os.listdir("/proc/self/fd")),
             "threads": threading.active_count(), "os_threads": psutil.Process().num_threads(),
-            "shm": len(os.listdir("/dev/shm")), "timeline_events": len(getattr(engine, "_timeline", ())),
+            # this job's segments only: another job on the machine may make its own meanwhile
+            "shm": len(deepspeed_shm_segments(os.environ.get("MASTER_PORT", "*"))), "timeline_events": len(getattr(engine, "_timeline", ())),
             "timeline_steps": len({e["step"] for e in getattr(engine, "_timeline", ())})}
 
 
