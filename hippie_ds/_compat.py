@@ -51,13 +51,16 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     # the loss scale DeepSpeedEngine.backward applies (the split backward's input pass applies it alike)
     "deepspeed.runtime.base_optimizer": {"ZeROOptimizer": ("scale_if_loss", )},
     # fp16 under per-stage updates: the wrapper's scale update and flag check (fp16_stage.py)
+    # pipedream's micro-batch updates: the unscale by 1 (ds.fp16.unscaled)
     "deepspeed.runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": ("_update_scale", "fp16_groups", "fp32_groups",
-                                                                           "overflow_checker"),
+                                                                           "loss_scale_config", "overflow_checker",
+                                                                           "unscale_and_clip_grads"),
                                                  "": ("get_global_norm", "get_weight_norm")},
     # fp16 with DeepSpeed's fused Adam (FP16_Optimizer): its scale update, flag check, flattened norm and flat
     # masters (ds/fp16.py); both wrappers' overflow checker (CheckOverflow)
     "deepspeed.runtime.fp16.fused_optimizer": {"FP16_Optimizer": ("_update_scale", "fp16_groups", "fp32_groups_flat",
-                                                                  "overflow_checker"),
+                                                                  "loss_scale_config", "overflow_checker",
+                                                                  "unscale_and_clip_grads"),
                                                "": ("get_flattened_grad_norm", )},
     "deepspeed.runtime.utils": {"CheckOverflow": ("has_overflow", )},
     # the data-parallel group clip_grad_norm_ averages the norm over (layout_clip.py computes it as stock does)

@@ -9,7 +9,8 @@ in ``--engines`` is ``SCHEDULE[+OPT...]``:
 
 - precision: ``+fp16`` (DeepSpeed's dynamic loss scale from 2**``--power``), else fp32;
 - optimizer: the client's torch AdamW with Megatron's two parameter groups (FP16_UnfusedOptimizer in
-  fp16), or ``+fused``: ``"optimizer": {"type": "Adam"}`` in the config (DeepSpeed's own Adam:
+  fp16), ``+adam``: torch's Adam in those groups, its L2 weight decay 0.01 added to the gradient
+  (Megatron-DeepSpeed's optimizer on CPU, without apex: issue 67), or ``+fused``: ``"optimizer": {"type": "Adam"}`` in the config (DeepSpeed's own Adam:
   FP16_Optimizer in fp16), ``+zero1``: ``"zero_optimization": {"stage": 1}`` (DeepSpeedZeroOptimizer);
 - ``+ovfS.T``: stage S's first gradient (its tied word embedding's, on stage 0 and on the last stage)
   infinite in every backward of ``train_batch`` call T.
@@ -103,8 +104,9 @@ def main():
         if "fused" not in opts:  # the client's optimizer, Megatron's two groups
             decay = [p for n, p in module.named_parameters() if p.dim() > 1 and "norm" not in n]
             no_decay = [p for n, p in module.named_parameters() if not (p.dim() > 1 and "norm" not in n)]
-            kw["optimizer"] = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+            adam, wd = (torch.optim.Adam, 0.01) if "adam" in opts else (torch.optim.AdamW, 0.1)
+            kw["optimizer"] = adam([{"params": decay, "weight_decay": wd},
+                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
         else:
             kw["model_parameters"] = [p for p in module.parameters() if p.requires_grad]
         if "fused" not in opts:  # Megatron's scheduler: step(increment) counts samples

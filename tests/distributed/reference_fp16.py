@@ -109,12 +109,16 @@ class Fp16(Precision):
                                        and (self.counts_replicated or j not in skip))], dtype=torch.float32)
         return float(total.item()) ** 0.5
 
+    def unscale_by(self) -> float:
+        """What the step divides the gradients by (times the clipping factor): the loss scale."""
+        return self.loss_scale.scale
+
     def apply(self, ps, opt, grads, clip, norm=None):
         """``norm``: a tied module's holders' joint norm (:meth:`joint_norm`), else this stage's."""
         optimizer, masters = opt
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, ps)]
         total = norm if norm is not None else math.sqrt(sum(float(g.float().norm(2)) ** 2 for g in grads))
-        combined = self.loss_scale.scale
+        combined = self.unscale_by()
         if clip > 0:
             factor = ((total / combined) + 1e-6) / clip
             if factor > 1:
@@ -157,7 +161,8 @@ class Fp16Async(Fp16):
     pipedream: a micro-batch) over every stage's gradient of that update; a skipped update moves no
     stage (the weight version still counts it); the scale moves once per batch (:meth:`decide`), so
     an update unscales by the scale after its batch's move if it is the batch's last, else by the
-    scale before it. ``overflow_at``: {(call, stage)}: that stage's first parameter gradient made
+    scale before it; pipedream without ZeRO unscales by 1 (:meth:`unscale_by`). ``overflow_at``:
+    {(call, stage)}: that stage's first parameter gradient made
     infinite in every backward the stage runs during ``train_batch`` call ``call`` (or in the
     ``drain()`` after call ``call`` - 1): what the rank worker's ``+ovfS.T`` injects, by
     ``engine.global_steps``, which these schedules advance once per call. Where a backward runs:
@@ -181,6 +186,11 @@ class Fp16Async(Fp16):
             self.loss_scale.update(self._batch_overflow)
             self._batch_overflow = False
         return skip
+
+    def unscale_by(self) -> float:
+        """pipedream's micro-batch updates where the loss is not scaled (no ZeRO): 1, so that each applies
+        the fp32 rule's gradient, not that gradient over the scale (issue 67; fp16_async.py); else the scale."""
+        return 1.0 if self.updates_per_batch > 1 and self.grad_scale() is None else self.loss_scale.scale
 
     def backward_call(self, stage: int, batch: int, index: int) -> int:
         """The call that runs ``stage``'s backward of micro-batch ``index`` of ``batch``: both schedules
@@ -259,7 +269,7 @@ class Fp16Fused(Fp16):
                                             for j in order])
         own = get_flattened_grad_norm([flat]) if norm is None else norm
         total = get_global_norm(norm_list=[own])
-        combined = self.loss_scale.scale
+        combined = self.unscale_by()
         if clip > 0:
             factor = ((total / combined) + 1e-6) / clip
             if factor > 1:

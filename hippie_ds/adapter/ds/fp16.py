@@ -14,7 +14,7 @@ from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 __all__ = ["FP16_UnfusedOptimizer", "FP16_Optimizer", "is_unfused", "is_fused", "decided", "update_scale",
-           "scale_moves", "masters", "FusedUnmoved", "set_step_applied"]
+           "scale_moves", "unscaled", "masters", "FusedUnmoved", "set_step_applied"]
 
 
 def is_unfused(optimizer) -> bool:
@@ -80,6 +80,33 @@ def scale_moves(optimizer, moved: bool | None):
             optimizer._update_scale = original
         else:
             del optimizer._update_scale
+
+
+@contextlib.contextmanager
+def unscaled(optimizer):
+    """Inside: the wrapper's step divides the gradients by 1, not by its loss scale (the clipping
+    factor taken from their norm as it is), while the scale itself moves as the step moves it.
+    Roughly: ``optimizer.unscale_and_clip_grads`` (FP16_UnfusedOptimizer, FP16_Optimizer) replaced on
+    the instance by a call with ``optimizer.loss_scale_config.cur_scale`` 1.0, put back after it."""
+    own = "unscale_and_clip_grads" in vars(optimizer)
+    original = optimizer.unscale_and_clip_grads
+    config = optimizer.loss_scale_config
+
+    def by_one(*args, **kwargs):
+        scale, config.cur_scale = config.cur_scale, 1.0
+        try:
+            return original(*args, **kwargs)
+        finally:
+            config.cur_scale = scale
+
+    optimizer.unscale_and_clip_grads = by_one
+    try:
+        yield
+    finally:
+        if own:
+            optimizer.unscale_and_clip_grads = original
+        else:
+            del optimizer.unscale_and_clip_grads
 
 
 def masters(optimizer) -> dict:

@@ -33,6 +33,14 @@ the run for pipedream):
   update u unscales by is the one the single-process rule gives it
   (tests/distributed/reference_fp16.py). The LR schedule steps once per ``train_batch`` call, as
   for these schedules in fp32 and bf16 (a skipped update does not hold it back).
+- **pipedream without ZeRO: unscaled by 1.** DeepSpeed 0.19's backward does not scale the loss
+  for ``FP16_UnfusedOptimizer`` / ``FP16_Optimizer``, yet their step divides the gradient by the
+  scale. Stock (and every schedule stepping once per batch, 2bw included) keeps that; a micro-batch
+  update's gradient, grad(loss / M), divided by S as well lies M x S below the fp32 rule's, and a
+  torch Adam's L2 weight decay, added to it and applied M times a batch, swamped it (issue 67:
+  |wd p| / |g| about 230 on Megatron-DeepSpeed's GPT, whose loss then rose to ln V). So pipedream's
+  step divides by 1 (``ds.fp16.unscaled``): the fp32 rule's gradient, rounded to fp16, clipped by its
+  own norm; the scale still moves once per batch and only decides skips.
 
 Where a stage waits must not be before another stage's update u on the timeline, nor in an earlier
 ``train_batch`` call (a call ends with DeepSpeed's pipeline-wide loss broadcast, which the
@@ -71,6 +79,7 @@ apart as their unscaled values would be (``max_norm`` clip x S(u)).
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 from deepspeed import comm as dist
@@ -196,6 +205,8 @@ class AsyncVotes:
     def __init__(self, device, optimizer, on_skip, store, apply, immediate: bool, current, carried=None,
                  per_batch: int = 1, ties=None):
         self._device, self._optimizer, self._on_skip = device, optimizer, on_skip
+        # micro-batch updates without ZeRO: the loss is not scaled, so the step unscales by 1 (module docstring)
+        self._by_one = carried is None and per_batch > 1
         # ZeRO-1 with a module tied across stages: (tied.LaggedTieSums, clip); the scale each update's gradient
         # carried at its backwards (the tie sum of update v is applied at v + lag, rescaled from it)
         self._ties = ties if carried is not None else None
@@ -304,7 +315,8 @@ class AsyncVotes:
         else:  # the batch's last update moves the scale once, by whether any of its updates overflowed
             self._batch_overflow = self._batch_overflow or overflow
             last = (self._current() + 1) % self._per_batch == 0
-            with ds_fp16.scale_moves(self._optimizer, self._batch_overflow if last else None):
+            with ds_fp16.scale_moves(self._optimizer, self._batch_overflow if last else None), \
+                    ds_fp16.unscaled(self._optimizer) if self._by_one else contextlib.nullcontext():
                 self._apply(overflow, lrs)
             if last:
                 self._batch_overflow = False
