@@ -23,6 +23,22 @@ def largest_live_tensor() -> int:
     return max((o.numel() for o in gc.get_objects() if torch.is_tensor(o)), default=0)
 
 
+def live_tensor_bytes() -> dict:
+    """An independent count of what this process holds: every live tensor's storage once, by dtype of
+    origin (gc, after a collection), and the largest storages (bytes, shape) to name them."""
+    import gc
+    gc.collect()
+    seen, total, biggest = set(), 0, []
+    for o in gc.get_objects():
+        if torch.is_tensor(o) and o.device.type != "meta":
+            storage = o.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+                biggest.append((storage.nbytes(), tuple(o.shape)))
+    return {"total": total, "biggest": sorted(biggest, reverse=True)[:12]}
+
+
 def split_name(name):
     """Engine name -> (schedule, options): "pipedream+vs" runs pipedream with vertical_sync,
     "2bw+ckpt3" saves a checkpoint after 3 steps and resumes from it in a fresh engine,
@@ -168,6 +184,8 @@ def parse_args():
     p.add_argument("--flush", action="store_true")
     p.add_argument("--drain", action="store_true", help="engine.drain() after the last step (batches in flight)")
     p.add_argument("--timeline", action="store_true")
+    p.add_argument("--memory-count", action="store_true", help="after the last train_batch: the bench's state "
+                   "count (tools.bench.engines.state_bytes) and an independent count of live tensor storages")
     p.add_argument("--largest-tensor", action="store_true",
                    help="record the largest tensor alive after training (a gc scan: 0.5 s per engine and rank)")
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
@@ -295,6 +313,11 @@ def main():
                       [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)])
             return {i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
                     for i, layer in layers if isinstance(layer, torch.nn.Module)}
+        memory = None
+        if args.memory_count:  # before anything below allocates: the state as the step left it
+            from tools.bench.engines import state_bytes
+            memory = {"bench": state_bytes(engine), "bench_alive": state_bytes(engine, released_grads=False),
+                      "live": live_tensor_bytes()}
         # what a user reads from the module after the last train_batch, batches still in flight
         in_flight = getattr(engine, "has_in_flight", lambda: False)()
         between_calls = {"layers": module_state(), "weight_versions": engine.weight_versions()} if in_flight else None
@@ -318,7 +341,7 @@ def main():
                              for k, m in engine.module.tied_modules.items()},
                     # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
                     "partitions": getattr(engine.optimizer, "partition_count", None),
-                    "largest_tensor": largest_live_tensor() if args.largest_tensor else None},
+                    "largest_tensor": largest_live_tensor() if args.largest_tensor else None, "memory": memory},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()

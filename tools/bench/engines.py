@@ -45,9 +45,12 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def state_bytes(engine):
-    """Bytes of this rank's parameters, gradients and optimizer state tensors (and the peak of
-    stashed weight versions for 2bw / pipedream)."""
+def state_bytes(engine, released_grads: bool = True):
+    """Bytes of this rank's parameters, gradients and optimizer state tensors, hippie-ds's in-flight
+    state (a deferred stage's gradient buffer, the staleness correction's state, lagged tie sums:
+    ``engine.held_tensors()``) and the peak of stashed weight versions for 2bw / pipedream.
+    ``released_grads``: also the gradients the step released (they exist at the step's peak); False:
+    only what is alive now."""
     seen, total = set(), 0
 
     def add(t):
@@ -62,9 +65,13 @@ def state_bytes(engine):
         add(p)
         if p.grad is not None:
             add(p.grad)
-        elif p.requires_grad:  # released after the step; it exists at the step's peak
+        elif p.requires_grad and released_grads:  # released after the step; it exists at the step's peak
             total += p.numel() * p.element_size()
-    add(getattr(engine, "_grad_buffer", None))  # hippie-ds deferred stages' gradient buffer
+    held = engine.held_tensors() if hasattr(engine, "held_tensors") else {}  # hippie-ds's in-flight state
+    for kind, tensors in held.items():
+        if kind != "weight_versions":  # counted at their peak below
+            for t in tensors:
+                add(t)
     if hasattr(engine, "weight_versions"):  # 2bw / pipedream: stashed weight copies at their peak
         params = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
         total += max(engine.weight_versions()["peak"] - 1, 0) * params

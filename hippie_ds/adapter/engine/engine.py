@@ -244,6 +244,17 @@ class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, Chun
         """This stage's weight versions: current (updates applied), stashed, the most held at once."""
         return self._versions.summary()
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this stage keeps between ``train_batch`` calls beside its parameters, their gradients and
+        the optimizer's state, by kind (``gradient_buffer``, ``tie_sums``, ``prediction``,
+        ``weight_versions``): the tensors themselves, nothing copied or communicated. For memory
+        probes, e.g. the bench's count."""
+        held: dict[str, list[torch.Tensor]] = {}
+        for part in (self._gradients.held_tensors(), self._versions.held_tensors()):
+            for kind, tensors in part.items():
+                held.setdefault(kind, []).extend(tensors)
+        return held
+
     def has_in_flight(self) -> bool:
         """True when batches of a continuous schedule are still in flight (``drain()`` has work)."""
         return self._cursor.in_flight

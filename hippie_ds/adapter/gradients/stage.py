@@ -309,6 +309,13 @@ class StageGradients:
             self.prediction.end_update()
 
     # ------------------------------------------------------------------ checkpoints
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the stage keeps between calls beside its parameters' gradients, by kind, uncopied and
+        with no collective (a memory probe's view; :meth:`state_dict` reduces and copies)."""
+        return {"gradient_buffer": [] if self.buffer is None else [self.buffer],
+                "tie_sums": [] if self._lagged_ties is None else self._lagged_ties.held_tensors(),
+                "prediction": [] if self.prediction is None else self.prediction.held_tensors()}
+
     def state_dict(self) -> dict:
         """The buffer, reduced first (each replica holds its own part until then; identical on
         every replica afterwards), and its state."""

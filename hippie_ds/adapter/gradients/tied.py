@@ -117,6 +117,10 @@ class LaggedTieSums:
     def weights(self) -> list[torch.Tensor]:
         return self._weights
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The sums in flight, uncopied (no wait)."""
+        return [t for entry in self._pending for _, t in entry]
+
     @staticmethod
     def _wait(entry: list[tuple[object, torch.Tensor]]) -> list[torch.Tensor]:
         for work, _ in entry:

@@ -66,6 +66,10 @@ class WeightPrediction:
         for v in [v for v in self.deltas if v not in versions]:
             del self.deltas[v]
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors it keeps between steps (its deltas), uncopied."""
+        return [d for ds in self.deltas.values() for d in ds]
+
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "method": self.method, "coefficient": self.coefficient,
                 "deltas": {v: [d.clone() for d in ds] for v, ds in self.deltas.items()}}
@@ -147,6 +151,9 @@ class InPlacePrediction(WeightPrediction):
         for p, w in zip(self.params, self._true):
             torch.sub(p, w, out=w)
         self.deltas[0], self._true = self._true, None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return super().held_tensors() + list(self._true or ())
 
     def state_dict(self) -> dict:
         if self._true is not None:

@@ -102,6 +102,11 @@ class WeightVersions:
         if self.prediction is not None:  # the deltas of the versions compute may still use
             self.prediction.keep_only({self.count} | self.stashed)
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The stored versions and the prediction's state, uncopied (a memory probe's view)."""
+        return {"weight_versions": list(self.store.values()),
+                "prediction": [] if self.prediction is None else self.prediction.held_tensors()}
+
     def summary(self) -> dict:
         """current (updates applied), stashed, the most held at once."""
         return {"current": self.count, "stashed": sorted(self.stashed), "peak": self.peak}
