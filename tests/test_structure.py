@@ -178,10 +178,37 @@ def test_no_module_outside_the_engine_package_reads_a_private_engine_attribute()
         "\n".join(reads)
 
 
+def test_the_tools_use_the_engines_public_surface():
+    """tools/ (the bench's probes, the examples) read no private attribute of the engine: neither one
+    the engine package sets nor any ``engine._name`` (the bench's memory count once read an attribute
+    that no longer existed, and silently counted nothing)."""
+    privates = _engine_privates()
+    reads = [r for p in sorted((ROOT / "tools").rglob("*.py")) for r in private_engine_reads(p, privates)]
+    reads += [r for p in sorted((ROOT / "tools").rglob("*.py")) for r in engine_private_reads(p)]
+    assert reads == [], "tools read the engine's private attributes (use a public method or hook):\n" + "\n".join(reads)
+
+
+def engine_private_reads(path: Path, root: Path = ROOT) -> list[str]:
+    """``engine._name`` and ``getattr(engine, "_name")`` / ``setattr`` / ``hasattr``, any private name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") and \
+                isinstance(node.value, ast.Name) and node.value.id == "engine":
+            found.append(f"{path.relative_to(root)}:{node.lineno}: engine.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2 and \
+                isinstance(node.args[0], ast.Name) and node.args[0].id == "engine" and \
+                isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_"):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {node.func.id}(engine, {node.args[1].value!r})")
+    return found
+
+
 def test_a_private_read_is_found(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("engine._gradients.store\ngetattr(engine, '_versions', None)\nself._gradients\nengine.device\n")
     assert len(private_engine_reads(probe, {"_gradients", "_versions"}, root=tmp_path)) == 2
+    probe.write_text("getattr(engine, '_grad_buffer', None)\nengine._bench_t0 = 0\nengine.timeline()\n")
+    assert len(engine_private_reads(probe, root=tmp_path)) == 2
 
 
 def _method_calls(module: Path) -> dict[str, set[str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 
 import deepspeed
 import torch
@@ -126,27 +127,44 @@ def schedule_config(a, label):
     return (cfg.get("pipeline") or {}).get("schedule", name), {**hippie, **extra}
 
 
-def time_stock_instructions(engine):
-    """Record the stock engine's instructions as events (hippie_ds.adapter.profiling.timeline.time_stock_handlers)."""
-    engine._bench_t0 = time.perf_counter()
-    engine._bench_events = []
-    engine._bench_on_instruction = []  # callbacks(class name) after each instruction (instruction_cpu.py)
+class StockTimeline:
+    """The stock engine's instructions as events in hippie-ds's timeline format
+    (hippie_ds.adapter.profiling.timeline.time_stock_handlers), and callbacks (class name) after each
+    instruction (instruction_cpu.py). Kept here, by engine, not on the engine."""
 
-    def record(cls, kwargs, start, end):
-        for callback in engine._bench_on_instruction:
-            callback(cls.__name__)
-        engine._bench_events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__,
-                                     "start": start - engine._bench_t0, "end": end - engine._bench_t0,
-                                     "step": engine.global_steps, "buffer": kwargs.get("buffer_id")})
+    def __init__(self, engine):
+        self.t0, self.events, self.on_instruction = time.perf_counter(), [], []
 
-    time_stock_handlers(engine, record)
+        def record(cls, kwargs, start, end):
+            for callback in self.on_instruction:
+                callback(cls.__name__)
+            self.events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__, "start": start - self.t0,
+                                "end": end - self.t0, "step": engine.global_steps, "buffer": kwargs.get("buffer_id")})
+
+        time_stock_handlers(engine, record)
+
+
+_STOCK_TIMELINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def time_stock_instructions(engine) -> StockTimeline:
+    """Record the stock engine's instructions (:class:`StockTimeline`)."""
+    _STOCK_TIMELINES[engine] = timeline = StockTimeline(engine)
+    return timeline
+
+
+def stock_timeline(engine) -> StockTimeline | None:
+    """The :class:`StockTimeline` recording ``engine``, if any."""
+    return _STOCK_TIMELINES.get(engine)
 
 
 def timeline_of(engine):
-    """(t0, events) in the engine's timeline format."""
-    if hasattr(engine, "_bench_events"):
-        return engine._bench_t0, engine._bench_events
-    return engine._timeline.t0, list(engine._timeline)
+    """(t0, events) in the engine's timeline format: a stock engine's recording, or a hippie-ds
+    engine's own timeline (its public ``timeline()``)."""
+    stock = stock_timeline(engine)
+    if stock is not None:
+        return stock.t0, stock.events
+    return engine.timeline()
 
 
 def stage_costs(a, engine, steps_from):

@@ -264,6 +264,11 @@ class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, Chun
         self.drain() if self._continuous else None  # evaluation reuses the pipe buffers: in-flight batches first
         return super().eval_batch(*args, **kwargs)
 
+    def timeline(self) -> tuple[float, list[dict]]:
+        """(t0, events): this rank's executed instructions of the last ``timeline_steps`` calls, each
+        ``{"name", "kind", "start", "end", "step", ...}`` in seconds since t0 (what ``write_timeline`` writes)."""
+        return self._timeline.t0, list(self._timeline)
+
     def write_timeline(self, path: str | None = None) -> str | None:
         """Write this rank's timeline (JSON) of the last ``timeline_steps`` calls; returns the path."""
         if self._timeline_dir is None and path is None:

@@ -31,8 +31,9 @@ class InstructionCpu:
 
     def attach(self, engine) -> None:
         """Count ``engine``'s instructions: a hippie-ds engine's instruction hook, or the stock engine's
-        timed handlers (tools/bench/engines.time_stock_instructions, ``_bench_on_instruction``)."""
+        timed handlers (tools/bench/engines.time_stock_instructions)."""
+        from tools.bench.engines import stock_timeline
         if hasattr(engine, "add_instruction_hook"):
             engine.add_instruction_hook(lambda event: self.mark(event.kind))
-        elif hasattr(engine, "_bench_on_instruction"):
-            engine._bench_on_instruction.append(self.mark)
+        elif stock_timeline(engine) is not None:
+            stock_timeline(engine).on_instruction.append(self.mark)

@@ -27,11 +27,12 @@ def parse_args():
 
 
 def sample(engine, step):
+    _, events = engine.timeline()
     return {"step": step, "rss": psutil.Process().memory_info().rss, "fds": len(os.listdir("/proc/self/fd")),
             "threads": threading.active_count(), "os_threads": psutil.Process().num_threads(),
             # this job's segments only: another job on the machine may make its own meanwhile
-            "shm": len(deepspeed_shm_segments(os.environ.get("MASTER_PORT", "*"))), "timeline_events": len(getattr(engine, "_timeline", ())),
-            "timeline_steps": len({e["step"] for e in getattr(engine, "_timeline", ())})}
+            "shm": len(deepspeed_shm_segments(os.environ.get("MASTER_PORT", "*"))), "timeline_events": len(events),
+            "timeline_steps": len({e["step"] for e in events})}
 
 
 def main():
