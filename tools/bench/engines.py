@@ -197,14 +197,18 @@ class DPEngine:
         # The same all-reduce engine.backward would run at the boundary; called below to be timed.
         self.engine.enable_backward_allreduce = False
         self.module, self.stage_id, self.global_steps = self.engine.module, 0, 0
-        self._bench_t0, self._bench_events = time.perf_counter(), []
+        self._t0, self._events = time.perf_counter(), []
         self.now = compute_clock(self.engine.device)  # on CUDA: after the compute stream's kernels
         self.data_parallel_id = torch.distributed.get_rank()
         self.optimizer = self.engine.optimizer
 
+    def timeline(self) -> tuple[float, list[dict]]:
+        """(t0, events), as a hippie-ds engine's ``timeline()``."""
+        return self._t0, list(self._events)
+
     def _ev(self, kind, start, name=None):
-        self._bench_events.append({"name": name or kind, "kind": kind, "start": start - self._bench_t0,
-                                   "end": self.now() - self._bench_t0, "step": self.global_steps})
+        self._events.append({"name": name or kind, "kind": kind, "start": start - self._t0,
+                             "end": self.now() - self._t0, "step": self.global_steps})
 
     def train_batch(self, it):
         e, gas = self.engine, self.engine.gradient_accumulation_steps()
