@@ -18,7 +18,7 @@ detached tensor that requires grad when it is floating point). Per layer:
   than 25% make the CLI warn that the profile is noisy. ``load``: the machine's load average and
   this process's CPU over wall time while measuring;
 * ``backward_weight`` and ``split_extra``: the split backward of the zero-bubble schedules as the
-  engine runs it (issue 57): the engine's own I and W (:mod:`hippie_ds.adapter.gradients.split_backward`:
+  engine runs it: the engine's own I and W (:mod:`hippie_ds.adapter.gradients.split_backward`:
   I one ``autograd.grad`` towards the layer's floating-point inputs that require grad, keeping
   the gradients at its parameter ops; W one ``autograd.grad`` per parameter group) are timed on
   the layer (medians); ``backward_weight`` is W (at most the backward), ``split_extra`` what I + W

@@ -1,4 +1,4 @@
-"""Partial deferral decided once (hippie_ds/schedules/deferral.py, pure): what each stage delays,
+"""Partial deferral decided once (hippie_ds/schedules/deferral/, pure): what each stage delays,
 in global layer indices, from the deferred stages, ``hippie.deferred_layers`` and a plain
 description of the layers; and start-up (integration.prepare) compiling and validating the
 schedule once and reading the cost file once. One process, no process group."""

@@ -36,7 +36,7 @@ __all__ = ["BF16_Optimizer", "DeepSpeedOptimizer", "DeepSpeedZeroOptimizer", "Ze
 
 
 def is_zero(optimizer) -> bool:
-    """True for DeepSpeed's ZeRO stage 1/2 optimizer (hippie-ds runs stage 1 only, precision.py)."""
+    """True for DeepSpeed's ZeRO stage 1/2 optimizer (hippie-ds runs stage 1 only, precision/paths.py)."""
     return isinstance(optimizer, DeepSpeedZeroOptimizer)
 
 

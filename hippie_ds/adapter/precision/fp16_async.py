@@ -29,7 +29,7 @@ the run for pipedream):
   are, ``ds.fp16.scale_moves``). Moving it at every micro-batch update would grow it M times as
   fast; without ZeRO the loss is not scaled, nothing overflows and the scale only grows while the
   wrapper divides every gradient by it, so pipedream's gradients sank below Adam's ``eps`` and the
-  loss rose (issue 61, tests/test_fp16_gpt.py). The same trajectory on every rank, and the scale
+  loss rose (tests/test_fp16_gpt.py). The same trajectory on every rank, and the scale
   update u unscales by is the one the single-process rule gives it
   (tests/distributed/reference_fp16.py). The LR schedule steps once per ``train_batch`` call, as
   for these schedules in fp32 and bf16 (a skipped update does not hold it back).
@@ -37,8 +37,8 @@ the run for pipedream):
   for ``FP16_UnfusedOptimizer`` / ``FP16_Optimizer``, yet their step divides the gradient by the
   scale. Stock (and every schedule stepping once per batch, 2bw included) keeps that; a micro-batch
   update's gradient, grad(loss / M), divided by S as well lies M x S below the fp32 rule's, and a
-  torch Adam's L2 weight decay, added to it and applied M times a batch, swamped it (issue 67:
-  |wd p| / |g| about 230 on Megatron-DeepSpeed's GPT, whose loss then rose to ln V). So pipedream's
+  torch Adam's L2 weight decay, added to it and applied M times a batch, swamped it (|wd p| / |g|
+  about 230 on Megatron-DeepSpeed's GPT, whose loss then rose to ln V). So pipedream's
   step divides by 1 (``ds.fp16.unscaled``): the fp32 rule's gradient, rounded to fp16, clipped by its
   own norm; the scale still moves once per batch and only decides skips.
 

@@ -31,7 +31,7 @@ norms already follow the stage's mpu, ds/zero.py). ``FP16_Optimizer`` (DeepSpeed
 ``"optimizer": {"type": "Adam"}``) is decided for as ``FP16_UnfusedOptimizer`` is: its overflow check
 answers the vote, its flattened norm the joint norm (ds/fp16.py); it keeps flat fp32 masters per
 parameter group, so a step with nothing to apply to some parameters puts back their slices
-(``ds.fp16.FusedUnmoved``). ZeRO's other configurations are refused at start-up (precision.py).
+(``ds.fp16.FusedUnmoved``). ZeRO's other configurations are refused at start-up (precision/paths.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ parameters' gradient norms (one ``torch.stack(norms).pow(2).sum()``), the pipeli
 those sums, the data-parallel group averages the root. A rank of a virtual layout holds other
 parameters (``interleaved-1f1b``'s stage 0 holds parts 0 and 2 of 4), so its partial sum, and the
 fp32 rounding of the total, differ: the clip coefficient parted from 1F1B's by ulps (1.75e-3 in
-the parameters after 15 AdamW steps, issue 48). :func:`clip_like_one_chunk` computes the sums 1F1B's
+the parameters after 15 AdamW steps). :func:`clip_like_one_chunk` computes the sums 1F1B's
 ranks would: every rank's per-parameter norms are gathered over the pipeline (one small object
 all-gather a step), each rank sums those of the parameters 1F1B's rank of the same stage holds
 and counts (DeepSpeed counts a parameter on model-parallel rank 0 only, unless it is model-parallel;

@@ -39,7 +39,7 @@ STATE_FORMAT = 2
 
 class WeightPrediction:
     """delta(v) of the versions still computed on, and the prediction W(v) + c * delta(v)."""
-    method = "extrapolate"  # hippie.staleness.method; adam_prediction's classes keep W_hat(v) instead
+    method = "extrapolate"  # hippie.staleness.method; staleness/adam.py's classes keep W_hat(v) instead
 
     def __init__(self, coefficient: float):
         self.coefficient = coefficient
@@ -233,7 +233,7 @@ class PredictionInputs:
 
 
 # Methods beyond extrapolation register their factory here, (coefficient, params or None) -> prediction:
-# adam_prediction.py registers "adam" when imported (hippie_ds.initialize imports it before the engine).
+# staleness/adam.py registers "adam" when imported (hippie_ds.initialize imports it before the engine).
 FACTORIES: dict = {}
 # A method that reads more than the weights registers what it takes from PredictionInputs, (prediction or
 # None, coefficient, inputs) -> None, called as the prediction is built (None: on a rank without one, which

@@ -1,5 +1,5 @@
-"""Measure, then choose: train a plan's top candidates on the real job and rank them by measured step
-(issue 52).
+"""Measure, then choose: train a plan's top candidates on the real job and rank them by measured step:
+the check on the planner's ranking that a prediction alone cannot give.
 
     python -m tools.bench cut-sweep --out out/cut-sweep                       # profile, plan, sweep
     python -m tools.bench cut-sweep --out DIR --plan plan.json --profile profile.yaml

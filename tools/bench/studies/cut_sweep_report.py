@@ -5,7 +5,7 @@ measured step per round (the median of that run's timed steps); the plan is cand
 * a candidate's measured step: the median over rounds; its ratio to the plan: per round (the
   runs of one round share the machine's state), median and range over rounds;
 * the measured best: the least median step; it "holds" when it is at most the plan's in every round;
-* the plan's miss: its median step over the best's, less 1 (the target of issue 52: at most 5%);
+* the plan's miss: its median step over the best's, less 1 (the target: at most 5%);
 * with every timed step given, a candidate's lower quartile over all its steps of all rounds too:
   on a busy machine the steps the job had the cores to itself, ranked beside the medians.
 """

@@ -63,7 +63,7 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         path = f"summary.by_nodes.{n}.{s}"
         label = name_of(s)
         wait = row.get("runqueue_wait_share_max")
-        if row.get("waited_for_core"):  # it measured the machine's contention: no figure (issue 56 item 4)
+        if row.get("waited_for_core"):  # it measured the machine's contention: no figure
             lines.append(f"| {label} | emulated | not a figure | - | - | - | **yes** ({wait:.1%}) |")
             block.append(f"{label} | waited | {{{path}.runqueue_wait_share_max}}*100")
             continue

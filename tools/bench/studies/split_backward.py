@@ -1,4 +1,4 @@
-"""The split backward as the engine runs it beside what a profile charges (issue 57 item 1): per stage,
+"""The split backward as the engine runs it beside what a profile charges: per stage,
 from the engine's timelines (``hippie.timeline_dir``) zb-h1's I (``BackwardInputPass``) and W
 (``BackwardWeightPass``) and 1f1b's whole backward (``BackwardPass``), medians and lower quartiles
 over the instructions of the recorded steps after ``--skip`` (warm-up and in-place profiling); from a

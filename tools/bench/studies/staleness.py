@@ -1,13 +1,13 @@
 """Staleness study: which correction lets a one-step-delayed stage (hippie's deferred stages,
 PipeDream-2BW) reach data parallelism's held-out loss at data parallelism's learning rate.
 
-A single process trains the two examples exactly as tools/convergence.py has them trained (the
+A single process trains the two examples exactly as tools/bench/convergence.py has them trained (the
 layers of tools/examples/gpt.py and vgg.py built under DeepSpeed's seed_layers rule, base_seed
 1234; the data order of --seed; global batch 32; AdamW lr 1e-3, weight decay 0.01, DeepSpeed's
 WarmupDecayLR with 5% linear warm-up and linear decay to 0 at the last step; no clipping; GPT 800
 steps, VGG 500 steps; the same held-out evaluation) with the layers cut into 2 stages as
 DeepSpeed's PipelineModule cuts them (partition_method "uniform"), one AdamW per stage (with
---optimizer muon: DeepSpeed's Muon, as tools/convergence.py --optimizer muon has it). The
+--optimizer muon: DeepSpeed's Muon, as tools/bench/convergence.py --optimizer muon has it). The
 gradient of the whole global batch is computed in one pass: data parallelism's update, without
 the processes. A rule says, per stage, whether it applies its gradient one step late and how it
 corrects for that:
@@ -71,7 +71,7 @@ from tools.bench.studies.staleness_stage import Stage
 
 GLOBAL_BATCH = 32
 BASE_SEED = 1234  # tools/examples/harness.py: pipeline_module(seed_layers=True, base_seed=1234)
-EXAMPLES = {  # tools/convergence.py's budgets; GPT evaluates 16 held-out batches (--eval-batches 16)
+EXAMPLES = {  # tools/bench/convergence.py's budgets; GPT evaluates 16 held-out batches (--eval-batches 16)
     "gpt": {"steps": 800, "eval_every": 100, "eval_batches": 16},
     "vgg": {"steps": 500, "eval_every": 50},
 }
@@ -133,7 +133,7 @@ def load_example(name: str):
     """(layer specs, loss_fn, metrics, train batches fn(seed), eval batches fn(seed) -> (iterable, n))."""
     if name == "gpt":
         from tools.examples import gpt
-        data = gpt.CharData(64)  # tools/train_gpt.py defaults: dim 128, 4 layers, 4 heads, seq_len 64
+        data = gpt.CharData(64)  # tools/examples/train_gpt.py defaults: dim 128, 4 layers, 4 heads, seq_len 64
         specs = gpt.layer_specs(len(data.vocab), dim=128, layers=4, seq_len=64)
         n = EXAMPLES["gpt"]["eval_batches"]
         return (specs, gpt.lm_loss, {"loss": gpt.lm_loss},
