@@ -1,4 +1,4 @@
-"""Megatron's ``OptimizerParamScheduler`` in small, for the Megatron-shaped clients (the test worker
+"""Megatron's ``OptimizerParamScheduler`` in small, for the Megatron-shaped clients (the test workers
 tests/distributed/megatron_shaped.py and tests/distributed/gpt_fp16_worker.py): ``step(increment)``
 takes the samples consumed (no default; DeepSpeed's pipeline engine passes the batch size), linear
 warm-up then cosine decay to ``floor`` x the peak."""
