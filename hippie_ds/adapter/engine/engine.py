@@ -42,6 +42,8 @@ import os
 import weakref
 from types import MethodType
 
+import torch
+
 from ..._compat import check_deepspeed
 from ...schedules.deferral import Deferral
 from ...schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, CompiledSchedule

@@ -70,7 +70,9 @@ class StageGradients:
     def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
                  delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
                  ties: list[tuple[torch.Tensor, object]] = (), lagged_ties=None, tie_clip: float = 0.0,
-                 prediction: "staleness.prediction.InPlacePrediction | None" = None, on_early_start: Callable[[], None] | None = None):
+                 prediction=None, on_early_start: Callable[[], None] | None = None):
+        # prediction: the deferred stage's staleness.prediction.InPlacePrediction, or None (the staleness
+        # package is above this one: not imported here)
         self.store = store  # where gradients live (fp32 / bf16)
         self._stream = stream  # on CUDA a side stream (see allreduce_stream); on the CPU gloo's own threads
         self._reduce = reduce  # the stage has data-parallel peers

@@ -21,7 +21,7 @@ refuse them at ``initialize`` (:func:`hippie_ds.adapter.integration.check_precis
 from __future__ import annotations
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from ..ds import zero as ds_zero
 from ..ds.zero import BF16_Optimizer, DeepSpeedOptimizer, ZeroUnmoved, is_zero
