@@ -184,8 +184,8 @@ def steps_to_separate(spread: float | None, margin: float, steps: int | None) ->
 def separating_steps(plan) -> tuple[int | None, float]:
     """(:func:`steps_to_separate` for the plan's nearest candidate, their relative margin): what a plan's
     summary states (None: no candidates, spread or margin)."""
-    mine = plan.prediction.step_time * plan.prediction.steps_factor
+    mine = plan.ranked_step(plan.prediction.step_time, plan.prediction.steps_factor)
     if not plan.candidates or mine <= 0:
         return None, 0.0
-    margin = min(abs(c.ranked_step / mine - 1) for c in plan.candidates)
+    margin = min(abs(plan.ranked_step(c.step_time, c.steps_factor) / mine - 1) for c in plan.candidates)
     return steps_to_separate(plan.profile_spread, margin, plan.profile_steps), margin
