@@ -6,7 +6,7 @@ import pytest
 from cli_run import run
 from hippie_ds.planner import LayerProfile, PlannerError, Profile, make_plan, parse_cluster, save_profile
 from hippie_ds.planner.candidates import neighbour_cuts
-from hippie_ds.planner.plan_file import format_candidates, within_spread
+from hippie_ds.planner.plan_summary import format_candidates, within_spread
 
 CLUSTER = parse_cluster("1x2,16GB,10Gbit")
 

@@ -7,7 +7,7 @@ import pytest
 from hippie_ds.config import ProfileConfig
 from hippie_ds.planner import LayerProfile, Profile, make_plan, parse_cluster
 from hippie_ds.planner.noise import separating_steps, steps_to_separate
-from hippie_ds.planner.plan_file import format_summary
+from hippie_ds.planner.plan_summary import format_summary
 
 MS = 1e-3
 

@@ -264,6 +264,3 @@ def load_plan(path: str | Path) -> Plan:
     except ValidationError as exc:
         raise PlannerError("invalid plan:\n  " + "\n  ".join(describe(exc, str(path)))) from None
 
-
-# the summary lives in plan_summary.py; these names stay importable from here
-from .plan_summary import format_candidates, format_summary, within_spread  # noqa: E402,F401

@@ -2,13 +2,13 @@
 is and its baselines (each row with the figure the objective ranks), its runner-ups. Pure Python."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 from hippie_ds.config import DEFAULT_DEFERRED_LAYERS
 from hippie_ds.formatting import table
 
-if TYPE_CHECKING:
-    from .plan_file import Plan, StagePlan
+# a plan_file.Plan and its StagePlan (plan_file imports this module for Plan.summary)
+Plan = StagePlan = Any
 
 GB = 1e9
 
