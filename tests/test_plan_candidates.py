@@ -6,7 +6,7 @@ import pytest
 from cli_run import run
 from hippie_ds.planner import LayerProfile, PlannerError, Profile, make_plan, parse_cluster, save_profile
 from hippie_ds.planner.candidates import neighbour_cuts
-from hippie_ds.planner.plan_file import format_candidates, within_spread
+from hippie_ds.planner.plan_summary import format_candidates, within_spread
 
 CLUSTER = parse_cluster("1x2,16GB,10Gbit")
 
@@ -29,7 +29,7 @@ def test_a_plan_lists_its_runner_ups_with_the_step_each_would_be_planned_with():
     assert len(plan.candidates) >= 3
     kinds = {c.kind for c in plan.candidates}
     assert kinds == {"cut", "configuration"}
-    steps = [c.ranked_step for c in plan.candidates]
+    steps = [plan.ranked_step(c.step_time, c.steps_factor) for c in plan.candidates]
     assert steps == sorted(steps)
     for c in plan.candidates:
         assert (c.pipeline_depth, c.micro_batch_size) == (2, 4)
@@ -51,15 +51,16 @@ def test_the_summary_says_which_candidates_the_profile_cannot_tell_apart():
     noisy = make_plan(_profile(spread=0.3), CLUSTER, 16, depths=[2], micro_batch_sizes=[4], baselines=False)
     assert noisy.profile_spread == pytest.approx(0.3)
     close = within_spread(noisy)
-    mine = noisy.prediction.step_time * noisy.prediction.steps_factor
-    assert close == [i for i, c in enumerate(noisy.candidates) if abs(c.ranked_step / mine - 1) <= 0.3] and close
+    mine = noisy.ranked_step(noisy.prediction.step_time, noisy.prediction.steps_factor)
+    assert close == [i for i, c in enumerate(noisy.candidates)
+                     if abs(noisy.ranked_step(c.step_time, c.steps_factor) / mine - 1) <= 0.3] and close
     text = "\n".join(format_candidates(noisy))
     assert "candidates beside the plan, by predicted step (the profile's spread 30%" in text
     assert text.count("within spread") == len(close)
     assert f"the plan's margin over {len(close)} of them is inside the profile's spread (30%)" in text
     quiet = make_plan(_profile(spread=0.0), CLUSTER, 16, depths=[2], micro_batch_sizes=[4], baselines=False)
     far = [i for i, c in enumerate(quiet.candidates)
-           if c.ranked_step > quiet.prediction.step_time * quiet.prediction.steps_factor]
+           if quiet.ranked_step(c.step_time, c.steps_factor) > quiet.prediction.step_time]
     assert set(far).isdisjoint(within_spread(quiet)) and "inside the profile's spread" not in quiet.summary()
 
 

@@ -143,13 +143,15 @@ def test_hippie_plan_states_its_deferred_layers(vgg):
 
 @need_profiles
 def test_plan_prices_staleness_and_records_the_price(vgg):
-    """The plan's deferred layers come from the engine's "auto" rule at the given
+    """The time-to-loss plan's deferred layers come from the engine's "auto" rule at the given
     ``staleness_price``: priced at 0 it delays more of the gradient for a shorter step than at the
-    default 0.5, and a high price delays less; the plan records the price it used."""
+    default 0.5, and a high price delays less; the plan records the price it used and its source."""
     from hippie_ds.planner import make_plan, parse_cluster
     cluster = parse_cluster(V100_CLUSTER)
-    plans = {price: make_plan(vgg, cluster, 2048, schedules=["hippie"], baselines=False, staleness_price=price)
+    plans = {price: make_plan(vgg, cluster, 2048, schedules=["hippie"], baselines=False, staleness_price=price,
+                              objective="time-to-loss")
              for price in (None, 0.0, 5.0)}
+    assert all("deferred_layers_auto.md" in p.assumptions["staleness_price_source"] for p in plans.values())
     share = {price: sum(st.delayed_share * st.param_bytes for st in p.stages) for price, p in plans.items()}
     assert [p.assumptions["staleness_price"] for p in plans.values()] == [0.5, 0.0, 5.0]
     assert share[0.0] > share[None] >= share[5.0]
@@ -157,30 +159,30 @@ def test_plan_prices_staleness_and_records_the_price(vgg):
         stale = share[price] / sum(st.param_bytes for st in p.stages)
         assert p.prediction.steps_factor == pytest.approx(1 + p.assumptions["staleness_price"] * stale)
     assert plans[None].prediction.steps_factor > 1.0
-    assert plans[0.0].prediction.step_time < plans[None].prediction.step_time
+    assert plans[0.0].prediction.step_time <= plans[None].prediction.step_time
 
 
 def test_planner_ranks_candidates_at_their_priced_step(vgg):
-    """The planner ranks its simulated candidates at the step priced for staleness, step x (1 +
-    staleness_price x stale share), each with its own priced choice of deferred layers. On VGG-16
-    this changes the winner: ranked at the whole-stage step (as before), a candidate that is fast
-    only while whole stages are stale would win and then keep only part of its delay."""
+    """The time-to-loss objective ranks its simulated candidates at the step priced for staleness,
+    step x (1 + staleness_price x stale share), each with its own priced choice of deferred layers.
+    On VGG-16 this changes the winner: ranked at the whole-stage step, a candidate that is fast only
+    while whole stages are stale would win and then keep only part of its delay."""
     from hippie_ds.planner import plan as planner
     from hippie_ds.planner.evaluate import deferred_layers, simulate_configuration
     from hippie_ds.planner.model import _Model
     from hippie_ds.planner.objectives import score
     from hippie_ds.planner.plan_file import DEFAULT_STATE_FACTOR, SCHEDULES
     cluster = parse_cluster(V100_CLUSTER)
-    chosen = make_plan(vgg, cluster, 2048, baselines=False)
+    chosen = make_plan(vgg, cluster, 2048, baselines=False, objective="time-to-loss")
     model = _Model(vgg, cluster, 2048, DEFAULT_STATE_FACTOR, "mean", cluster.device_memory)
-    found = planner._search(model, SCHEDULES, "me", None, None, max(1, vgg.batch_size // 16), keep=4)
+    found = planner._search(model, SCHEDULES, "time-to-loss", None, None, max(1, vgg.batch_size // 16), keep=4)
     priced, whole_stage = [], []
     for cand in found.best:
         est = simulate_configuration(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
                                      auto_limit=4096)
-        whole_stage.append((score("me", *model.figures(est.step, est.memory)), cand))
-        est, _ = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, 0.5)
-        priced.append((score("me", *model.figures(est.step * est.steps_factor, est.memory)), cand))
+        whole_stage.append((score("time-to-loss", *model.figures(est.step, est.memory)), cand))
+        est, _ = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, 0.5, "time-to-loss")
+        priced.append((score("time-to-loss", *model.figures(est.step, est.memory), est.steps_factor), cand))
     best = max(priced, key=lambda x: x[0])[1]
     assert (chosen.schedule, chosen.boundaries, chosen.micro_batches) == (best.schedule, list(best.lay.parts), best.M)
     assert max(whole_stage, key=lambda x: x[0])[1] is not best  # the ranking the price changed

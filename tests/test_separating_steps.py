@@ -7,7 +7,7 @@ import pytest
 from hippie_ds.config import ProfileConfig
 from hippie_ds.planner import LayerProfile, Profile, make_plan, parse_cluster
 from hippie_ds.planner.noise import separating_steps, steps_to_separate
-from hippie_ds.planner.plan_file import format_summary
+from hippie_ds.planner.plan_summary import format_summary
 
 MS = 1e-3
 
@@ -33,7 +33,7 @@ def test_the_plan_prints_the_steps_its_margin_needs_and_hippie_profile_takes_the
                      schedules=["1f1b"], baselines=False)
     assert plan.profile_steps == 3 and plan.candidates and plan.profile_spread == pytest.approx(0.3)
     steps, margin = separating_steps(plan)
-    nearest = min(abs(c.ranked_step / plan.prediction.step_time - 1) for c in plan.candidates)
+    nearest = min(abs(c.step_time / plan.prediction.step_time - 1) for c in plan.candidates)
     assert margin == pytest.approx(nearest) and 0 < margin < 0.3
     assert steps == steps_to_separate(0.3, margin, 3) and steps > 3
     text = format_summary(plan)

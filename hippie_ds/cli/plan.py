@@ -19,9 +19,19 @@ Plan a data-parallel pipeline for a model profile on a cluster: pipeline depth a
 width, micro-batch size and count, stage boundaries, which layers to re-compute, the schedule
 and Hippie's deferred stages. The default objective is memory efficiency, ME = scalability x
 throughput / memory (Hippie's); --objective throughput maximizes throughput under the device
-memory or --memory-cap. Prints a summary with the baselines (data parallelism, GPipe+DP, and the
-uniform, DeepSpeed 'parameters' and PipeDream partitions) and writes the plan file with --out.
-Pure Python: no torch, DeepSpeed or GPU needed.
+memory or --memory-cap. Both rank by the raw step, with deferred stages delaying no more than one
+layer with parameters each (what the convergence studies measured free); --objective time-to-loss
+ranks by throughput / the steps factor of staleness (the measured price, --staleness-price) and
+may delay deeper. Every row of the summary shows the figure the objective ranks.
+
+The job as it is (its stages and micro-batch size, with DeepSpeed's 'parameters' and 'uniform'
+partitions, under its schedule and every schedule considered, with the default and the searched
+deferral) is a candidate: the plan is never predicted worse than it, and where it wins the plan is
+the job's own configuration and the summary says so. It comes from --job, else the profile's job
+shape, else one --stages and one --micro-batch-size. Prints a summary with the job's rows and the
+baselines (data parallelism as DeepSpeed's engine runs it, GPipe+DP, and the uniform, DeepSpeed
+'parameters' and PipeDream partitions under the plan's schedule) and writes the plan file with
+--out. Pure Python: no torch, DeepSpeed or GPU needed.
 
 The cluster is NODESxDEVICES,MEMORY,INTER[,INTRA] (INTRA defaults to 100GB/s), e.g.
 4x4,16GB,100Gbit, or a YAML/JSON file with nodes, devices_per_node, device_memory,
@@ -56,7 +66,11 @@ def _plan_parser(subparsers) -> None:
                    help="samples per training step over all replicas (default: the profiled job's train_batch_size; "
                         "required for a profile without a job shape)")
     p.add_argument("--objective", choices=sorted(OBJECTIVES), default="me",
-                   help="maximize memory efficiency (default) or throughput")
+                   help="maximize memory efficiency (default), throughput, or time-to-loss (throughput / the "
+                        "steps factor of staleness)")
+    p.add_argument("--job", metavar="K,B[,SCHEDULE]",
+                   help="the job as it is: K stages, micro-batch size B, its schedule (default: the profile's job "
+                        "shape; else one --stages and one --micro-batch-size); a candidate of the plan")
     p.add_argument("--memory-cap", metavar="BYTES", help="memory a device may use, e.g. 12GB (default: all of it)")
     p.add_argument("--memory-metric", choices=["mean", "max"], default="mean",
                    help="memory in ME: the mean per-device peak (default; = total / devices) or the largest")
@@ -81,9 +95,10 @@ def _plan_parser(subparsers) -> None:
                    help="simulate the N best analytic candidates (default 4; 0: analytic only)")
     p.add_argument("--no-baselines", action="store_true", help="do not evaluate the baselines")
     p.add_argument("--staleness-price", type=float, default=None, metavar="P",
-                   help="price of a stale gradient for the plan's deferred layers (hippie.staleness_price: extra "
-                        "steps, as a share, when the whole gradient is one step stale; default 0.5; 0: step time "
-                        "alone); the plan records it")
+                   help="price of a stale gradient (hippie.staleness_price: extra steps, as a share, when the "
+                        "whole gradient is one step stale; default 0.5, measured on the GPT example, "
+                        "docs/results/deferred_layers_auto.md): time-to-loss chooses deferred layers and ranks by "
+                        "it; every plan records the steps factor it gives")
     p.add_argument("--out", "-o", metavar="FILE", help="write the plan (.json, or .yaml/.yml)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
     p.set_defaults(func=_cmd_plan)
@@ -91,7 +106,7 @@ def _plan_parser(subparsers) -> None:
 
 def _cmd_plan(args) -> int:
     from ..planner import make_plan, parse_cluster, save_plan
-    from ..planner.job_shape import changes_from_job, format_changes, keep_shape
+    from ..planner.job_shape import changes_from_job, format_changes, job_as_it_is, keep_shape
     from ..planner.plan import _check_schedules
     from ..planner.profile import PlannerError
 
@@ -122,6 +137,8 @@ def _cmd_plan(args) -> int:
     try:
         kept = keep_shape(profile.job, cluster.devices, depths=depths, search_all=search_all,
                           micro_batch_sizes=sizes, global_batch=args.global_batch)
+        job, job_note = job_as_it_is(profile.job, cluster.devices, kept.global_batch, given=args.job,
+                                     depths=kept.depths, micro_batch_sizes=kept.micro_batch_sizes, schedules=schedules)
     except PlannerError as exc:
         raise UsageError(str(exc)) from None
     say = partial(print, file=sys.stderr if args.json else sys.stdout)
@@ -135,7 +152,8 @@ def _cmd_plan(args) -> int:
                      schedules=schedules, depths=kept.depths, micro_batch_sizes=kept.micro_batch_sizes,
                      min_micro_batch=args.min_micro_batch, state_factor=args.state_factor,
                      memory_metric=args.memory_metric, simulate_top=args.simulate_top,
-                     baselines=not args.no_baselines, staleness_price=args.staleness_price)
+                     baselines=not args.no_baselines, staleness_price=args.staleness_price, job=job,
+                     job_note=job_note)
     if args.out:
         save_plan(plan, args.out)
     if args.json:

@@ -3,8 +3,8 @@ Python (no torch): ``hippie-ds plan`` on the command line, :func:`make_plan` in 
 from .cluster import Cluster, ClusterError, load_cluster, parse_cluster
 from .objectives import OBJECTIVES, Figures, register_objective
 from .plan import make_plan
-from .plan_file import (SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, format_summary, load_plan,
-                        save_plan)
+from .plan_file import SCHEDULES, Baseline, Plan, PlanMismatchError, Prediction, StagePlan, load_plan, save_plan
+from .plan_summary import format_summary
 from .pipedream_profile import read_pipedream
 from .profile import LayerProfile, PlannerError, Profile, ProfileError, save_profile, synthetic_profile
 from .profile_io import load_profile

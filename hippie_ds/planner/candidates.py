@@ -7,8 +7,8 @@ schedule), and other **cuts** of the chosen configuration: each stage boundary m
 the analytically fastest few are then simulated and priced like the plan when that is cheap
 (at most :data:`CHEAP` simulated micro-batch-stages), else predicted as the plan's step scaled by
 their analytic step over the plan configuration's (``predicted_by`` analytic).
-The plan lists the best few by their priced step (``step_time x steps_factor``, what the planner
-ranks by) with the profile's spread (:func:`hippie_ds.planner.noise.time_spread`); its summary
+The plan lists the best few by the step its objective compares (the raw step; a priced
+objective's: ``step_time x steps_factor``) with the profile's spread (:func:`hippie_ds.planner.noise.time_spread`); its summary
 says which candidates are within that spread of the plan, i.e. which the profile cannot tell
 apart from it, and ``python -m tools.bench cut-sweep`` measures them on the real job.
 """
@@ -29,7 +29,8 @@ CHEAP = 256      # simulated micro-batch-stages up to which a cut is simulated a
 def evaluate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, objective: str, simulate_budget: int,
              cap: float, price: float) -> tuple[_Candidate, _Estimate, dict] | None:
     """One configuration as the plan's is evaluated: re-computation, then the simulator (within
-    ``simulate_budget``) and the deferred layers priced with ``price``; None when it does not fit."""
+    ``simulate_budget``) and the deferred layers as ``objective`` chooses them (``price``: the
+    staleness price); None when it does not fit."""
     got = choose_recompute(model, lay, schedule, b, M, objective)
     if got is None:
         return None
@@ -38,7 +39,7 @@ def evaluate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, objecti
     delayed: dict = {}
     if sim_cost(lay, M, schedule) <= simulate_budget:
         est = simulate_configuration(model, lay, b, M, schedule, ks, est.deferred, auto_limit=simulate_budget)
-        est, delayed = deferred_layers(model, lay, b, M, schedule, ks, est, price)
+        est, delayed = deferred_layers(model, lay, b, M, schedule, ks, est, price, objective)
     if max(est.memory) > cap:
         return None
     return cand, est, delayed
@@ -76,10 +77,11 @@ def describe(kind: str, cand: _Candidate, est: _Estimate, model: _Model, objecti
 
 def runner_ups(model: _Model, chosen: _Candidate, plan_est: _Estimate, ranked: Sequence[tuple], objective: str,
                simulate_budget: int, cap: float, price: float, count: int) -> list[Candidate]:
-    """The best ``count`` candidates beside ``chosen`` by priced step: the other simulated
+    """The best ``count`` candidates beside ``chosen`` by the step the objective compares: the other simulated
     configurations (``ranked``: (score, candidate, estimate, delayed) from the search) and the
     chosen configuration's neighbouring cuts."""
-    from .objectives import score
+    from .evaluate import objective_value
+    from .objectives import priced
     seen = {(chosen.lay.K, chosen.b, chosen.schedule, tuple(chosen.lay.parts))}
     out = []
     for value, cand, est, _ in ranked:
@@ -112,7 +114,7 @@ def runner_ups(model: _Model, chosen: _Candidate, plan_est: _Estimate, ranked: S
                                                predicted_by="analytic"), {})
             if got is not None:
                 cand, est, _ = got
-                out.append(describe("cut", cand, est, model,
-                                    score(objective, *model.figures(est.time_to_loss_step, est.memory))))
-    out.sort(key=lambda c: (c.step_time * c.steps_factor, c.pipeline_depth, c.boundaries))
+                out.append(describe("cut", cand, est, model, objective_value(model, est, objective)))
+    factor = priced(objective)
+    out.sort(key=lambda c: (c.step_time * (c.steps_factor if factor else 1.0), c.pipeline_depth, c.boundaries))
     return out[:count]

@@ -124,3 +124,63 @@ def changes_from_job(job: JobShape, plan) -> list[str]:
 
 def format_changes(changes: Sequence[str], head: str) -> str:
     return head + "".join(f"\n  - {c}" for c in changes)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The job as it is: what the user runs today (stages, micro-batch size, schedule; None: not
+    known, every schedule considered stands in), a candidate of every plan (:mod:`.job_candidates`)."""
+    stages: int
+    micro_batch_size: int
+    schedule: str | None
+    source: str
+
+    def describe(self) -> str:
+        return (f"{self.stages} stage{'s' if self.stages != 1 else ''}, micro-batch {self.micro_batch_size}, "
+                + (f"schedule {self.schedule}" if self.schedule else "its schedule not known (every schedule "
+                   "considered)") + f" ({self.source})")
+
+
+def parse_job(text: str) -> tuple[int, int, str | None]:
+    """``--job K,B[,SCHEDULE]``: stages, micro-batch size, schedule (None: not given)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        stages, micro = int(parts[0]), int(parts[1])
+        if stages < 1 or micro < 1:
+            raise ValueError
+    except ValueError:
+        raise PlannerError(f"--job {text!r}: expected STAGES,MICRO_BATCH[,SCHEDULE] with positive integers, e.g. "
+                           "4,32,hippie-1f1b") from None
+    return stages, micro, (parts[2] or None) if len(parts) == 3 else None
+
+
+def job_as_it_is(job: JobShape | None, devices: int, global_batch: int, *, given: str | None = None,
+                 depths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
+                 schedules: Sequence[str] = ()) -> tuple[Job | None, str | None]:
+    """The job as it is on ``devices`` devices for ``global_batch``, and why there is none: ``given``
+    (``--job``), else the profile's job shape, else the one shape ``depths`` and
+    ``micro_batch_sizes`` name (``--stages``, ``--micro-batch-size``; the schedule when ``schedules``
+    names one). Raises :class:`PlannerError` for a ``--job`` the cluster cannot run."""
+    if given is not None:
+        stages, micro, schedule = parse_job(given)
+        found, source = Job(stages, micro, schedule, "--job"), "--job"
+    elif job is not None:
+        found, source = Job(job.stages, job.micro_batch_size, None, "the profile's job shape"), "the profile's job"
+    elif depths and len(depths) == 1 and micro_batch_sizes and len(micro_batch_sizes) == 1:
+        found = Job(depths[0], micro_batch_sizes[0], schedules[0] if len(schedules) == 1 else None,
+                    "--stages and --micro-batch-size")
+        source = "--stages/--micro-batch-size"
+    else:
+        return None, ("no job to compare with: the profile records no job shape; pass --job STAGES,MICRO_BATCH"
+                      "[,SCHEDULE] (or one --stages and one --micro-batch-size)")
+    replicas = devices // found.stages if devices % found.stages == 0 else 0
+    why = (f"{found.stages} stages do not divide the {devices} devices" if not replicas else
+           f"global batch {global_batch} is not a multiple of {replicas} replicas x micro-batch "
+           f"{found.micro_batch_size}" if global_batch % (replicas * found.micro_batch_size) else None)
+    if why is None:
+        return found, None
+    if given is not None:
+        raise PlannerError(f"--job {given!r}: {why}")
+    return None, f"{source} ({found.describe()}) cannot run here: {why}"

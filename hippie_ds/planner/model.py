@@ -68,14 +68,9 @@ class _Estimate:
     in_flight: list[int]
     deferred: list[int]
     predicted_by: str = "analytic"
-    # Steps to a loss relative to no staleness, as hippie.staleness_price models the delayed
-    # layers (deferral.LayersChoice.steps_factor); candidates rank by step x this.
+    # Steps to a loss relative to no staleness, the delayed layers priced at the measured
+    # staleness price; a priced objective ranks by it (objectives.py).
     steps_factor: float = 1.0
-
-    @property
-    def time_to_loss_step(self) -> float:
-        """The step time a candidate is ranked by: its step, priced for staleness."""
-        return self.step * self.steps_factor
 
 
 class _Model:

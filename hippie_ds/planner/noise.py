@@ -156,17 +156,35 @@ def noise_warning(profile, margin: float = NOISE_MARGIN) -> str | None:
 
 def time_spread(profile) -> float | None:
     """The profile's relative spread: its layers' ``spread``, weighted by their forward + backward;
-    an older profile's without spreads: the median relative range of its inferred groups' times
-    ((largest - least) / median); None when it says nothing."""
+    an older profile's without spreads: the median, weighted by each layer's share of the step (its
+    forward + backward), of its inferred groups' members' distances from their group's median time,
+    relative to it. Weighted so that tiny layers that disagree widely do not set the spread of a
+    model whose time is in large ones that agree, and a median so that one member that is other
+    work under the same shapes does not either; None when it says nothing."""
     weighted = [(x.spread, x.forward + x.backward) for x in profile.layers if x.spread is not None]
     total = sum(w for _, w in weighted)
     if weighted and total > 0:
         return sum(s * w for s, w in weighted) / total
-    ranges = []
+    distances = []
     for members in _inferred_groups(profile):
         own = [profile.layers[i].forward + profile.layers[i].backward for i in members]
-        ranges.append((max(own) - min(own)) / statistics.median(own))
-    return statistics.median(ranges) if ranges else None
+        middle = statistics.median(own)
+        distances += [(abs(t - middle) / middle, t) for t in own]
+    return weighted_median(distances)
+
+
+def weighted_median(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """The median of (value, weight) pairs by weight (the least value holding half the weight);
+    None when the weights add up to nothing."""
+    total = sum(w for _, w in pairs)
+    if not pairs or total <= 0:
+        return None
+    acc = 0.0
+    for value, w in sorted(pairs):
+        acc += w
+        if acc >= total / 2:
+            return value
+    return sorted(pairs)[-1][0]
 
 
 def steps_to_separate(spread: float | None, margin: float, steps: int | None) -> int | None:
@@ -184,8 +202,8 @@ def steps_to_separate(spread: float | None, margin: float, steps: int | None) ->
 def separating_steps(plan) -> tuple[int | None, float]:
     """(:func:`steps_to_separate` for the plan's nearest candidate, their relative margin): what a plan's
     summary states (None: no candidates, spread or margin)."""
-    mine = plan.prediction.step_time * plan.prediction.steps_factor
+    mine = plan.ranked_step(plan.prediction.step_time, plan.prediction.steps_factor)
     if not plan.candidates or mine <= 0:
         return None, 0.0
-    margin = min(abs(c.ranked_step / mine - 1) for c in plan.candidates)
+    margin = min(abs(plan.ranked_step(c.step_time, c.steps_factor) / mine - 1) for c in plan.candidates)
     return steps_to_separate(plan.profile_spread, margin, plan.profile_steps), margin

@@ -73,14 +73,16 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from .assemble import _with_parameters, to_plan
 from .cluster import Cluster
 from .objectives import check_objective, score
 from .baselines import plan_baselines
-from .evaluate import choose_recompute, deferred_layers, prediction, sim_cost, simulate_configuration
+from .evaluate import choose_recompute, deferred_layers, objective_value, prediction, sim_cost, simulate_configuration
+from .job_candidates import JobCandidate, job_candidates
+from .job_shape import Job
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
 from .candidates import runner_ups
-from .noise import time_spread
-from .plan_file import GB, Baseline, Candidate, Plan, StagePlan
+from .plan_file import GB, Baseline, Plan
 from .plan_file import SCHEDULES
 from .profile import PlannerError, Profile
 from .traits import schedule_traits
@@ -202,7 +204,7 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
               min_micro_batch: int | None = None, state_factor: float | None = None, memory_metric: str = "mean",
               simulate_top: int = 4, simulate_budget: int = 4096, baselines: bool = True,
               baseline_budget: float = 2e6, staleness_price: float | None = None, candidates: int = 5,
-              boundaries: Sequence[int] | None = None) -> Plan:
+              boundaries: Sequence[int] | None = None, job: Job | None = None, job_note: str | None = None) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
     ``objective`` names what is maximized (:mod:`.objectives`: 'me' memory efficiency,
@@ -212,8 +214,11 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     ``simulate_top`` best analytic candidates are simulated, within ``simulate_budget``
     micro-batch-stages each (larger ones keep their analytic figures). ``baseline_budget``
     caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped.
-    ``staleness_price``: what the chosen plan's deferred layers are priced with
-    (``hippie.staleness_price``; None: the rule's default); the plan records it.
+    ``staleness_price``: the price of a stale gradient (None: the measured one,
+    :data:`.objectives.PRICE_SOURCE`): a priced objective chooses deferred layers and ranks by it,
+    every plan records the steps factor it gives. ``job``: the job as it is (:mod:`.job_candidates`),
+    a candidate beside the search's, so the plan is never predicted worse than it; ``job_note``: why
+    there is none.
     ``state_factor``: training-state bytes per profiled parameter byte (None: the profile's
     precision decides, :meth:`.profile.Profile.state_factor`). ``candidates``: how many runner-ups
     the plan lists by predicted step (:mod:`.candidates`; 0: none). ``boundaries``: plan this
@@ -261,24 +266,56 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
     chosen, est, delayed, simulated, ranked = _refine(model, found, objective, simulate_top, simulate_budget, cap,
                                                       price)
-    compared = plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget) if baselines else []
+    jobs = job_candidates(model, job, list(schedules), objective, simulate_budget, price, baseline_budget) if job else []
+    chosen_from, best_job = "search", _best_job(jobs)
+    if best_job is not None and (not ranked or best_job.value >= objective_value(model, est, objective) * (1 - 1e-9)):
+        chosen, est, delayed, chosen_from = best_job.cand, best_job.est, best_job.delayed, "job"
+    compared = [_job_row(model, j, objective) for j in jobs]
+    if baselines:
+        compared += plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget,
+                                   dp_micro_batch=job.micro_batch_size if job else None, staleness_price=price)
     others = (runner_ups(model, chosen, est, ranked, objective, simulate_budget, cap, price, candidates)
               if candidates else [])
-    return _to_plan(model, chosen, est, delayed, objective, memory_cap, compared, price, others, {
+    note = (job.describe() if best_job else f"{job.describe()}; none of its configurations fits") if job else job_note
+    return to_plan(model, chosen, est, delayed, objective, memory_cap, compared, price, others, {
         "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
         "configurations_evaluated": found.evaluated, "simulated": simulated,
         "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
         "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",
-    })
+    }, job=note, chosen_from=chosen_from)
+
+
+def _best_job(jobs: Sequence[JobCandidate]) -> JobCandidate | None:
+    """The job as it is at its best by the objective (the first of equals: the job's own schedule
+    and DeepSpeed's default partition first), among the configurations that fit."""
+    best = None
+    for j in jobs:
+        if j.fits and (best is None or j.value > best.value * (1 + 1e-9)):
+            best = j
+    return best
+
+
+def _job_row(model: _Model, j: JobCandidate, objective: str) -> Baseline:
+    """A configuration of the job as it is, as a row beside the plan."""
+    from .candidates import checkpointed
+    lay = j.cand.lay
+    params = {"deferred_stages": list(j.est.deferred)} if schedule_traits(j.cand.schedule, lay.K, j.cand.M).defers \
+        else {}
+    return Baseline(name=j.name, description=j.description, pipeline_depth=lay.K, data_parallel=lay.r,
+                    micro_batch_size=j.cand.b, micro_batches=j.cand.M, schedule=j.cand.schedule,
+                    schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=checkpointed(lay, j.cand.ks),
+                    deferred_layers={str(s): _with_parameters(model, range(lay.parts[s], lay.parts[s + 1]), c.layers)
+                                     for s, c in j.delayed.items()},
+                    prediction=prediction(model, j.est, objective))
 
 
 def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: int, simulate_budget: int,
             cap: float, staleness_price: float) -> tuple[_Candidate, _Estimate, dict, int, list]:
-    """Simulate the best few analytic candidates, choose each one's deferred layers (priced with
-    ``staleness_price``), and rank them by the simulated figures at the priced step (step x steps
-    factor: a layout that is fast only while whole stages are stale does not win): (the chosen
+    """Simulate the best few analytic candidates, choose each one's deferred layers as the objective
+    asks (:func:`.evaluate.deferred_layers`), and rank them by the objective's figure at the chosen
+    layers (a layout that is fast only while whole stages are stale does not win): (the chosen
     candidate, its estimate, its {deferred stage: LayersChoice}, how many were simulated, every
-    ranked (score, candidate, estimate, choice))."""
+    ranked (figure, candidate, estimate, choice))."""
     simulated = 0
     ranked = []
     for cand in found.best[:max(simulate_top, 0)]:
@@ -287,97 +324,17 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
         est = simulate_configuration(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
                                      auto_limit=simulate_budget)
         simulated += 1
-        est, delayed = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, staleness_price)
+        est, delayed = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, staleness_price,
+                                       objective)
         if max(est.memory) > cap:
             continue
-        ranked.append((score(objective, *model.figures(est.time_to_loss_step, est.memory)), cand, est, delayed))
+        ranked.append((objective_value(model, est, objective), cand, est, delayed))
     if ranked:
         # Equal objective values (within rounding): prefer less memory, then a shallower pipeline.
         ranked.sort(key=lambda x: (-round(x[0], 9), model.summarize_memory(x[2].memory), x[1].lay.K, x[1].b))
         _, chosen, est, delayed = ranked[0]
         return chosen, est, delayed, simulated, ranked
     return found.best[0], found.best[0].est, {}, simulated, ranked
-
-
-def _with_parameters(model: _Model, layers: Sequence[int], count: int) -> int:
-    """The layers with parameters among a stage's ``count`` leading ``layers`` (model order):
-    what ``hippie.deferred_layers`` counts (schedules/deferral.py)."""
-    from ..schedules.deferral import with_parameters
-    return with_parameters([model.params[i] > 0 for i in layers], count) or count
-
-
-def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict) -> list[StagePlan]:
-    """One entry per model part (virtual stages), in model order: its stage and chunk, its own
-    figures (in-flight: its chunk's), the stage's memory."""
-    from ..schedules.layout import Layout
-    lay, f = cand.lay, cand.b / model.b0
-    geometry, deferred, out = Layout(lay.kind, lay.K, lay.v), set(est.deferred), []
-    for p, (a, e) in enumerate(zip(lay.parts, lay.parts[1:])):
-        s, c = geometry.place(p)
-        rec, k = lay.rec[s].chunks[c], lay.rec[s]._k(cand.ks[s])[c]
-        p_c = est.in_flight[s][c]
-        lead = c == 0 and s in delayed  # the deferred layers lead the stage: its first chunk's
-        stage_layers = [i for x, y in lay.chunk_ranges(s) for i in range(x, y)]
-        held = model.stage_params(lay.chunk_ranges(s))  # a tied module's copy counts where it is held
-        out.append(StagePlan(stage=s, chunk=c, first_layer=a, end_layer=e, checkpointed=rec.layers(k),
-                             forward=f * sum(model.fwd[a:e]), backward=f * sum(model.bwd[a:e]), recompute=f * rec.time(k),
-                             param_bytes=sum(held[i] for i in range(a, e)),
-                             activation_bytes=f * (model.cuts[e - 1] if e < model.n else 0.0),
-                             kept_bytes=f * rec.kept(k), in_flight=p_c, deferred=s in deferred, memory=est.memory[s],
-                             deferred_layers=_with_parameters(model, stage_layers, delayed[s].layers) if lead else None,
-                             delayed_share=delayed[s].delayed_share if lead else 0.0,
-                             activation_memory=f * rec.activations(k, p_c), working_memory=f * lay.working[s]))
-    return out
-
-
-def _to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, objective: str,
-             memory_cap: float | None, baselines: list[Baseline], price: float, candidates: list[Candidate],
-             search: dict) -> Plan:
-    lay, f = cand.lay, cand.b / model.b0
-    stages, checkpointed = [], []
-    deferred = set(est.deferred)
-    for s, (a, e) in enumerate(zip(lay.parts, lay.parts[1:]) if lay.v == 1 else ()):
-        rec = lay.rec[s]
-        layers = rec.layers(cand.ks[s])
-        checkpointed += layers
-        kept = rec.kept(cand.ks[s])
-        stages.append(StagePlan(stage=s, first_layer=a, end_layer=e, checkpointed=layers, forward=f * lay.fwd[s],
-                                backward=f * lay.bwd[s], recompute=f * rec.time(cand.ks[s]),
-                                param_bytes=lay.params[s], activation_bytes=f * lay.cut_out[s], kept_bytes=f * kept,
-                                in_flight=est.in_flight[s], deferred=s in deferred, memory=est.memory[s],
-                                deferred_layers=(_with_parameters(model, range(a, e), delayed[s].layers)
-                                                 if s in delayed else None),
-                                delayed_share=delayed[s].delayed_share if s in delayed else 0.0,
-                                activation_memory=f * rec.activations(cand.ks[s], est.in_flight[s]),
-                                working_memory=f * lay.working[s]))
-    if lay.v > 1:
-        stages = _chunk_plans(model, cand, est, delayed)
-        checkpointed = [i for st in stages for i in st.checkpointed]
-    params = {"deferred_stages": sorted(deferred)} if schedule_traits(cand.schedule, lay.K, cand.M).defers else {}
-    return Plan(model=model.profile.model, num_layers=model.n, fingerprint=model.profile.fingerprint(),
-                profile_batch_size=model.b0, cluster=model.cluster, world_size=model.P, global_batch=model.G,
-                objective=objective, memory_metric=model.metric, memory_cap=memory_cap, pipeline_depth=lay.K,
-                data_parallel=lay.r, micro_batch_size=cand.b, micro_batches=cand.M, schedule=cand.schedule,
-                virtual_stages=lay.v, layout=lay.kind, schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
-                stages=stages, prediction=prediction(model, est), single_device_throughput=model.single_throughput,
-                baselines=baselines, search=search, candidates=candidates,
-                profile_spread=time_spread(model.profile), profile_steps=model.profile.steps,
-                assumptions={
-                    "state_factor": model.state_factor,
-                    "staleness_price": price,
-                    "staleness_price_meaning": "deferred layers chosen for the least step x (1 + price x stale "
-                                               "share of the gradient) (hippie.staleness_price)",
-                    "state_factor_meaning": "training-state bytes per profiled parameter byte (4: fp32 weights, "
-                                            "gradients and two Adam moments; 4.5: bf16 weights, fp32 master, "
-                                            "gradient accumulator and two Adam moments over fp32-sized bytes)",
-                    "working_memory": "per stage the largest of its layers' (and the loss's) forward+backward "
-                                      "working memory: measured on CUDA, else input + output + parameter bytes",
-                    "time_scaling": "times and activations linear in the micro-batch size",
-                    "saved_bytes": "per layer as in the profile (PipeDream profiles: the output activation)",
-                    "placement": "pipeline inside nodes, data parallelism across nodes",
-                    "memory_metric": f"{model.metric} per-device peak memory",
-                    "me_unit": "samples/s per GB",
-                })
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,10 +88,11 @@ def costs_from_timelines(timelines: Sequence[Mapping], comm: CommCost | Mapping 
 def costs_from_profile(profile, boundaries: Sequence[int], comm: CommCost | Mapping | None = None) -> Costs:
     """A cost file's ``Costs`` from a layer profile (``hippie_ds.planner.Profile``) cut at
     ``boundaries`` (DeepSpeed ``parts`` [0, b1, ..., N], or the stage starts); the loss, when
-    profiled, counts on the last stage."""
+    profiled, counts on the last stage; a layer's ``split_extra`` (what the engine's split backward
+    costs beyond the whole one) in its stage's input pass, as the planner charges it."""
     layers = [{"forward": x.forward, "backward": x.backward, "backward_weight": x.weight_time,
-               "recompute": x.recompute_time, "saved_bytes": x.saved, "param_bytes": x.param_bytes,
-               "output_bytes": x.output_bytes} for x in profile.layers]
+               "split_extra": x.split_time, "recompute": x.recompute_time, "saved_bytes": x.saved,
+               "param_bytes": x.param_bytes, "output_bytes": x.output_bytes} for x in profile.layers]
     if profile.loss is not None:
         last = layers[-1]
         last.update(forward=last["forward"] + profile.loss.forward, backward=last["backward"] + profile.loss.backward,

@@ -75,7 +75,8 @@ def cost_layers(costs: Costs) -> dict[int, StageLayers]:
 def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | None = None,
             layers: Any = DEFAULT_DEFERRED_LAYERS, costs: Costs | None = None,
             stage_layers: StageLayersSource | None = None, ties: bool = False, *,
-            staleness_price: float | None = None, layer_bytes: Callable[[int], Sequence[float]] | None = None,
+            staleness_price: float | None = None, most_with_parameters: int | None = None,
+            layer_bytes: Callable[[int], Sequence[float]] | None = None,
             iterations: int = 3, validate: bool = True, source: str | None = None) -> Resolved:
     """The schedule ``name`` resolved for ``shape`` (module docstring).
 
@@ -85,7 +86,8 @@ def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | 
     cost file's, or one layer per stage); ``ties``: the model holds modules tied across stages
     (the tie rule applies where the schedule's stages update apart); ``layer_bytes(stage)``: the
     parameter bytes of a stage's layers, for "auto" on a stage whose costs have no per-layer
-    breakdown. Raises ScheduleError, CostsError, ConfigError, SimulationError (the callers name
+    breakdown; ``most_with_parameters``: "auto" delays at most this many layers with parameters a
+    stage (None: any). Raises ScheduleError, CostsError, ConfigError, SimulationError (the callers name
     their keys or options)."""
     spec = name if isinstance(name, ScheduleSpec) else load_spec(name)
     source = source if source is not None else (str(name) if not isinstance(name, ScheduleSpec) else None)
@@ -108,7 +110,7 @@ def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | 
         if costs is None:
             raise NeedsCosts(f'deferred_layers {AUTO_LAYERS!r} needs costs to choose from')
         choices = choose_deferred_layers(compiled, _per_layer(costs, deferred, every, layer_bytes),
-                                         iterations, staleness_price)
+                                         iterations, staleness_price, most_with_parameters)
         value = {s: with_parameters(every[s].params, c.layers) for s, c in choices.items()}
     tie_rule = ties and not compiled.uses_tied_reduction and not compiled.continuous
     deferral = decide(deferred, value, every, tie_rule)

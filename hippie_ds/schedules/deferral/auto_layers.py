@@ -74,7 +74,8 @@ class LayersChoice:
 
 
 def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3,
-                           staleness_price: float | None = None) -> dict[int, LayersChoice]:
+                           staleness_price: float | None = None,
+                           most_with_parameters: int | None = None) -> dict[int, LayersChoice]:
     """Per deferred stage of ``compiled``, the leading layers to delay (needs the stage's
     per-layer costs, ``StageCost.layers``; :class:`CostsError` names the stages without them).
 
@@ -86,7 +87,9 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     one stage's choice moves the others'), once from no layer delayed and once from every layer;
     the better end wins. Objectives within :data:`TOLERANCE` are equal and the fewer layers win.
     A stage without an all-reduce to hide (one replica, no parameters) delays nothing.
-    ``staleness_price`` None: :data:`STALENESS_PRICE` (``hippie.staleness_price`` unset)."""
+    ``staleness_price`` None: :data:`STALENESS_PRICE` (``hippie.staleness_price`` unset).
+    ``most_with_parameters``: a stage delays at most its first this many layers with parameters
+    (None: any; the planner's free objectives take the measured-free depth, one)."""
     staleness_price = STALENESS_PRICE if staleness_price is None else staleness_price
     if staleness_price < 0:
         raise CostsError(f"staleness_price = {staleness_price!r}: allowed a number >= 0")
@@ -98,6 +101,7 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     if not deferred:
         return {}
     model_bytes = sum(st.param_bytes for st in costs.stages) or 1.0
+    most = {s: _most_layers(costs.stages[s].layers, most_with_parameters) for s in deferred}
     runs: dict[tuple, tuple] = {}
 
     def evaluate(layers: dict[int, int]) -> tuple[float, float, object]:
@@ -114,7 +118,7 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
             changed = False
             for s in deferred:
                 best, best_obj = layers[s], evaluate(layers)[0]
-                for n in range(len(costs.stages[s].layers) + 1):
+                for n in range(most[s] + 1):
                     obj = evaluate({**layers, s: n})[0]
                     if obj < best_obj * (1 - TOLERANCE) or (n < best and obj <= best_obj * (1 + TOLERANCE)):
                         best, best_obj = n, obj
@@ -126,7 +130,7 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
 
     # From nothing delayed and from everything delayed: on a shared link one stage alone delaying
     # more may not pay where all of them together do.
-    ends = [descend({s: 0 for s in deferred}), descend({s: len(costs.stages[s].layers) for s in deferred})]
+    ends = [descend({s: 0 for s in deferred}), descend({s: most[s] for s in deferred})]
     (obj_a, stale_a, _), (obj_b, stale_b, _) = evaluate(ends[0]), evaluate(ends[1])
     if abs(obj_a - obj_b) <= TOLERANCE * min(obj_a, obj_b):
         layers = ends[0] if stale_a <= stale_b else ends[1]
@@ -139,3 +143,16 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
                             exposed_allreduce=res.per_stage[s]["exposed_allreduce"], step_time=res.step_time,
                             stale_share=stale, staleness_price=staleness_price, nothing_delayed_step_time=base)
             for s in deferred}
+
+
+def _most_layers(layers, most_with_parameters: int | None) -> int:
+    """The most leading layers of a stage's per-layer costs that hold at most ``most_with_parameters``
+    layers with parameters (None: all of them)."""
+    if most_with_parameters is None:
+        return len(layers)
+    seen = 0
+    for i, layer in enumerate(layers):
+        seen += layer.param_bytes > 0
+        if seen > most_with_parameters:
+            return i
+    return len(layers)

@@ -139,7 +139,7 @@ def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, on
                          staleness_price=plan.assumptions.get("staleness_price"), baselines=False, candidates=0)
 
     def step(p):
-        return p.prediction.step_time * p.prediction.steps_factor
+        return p.ranked_step(p.prediction.step_time, p.prediction.steps_factor)
     if only in ("cut", "every-cut"):
         cuts = neighbour_cuts(plan.boundaries) if only == "cut" else every_cut(plan.boundaries)
         made = [("cut", planned(plan.schedule, plan.pipeline_depth, plan.micro_batch_size, parts))

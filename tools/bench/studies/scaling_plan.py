@@ -26,6 +26,7 @@ from pathlib import Path
 
 # bench name -> the planner's objective
 PLANNED = {"planned": "me", "planned-throughput": "throughput"}
+JOB_SCHEDULE = "hippie-1f1b"  # the bench's job as it is: --stages stages, --micro-batch-size, the uniform cut
 DEVICE_MEMORY = 16e9  # V100 16GB: PipeDream's cluster A and the Hippie paper's GPUs
 
 
@@ -87,6 +88,11 @@ def global_batch(a, nodes: int) -> int:
     return a.micro_batch_size * a.micro_batches * nodes
 
 
+def job_arg(a) -> str:
+    """``hippie-ds plan --job``: the bench's job as it is, a candidate of every plan."""
+    return f"{a.stages},{a.micro_batch_size},{JOB_SCHEDULE}"
+
+
 def plan_path(out: Path, nodes: int, name: str) -> Path:
     return out / "plans" / f"{nodes}_nodes_{name}.json"
 
@@ -112,7 +118,7 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
         for name in names:
             path = plan_path(out, n, name)
             argv = ["plan", "--profile", str(profile_file), "--cluster", str(cluster_file), "--global-batch",
-                    str(global_batch(a, n)), "--objective", PLANNED[name], "--out", str(path)]
+                    str(global_batch(a, n)), "--objective", PLANNED[name], "--job", job_arg(a), "--out", str(path)]
             if reuse and path.exists():  # --resume: the plan an earlier run of the command made and ran
                 found[(n, name)] = plan_record(path, tensor_scale(a), "hippie-ds " + shlex.join(argv))
                 continue
@@ -149,13 +155,17 @@ def plan_record(path: Path, scale: float, command: str | None) -> dict:
     pred = plan.prediction
     dp = next((b.prediction for b in plan.baselines if b.name == "dp" and b.prediction is not None), None)
     return {
-        "file": str(path), "command": command, "objective": plan.objective, "schedule": plan.schedule,
+        "file": str(path), "command": command, "objective": plan.objective, "objective_figure": plan.objective_figure,
+        "chosen_from": plan.chosen_from, "schedule": plan.schedule,
         "pipeline_depth": plan.pipeline_depth, "data_parallel": plan.data_parallel,
         "micro_batch_size": plan.micro_batch_size, "micro_batches": plan.micro_batches,
         "global_batch": plan.global_batch, "boundaries": list(plan.boundaries),
         "checkpointed_layers": list(plan.checkpointed_layers), "schedule_params": dict(plan.schedule_params),
         "deferred_layers": {str(st.stage): st.deferred_layers for st in plan.stages if st.deferred_layers is not None},
         "predicted": {"step_s": pred.step_time, "throughput": pred.throughput, "scalability": pred.scalability,
+                      # the figure the objective ranked, as the plan file records it (ME unscaled as below)
+                      "objective_value": (pred.objective_value * scale if plan.objective == "me"
+                                          else pred.objective_value),
                       "memory_bytes": pred.memory / scale, "memory_max_bytes": pred.memory_max / scale,
                       "me": pred.me * scale, "me_vs_dp": pred.me / dp.me if dp and dp.me else None,
                       "dp_step_s": dp.step_time if dp else None, "predicted_by": pred.predicted_by,
