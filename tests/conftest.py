@@ -59,15 +59,16 @@ def _prepare_host_for_ranks(config):
     problem = host_checks.shm_problem()
     if problem:
         pytest.exit(f"the distributed tests cannot run here: {problem}", returncode=3)
-    report = config.pluginmanager.get_plugin("terminalreporter")
-    for lock in host_checks.remove_stale_locks():
-        report.write_line(f"removed a stale build lock: {lock}")
+    removed = host_checks.remove_stale_locks()
     try:
         lines = host_checks.build_ops()
     except Exception as e:  # no compiler, no ninja: every rank would fail the same way later
         pytest.exit(f"DeepSpeed's CPU ops do not build here ({type(e).__name__}: {e}); the distributed tests "
                     f"need ninja and g++", returncode=3)
+    report = config.pluginmanager.get_plugin("terminalreporter")
     if report is not None:
+        for lock in removed:
+            report.write_line(f"removed a stale build lock: {lock}")
         report.write_line("DeepSpeed's CPU ops: " + "; ".join(lines))
 
 
@@ -78,9 +79,8 @@ def pytest_terminal_summary(terminalreporter):
     counts = {}
     for outcome in ("passed", "failed", "error", "skipped"):
         for report in terminalreporter.stats.get(outcome, []):
+            # a passed test's report is its call's; a skip or an error of its setup is the setup's
             if "fp16" in getattr(report, "keywords", {}) and report.when in ("call", "setup"):
-                if outcome == "passed" and report.when == "setup":
-                    continue
                 counts[outcome] = counts.get(outcome, 0) + 1
     how = ("DeepSpeed's CPU accelerator accepts fp16 here" if decision.deepspeed_accepts else
            "DeepSpeed's CPU accelerator refuses fp16 here (oneDNN has no fp16 kernels); the tests' switch "

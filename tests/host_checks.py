@@ -12,11 +12,9 @@ missing piece fails the run at once with its reason instead of hanging or crashi
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 SHM_NEEDED = 4 * 66 * 2 ** 20 + 64 * 2 ** 20  # 4 ranks' segments and some slack
 STALE_LOCK_S = 15 * 60  # a build takes 40-100 s on 2 cores
 OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
@@ -38,10 +36,9 @@ def shm_problem(path: str = "/dev/shm", needed: int = SHM_NEEDED) -> str | None:
 def environment():
     """The build folder and PATH the ranks get (tools.bench.cluster.local_env), here too: the pytest
     process builds into the same folder, with the venv's ninja."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join(filter(None, [bin_dir, os.environ.get("PATH")]))
+    from tools.bench.cluster.processes import local_env
+    ranks = local_env()
+    os.environ.update({key: ranks[key] for key in ("PATH", "TORCH_EXTENSIONS_DIR")})
 
 
 def remove_stale_locks(root: str | None = None, now: float | None = None, stale_s: float = STALE_LOCK_S) -> list[str]:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import fp16_switch
 
@@ -30,13 +29,9 @@ def test_the_switch_is_on_exactly_when_deepspeed_refuses_fp16(mkldnn, deepspeed_
     assert decision.deepspeed_accepts is deepspeed_accepts
     assert decision.switch is (not deepspeed_accepts)
     assert decision.skip is None
-    saved = torch.ops.mkldnn._is_mkldnn_fp16_supported
-    torch.ops.mkldnn._is_mkldnn_fp16_supported = mkldnn
-    try:  # the same answer DeepSpeed's accelerator gives at its start-up check, read the same way
+    with fp16_switch.forced_mkldnn(mkldnn):  # the answer DeepSpeed's accelerator gives at its start-up check
         original = getattr(CPU_Accelerator.is_fp16_supported, "__wrapped__", CPU_Accelerator.is_fp16_supported)
         assert bool(original(CPU_Accelerator())) is deepspeed_accepts
-    finally:
-        torch.ops.mkldnn._is_mkldnn_fp16_supported = saved
 
 
 def test_fp16_tests_skip_where_torch_cannot_compute_fp16(monkeypatch):

@@ -82,9 +82,9 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
     mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
     factor = 1.0
     if leading:
+        from ..schedules.deferral import stale_share
         total = sum(st.param_bytes for st in costs.stages) or 1.0
-        stale = sum(costs.stages[s].delayed_part(n).fraction * costs.stages[s].param_bytes
-                    for s, n in leading.items()) / total
+        stale = stale_share(costs, leading, total)
         stale += sum(costs.stages[s].param_bytes for s in d if s not in leading) / total
         factor = 1.0 + staleness_price * stale
     return _Estimate(res.step_time, mem, p, d, "simulator", factor)
@@ -117,17 +117,16 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     from ..schedules.resolve import Shape, resolve
     from .objectives import FREE_LAYERS, priced
 
-    price = _price(staleness_price) if priced(objective) else 0.0
-    rule = dict(staleness_price=price) if priced(objective) else dict(staleness_price=0.0,
-                                                                       most_with_parameters=FREE_LAYERS)
     choices = resolve(schedule, Shape(lay.K, M), {"deferred_stages": list(est.deferred)}, AUTO_LAYERS,
-                      _costs(model, lay, b, ks), validate=False, **rule).choices
+                      _costs(model, lay, b, ks), validate=False,
+                      staleness_price=objective_price(objective, staleness_price),
+                      most_with_parameters=None if priced(objective) else FREE_LAYERS).choices
     kept = [s for s in est.deferred if choices[s].layers]
     memory = est.memory if kept == list(est.deferred) else model.memory(
         lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions)
     first = next(iter(choices.values()))  # the step and the stale share are the pipeline's, on every choice
     return (dataclasses.replace(est, step=first.step_time, memory=memory, deferred=kept,
-                                steps_factor=1.0 + price * first.stale_share), {s: choices[s] for s in kept})
+                                steps_factor=first.steps_factor), {s: choices[s] for s in kept})
 
 
 def objective_price(objective: str, staleness_price: float | None) -> float:

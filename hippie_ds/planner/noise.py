@@ -179,12 +179,12 @@ def weighted_median(pairs: Sequence[tuple[float, float]]) -> float | None:
     total = sum(w for _, w in pairs)
     if not pairs or total <= 0:
         return None
-    acc = 0.0
-    for value, w in sorted(pairs):
+    acc, ordered = 0.0, sorted(pairs)
+    for value, w in ordered:
         acc += w
         if acc >= total / 2:
             return value
-    return sorted(pairs)[-1][0]
+    return ordered[-1][0]
 
 
 def steps_to_separate(spread: float | None, margin: float, steps: int | None) -> int | None:

@@ -190,7 +190,7 @@ class Fp16Async(Fp16):
     def unscale_by(self) -> float:
         """pipedream's micro-batch updates where the loss is not scaled (no ZeRO): 1, so that each applies
         the fp32 rule's gradient, not that gradient over the scale (issue 67; fp16_async.py); else the scale."""
-        return 1.0 if self.updates_per_batch > 1 and self.grad_scale() is None else self.loss_scale.scale
+        return 1.0 if self.updates_per_batch > 1 and self.grad_scale() is None else super().unscale_by()
 
     def backward_call(self, stage: int, batch: int, index: int) -> int:
         """The call that runs ``stage``'s backward of micro-batch ``index`` of ``batch``: both schedules

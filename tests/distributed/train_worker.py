@@ -16,27 +16,28 @@ emulated = None  # tools/bench/emulated.py, imported with --emulated
 import hippie_ds
 
 
+def _live_tensors() -> list[torch.Tensor]:
+    """Every tensor alive in this process, after a collection (a gc scan: 0.5 s per engine and rank)."""
+    import gc
+    gc.collect()
+    return [o for o in gc.get_objects() if torch.is_tensor(o)]
+
+
 def largest_live_tensor() -> int:
     """Elements of the largest tensor alive in this process (between calls: no activations)."""
-    import gc
-    gc.collect()
-    return max((o.numel() for o in gc.get_objects() if torch.is_tensor(o)), default=0)
+    return max((t.numel() for t in _live_tensors()), default=0)
 
 
-def live_tensor_bytes() -> dict:
-    """An independent count of what this process holds: every live tensor's storage once, by dtype of
-    origin (gc, after a collection), and the largest storages (bytes, shape) to name them."""
-    import gc
-    gc.collect()
-    seen, total, biggest = set(), 0, []
-    for o in gc.get_objects():
-        if torch.is_tensor(o) and o.device.type != "meta":
-            storage = o.untyped_storage()
+def live_tensor_bytes() -> int:
+    """An independent count of what this process holds: every live tensor's storage once, in bytes."""
+    seen, total = set(), 0
+    for t in _live_tensors():
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
-                biggest.append((storage.nbytes(), tuple(o.shape)))
-    return {"total": total, "biggest": sorted(biggest, reverse=True)[:12]}
+    return total
 
 
 def split_name(name):

@@ -11,6 +11,7 @@ compares like with like. ``sitecustomize.py`` beside this file applies it in tho
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import os
@@ -23,20 +24,28 @@ DIR = Path(__file__).resolve().parent  # put first on PYTHONPATH: its sitecustom
 ACCELERATOR_MODULE = "deepspeed.accelerator.cpu_accelerator"
 
 
-def accepts_fp16(is_mkldnn_fp16_supported=None) -> bool:
-    """What DeepSpeed's CPU accelerator answers, by its own code (``CPU_Accelerator.is_fp16_supported``
-    unpatched): the mkldnn answer, taken from torch unless given (a callable, to force it)."""
+@contextlib.contextmanager
+def forced_mkldnn(is_mkldnn_fp16_supported=None):
+    """Inside: torch's ``torch.ops.mkldnn._is_mkldnn_fp16_supported`` is the callable given (None: torch's own)."""
     import torch
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-    original = getattr(CPU_Accelerator.is_fp16_supported, "__wrapped__", CPU_Accelerator.is_fp16_supported)
     if is_mkldnn_fp16_supported is None:
-        return bool(original(object.__new__(CPU_Accelerator)))
+        yield
+        return
     saved = torch.ops.mkldnn._is_mkldnn_fp16_supported
     torch.ops.mkldnn._is_mkldnn_fp16_supported = is_mkldnn_fp16_supported
     try:
-        return bool(original(object.__new__(CPU_Accelerator)))
+        yield
     finally:
         torch.ops.mkldnn._is_mkldnn_fp16_supported = saved
+
+
+def accepts_fp16(is_mkldnn_fp16_supported=None) -> bool:
+    """What DeepSpeed's CPU accelerator answers, by its own code (``CPU_Accelerator.is_fp16_supported``
+    unpatched): the mkldnn answer, taken from torch unless given (a callable, to force it)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    original = getattr(CPU_Accelerator.is_fp16_supported, "__wrapped__", CPU_Accelerator.is_fp16_supported)
+    with forced_mkldnn(is_mkldnn_fp16_supported):
+        return bool(original(object.__new__(CPU_Accelerator)))
 
 
 def torch_computes_fp16() -> str | None:

@@ -64,22 +64,31 @@ def update_scale(optimizer, overflow: bool) -> None:
 
 
 @contextlib.contextmanager
+def _replaced(obj, name: str, replacement):
+    """Inside: ``obj.name`` is ``replacement`` on the instance; afterwards the instance's own attribute
+    comes back, or the class's shows through again."""
+    own = name in vars(obj)
+    original = getattr(obj, name)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
+
+
+@contextlib.contextmanager
 def scale_moves(optimizer, moved: bool | None):
     """Inside: the wrapper's step moves its dynamic loss scale (and the scaler's iteration count) as
     after a step whose overflow flag is ``moved``, whatever flag it has itself; None: not at all.
     Roughly: ``optimizer._update_scale`` (FP16_UnfusedOptimizer, FP16_Optimizer, ZeRO's) replaced
     on the instance by a call with ``moved`` or by nothing; put back after."""
-    own = "_update_scale" in vars(optimizer)
     original = optimizer._update_scale
-    optimizer._update_scale = (lambda *args, **kwargs: None) if moved is None else \
-        (lambda *args, **kwargs: original(moved))
-    try:
+    with _replaced(optimizer, "_update_scale", (lambda *args, **kwargs: None) if moved is None else
+                   (lambda *args, **kwargs: original(moved))):
         yield
-    finally:
-        if own:
-            optimizer._update_scale = original
-        else:
-            del optimizer._update_scale
 
 
 @contextlib.contextmanager
@@ -88,7 +97,6 @@ def unscaled(optimizer):
     factor taken from their norm as it is), while the scale itself moves as the step moves it.
     Roughly: ``optimizer.unscale_and_clip_grads`` (FP16_UnfusedOptimizer, FP16_Optimizer) replaced on
     the instance by a call with ``optimizer.loss_scale_config.cur_scale`` 1.0, put back after it."""
-    own = "unscale_and_clip_grads" in vars(optimizer)
     original = optimizer.unscale_and_clip_grads
     config = optimizer.loss_scale_config
 
@@ -99,14 +107,8 @@ def unscaled(optimizer):
         finally:
             config.cur_scale = scale
 
-    optimizer.unscale_and_clip_grads = by_one
-    try:
+    with _replaced(optimizer, "unscale_and_clip_grads", by_one):
         yield
-    finally:
-        if own:
-            optimizer.unscale_and_clip_grads = original
-        else:
-            del optimizer.unscale_and_clip_grads
 
 
 def masters(optimizer) -> dict:

@@ -73,6 +73,14 @@ class LayersChoice:
                 f"priced at {self.steps_factor:.3f}x the steps (staleness_price {self.staleness_price:g})")
 
 
+def stale_share(costs: Costs, layers: dict[int, int], model_bytes: float | None = None) -> float:
+    """The share of the model's gradient bytes applied one step late when each stage ``s`` of
+    ``layers`` delays its first ``layers[s]`` layers (``model_bytes``: the model's, when known)."""
+    model_bytes = model_bytes if model_bytes is not None else sum(st.param_bytes for st in costs.stages) or 1.0
+    return sum(costs.stages[s].delayed_part(n).fraction * costs.stages[s].param_bytes
+               for s, n in layers.items()) / model_bytes
+
+
 def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3,
                            staleness_price: float | None = None,
                            most_with_parameters: int | None = None) -> dict[int, LayersChoice]:
@@ -108,8 +116,7 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
         key = tuple(layers[s] for s in deferred)
         if key not in runs:
             res = simulate(compiled, costs, iterations, critical_path=False, deferred_layers=dict(layers))
-            stale = sum(costs.stages[s].delayed_part(n).fraction * costs.stages[s].param_bytes
-                        for s, n in layers.items()) / model_bytes
+            stale = stale_share(costs, layers, model_bytes)
             runs[key] = (res.step_time * (1.0 + staleness_price * stale), stale, res)
         return runs[key]
 

@@ -33,7 +33,8 @@ class InstructionCpu:
         """Count ``engine``'s instructions: a hippie-ds engine's instruction hook, or the stock engine's
         timed handlers (tools/bench/engines.time_stock_instructions)."""
         from tools.bench.engines import stock_timeline
+        stock = stock_timeline(engine)
         if hasattr(engine, "add_instruction_hook"):
             engine.add_instruction_hook(lambda event: self.mark(event.kind))
-        elif stock_timeline(engine) is not None:
-            stock_timeline(engine).on_instruction.append(self.mark)
+        elif stock is not None:
+            stock.on_instruction.append(self.mark)
