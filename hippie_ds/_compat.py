@@ -34,9 +34,11 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
                             "torch_autocast_z0_gradscaler"),
     },
     "deepspeed.runtime.pipe.engine": {
-        # the stock handlers ChunkedEngine falls back on, the pipe buffers, the instruction map
-        "PipelineEngine": ("_INSTRUCTION_MAP", "_allocate_or_extend_buffers", "_exec_recv_activations",
-                           "_exec_recv_grads", "_exec_send_activations", "_exec_send_grads", "_force_grad_boundary",
+        # DeepSpeed's own handlers the stage runtime runs (ds/stage.py), the pipe buffers, the instruction map
+        "PipelineEngine": ("_INSTRUCTION_MAP", "_allocate_or_extend_buffers", "_exec_backward_pass",
+                           "_exec_forward_pass", "_exec_load_micro_batch", "_exec_optimizer_step",
+                           "_exec_recv_activations", "_exec_recv_grads", "_exec_reduce_grads",
+                           "_exec_reduce_tied_grads", "_exec_send_activations", "_exec_send_grads", "_force_grad_boundary",
                            "_grad_layer_buf", "_reserve_pipe_buffers", "_send_tensor_meta",
                            # one p2p boundary's state, kept per model chunk (ds.engine.P2P_STATE): public names,
                            # internals all the same
@@ -77,11 +79,9 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
-# DeepSpeed's private methods hippie-ds's subclasses override by name (HippiePipelineEngine and its
-# mixins, hippie_ds.PipelineModule), or the op table names as the handler of one of DeepSpeed's own
-# instructions (schedules/ir.py's OP_INFO, resolved on the engine class by adapter/engine/instructions.py).
-# Checked to exist like SEAMS; tests/test_seams.py allows them outside adapter/ds only as a
-# subclass's ``def``, its ``super().name(...)`` / ``self.name(...)``, and the op table's handler names.
+# DeepSpeed's private methods hippie-ds's subclasses override by name (HippiePipelineEngine,
+# hippie_ds.PipelineModule). Checked to exist like SEAMS; tests/test_seams.py allows them outside
+# adapter/ds only as a subclass's ``def``, its ``super().name(...)`` / ``self.name(...)``.
 OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.engine": {
         # the split backward's hook: no second division where the loss stage divided the loss itself
@@ -89,14 +89,10 @@ OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "deepspeed.runtime.pipe.engine": {
         "PipelineEngine": (
-            # the declared schedule and its loop (engine.py)
+            # the declared schedule and its loop (engine.py, delegating to the stage runtime)
             "_train_schedule", "_exec_schedule",
-            # per-buffer loss slots, partial deferral's all-reduce window (engine.py)
-            "_exec_forward_pass", "_exec_backward_pass",
             # virtual stages (adapter/engine/chunks.py)
-            "_inference_schedule", "_loss_stage_global_rank", "_next_batch",
-            # DeepSpeed's own handlers the op table names (OP_INFO's handler)
-            "_exec_load_micro_batch", "_exec_optimizer_step", "_exec_reduce_grads", "_exec_reduce_tied_grads"),
+            "_inference_schedule", "_loss_stage_global_rank", "_next_batch"),
     },
     # virtual stages and plans' boundaries (adapter/module/pipeline_module.py, chunks.py)
     "deepspeed.runtime.pipe.module": {"PipelineModule": ("_build", "_partition_layers")},

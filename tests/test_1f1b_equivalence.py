@@ -2,7 +2,7 @@
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from hippie_ds.adapter.engine.instructions import build
+from hippie_ds.adapter.stage.instructions import build
 
 
 def _as_data(steps):

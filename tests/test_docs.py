@@ -241,7 +241,7 @@ def test_reference_op_table_names_every_op_kind():
 
 
 def _new_instruction_classes() -> set[str]:
-    """The instruction classes hippie-ds adds: adapter/engine/instructions.py generates one per table name
+    """The instruction classes hippie-ds adds: adapter/stage/instructions.py generates one per table name
     that is not DeepSpeed's (tests/test_op_table.py checks both sets against DeepSpeed)."""
     return {name for info in OP_INFO.values() for name in (info.instruction, info.nonblocking_instruction)
             if name and name not in DEEPSPEED_INSTRUCTIONS}
@@ -267,7 +267,7 @@ def test_reference_op_table_row_matches_op_info(kind):
     assert _code(instruction) == expected, f"{where}: the instruction cell should name {expected}, in that order"
     stock = info.instruction not in _new_instruction_classes()
     assert ("DeepSpeed's" in instruction) == stock, \
-        f"{where}: `{info.instruction}` is {'DeepSpeed' if stock else 'hippie-ds'}'s (adapter/engine/instructions.py)"
+        f"{where}: `{info.instruction}` is {'DeepSpeed' if stock else 'hippie-ds'}'s (adapter/stage/instructions.py)"
     assert _code(flags) == [f for f in FLAGS if getattr(info, f)], \
         f"{where}: flags should be {[f for f in FLAGS if getattr(info, f)]} (OP_INFO)"
 

@@ -63,19 +63,21 @@ def test_a_gradient_aliasing_the_receive_buffer_is_copied_before_it_leaves():
     reaches its output through views and identities) is copied before a non-blocking send or a
     local hand-over; any other is sent as it is."""
     from types import SimpleNamespace
-    from hippie_ds.adapter.engine.engine import HippiePipelineEngine
+    from hippie_ds.adapter.ds.stage import DeepSpeedStage
+    from hippie_ds.adapter.stage.p2p import not_receive_buffer
     buf = torch.arange(12.0)
     received = buf[:6].view(2, 3)  # what _allocate_or_extend_buffers hands out
-    engine = SimpleNamespace(_grad_layer_buf=[buf], grad_layer=received)
-    out = HippiePipelineEngine._not_receive_buffer(engine, received)
+    engine = SimpleNamespace(_grad_layer_buf=[buf], grad_layer=received, grid=None, stage_id=0, global_rank=0)
+    rt = SimpleNamespace(ds=DeepSpeedStage(engine))
+    out = not_receive_buffer(rt, received)
     assert torch.equal(out, received) and out.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     fresh = torch.ones(2, 3)
-    assert HippiePipelineEngine._not_receive_buffer(engine, fresh) is fresh
+    assert not_receive_buffer(rt, fresh) is fresh
 
 
 def _fake_engine():
     from types import SimpleNamespace
-    from hippie_ds.adapter.engine.chunk_selector import P2P_STATE
+    from hippie_ds.adapter.stage.chunk_selector import P2P_STATE
     chosen = []
     engine = SimpleNamespace(stage_id=0, prev_stage=-1, next_stage=1, is_pipe_partitioned=False,
                              is_grad_partitioned=False, module=SimpleNamespace(set_chunk=chosen.append), **P2P_STATE)
@@ -83,7 +85,7 @@ def _fake_engine():
 
 
 def test_the_chunk_selector_keeps_each_chunks_p2p_state_and_neighbours():
-    from hippie_ds.adapter.engine.chunk_selector import GRADIENT_TAG, ChunkSelector
+    from hippie_ds.adapter.stage.chunk_selector import GRADIENT_TAG, ChunkSelector
     from hippie_ds.schedules.layout import Layout
     engine, chosen = _fake_engine()
     chunks = ChunkSelector(engine, Layout("v", 2, 2), 2)  # stage 0 holds parts 0 and 3
@@ -118,7 +120,7 @@ def test_chunked_gradients_go_with_an_explicit_tag(monkeypatch):
     module is not rebound) and keep p2p's neighbour check."""
     from types import SimpleNamespace
     from deepspeed.runtime.pipe import p2p
-    from hippie_ds.adapter.engine import chunk_selector
+    from hippie_ds.adapter.stage import chunk_selector
     calls = []
     monkeypatch.setattr(chunk_selector, "dist", SimpleNamespace(
         send=lambda t, dst, tag: calls.append(("send", dst, tag)),
@@ -165,7 +167,7 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
 
 
 def test_the_call_cursor_skips_fill_and_drained_batches_and_restores_from_a_checkpoint():
-    from hippie_ds.adapter.engine.call_cursor import CallCursor
+    from hippie_ds.adapter.stage.call_cursor import CallCursor
     cursor = CallCursor()
     cursor.start()
     cursor.keep_lrs([0.1])

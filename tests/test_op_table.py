@@ -1,5 +1,6 @@
 """One op table drives every dispatch over op kinds: each kind has an ``OP_INFO`` entry
-(hippie_ds/schedules/ir.py) naming an engine handler that takes exactly the entry's arguments, and a
+(hippie_ds/schedules/ir.py), an engine handler (``HANDLERS``, adapter/stage/handlers.py) that takes
+exactly the entry's arguments, and a
 row in ``op_rules.RULES`` with an explicit simulator entry and an explicit entry for each static
 checker. A new kind missing one of them fails here (single process). What each kind means (its cost
 terms, gradient flags, peer) is read from the table: no module outside ``ir.py`` and ``op_rules.py``
@@ -14,8 +15,9 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from hippie_ds import schedules
-from hippie_ds.adapter.engine import instructions as hs
+from hippie_ds.adapter.stage import instructions as hs
 from hippie_ds.adapter.engine.engine import HippiePipelineEngine
+from hippie_ds.adapter.stage.handlers import HANDLERS, NONBLOCKING_HANDLERS, handler_of
 from hippie_ds.schedules import continuous_checks, deadlock, simulator, stage_checks
 from hippie_ds.schedules.compiler import inference_stream
 from hippie_ds.schedules.costs import StageCost
@@ -38,11 +40,12 @@ def _names(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _handlers(info):
-    """(instruction class name, handler name) pairs of a table entry."""
-    yield info.instruction, info.handler
-    if info.nonblocking_instruction or info.nonblocking_handler:
-        yield info.nonblocking_instruction, info.nonblocking_handler
+def _handlers(kind):
+    """(instruction class name, handler) pairs of a kind: its table entry's classes, its HANDLERS entries."""
+    info = OP_INFO[kind]
+    yield info.instruction, HANDLERS.get(kind)
+    if info.nonblocking_instruction or kind in NONBLOCKING_HANDLERS:
+        yield info.nonblocking_instruction, NONBLOCKING_HANDLERS.get(kind)
 
 
 def _example(kind: OpKind, blocking: bool = True) -> Op:
@@ -72,24 +75,24 @@ def test_engine_handler_exists_and_takes_exactly_the_table_arguments(kind):
             f"OP_INFO[{kind}].args names {arg!r}: not an Op field (or HANDLER_ARG_FIELDS key); Op has {sorted(fields)}"
     assert info.micro_batch == ("buffer_id" in info.args), \
         f"OP_INFO[{kind}]: micro-batch ops, and only they, take DeepSpeed's buffer_id"
-    assert bool(info.nonblocking_instruction) == bool(info.nonblocking_handler), \
-        f"OP_INFO[{kind}]: nonblocking_instruction and nonblocking_handler go together"
-    for cls_name, name in _handlers(info):
-        handler = getattr(HippiePipelineEngine, name, None)
-        assert callable(handler), f"OP_INFO[{kind}] names handler {name!r}: HippiePipelineEngine has no such method"
-        params = list(inspect.signature(handler).parameters.values())[1:]  # self
+    assert bool(info.nonblocking_instruction) == (kind in NONBLOCKING_HANDLERS), \
+        f"OP_INFO[{kind}]: nonblocking_instruction and a NONBLOCKING_HANDLERS entry go together"
+    for cls_name, handler in _handlers(kind):
+        assert callable(handler), f"{kind} ({cls_name}): no handler in adapter/stage/handlers.py's HANDLERS"
+        name = handler.__name__
+        params = list(inspect.signature(handler).parameters.values())[1:]  # the stage runtime
         assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params), f"{name}: keyword-callable parameters only"
         names = [p.name for p in params]
         required = [p.name for p in params if p.default is p.empty]
         assert set(info.args) <= set(names) and set(required) <= set(info.args), \
-            (f"HippiePipelineEngine.{name}{inspect.signature(handler)} for {cls_name}: must take exactly "
+            (f"handlers.{name}{inspect.signature(handler)} for {cls_name}: must take exactly "
              f"OP_INFO[{kind}].args = {info.args} (other parameters only with defaults)")
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 def test_instruction_classes_and_arguments_come_from_the_table(kind):
     info = OP_INFO[kind]
-    for blocking, (cls_name, handler) in zip((True, False), _handlers(info)):
+    for blocking, (cls_name, handler) in zip((True, False), _handlers(kind)):
         op = _example(kind, blocking)
         inst = hs.to_instruction(op)
         assert type(inst).__name__ == cls_name
@@ -98,11 +101,11 @@ def test_instruction_classes_and_arguments_come_from_the_table(kind):
             assert type(inst) is getattr(ds, cls_name)
         else:  # generated, importable by name, DeepSpeed-style docstring from the table
             cls = getattr(hs, cls_name)
-            assert type(inst) is cls and cls.__module__ == "hippie_ds.adapter.engine.instructions"
+            assert type(inst) is cls and cls.__module__ == "hippie_ds.adapter.stage.instructions"
             assert issubclass(cls, ds.BufferOpInstruction if info.micro_batch else ds.PipeInstruction)
             assert "Roughly:" in cls.__doc__ and info.doc in cls.__doc__
-        assert HippiePipelineEngine._INSTRUCTION_MAP[type(inst)] is getattr(HippiePipelineEngine, handler)
-        inspect.signature(HippiePipelineEngine._INSTRUCTION_MAP[type(inst)]).bind(None, **inst.kwargs)
+        assert handler_of(op) is handler
+        inspect.signature(handler).bind(None, **inst.kwargs)
 
 
 def test_deepspeed_instructions_are_deepspeeds_and_the_rest_are_new():
@@ -111,8 +114,9 @@ def test_deepspeed_instructions_are_deepspeeds_and_the_rest_are_new():
     for name in DEEPSPEED_INSTRUCTIONS:
         assert issubclass(getattr(ds, name, type), ds.PipeInstruction), f"{name}: not in deepspeed.runtime.pipe.schedule"
     assert set(hs.NEW_CLASSES) == used - DEEPSPEED_INSTRUCTIONS
-    # DeepSpeed's own map is kept under the table's entries (stock code keeps working)
-    assert set(PipelineEngine._INSTRUCTION_MAP) <= set(HippiePipelineEngine._INSTRUCTION_MAP)
+    # DeepSpeed's own map is the engine's, untouched: instructions of DeepSpeed's own schedules (eval's
+    # InferenceSchedule) run DeepSpeed's handlers
+    assert HippiePipelineEngine._INSTRUCTION_MAP is PipelineEngine._INSTRUCTION_MAP
 
 
 def test_the_loop_receives_each_op_explicitly():
@@ -295,12 +299,14 @@ def test_the_documented_new_op_needs_only_three_files():
     section = text[text.index("## 2. A new instruction"):text.index("## 3.")]
     code = [c for c in section.split("`") if c.startswith("_K.")]
     entries = {c.split(":", 1)[1].strip().split("(", 1)[0]: c.split(":", 1)[1].strip() for c in code}
-    assert set(entries) == {"OpInfo", "Rules"}, f"the dry run shows its OP_INFO entry and RULES row: {code}"
+    assert set(entries) == {"OpInfo", "Rules", "barrier"}, \
+        f"the dry run shows its OP_INFO entry, its HANDLERS entry and its RULES row: {code}"
+    assert "def barrier(rt)" in section  # the handler: a function of the stage runtime
     kinds = type("Kinds", (), {**OpKind.__members__, "__getattr__": lambda self, name: name})()
     info = eval(entries["OpInfo"], {"OpInfo": OpInfo, "_K": kinds})
     rules = eval(entries["Rules"], {"Rules": Rules, "_K": kinds})
     assert all(isinstance(getattr(StageCost, t, None), property) or t in StageCost.model_fields for t in info.cost)
-    assert not info.args and info.handler.startswith("_exec_")
+    assert not info.args
     for analysis, cls in ANALYSES.items():
         for name in _names(getattr(rules, analysis)):
             assert callable(getattr(cls, name, None)), f"the dry run's row names {cls.__name__}.{name}: not there"

@@ -172,10 +172,26 @@ def private_engine_reads(path: Path, privates: set[str], root: Path = ROOT) -> l
 
 def test_no_module_outside_the_engine_package_reads_a_private_engine_attribute():
     privates = _engine_privates()
-    assert {"_gradients", "_versions", "_chunks", "_cursor"} <= privates  # the scan finds the engine's state
+    assert {"_runtime", "_chunk_selector", "_chunks"} <= privates  # the scan finds the engine's state
     reads = [r for p in _modules() if _package(p) != "engine" for r in private_engine_reads(p, privates)]
     assert reads == [], "components read the engine's private attributes (give them what they use when built):\n" + \
         "\n".join(reads)
+
+
+def test_the_engine_has_no_mixin_and_its_handlers_live_in_the_stage_runtime():
+    """``HippiePipelineEngine`` subclasses DeepSpeed's ``PipelineEngine`` alone (no mixins sharing
+    state through ``self``); a stage's state is one ``StageRuntime`` the engine builds, and every op
+    kind's handler takes that runtime, not the engine."""
+    tree = ast.parse((ADAPTER / "engine" / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HippiePipelineEngine")
+    assert [ast.unparse(b) for b in engine.bases] == ["ds_engine.PipelineEngine"]
+    classes = [n.name for pkg in ("engine", "stage") for p in (ADAPTER / pkg).glob("*.py")
+               for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)]
+    assert "StageRuntime" in classes and not [c for c in classes if c.endswith(("Mixin", "Handlers"))]
+    import inspect
+    from hippie_ds.adapter.stage.handlers import HANDLERS, NONBLOCKING_HANDLERS
+    firsts = {next(iter(inspect.signature(h).parameters)) for h in [*HANDLERS.values(), *NONBLOCKING_HANDLERS.values()]}
+    assert firsts == {"rt"}
 
 
 def test_the_tools_use_the_engines_public_surface():
@@ -211,29 +227,12 @@ def test_a_private_read_is_found(tmp_path):
     assert len(engine_private_reads(probe, root=tmp_path)) == 2
 
 
-def _method_calls(module: Path) -> dict[str, set[str]]:
-    """{method defined in a class of ``module``: the ``self.NAME(...)`` it calls}."""
-    calls = {}
-    for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ClassDef):
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef):
-                    calls[item.name] = {c.func.attr for c in ast.walk(item) if isinstance(c, ast.Call) and
-                                        isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
-                                        and c.func.value.id == "self"}
-    return calls
-
-
-def test_the_engine_s_handlers_call_down_never_back_into_a_module_they_came_from():
-    """The modules of the ``engine`` package, an arrow from one to another where a method of one calls
-    ``self.NAME()`` that the other defines: no circle (issue 59: an ``ISendGrad`` went back and forth
-    between engine.py and engine_chunks.py)."""
-    modules = {p.relative_to(ROOT).as_posix(): _method_calls(p) for p in sorted((ADAPTER / "engine").glob("*.py"))}
-    where = {}
-    for module, methods in modules.items():
-        for name in methods:
-            where.setdefault(name, set()).add(module)
-    graph = {m: {t for called in methods.values() for name in called for t in where.get(name, ()) if t != m}
-             for m, methods in modules.items()}
-    assert sum(map(len, graph.values())) > 2  # the calls are found
+def test_the_handlers_call_down_never_back_into_a_module_they_came_from():
+    """The modules of the ``stage`` and ``engine`` packages (the runtime, the handlers, p2p, the
+    overrides), an arrow where one imports another: no circle (an ``ISendGrad`` once went back and
+    forth between two modules of the engine)."""
+    modules = sorted(p.relative_to(ROOT).as_posix() for pkg in ("stage", "engine") for p in (ADAPTER / pkg).glob("*.py")
+                     if p.name != "__init__.py")
+    graph = {m: {t for t in module_imports(m, "hippie_ds") if t in modules} for m in modules}
+    assert sum(map(len, graph.values())) > 5  # the imports are found
     assert circles(graph) == []

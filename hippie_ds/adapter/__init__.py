@@ -16,11 +16,13 @@ outside ``engine/`` reads a private attribute of the engine):
 * ``staleness`` -- weight versions and the staleness corrections;
 * ``checkpoint`` -- the checkpoint's state format, and the in-flight state a save gathers and a load restores;
 * ``profiling`` -- in-place profiling, layer timing, activation memory, the timeline;
-* ``engine`` -- ``HippiePipelineEngine``: its loop, DeepSpeed's overrides, the handlers, p2p;
+* ``stage`` -- the stage runtime: what a stage owns, the loop over its ops, each op kind's handler, p2p,
+  the chunks and the call cursor, and the factory of its components;
+* ``engine`` -- ``HippiePipelineEngine``: DeepSpeed's overrides and the public methods, delegating to the runtime;
 * ``integration`` (a module) -- ``hippie_ds.initialize``, at the top.
 
 :data:`ALIASES` are modules kept at paths that saved checkpoints pickled (they re-export the new place).
 """
-PACKAGES = ("ds", "process", "module", "precision", "gradients", "staleness", "checkpoint", "profiling", "engine",
+PACKAGES = ("ds", "process", "module", "precision", "gradients", "staleness", "checkpoint", "profiling", "stage", "engine",
             "integration")
 ALIASES = ("checkpoint_state", )

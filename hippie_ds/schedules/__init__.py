@@ -1,5 +1,5 @@
 """Declarative pipeline schedules: load, compile, validate, simulate (pure: no torch, no DeepSpeed;
-:func:`hippie_ds.adapter.engine.instructions.build` turns one into DeepSpeed instructions). The schedule
+:func:`hippie_ds.adapter.stage.instructions.build` turns one into DeepSpeed instructions). The schedule
 a job runs comes from :func:`hippie_ds.schedules.resolve.resolve` ('auto' parameters, deferral,
 one compile); :func:`compile` here compiles a shape as given (listings, checks, the bench)."""
 from .compiler import compile_schedule, resolve_params

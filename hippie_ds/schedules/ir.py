@@ -48,19 +48,18 @@ class OpInfo:
     """What one op kind means: the one place the compiler, validator, simulator, DeepSpeed
     adapter and timelines look it up (the validator's and simulator's state machines add the
     order rules). The engine side is named, not imported (this module stays pure): the
-    instruction class, the ``HippiePipelineEngine`` method that handles it, and which ``Op``
-    fields become the instruction's keyword arguments, i.e. the handler's (:func:`handler_kwargs`)."""
+    instruction class and which ``Op`` fields become the instruction's keyword arguments, i.e. its
+    handler's (:func:`handler_kwargs`); the handler itself is the kind's entry in
+    ``hippie_ds/adapter/stage/handlers.py``'s ``HANDLERS``."""
 
     short: str  # compact notation and timeline label: F3, B3, sA3, ...; "" = the op's full form
     role: str  # load | compute | send | recv | comm | update | weights
     category: str  # timeline category (its time: the cost terms below)
     doc: str  # "Roughly: ..." of what the engine does (also the generated instruction class's docstring)
-    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/engine/instructions.py)
+    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/stage/instructions.py)
     _: KW_ONLY
-    handler: str  # the engine method that runs it (adapter/engine/engine.py's _INSTRUCTION_MAP is built from these)
-    args: tuple[str, ...] = ()  # its keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
-    nonblocking_instruction: str | None = None  # sends with blocking: false ...
-    nonblocking_handler: str | None = None  # ... and their handler (same args)
+    args: tuple[str, ...] = ()  # its handler's keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
+    nonblocking_instruction: str | None = None  # sends with blocking: false (their handler takes the same args)
     micro_batch: bool = False  # concerns one micro-batch and its pipeline buffer slot
     placeable: bool = False  # a schedule file may place it in its prologue/epilogue
     new_version: bool = False  # produces the stage's next weight version (an update)
@@ -101,83 +100,79 @@ _K = OpKind
 _BUF = ("buffer_id",)  # DeepSpeed's BufferOpInstruction argument: the op's pipeline buffer slot
 OP_INFO: dict[OpKind, OpInfo] = {
     _K.LOAD: OpInfo("L", "load", "load", "buffers['inputs'][buf] = next(data_iter) (first/last stage)",
-                    "LoadMicroBatch", handler="_exec_load_micro_batch", args=_BUF, micro_batch=True),
+                    "LoadMicroBatch", args=_BUF, micro_batch=True),
     _K.FORWARD: OpInfo("F", "compute", "forward", "buffers['outputs'][buf] = forward(buffers['inputs'][buf])",
-                       "ForwardPass", handler="_exec_forward_pass", args=_BUF, micro_batch=True,
+                       "ForwardPass", args=_BUF, micro_batch=True,
                        cost=("forward",), forward=True, receives=_K.RECV_ACTIVATION,
                        sends=_K.SEND_ACTIVATION, steady_state=("compute",)),
     _K.BACKWARD: OpInfo("B", "compute", "backward", "grads += backward(buffers['outputs'][buf], received grad)",
-                        "BackwardPass", handler="_exec_backward_pass", args=_BUF, micro_batch=True,
+                        "BackwardPass", args=_BUF, micro_batch=True,
                         cost=("backward", "recompute"), input_grad=True, weight_grad=True,
                         receives=_K.RECV_GRAD, sends=_K.SEND_GRAD, steady_state=("compute",)),
     _K.FORWARD_BACKWARD: OpInfo("FB", "compute", "forward_backward", "forward then backward of one micro-batch, "
                                 "its activations freed before the next (the loss stage)", "ForwardBackwardPass",
-                                handler="_exec_forward_backward_pass", args=_BUF, micro_batch=True,
+                                args=_BUF, micro_batch=True,
                                 cost=("forward", "backward", "recompute"),
                                 forward=True, input_grad=True, weight_grad=True, receives=_K.RECV_ACTIVATION,
                                 sends=_K.SEND_GRAD, steady_state=("compute",)),
     _K.BACKWARD_INPUT: OpInfo("I", "compute", "backward_input", "buffers['inputs'][buf].grad = backward of the "
                               "inputs only; keeps the graph and the weight nodes' output gradients for W",
-                              "BackwardInputPass", handler="_exec_backward_input_pass", args=_BUF, micro_batch=True,
+                              "BackwardInputPass", args=_BUF, micro_batch=True,
                               cost=("input_time", "recompute"), input_grad=True, receives=_K.RECV_GRAD,
                               sends=_K.SEND_GRAD, own_gradients=True),
     _K.BACKWARD_WEIGHT: OpInfo("W", "compute", "backward_weight", "grads += weight gradients of buf from what I kept; "
-                               "frees the micro-batch", "BackwardWeightPass", handler="_exec_backward_weight_pass",
-                               args=_BUF, micro_batch=True, cost=("weight_time",), weight_grad=True,
+                               "frees the micro-batch", "BackwardWeightPass", args=_BUF, micro_batch=True, cost=("weight_time",), weight_grad=True,
                                own_gradients=True),
     _K.SEND_ACTIVATION: OpInfo("sA", "send", "p2p", "send(buffers['outputs'][buf], next stage)", "SendActivation",
-                               handler="_exec_send_activations_chunked", args=_BUF,
-                               nonblocking_instruction="ISendActivation",
-                               nonblocking_handler="_exec_isend_activations_chunked", micro_batch=True,
+                               args=_BUF,
+                               nonblocking_instruction="ISendActivation", micro_batch=True,
                                peer=_K.RECV_ACTIVATION, carries="activation", direction=+1),
     _K.RECV_ACTIVATION: OpInfo("rA", "recv", "p2p", "buffers['inputs'][buf] = recv(previous stage)",
-                               "RecvActivation", handler="_exec_recv_activations_chunked", args=_BUF,
+                               "RecvActivation", args=_BUF,
                                micro_batch=True, peer=_K.SEND_ACTIVATION, carries="activation", direction=-1),
     _K.SEND_GRAD: OpInfo("sG", "send", "p2p", "send(buffers['inputs'][buf].grad, previous stage)", "SendGrad",
-                         handler="_exec_send_grads_chunked", args=_BUF, nonblocking_instruction="ISendGrad",
-                         nonblocking_handler="_exec_isend_grads_chunked", micro_batch=True,
+                         args=_BUF, nonblocking_instruction="ISendGrad", micro_batch=True,
                          peer=_K.RECV_GRAD, carries="gradient", direction=-1),
     _K.RECV_GRAD: OpInfo("rG", "recv", "p2p", "received grad = recv(next stage)", "RecvGrad",
-                         handler="_exec_recv_grads_chunked", args=_BUF, micro_batch=True,
+                         args=_BUF, micro_batch=True,
                          peer=_K.SEND_GRAD, carries="gradient", direction=+1),
     _K.WAIT_SENDS: OpInfo("", "send", "p2p", "wait for every non-blocking send this stage issued", "WaitSends",
-                          handler="_exec_wait_sends", placeable=True, steady_state=("epilogue",)),
+                          placeable=True, steady_state=("epilogue",)),
     _K.REDUCE_TIED_GRADS: OpInfo("", "comm", "sync", "all-reduce the gradients of modules tied across stages",
-                                 "ReduceTiedGrads", handler="_exec_reduce_tied_grads", placeable=True,
+                                 "ReduceTiedGrads", placeable=True,
                                  pipeline_collective=True, tied=True),
     _K.REDUCE_GRADS: OpInfo("", "comm", "allreduce", "grads = all_reduce(grads) / dp (blocking)", "ReduceGrads",
-                            handler="_exec_reduce_grads", placeable=True),
+                            placeable=True),
     _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
-                               "asynchronously", "StartAllReduce", handler="_exec_start_allreduce",
-                               args=("target", "chunk"), placeable=True, targets=START_TARGETS, own_gradients=True,
+                               "asynchronously", "StartAllReduce", args=("target", "chunk"), placeable=True, targets=START_TARGETS, own_gradients=True,
                                steady_state=("epilogue", "after"), allreduce="start"),  # chunk: read with target 'chunk' only
     _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce",
-                              handler="_exec_wait_allreduce", args=("target",), placeable=True,
+                              args=("target",), placeable=True,
                               targets=ALLREDUCE_TARGETS, own_gradients=True, steady_state=("epilogue", "after"),
                               allreduce="wait"),
     _K.COPY_GRADS_TO_BUFFER: OpInfo("", "update", "buffer", "buffer = grads; grads = 0 (applied next step)",
-                                    "CopyGradsToBuffer", handler="_exec_copy_grads_to_buffer", placeable=True,
+                                    "CopyGradsToBuffer", placeable=True,
                                     consumes_grads=True, own_gradients=True),
     _K.APPLY_BUFFERED_UPDATE: OpInfo("", "update", "optimizer", "optimizer.step(buffer) (skipped while empty)",
-                                     "ApplyBufferedUpdate", handler="_exec_apply_buffered_update", placeable=True,
+                                     "ApplyBufferedUpdate", placeable=True,
                                      new_version=True, cost=("optimizer_time",), own_gradients=True),
     _K.OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads), norm over the pipeline",
-                              "OptimizerStep", handler="_exec_optimizer_step", placeable=True, new_version=True,
+                              "OptimizerStep", placeable=True, new_version=True,
                               consumes_grads=True, pipeline_collective=True, cost=("optimizer_time",)),
     # batch: continuous schedules' updates take their batch's learning rate
     _K.STAGE_OPTIMIZER_STEP: OpInfo("", "update", "optimizer", "optimizer.step(grads) of this stage alone",
-                                    "StageOptimizerStep", handler="_exec_stage_optimizer_step", args=("batch",),
+                                    "StageOptimizerStep", args=("batch",),
                                     placeable=True, new_version=True, consumes_grads=True,
                                     cost=("optimizer_time",), own_gradients=True, steady_state=("epilogue", "after")),
     _K.STASH_WEIGHTS: OpInfo("", "weights", "weights", "versions[v] = copy(weights) before they are updated",
-                             "StashWeights", handler="_exec_stash_weights", args=("batch", "version"),
+                             "StashWeights", args=("batch", "version"),
                              own_gradients=True),
     _K.FREE_WEIGHTS: OpInfo("", "weights", "weights", "del versions[v] after its last use", "FreeWeights",
-                            handler="_exec_free_weights", args=("batch", "version")),
+                            args=("batch", "version")),
 }
 del _K
 # The instruction classes of the table that are DeepSpeed's own (deepspeed.runtime.pipe.schedule);
-# adapter/engine/instructions.py generates the others, so stock code and PipelineEngine's map keep working.
+# adapter/stage/instructions.py generates the others, so stock code and PipelineEngine's map keep working.
 DEEPSPEED_INSTRUCTIONS = frozenset({"LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
                                     "SendGrad", "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"})
 HANDLER_ARG_FIELDS = {"buffer_id": "buffer"}  # handler argument -> the Op field it is read from, where names differ

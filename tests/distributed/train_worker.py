@@ -126,19 +126,16 @@ def config(args, schedule, dp, opts=()):
 
 
 def crash_in_first_backward(engine, at_step):
-    """The engine's first backward (BackwardPass, BackwardInputPass or ForwardBackwardPass) of
-    step ``at_step`` raises inside its handler, mid-schedule, as a model the handler cannot serve
-    would."""
-    from deepspeed.runtime.pipe import schedule as ds_schedule
-    from hippie_ds.adapter.engine import instructions as hs
-    table = dict(engine._INSTRUCTION_MAP)
-    for kind in (ds_schedule.BackwardPass, hs.BackwardInputPass, hs.ForwardBackwardPass):
-        def crashing(self, *args, _handler=table[kind], **kwargs):
-            if self.global_steps == at_step:
-                raise RuntimeError(f"rank {self.global_rank} crashes on purpose inside its handler at step {at_step}")
-            return _handler(self, *args, **kwargs)
-        table[kind] = crashing
-    engine._INSTRUCTION_MAP = table  # the instance's: looked up before the class's
+    """The engine's first backward (backward, backward_input or forward_backward ops) of step
+    ``at_step`` raises inside its handler, mid-schedule, as a model the handler cannot serve would."""
+    from hippie_ds.adapter.stage import handlers
+    from hippie_ds.schedules.ir import OpKind
+    for kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT, OpKind.FORWARD_BACKWARD):
+        def crashing(rt, *args, _handler=handlers.HANDLERS[kind], **kwargs):
+            if engine.global_steps == at_step:
+                raise RuntimeError(f"rank {engine.global_rank} crashes on purpose inside its handler at step {at_step}")
+            return _handler(rt, *args, **kwargs)
+        handlers.HANDLERS[kind] = crashing  # this rank's process only: it trains one engine
 
 
 def inject_overflows(engine, opts):

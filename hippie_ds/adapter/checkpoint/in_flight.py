@@ -1,6 +1,6 @@
 """The in-flight training state of a ``HippiePipelineEngine`` checkpoint, as a component
 (:class:`TrainingState`): the deferred gradient buffer, weight versions with the continuous
-schedules' call cursor (:class:`~hippie_ds.adapter.engine.call_cursor.CallCursor`, saved as ``call``),
+schedules' call cursor (:class:`~hippie_ds.adapter.stage.call_cursor.CallCursor`, saved as ``call``),
 the staleness correction's deltas, each holder's copy of a tied module under schedules that never
 flush, and the stage layout; what a save gathers and a load restores. In-flight state is wrapped so
 that stock DeepSpeed refuses it (:mod:`hippie_ds.adapter.checkpoint.state`); checkpoints of stock

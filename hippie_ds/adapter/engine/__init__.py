@@ -1,1 +1,1 @@
-"""``HippiePipelineEngine``: the class, its loop, DeepSpeed's overrides, the instruction handlers and p2p; virtual stages' chunk selection and the call cursor."""
+"""``HippiePipelineEngine``: DeepSpeed's overrides and the public methods, each delegating to the stage runtime (adapter/stage)."""

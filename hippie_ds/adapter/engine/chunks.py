@@ -1,6 +1,7 @@
-"""Virtual stages in ``HippiePipelineEngine``: the engine's overrides of DeepSpeed's methods
-(:class:`ChunkedEngine`), reading one :class:`~hippie_ds.adapter.engine.chunk_selector.ChunkSelector`
-(``engine._chunks``) that holds every per-chunk state. Before each op of a model chunk the
+"""Virtual stages in ``HippiePipelineEngine``: what the engine's overrides of DeepSpeed's methods
+delegate to, each a function of the stage's :class:`~hippie_ds.adapter.stage.chunk_selector.ChunkSelector`
+(None while DeepSpeed's ``__init__`` runs) and of DeepSpeed's own method (``stock``), which answers
+where there are no chunks. Before each op of a model chunk the
 engine selects that chunk, so DeepSpeed's own handlers run on it unchanged:
 
 * the module runs the chunk's layers (``hippie_ds.PipelineModule.set_chunk``);
@@ -10,9 +11,9 @@ engine selects that chunk, so DeepSpeed's own handlers run on it unchanged:
   layout's last stage sends to the first over DeepSpeed's wrap-around p2p);
 * DeepSpeed's per-engine p2p state (activation shape handshake, receive buffers) is kept per
   chunk: each chunk boundary has its own shapes;
-* gradients travel with their own tag (:data:`~hippie_ds.adapter.engine.chunk_selector.GRADIENT_TAG`),
-  sent and received by hippie's handlers (:mod:`~hippie_ds.adapter.engine.p2p`) through
-  :mod:`~hippie_ds.adapter.engine.chunk_selector`'s tagged p2p (DeepSpeed's own send no tag);
+* gradients travel with their own tag (:data:`~hippie_ds.adapter.stage.chunk_selector.GRADIENT_TAG`),
+  sent and received by hippie's handlers (:mod:`~hippie_ds.adapter.stage.p2p`) through
+  :mod:`~hippie_ds.adapter.stage.chunk_selector`'s tagged p2p (DeepSpeed's own send no tag);
 * a hand-over between two chunks of one stage (the V's turn at the last stage) is local: the
   tensors go through a queue, as if sent and received (a receive gives a contiguous tensor);
 * the V's first stage holds the first and the last part: it reads the data iterator once per
@@ -24,66 +25,52 @@ engine selects that chunk, so DeepSpeed's own handlers run on it unchanged:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ...schedules.compiler import inference_stream
-from .chunk_selector import ChunkSelector
-from ..precision.layout_clip import clip_like_one_chunk
+from ..stage.chunk_selector import ChunkSelector
 
 
-class ChunkedEngine:
-    """Mixin of ``HippiePipelineEngine``: DeepSpeed's methods that virtual stages change, each
-    asking ``self._chunks`` (made by :meth:`_init_chunks` after DeepSpeed's ``__init__``, which
-    asks ``is_first_stage`` with its own meaning)."""
+def _chunked(chunks: ChunkSelector | None) -> bool:
+    return chunks is not None and chunks.chunked
 
-    _chunks: ChunkSelector | None = None
 
-    def _init_chunks(self, compiled) -> None:
-        self._chunks = ChunkSelector(self, compiled.layout, compiled.virtual_stages)
+def is_first(chunks: ChunkSelector | None, stock: Callable[[], bool]) -> bool:
+    """``is_first_stage``: the first model part."""
+    first = None if chunks is None else chunks.is_first()
+    return stock() if first is None else first
 
-    def is_first_stage(self):
-        """Overrides ``PipelineEngine.is_first_stage`` (calls it without chunks): the first model part."""
-        first = None if self._chunks is None else self._chunks.is_first()
-        return super().is_first_stage() if first is None else first
 
-    def is_last_stage(self):
-        """Overrides ``PipelineEngine.is_last_stage`` (calls it without chunks): the last model part."""
-        last = None if self._chunks is None else self._chunks.is_last()
-        return super().is_last_stage() if last is None else last
+def is_last(chunks: ChunkSelector | None, stock: Callable[[], bool]) -> bool:
+    """``is_last_stage``: the last model part."""
+    last = None if chunks is None else chunks.is_last()
+    return stock() if last is None else last
 
-    def _chunked(self) -> bool:
-        return self._chunks is not None and self._chunks.chunked  # DeepSpeed's __init__ runs before _init_chunks
 
-    def clip_fp32_gradients(self):
-        """Overrides ``DeepSpeedEngine.clip_fp32_gradients`` (calls it): a virtual layout clips by 1F1B's coefficient."""
-        # DeepSpeed's OptimizerStep (the pipeline-wide norm; a per-stage step swaps in its own mpu):
-        # 1F1B's clip coefficient, whatever the layout (layout_clip.py)
-        if self._chunked() and getattr(self.module, "one_chunk_parts", None) and self.mpu is self.grid:
-            return clip_like_one_chunk(self, self.gradient_clipping())
-        return super().clip_fp32_gradients()
+def loss_stage_global_rank(chunks: ChunkSelector | None, grid, stock: Callable[[], int]) -> int:
+    """``_loss_stage_global_rank``: the stage of the last part."""
+    return grid.stage_to_global(chunks.loss_stage()) if _chunked(chunks) else stock()
 
-    def _loss_stage_global_rank(self):
-        """Overrides ``PipelineEngine._loss_stage_global_rank`` (calls it without chunks): the stage of the last part."""
-        if not self._chunked():
-            return super()._loss_stage_global_rank()
-        return self.grid.stage_to_global(self._chunks.loss_stage())
 
-    def _next_batch(self):
-        """Overrides ``PipelineEngine._next_batch`` (calls it): the V's first stage reads a micro-batch once."""
-        chunks = self._chunks
-        if chunks is None or not chunks.both_ends or chunks.chunk is None:
-            return super()._next_batch()
-        # the inputs' load reads; the labels' load of the same micro-batch reuses it
-        return chunks.read(super()._next_batch()) if self.is_first_stage() else chunks.reread()
+def next_batch(chunks: ChunkSelector | None, is_first_stage: Callable[[], bool], stock: Callable[[], object]):
+    """``_next_batch``: the V's first stage reads a micro-batch once; the inputs' load reads, the labels'
+    load of the same micro-batch reuses it."""
+    if chunks is None or not chunks.both_ends or chunks.chunk is None:
+        return stock()
+    return chunks.read(stock()) if is_first_stage() else chunks.reread()
 
-    def reset_activation_shape(self):
-        """Overrides ``PipelineEngine.reset_activation_shape`` (calls it): every chunk's shapes go."""
-        if self._chunks is not None:
-            self._chunks.forget_shapes()
-        super().reset_activation_shape()
 
-    def _inference_schedule(self, micro_batches):
-        """Overrides ``PipelineEngine._inference_schedule`` (calls it without chunks): chunk by chunk."""
-        if not self._chunked():
-            return super()._inference_schedule(micro_batches)
-        from .instructions import OpSchedule
-        return OpSchedule(inference_stream(self._chunks.layout, self.stage_id, micro_batches), micro_batches,
-                          self.num_stages, self.stage_id, num_buffers=2)
+def forget_shapes(chunks: ChunkSelector | None, stock: Callable[[], None]) -> None:
+    """``reset_activation_shape``: every chunk's shapes go, then DeepSpeed's."""
+    if chunks is not None:
+        chunks.forget_shapes()
+    stock()
+
+
+def inference_schedule(chunks: ChunkSelector | None, micro_batches: int, stages: int, stock: Callable[[int], object]):
+    """``_inference_schedule``: chunk by chunk (DeepSpeed's ``InferenceSchedule`` knows one part per stage)."""
+    if not _chunked(chunks):
+        return stock(micro_batches)
+    from ..stage.instructions import OpSchedule
+    return OpSchedule(inference_stream(chunks.layout, chunks.stage, micro_batches), micro_batches, stages,
+                      chunks.stage, num_buffers=2)

@@ -2,7 +2,7 @@
 and ``BackwardWeightPass`` do, and what the first keeps per pipeline buffer for the second. The
 torch part is :mod:`hippie_ds.adapter.gradients.split_backward`; this is the DeepSpeed side: pipe
 buffers, the received gradient (``grad_layer``), the loss and DeepSpeed's backward hooks, reached
-through :mod:`hippie_ds.adapter.ds.engine`. The engine's handlers (adapter/engine/handlers.py) call it."""
+through :mod:`hippie_ds.adapter.ds.engine`. The engine's handlers (adapter/stage/handlers.py) call it."""
 from __future__ import annotations
 
 import contextlib

@@ -135,7 +135,7 @@ def attach(optimizer, strength: float) -> DelayCompensation:
 
 
 def bind(optimizer, behind: bool, staleness) -> DelayCompensation | None:
-    """As the engine is built (adapter/engine/build.py): the correction on a stage one update
+    """As the engine is built (adapter/stage/build.py): the correction on a stage one update
     behind (``behind``); None where it does not apply. The hooks keep it alive with the optimizer."""
     strength = _strength(staleness)
     if not strength or not behind:

@@ -92,7 +92,7 @@ def attach(optimizer, gain: float) -> ErrorFeedback:
 
 
 def bind(optimizer, prediction, staleness) -> ErrorFeedback | None:
-    """As the engine is built (adapter/engine/build.py), once the stage's prediction is (it knows
+    """As the engine is built (adapter/stage/build.py), once the stage's prediction is (it knows
     whether the stage makes its weights first, ``PredictionInputs.made``): the correction on a stage
     one update behind (``prediction``: its weight prediction, None on other stages) that does not
     compute on weights it has already made; kept on the prediction. None where it does not apply."""

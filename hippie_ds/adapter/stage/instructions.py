@@ -1,9 +1,9 @@
 """A compiled schedule as a DeepSpeed ``PipeSchedule``, everything read from the op table
 (:data:`hippie_ds.schedules.ir.OP_INFO`): the instruction class of each op (DeepSpeed's own where
 the table names one, :data:`~hippie_ds.schedules.ir.DEEPSPEED_INSTRUCTIONS`; the others generated
-here and importable by name: ``ForwardBackwardPass``, ``StartAllReduce``, ...), its arguments
-(:func:`~hippie_ds.schedules.ir.handler_kwargs`) and the engine's ``_INSTRUCTION_MAP``
-(:func:`instruction_map`). Imports DeepSpeed (:mod:`hippie_ds.adapter.ds.schedule`)."""
+here and importable by name: ``ForwardBackwardPass``, ``StartAllReduce``, ...) and its arguments
+(:func:`~hippie_ds.schedules.ir.handler_kwargs`). Which handler runs an op is its kind's entry in
+:data:`~hippie_ds.adapter.stage.handlers.HANDLERS`. Imports DeepSpeed (:mod:`hippie_ds.adapter.ds.schedule`)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -15,8 +15,8 @@ from ..ds import schedule as ds
 def _docstring(kind: OpKind, info: OpInfo, nonblocking: bool) -> str:
     """DeepSpeed's instruction docstring style, from the table entry."""
     how = "; non-blocking, completed by ``WaitSends``" if nonblocking else ""
-    handler = info.nonblocking_handler if nonblocking else info.handler
-    return (f"Runs ``{kind.value}`` ops{how} (``HippiePipelineEngine.{handler}``).\n\n    Roughly:\n\n"
+    table = "NONBLOCKING_HANDLERS" if nonblocking else "HANDLERS"
+    return (f"Runs ``{kind.value}`` ops{how} (``handlers.{table}[OpKind.{kind.name}]``).\n\n    Roughly:\n\n"
             f"    .. code-block:: python\n\n        {info.doc}\n    ")
 
 
@@ -53,23 +53,6 @@ def instruction_class(op: Op) -> type:
 def to_instruction(op: Op) -> ds.PipeInstruction:
     """``op`` as an instruction whose keyword arguments are its handler's (``OpInfo.args``)."""
     return instruction_class(op)(**handler_kwargs(op))
-
-
-def instruction_map(engine_cls: type, base: dict) -> dict:
-    """``base`` (DeepSpeed's ``_INSTRUCTION_MAP``) with every table instruction class mapped to the
-    ``engine_cls`` method its entry names (``handler``; ``nonblocking_handler`` for the
-    non-blocking class)."""
-    table = dict(base)
-    for kind, info in OP_INFO.items():
-        for cls_name, handler in ((info.instruction, info.handler),
-                                  (info.nonblocking_instruction, info.nonblocking_handler)):
-            if cls_name is None:
-                continue
-            if not callable(getattr(engine_cls, handler or "", None)):
-                raise AttributeError(f"OP_INFO[{kind.value!r}] names handler {handler!r} for {cls_name}: "
-                                     f"{engine_cls.__name__} has no such method")
-            table[_class(cls_name)] = getattr(engine_cls, handler)
-    return table
 
 
 def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True,

@@ -6,7 +6,7 @@ Gradients between two chunks' stages carry their own tag (:data:`GRADIENT_TAG`):
 link can carry activations and gradients in each direction, in different orders (the V,
 interleaved at K=2), and DeepSpeed's p2p matches messages in order per (peer, tag); the validator
 models it so (``schedules.deadlock.link_of``). DeepSpeed's ``runtime/pipe/p2p.py`` sends with no
-tag; hippie's chunked gradient handlers (:mod:`~hippie_ds.adapter.engine.p2p`) call the
+tag; hippie's chunked gradient handlers (:mod:`~hippie_ds.adapter.stage.p2p`) call the
 functions here instead, which pass ``tag=`` explicitly to ``deepspeed.comm`` and otherwise do
 what ``p2p.send`` / ``p2p.recv`` do on torch >= 1.8 (the only torch hippie-ds runs on): the
 neighbour check, the peer's global rank from the grid, the default (world) group, on every backend

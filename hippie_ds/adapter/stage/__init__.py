@@ -1,0 +1,1 @@
+"""A pipeline stage as hippie-ds runs it: the stage runtime, its op handlers, its components' factory."""
