@@ -3,7 +3,7 @@ markdown is parsed, nothing is run.
 
 - README.md's "what each schedule buys", docs/schedules.md's schedule table and docs/precision.md's
   precision table (whose cells tests/test_precision.py backs) name every built-in schedule;
-- README.md's config-key table names every key hippie_ds/config.py accepts, and nothing else; the
+- docs/training.md's config-key table names every key hippie_ds/config.py accepts, and nothing else; the
   schedules README.md says tests/test_dropin.py runs are the ones in that test's ``SCHEDULES``, and
   what it says Megatron-DeepSpeed needs names the schedules with virtual stages;
 - README.md, docs/*.md, docs/results/*.md and hippie_ds/planner/README.md: every repository path they name (in
@@ -101,13 +101,13 @@ def _config_keys(model: type[BaseModel], prefix: str) -> set[str]:
     return keys
 
 
-def test_readme_config_table_names_every_config_key():
+def test_config_key_table_names_every_config_key():
     # hippie.virtual_stages is filled from pipeline.virtual_stages (a user's hippie.virtual_stages is refused)
     accepted = (_config_keys(HippieConfig, "hippie.") - {"hippie.virtual_stages"}) | \
         {"pipeline.schedule", "pipeline.virtual_stages"}
-    named = {_code(cells[0])[0] for cells in _rows(README, "| key | default | in short |")}
-    assert named == accepted, (f"README.md's config-key table: missing {sorted(accepted - named)}, not accepted by "
-                               f"hippie_ds/config.py {sorted(named - accepted)}")
+    named = {_code(cells[0])[0] for cells in _rows(TRAINING_DOC, "| key | values | default | meaning |")}
+    assert named == accepted, (f"docs/training.md's config-key table: missing {sorted(accepted - named)}, not "
+                               f"accepted by hippie_ds/config.py {sorted(named - accepted)}")
 
 
 def _dropin_schedules() -> list[str]:
