@@ -3,16 +3,16 @@ markdown is parsed, nothing is run.
 
 - README.md's "what each schedule buys", docs/schedules.md's schedule table and docs/precision.md's
   precision table (whose cells tests/test_precision.py backs) name every built-in schedule;
-- README.md's config-key table names every key hippie_ds/config.py accepts, and nothing else; the
+- docs/training.md's config-key table names every key hippie_ds/config.py accepts, and nothing else; the
   schedules README.md says tests/test_dropin.py runs are the ones in that test's ``SCHEDULES``, and
   what it says Megatron-DeepSpeed needs names the schedules with virtual stages;
 - README.md, docs/*.md, docs/results/*.md and hippie_ds/planner/README.md: every repository path they name (in
   backticks or as a link) exists;
 - docs/reference.md: the op table has one row per ``OpKind``, checked against its ``OP_INFO``
-  entry; the ``hippie-ds schedule list`` output lists exactly the built-in schedules; the layout
-  table names every module;
-- docs/extending.md: the layer table puts every module of ``hippie_ds/`` in exactly one layer,
-  and names no module that does not exist (so does hippie_ds/planner/README.md for the planner);
+  entry; the ``hippie-ds schedule list`` output lists exactly the built-in schedules;
+- docs/architecture.md: the layer table ("Layers") puts every module of ``hippie_ds/`` in exactly one
+  layer, and names no module that does not exist (so does hippie_ds/planner/README.md for the planner);
+  the modules import down its rows;
 - README.md's and docs/results.md's figures against the results files they cite: tests/test_doc_figures.py.
 """
 import ast
@@ -34,7 +34,7 @@ SCHEDULES_DOC = (ROOT / "docs" / "schedules.md").read_text()
 PRECISION_DOC = (ROOT / "docs" / "precision.md").read_text()
 TRAINING_DOC = (ROOT / "docs" / "training.md").read_text()
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
-EXTENDING = (ROOT / "docs" / "extending.md").read_text()
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
 PLANNER_README = (ROOT / "hippie_ds" / "planner" / "README.md").read_text()
 OP_HEADER = "| op | label | role / category | placed by | roughly | instruction | flags |"
 LAYER_HEADER = "| layer | modules | what lives there |"
@@ -101,13 +101,13 @@ def _config_keys(model: type[BaseModel], prefix: str) -> set[str]:
     return keys
 
 
-def test_readme_config_table_names_every_config_key():
+def test_config_key_table_names_every_config_key():
     # hippie.virtual_stages is filled from pipeline.virtual_stages (a user's hippie.virtual_stages is refused)
     accepted = (_config_keys(HippieConfig, "hippie.") - {"hippie.virtual_stages"}) | \
         {"pipeline.schedule", "pipeline.virtual_stages"}
-    named = {_code(cells[0])[0] for cells in _rows(README, "| key | default | in short |")}
-    assert named == accepted, (f"README.md's config-key table: missing {sorted(accepted - named)}, not accepted by "
-                               f"hippie_ds/config.py {sorted(named - accepted)}")
+    named = {_code(cells[0])[0] for cells in _rows(TRAINING_DOC, "| key | values | default | meaning |")}
+    assert named == accepted, (f"docs/training.md's config-key table: missing {sorted(accepted - named)}, not "
+                               f"accepted by hippie_ds/config.py {sorted(named - accepted)}")
 
 
 def _dropin_schedules() -> list[str]:
@@ -315,22 +315,22 @@ def _named_modules(cell: str, context: str = "") -> set[str]:
     return named
 
 
-def test_extending_layer_table_puts_every_module_in_one_layer():
+def test_architecture_layer_table_puts_every_module_in_one_layer():
     where: dict[str, list[str]] = {}
-    for cells in _rows(EXTENDING, LAYER_HEADER):
+    for cells in _rows(ARCHITECTURE, LAYER_HEADER):
         for module in _named_modules(cells[1]):
             where.setdefault(module, []).append(cells[0])
     missing = sorted(_modules() - set(where))
-    assert not missing, (f"docs/extending.md's layer table (header {LAYER_HEADER!r}) does not name {missing}: "
+    assert not missing, (f"docs/architecture.md's layer table (header {LAYER_HEADER!r}) does not name {missing}: "
                          "add each to the 'modules' cell of its layer's row, with what it holds")
     twice = {m: layers for m, layers in where.items() if len(layers) > 1}
-    assert not twice, f"docs/extending.md's layer table names modules in more than one layer: {twice}"
+    assert not twice, f"docs/architecture.md's layer table names modules in more than one layer: {twice}"
     stale = sorted(set(where) - _modules())
-    assert not stale, f"docs/extending.md's layer table names modules that do not exist: {stale}"
+    assert not stale, f"docs/architecture.md's layer table names modules that do not exist: {stale}"
 
 
 @pytest.mark.parametrize("doc,text,header,context", [
-    ("docs/reference.md (Layout)", REFERENCE, "| path | what |", ""),
+    ("docs/architecture.md (Layers)", ARCHITECTURE, LAYER_HEADER, ""),
     ("hippie_ds/planner/README.md", PLANNER_README, "| module | what |", "hippie_ds/planner/"),
 ])
 def test_module_tables_name_existing_modules(doc, text, header, context):
@@ -347,17 +347,17 @@ def test_module_tables_name_existing_modules(doc, text, header, context):
 # --- structure: imports follow the layer table ------------------------------------------------
 
 def test_imports_go_down_the_layer_table_and_never_in_a_circle():
-    """A module imports from its own layer and the rows above it in extending.md's layer table
+    """A module imports from its own layer and the rows above it in architecture.md's layer table
     (from pure to DeepSpeed-bound), never from a row below, and no modules import each other in a
     circle. Packages' __init__ files re-export their package and are left out."""
     rank = {}
-    for i, cells in enumerate(_rows(EXTENDING, LAYER_HEADER)):
+    for i, cells in enumerate(_rows(ARCHITECTURE, LAYER_HEADER)):
         for module in _named_modules(cells[1]):
             rank[module] = (i, cells[0])
     graph = {m: {t for t in module_imports(m, "hippie_ds") if t in rank} for m in rank if (ROOT / m).is_file()}
     upward = sorted(f"{m} ({rank[m][1]}) imports {t} ({rank[t][1]})"
                     for m, targets in graph.items() for t in targets if rank[t][0] > rank[m][0])
-    assert not upward, "imports against the layer order of docs/extending.md:\n" + "\n".join(upward)
+    assert not upward, "imports against the layer order of docs/architecture.md:\n" + "\n".join(upward)
     circle = circles(graph)
     assert not circle, f"modules that import each other in a circle: {circle}"
 

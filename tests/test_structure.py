@@ -1,4 +1,4 @@
-"""The repository's shape beside docs/extending.md's layer table (whose layer order ``tests/test_docs.py``
+"""The repository's shape beside docs/architecture.md's layer table (whose layer order ``tests/test_docs.py``
 checks; both read the imports with tests/import_graph.py): the pure layers import neither torch
 nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is over
 400 lines; the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
@@ -12,7 +12,7 @@ from pathlib import Path
 from import_graph import circles, module_imports
 
 ROOT = Path(__file__).resolve().parents[1]
-# the pure layers of docs/extending.md's table: shared, config, IR, language, compiler, analysis, planner
+# the pure layers of docs/architecture.md's table: shared, config, IR, language, compiler, analysis, planner
 PURE = ["hippie_ds/formatting.py", "hippie_ds/data_files.py", "hippie_ds/config.py", "hippie_ds/schedules",
         "hippie_ds/planner"]
 MAX_LINES = 400
