@@ -170,8 +170,8 @@ def test_every_analysis_entry_is_a_function_of_its_analysis(analysis):
         if analysis == "communicate":
             assert isinstance(entry, Communication), f"op_rules.RULES[{kind}].communicate: a Communication"
         else:
-            assert isinstance(entry, tuple) == (analysis != "simulate"), \
-                f"op_rules.RULES[{kind}].{analysis}: {'a tuple of functions' if analysis != 'simulate' else 'one function'}"
+            shape = "one function" if analysis == "simulate" else "a tuple of functions, in order"
+            assert isinstance(entry, tuple) == (analysis != "simulate"), f"op_rules.RULES[{kind}].{analysis}: {shape}"
         for function in _functions(entry):
             name = getattr(function, "__name__", None)
             assert inspect.isfunction(function) and getattr(cls, name, None) is function, \
