@@ -1,10 +1,12 @@
 """One op table drives every dispatch over op kinds: each kind has an ``OP_INFO`` entry
 (hippie_ds/schedules/ir.py), an engine handler (``HANDLERS``, adapter/stage/handlers.py) that takes
 exactly the entry's arguments, and a
-row in ``op_rules.RULES`` with an explicit simulator entry and an explicit entry for each static
-checker. A new kind missing one of them fails here (single process). What each kind means (its cost
-terms, gradient flags, peer) is read from the table: no module outside ``ir.py`` and ``op_rules.py``
-compares op kinds (``test_no_op_kind_comparisons_outside_the_op_table``)."""
+row in ``op_rules.RULES`` whose explicit simulator entry and explicit entry for each static checker
+are that analysis's functions themselves (no names resolved by string). A new kind missing one of
+them fails here (single process). What each kind means (its cost terms, gradient flags, peer) is read
+from the table: no module outside ``ir.py`` and ``op_rules.py`` compares op kinds
+(``test_no_op_kind_comparisons_outside_the_op_table``). tests/test_extending_example.py runs this
+file on a copy of the package with docs/extending.md's new op kind added."""
 import ast
 import dataclasses
 import inspect
@@ -18,17 +20,18 @@ from hippie_ds import schedules
 from hippie_ds.adapter.stage import instructions as hs
 from hippie_ds.adapter.engine.engine import HippiePipelineEngine
 from hippie_ds.adapter.stage.handlers import HANDLERS, NONBLOCKING_HANDLERS, handler_of
-from hippie_ds.schedules import continuous_checks, deadlock, simulator, stage_checks
+from hippie_ds.schedules import continuous_checks, deadlock, sim_stages, stage_checks
 from hippie_ds.schedules.compiler import inference_stream
 from hippie_ds.schedules.costs import StageCost
-from hippie_ds.schedules.op_rules import RULES
+from hippie_ds.schedules.op_rules import RULES, Communication
 from hippie_ds.schedules.ir import (COMPUTE_KINDS, DEEPSPEED_INSTRUCTIONS, HANDLER_ARG_FIELDS, OP_INFO,
                                     PIPELINE_COLLECTIVE_KINDS, UPDATE_KINDS, Op, OpKind, handler_kwargs)
 
 KINDS = list(OpKind)
-# each analysis's entry of a RULES row and the class whose methods it names
-ANALYSES = {"simulate": simulator._Sim, "stage": stage_checks._StageChecker,
+# each analysis's entry of a RULES row and the class whose functions it holds
+ANALYSES = {"simulate": sim_stages._Sim, "stage": stage_checks._StageChecker,
             "continuous": continuous_checks.ContinuousStageChecker, "communicate": deadlock._Simulation}
+ANALYSIS_MODULES = ("sim_stages.py", "stage_checks.py", "continuous_checks.py", "deadlock.py")
 
 
 def _missing(table) -> list:
@@ -36,8 +39,12 @@ def _missing(table) -> list:
     return [k for k in OpKind if k not in table]
 
 
-def _names(entry) -> tuple:
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+def _functions(entry) -> tuple:
+    """The functions an entry of a RULES row holds: one, several in order, or a communication
+    rule's function and its reports."""
+    if isinstance(entry, Communication):
+        return tuple(f for f in entry if f is not None)
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _handlers(kind):
@@ -142,28 +149,55 @@ def test_every_kind_has_an_analysis_row():
 
 
 @pytest.mark.parametrize("analysis", list(ANALYSES))
-def test_every_analysis_entry_names_a_method_of_its_analysis(analysis):
+def test_every_analysis_entry_is_a_function_of_its_analysis(analysis):
     cls = ANALYSES[analysis]
     for kind, rules in RULES.items():
-        for name in _names(getattr(rules, analysis)):
-            assert callable(getattr(cls, name, None)), \
-                f"op_rules.RULES[{kind}].{analysis} names {name!r}: {cls.__name__} has no such method"
+        entry = getattr(rules, analysis)
+        if analysis == "communicate":
+            assert isinstance(entry, Communication), f"op_rules.RULES[{kind}].communicate: a Communication"
+        else:
+            shape = "one function" if analysis == "simulate" else "a tuple of functions, in order"
+            assert isinstance(entry, tuple) == (analysis != "simulate"), f"op_rules.RULES[{kind}].{analysis}: {shape}"
+        for function in _functions(entry):
+            name = getattr(function, "__name__", None)
+            assert inspect.isfunction(function) and getattr(cls, name, None) is function, \
+                f"op_rules.RULES[{kind}].{analysis} holds {function!r}: not a function of {cls.__name__}"
+
+
+def test_the_analyses_call_their_rules_and_resolve_no_names():
+    """The analyses run the table's functions as they are: no method looked up by a name
+    (``getattr(self, ...)``), and none of them imports the table (their entry points hand it in)."""
+    for name in ANALYSIS_MODULES:
+        tree = ast.parse((ROOT / "hippie_ds/schedules" / name).read_text())
+        by_name = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                   and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                   and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"]
+        assert not by_name, f"hippie_ds/schedules/{name}: getattr(self, ...) at lines {by_name}"
+        imports = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+        imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {"op_rules", "RULES"} & imports, f"hippie_ds/schedules/{name} imports the op table"
 
 
 def test_pipeline_collectives_wait_for_every_stage_in_both_analyses():
     # the flag (OP_INFO pipeline_collective) and the rows say the same
-    waits = {k for k, r in RULES.items() if "self._rendezvous(" in inspect.getsource(getattr(simulator._Sim, r.simulate))}
+    waits = {k for k, r in RULES.items() if "self._rendezvous(" in inspect.getsource(r.simulate)}
     assert waits == PIPELINE_COLLECTIVE_KINDS
-    assert {k for k, r in RULES.items() if r.communicate == "_collective"} == PIPELINE_COLLECTIVE_KINDS
-    assert {k for k, r in RULES.items() if "_update" in r.continuous} == UPDATE_KINDS
+    assert {k for k, r in RULES.items() if r.communicate.advance is deadlock._Simulation._collective} == \
+        PIPELINE_COLLECTIVE_KINDS
+    update = continuous_checks.ContinuousStageChecker._update
+    assert {k for k, r in RULES.items() if update in r.continuous} == UPDATE_KINDS
 
 
 def test_every_waiting_communication_rule_says_why_it_is_stuck():
-    # deadlock._Simulation._stuck calls RULES[kind].communicate + "_stuck"; a "_local" op never waits
+    # deadlock._Simulation._stuck calls the stuck report RULES[kind].communicate pairs with its
+    # function; a local op never waits, and has no report
     for kind, rules in RULES.items():
-        if rules.communicate != "_local":
-            assert callable(getattr(deadlock._Simulation, rules.communicate + "_stuck", None)), \
-                f"RULES[{kind}].communicate = {rules.communicate!r}: deadlock._Simulation has no {rules.communicate}_stuck"
+        rule = rules.communicate
+        if rule.advance is deadlock._Simulation._local:
+            assert rule.stuck is None and rule.waiting_on is None, f"RULES[{kind}]: a local op never waits"
+        else:
+            assert callable(rule.stuck), \
+                f"RULES[{kind}].communicate runs {rule.advance.__name__}, which can wait: pair it with its stuck report"
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
@@ -287,26 +321,3 @@ def test_no_op_kind_comparisons_outside_the_op_table():
                         "of OP_INFO, or name a function per kind in op_rules.RULES")
     stale = {n: (len(found.get(n, [])), allowed) for n, allowed in ALLOWED.items() if len(found.get(n, [])) < allowed}
     assert stale == {}, "ALLOWED lists more comparisons than the module has (found, allowed): shrink or drop its entry"
-
-
-
-def test_the_documented_new_op_needs_only_three_files():
-    """docs/extending.md's dry run (a new instruction) adds an OpKind, its OP_INFO entry, its engine
-    handler and its RULES row: the row's every function exists already, so no fourth file."""
-    from hippie_ds.schedules.op_rules import Rules
-    from hippie_ds.schedules.ir import OpInfo
-    text = (ROOT / "docs/extending.md").read_text()
-    section = text[text.index("## 2. A new instruction"):text.index("## 3.")]
-    code = [c for c in section.split("`") if c.startswith("_K.")]
-    entries = {c.split(":", 1)[1].strip().split("(", 1)[0]: c.split(":", 1)[1].strip() for c in code}
-    assert set(entries) == {"OpInfo", "Rules", "barrier"}, \
-        f"the dry run shows its OP_INFO entry, its HANDLERS entry and its RULES row: {code}"
-    assert "def barrier(rt)" in section  # the handler: a function of the stage runtime
-    kinds = type("Kinds", (), {**OpKind.__members__, "__getattr__": lambda self, name: name})()
-    info = eval(entries["OpInfo"], {"OpInfo": OpInfo, "_K": kinds})
-    rules = eval(entries["Rules"], {"Rules": Rules, "_K": kinds})
-    assert all(isinstance(getattr(StageCost, t, None), property) or t in StageCost.model_fields for t in info.cost)
-    assert not info.args
-    for analysis, cls in ANALYSES.items():
-        for name in _names(getattr(rules, analysis)):
-            assert callable(getattr(cls, name, None)), f"the dry run's row names {cls.__name__}.{name}: not there"

@@ -2,9 +2,10 @@
 whole scenario of calls and drains. Pure Python."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from .check_common import Problem, check_slots, problem, scenario_ops
 from .ir import CompiledSchedule, Op, weight_version
-from .op_rules import RULES
 
 
 class ContinuousStageChecker:
@@ -14,9 +15,12 @@ class ContinuousStageChecker:
     updates; an op of batch b declaring version d uses b * updates_per_batch + d (below 0: the
     initial weights, i.e. version 0). A compute op must find its version current or stashed;
     a backward must use its forward's version; stash_weights keeps the current version;
-    free_weights drops a stashed one, after which no op may use it."""
+    free_weights drops a stashed one, after which no op may use it. ``rules`` is
+    ``op_rules.RULES``, whose ``continuous`` entry of each kind lists functions below (handed in,
+    not imported: the table refers to this class)."""
 
-    def __init__(self, compiled: CompiledSchedule, stage: int, scenario):
+    def __init__(self, compiled: CompiledSchedule, stage: int, scenario, rules: Mapping):
+        self.rules = rules
         self.c = compiled
         self.s = stage
         self.K = compiled.stages
@@ -54,13 +58,13 @@ class ContinuousStageChecker:
                     self._add(op, f"micro-batch {op.micro_batch} outside 0..{self.M - 1}")
                     continue
                 self.started.add(batch)
-            for rule in RULES[op.kind].continuous:  # op_rules.py
-                getattr(self, rule)(op, batch)
+            for rule in self.rules[op.kind].continuous:
+                rule(self, op, batch)
             self.peak_versions = max(self.peak_versions, len(self.stashed - {self.count}) + 1)
         self._finish()
         return self.problems
 
-    # -- one function per op kind (op_rules.RULES[kind].continuous) --
+    # -- the functions per op kind (op_rules.RULES[kind].continuous) --
     def _load(self, op: Op, batch: int) -> None:
         key = (batch, op.micro_batch)
         if key in self.loaded:

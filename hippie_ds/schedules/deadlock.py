@@ -5,10 +5,10 @@ Pure Python."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Mapping
 
 from .ir import OP_INFO, CompiledSchedule, Op, OpKind
 from .check_common import Problem, problem, scenario_ops, short
-from .op_rules import RULES
 
 
 def link_of(compiled: CompiledSchedule, src: int, dst: int, kind: OpKind) -> tuple:
@@ -40,9 +40,12 @@ class _Message:
 
 class _Simulation:
     """Runs the K streams round-robin, each as far as it can go, until all finish or none can
-    move. Only p2p, WAIT_SENDS and pipeline collectives can block; every other op is local."""
+    move. Only p2p, WAIT_SENDS and pipeline collectives can block; every other op is local.
+    ``rules`` is ``op_rules.RULES``, whose ``communicate`` entry of each kind pairs a function
+    below with its reports (handed in, not imported: the table refers to this class)."""
 
-    def __init__(self, compiled: CompiledSchedule, iterations: int, scenario=None):
+    def __init__(self, compiled: CompiledSchedule, iterations: int, rules: Mapping, scenario=None):
+        self.rules = rules
         self.K = compiled.stages
         self.compiled = compiled
         self.layout = compiled.layout
@@ -91,7 +94,7 @@ class _Simulation:
         if self._finished(s):
             return False
         iteration, op = self.flat[s][self.pc[s]]
-        return getattr(self, RULES[op.kind].communicate)(s, iteration, op)  # op_rules.py
+        return self.rules[op.kind].communicate.advance(self, s, iteration, op)
 
     def _local(self, s: int, iteration: int, op: Op) -> bool:
         """An op that never waits for another stage."""
@@ -188,21 +191,25 @@ class _Simulation:
         return f" of train_batch call {iteration + 1}" if iteration else ""
 
     def _doing(self, s: int, op: Op) -> str:
-        waits = RULES[op.kind].communicate
-        if waits == "_send":
-            return f"{short(op)} to stage {self._peer(op)}"
-        if waits == "_recv":
-            return f"{short(op)} from stage {self._peer(op)}"
-        if waits == "_collective":
-            return f"{op.kind.value} (pipeline collective #{self.collectives_done[s] + 1})"
-        return short(op)
+        """What stage s's op waits on, as a peer's report names it (its rule's ``waiting_on``)."""
+        waiting_on = self.rules[op.kind].communicate.waiting_on
+        return waiting_on(self, s, op) if waiting_on else short(op)
 
     def _stuck(self, s: int) -> Problem:
-        """Why stage s cannot move: its op's communication rule names the reason (``_send`` ->
-        ``_send_stuck``); a ``_local`` op never waits."""
+        """Why stage s cannot move: the ``stuck`` report its op's communication rule pairs with it
+        (an op that never waits has none, and a stage is never stuck at one)."""
         iteration, op = self.flat[s][self.pc[s]]
-        reason = getattr(self, RULES[op.kind].communicate + "_stuck")(s, op)
+        reason = self.rules[op.kind].communicate.stuck(self, s, op)
         return problem(op, reason + (f" (in train_batch call {iteration + 1})" if self._call(iteration) else ""))
+
+    def _send_waiting_on(self, s: int, op: Op) -> str:
+        return f"{short(op)} to stage {self._peer(op)}"
+
+    def _recv_waiting_on(self, s: int, op: Op) -> str:
+        return f"{short(op)} from stage {self._peer(op)}"
+
+    def _collective_waiting_on(self, s: int, op: Op) -> str:
+        return f"{op.kind.value} (pipeline collective #{self.collectives_done[s] + 1})"
 
     def _send_stuck(self, s: int, op: Op) -> str:
         peer = self._peer(op)

@@ -3,9 +3,10 @@ received / computed / sent in a valid order, a split backward's W after its B), 
 slots and the gradient state machine. Continuous schedules: :mod:`.continuous_checks`. Pure Python."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from .ir import BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, CompiledSchedule, Op
 from .check_common import Problem, check_slots, problem
-from .op_rules import RULES
 from .grad_buffer import REDUCED, GradBuffer
 
 _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
@@ -20,9 +21,12 @@ def _name(chunk: int, mb) -> str:
 
 class _StageChecker:
     """One stage's stream, run ``iterations`` times. Gradient and gradient-buffer state carry
-    over between iterations; everything about micro-batches is per iteration."""
+    over between iterations; everything about micro-batches is per iteration. ``rules`` is
+    ``op_rules.RULES``, whose ``stage`` entry of each kind lists functions below (handed in, not
+    imported: the table refers to this class)."""
 
-    def __init__(self, compiled: CompiledSchedule, stage: int):
+    def __init__(self, compiled: CompiledSchedule, stage: int, rules: Mapping):
+        self.rules = rules
         self.s = stage
         self.K = compiled.stages
         self.M = compiled.micro_batches
@@ -62,8 +66,8 @@ class _StageChecker:
                 continue
             if op.kind in GRADIENT_CONSUMER_KINDS:
                 self._consume(op)
-            for rule in RULES[op.kind].stage:  # op_rules.py
-                getattr(self, rule)(op)
+            for rule in self.rules[op.kind].stage:
+                rule(self, op)
         for mb in self.items:
             if mb not in self.fwd:
                 self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never forwarded"))

@@ -23,6 +23,7 @@ from .deadlock import _Simulation
 from .ir import BUFFER_KINDS, OP_INFO, CompiledSchedule
 from .spec import ScheduleError
 from .continuous_checks import ContinuousStageChecker
+from .op_rules import RULES
 from .stage_checks import _StageChecker
 
 _MAX_LISTED = 20
@@ -52,13 +53,13 @@ def check(compiled: CompiledSchedule, iterations: int = 2) -> list[Problem]:
         return unique(problems)
     if compiled.continuous:
         for scenario in scenarios(compiled, iterations):
-            problems += _Simulation(compiled, iterations, scenario).run()
+            problems += _Simulation(compiled, iterations, RULES, scenario).run()
             for s in range(compiled.stages):
-                problems += ContinuousStageChecker(compiled, s, scenario).run()
+                problems += ContinuousStageChecker(compiled, s, scenario, RULES).run()
         return unique(problems)
-    problems += _Simulation(compiled, iterations).run()
+    problems += _Simulation(compiled, iterations, RULES).run()
     for s in range(compiled.stages):
-        problems += _StageChecker(compiled, s).run(iterations)
+        problems += _StageChecker(compiled, s, RULES).run(iterations)
     return unique(problems)
 
 
@@ -100,7 +101,7 @@ def weight_versions(compiled: CompiledSchedule, iterations: int = 2) -> list[int
     peaks = [1] * compiled.stages
     for scenario in scenarios(compiled, iterations):
         for s in range(compiled.stages):
-            checker = ContinuousStageChecker(compiled, s, scenario)
+            checker = ContinuousStageChecker(compiled, s, scenario, RULES)
             checker.run()
             peaks[s] = max(peaks[s], checker.peak_versions)
     return peaks
