@@ -54,7 +54,7 @@ class CheckpointMixin:
         by layer; optimizer state cannot, so a layout change needs ``load_optimizer_states=False`` (an
         explicit restart of the optimizer state) and a checkpoint with nothing in flight."""
         self._gradients.wait_buffer()
-        changed, why = self._in_flight.layout_change(self, load_dir, tag)
+        changed, why = self._in_flight.layout_change(load_dir, tag)
         if changed and load_optimizer_states:
             raise ValueError(f"load_checkpoint({str(load_dir)!r}): {why}")
         with ckpt.loading():

@@ -25,6 +25,7 @@ engine selects that chunk, so DeepSpeed's own handlers run on it unchanged:
 from __future__ import annotations
 
 from ...schedules.compiler import inference_stream
+from ..ds import engine as ds_engine
 from .chunk_selector import ChunkSelector
 from ..precision.layout_clip import clip_like_one_chunk
 
@@ -37,7 +38,9 @@ class ChunkedEngine:
     _chunks: ChunkSelector | None = None
 
     def _init_chunks(self, compiled) -> None:
-        self._chunks = ChunkSelector(self, compiled.layout, compiled.virtual_stages)
+        self._chunks = ChunkSelector(compiled.layout, compiled.virtual_stages, self.stage_id, ds_engine.Boundary(self),
+                                     getattr(self.module, "set_chunk", None),  # one chunk: DeepSpeed's own module
+                                     self.is_pipe_partitioned or self.is_grad_partitioned)
 
     def is_first_stage(self):
         """Overrides ``PipelineEngine.is_first_stage`` (calls it without chunks): the first model part."""
@@ -57,7 +60,7 @@ class ChunkedEngine:
         # DeepSpeed's OptimizerStep (the pipeline-wide norm; a per-stage step swaps in its own mpu):
         # 1F1B's clip coefficient, whatever the layout (layout_clip.py)
         if self._chunked() and getattr(self.module, "one_chunk_parts", None) and self.mpu is self.grid:
-            return clip_like_one_chunk(self, self.gradient_clipping())
+            return clip_like_one_chunk(self.module, self.grid, self.mpu, self.device, self.gradient_clipping())
         return super().clip_fp32_gradients()
 
     def _loss_stage_global_rank(self):

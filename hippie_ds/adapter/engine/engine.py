@@ -38,6 +38,7 @@ for the others, and a deferred stage applies last step's gradient. DeepSpeed's `
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import weakref
 from types import MethodType
@@ -48,7 +49,7 @@ from ..._compat import check_deepspeed
 from ...schedules.deferral import Deferral
 from ...schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, CompiledSchedule
 from ..checkpoint.in_flight import TrainingState
-from ..ds import engine as ds_engine
+from ..ds import checkpoint as ds_checkpoint, engine as ds_engine
 from ..module.tensor_calls import tensor_bytes
 from ..process.failure import end_job_on_failure
 from ..profiling.timeline import InstructionEvent, Timeline, compute_clock
@@ -105,6 +106,7 @@ class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, Chun
         self._timeline_dir = timeline_dir
         self._timeline = Timeline(timeline_steps, compute_clock(self.device))  # its `now` times every instruction
         self._hooks: list = [self._timeline] if timeline_dir is not None else []
+        self._train_batch_hooks: list = []  # add_train_batch_hook's, outermost first
         self._batch_index = 0
         self._training = False  # hooks see train_batch and drain only
         # continuous schedules: where the calls stand (call_cursor); weight versions (module docstring)
@@ -118,7 +120,8 @@ class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, Chun
         self._params, self._versions, self._gradients = parts.params, parts.versions, parts.gradients
         self._stage_step, self._updates, self._split, self._tied = parts.step, parts.updates, parts.split, parts.tied
         self._in_flight = TrainingState(self.module, self._gradients, self._versions, self._cursor, self._continuous,
-                                        self.stage_id, self.device)  # what a checkpoint saves and restores
+                                        self.stage_id, self.device, self.optimizer,
+                                        ds_checkpoint.CheckpointFiles(self))  # what a checkpoint saves and restores
         atexit.register(warn_in_flight_at_exit, weakref.ref(self))
 
     def add_instruction_hook(self, hook):
@@ -127,6 +130,13 @@ class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, Chun
         hook the engine reads its compute clock around each instruction (CUDA: a stream sync)."""
         self._hooks.append(hook)
         return lambda: self._hooks.remove(hook) if hook in self._hooks else None
+
+    def add_train_batch_hook(self, hook):
+        """Run each ``train_batch`` call as ``hook(run)``: ``run()`` runs the call (inside the hooks added
+        after this one) and returns its loss, which ``hook`` returns (``hippie.profile`` measures
+        around the calls so); returns its remover."""
+        self._train_batch_hooks.append(hook)
+        return lambda: self._train_batch_hooks.remove(hook) if hook in self._train_batch_hooks else None
 
     # ------------------------------------------------------------------ schedule
     def _train_schedule(self):
@@ -187,7 +197,14 @@ class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, Chun
 
     def train_batch(self, data_iter=None):
         """Overrides ``PipelineEngine.train_batch`` (calls it): a deferred stage computes on predicted
-        weights; a continuous schedule's call advances the counters once and keeps its learning rates."""
+        weights; a continuous schedule's call advances the counters once and keeps its learning rates.
+        The call runs inside the hooks of :meth:`add_train_batch_hook`."""
+        run = functools.partial(self._run_train_batch, data_iter)
+        for hook in reversed(self._train_batch_hooks):
+            run = functools.partial(hook, run)
+        return run()
+
+    def _run_train_batch(self, data_iter):
         self._training = True
         self._cursor.start()
         self._gradients.count_backwards_from_zero()
