@@ -84,11 +84,19 @@ def _fake_engine():
     return engine, chosen
 
 
+def _selector(engine, layout, virtual_stages):
+    """A ChunkSelector given what the engine's ``_init_chunks`` gives it."""
+    from hippie_ds.adapter.ds.engine import Boundary
+    from hippie_ds.adapter.stage.chunk_selector import ChunkSelector
+    return ChunkSelector(layout, virtual_stages, engine.stage_id, Boundary(engine), engine.module.set_chunk,
+                         engine.is_pipe_partitioned or engine.is_grad_partitioned)
+
+
 def test_the_chunk_selector_keeps_each_chunks_p2p_state_and_neighbours():
-    from hippie_ds.adapter.stage.chunk_selector import GRADIENT_TAG, ChunkSelector
+    from hippie_ds.adapter.stage.chunk_selector import GRADIENT_TAG
     from hippie_ds.schedules.layout import Layout
     engine, chosen = _fake_engine()
-    chunks = ChunkSelector(engine, Layout("v", 2, 2), 2)  # stage 0 holds parts 0 and 3
+    chunks = _selector(engine, Layout("v", 2, 2), 2)  # stage 0 holds parts 0 and 3
     assert chunks.both_ends and chunks.gradient_tag == GRADIENT_TAG and chunks.local(0) and not chunks.local(1)
     assert (chunks.is_first(), chunks.is_last()) == (True, True)  # outside ops: holds both ends
     chunks.select(0)
@@ -106,13 +114,13 @@ def test_the_chunk_selector_keeps_each_chunks_p2p_state_and_neighbours():
     chunks.select(1)
     assert engine.pipe_recv_buf is None and chosen == [0, 1, 0, None, 1]
     one, chosen = _fake_engine()
-    plain = ChunkSelector(one, Layout("interleaved", 2, 1), 1)
+    plain = _selector(one, Layout("interleaved", 2, 1), 1)
     plain.select(0)
     assert (plain.chunk, chosen, plain.gradient_tag, plain.is_first(), plain.local(0)) == (None, [], 0, None, False)
     one.is_grad_partitioned = True  # tensor-slice parallelism: refused with chunks only
-    ChunkSelector(one, Layout("interleaved", 2, 1), 1)
+    _selector(one, Layout("interleaved", 2, 1), 1)
     with pytest.raises(ValueError, match="2 virtual stages do not support partitioned pipeline activations"):
-        ChunkSelector(one, Layout("interleaved", 2, 2), 2)
+        _selector(one, Layout("interleaved", 2, 2), 2)
 
 
 def test_chunked_gradients_go_with_an_explicit_tag(monkeypatch):
@@ -137,9 +145,16 @@ def test_chunked_gradients_go_with_an_explicit_tag(monkeypatch):
         chunk_selector.send(grid, t, 2, chunk_selector.GRADIENT_TAG)
 
 
+def _stage_step(engine, **kwargs):
+    """A StageStep given what build.py gives it from ``engine`` (no gradient store)."""
+    from hippie_ds.adapter.ds.engine import ModelStep
+    from hippie_ds.adapter.precision.step import StageStep
+    return StageStep(engine.optimizer, getattr(engine, "mpu", None), getattr(engine, "grid", None), ModelStep(engine),
+                     store=None, fp16=engine.fp16_enabled(), **kwargs)
+
+
 def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure():
     from types import SimpleNamespace
-    from hippie_ds.adapter.precision.step import StageStep
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}, {"lr": 0.2}], mpu="stock mpu", clip_grad=1.0)
     engine = SimpleNamespace(optimizer=optimizer, mpu="stock mpu", grid=SimpleNamespace(), lr_scheduler="schedule",
                              global_steps=7, global_samples=70, skipped_steps=1, fp16_enabled=lambda: False,
@@ -150,7 +165,7 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
     def state():
         return {**vars(engine), "lrs": [g["lr"] for g in optimizer.param_groups], "optimizer_mpu": optimizer.mpu,
                 "clip_grad": optimizer.clip_grad, "config": engine._config.gradient_clipping}
-    stage = StageStep(engine, store=None, clip_group="tie group", clips_itself=True)
+    stage = _stage_step(engine, clip_group="tie group", clips_itself=True)
     with pytest.raises(RuntimeError, match="the step failed"):
         with stage.swapped(counters=False, lrs=[0.5, 0.6]) as local:
             assert engine.mpu is local and optimizer.mpu is local and local.get_model_parallel_group() == "tie group"
@@ -196,12 +211,11 @@ def test_an_fp16_wrapper_that_cannot_step_per_stage_is_refused_when_the_engine_i
     updates refuses it as the engine is built, on every rank."""
     from types import SimpleNamespace
     from hippie_ds import schedules
-    from hippie_ds.adapter.precision.step import StageStep
 
     class OnebitWrapper:  # a wrapper hippie-ds does not know
         param_groups = []
     engine = SimpleNamespace(optimizer=OnebitWrapper(), fp16_enabled=lambda: True)
     with pytest.raises(ValueError, match="schedule 'hippie' in fp16 needs DeepSpeed's FP16_UnfusedOptimizer.*"
                                          "FP16_Optimizer.*not OnebitWrapper"):
-        StageStep(engine, store=None, schedule=schedules.compile("hippie", 2, 4))
-    StageStep(engine, store=None, schedule=schedules.compile("zb-h1", 2, 4))  # DeepSpeed's own step: stock's path
+        _stage_step(engine, schedule=schedules.compile("hippie", 2, 4))
+    _stage_step(engine, schedule=schedules.compile("zb-h1", 2, 4))  # DeepSpeed's own step: stock's path

@@ -4,8 +4,9 @@ nor DeepSpeed, at any depth of their code; no module of the package, the tools o
 400 lines; the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
 from the tests. And the adapter's packages (issue 59): each with a one-line purpose and under
 MAX_PACKAGE_LINES lines, a package importing only the packages below it in ``hippie_ds.adapter.PACKAGES``
-(``ds`` at the bottom, ``integration`` at the top), and no module outside the ``engine`` package
-reading a private attribute of the engine (a component is built with what it uses)."""
+(``ds`` at the bottom, ``integration`` at the top), no module outside the ``engine`` package
+reading a private attribute of the engine, and no component taking the engine (a component is built
+with what it uses)."""
 import ast
 from pathlib import Path
 
@@ -236,3 +237,61 @@ def test_the_handlers_call_down_never_back_into_a_module_they_came_from():
     graph = {m: {t for t in module_imports(m, "hippie_ds") if t in modules} for m in modules}
     assert sum(map(len, graph.values())) > 5  # the imports are found
     assert circles(graph) == []
+
+
+# the one module outside the seam and the engine package that reads the engine: the factory that builds
+# the stage's components from it
+FACTORY = ADAPTER / "stage" / "build.py"
+ENGINE_CLASSES = {"HippiePipelineEngine", "PipelineEngine", "DeepSpeedEngine"}
+# functions of the scanned modules that are handed an engine and are no component, with why
+TAKES_AN_ENGINE = {"hippie_ds/adapter/profiling/timeline.py:time_stock_handlers":
+                   "times a stock PipelineEngine, which has no instruction hook, by rebinding that engine's map"}
+
+
+def _component_modules() -> list[Path]:
+    """The adapter's modules less the engine package (the class whose overrides DeepSpeed calls),
+    ``ds`` (the seam), ``integration.py`` (it builds the engine) and the components' factory."""
+    return [p for p in _modules() if _package(p) not in ("ds", "integration", "engine", *_order()[1])
+            and p != FACTORY]
+
+
+def engine_parameters(path: Path, root: Path = ROOT) -> list[str]:
+    """Functions and methods (a class's ``__init__`` included) of ``path`` with a parameter named
+    ``engine`` or annotated with an engine class."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = node.args
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+            if arg is None:
+                continue
+            annotated = arg.annotation is not None and \
+                any(isinstance(n, ast.Name) and n.id in ENGINE_CLASSES or isinstance(n, ast.Attribute) and
+                    n.attr in ENGINE_CLASSES or isinstance(n, ast.Constant) and str(n.value) in ENGINE_CLASSES
+                    for n in ast.walk(arg.annotation))
+            if arg.arg == "engine" or annotated:
+                found.append(f"{path.relative_to(root).as_posix()}:{node.name}")
+    return found
+
+
+def test_no_component_constructor_takes_the_engine():
+    """A component is built with what it reads (tensors, the optimizer, the grid and process groups,
+    callables for the DeepSpeed operations it triggers, made in ``adapter/ds/``), never the engine: it
+    cannot call back through it; the stage runtime takes DeepSpeed's side of the stage
+    (``ds.stage.DeepSpeedStage``), not the engine. Only the components' factory (``stage/build.py``),
+    the engine package and the seam read the engine."""
+    modules = _component_modules()
+    assert len(modules) > 30 and ADAPTER / "stage" / "chunk_selector.py" in modules  # the scan finds them
+    assert ADAPTER / "stage" / "runtime.py" in modules and FACTORY.is_file()
+    found = [f for p in modules for f in engine_parameters(p) if f not in TAKES_AN_ENGINE]
+    assert found == [], "components take the engine (give them what they read):\n" + "\n".join(found)
+
+
+def test_an_engine_parameter_is_found(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class A:\n    def __init__(self, engine):\n        pass\n"
+                     "def f(x, e: 'HippiePipelineEngine'):\n    pass\n"
+                     "def g(x, *, e: ds.PipelineEngine = None):\n    pass\n"
+                     "def h(optimizer, checkpoint_engine):\n    pass\n")
+    assert sorted(engine_parameters(probe, root=tmp_path)) == ["probe.py:__init__", "probe.py:f", "probe.py:g"]

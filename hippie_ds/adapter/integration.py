@@ -313,6 +313,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     log_choice(model, choices)
     if options.profile is not None:  # hippie.profile: measure the layers in place, write one profile
         from .profiling.profile_in_place import profile_in_place
-        profile_in_place(engine, options.profile)
+        profile_in_place(options.profile, engine.module, engine.add_train_batch_hook, device=engine.device,
+                         stage=engine.stage_id, rank=engine.global_rank, replica=engine.grid.data_parallel_id,
+                         data_parallel=engine.grid.data_parallel_size,
+                         micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+                         global_batch=engine.train_batch_size())
     ds_engine.configure_python_gc(engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

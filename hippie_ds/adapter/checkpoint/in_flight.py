@@ -5,7 +5,7 @@ the staleness correction's deltas, each holder's copy of a tied module under sch
 flush, and the stage layout; what a save gathers and a load restores. In-flight state is wrapped so
 that stock DeepSpeed refuses it (:mod:`hippie_ds.adapter.checkpoint.state`); checkpoints of stock
 DeepSpeed and of other stage layouts load (weights follow by layer). The engine's
-``save_checkpoint`` / ``load_checkpoint`` overrides (adapter/engine/checkpoint.py) call it.
+``save_checkpoint`` / ``load_checkpoint`` overrides (adapter/engine/engine.py, through the stage runtime) call it.
 """
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ from ..ds import checkpoint as ds_checkpoint, module as ds_module
 class TrainingState:
     """Built with what it saves and restores: the ``module`` (its parts and tied modules), the
     stage's ``gradients`` (StageGradients), weight ``versions`` (WeightVersions), the call ``cursor``,
-    whether the schedule is ``continuous``, the ``stage`` and the ``device`` loads go to."""
+    whether the schedule is ``continuous``, the ``stage`` and the ``device`` loads go to; and with what
+    a load's layout check reads: the ``optimizer`` (its parameter groups) and the checkpoint ``files``
+    DeepSpeed's load reads (:class:`~hippie_ds.adapter.ds.checkpoint.CheckpointFiles`)."""
 
-    def __init__(self, module, gradients, versions, cursor, continuous: bool, stage: int, device):
+    def __init__(self, module, gradients, versions, cursor, continuous: bool, stage: int, device, optimizer,
+                 files: ds_checkpoint.CheckpointFiles):
         self.module, self.gradients, self.versions, self.cursor = module, gradients, versions, cursor
         self.continuous, self.stage, self.device = continuous, stage, device
+        self.optimizer, self.files = optimizer, files
         # this stage's staleness correction (deferred stage or versioned stage), or None
         self.prediction = gradients.prediction or versions.prediction
 
@@ -98,9 +102,8 @@ class TrainingState:
         for name, weight in own.items():
             torch.Tensor.copy_(weight, saved[name].to(weight.device, weight.dtype))
 
-    def layout_change(self, engine, load_dir, tag) -> tuple[bool, str]:
-        """Whether the checkpoint's stage layout differs from this model's, and the message (``engine``:
-        the DeepSpeed engine whose checkpoint files and optimizer are read). A
+    def layout_change(self, load_dir, tag) -> tuple[bool, str]:
+        """Whether the checkpoint's stage layout differs from this model's, and the message. A
         stock checkpoint carries no layout: its stage count (DeepSpeed's, tensor parallelism
         included: :func:`~hippie_ds.adapter.checkpoint.state.checkpoint_stages`) and whether
         this rank's optimizer state fits its parameters tell."""
@@ -111,10 +114,10 @@ class TrainingState:
                 return False, ""  # DeepSpeed warns and loads nothing
             with open(latest) as f:
                 tag = f.read().strip()
-        files = ds_checkpoint.checkpoint_files(engine, load_dir, tag)  # the model-state files DeepSpeed reads (mp_rank_XX)
+        files = self.files.all(load_dir, tag)  # the model-state files DeepSpeed reads (mp_rank_XX)
         if not files:
             return False, ""
-        own = ds_checkpoint.own_checkpoint_file(engine, load_dir, tag)  # the one this rank's DeepSpeed load reads
+        own = self.files.own(load_dir, tag)  # the one this rank's DeepSpeed load reads
         with ckpt.loading():
             saved = torch.load(own if os.path.exists(own) else files[0], map_location="cpu", weights_only=False)
         current = ckpt.layout(self.module.parts)
@@ -123,8 +126,8 @@ class TrainingState:
         shapes_match = True
         optimizer = saved.get("optimizer")
         if saved_layout is None and os.path.exists(own) and isinstance(optimizer, dict) and \
-                {"state", "param_groups"} <= set(optimizer) and hasattr(engine.optimizer, "param_groups"):
+                {"state", "param_groups"} <= set(optimizer) and hasattr(self.optimizer, "param_groups"):
             shapes_match = ckpt.optimizer_state_fits(optimizer["state"], optimizer["param_groups"],
-                                                     [g["params"] for g in engine.optimizer.param_groups])
+                                                     [g["params"] for g in self.optimizer.param_groups])
         changed = ckpt.layout_changed(saved_layout, current, stages, shapes_match)
         return changed, ckpt.layout_change_message(saved_layout, current, stages) if changed else ""

@@ -9,11 +9,14 @@ only (``def _name`` and its ``super()._name(...)``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.pipe.engine import PIPE_RECV_GRAD_TIMER, PIPE_SEND_GRAD_TIMER, PipelineEngine
 
-__all__ = ["PipelineEngine", "PIPE_RECV_GRAD_TIMER", "PIPE_SEND_GRAD_TIMER", "P2P_STATE"]
+__all__ = ["PipelineEngine", "PIPE_RECV_GRAD_TIMER", "PIPE_SEND_GRAD_TIMER", "P2P_STATE", "Boundary", "Backward",
+           "ModelStep"]
 
 # ---------------------------------------------------------------- the instruction map
 
@@ -102,6 +105,31 @@ def receive_buffer_tensors(engine) -> list:
     return [*engine._grad_layer_buf, *((layer,) if torch.is_tensor(layer) else layer or ())]
 
 
+class Boundary:
+    """One engine's p2p boundary as DeepSpeed's handlers read it: its neighbours and its
+    :data:`P2P_STATE`, for virtual stages' per-chunk state (``engine/chunk_selector.py``), which holds
+    this and not the engine."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def neighbours(self) -> tuple[int, int]:
+        """Roughly: ``(engine.prev_stage, engine.next_stage)`` (the stages DeepSpeed's p2p handlers talk to)."""
+        return self._engine.prev_stage, self._engine.next_stage
+
+    def set_neighbours(self, prev_stage: int, next_stage: int) -> None:
+        """Roughly: ``engine.prev_stage, engine.next_stage = prev_stage, next_stage``."""
+        self._engine.prev_stage, self._engine.next_stage = prev_stage, next_stage
+
+    def state(self) -> dict:
+        """Roughly: :func:`p2p_state` of the engine."""
+        return p2p_state(self._engine)
+
+    def set_state(self, state: dict) -> None:
+        """Roughly: :func:`set_p2p_state` of the engine."""
+        set_p2p_state(self._engine, state)
+
+
 # ---------------------------------------------------------------- stock handlers
 
 
@@ -153,6 +181,31 @@ def scale_loss(engine, loss):
     return loss
 
 
+class Backward:
+    """DeepSpeed's backward on one engine as the split backward (``gradients/split.py``) runs it, which
+    holds this and not the engine: the loss scale, the received gradient, the flag DeepSpeed's output
+    hooks check, the epilogue."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def scale_loss(self, loss):
+        """Roughly: :func:`scale_loss` of the engine."""
+        return scale_loss(self._engine, loss)
+
+    def received_gradient(self):
+        """Roughly: :func:`received_gradient` of the engine (``engine.grad_layer``)."""
+        return received_gradient(self._engine)
+
+    def set_running(self, running: bool) -> None:
+        """Roughly: :func:`set_running_engine_backward` of the engine."""
+        set_running_engine_backward(self._engine, running)
+
+    def epilogue(self) -> None:
+        """Roughly: :func:`backward_epilogue` of the engine (``engine._backward_epilogue()``)."""
+        backward_epilogue(self._engine)
+
+
 def take_model_step(engine) -> None:
     """Roughly: ``engine._take_model_step(None)`` (DeepSpeedEngine's update: clip, step, zero, counters)."""
     engine._take_model_step(None)
@@ -183,3 +236,66 @@ def set_grad_boundary(engine, forced: bool) -> None:
 def configure_python_gc(engine) -> None:
     """Roughly: ``engine._configure_python_gc()`` (DeepSpeedEngine's garbage-collection setting, from its config)."""
     engine._configure_python_gc()
+
+
+class ModelStep:
+    """DeepSpeed's model step on one engine and the engine settings it reads, for the per-stage step
+    (``precision/step.py``), which holds this and not the engine: the step itself, the settings it
+    takes for a stage's step (:meth:`settings`), its counters and its gradient norm."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def take(self) -> None:
+        """Roughly: :func:`take_model_step` (``engine._take_model_step(None)``)."""
+        take_model_step(self._engine)
+
+    def clipping(self) -> float:
+        """Roughly: ``engine.gradient_clipping()`` (:func:`clipping_setting`)."""
+        return self._engine.gradient_clipping()
+
+    @contextlib.contextmanager
+    def settings(self, mpu, clipping: float | None, counters: bool):
+        """Inside: the engine's mpu is ``mpu``, its config's gradient clipping ``clipping`` (None: as
+        it is), ``_force_grad_boundary`` holds; ``counters`` False: no LR scheduler, and
+        ``global_steps`` / ``global_samples`` / ``skipped_steps`` come back as they were. All put back
+        after, when the body raises too. Roughly: ``engine.mpu = mpu``, :func:`set_clipping_setting`,
+        :func:`set_grad_boundary`, ``engine.lr_scheduler = None``."""
+        e = self._engine
+        mpu_before, clipping_before = e.mpu, clipping_setting(e)
+        scheduler, steps, samples, skipped = e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps
+        try:
+            if not counters:
+                e.lr_scheduler = None
+            e.mpu = mpu
+            if clipping is not None:
+                set_clipping_setting(e, clipping)
+            set_grad_boundary(e, True)
+            yield
+        finally:
+            set_grad_boundary(e, False)
+            e.mpu = mpu_before
+            set_clipping_setting(e, clipping_before)
+            if not counters:
+                e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps = scheduler, steps, samples, skipped
+
+    def set_global_grad_norm(self, norm: float) -> None:
+        """Roughly: :func:`set_global_grad_norm` of the engine."""
+        set_global_grad_norm(self._engine, norm)
+
+    def count_skipped(self) -> None:
+        """Roughly: ``engine.skipped_steps += 1`` (an fp16 update skipped, as stock counts it)."""
+        self._engine.skipped_steps += 1
+
+    def advance(self, schedule: bool = True) -> None:
+        """Roughly: what ``_take_model_step`` advances after an update: ``engine.lr_scheduler.step()``
+        (unless ``schedule`` is False; Megatron's scheduler takes ``train_batch_size()``), then
+        ``global_steps += 1`` and ``global_samples += train_batch_size()``."""
+        e = self._engine
+        if e.lr_scheduler is not None and schedule:
+            try:
+                e.lr_scheduler.step()
+            except TypeError:  # as DeepSpeed's _take_model_step: Megatron's scheduler takes the samples
+                e.lr_scheduler.step(e.train_batch_size())
+        e.global_steps += 1
+        e.global_samples += e.train_batch_size()

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...schedules.compiler import inference_stream
+from ..precision.layout_clip import clip_like_one_chunk
 from ..stage.chunk_selector import ChunkSelector
 
 
@@ -74,3 +75,13 @@ def inference_schedule(chunks: ChunkSelector | None, micro_batches: int, stages:
     from ..stage.instructions import OpSchedule
     return OpSchedule(inference_stream(chunks.layout, chunks.stage, micro_batches), micro_batches, stages,
                       chunks.stage, num_buffers=2)
+
+
+def clip_fp32_gradients(chunks: ChunkSelector | None, module, grid, mpu, device, max_norm: float,
+                        stock: Callable[[], object]):
+    """``clip_fp32_gradients``, called by DeepSpeed's ``OptimizerStep`` (the pipeline-wide norm; a
+    per-stage step swaps in its own mpu): a virtual layout clips by 1F1B's clip coefficient, whatever
+    the layout (layout_clip.py)."""
+    if _chunked(chunks) and getattr(module, "one_chunk_parts", None) and mpu is grid:
+        return clip_like_one_chunk(module, grid, mpu, device, max_norm)
+    return stock()

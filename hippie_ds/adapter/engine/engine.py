@@ -35,12 +35,10 @@ import torch
 from ..._compat import check_deepspeed
 from ...schedules.deferral import Deferral
 from ...schedules.ir import GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, CompiledSchedule
-from ..checkpoint import state as ckpt
 from ..checkpoint.in_flight import TrainingState
-from ..ds import engine as ds_engine
+from ..ds import checkpoint as ds_checkpoint, engine as ds_engine
 from ..ds.stage import DeepSpeedStage
 from ..module.tensor_calls import tensor_bytes
-from ..precision.layout_clip import clip_like_one_chunk
 from ..profiling.timeline import Timeline, compute_clock
 from . import chunks as chunk_overrides
 from ..stage.build import build
@@ -87,12 +85,16 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
                              f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
                              f"{self.micro_batches}")
         # virtual stages: the per-chunk state, before the components (they read the stage's neighbours)
-        self._chunk_selector = chunks = ChunkSelector(self, compiled_schedule.layout, compiled_schedule.virtual_stages)
+        self._chunk_selector = chunks = ChunkSelector(
+            compiled_schedule.layout, compiled_schedule.virtual_stages, self.stage_id, ds_engine.Boundary(self),
+            getattr(self.module, "set_chunk", None),  # one chunk: DeepSpeed's own module has none
+            self.is_pipe_partitioned or self.is_grad_partitioned)
         cursor = CallCursor()  # continuous schedules: where the calls stand
         parts = build(self, compiled_schedule, staleness, deferral, lambda: self._runtime.early_allreduce_started())
         module = self.module
         in_flight = TrainingState(module, parts.gradients, parts.versions, cursor, compiled_schedule.continuous,
-                                  self.stage_id, self.device)  # what a checkpoint saves and restores
+                                  self.stage_id, self.device, self.optimizer,
+                                  ds_checkpoint.CheckpointFiles(self))  # what a checkpoint saves and restores
         self._runtime = StageRuntime(DeepSpeedStage(self), compiled_schedule, parts, chunks, cursor, in_flight,
                                     lambda chunk: module.chunk_parameters(chunk),
                                     Timeline(timeline_steps, compute_clock(self.device)), timeline_dir)
@@ -112,9 +114,8 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         return self._runtime.train_batch(lambda: super(HippiePipelineEngine, self).train_batch(data_iter))
 
     def eval_batch(self, *args, **kwargs):
-        """Overrides ``PipelineEngine.eval_batch`` (calls it), after ``drain()`` on a continuous schedule."""
-        self.drain() if self._runtime.continuous else None  # evaluation reuses the pipe buffers: in-flight first
-        return super().eval_batch(*args, **kwargs)
+        """Overrides ``PipelineEngine.eval_batch``: delegates to ``StageRuntime.eval_batch`` (drains first), which calls it."""
+        return self._runtime.eval_batch(lambda: super(HippiePipelineEngine, self).eval_batch(*args, **kwargs))
 
     # ------------------------------------------------------------------ virtual stages (chunks.py)
     def is_first_stage(self):
@@ -143,23 +144,20 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
                                                   super()._inference_schedule)
 
     def clip_fp32_gradients(self):
-        """Overrides ``DeepSpeedEngine.clip_fp32_gradients`` (calls it): a virtual layout clips by 1F1B's coefficient."""
-        # DeepSpeed's OptimizerStep (the pipeline-wide norm; a per-stage step swaps in its own mpu):
-        # 1F1B's clip coefficient, whatever the layout (layout_clip.py)
-        chunks = self._chunks()
-        if chunks is not None and chunks.chunked and getattr(self.module, "one_chunk_parts", None) \
-                and self.mpu is self.grid:
-            return clip_like_one_chunk(self, self.gradient_clipping())
-        return super().clip_fp32_gradients()
+        """Overrides ``DeepSpeedEngine.clip_fp32_gradients`` (DeepSpeed's step calls it back): delegates to the
+        chunks (a virtual layout clips by 1F1B's coefficient; DeepSpeed's clipping without chunks)."""
+        return chunk_overrides.clip_fp32_gradients(self._chunks(), self.module, self.grid, self.mpu, self.device,
+                                                   self.gradient_clipping(), super().clip_fp32_gradients)
 
     def _chunks(self) -> ChunkSelector | None:
         return self._chunk_selector
 
     def _backward_prologue_per_tensor(self, grad):
-        """Overrides ``DeepSpeedEngine._backward_prologue_per_tensor`` (DeepSpeed's output hook): it
-        divides by the accumulation steps unless the split backward's input pass divided the loss itself."""
-        split = None if self._runtime is None else self._runtime.split
-        return grad if split is not None and split.loss_scaled else super()._backward_prologue_per_tensor(grad)
+        """Overrides ``DeepSpeedEngine._backward_prologue_per_tensor`` (DeepSpeed's output hook calls it back):
+        delegates to ``StageRuntime.backward_prologue`` (no second division where the split backward's input
+        pass divided the loss itself)."""
+        stock = super()._backward_prologue_per_tensor
+        return stock(grad) if self._runtime is None else self._runtime.backward_prologue(grad, stock)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
@@ -174,18 +172,12 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         """Overrides ``DeepSpeedEngine.load_checkpoint`` (calls it), plus hippie-ds's state. Loads
         checkpoints of stock DeepSpeed and of other stage layouts (re-planned runs): weights follow
         by layer; optimizer state cannot, so a layout change needs ``load_optimizer_states=False`` (an
-        explicit restart of the optimizer state) and a checkpoint with nothing in flight."""
-        in_flight = self._runtime.in_flight
-        self._runtime.gradients.wait_buffer()
-        changed, why = in_flight.layout_change(self, load_dir, tag)
-        if changed and load_optimizer_states:
-            raise ValueError(f"load_checkpoint({str(load_dir)!r}): {why}")
-        with ckpt.loading():
-            path, client_state = super().load_checkpoint(load_dir, tag=tag,
-                                                         load_optimizer_states=load_optimizer_states, **kwargs)
-        if client_state is not None:
-            in_flight.restore(client_state, load_dir, changed)
-        return path, client_state
+        explicit restart of the optimizer state) and a checkpoint with nothing in flight. Delegates to
+        ``StageRuntime.load_checkpoint``, which calls it."""
+        return self._runtime.load_checkpoint(
+            lambda: super(HippiePipelineEngine, self).load_checkpoint(
+                load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kwargs),
+            load_dir, tag, load_optimizer_states)
 
     # ------------------------------------------------------------------ public
     def add_instruction_hook(self, hook):
@@ -193,6 +185,14 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         instruction ``train_batch`` and ``drain`` run here, in order; returns its remover. With a
         hook the engine reads its compute clock around each instruction (CUDA: a stream sync)."""
         hooks = self._runtime.hooks
+        hooks.append(hook)
+        return lambda: hooks.remove(hook) if hook in hooks else None
+
+    def add_train_batch_hook(self, hook):
+        """Run each ``train_batch`` call as ``hook(run)``: ``run()`` runs the call (inside the hooks added
+        after this one) and returns its loss, which ``hook`` returns (``hippie.profile`` measures
+        around the calls so); returns its remover."""
+        hooks = self._runtime.train_batch_hooks
         hooks.append(hook)
         return lambda: hooks.remove(hook) if hook in hooks else None
 

@@ -36,6 +36,7 @@ parameter group, so a step with nothing to apply to some parameters puts back th
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from deepspeed import comm as dist
@@ -50,34 +51,37 @@ def fp16_unfused(optimizer) -> bool:
     return ds_fp16.is_unfused(optimizer) or ds_fp16.is_fused(optimizer)
 
 
-def fp16_per_stage(engine) -> bool:
-    """fp16 on a wrapper whose per-stage steps :class:`Fp16Votes` decides: FP16_UnfusedOptimizer,
-    FP16_Optimizer (DeepSpeed's fused Adam), or ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
+def fp16_per_stage(fp16: bool, optimizer) -> bool:
+    """fp16 (``fp16``: the engine's ``fp16_enabled()``) on a wrapper whose per-stage steps
+    :class:`Fp16Votes` decides: FP16_UnfusedOptimizer, FP16_Optimizer (DeepSpeed's fused Adam), or
+    ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
     from ..ds.zero import is_zero
-    return bool(engine.fp16_enabled()) and (fp16_unfused(engine.optimizer) or is_zero(engine.optimizer))
+    return bool(fp16) and (fp16_unfused(optimizer) or is_zero(optimizer))
 
 
-def check_fp16_wrapper(engine, schedule: str) -> None:
+def check_fp16_wrapper(fp16: bool, optimizer, schedule: str) -> None:
     """On every rank as the engine is built, before any collective: refuse an fp16 wrapper that
     :class:`Fp16Votes` cannot decide for under a schedule with per-stage updates (none of
     DeepSpeed 0.19's fp16 pipeline paths: a safeguard for another wrapper)."""
-    if engine.fp16_enabled() and not fp16_per_stage(engine):
+    if fp16 and not fp16_per_stage(fp16, optimizer):
         raise ValueError(f"schedule {schedule!r} in fp16 needs DeepSpeed's FP16_UnfusedOptimizer (a torch "
                          "optimizer), FP16_Optimizer (its fused Adam) or ZeRO-1's DeepSpeedZeroOptimizer, not "
-                         f"{type(engine.optimizer).__name__}, whose step hippie-ds cannot split by stage")
+                         f"{type(optimizer).__name__}, whose step hippie-ds cannot split by stage")
 
 
 class Fp16Votes:
-    """The engine's fp16 decisions (module docstring); None-safe helpers for the engine's steps."""
+    """A stage's fp16 decisions (module docstring); None-safe helpers for its steps. Built with what it
+    reads: the ``optimizer`` (the fp16 wrapper), the ``device`` its flags go on, and ``count_skipped``
+    (DeepSpeed's count of a skipped step, ``ds.engine.ModelStep.count_skipped``)."""
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, optimizer, device, count_skipped: Callable[[], None]):
+        self._optimizer, self._device, self._count_skipped = optimizer, device, count_skipped
 
     def vote(self, params: list[torch.Tensor] | None) -> bool:
         """True when any rank's gradients of ``params`` (this rank's part of the update; None:
         nothing) hold a non-finite value. A collective of the whole job."""
         local = any(not bool(torch.isfinite(p.grad).all()) for p in params or () if p.grad is not None)
-        flag = torch.tensor([1.0 if local else 0.0], device=self._engine.device)
+        flag = torch.tensor([1.0 if local else 0.0], device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -85,7 +89,7 @@ class Fp16Votes:
         """The gradient norm of ``params`` joined over ``group`` (a tied module's holders: they clip
         by it): one all-reduce, the same on every holder whatever its parameter groups."""
         local = sum(float(torch.Tensor.float(p.grad).norm(2)) ** 2 for p in params if p.grad is not None)
-        total = torch.tensor([local], dtype=torch.float32, device=self._engine.device)
+        total = torch.tensor([local], dtype=torch.float32, device=self._device)
         dist.all_reduce(total, group=group)
         return float(total.item()) ** 0.5
 
@@ -94,7 +98,7 @@ class Fp16Votes:
         """Inside: the wrapper's overflow check answers ``overflow`` (no collective of its own); with
         ``joint``, its gradient norm is that (:meth:`joint_norm`), where it would reduce one norm per
         parameter group over the tie group (holders with other groups would wait on each other)."""
-        optimizer = self._engine.optimizer
+        optimizer = self._optimizer
         if not fp16_unfused(optimizer):  # ZeRO-1: its flag check sets ``overflow``; its norms follow the stage's mpu
             optimizer.check_overflow = lambda *args, **kwargs: setattr(optimizer, "overflow", overflow)
             try:
@@ -108,11 +112,10 @@ class Fp16Votes:
     def update_scale(self, overflow: bool, counters: bool = True) -> None:
         """A rank with nothing to apply in an update: the scale moves as the steppers' does, and
         the step counts as stock counts a skipped one (``counters``: an update that advances them)."""
-        e = self._engine
-        ds_fp16.update_scale(e.optimizer, overflow)
-        e.optimizer.overflow = overflow
+        ds_fp16.update_scale(self._optimizer, overflow)
+        self._optimizer.overflow = overflow
         if overflow and counters:
-            e.skipped_steps += 1
+            self._count_skipped()
 
 
 def fp16_unmoved(params: list[torch.Tensor], optimizer):

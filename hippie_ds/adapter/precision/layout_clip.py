@@ -56,9 +56,10 @@ def _one_chunk_order(specs, start: int, stop: int) -> list[tuple[str, object]]:
                                            if not isinstance(specs[i], TiedLayerSpec)]
 
 
-def clip_like_one_chunk(engine, max_norm: float) -> torch.Tensor:
-    """Clip this rank's fp32 gradients by 1F1B's coefficient; returns the total norm (as stock)."""
-    module, grid = engine.module, engine.grid
+def clip_like_one_chunk(module, grid, mpu, device, max_norm: float) -> torch.Tensor:
+    """Clip this rank's fp32 gradients (of ``module``, the stage's ``PipelineModule``) by 1F1B's
+    coefficient; returns the total norm (as stock). ``grid``: the pipe grid; ``mpu``: the engine's
+    (the pipeline's model-parallel group); ``device``: the engine's."""
     gathered = [None] * grid.get_pipe_parallel_world_size()
     dist.all_gather_object(gathered, _local_norms(module), group=grid.get_pipe_parallel_group())
     norms = {}
@@ -68,12 +69,12 @@ def clip_like_one_chunk(engine, max_norm: float) -> torch.Tensor:
     # position table's None): this stage's own copy is the one 1F1B's rank of this stage holds
     norms.update({key: value for key, value in gathered[grid.get_stage_id()].items() if key[0] == "tied"})
     parts = module.one_chunk_parts
-    stage, first = grid.get_stage_id(), engine.mpu.get_model_parallel_rank() == 0
+    stage, first = grid.get_stage_id(), mpu.get_model_parallel_rank() == 0
     mine = [n for key in _one_chunk_order(ds_module.layer_specs(module), parts[stage], parts[stage + 1])
             for n, everywhere in norms.get(key, []) if first or everywhere]
     total = torch.stack(mine).pow(2.0).sum().float() if mine else torch.FloatTensor([0.0])
-    total = total.to(engine.device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=engine.mpu.get_model_parallel_group())
+    total = total.to(device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
     total = total.pow(1.0 / 2.0)
     dp = data_parallel_group()
     total = total * 1.0 / float(dist.get_world_size(group=dp))

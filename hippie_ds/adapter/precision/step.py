@@ -1,4 +1,4 @@
-"""The engine's per-stage optimizer step (:class:`StageStep`): the step of ``StageOptimizerStep``,
+"""A stage's per-stage optimizer step (:class:`StageStep`): the step of ``StageOptimizerStep``,
 of a deferred stage's ``ApplyBufferedUpdate`` and of its ``drain()``. DeepSpeed's
 ``_take_model_step`` with the gradient norm reduced over the stage (or its tie group), not the
 pipeline; the step counters and the LR schedule advanced as stock DeepSpeed advances them, or left
@@ -12,7 +12,7 @@ import contextlib
 import torch
 from deepspeed import comm as dist
 
-from ..ds import engine as ds_engine
+from ..ds.engine import ModelStep
 from ..ds.runtime import clip_grad_norm_, get_global_norm_of_tensors
 from ..ds.zero import stage_step
 from .fp16_stage import Fp16Votes, check_fp16_wrapper, fp16_per_stage
@@ -48,7 +48,7 @@ class _StageLocalMPU:
 
 
 class StageStep:
-    """One stage's per-stage optimizer step, on its engine.
+    """One stage's per-stage optimizer step.
 
     * :meth:`step` -- an update: DeepSpeed's ``_take_model_step`` inside :meth:`swapped`;
     * :meth:`count_only` -- no update, the step counters and LR schedule advance (a wholly deferred
@@ -57,30 +57,35 @@ class StageStep:
       schedule's call);
     * :meth:`swapped` -- the context manager that owns every swap a step makes.
 
-    ``clip_group``: the tie group whose joint norm the step clips by (adapter/gradients/tied.py; None:
-    the stage's own); ``clips_itself``: the gradients come clipped already (a lagged tie sum,
-    adapter/gradients/tied.py), so the step clips nothing; ``tie_sums``: then the lagged tie sums
-    (tied.LaggedTieSums) whose norm before clipping the engine reports as its gradient norm, as
-    DeepSpeed reports the norm its optimizer clipped by; ``store``: the stage's
-    :class:`~hippie_ds.adapter.gradients.store.GradStore`."""
+    Built with what it reads: the ``optimizer`` (DeepSpeed's wrapper), the engine's ``mpu`` and the
+    pipe ``grid``, ``model_step`` (:class:`~hippie_ds.adapter.ds.engine.ModelStep`: DeepSpeed's step
+    and the engine settings it takes), the ``device``, whether ``fp16`` / ``bf16`` is enabled;
+    ``store``: the stage's :class:`~hippie_ds.adapter.gradients.store.GradStore`; ``clip_group``: the
+    tie group whose joint norm the step clips by (adapter/gradients/tied.py; None: the stage's own);
+    ``clips_itself``: the gradients come clipped already (a lagged tie sum, adapter/gradients/tied.py),
+    so the step clips nothing; ``tie_sums``: then the lagged tie sums (tied.LaggedTieSums) whose norm
+    before clipping the engine reports as its gradient norm, as DeepSpeed reports the norm its
+    optimizer clipped by."""
 
-    def __init__(self, engine, store, clip_group=None, clips_itself: bool = False, schedule=None, tie_sums=None):
-        self._engine = engine
+    def __init__(self, optimizer, mpu, grid, model_step: ModelStep, store, device=None, fp16: bool = False,
+                 bf16: bool = False, clip_group=None, clips_itself: bool = False, schedule=None, tie_sums=None):
+        self._optimizer, self._mpu, self._stage_grid, self._model = optimizer, mpu, grid, model_step
+        self._device, self._bf16 = device, bf16
         self._store = store
         self.clip_group = clip_group
         self.clips_itself = clips_itself
         self._tie_sums = tie_sums
         # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
-        self.fp16 = Fp16Votes(engine) if fp16_per_stage(engine) else None
+        self.fp16 = Fp16Votes(optimizer, device, model_step.count_skipped) if fp16_per_stage(fp16, optimizer) \
+            else None
         # drain() applies a buffered update only where some stage defers (else it votes on nothing)
         self._defers = schedule is None or bool(schedule.deferred_stages())
         if schedule is not None and own_gradient_ops(schedule) - SPLIT_BACKWARD_KINDS:  # it steps per stage
-            check_fp16_wrapper(engine, schedule.name)
+            check_fp16_wrapper(fp16, optimizer, schedule.name)
 
     def local_mpu(self, tie_norm: bool = True) -> _StageLocalMPU:
         """The mpu whose norms reduce over the stage (``tie_norm``: over its tie group, if any)."""
-        e = self._engine
-        return _StageLocalMPU(e.mpu, e.grid, self.clip_group if tie_norm else None)
+        return _StageLocalMPU(self._mpu, self._stage_grid, self.clip_group if tie_norm else None)
 
     @contextlib.contextmanager
     def swapped(self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True):
@@ -89,41 +94,30 @@ class StageStep:
         ``_force_grad_boundary`` holds (DeepSpeed's ``OptimizerStep`` sets it too). ``counters``
         False: no LR scheduler, and ``global_steps`` / ``global_samples`` come back as they were.
         ``lrs``: the optimizer's param groups take these learning rates, put back afterwards.
-        Everything is restored when the body raises, too. Yields the local mpu."""
-        e = self._engine
-        optimizer = e.optimizer
+        Everything is restored when the body raises, too (the engine's settings by
+        :meth:`~hippie_ds.adapter.ds.engine.ModelStep.settings`). Yields the local mpu."""
+        optimizer = self._optimizer
         local = self.local_mpu(tie_norm)
         groups = optimizer.param_groups
         has_mpu = hasattr(optimizer, "mpu")
-        mpu, optimizer_mpu = e.mpu, getattr(optimizer, "mpu", None)
-        clipping, clip_grad = ds_engine.clipping_setting(e), getattr(optimizer, "clip_grad", None)
-        scheduler, steps, samples, skipped = e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps
+        optimizer_mpu = getattr(optimizer, "mpu", None)
+        clip_grad = getattr(optimizer, "clip_grad", None)
         now = [g["lr"] for g in groups]
         try:
             if lrs is not None:
                 for g, lr in zip(groups, lrs):
                     g["lr"] = lr
-            if not counters:
-                e.lr_scheduler = None
-            e.mpu = local
             if has_mpu:
                 optimizer.mpu = local
-            if self.clips_itself:
-                ds_engine.set_clipping_setting(e, 0.0)
-                if clip_grad is not None:
-                    optimizer.clip_grad = 0.0
-            ds_engine.set_grad_boundary(e, True)
-            yield local
+            if self.clips_itself and clip_grad is not None:
+                optimizer.clip_grad = 0.0
+            with self._model.settings(local, 0.0 if self.clips_itself else None, counters):
+                yield local
         finally:
-            ds_engine.set_grad_boundary(e, False)
-            e.mpu = mpu
             if has_mpu:
                 optimizer.mpu = optimizer_mpu
-            ds_engine.set_clipping_setting(e, clipping)
             if clip_grad is not None:
                 optimizer.clip_grad = clip_grad
-            if not counters:
-                e.lr_scheduler, e.global_steps, e.global_samples, e.skipped_steps = scheduler, steps, samples, skipped
             if lrs is not None:
                 for g, lr in zip(groups, now):
                     g["lr"] = lr
@@ -139,12 +133,12 @@ class StageStep:
             self._store.count_for_norm()
             joint = self.fp16.joint_norm(self._store.params, local.get_model_parallel_group()) \
                 if self.fp16 is not None and not overflow and tie_norm and self.clip_group is not None else None
-            with stage_step(self._engine.optimizer, local), \
+            with stage_step(self._optimizer, local), \
                     self.fp16.decided(overflow, joint) if self.fp16 is not None else contextlib.nullcontext():
-                ds_engine.take_model_step(self._engine)  # ZeRO-1: its partition of .grad, its norm over the stage
+                self._model.take()  # ZeRO-1: its partition of .grad, its norm over the stage
         if self.clips_itself and self._tie_sums is not None and not overflow \
                 and self._tie_sums.norm_before_clip is not None:  # the optimizer saw clipped gradients
-            ds_engine.set_global_grad_norm(self._engine, self._tie_sums.norm_before_clip)
+            self._model.set_global_grad_norm(self._tie_sums.norm_before_clip)
 
     def drain_step(self, due: bool, tie_norm: bool) -> None:
         """``drain()``'s step of a deferred stage's buffered gradient (``due``: there is one, in
@@ -174,26 +168,18 @@ class StageStep:
         reduces the norm for its overflow check always, fp32 only to clip)."""
         if self.clip_group is None:
             return
-        e = self._engine
         local = self.local_mpu()
         if self.fp16 is not None and self._store.fp16:  # FP16_UnfusedOptimizer's holders reduce one joint norm
             self.fp16.joint_norm([], local.get_model_parallel_group())
             return
-        zero = torch.nn.Parameter(torch.zeros(1, device=e.device))
+        zero = torch.nn.Parameter(torch.zeros(1, device=self._device))
         zero.grad = torch.zeros_like(zero)
-        if e.bfloat16_enabled():
-            get_global_norm_of_tensors([zero.grad], mpu=local, norm_type=getattr(e.optimizer, "norm_type", 2))
-        elif e.gradient_clipping() > 0:
-            clip_grad_norm_([zero], e.gradient_clipping(), mpu=local)
+        if self._bf16:
+            get_global_norm_of_tensors([zero.grad], mpu=local, norm_type=getattr(self._optimizer, "norm_type", 2))
+        elif self._model.clipping() > 0:
+            clip_grad_norm_([zero], self._model.clipping(), mpu=local)
 
     def bookkeeping(self, schedule: bool = True) -> None:
         """The LR schedule steps (unless ``schedule`` is False: a skipped update) and ``global_steps``
         / ``global_samples`` advance, as DeepSpeed's ``_take_model_step`` advances them."""
-        e = self._engine
-        if e.lr_scheduler is not None and schedule:
-            try:
-                e.lr_scheduler.step()
-            except TypeError:  # as DeepSpeed's _take_model_step: Megatron's scheduler takes the samples
-                e.lr_scheduler.step(e.train_batch_size())
-        e.global_steps += 1
-        e.global_samples += e.train_batch_size()
+        self._model.advance(schedule)

@@ -3,7 +3,8 @@
 ``hippie-ds profile`` (:mod:`hippie_ds.profiler`) needs the layer list and a sample in one process;
 a model that only its framework can build (Megatron's ``GPTModelPipe``) cannot be profiled that
 way. With ``"hippie": {"profile": {"out": FILE}}`` the engine does it in the job, on every stage's
-own devices, inputs and shapes (:func:`profile_in_place` wraps ``engine.train_batch``):
+own devices, inputs and shapes (:func:`profile_in_place` runs each ``train_batch`` call inside
+:meth:`InPlaceProfiler.train_batch`, through the engine's public ``add_train_batch_hook``):
 
 * the first ``train_batch`` call is a warm-up (kernels, allocator, communicators) and is not
   measured; during each of the next ``steps`` calls a forward pre-hook on the ``PipelineModule``
@@ -51,7 +52,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from deepspeed import comm as dist
@@ -70,16 +71,13 @@ from ..module.tensor_calls import tensor_bytes
 WARMUP_CALLS = 1  # train_batch calls before the measured ones
 
 
-def profile_in_place(engine, options) -> "InPlaceProfiler":
-    """Measure ``engine``'s layers during its first ``train_batch`` calls (``options``: a
-    :class:`hippie_ds.config.ProfileConfig`); see the module docstring."""
-    profiler = InPlaceProfiler(engine, options)
-    original = engine.train_batch
-
-    def train_batch(*args, **kwargs):
-        return profiler.train_batch(original, *args, **kwargs)
-    train_batch.__doc__ = original.__doc__
-    engine.train_batch = train_batch
+def profile_in_place(options, module, add_train_batch_hook: Callable, **stage) -> "InPlaceProfiler":
+    """Measure ``module``'s layers during its engine's first ``train_batch`` calls (``options``: a
+    :class:`hippie_ds.config.ProfileConfig`); see the module docstring. ``add_train_batch_hook``: the
+    engine's (it runs each call inside :meth:`InPlaceProfiler.train_batch`); ``stage``: what
+    :class:`InPlaceProfiler` is built with beside the module and the options."""
+    profiler = InPlaceProfiler(module, options, **stage)
+    add_train_batch_hook(profiler.train_batch)
     return profiler
 
 
@@ -92,9 +90,15 @@ def _clone(x: Any) -> Any:
 
 
 class InPlaceProfiler:
-    def __init__(self, engine, options):
-        self.engine, self.options = engine, options
-        self.module = engine.module
+    """Built with what it reads: the stage's ``module`` (a ``PipelineModule``), the ``options``, the
+    engine's ``device``, its ``stage`` and global ``rank``, its data-parallel index (``replica``) and the
+    job's ``data_parallel`` size, ``micro_batch_size`` and ``global_batch`` (``train_batch_size``)."""
+
+    def __init__(self, module, options, *, device, stage: int, rank: int, replica: int, data_parallel: int,
+                 micro_batch_size: int, global_batch: int):
+        self.options, self.module, self.device, self.stage, self.rank = options, module, device, stage, rank
+        self.replica, self.data_parallel = replica, data_parallel
+        self.micro_batch_size, self.global_batch = micro_batch_size, global_batch
         self.specs = list(ds_module.layer_specs(self.module))
         self.calls = 0
         self.records: dict[int, list[dict]] = {}  # global layer index -> one record per measured step
@@ -103,7 +107,7 @@ class InPlaceProfiler:
         self.labels: Any = None  # the first micro-batch's labels of this call (the loss stage)
         self.loss_records: list[dict] = []
         self.profile: Profile | None = None  # rank 0, once written
-        self.clock = clock_for(engine.device)
+        self.clock = clock_for(device)
         self.keys: dict[int, str | None] = {}  # global layer index -> its work key (noise.pool's groups)
         self.busy = {"cpu": 0.0, "wall": 0.0, "load_before": None}  # this rank's measuring: CPU, wall seconds
 
@@ -127,16 +131,18 @@ class InPlaceProfiler:
         return params, float(tensor_bytes(params))
 
     # -- train_batch ---------------------------------------------------------------------------
-    def train_batch(self, original, *args, **kwargs):
+    def train_batch(self, run):
+        """One ``train_batch`` call (``run()`` runs it and returns its loss), measured after it when it
+        is one of the ``steps`` after the warm-up."""
         call, self.calls = self.calls, self.calls + 1
         step = call - WARMUP_CALLS + 1  # 1-based measured step
         if not 1 <= step <= self.options.steps:
-            return original(*args, **kwargs)
+            return run()
         self.captured, self.labels = {}, None
         hook = self.module.register_forward_pre_hook(self._capture)
         restore = self._capture_labels()
         try:
-            loss = original(*args, **kwargs)
+            loss = run()
         finally:
             hook.remove()
             restore()
@@ -144,11 +150,11 @@ class InPlaceProfiler:
             started = time.perf_counter()
             count = self._measure()
             self._say(f"hippie-ds: profile step {step}/{self.options.steps}: measured {count} layers of stage "
-                      f"{self.engine.stage_id} in {time.perf_counter() - started:.2f} s")
+                      f"{self.stage} in {time.perf_counter() - started:.2f} s")
             if step == self.options.steps:
                 self._gather_and_write()
         except BaseException as exc:  # the other ranks would wait in the gather
-            end_job_on_failure(exc, self.engine.global_rank, f"stage {self.engine.stage_id}'s in-place profile")
+            end_job_on_failure(exc, self.rank, f"stage {self.stage}'s in-place profile")
             raise
         return loss
 
@@ -202,7 +208,7 @@ class InPlaceProfiler:
             with torch.enable_grad():
                 for chunk, (start, funcs) in enumerate(self.chunks()):
                     if chunk not in self.captured:
-                        raise RuntimeError(f"hippie.profile: stage {self.engine.stage_id}'s model chunk {chunk} ran no "
+                        raise RuntimeError(f"hippie.profile: stage {self.stage}'s model chunk {chunk} ran no "
                                            "forward in this train_batch call")
                     x = self.captured.pop(chunk)
                     if start == 0:
@@ -231,7 +237,7 @@ class InPlaceProfiler:
 
     # -- the profile ---------------------------------------------------------------------------
     def _gather_and_write(self) -> None:
-        mine = {"replica": int(self.engine.grid.data_parallel_id), "layers": self.records,
+        mine = {"replica": int(self.replica), "layers": self.records,
                 "input_bytes": self.input_bytes, "loss": self.loss_records,
                 "dtype": param_dtype(list(self.module.parameters())), "keys": self.keys, "busy": self.busy}
         gathered: list = [None] * dist.get_world_size()
@@ -243,7 +249,7 @@ class InPlaceProfiler:
         save_profile(self.profile, out)
         self._say(f"hippie-ds: profile of {self.profile.num_layers} layers, micro-batch {self.profile.batch_size}, "
                   f"measured in place over {self.options.steps} train_batch calls after {WARMUP_CALLS} warm-up "
-                  f"({self.options.repeats} timed runs per layer per call) on {self.engine.device} with "
+                  f"({self.options.repeats} timed runs per layer per call) on {self.device} with "
                   f"{self.clock.name}: wrote {out}")
         warning = noise_warning(self.profile)
         if warning:
@@ -289,21 +295,20 @@ class InPlaceProfiler:
                             cpu_share=sum(b["cpu"] for b in busy) / wall if wall > 0 else None)
         return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(), load=load,
                        groups=groups or None, steps=int(self.options.steps),
-                       batch_size=int(self.engine.train_micro_batch_size_per_gpu()), layers=layers, loss=loss,
+                       batch_size=int(self.micro_batch_size), layers=layers, loss=loss,
                        param_dtype=dtype, param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers),
                                                                         measured),
                        source=f"hippie.profile: in place, {module.num_stages} stages x "
                               f"{dist.get_world_size() // module.num_stages} replicas"
                               f"{f' x {module.virtual_stages} chunks' if getattr(module, 'chunked', False) else ''}, "
-                              f"{self.options.steps} steps on {self.engine.device}, {self.clock.name}")
+                              f"{self.options.steps} steps on {self.device}, {self.clock.name}")
 
     def job_shape(self) -> JobShape:
         """The job's shape: its stages (the module's, from ``num_stages=`` or ``topology=``), data-parallel
         replicas, micro-batch size, global batch (``train_batch_size``) and model chunks per stage."""
-        module, engine = self.module, self.engine
-        return JobShape(stages=int(module.num_stages), data_parallel=int(engine.grid.data_parallel_size),
-                        micro_batch_size=int(engine.train_micro_batch_size_per_gpu()),
-                        global_batch=int(engine.train_batch_size()),
+        module = self.module
+        return JobShape(stages=int(module.num_stages), data_parallel=int(self.data_parallel),
+                        micro_batch_size=int(self.micro_batch_size), global_batch=int(self.global_batch),
                         virtual_stages=int(module.virtual_stages) if getattr(module, "chunked", False) else 1)
 
     def _say(self, line: str) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from ...schedules.deferral import Deferral
 from ...schedules.ir import WHOLE_BACKWARD_KINDS, CompiledSchedule
-from ..ds import fp16 as ds_fp16, module as ds_module
+from ..ds import engine as ds_engine, fp16 as ds_fp16, module as ds_module
 from ..gradients.allreduce_stream import AllReduceStream
 from ..gradients.split import SplitBackward
 from ..gradients.stage import StageGradients, split_deferred
@@ -55,7 +55,8 @@ def build(engine, compiled: CompiledSchedule, staleness, deferral: Deferral | No
     params = [p for p in engine.module.parameters() if p.requires_grad]
     # the staleness correction reads the optimizer ("adam") and whether the stage makes its next weights
     # before it computes ("extrapolate-made"; fp16 holding the update until the vote: not yet made)
-    held = compiled.continuous and fp16_per_stage(engine) and not waits_at_update(compiled, stage)
+    held = compiled.continuous and fp16_per_stage(engine.fp16_enabled(), engine.optimizer) and \
+        not waits_at_update(compiled, stage)
     inputs = PredictionInputs(engine.optimizer, params, made_before_use(compiled, stage) and not held)
     # 2bw's stages compute one update behind: corrected per version (hippie.staleness)
     behind = compiled.versioned and compiled.one_version_behind(stage)
@@ -66,15 +67,18 @@ def build(engine, compiled: CompiledSchedule, staleness, deferral: Deferral | No
     # hippie.staleness.delay_compensation: on the stages one update behind, computing on unpredicted weights
     delay_compensation.bind(engine.optimizer, behind, staleness)
     tied = tied_weights(engine)
+    model_step = ds_engine.ModelStep(engine)  # DeepSpeed's step and the settings it reads
     gradients, step = _gradients(engine, compiled, params, staleness, inputs, deferral or Deferral({}), tied,
-                                 on_early_start)
+                                 on_early_start, model_step)
     if versions.prediction is None and gradients.prediction is None:
         check_inputs(staleness, inputs)  # every rank refuses alike
-    split = SplitBackward(engine, compiled, params, gradients.store)
-
-    def skipped():  # an fp16 update skipped: DeepSpeed's count
-        engine.skipped_steps += 1
-    updates = continuous_updates(compiled, stage, versions, step, gradients, engine.device, engine.optimizer, skipped)
+    split = SplitBackward(compiled, engine.module, params, gradients.store, engine.pipe_buffers,
+                          ds_engine.Backward(engine), engine.is_last_stage, engine.gradient_accumulation_steps,
+                          partitioned=engine.is_pipe_partitioned or engine.is_grad_partitioned,
+                          logs=engine.global_rank == 0)
+    # an fp16 update skipped: DeepSpeed's count
+    updates = continuous_updates(compiled, stage, versions, step, gradients, engine.device, engine.optimizer,
+                                 model_step.count_skipped)
     if isinstance(updates, AsyncVotes):
         # was_step_applied() after a call that decided no update yet (2bw: stage 0 updates from the second call on,
         # the others hold the first call's update): no skip known. Megatron-DeepSpeed counted 2bw's first iteration
@@ -84,7 +88,7 @@ def build(engine, compiled: CompiledSchedule, staleness, deferral: Deferral | No
 
 
 def _gradients(engine, compiled: CompiledSchedule, params, staleness, inputs, deferral: Deferral, tied,
-               on_early_start) -> tuple[StageGradients, StageStep]:
+               on_early_start, model_step) -> tuple[StageGradients, StageStep]:
     stage = engine.stage_id
     deferred = not compiled.continuous and stage in compiled.deferred_stages()
     # schedules without reduce_tied_grads sum tied gradients themselves (adapter/gradients/tied.py)
@@ -113,7 +117,9 @@ def _gradients(engine, compiled: CompiledSchedule, params, staleness, inputs, de
     if deferred and grid.data_parallel_id == 0:
         gradients.log_delayed_share(stage)
     ties = gradients.lagged_ties
-    return gradients, StageStep(engine, store, clip_group, gradients.clips_itself, compiled,
+    return gradients, StageStep(engine.optimizer, engine.mpu, grid, model_step, store, engine.device,
+                                fp16=engine.fp16_enabled(), bf16=engine.bfloat16_enabled(), clip_group=clip_group,
+                                clips_itself=gradients.clips_itself, schedule=compiled,
                                 tie_sums=ties[0] if ties is not None else None)
 
 

@@ -15,11 +15,11 @@ neighbour check, the peer's global rank from the grid, the default (world) group
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from deepspeed import comm as dist
 
-from ..ds import engine as ds_engine
-from ..ds.engine import P2P_STATE  # noqa: F401 (re-exported: the engine's p2p boundary state, by name)
+from ..ds.engine import P2P_STATE, Boundary  # P2P_STATE re-exported: the engine's p2p boundary state, by name
 
 ACTIVATION_TAG = 0  # DeepSpeed's p2p: activations (and everything without virtual stages)
 GRADIENT_TAG = 1  # gradients' p2p tag under virtual stages
@@ -54,12 +54,13 @@ def isend(grid, tensor, dest_stage: int, tag: int):
 class ChunkSelector:
     """Which model chunk of a stage DeepSpeed's handlers act on, and everything kept per chunk.
 
-    :meth:`select` makes a chunk current: it sets what DeepSpeed's handlers read on the engine
-    (``prev_stage`` / ``next_stage``: the chunk's neighbours in the layout; DeepSpeed's p2p
-    boundary state, :data:`P2P_STATE`, saved and restored per chunk: each chunk boundary has its
-    own shapes) and the module's chunk (``PipelineModule.set_chunk``). Between ops (``None``) the
-    engine is the stage as DeepSpeed sees it. With one chunk per stage (``chunked`` False)
-    selecting does nothing and every answer is DeepSpeed's.
+    :meth:`select` makes a chunk current: it sets what DeepSpeed's handlers read on the engine, through
+    its :class:`~hippie_ds.adapter.ds.engine.Boundary` (``prev_stage`` / ``next_stage``: the chunk's
+    neighbours in the layout; DeepSpeed's p2p boundary state, :data:`P2P_STATE`, saved and restored
+    per chunk: each chunk boundary has its own shapes) and the module's chunk
+    (``PipelineModule.set_chunk``). Between ops (``None``) the engine is the stage as DeepSpeed sees
+    it. With one chunk per stage (``chunked`` False) selecting does nothing and every answer is
+    DeepSpeed's.
 
     Read by the engine's overrides (:mod:`~hippie_ds.adapter.engine.chunks`): :meth:`is_first` /
     :meth:`is_last` (None: DeepSpeed's meaning), :meth:`loss_stage`, :attr:`gradient_tag`,
@@ -67,18 +68,23 @@ class ChunkSelector:
     stage's batch reuse (:meth:`read` / :meth:`reread`), :meth:`forget_shapes`.
     """
 
-    def __init__(self, engine, layout, virtual_stages: int):
-        self._engine = engine
+    def __init__(self, layout, virtual_stages: int, stage: int, boundary: Boundary,
+                 set_chunk: Callable[[int | None], None] | None, partitioned: bool = False):
+        """``stage``: this stage; ``boundary`` (:class:`~hippie_ds.adapter.ds.engine.Boundary`): the
+        engine's neighbours and p2p state, which DeepSpeed's handlers read; ``set_chunk``: the module's
+        (``PipelineModule.set_chunk``; None: a module of one chunk); ``partitioned``: DeepSpeed
+        partitions pipeline activations or gradients (tensor-slice parallelism)."""
+        self._boundary, self._set_chunk = boundary, set_chunk
         self.layout = layout
-        self.stage = engine.stage_id
+        self.stage = stage
         self.chunked = virtual_stages > 1
         self.chunk: int | None = None  # the chunk selected; None outside ops (and always with one chunk)
         self._p2p: dict[int, dict] = {}  # chunk -> its saved P2P_STATE
-        self._stock_neighbours = (engine.prev_stage, engine.next_stage)
+        self._stock_neighbours = boundary.neighbours()
         self._local = {"activation": deque(), "gradient": deque()}  # hand-overs between own chunks
         self.both_ends = self.chunked and layout.holds_first(self.stage) and layout.holds_last(self.stage)
         self._read_batches = deque()  # the V's first stage: batches read for inputs, awaiting labels
-        if self.chunked and (engine.is_pipe_partitioned or engine.is_grad_partitioned):
+        if self.chunked and partitioned:
             raise ValueError(f"{virtual_stages} virtual stages do not support partitioned pipeline activations or "
                              "gradients (tensor-slice parallelism: DeepSpeed's pipe_partitioned / grad_partitioned)")
 
@@ -134,15 +140,15 @@ class ChunkSelector:
         """Make ``chunk`` the one DeepSpeed's handlers act on (None: the stage as DeepSpeed sees it)."""
         if not self.chunked or chunk == self.chunk:
             return
-        engine = self._engine
+        boundary = self._boundary
         if self.chunk is not None:
-            self._p2p[self.chunk] = ds_engine.p2p_state(engine)
+            self._p2p[self.chunk] = boundary.state()
         if chunk is None:
-            engine.prev_stage, engine.next_stage = self._stock_neighbours
+            boundary.set_neighbours(*self._stock_neighbours)
         else:
-            ds_engine.set_p2p_state(engine, self._p2p.get(chunk, P2P_STATE))
+            boundary.set_state(self._p2p.get(chunk, P2P_STATE))
             nxt, prv = self.layout.next(self.stage, chunk), self.layout.prev(self.stage, chunk)
-            engine.next_stage = nxt[0] if nxt else self._stock_neighbours[1]
-            engine.prev_stage = prv[0] if prv else self._stock_neighbours[0]
+            boundary.set_neighbours(prv[0] if prv else self._stock_neighbours[0],
+                                    nxt[0] if nxt else self._stock_neighbours[1])
         self.chunk = chunk
-        engine.module.set_chunk(chunk)
+        self._set_chunk(chunk)

@@ -7,9 +7,11 @@ and reaches DeepSpeed's buffers and handlers only through :class:`~hippie_ds.ada
 ``HippiePipelineEngine`` builds one after DeepSpeed's ``__init__`` and delegates to it."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from ...schedules.ir import COMPUTE_KINDS, CompiledSchedule
+from ..checkpoint import state as ckpt
 from ..checkpoint.in_flight import TrainingState
 from ..ds.stage import DeepSpeedStage
 from ..process.failure import end_job_on_failure
@@ -41,6 +43,7 @@ class StageRuntime:
         self.pending_sends: list = []  # (work, tensor) of non-blocking sends, until wait_sends
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.hooks: list = [timeline] if timeline_dir is not None else []
+        self.train_batch_hooks: list = []  # add_train_batch_hook's, outermost first
         self.batch_index = 0  # train_batch calls so far
         self.training = False  # hooks see train_batch and drain only
         self.checkpointed_batch: int | None = None  # batch_index at the last save_checkpoint
@@ -103,8 +106,15 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ calls
     def train_batch(self, run_deepspeed: Callable[[], object]):
-        """Around DeepSpeed's ``train_batch`` (``run_deepspeed``): a deferred stage computes on predicted
-        weights; a continuous schedule's call advances the counters once and keeps its learning rates."""
+        """Around DeepSpeed's ``train_batch`` (``run_deepspeed``), inside the train-batch hooks: a deferred
+        stage computes on predicted weights; a continuous schedule's call advances the counters once and
+        keeps its learning rates."""
+        run = functools.partial(self._train_batch, run_deepspeed)
+        for hook in reversed(self.train_batch_hooks):
+            run = functools.partial(hook, run)
+        return run()
+
+    def _train_batch(self, run_deepspeed: Callable[[], object]):
         self.training = True
         self.cursor.start()
         self.gradients.count_backwards_from_zero()
@@ -145,6 +155,18 @@ class StageRuntime:
         self.cursor.drained()
         return True
 
+    def eval_batch(self, run_deepspeed: Callable[[], object]):
+        """Around DeepSpeed's ``eval_batch``: a continuous schedule's batches in flight complete first
+        (evaluation reuses the pipe buffers)."""
+        if self.continuous:
+            self.drain()
+        return run_deepspeed()
+
+    def backward_prologue(self, grad, stock: Callable):
+        """DeepSpeed's output hook on each output gradient (``stock``: it divides by the accumulation
+        steps), skipped where the split backward's input pass divided the loss itself."""
+        return grad if self.split.loss_scaled else stock(grad)
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save: Callable[[dict], object], client_state: dict):
         """Around DeepSpeed's ``save_checkpoint`` (``save(client_state)``), with the in-flight state."""
@@ -157,6 +179,19 @@ class StageRuntime:
         saved = save(self.in_flight.gather(client_state))
         self.checkpointed_batch = self.batch_index  # it holds the in-flight state until the next train_batch
         return saved
+
+    def load_checkpoint(self, load: Callable[[], tuple], load_dir, tag, load_optimizer_states: bool):
+        """Around DeepSpeed's ``load_checkpoint`` (``load()``), then hippie-ds's state: a checkpoint of another
+        stage layout is refused with the optimizer state (it cannot follow by layer)."""
+        self.gradients.wait_buffer()
+        changed, why = self.in_flight.layout_change(load_dir, tag)
+        if changed and load_optimizer_states:
+            raise ValueError(f"load_checkpoint({str(load_dir)!r}): {why}")
+        with ckpt.loading():
+            path, client_state = load()
+        if client_state is not None:
+            self.in_flight.restore(client_state, load_dir, changed)
+        return path, client_state
 
     def saved_since_training(self) -> bool:
         """The last ``save_checkpoint`` came after the last ``train_batch``: it holds what is in flight."""
