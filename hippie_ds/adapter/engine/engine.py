@@ -21,7 +21,7 @@ instruction arguments, as DeepSpeed's do. What it changes, and why:
 - the loss lives in per-buffer slots (the stock engine keeps one, so any order but strict
   F(m)->B(m) on the last stage breaks: DeepSpeed issue #3900). The received gradient keeps
   DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and the
-  engine refuses a schedule that would receive another gradient before using the one it holds;
+  start-up refuses a schedule that would receive another gradient before using the one it holds;
 - handlers for the new instructions (the op table, :mod:`hippie_ds.schedules.ir`); the gradient buffer is checkpointed;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
   :mod:`hippie_ds.adapter.staleness.prediction`): compute runs on predicted weights, the update applies to the true ones;
@@ -46,7 +46,7 @@ import torch
 
 from ..._compat import check_deepspeed
 from ...schedules.deferral import Deferral
-from ...schedules.ir import COMPUTE_KINDS, GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, CompiledSchedule
+from ...schedules.ir import COMPUTE_KINDS, CompiledSchedule
 from ..checkpoint.in_flight import TrainingState
 from ..ds import engine as ds_engine
 from ..module.tensor_calls import tensor_bytes
@@ -62,23 +62,7 @@ from .p2p import P2PHandlers
 
 check_deepspeed()
 
-__all__ = ["HippiePipelineEngine", "check_single_grad_slot"]
-
-
-def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
-    """DeepSpeed receives gradients into one reused tensor (``grad_layer``; one per model chunk
-    with virtual stages, adapter/engine/p2p.py): a stage must run a chunk's micro-batch's backward before
-    it receives that chunk's next gradient."""
-    holding: dict[int, int] = {}  # chunk -> the micro-batch whose received gradient it holds
-    for op in compiled.ops(stage):
-        if op.kind in RECV_GRAD_KINDS:
-            if op.chunk in holding:
-                raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
-                                 f"micro-batch {op.micro_batch} before the backward of micro-batch "
-                                 f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward")
-            holding[op.chunk] = op.micro_batch
-        elif op.kind in GRAD_RECEIVING_KINDS and holding.get(op.chunk) == op.micro_batch:
-            del holding[op.chunk]
+__all__ = ["HippiePipelineEngine"]
 
 
 class HippiePipelineEngine(CheckpointMixin, ComponentHandlers, P2PHandlers, ChunkedEngine, ds_engine.PipelineEngine):
