@@ -17,10 +17,12 @@ outside ``engine/`` reads a private attribute of the engine):
 * ``checkpoint`` -- the checkpoint's state format, and the in-flight state a save gathers and a load restores;
 * ``profiling`` -- in-place profiling, layer timing, activation memory, the timeline;
 * ``engine`` -- ``HippiePipelineEngine``: its loop, DeepSpeed's overrides, the handlers, p2p;
+* ``startup`` -- the config and the plan read once, and every start-up check, in one order, before any
+  process group;
 * ``integration`` (a module) -- ``hippie_ds.initialize``, at the top.
 
 :data:`ALIASES` are modules kept at paths that saved checkpoints pickled (they re-export the new place).
 """
 PACKAGES = ("ds", "process", "module", "precision", "gradients", "staleness", "checkpoint", "profiling", "engine",
-            "integration")
+            "startup", "integration")
 ALIASES = ("checkpoint_state", )

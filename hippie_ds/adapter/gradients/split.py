@@ -11,7 +11,7 @@ from deepspeed.utils import logger
 
 from ...schedules.ir import CompiledSchedule
 from ..ds import engine as ds_engine
-from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage, check_torch_version
+from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage
 
 
 class SplitBackward:
@@ -30,8 +30,7 @@ class SplitBackward:
         # backward (DeepSpeed's own) and W has nothing left; values and order stay 1F1B's.
         module = engine.module
         self.whole_backward_in_input = getattr(module, "activation_checkpoint_interval", 0) > 0
-        if compiled.splits_backward:
-            check_torch_version()
+        if compiled.splits_backward:  # its torch version refused at start-up (adapter/startup/checks.py)
             if self.whole_backward_in_input and engine.global_rank == 0:
                 logger.info(f"hippie-ds: schedule {compiled.name!r} with activation_checkpoint_interval = "
                             f"{module.activation_checkpoint_interval}: backward_input runs the whole backward "
