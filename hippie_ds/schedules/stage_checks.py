@@ -3,8 +3,8 @@ received / computed / sent in a valid order, a split backward's W after its B), 
 slots and the gradient state machine. Continuous schedules: :mod:`.continuous_checks`. Pure Python."""
 from __future__ import annotations
 
-from .ir import (BUFFER_KINDS, GRAD_RECEIVING_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, RECV_GRAD_KINDS, CompiledSchedule,
-                 Op)
+from .ir import (BUFFER_KINDS, GRAD_RECEIVING_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, RECV_GRAD_KINDS,
+                 CompiledSchedule, Op)
 from .check_common import Problem, check_slots, problem
 from .op_rules import RULES
 from .grad_buffer import REDUCED, GradBuffer
