@@ -1,6 +1,6 @@
 """Partial deferral decided once (hippie_ds/schedules/deferral/, pure): what each stage delays,
 in global layer indices, from the deferred stages, ``hippie.deferred_layers`` and a plain
-description of the layers; and start-up (integration.prepare) compiling and validating the
+description of the layers; and start-up (startup.checks.prepare) compiling and validating the
 schedule once and reading the cost file once. One process, no process group."""
 from types import SimpleNamespace
 
@@ -119,7 +119,7 @@ def counted(monkeypatch):
 
 
 def test_start_up_compiles_and_validates_the_schedule_once(counted):
-    from hippie_ds.adapter.integration import prepare
+    from hippie_ds.adapter.startup.checks import prepare
     *_, compiled, options, deferral = prepare(_model(), _config())
     assert counted == {"compile": 1, "validate": 1, "costs": 0}
     assert compiled.deferred_stages() == deferral.deferred_stages() == [0] and deferral.stages[0].layers == (0,)
@@ -130,7 +130,7 @@ def test_start_up_compiles_and_validates_the_schedule_once(counted):
 
 
 def test_start_up_reads_the_cost_file_once(counted, tmp_path):
-    from hippie_ds.adapter.integration import prepare
+    from hippie_ds.adapter.startup.checks import prepare
     from hippie_ds.schedules.costs import Costs
     stage = {"forward": 0.01, "backward": 0.02, "param_bytes": 4e6, "layers": [{"param_bytes": 1e6}] * 4}
     path = tmp_path / "costs.json"

@@ -84,7 +84,7 @@ def test_the_module_reads_what_it_found(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# start-up refusals (integration.prepare on stand-in modules)
+# start-up refusals (startup.checks.prepare on stand-in modules)
 
 def _model(stages=2, **attrs):
     """What prepare reads of a PipelineModule; without ``virtual_stages`` it is DeepSpeed's own."""
@@ -99,7 +99,7 @@ def _config(schedule, micro_batches, **extra):
 
 
 def _refusal(model, config):
-    from hippie_ds.adapter.integration import prepare
+    from hippie_ds.adapter.startup.checks import prepare
     with pytest.raises((ConfigError, ScheduleError)) as info:
         prepare(model, config)
     return str(info.value)

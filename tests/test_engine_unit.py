@@ -32,7 +32,7 @@ def test_deepspeed_version_pin():
 
 def test_builtins_receive_each_gradient_in_its_backward_step():
     # The engine keeps DeepSpeed's single received-gradient slot; every compiled built-in fits it.
-    from hippie_ds.adapter.engine.engine import check_single_grad_slot
+    from hippie_ds.schedules.stage_checks import check_single_grad_slot
     for name in BUILTINS:
         for stages in range(1, 6):
             for micro_batches in (1, 3, 8):

@@ -185,7 +185,7 @@ def test_the_refusal_names_num_stages_when_the_module_was_given_it(tmp_path):
 def test_initialize_names_a_stock_modules_topology(tmp_path):
     """hippie_ds.initialize's check of a DeepSpeed PipelineModule (no plan of its own): the stage
     count from its topology."""
-    from hippie_ds.adapter.integration import _apply_plan
+    from hippie_ds.adapter.startup.inputs import apply_plan as _apply_plan
     from hippie_ds.config import split_config
     save_plan(_plan(4), tmp_path / "plan.json")
     config = {"train_micro_batch_size_per_gpu": MICRO, "hippie": {"plan": "plan.json"}}

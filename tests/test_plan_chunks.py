@@ -63,7 +63,7 @@ def test_check_plan_counts_ranks_and_model_chunks(plans):
 
 
 def _module(**attrs):
-    """What ``integration._apply_plan`` reads of a built module (a chunked one: its K·v+1 parts)."""
+    """What ``startup.inputs.apply_plan`` reads of a built module (a chunked one: its K·v+1 parts)."""
     base = dict(_layer_specs=SPECS, world_size=4, num_stages=2, virtual_stages=2, layout_kind="interleaved",
                 parts=list(BOUNDARIES), checkpointed_layers=list(client.PLAN_CHECKPOINTED),
                 activation_checkpoint_interval=0, hippie_config_source="config=")
@@ -71,7 +71,7 @@ def _module(**attrs):
 
 
 def _apply(model, plan, tmp_path):
-    from hippie_ds.adapter.integration import _apply_plan
+    from hippie_ds.adapter.startup.inputs import apply_plan as _apply_plan
     save_plan(plan, tmp_path / "plan.json")
     config = {"train_micro_batch_size_per_gpu": client.MICRO, "hippie": {"plan": "plan.json"}}  # no schedule
     return _apply_plan(model, config, split_config(config)[2], str(tmp_path / "ds.json"))

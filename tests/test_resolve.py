@@ -102,7 +102,7 @@ def test_start_up_the_cli_and_the_planner_resolve_through_one_pass():
     for user in ("hippie_ds/adapter/module/deferred_layers.py", "hippie_ds/cli/schedule.py", "hippie_ds/planner/evaluate.py",
                  "tools/bench/studies/example_costs.py"):
         assert "resolve" in _calls(ROOT / user), user
-    assert "resolve_for_module" in _calls(ROOT / "hippie_ds/adapter/integration.py")
+    assert "resolve_for_module" in _calls(ROOT / "hippie_ds/adapter/startup/checks.py")
     allowed = {ROOT / "hippie_ds/schedules/resolve.py", *(ROOT / "hippie_ds/schedules/deferral").glob("*.py")}
     for path in [*(ROOT / "hippie_ds").rglob("*.py"), *(ROOT / "tools").rglob("*.py")]:
         if path in allowed:

@@ -2,7 +2,7 @@
 checks; both read the imports with tests/import_graph.py): the pure layers import neither torch
 nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is over
 400 lines; the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
-from the tests. And the adapter's packages (issue 59): each with a one-line purpose and under
+from the tests. And the adapter's packages: each with a one-line purpose and under
 MAX_PACKAGE_LINES lines, a package importing only the packages below it in ``hippie_ds.adapter.PACKAGES``
 (``ds`` at the bottom, ``integration`` at the top), no module outside the ``engine`` package
 reading a private attribute of the engine, and no component taking the engine (a component is built

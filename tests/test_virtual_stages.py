@@ -153,7 +153,7 @@ def test_one_received_gradient_per_chunk():
     """The engine keeps DeepSpeed's received-gradient slot per chunk: every virtual built-in fits
     it, and a second gradient of the same chunk received early is refused."""
     from dataclasses import replace
-    from hippie_ds.adapter.engine.engine import check_single_grad_slot
+    from hippie_ds.schedules.stage_checks import check_single_grad_slot
     for name in ("interleaved-1f1b", "hippie-interleaved", "zb-v"):
         for K in (2, 4):
             c = schedules.compile(name, K, 2 * K, validate=False)

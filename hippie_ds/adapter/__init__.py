@@ -20,10 +20,12 @@ each is built with what it reads, DeepSpeed's operations as objects made in ``ds
 * ``stage`` -- the stage runtime: what a stage owns, the loop over its ops, each op kind's handler, p2p,
   the chunks and the call cursor, and the factory of its components;
 * ``engine`` -- ``HippiePipelineEngine``: DeepSpeed's overrides and the public methods, delegating to the runtime;
+* ``startup`` -- the config and the plan read once, and every start-up check, in one order, before any
+  process group;
 * ``integration`` (a module) -- ``hippie_ds.initialize``, at the top.
 
 :data:`ALIASES` are modules kept at paths that saved checkpoints pickled (they re-export the new place).
 """
 PACKAGES = ("ds", "process", "module", "precision", "gradients", "staleness", "checkpoint", "profiling", "stage", "engine",
-            "integration")
+            "startup", "integration")
 ALIASES = ("checkpoint_state", )

@@ -1,7 +1,7 @@
 """The ``hippie-ds`` command line.
 
 ``hippie-ds schedule list|show|validate|simulate|trace`` works on schedule files (built-in names or
-paths) without torch or DeepSpeed. Each top-level command registers itself in :data:`COMMANDS`
+paths) without torch or DeepSpeed. :data:`COMMANDS` names each top-level command's parser
 (``schedule``, ``plan``, ``profile``, ``profile-import``, ``costs``). ``main(argv)`` returns the exit code:
 0 success, 1 a schedule that ``validate`` found invalid, 2 a usage error (bad option, unknown
 schedule or parameter, a schedule that cannot be compiled), reported in one message on stderr (set HIPPIE_DS_DEBUG=1
@@ -10,16 +10,23 @@ naming the target and the exception, then the traceback's frames of the target's
 (HIPPIE_DS_DEBUG=1: the whole traceback).
 
 One module per command: :mod:`.schedule`, :mod:`.plan`, :mod:`.profile` (``profile`` and
-``profile-import``), :mod:`.costs`; :mod:`.base` holds the registry, option parsing and output formatting.
+``profile-import``), :mod:`.costs`; :mod:`.base` holds option parsing and output formatting.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from typing import Any, Callable
 
-from . import schedule, plan, profile, costs  # noqa: F401  (each registers its commands, in this order)
-from .base import COMMANDS, PROG, UsageError, _Formatter, _version
+from . import schedule, plan, profile, costs
+from .base import PROG, UsageError, _Formatter, _version
+
+# name -> function(subparsers) that adds the command's parser, in --help's order. Each parser sets
+# ``func`` (args -> exit code) through set_defaults.
+COMMANDS: dict[str, Callable[[Any], None]] = {
+    "schedule": schedule.schedule_parser, "plan": plan.plan_parser, "profile": profile.profile_parser,
+    "profile-import": profile.profile_import_parser, "costs": costs.costs_parser}
 
 # ---------------------------------------------------------------------------------------------
 

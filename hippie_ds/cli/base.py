@@ -1,4 +1,4 @@
-"""Shared parts of the command line: the command registry, option parsing, cost options, tables."""
+"""Shared parts of the command line: option parsing, cost options, tables."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import math
 import re
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..formatting import table as _table  # noqa: F401 (the command modules use it)
 
@@ -27,19 +27,6 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# Command registry: name -> function(subparsers) that adds the command's parser. Each parser sets
-# ``func`` (args -> exit code) through set_defaults.
-
-COMMANDS: dict[str, Callable[[Any], None]] = {}
-
-
-def command(name: str):
-    def register(fn):
-        COMMANDS[name] = fn
-        return fn
-    return register
-
-
 class _Formatter(argparse.HelpFormatter):
     """Wraps each paragraph of a description on its own; keeps indented lines (examples) as written."""
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from ..data_files import write_data_file
-from .base import UsageError, _COMM_COST_OPTIONS, _Formatter, _comm_options, _non_negative_int, _positive_int, command
+from .base import UsageError, _COMM_COST_OPTIONS, _Formatter, _comm_options, _non_negative_int, _positive_int
 
 COSTS_CMD_HELP = """\
 Write a cost file, the "hippie.costs" that 'auto' schedule parameters (deferred_stages,
@@ -28,8 +28,7 @@ examples:
   hippie-ds costs --profile profile.yaml --boundaries 0,10,12 --data-parallel 2 --out costs.yaml"""
 
 
-@command("costs")
-def _costs_parser(subparsers) -> None:
+def costs_parser(subparsers) -> None:
     p = subparsers.add_parser("costs", help="write a cost file from a run's timelines or a layer profile",
                               description=COSTS_CMD_HELP, formatter_class=_Formatter)
     src = p.add_mutually_exclusive_group(required=True)

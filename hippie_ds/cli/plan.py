@@ -9,7 +9,7 @@ from functools import partial
 from ..planner.objectives import OBJECTIVES
 from ..planner.plan_file import SCHEDULES
 from .base import (UsageError, _Formatter, _add_profile_options, _int_list, _non_negative_int, _positive_int,
-                   _quantity, _read_profile, command)
+                   _quantity, _read_profile)
 
 # ---------------------------------------------------------------------------------------------
 # hippie-ds plan / profile-import
@@ -54,8 +54,7 @@ examples:
       --memory-cap 12GB --schedules 1f1b,hippie"""
 
 
-@command("plan")
-def _plan_parser(subparsers) -> None:
+def plan_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan pipeline depth, partition, re-computation and schedule",
                               description=PLAN_HELP, formatter_class=_Formatter)
     _add_profile_options(p)

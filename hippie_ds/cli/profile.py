@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 from .base import (PROG, _Formatter, _add_profile_options, _fmt_bytes, _non_negative_int, _positive_int,
-                   _read_profile, command)
+                   _read_profile)
 
-@command("profile")
-def _profile_parser(subparsers) -> None:
+def profile_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "profile", help="measure a PipelineModule layer list, layer by layer, into a profile",
         formatter_class=_Formatter,
@@ -118,8 +117,7 @@ def _drop_foreign_frames(report, seen: set) -> None:
         _drop_foreign_frames(other, seen)
 
 
-@command("profile-import")
-def _profile_import_parser(subparsers) -> None:
+def profile_import_parser(subparsers) -> None:
     p = subparsers.add_parser("profile-import", help="convert a PipeDream graph.txt profile to a hippie-ds profile",
                               formatter_class=_Formatter,
                               description="Read a per-layer profile (PipeDream graph.txt, or a hippie-ds profile) "

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..config import AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, UNTIED_LAYERS, WHOLE_STAGE
 from .base import (PROG, UsageError, _Formatter, _add_costs, _add_params, _add_shape, _build_costs, _compile,
                    _fmt_bytes, _fmt_seconds, _fmt_time, _load, _non_negative_int, _parse_params, _positive_int,
-                   _summary, _table, command)
+                   _summary, _table)
 
 # ---------------------------------------------------------------------------------------------
 # hippie-ds schedule ...
@@ -19,8 +19,7 @@ a .yaml file. These commands compile a schedule for K stages and M micro-batches
 check, simulate or trace it; none of them needs torch, DeepSpeed or a GPU."""
 
 
-@command("schedule")
-def _schedule_parser(subparsers) -> None:
+def schedule_parser(subparsers) -> None:
     p = subparsers.add_parser("schedule", help="list, show, validate, simulate and trace pipeline schedules",
                               description=SCHEDULE_HELP, formatter_class=_Formatter)
     sub = p.add_subparsers(dest="schedule_command", metavar="SUBCOMMAND", required=True)

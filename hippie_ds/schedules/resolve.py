@@ -1,6 +1,6 @@
 """From a schedule's name and a job's shape to the schedule that runs, in one pass (pure Python).
 
-Start-up (:func:`hippie_ds.adapter.integration.prepare`), ``hippie-ds schedule simulate`` and the
+Start-up (:func:`hippie_ds.adapter.startup.checks.prepare`), ``hippie-ds schedule simulate`` and the
 planner's evaluation all call :func:`resolve`; nothing else compiles a schedule to run it. The
 pass, in order:
 

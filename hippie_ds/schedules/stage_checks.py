@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .ir import BUFFER_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, CompiledSchedule, Op
+from .ir import (BUFFER_KINDS, GRAD_RECEIVING_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, RECV_GRAD_KINDS,
+                 CompiledSchedule, Op)
 from .check_common import Problem, check_slots, problem
 from .grad_buffer import REDUCED, GradBuffer
 
@@ -267,3 +268,20 @@ class _StageChecker:
     def _check_slots(self) -> None:
         check_slots([((op.chunk, op.micro_batch), op) for op in self.ops], self.num_buffers, self._add,
                     lambda key: _name(*key))
+
+
+def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
+    """DeepSpeed receives gradients into one reused tensor (``grad_layer``; one per model chunk
+    with virtual stages, adapter/engine/p2p.py): a stage must run a chunk's micro-batch's backward before
+    it receives that chunk's next gradient. Not a rule of the language (any order is a schedule):
+    the start-up refuses, for the engine, what breaks the slot (hippie_ds/adapter/startup/checks.py)."""
+    holding: dict[int, int] = {}  # chunk -> the micro-batch whose received gradient it holds
+    for op in compiled.ops(stage):
+        if op.kind in RECV_GRAD_KINDS:
+            if op.chunk in holding:
+                raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
+                                 f"micro-batch {op.micro_batch} before the backward of micro-batch "
+                                 f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward")
+            holding[op.chunk] = op.micro_batch
+        elif op.kind in GRAD_RECEIVING_KINDS and holding.get(op.chunk) == op.micro_batch:
+            del holding[op.chunk]

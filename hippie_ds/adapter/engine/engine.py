@@ -34,7 +34,7 @@ import torch
 
 from ..._compat import check_deepspeed
 from ...schedules.deferral import Deferral
-from ...schedules.ir import GRAD_RECEIVING_KINDS, RECV_GRAD_KINDS, CompiledSchedule
+from ...schedules.ir import CompiledSchedule
 from ..checkpoint.in_flight import TrainingState
 from ..ds import checkpoint as ds_checkpoint, engine as ds_engine
 from ..ds.stage import DeepSpeedStage
@@ -48,23 +48,7 @@ from ..stage.runtime import StageRuntime
 
 check_deepspeed()
 
-__all__ = ["HippiePipelineEngine", "check_single_grad_slot"]
-
-
-def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
-    """DeepSpeed receives gradients into one reused tensor (``grad_layer``; one per model chunk
-    with virtual stages, adapter/stage/p2p.py): a stage must run a chunk's micro-batch's backward before
-    it receives that chunk's next gradient."""
-    holding: dict[int, int] = {}  # chunk -> the micro-batch whose received gradient it holds
-    for op in compiled.ops(stage):
-        if op.kind in RECV_GRAD_KINDS:
-            if op.chunk in holding:
-                raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
-                                 f"micro-batch {op.micro_batch} before the backward of micro-batch "
-                                 f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward")
-            holding[op.chunk] = op.micro_batch
-        elif op.kind in GRAD_RECEIVING_KINDS and holding.get(op.chunk) == op.micro_batch:
-            del holding[op.chunk]
+__all__ = ["HippiePipelineEngine"]
 
 
 class HippiePipelineEngine(ds_engine.PipelineEngine):

@@ -12,7 +12,7 @@ from deepspeed.utils import logger
 
 from ...schedules.ir import CompiledSchedule
 from ..ds.engine import Backward
-from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage, check_torch_version
+from .split_backward import PendingWeightGrad, backward_input, backward_weight, check_coverage
 
 
 class SplitBackward:
@@ -38,8 +38,7 @@ class SplitBackward:
         # DeepSpeed's activation checkpoint refuses autograd.grad(): with it, B runs the whole
         # backward (DeepSpeed's own) and W has nothing left; values and order stay 1F1B's.
         self.whole_backward_in_input = getattr(module, "activation_checkpoint_interval", 0) > 0
-        if compiled.splits_backward:
-            check_torch_version()
+        if compiled.splits_backward:  # its torch version refused at start-up (adapter/startup/checks.py)
             if self.whole_backward_in_input and logs:
                 logger.info(f"hippie-ds: schedule {compiled.name!r} with activation_checkpoint_interval = "
                             f"{module.activation_checkpoint_interval}: backward_input runs the whole backward "

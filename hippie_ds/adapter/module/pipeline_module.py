@@ -96,10 +96,11 @@ def model_fingerprint(layers: Sequence[Any]) -> str | None:
     return None if sizes is None else fingerprint_of(layer_names(layers), sizes)
 
 
-def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.PathLike | dict | None = None
-                 ) -> Plan | None:
+def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.PathLike | dict | None = None,
+                 config_path: str | os.PathLike | None = None) -> Plan | None:
     """The plan given, or the one the DeepSpeed config names under ``hippie.plan`` (a path
-    relative to the config file's directory when the config is a file)."""
+    relative to the config file's directory when the config is a file; ``config_path``: that file,
+    for a config already read)."""
     if isinstance(plan, Plan):
         return plan
     if plan is not None:
@@ -113,7 +114,8 @@ def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f'config key "hippie.plan" = {path!r}: must be the path of a plan file '
                           "(written by `hippie-ds plan --out`)")
-    return load_plan(locate_plan(path, config if isinstance(config, (str, os.PathLike)) else None))
+    return load_plan(locate_plan(path, config_path if config_path is not None else
+                                 config if isinstance(config, (str, os.PathLike)) else None))
 
 
 def locate_plan(path: str | os.PathLike, config_path: str | os.PathLike | None) -> Path:
@@ -266,10 +268,10 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
                  virtual_stages: int | None = None, layout: str | None = None, **kwargs):
         layers = list(layers)
         found = discover() if config is None else None  # the script's config: set_config, sys.argv
-        if found is not None:
-            config = found.path or found.config
         source = found.source if found is not None else ("config=" if config is not None else None)
-        resolved = resolve_plan(plan, config)
+        path = found.path if found is not None else (str(config) if isinstance(config, (str, os.PathLike)) else None)
+        config = found.config if found is not None else (None if config is None else read_config(config))  # once
+        resolved = resolve_plan(plan, config, path)
         stages = topology.get_dim("pipe") if topology is not None else num_stages
         if resolved is not None:  # the plan's chunks (the config may name its schedule only in initialize)
             virtual_stages, layout = chunks_of_plan(resolved, virtual_stages, layout)
@@ -301,8 +303,8 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         object.__setattr__(self, "hippie_stages_from", stages_source(stages, topology, self._owner())
                            if stages is not None else None)  # None: the plan's (num_stages left out)
         object.__setattr__(self, "hippie_plan_source", source if plan is None and resolved is not None else None)
-        object.__setattr__(self, "hippie_config_path", found.path if found is not None else
-                           (str(config) if isinstance(config, (str, os.PathLike)) else None))
+        object.__setattr__(self, "hippie_config", config)  # as read: initialize takes it, given the same config
+        object.__setattr__(self, "hippie_config_path", path)
         object.__setattr__(self, "_checkpointed", sorted({int(i) for i in checkpointed_layers or ()}))
         super().__init__(layers, num_stages=num_stages, topology=topology, **kwargs)
         if not self.chunked:

@@ -20,7 +20,8 @@ from ..precision.fp16_async import AsyncVotes, continuous_updates, waits_at_upda
 from ..precision.fp16_stage import fp16_per_stage
 from ..precision.step import StageStep
 from ..staleness import delay_compensation, error_feedback
-from ..staleness.prediction import PredictionInputs, check_inputs, made_before_use, make_prediction
+from ..staleness.methods import make_prediction
+from ..staleness.prediction import PredictionInputs, made_before_use
 from ..staleness.versions import WeightVersions
 
 
@@ -70,8 +71,6 @@ def build(engine, compiled: CompiledSchedule, staleness, deferral: Deferral | No
     model_step = ds_engine.ModelStep(engine)  # DeepSpeed's step and the settings it reads
     gradients, step = _gradients(engine, compiled, params, staleness, inputs, deferral or Deferral({}), tied,
                                  on_early_start, model_step)
-    if versions.prediction is None and gradients.prediction is None:
-        check_inputs(staleness, inputs)  # every rank refuses alike
     split = SplitBackward(compiled, engine.module, params, gradients.store, engine.pipe_buffers,
                           ds_engine.Backward(engine), engine.is_last_stage, engine.gradient_accumulation_steps,
                           partitioned=engine.is_pipe_partitioned or engine.is_grad_partitioned,

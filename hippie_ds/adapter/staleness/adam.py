@@ -33,7 +33,7 @@ data-parallel group; each rank computes ``bf16(W_master + c * u_hat)`` on its pa
 all-gather DeepSpeed makes after every step to give each rank the new bf16 weights carries the
 predicted partition beside the weights' (one all-gather of twice the bytes instead of DeepSpeed's
 own; no extra collective). ZeRO-1 as written (``DeepSpeedZeroOptimizer``) and optimizers that are
-not torch.optim.Adam / AdamW are refused at start-up (:func:`_take_inputs`, as the correction is built).
+not torch.optim.Adam / AdamW are refused at start-up (:func:`check_config`, before any process group).
 
 Memory per corrected parameter: the predicted weights replace ``extrapolate``'s delta (fp32: 4
 bytes, bf16: 2 bytes per version kept: one for hippie's delayed layers, up to two for 2bw), plus
@@ -48,7 +48,7 @@ import math
 import torch
 
 from ...config import ConfigError
-from .prediction import FACTORIES, INPUTS, InPlacePrediction, MadeWeightsPrediction
+from .prediction import InPlacePrediction, MadeWeightsPrediction
 
 METHOD = "adam"
 ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\" with \"torch_adam\": true)"
@@ -184,9 +184,7 @@ def source_of(optimizer, coefficient: float):
         return _Bf16Source(optimizer, _adam_kind(optimizer.optimizer), coefficient)
     if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_Optimizer",
                 "FP16_UnfusedOptimizer"):
-        raise _refuse(f"DeepSpeed wraps the optimizer in {name} (ZeRO as written, or fp16), whose moments "
-                      'the correction does not read; for ZeRO-1 use bf16 with "data_types": '
-                      '{"grad_accum_dtype": "fp32"} (BF16_Optimizer)')
+        raise _refuse_wrapper(name)
     return _Fp32Source(optimizer, _adam_kind(optimizer), coefficient)
 
 
@@ -260,23 +258,34 @@ class AdamInPlacePrediction(InPlacePrediction):
 
 
 def make_adam_prediction(coefficient: float, params: list[torch.Tensor] | None = None):
+    """The ``adam`` row of :data:`~hippie_ds.adapter.staleness.methods.METHODS`: its prediction."""
     return AdamVersionPrediction(coefficient) if params is None else AdamInPlacePrediction(params, coefficient)
 
 
-FACTORIES[METHOD] = make_adam_prediction  # staleness.make_prediction builds "adam" through it
-
-
 def check_config(staleness, ds_config: dict, optimizer=None) -> None:
-    """Before the engine (and any collective), on every rank: refuse what the config or the
-    client's optimizer already shows the ``adam`` correction cannot read (:func:`_take_inputs` checks the
-    optimizer DeepSpeed then builds)."""
+    """At start-up, before any process group, on every rank: refuse an optimizer the ``adam``
+    correction cannot read: the client's (an instance), else the one the config names. One a
+    callable builds is checked as it is built (:func:`checked_when_built`); the wrapper DeepSpeed
+    puts around it by :func:`check_wrapper`."""
     if staleness is None or staleness.method != METHOD:
         return
     if isinstance(optimizer, torch.optim.Optimizer):
         _adam_kind(optimizer)
-        return
-    if optimizer is not None:  # a callable building it: checked once built
-        return
+    elif optimizer is None:
+        _check_named(ds_config)
+
+
+def check_wrapper(staleness, config_class) -> None:
+    """At start-up, on every rank: refuse a wrapper whose moments the ``adam`` correction does not
+    read (:func:`wrapper_of`), as :func:`source_of` would once DeepSpeed has built it."""
+    wrapper = wrapper_of(config_class) if staleness is not None and staleness.method == METHOD else None
+    if wrapper is not None:
+        raise _refuse_wrapper(wrapper)
+
+
+def _check_named(ds_config: dict) -> None:
+    """The optimizer the config names, which DeepSpeed builds (``torch_adam``: torch's own class, with
+    the config's params as keyword arguments)."""
     spec = ds_config.get("optimizer")
     if not isinstance(spec, dict):
         raise _refuse("the config names no optimizer")
@@ -288,12 +297,47 @@ def check_config(staleness, ds_config: dict, optimizer=None) -> None:
                       'Adam (FusedAdam / DeepSpeedCPUAdam); set "optimizer.params.torch_adam": true')
     if params.get("amsgrad"):
         raise _refuse('the config\'s optimizer runs with "amsgrad": true')
+    for key in ("maximize", "capturable", "differentiable"):
+        if params.get(key):
+            raise _refuse(f'the optimizer runs with {key}=True')
 
 
-def _take_inputs(prediction, coefficient: float, inputs) -> None:
-    """As a stage's correction is built, on every rank (the same optimizer everywhere, so every rank
-    refuses alike; ``prediction`` None: a rank without one): check that the optimizer is one the
-    ``adam`` correction reads and give the correction its optimizer."""
+def wrapper_of(config_class) -> str | None:
+    """The wrapper DeepSpeed puts around a torch optimizer under this config, when it is one whose
+    moments the correction does not read (:func:`~hippie_ds.adapter.precision.paths.optimizer_path`:
+    DeepSpeed picks it from the config alone); None for no wrapper and for BF16_Optimizer. ZeRO stages 2
+    and 3 are left to DeepSpeed, whose pipeline engine refuses them first."""
+    from ..precision.paths import optimizer_path
+    path, stage = optimizer_path(config_class), config_class.zero_optimization_stage
+    if path in ("fp32", "bf16") or stage > 1:
+        return None
+    return "DeepSpeedZeroOptimizer" if stage == 1 else "FP16_UnfusedOptimizer"  # fp16: a torch optimizer unfused
+
+
+def _refuse_wrapper(name: str) -> ConfigError:
+    return _refuse(f"DeepSpeed wraps the optimizer in {name} (ZeRO as written, or fp16), whose moments "
+                   'the correction does not read; for ZeRO-1 use bf16 with "data_types": '
+                   '{"grad_accum_dtype": "fp32"} (BF16_Optimizer)')
+
+
+def checked_when_built(staleness, optimizer):
+    """``optimizer`` as DeepSpeed takes it; a callable building it (DeepSpeed calls it with the
+    parameters, on every rank alike) checked as it builds (:func:`check_config`)."""
+    if staleness is None or staleness.method != METHOD or optimizer is None or \
+            isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+
+    def build(*args, **kwargs):
+        built = optimizer(*args, **kwargs)
+        _adam_kind(built)
+        return built
+    return build
+
+
+def take_inputs(prediction, coefficient: float, inputs) -> None:
+    """The ``adam`` row of :data:`~hippie_ds.adapter.staleness.methods.METHODS`: as a stage's
+    correction is built, give it the optimizer it reads (refused at start-up where it cannot,
+    :func:`check_config`; :func:`source_of` refuses it again, should one come through)."""
     source = source_of(inputs.optimizer, coefficient)
     if isinstance(prediction, AdamInPlacePrediction):  # hippie's delayed layers
         source.install()
@@ -301,6 +345,3 @@ def _take_inputs(prediction, coefficient: float, inputs) -> None:
     elif isinstance(prediction, AdamVersionPrediction):  # 2bw's versions
         source.install()
         prediction.bind(source, inputs.params, inputs.made)
-
-
-INPUTS[METHOD] = _take_inputs  # staleness.make_prediction gives "adam" its optimizer through it

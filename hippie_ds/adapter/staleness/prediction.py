@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import StalenessConfig
-
 # The state saved in checkpoints: {"format": 2, "coefficient": c, "deltas": {version: [tensors]}}.
 # Format 1 had two shapes: hippie's {"coefficient", "previous": [W(v-1)] | None} and 2bw's
 # {"deltas": {version: flat}}; both still load (load_state_dict).
@@ -230,46 +228,3 @@ class PredictionInputs:
     optimizer: object = None
     params: list | None = None
     made: bool = False
-
-
-# Methods beyond extrapolation register their factory here, (coefficient, params or None) -> prediction:
-# staleness/adam.py registers "adam" when imported (hippie_ds.initialize imports it before the engine).
-FACTORIES: dict = {}
-# A method that reads more than the weights registers what it takes from PredictionInputs, (prediction or
-# None, coefficient, inputs) -> None, called as the prediction is built (None: on a rank without one, which
-# checks the inputs all the same, so that every rank refuses alike; :func:`check_inputs`).
-INPUTS: dict = {}
-
-
-def make_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None = None,
-                    inputs: PredictionInputs | None = None):
-    """The correction a delayed stage applies (:class:`InPlacePrediction` on ``params``, or a
-    per-version :class:`WeightPrediction` when ``params`` is None), or None (no correction), built
-    with what it reads (``inputs``)."""
-    prediction = _new_prediction(config, params)
-    if prediction is not None and inputs is not None:
-        if config.method == MadeWeightsPrediction.method and isinstance(prediction, MadeWeightsPrediction):
-            prediction.made = inputs.made
-        if config.method in INPUTS:
-            INPUTS[config.method](prediction, config.coefficient, inputs)
-    return prediction
-
-
-def check_inputs(config: StalenessConfig | None, inputs: PredictionInputs) -> None:
-    """On a rank whose stage has no correction: what the method reads, checked as where it has one."""
-    if config is not None and config.method in INPUTS:
-        INPUTS[config.method](None, config.coefficient, inputs)
-
-
-def _new_prediction(config: StalenessConfig | None, params: list[torch.Tensor] | None):
-    if config is None or config.method == "none":
-        return None
-    if config.method == MadeWeightsPrediction.method:  # hippie's delayed layers make nothing before use
-        return MadeWeightsPrediction(config.coefficient) if params is None else InPlacePrediction(params,
-                                                                                                  config.coefficient)
-    if config.method != "extrapolate":  # e.g. "adam": Adam's own prediction (bound to the optimizer at start-up)
-        if config.method not in FACTORIES:
-            raise RuntimeError(f"hippie.staleness.method {config.method!r}: its module is not imported "
-                               "(hippie_ds.initialize imports hippie_ds.adapter.staleness.adam)")
-        return FACTORIES[config.method](config.coefficient, params)
-    return WeightPrediction(config.coefficient) if params is None else InPlacePrediction(params, config.coefficient)
