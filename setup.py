@@ -44,7 +44,7 @@ setup(
     include_package_data=False,
     install_requires=[
         # hippie-ds subclasses DeepSpeed's pipeline engine internals: the releases that have all of
-        # them (hippie_ds/_compat.py, SEAMS and REQUIREMENT; tests/test_seams.py checks both).
+        # them (hippie_ds/_compat.py, SEAMS and REQUIREMENT; tests/compat/test_seams.py checks both).
         "deepspeed>=0.19.8,<0.20",
         "torch>=2.1",
         "pydantic>=2,<3",

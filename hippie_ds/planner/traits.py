@@ -76,7 +76,7 @@ def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleT
     Schedules with virtual stages are compiled at their real depth (their ``requires`` may
     tie M to K, as interleaved-1f1b's M % K == 0, so two depths need not share an M); above
     the probe size their M probes are the two smallest counts the schedule runs.
-    ``tests/test_planner.py`` and ``tests/test_planner_virtual.py`` check both against full
+    ``tests/planner/test_planner.py`` and ``tests/planner/test_planner_virtual.py`` check both against full
     compiles of every built-in schedule."""
     if stages > DEPTH_PROBE and not _virtual(schedule):
         return _deeper(schedule, stages, micro_batches)

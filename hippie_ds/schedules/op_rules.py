@@ -1,6 +1,6 @@
 """What each analysis runs for each op kind: one row per kind, beside ``OP_INFO`` (what the kind
 means and which engine method runs it). Every kind has a row, and every analysis an explicit entry
-in it, even "nothing to do" (``()``, ``"_local"``): ``tests/test_op_table.py`` checks that each
+in it, even "nothing to do" (``()``, ``"_local"``): ``tests/schedules/test_op_table.py`` checks that each
 names a method of its analysis. Pure Python."""
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ def tied_layer_specs():
 
 # ------------------------------------------------------------------ the Megatron-shaped model
 # What real clients (Megatron-DeepSpeed's GPTModelPipe) do that the tiny model does not, for the
-# split backward's regressions (tests/test_split_backward_clients.py): activations of 3 dimensions, so a
+# split backward's regressions (tests/adapter/gradients/test_split_backward_clients.py): activations of 3 dimensions, so a
 # Linear's output is a view (and a layer returns ``x.view(...)``); an embedding tied to the head
 # whose head copy leaves a parameter unused (the position table: only the word weight projects).
 SEQ = 3

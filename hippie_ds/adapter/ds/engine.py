@@ -4,7 +4,7 @@ each as a named operation. Every function says roughly what it does in DeepSpeed
 
 The engine subclass also overrides some of DeepSpeed's private methods by name (its schedule, its
 forward and backward handlers, ...): those are :data:`hippie_ds._compat.OVERRIDES`, checked to
-exist like the names here; ``tests/test_seams.py`` allows them outside this package as overrides
+exist like the names here; ``tests/compat/test_seams.py`` allows them outside this package as overrides
 only (``def _name`` and its ``super()._name(...)``).
 """
 from __future__ import annotations

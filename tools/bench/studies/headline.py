@@ -3,7 +3,7 @@
 Reads docs/bench/scaling/{vgg16,gnmt16}/results.json (``python -m tools.bench scaling``), writes one
 table per model at the most nodes run (every column against stock 1F1B and DP, scaling from one node,
 memory per device, ME against DP, whether a rank waited for a core), each followed by the figures
-block tests/test_doc_figures.py checks it with, between README's ``<!-- HEADLINE START -->`` and
+block tests/docs/test_doc_figures.py checks it with, between README's ``<!-- HEADLINE START -->`` and
 ``<!-- HEADLINE END -->`` markers, and draws docs/images/headline.png: ME against DP and the scaling
 from one node per column, beside the paper's figures. Nothing is typed by hand: rerun it after the
 study.
