@@ -52,7 +52,8 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.base_optimizer": {"ZeROOptimizer": ("scale_if_loss", )},
     # fp16 under per-stage updates: the wrapper's scale update and flag check (fp16_stage.py)
     # pipedream's micro-batch updates: the unscale by 1 (ds.fp16.unscaled)
-    "deepspeed.runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": ("_update_scale", "fp16_groups", "fp32_groups",
+    "deepspeed.runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": ("_update_scale", "fp16_groups",
+                                                                           "fp32_groups",
                                                                            "loss_scale_config", "overflow_checker",
                                                                            "unscale_and_clip_grads"),
                                                  "": ("get_global_norm", "get_weight_norm")},
@@ -68,10 +69,12 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.bf16_optimizer": {"BF16_Optimizer": ("_lazy_init_hp_params_optimizer_state", "_update_hp_grad")},
     # ZeRO-1's internals the per-stage step hands gradients through (public names, but internals all the same)
     "deepspeed.runtime.zero.stage_1_and_2": {
-        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "_release_ipg_buffers", "all_grad_tensors", "averaged_gradients", "bit16_groups",
+        "DeepSpeedZeroOptimizer": ("_lazy_init_hp_params_optimizer_state", "_release_ipg_buffers", "all_grad_tensors",
+                                   "averaged_gradients", "bit16_groups",
                                    "bit16_groups_flat", "first_offset", "get_all_grad_tensors", "get_flat_partition",
                                    "gradient_accumulation_dtype", "model_parallel_group",
-                                   "model_parallel_rank", "model_parallel_world_size", "parallel_partitioned_bit16_groups",
+                                   "model_parallel_rank", "model_parallel_world_size",
+                                   "parallel_partitioned_bit16_groups",
                                    "params_in_partition", "partition_size", "real_dp_process_group",
                                    "single_partition_of_fp32_groups"),
     },

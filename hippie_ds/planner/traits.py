@@ -188,7 +188,8 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
         in_flight.append(max(1, min(peak, v * micro_batches) if not compiled.continuous else peak))
         chunks.append(tuple(max(1, min(x, micro_batches) if not compiled.continuous else x) for x in chunk_peak))
     versions = tuple(weight_versions(compiled)) if compiled.continuous else (1,) * stages
-    versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages) for op in compiled.ops(s))
+    versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages)
+                    for op in compiled.ops(s))
     return ScheduleTraits(name=compiled.name, stages=stages, micro_batches=micro_batches, in_flight=tuple(in_flight),
                           interleaved=interleaved, defers=defers, continuous=compiled.continuous,
                           splits_backward=compiled.splits_backward, weight_versions=versions,

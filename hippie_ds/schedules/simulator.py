@@ -159,7 +159,8 @@ class _Sim:
             # the activation crossing it is the sending side's output (its gradient the same size);
             # a hand-over between two chunks of one stage (the V's turn) is local: no time
             out = src if activation else dst
-            self.channels[link] = _Channel(self.k, f"stage {src}->{dst}", 0.0 if src == dst else self.costs.p2p_time(out))
+            self.channels[link] = _Channel(self.k, f"stage {src}->{dst}", 0.0 if src == dst
+                                           else self.costs.p2p_time(out))
         message = op.micro_batch if self.v == 1 else ("A" if activation else "G", boundary, op.micro_batch)
         return self.channels[link], side, message
 

@@ -17,7 +17,8 @@ PROFILES = REPO / "tests" / "data" / "pipedream"
 
 def test_summarize_ratios_me_and_scaling():
     runs = {
-        "two_nodes": {"dp": run_record(20.0, 400e6), "1f1b": run_record(16.0, 200e6), "hippie": run_record(24.0, 200e6)},
+        "two_nodes": {"dp": run_record(20.0, 400e6), "1f1b": run_record(16.0, 200e6),
+                      "hippie": run_record(24.0, 200e6)},
         "one_node": {"dp": run_record(12.0, 400e6), "1f1b": run_record(10.0, 200e6), "hippie": run_record(12.0, 200e6)},
         "one_device": {"dp": run_record(12.5, 400e6)},
     }
@@ -32,7 +33,8 @@ def test_summarize_ratios_me_and_scaling():
     # ME ratio to DP = (thr / thr_dp)^2 x mem_dp / mem, whatever a device is
     assert h["me_vs_dp"] == pytest.approx((24 / 20) ** 2 * 400 / 200)
     assert h["me_tensors_vs_dp"] == pytest.approx((24 / 20) ** 2 * 1.0)
-    assert h["scaling_efficiency"] == pytest.approx(24 / (2 * 12)) and dp["scaling_efficiency"] == pytest.approx(20 / 24)
+    assert h["scaling_efficiency"] == pytest.approx(24 / (2 * 12)) and \
+        dp["scaling_efficiency"] == pytest.approx(20 / 24)
     assert s["schedules"]["1f1b"]["ratio_to_1f1b"] == pytest.approx(1.0)
 
 
@@ -108,7 +110,8 @@ def _write_raw(run_dir, durations=((0, [1.0, 1.2, 1.1]), (1, [1.05, 1.0, 1.3])),
     for rank, dur in durations:
         t, steps, events = 10.0, [], []
         for i, d in enumerate(dur):
-            steps.append({"round": 0 if i else -1, "index": max(0, i - 1), "warmup": i == 0, "start": t, "end": t + d, "loss": 1.0,
+            steps.append({"round": 0 if i else -1, "index": max(0, i - 1), "warmup": i == 0, "start": t, "end": t + d,
+                          "loss": 1.0,
                           "saved_peak_bytes": 1000 * (rank + 1) * (i + 1), "core_busy": 0.5 + 0.1 * rank + 0.01 * i})
             events += [{"kind": "ForwardPass", "name": "F", "start": t - 10.0, "end": t - 10.0 + 0.1, "step": i},
                        {"kind": "BackwardPass", "name": "B", "start": t - 9.8, "end": t - 9.6, "step": i}]

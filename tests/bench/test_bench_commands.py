@@ -45,7 +45,8 @@ def test_tools_holds_the_examples_and_the_bench():
     path by the bench's jobs, live in tools/bench/workers/; the fork launcher is run as a module)."""
     tools = REPO / "tools"
     assert sorted(p.name for p in tools.iterdir() if p.name != "__pycache__") == ["__init__.py", "bench", "examples"]
-    scripts = {p.relative_to(tools).as_posix() for p in tools.rglob("*.py") if 'if __name__ == "__main__"' in p.read_text()}
+    scripts = {p.relative_to(tools).as_posix() for p in tools.rglob("*.py")
+               if 'if __name__ == "__main__"' in p.read_text()}
     workers = {p.relative_to(tools).as_posix() for p in (tools / "bench" / "workers").glob("*_worker.py")}
     assert scripts - workers == {"examples/train_gpt.py", "examples/train_vgg.py", "bench/cluster/fork_ranks.py"}
     assert "bench_worker.py" in {p.rsplit("/", 1)[1] for p in workers}

@@ -20,7 +20,8 @@ def _results():
 def test_table_and_figures_block():
     lines = model_table(_results(), "docs/bench/scaling/vgg16/results.json", "VGG-16")
     text = "\n".join(lines)
-    assert "D = 16" in text and "10 Gbit/s between nodes" in text and "| hippie-1f1b | emulated | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
+    assert "D = 16" in text and "10 Gbit/s between nodes" in text and \
+        "| hippie-1f1b | emulated | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
     assert "| 1F1B (stock DeepSpeed) | emulated | 1.00x |" in text
     assert "| planned (ME) | emulated | not a figure | - | - | - | **yes** (25.9%) |" in text  # flagged: no figures
     assert "hippie-1f1b | vs stock 1F1B | {summary.by_nodes.4.hippie-1f1b.vs_1f1b} " \

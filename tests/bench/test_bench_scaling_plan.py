@@ -13,7 +13,8 @@ from tools.bench.studies.scaling_plan_report import cpu_section, planned_section
 from tools.bench.workers.bench_worker import wait_between
 
 TINY = ["--nodes", "1,2", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--schedules", "planned",
-        "--rounds", "1", "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate", "100mbit",
+        "--rounds", "1", "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate",
+        "100mbit",
         "--link-efficiency", "0.97", "--no-single", "--timeout", "300", "--port", "29720",
         "--network", "hdsp,10.84.0"]  # beside test_bench_scaling's end-to-end study (hdss)
 
@@ -67,8 +68,10 @@ def _run(thr, world=8, stages=4, parts=None, ckpt=None, waits=(0.01,)):
 def test_plans_beside_the_measured_rows_and_the_cpu_flag():
     plan = {"objective": "me", "schedule": "hippie", "pipeline_depth": 4, "data_parallel": 2, "micro_batch_size": 8,
             "micro_batches": 32, "boundaries": [0, 2, 4, 6, 8], "checkpointed_layers": [0, 1, 3],
-            "schedule_params": {"deferred_stages": [0]}, "deferred_layers": {}, "command": "hippie-ds plan", "file": "p",
-            "predicted": {"step_s": 1.1, "memory_bytes": 1.2e6, "me": None, "me_vs_dp": 5.0, "predicted_by": "simulator"}}
+            "schedule_params": {"deferred_stages": [0]}, "deferred_layers": {}, "command": "hippie-ds plan",
+            "file": "p",
+            "predicted": {"step_s": 1.1, "memory_bytes": 1.2e6, "me": None, "me_vs_dp": 5.0,
+                          "predicted_by": "simulator"}}
     runs = {"one_node": {"dp": _run(100, 4, 1), "planned": _run(200, 4, 4, [0, 2, 4, 6, 8], [0, 1, 3])},
             "two_nodes": {"dp": _run(100, 8, 1), "planned": _run(256, 8, 4, [0, 2, 4, 6, 8], [0, 1, 3], (0.01, 0.2)),
                           "1f1b": _run(128)}, "one_device": {"dp": _run(50, 1, 1)}}

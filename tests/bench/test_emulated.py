@@ -29,7 +29,7 @@ def test_layers_follow_the_profile(model):
         params = 0 if layer.weight is None else layer.weight.numel()
         assert abs(params - p.param_bytes / 4 * scale) <= 0.5
     total = sum(p.param_bytes for p in profile.layers) / 4 * scale
-    assert sum(0 if l.weight is None else l.weight.numel() for l in layers) == pytest.approx(total, rel=1e-3)
+    assert sum(0 if m.weight is None else m.weight.numel() for m in layers) == pytest.approx(total, rel=1e-3)
     cuts = list(profile.cut_bytes) + [profile.layers[-1].output_bytes]  # what crosses each stage boundary
     x = torch.randn(micro_batch, input_elems(model, scale))
     for layer, cut in zip(layers[:5], cuts):

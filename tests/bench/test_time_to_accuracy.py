@@ -143,7 +143,8 @@ def test_staleness_variant_names_set_the_config(tmp_path):
                                    100)["hippie"]["deferred_layers"] == 2
     config = convergence.make_config("hippie:none", Path(convergence.REPO / "configs"), 1e-3, "decay", 100)
     assert config["pipeline"]["schedule"] == "hippie" and config["hippie"]["staleness"] == {"method": "none"}
-    assert convergence.run_dir(tmp_path, "gpt", "hippie:extrapolate=1.5", 0, [0]) == tmp_path / "gpt" / "hippie_extrapolate1.5"
+    assert convergence.run_dir(tmp_path, "gpt", "hippie:extrapolate=1.5", 0, [0]) == \
+        tmp_path / "gpt" / "hippie_extrapolate1.5"
 
 
 def test_the_bench_sets_a_labels_staleness_beside_the_schedules_config(tmp_path):

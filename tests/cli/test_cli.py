@@ -37,7 +37,8 @@ def test_list(capsys):
     code, out, _ = run(capsys, "schedule", "list")
     assert code == 0
     names = [line.split()[0] for line in out.splitlines()[1:]]
-    assert names == available() == ["1f1b", "2bw", "gpipe", "hippie", "hippie-1f1b", "hippie-interleaved", "hippie-zb", "interleaved-1f1b", "pipedream", "zb-h1", "zb-v"]
+    assert names == available() == ["1f1b", "2bw", "gpipe", "hippie", "hippie-1f1b", "hippie-interleaved", "hippie-zb",
+                                    "interleaved-1f1b", "pipedream", "zb-h1", "zb-v"]
     assert "deferred_stages=auto" in out
     assert "GPipe: every stage runs all forwards" in out
 

@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DS = Path(deepspeed.__file__).parent
 SEAM_PACKAGE = ROOT / "hippie_ds" / "adapter" / "ds"
 # DeepSpeed sources whose private names hippie-ds may reach: the SEAMS modules
-DS_SOURCES = [DS / "runtime" / "engine.py", DS / "runtime" / "pipe" / "engine.py", DS / "runtime" / "pipe" / "module.py",
-              DS / "runtime" / "pipe" / "p2p.py", DS / "runtime" / "bf16_optimizer.py", DS / "runtime" / "base_optimizer.py",
+DS_SOURCES = [DS / "runtime" / "engine.py", DS / "runtime" / "pipe" / "engine.py",
+              DS / "runtime" / "pipe" / "module.py",
+              DS / "runtime" / "pipe" / "p2p.py", DS / "runtime" / "bf16_optimizer.py",
+              DS / "runtime" / "base_optimizer.py",
               DS / "runtime" / "fp16" / "unfused_optimizer.py", DS / "runtime" / "zero" / "stage_1_and_2.py",
               DS / "runtime" / "utils.py", DS / "utils" / "groups.py"]
 
@@ -29,7 +31,8 @@ def _names(table: dict) -> set[str]:
     return {n for owners in table.values() for names in owners.values() for n in names}
 
 
-SEAM_NAMES, OVERRIDE_NAMES, RELIED_ON_NAMES = _names(_compat.SEAMS), _names(_compat.OVERRIDES), _names(_compat.RELIED_ON)
+SEAM_NAMES, OVERRIDE_NAMES = _names(_compat.SEAMS), _names(_compat.OVERRIDES)
+RELIED_ON_NAMES = _names(_compat.RELIED_ON)
 HANDLER_NAMES = {name for info in OP_INFO.values() for name in (info.handler, info.nonblocking_handler) if name}
 
 
@@ -118,7 +121,8 @@ def test_the_scan_sees_what_it_should():
              "x = getattr(object(), 'grad_layer', None), '_exec_reduce_grads', m._layer_specs\n")
     found = sorted(f.split(" ", 1)[1] for f in _reaches_in(probe, "probe.py"))
     assert found == sorted(["imports deepspeed.runtime.pipe.module", "._layer_specs", "._reserve_pipe_buffers",
-                            "'grad_layer'", "def _exec_send_grads (overrides a DeepSpeed internal: list it in OVERRIDES)"])
+                            "'grad_layer'",
+                            "def _exec_send_grads (overrides a DeepSpeed internal: list it in OVERRIDES)"])
 
 
 def test_the_pure_layers_import_no_deepspeed():
@@ -127,7 +131,8 @@ def test_the_pure_layers_import_no_deepspeed():
             for node in ast.walk(ast.parse(path.read_text())):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-                assert not any(n.split(".")[0] == "deepspeed" for n in names), f"{path.relative_to(ROOT)} imports {names}"
+                assert not any(n.split(".")[0] == "deepspeed"
+                               for n in names), f"{path.relative_to(ROOT)} imports {names}"
 
 
 def test_every_seam_exists_on_the_installed_deepspeed():

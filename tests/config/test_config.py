@@ -92,7 +92,8 @@ def test_deferred_layers_checked_against_the_schedule():
     assert decided(split_config({})[2], hippie) == {0: (0,), 1: (3,)}  # the default rule
     assert decided(split_config({})[2], compile_schedule("1f1b", 4, 4)) == {}
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1: schedule \'1f1b\' has no deferred stages '
-                       r"\(partial deferral applies to the deferred stages of hippie, hippie-1f1b, hippie-interleaved, hippie-zb\)"):
+                       r"\(partial deferral applies to the deferred stages of hippie, hippie-1f1b, hippie-interleaved, "
+                       r"hippie-zb\)"):
         run(1, compile_schedule("1f1b", 4, 4))
     assert run(1, compile_schedule("hippie", 4, 4, deferred_stages=[])) == {}  # 'auto' may defer none
     with pytest.raises(ConfigError, match=r"stage\(s\) \[2\] are not deferred; deferred stages: \[0, 1\]"):
@@ -150,7 +151,8 @@ def test_precision_paths_and_refusals():
     check_precision(schedules["zb-h1"], _ds_config(**offload))  # a split backward alone: .grad until ZeRO's reduce
     with pytest.raises(ConfigError, match=r"schedule 'zb-h1'.*this configuration: 1f1b, gpipe, interleaved-1f1b$"):
         check_precision(schedules["zb-h1"], _ds_config(**bf16, zero_optimization={"stage": 1, "overlap_comm": True}))
-    with pytest.raises(ConfigError, match=r'^config key "zero_optimization.stage" = 1 with "data_types.grad_accum_dtype" '
+    with pytest.raises(ConfigError,
+                       match=r'^config key "zero_optimization.stage" = 1 with "data_types.grad_accum_dtype" '
                        r"= None: schedule 'hippie' handles gradients itself .*whole pipeline inside its own step.* set "
                        r'\"bf16\": \{\"enabled\": true\} and "data_types": \{"grad_accum_dtype": "fp32"\}.*this '
                        r"configuration: 1f1b, gpipe, interleaved-1f1b$"):
@@ -162,8 +164,8 @@ def test_precision_paths_and_refusals():
     for config in (_ds_config(**fp16), _ds_config(**fp16, **zero1)):  # a split backward scales the loss as stock does
         check_precision(schedules["zb-h1"], config)
     with pytest.raises(ConfigError, match=r'"fp16.enabled" = true: schedule \'zb-h1\'.*ZeRO reduces the gradients '
-                       r"inside its own machinery.*a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b, zb-h1, "
-                       r"zb-v$"):
+                       r"inside its own machinery.*a schedule that runs with fp16: 1f1b, gpipe, interleaved-1f1b, "
+                       r"zb-h1, zb-v$"):
         check_precision(schedules["zb-h1"], _ds_config(**fp16, zero_optimization={"stage": 1, "overlap_comm": True}))
     for name in ("hippie", "hippie-1f1b", "hippie-zb"):  # one pipeline-wide overflow vote per update (fp16_stage.py)
         check_precision(schedules[name], _ds_config(**fp16))

@@ -288,7 +288,8 @@ class Fp16Fused(Fp16):
         offsets, at = {}, 0
         for j in self.order(ps):
             offsets[j], at = (at, ps[j].numel()), at + ps[j].numel()
-        tensors = [flat] + [v for v in optimizer.state[flat].values() if torch.is_tensor(v) and v.numel() == flat.numel()]
+        tensors = [flat] + [v for v in optimizer.state[flat].values() if torch.is_tensor(v)
+                            and v.numel() == flat.numel()]
         kept = [(ps[j], ps[j].detach().clone(), [(t, *offsets[j], t.detach().narrow(0, *offsets[j]).clone())
                                                   for t in tensors]) for j, g in enumerate(grads) if g is None]
         self.apply(ps, opt, grads, clip)

@@ -59,7 +59,8 @@ def _numbers(text: str) -> list[tuple[float, str]]:
     text = re.sub(r"`[^`]*`", " ", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     out = []
-    for m in re.finditer(r"(?<![\w.])(?<![A-Za-z_]-)([-+\u2212]?)(\d+(?:,\d{3})*(?:\.\d+)?)((?:x|GB|MB|GiB|MiB|ms|us|s|pt)?)(?![\w]|\.\d)", text):
+    for m in re.finditer(r"(?<![\w.])(?<![A-Za-z_]-)([-+\u2212]?)(\d+(?:,\d{3})*(?:\.\d+)?)"
+                         r"((?:x|GB|MB|GiB|MiB|ms|us|s|pt)?)(?![\w]|\.\d)", text):
         value = float(m.group(2).replace(",", ""))
         out.append((-value if m.group(1) in ("-", "\u2212") else value, m.group(2)))
     return out
@@ -261,7 +262,8 @@ def test_results_page_tables_cite_and_tag_every_figure():
             continue
         cited = set()
         blocks = re.match(r"\s*((?:<!-- figures .*?-->\s*)+)", after, flags=re.S)
-        for row_cited, columns in re.findall(r"^(.+?)\s*\|\s*(.+?)\s*\|", blocks.group(1) if blocks else "", flags=re.M):
+        for row_cited, columns in re.findall(r"^(.+?)\s*\|\s*(.+?)\s*\|", blocks.group(1) if blocks else "",
+                                             flags=re.M):
             cited |= {(row_cited, column.strip()) for column in columns.split(" + ")}
         for row in body:
             if not any(k in row[kind[0]] for k in KINDS):
@@ -270,12 +272,14 @@ def test_results_page_tables_cite_and_tag_every_figure():
                 if header[i].lower().split()[0] in CONTEXT_COLUMNS or not _numbers(cell):
                     continue
                 if not any((r == row[0] or r in row[0]) and (c == header[i] or c in header[i]) for r, c in cited):
-                    problems.append(f"docs/results.md:{line}: row {row[0]!r}, column {header[i]!r}: no figure block cites {cell!r}")
+                    problems.append(f"docs/results.md:{line}: row {row[0]!r}, column {header[i]!r}: no figure block "
+                                    f"cites {cell!r}")
     assert not problems, "\n".join(problems)
 
 
 def test_readme_schedule_table_figures_are_cited():
     """README's schedule table cites each figure it gives (a figures block after the table)."""
-    _, _, lines, _ = next(((n, s, l, c) for n, s, l, c in _figure_blocks("README.md") if "| schedule | what it buys" in c),
+    _, _, lines, _ = next(((n, s, found, c) for n, s, found, c in _figure_blocks("README.md")
+                           if "| schedule | what it buys" in c),
                           (None, None, None, None))
     assert lines, "README.md's schedule table has no figures block after it"

@@ -131,8 +131,8 @@ def test_dropin_claim_names_exactly_the_schedules_test_dropin_runs(doc, text):
     sentence = _sentence_with(text, "`tests/real_clients/test_dropin.py` runs")
     claimed = {n for n in _code(sentence) if n in available()}
     expected = set(_dropin_schedules())
-    assert claimed == expected, (f"{doc}: the sentence on tests/real_clients/test_dropin.py names {sorted(claimed)}; its SCHEDULES "
-                                 f"runs {sorted(expected)}: name exactly those")
+    assert claimed == expected, (f"{doc}: the sentence on tests/real_clients/test_dropin.py names {sorted(claimed)}; "
+                                 f"its SCHEDULES runs {sorted(expected)}: name exactly those")
     assert "every" not in sentence, f"{doc}: the drop-in sentence claims 'every': {sentence!r}"
 
 
@@ -167,7 +167,8 @@ def _named_paths(doc: str) -> set[str]:
     for token in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
         word = token.split()[0] if token.split() else ""
         word = re.split(r"::|:(?=[A-Za-z_])", word)[0].rstrip(".,;")
-        if word.startswith(PATH_PREFIXES) and not re.search(r"[*{}<>]|\.\.\.|(?<![A-Za-z])(?!README)[A-Z]{2,}(?![a-z])", word):
+        if word.startswith(PATH_PREFIXES) and not re.search(r"[*{}<>]|\.\.\.|(?<![A-Za-z])(?!README)[A-Z]{2,}(?![a-z])",
+                                                            word):
             paths.add(word)
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         target = target.split("#")[0]
@@ -278,8 +279,8 @@ def test_reference_schedule_list_names_every_builtin_schedule():
     output = lines[:next(i for i, line in enumerate(lines) if not line.strip())]
     assert output and output[0].split()[0] == "schedule", "docs/reference.md: `schedule list` output has no header"
     listed = [line.split()[0] for line in output[1:]]
-    assert listed == available(), (f"docs/reference.md's `hippie-ds schedule list` output (section 'CLI') lists {listed}; the "
-                                   f"built-ins are {available()}: paste the command's output there")
+    assert listed == available(), (f"docs/reference.md's `hippie-ds schedule list` output (section 'CLI') lists "
+                                   f"{listed}; the built-ins are {available()}: paste the command's output there")
 
 
 # --- module tables ----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from hippie_ds.planner import (Cluster, ClusterError, ProfileError, load_profile, parse_cluster, read_pipedream, save_profile,
+from hippie_ds.planner import (Cluster, ClusterError, ProfileError, load_profile, parse_cluster, read_pipedream,
+                               save_profile,
                                synthetic_profile)
 from hippie_ds.planner import partition as part
 from hippie_ds.planner.pipedream import antichain_states, pipedream_optimizer

@@ -30,7 +30,9 @@ def test_recompute_memory_model_and_knapsack():
         for k in range(rec.options):
             layers = rec.layers(k)
             assert rec.activations(k, p) == pytest.approx(activations_of(layers, start, saved, stage_input, p))
-            assert rec_out.activations(k, p) == pytest.approx(activations_of(layers, start, saved, stage_input, p, out, ins))
+            assert rec_out.activations(k,
+                                       p) == pytest.approx(activations_of(layers, start, saved, stage_input, p, out,
+                                                                          ins))
             assert rec.time(k) == pytest.approx(sum(rc[i - start] for i in layers))
             if k < len(rec.order) and rc[rec.order[k]] == 0:
                 continue  # not a breakpoint: the next layer is free, the same time buys it too

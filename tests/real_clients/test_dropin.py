@@ -5,9 +5,9 @@
 without an iterator, ``eval_batch``, an optimizer of two parameter groups as Megatron-DeepSpeed
 builds it) on 2 stages x 2 replicas, with no ``hippie`` key in the config: under the ``deepspeed``
 launcher itself for stock DeepSpeed's runs and the default schedule's (1f1b, no key at all), the
-others forked as that launcher starts ranks (tests/distributed/launch.py; it saves ~7 s a launch). Checkpoints cross between stock DeepSpeed and hippie-ds both ways, across stage
-layouts, and from a tensor x pipeline model; DeepSpeed's own ``DualPipeVModule`` runs as stock.
-Launches are shared where one run can serve two checks.
+others forked as that launcher starts ranks (tests/distributed/launch.py; it saves ~7 s a launch). Checkpoints cross
+between stock DeepSpeed and hippie-ds both ways, across stage layouts, and from a tensor x pipeline model; DeepSpeed's
+own ``DualPipeVModule`` runs as stock. Launches are shared where one run can serve two checks.
 """
 import json
 from pathlib import Path
@@ -172,7 +172,8 @@ def test_dualpipev_module_runs_as_stock(tmp_path):
     ``hippie_ds.initialize``: DeepSpeed's ``DualPipeVEngine``, as ``deepspeed.initialize`` picks it,
     and bit-identical training; naming a hippie-ds schedule for it is refused at start-up on
     every rank, with the key, the value and what works."""
-    rc, log, _ = launch(2, tmp_path, "--steps", 3, worker=Path(__file__).resolve().parents[1] / "distributed" / "dualpipev_worker.py",
+    rc, log, _ = launch(2, tmp_path, "--steps", 3,
+                        worker=Path(__file__).resolve().parents[1] / "distributed" / "dualpipev_worker.py",
                         timeout=180)
     assert rc == 0, log[-4000:]
     results = [torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))]

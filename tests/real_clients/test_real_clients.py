@@ -24,7 +24,8 @@ SYNCHRONOUS = ["1f1b", "gpipe", "zb-h1"]
 # +drain: drain() after the last step (bf16 + clipping + tie: the tied copy's step alone)
 # hippie: the default deferral ("untied": the first block, not the tied embedding); hippie+1: exactly one
 # layer with parameters, the tied embedding (and so the head's copy)
-OTHERS = {"fp32": ["hippie", "hippie+1", "hippie-1f1b", "hippie-zb", "pipedream+drain", "2bw+drain", "hippie+all+drain"],
+OTHERS = {"fp32": ["hippie", "hippie+1", "hippie-1f1b", "hippie-zb", "pipedream+drain", "2bw+drain",
+                   "hippie+all+drain"],
           "bf16-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain", "pipedream+drain", "hippie+all+drain"],
           # ZeRO-1 as users write it (fp32, or bf16 without data_types): DeepSpeedZeroOptimizer (ds/zero.py)
           # hippie+drain: drain() steps the partition for the delayed block alone; the in-step tied embedding
@@ -90,8 +91,8 @@ def test_synchronous_schedules_are_bit_identical_to_stock(matrix):
 
 def test_every_schedule_trains_with_tied_copies_equal_and_the_clients_scheduler(matrix):
     """Tied copies: every holder and replica ends with the same word embedding (2bw, whose tie
-    sum lags by an update, and pipedream, after drain()). The scheduler is stepped as stock steps it: with the samples of
-    the step when ``step()`` needs an argument."""
+    sum lags by an update, and pipedream, after drain()). The scheduler is stepped as stock steps it: with the samples
+    of the step when ``step()`` needs an argument."""
     _, runs, _ = matrix
     stock = runs["stock"][0]
     for name, ranks in runs.items():
@@ -198,7 +199,9 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
 def _same(a, b, tol=0.0):
     """The largest difference between runs ``a`` and ``b`` over every layer of every replica
     (all model chunks), wherever each layout holds it."""
-    held = lambda ranks: {(r["replica"], layer): state for r in ranks for layer, state in r["layers"].items()}
+    def held(ranks):
+        return {(r["replica"], layer): state for r in ranks for layer, state in r["layers"].items()}
+
     ref, got = held(a), held(b)
     assert ref.keys() == got.keys()
     return max((got[key][k] - v).abs().max().item() for key, state in ref.items() for k, v in state.items())
@@ -222,7 +225,9 @@ def test_drop_in_module_takes_the_config_from_sys_argv(launched):
         runs = {n.split("+")[0]: _load(out, f"fp32:{n}" if model == "megatron" else f"fp32:{n}{suffix}")
                 for n in names}
         ref = runs["1f1b"]
-        stage0 = lambda ranks: sorted(next(r for r in ranks if r["stage"] == 0)["layers"])
+        def stage0(ranks):
+            return sorted(next(r for r in ranks if r["stage"] == 0)["layers"])
+
         for name in ("interleaved-1f1b", "zb-v"):
             assert stage0(runs[name]) != stage0(ref), (model, name)  # two model chunks per stage: another layout
             # the GPT: 2.4e-7 (interleaved-1f1b) and 1.5e-6 (zb-v) apart after 4 steps on this CPU, first

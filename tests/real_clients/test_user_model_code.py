@@ -24,7 +24,8 @@ SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v")
 VIRTUAL = ("interleaved-1f1b", "zb-v")
 OTHERS = ("hippie", "hippie-1f1b", "hippie-zb", "hippie-interleaved", "2bw", "pipedream")
 PRECISIONS = {"fp32": "", "bf16": "+bf16", "bf16-zero1": "+bf16+zero1", "fp16": "+fp16", "fp16-zero1": "+fp16+zero1"}
-# in fp16 the hippie family too (one overflow vote per update: tests/adapter/precision/test_fp16_per_stage.py), with ZeRO-1 too;
+# in fp16 the hippie family too (one overflow vote per update: tests/adapter/precision/test_fp16_per_stage.py),
+# with ZeRO-1 too;
 # 2bw and pipedream in fp16 and fp16 + ZeRO-1 (the asynchronous vote: tests/adapter/precision/test_fp16_async.py)
 STEPS = 4
 CLIP = 0.05  # below the model's gradient norm: every step clips
@@ -42,7 +43,8 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("user-model")
     engines = [n for p in PRECISIONS for model in ("+seqfirst+attrs", "+attrs") for n in _names(p, model)]
     rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", 4, "--steps", STEPS, "--optimizer", "AdamW",
-                        "--lr", 0.01, "--clip", CLIP, "--deferred-layers", "default", "--drain", "--engines", ",".join(engines),
+                        "--lr", 0.01, "--clip", CLIP, "--deferred-layers", "default", "--drain", "--engines",
+                        ",".join(engines),
                         timeout=1500)
     assert rc == 0, log[-5000:]
     return out, log
@@ -114,7 +116,8 @@ def test_fp16_skips_the_steps_stock_skips(trained, precision):
     runs = {n: [torch.load(f) for f in sorted((out / n).glob("rank*.pt"))] for n in _names(precision)}
     stock = runs[_names(precision)[0]][0]
     if precision == "fp16-zero1":
-        assert stock["skipped_steps"] > 0 and stock["loss_scale"] < 2 ** 20, (stock["skipped_steps"], stock["loss_scale"])
+        assert stock["skipped_steps"] > 0 and stock["loss_scale"] < 2 ** 20, (stock["skipped_steps"],
+                                                                              stock["loss_scale"])
     for name, ranks in runs.items():
         decisions = {(r["skipped_steps"], r["loss_scale"]) for r in ranks}
         assert len(decisions) == 1, (name, decisions)  # one decision per update, on every rank

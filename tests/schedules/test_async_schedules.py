@@ -342,7 +342,8 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     assert _max_diff(results["extrapolate-made"], results["extrapolate"]) > 1e-4, "the made weights changed nothing"
     assert _max_diff(results["extrapolate-made"], results["adam"]) > 1e-4, "extrapolate-made is adam's rule"
     # error feedback on the first stage (one update behind; the last computes on its made weights)
-    assert _max_diff(results["extrapolate-made+ef"], results["extrapolate-made"]) > 1e-4, "error feedback changed nothing"
+    assert _max_diff(results["extrapolate-made+ef"],
+                     results["extrapolate-made"]) > 1e-4, "error feedback changed nothing"
 
 
 @pytest.mark.distributed
@@ -351,7 +352,8 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     # batches in flight: save_checkpoint drains them and saves both/stashed weight versions),
     # then a fresh engine loads it and continues.
     args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--optimizer", "AdamW", "--lr", 0.01,
-            "--clip", 0.05, "--drain", "--engines", "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2,"
+            "--clip", 0.05, "--drain", "--engines",
+            "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2,"
             "2bw+made+ef5,2bw+made+ef5+ckpt2")
     rc, log, _ = launch(4, tmp_path, *args, timeout=300)
     assert rc == 0, log[-4000:]

@@ -107,9 +107,11 @@ def test_instruction_classes_and_arguments_come_from_the_table(kind):
 
 def test_deepspeed_instructions_are_deepspeeds_and_the_rest_are_new():
     used = {n for info in OP_INFO.values() for n in (info.instruction, info.nonblocking_instruction) if n}
-    assert DEEPSPEED_INSTRUCTIONS <= used, f"DEEPSPEED_INSTRUCTIONS names classes no op uses: {DEEPSPEED_INSTRUCTIONS - used}"
+    assert DEEPSPEED_INSTRUCTIONS <= used, \
+        f"DEEPSPEED_INSTRUCTIONS names classes no op uses: {DEEPSPEED_INSTRUCTIONS - used}"
     for name in DEEPSPEED_INSTRUCTIONS:
-        assert issubclass(getattr(ds, name, type), ds.PipeInstruction), f"{name}: not in deepspeed.runtime.pipe.schedule"
+        assert issubclass(getattr(ds, name, type),
+                          ds.PipeInstruction), f"{name}: not in deepspeed.runtime.pipe.schedule"
     assert set(hs.NEW_CLASSES) == used - DEEPSPEED_INSTRUCTIONS
     # DeepSpeed's own map is kept under the table's entries (stock code keeps working)
     assert set(PipelineEngine._INSTRUCTION_MAP) <= set(HippiePipelineEngine._INSTRUCTION_MAP)
@@ -148,7 +150,8 @@ def test_every_analysis_entry_names_a_method_of_its_analysis(analysis):
 
 def test_pipeline_collectives_wait_for_every_stage_in_both_analyses():
     # the flag (OP_INFO pipeline_collective) and the rows say the same
-    waits = {k for k, r in RULES.items() if "self._rendezvous(" in inspect.getsource(getattr(simulator._Sim, r.simulate))}
+    waits = {k for k, r in RULES.items()
+             if "self._rendezvous(" in inspect.getsource(getattr(simulator._Sim, r.simulate))}
     assert waits == PIPELINE_COLLECTIVE_KINDS
     assert {k for k, r in RULES.items() if r.communicate == "_collective"} == PIPELINE_COLLECTIVE_KINDS
     assert {k for k, r in RULES.items() if "_update" in r.continuous} == UPDATE_KINDS
@@ -159,7 +162,8 @@ def test_every_waiting_communication_rule_says_why_it_is_stuck():
     for kind, rules in RULES.items():
         if rules.communicate != "_local":
             assert callable(getattr(deadlock._Simulation, rules.communicate + "_stuck", None)), \
-                f"RULES[{kind}].communicate = {rules.communicate!r}: deadlock._Simulation has no {rules.communicate}_stuck"
+                f"RULES[{kind}].communicate = {rules.communicate!r}: deadlock._Simulation has no " \
+                f"{rules.communicate}_stuck"
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)

@@ -99,7 +99,8 @@ def _calls(path: Path) -> set[str]:
 def test_start_up_the_cli_and_the_planner_resolve_through_one_pass():
     """They call ``resolve`` (start-up through the adapter's ``resolve_for_module``), and nothing
     outside the pass calls the choosers or recompiles for a decision."""
-    for user in ("hippie_ds/adapter/module/deferred_layers.py", "hippie_ds/cli/schedule.py", "hippie_ds/planner/evaluate.py",
+    for user in ("hippie_ds/adapter/module/deferred_layers.py", "hippie_ds/cli/schedule.py",
+                 "hippie_ds/planner/evaluate.py",
                  "tools/bench/studies/example_costs.py"):
         assert "resolve" in _calls(ROOT / user), user
     assert "resolve_for_module" in _calls(ROOT / "hippie_ds/adapter/integration.py")

@@ -47,7 +47,8 @@ def test_compile_validates_by_default():
 def test_zb_h1_is_valid():
     for stages in range(1, 9):
         for micro_batches in range(1, 17):
-            assert check(schedules.compile("zb-h1", stages, micro_batches, validate=False)) == [], (stages, micro_batches)
+            assert check(schedules.compile("zb-h1", stages, micro_batches, validate=False)) == [], (stages,
+                                                                                                    micro_batches)
 
 
 def test_zero_bubble_schedules_run_fewer_micro_batches_than_stages():

@@ -129,7 +129,8 @@ def test_chunk_allreduce_rules(tmp_path):
     for s in range(2):
         ops = list(compiled.ops(s))
         i = next(i for i, op in enumerate(ops) if op.target == "chunk")
-        assert ops[i].chunk == 1 and (ops[i - 1].kind, ops[i - 1].chunk) in ((OpKind.SEND_GRAD, 1), (OpKind.BACKWARD, 1))
+        assert ops[i].chunk == 1 and (ops[i - 1].kind, ops[i - 1].chunk) in ((OpKind.SEND_GRAD, 1),
+                                                                             (OpKind.BACKWARD, 1))
         assert not any(op.kind == OpKind.BACKWARD and op.chunk == 1 for op in ops[i:])
     text = (Path(schedules.spec.builtin_dir()) / "hippie-interleaved.yaml").read_text()
     early = tmp_path / "early.yaml"
@@ -278,7 +279,8 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
         assert len(parts) == 4
         assert _max_diff(stock, ours) == 0.0, f"zb-v{p} differs from stock"
         assert losses == stock_losses
-        evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"zb-v{p}") for f in (tmp_path / name).glob("rank*.pt")}
+        evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"zb-v{p}")
+                 for f in (tmp_path / name).glob("rank*.pt")}
         assert len(evals) == 1, f"eval_batch{p}: {evals}"
     for p in ("", "+bf16+zero1"):
         base, base_losses, _, _, _ = collect(tmp_path, f"1f1b+seqfirst{p}")
@@ -348,7 +350,7 @@ def test_megatron_shapes_under_virtual_stages(tmp_path):
                    for x, y in zip(losses[r], stock_losses[r])), f"zb-v{p} losses"
         ours, losses, _, _, replicas = collect(tmp_path, f"hippie-interleaved{p}")
         assert _max_diff(replicas[0], replicas[1]) == 0.0
-        assert all(l == l and abs(l) < 100 for rank in losses.values() for l in rank)
+        assert all(loss == loss and abs(loss) < 100 for rank in losses.values() for loss in rank)
 
 
 def test_cli_takes_virtual_stages(capsys):

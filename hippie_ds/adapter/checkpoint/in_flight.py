@@ -52,9 +52,9 @@ class TrainingState:
             self.restore_tied_copies(saved["tied_copies"], load_dir)  # else DeepSpeed's: stage 0's copy
         if changed:
             if ckpt.holds_in_flight(buffer, versions):
-                raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
-                                 "gradient, tied-gradient sums or weight versions) of another stage layout; save it "
-                                 "after engine.drain() to resume with new stage boundaries")
+                raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a "
+                                 "deferred gradient, tied-gradient sums or weight versions) of another stage layout; "
+                                 "save it after engine.drain() to resume with new stage boundaries")
             prediction = None  # the previous weights of other stages: the prediction restarts
         if buffer is not None and buffer["buffer"] is not None:
             delayed = sum(g.numel() for g in self.gradients.delayed_grads())  # bf16: the accumulator, padding included
@@ -111,7 +111,8 @@ class TrainingState:
                 return False, ""  # DeepSpeed warns and loads nothing
             with open(latest) as f:
                 tag = f.read().strip()
-        files = ds_checkpoint.checkpoint_files(engine, load_dir, tag)  # the model-state files DeepSpeed reads (mp_rank_XX)
+        # the model-state files DeepSpeed reads (mp_rank_XX)
+        files = ds_checkpoint.checkpoint_files(engine, load_dir, tag)
         if not files:
             return False, ""
         own = ds_checkpoint.own_checkpoint_file(engine, load_dir, tag)  # the one this rank's DeepSpeed load reads

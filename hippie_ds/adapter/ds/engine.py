@@ -54,7 +54,8 @@ def p2p_state(engine) -> dict:
 
 
 def set_p2p_state(engine, state: dict) -> None:
-    """Roughly: ``setattr(engine, name, value)`` for each of :data:`P2P_STATE` (``P2P_STATE`` itself: a fresh boundary)."""
+    """Roughly: ``setattr(engine, name, value)`` for each of :data:`P2P_STATE` (``P2P_STATE`` itself: a fresh
+    boundary)."""
     for name, value in state.items():
         setattr(engine, name, value)
 

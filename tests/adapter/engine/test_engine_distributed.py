@@ -232,7 +232,8 @@ def test_flush_applies_pending_gradient(tmp_path):
     ref, _ = reference.run(parts, 1, MICRO_BATCHES, 3, deferred=[0], staleness=DEFAULT_STALENESS)
     layers0 = range(*parts[0])
     assert any(not torch.equal(ours[i][k], ref[i][k]) for i in ref if i in layers0 for k in ref[i])
-    _assert_close({i: v for i, v in ours.items() if i not in layers0}, {i: v for i, v in ref.items() if i not in layers0},
+    _assert_close({i: v for i, v in ours.items() if i not in layers0},
+                  {i: v for i, v in ref.items() if i not in layers0},
                   "stage 1 unaffected by the flush")
 
 
@@ -272,7 +273,8 @@ def test_failed_rank_ends_the_job(tmp_path, failure):
 ])
 def test_bad_config_fails_on_every_rank(tmp_path, override, message):
     import json
-    rc, log, secs = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--refusal-barrier",  # as test_precision's
+    # as test_precision's
+    rc, log, secs = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--refusal-barrier",
                            "--schedule-override", json.dumps(override), timeout=120)
     assert rc != 0
     refused = {r for r in range(2) for line in log.splitlines() if f"rank {r} refused: " in line and message in line}

@@ -155,7 +155,8 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
             assert ([g["lr"] for g in optimizer.param_groups], engine.lr_scheduler) == ([0.5, 0.6], None)
             clipping = (engine._config.gradient_clipping, optimizer.clip_grad, engine._force_grad_boundary)
             assert clipping == (0.0, 0.0, True)
-            engine.global_steps, engine.global_samples, engine.skipped_steps = 8, 80, 2  # what _take_model_step advances
+            # what _take_model_step advances
+            engine.global_steps, engine.global_samples, engine.skipped_steps = 8, 80, 2
             raise RuntimeError("the step failed")
     assert state() == before
     with stage.swapped(tie_norm=False) as local:  # an update with counters: they advance, the LRs stay the schedule's

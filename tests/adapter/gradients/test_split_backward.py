@@ -7,7 +7,8 @@ test_split_backward_clients.py's."""
 import pytest
 import torch
 
-from hippie_ds.adapter.gradients.split_backward import (SplitBackwardError, backward_input, backward_weight, check_coverage,
+from hippie_ds.adapter.gradients.split_backward import (SplitBackwardError, backward_input, backward_weight,
+                                                        check_coverage,
                                       check_torch_version)
 
 from split_backward_models import Block, make_inputs, make_stage, run_backwards

@@ -8,7 +8,8 @@ with a failing rank ending in seconds; the rest run in one process."""
 import pytest
 import torch
 
-from hippie_ds.adapter.gradients.split_backward import SplitBackwardError, backward_input, backward_weight, check_coverage
+from hippie_ds.adapter.gradients.split_backward import (SplitBackwardError, backward_input, backward_weight,
+                                                        check_coverage)
 
 from split_backward_models import Block, make_inputs, run_backwards
 

@@ -156,7 +156,9 @@ def test_precision_refusal_names_only_schedules_this_module_runs():
 
 
 def test_builtins_where_on_a_module():
-    every = lambda c: True
+    def every(c):
+        return True
+
     plain = schedules.builtins_where(every, 2, 4, (1, "interleaved"))
     assert "1f1b" in plain and not {"interleaved-1f1b", "zb-v", "hippie-interleaved"} & set(plain)
     assert set(schedules.builtins_where(every, 2, 4, (2, "v"))) == {"zb-v"}

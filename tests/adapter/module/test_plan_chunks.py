@@ -46,7 +46,8 @@ def test_check_plan_counts_ranks_and_model_chunks(plans):
     check_plan(plan, SPECS, world_size=4, num_stages=2, virtual_stages=2, layout="interleaved")
     check_plan(plan, SPECS, world_size=4, num_stages=None)  # chunks not known yet
     with pytest.raises(PlanMismatchError, match=r"this job has 4 pipeline stages \(from num_stages=4\) on 4 ranks, "
-                                                r"but the plan for 'megatron-shaped' has 2 stages x 2 model chunks each"):
+                                                r"but the plan for 'megatron-shaped' has 2 stages x 2 model "
+                                                r"chunks each"):
         check_plan(plan, SPECS, world_size=4, num_stages=4)  # stages x virtual stages is not the stage count
     with pytest.raises(PlanMismatchError) as info:
         check_plan(plan, SPECS, world_size=4, num_stages=2, virtual_stages=1, layout="interleaved")

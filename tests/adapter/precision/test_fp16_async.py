@@ -51,7 +51,8 @@ TWO_BY_TWO = {"2bw+fp16": set(), "2bw+fp16+ovf1.1": {(1, 1)}, "2bw+fp16+ovf0.2":
               # ZeRO-1 with the tied model (issue 61): the lagged tie sum rescaled from its update's scale to the
               # applying update's; overflows injected into the tied copies' stages (0: the embedding; 1: the head)
               "2bw+fp16+zero1+p12+tied+attrs": set(), "2bw+fp16+zero1+p12+tied+attrs+ovf0.1": {(1, 0)},
-              "pipedream+fp16+zero1+p12+tied+attrs+ovf1.1": {(1, 1)}, "2bw+fp16+zero1+p12+tied+attrs+ckpt2+ovf1.2": {(2, 1)}}
+              "pipedream+fp16+zero1+p12+tied+attrs+ovf1.1": {(1, 1)},
+              "2bw+fp16+zero1+p12+tied+attrs+ckpt2+ovf1.2": {(2, 1)}}
 # 4 stages x 1: stages 1-3 hold their gradient, resolved at their next update op
 FOUR_BY_ONE = {"2bw+fp16+ovf3.1": {(1, 3)}, "2bw+fp16+ovf0.2": {(2, 0)}, "2bw+fp16+ckpt2+ovf2.1": {(1, 2)},
                "2bw+fp16+zero1+p12+ovf3.1": {(1, 3)}, "2bw+fp16+zero1+p12+ckpt2": set()}
@@ -234,6 +235,7 @@ def test_where_the_vote_can_be_waited_for():
                                           r"overlap_comm"):
         check_precision(schedules.compile("2bw", 2, 4), _ds_config(**fp16, zero_optimization={"stage": 1,
                                                                                              "overlap_comm": True}))
-    from hippie_ds.adapter.precision.fp16_async import loss_scale_updates  # the last stage's resolved updates at its backwards
+    # the last stage's resolved updates at its backwards
+    from hippie_ds.adapter.precision.fp16_async import loss_scale_updates
     assert loss_scale_updates(schedules.compile("2bw", 4, 8))[1] == 1  # r(u) = u - 1
     assert loss_scale_updates(schedules.compile("pipedream", 2, 4))[1] == 0  # r(u) = u

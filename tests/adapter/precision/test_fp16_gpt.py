@@ -10,8 +10,8 @@ the dynamic scale only grows (doubling every ``loss_scale_window`` clean steps),
 divides every gradient by it; stock steps the wrapper once per batch, pipedream once per micro-batch,
 so its scale grew M times as fast (2**51 against stock's 2**16 here), the unscaled gradients sank
 below Adam's ``eps`` and the updates vanished while AdamW's weight decay went on: measured here, the
-loss fell from 3.466 to 3.441 by step 9, then rose to 3.445 at step 20 (stock fp16: 2.844). The rule now moves the scale once per
-batch, at its last update, by whether any of the batch's updates overflowed
+loss fell from 3.466 to 3.441 by step 9, then rose to 3.445 at step 20 (stock fp16: 2.844). The rule now moves the scale
+once per batch, at its last update, by whether any of the batch's updates overflowed
 (hippie_ds/adapter/precision/fp16_async.py), and the fp16 reference follows (reference_fp16.Fp16Async).
 """
 import math
@@ -123,7 +123,8 @@ def test_zero1_with_the_tied_embedding(trained):
         assert all(torch.equal(c, copies[0]) for c in copies), name
         assert len({(r["skipped_steps"], r["loss_scale"]) for r in ranks}) == 1, name
         losses = _losses(trained, name)
-        print(name, [round(x, 3) for x in losses], "skipped", ranks[0]["skipped_steps"], "scale", ranks[0]["loss_scale"])
+        print(name, [round(x, 3) for x in losses], "skipped", ranks[0]["skipped_steps"], "scale",
+              ranks[0]["loss_scale"])
         assert all(math.isfinite(x) for x in losses) and losses[-1] < first - 0.3, name
         if "+ovf" in name:
             assert ranks[0]["skipped_steps"] > _ranks(trained, name.split("+ovf")[0])[0]["skipped_steps"], name

@@ -41,7 +41,8 @@ ZERO = {"hippie+fp16+zero1+p12": (), "hippie+fp16+zero1+p12+ovf1.1": {(1, 1)},
 # delayed layers, "untied" rule, overflows). "+dl1" delays the tied weight (stage 1 then delays its copy
 # only); the default ("untied") delays stage 0's first untied layer. The holders clip by their joint norm,
 # reduced once (fp16_stage.Fp16Votes.joint_norm).
-TIED = {"hippie+fp16+tied+attrs+dl1": ([0, 1], {0: 1, 1: 0}, False, ()), "hippie+fp16+tied+attrs": ([0], {0: 3}, True, ()),
+TIED = {"hippie+fp16+tied+attrs+dl1": ([0, 1], {0: 1, 1: 0}, False, ()),
+        "hippie+fp16+tied+attrs": ([0], {0: 3}, True, ()),
         "hippie-zb+fp16+tied+attrs+dl1+ovf1.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 1)}),
         "hippie+fp16+fused+tied+attrs+dl1+ovf0.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 0)}),
         # fp16 + ZeRO-1 (from 2**12) with the tied module, both holders deferring it: the buffers rescaled
@@ -163,8 +164,9 @@ def test_zero1_scales_the_loss_and_the_buffer(trained, name):
 
     ref, scale = rule(reference_fp16.Fp16Zero, deferred)
     diff = _max_diff(ours, ref)
-    print(f"{name}: |ours - reference| = {diff:.3g}, without the rescale {_max_diff(rule(NoRescale, deferred)[0], ref):.3g}, "
-          f"synchronous {_max_diff(rule(reference_fp16.Fp16Zero, ())[0], ref):.3g}, history {scale.history}")
+    print(f"{name}: |ours - reference| = {diff:.3g}, without the rescale "
+          f"{_max_diff(rule(NoRescale, deferred)[0], ref):.3g}, synchronous "
+          f"{_max_diff(rule(reference_fp16.Fp16Zero, ())[0], ref):.3g}, history {scale.history}")
     assert diff == 0, f"{name}: differs from its fp16 + ZeRO-1 reference by {diff}"
     if name != "hippie-zb+fp16+zero1+p12+ovf0.2":  # there the rescaled buffer is the skipped update's
         assert _max_diff(rule(NoRescale, deferred)[0], ref) > FP16_TOLERANCE

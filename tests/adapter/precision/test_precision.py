@@ -86,7 +86,8 @@ def test_every_schedule_in_bf16(request, tmp_path, variant):
         out, stages, (suffix, zero) = request.getfixturevalue("bf16_2x2"), 2, VARIANTS[variant]
     else:
         out, stages, suffix, zero = _bf16_launch(tmp_path, 4, [""], ("--bf16", "--zero", 1)), 4, "", 1
-    for f in sorted((out / ("hippie" + suffix)).glob("rank*.pt")):  # DeepSpeed's bf16 (+ ZeRO-1) path, not its ZeRO optimizer
+    # DeepSpeed's bf16 (+ ZeRO-1) path, not its ZeRO optimizer
+    for f in sorted((out / ("hippie" + suffix)).glob("rank*.pt")):
         saved = torch.load(f)
         assert saved["optimizer"] == "BF16_Optimizer" and saved["partitions"] == [2], (saved["optimizer"],
                                                                                        saved["partitions"])
@@ -208,7 +209,8 @@ def tied_launch(tmp_path_factory):
         if precision not in done:
             out = tmp_path_factory.mktemp(f"tied-{precision}")
             extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
-            engines = ("stock",) + SYNCHRONOUS + tuple(n + suffix for n in DEFERRED for *_, suffix in TIED_RULES.values())
+            engines = ("stock",) + SYNCHRONOUS + tuple(n + suffix for n in DEFERRED
+                                                       for *_, suffix in TIED_RULES.values())
             rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
                                 "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
                                 "--deferred-layers", "default", *extra, timeout=900)
@@ -291,16 +293,17 @@ CONTINUOUS_TIED_CLIP = 0.05  # low enough that pipedream's per-micro-batch gradi
                          ids=["2x2-fp32", "2x2-bf16+zero1", "4x2-bf16+zero1"])
 def test_tied_weights_under_continuous_schedules(tmp_path, stages, precision):
     """2bw and pipedream with a module tied across the first and the last stage: the tie sum lags
-    (one update; three for pipedream on 4 stages) and each holder clips its tied weights apart from the rest (hippie_ds/adapter/gradients/tied.py's
-    LaggedTieSums). Every rank's copy stays bit-identical; each run matches the single-process
-    reference of that rule (within CONTINUOUS_TIED_TOLERANCE in fp32, BF16_TOLERANCE in bf16 +
+    (one update; three for pipedream on 4 stages) and each holder clips its tied weights apart from the rest
+    (hippie_ds/adapter/gradients/tied.py's LaggedTieSums). Every rank's copy stays bit-identical; each run matches the
+    single-process reference of that rule (within CONTINUOUS_TIED_TOLERANCE in fp32, BF16_TOLERANCE in bf16 +
     ZeRO-1) and is farther than that from the rule that sums in-step and from the unclipped run;
     a checkpoint saved with a tie sum in flight resumes bit-identically."""
     bf16 = precision == "bf16+zero1"
     extra = ("--bf16", "--zero", 1) if bf16 else ()
     engines = ",".join(n + suffix for n in CONTINUOUS for suffix in ("", "+ckpt2"))
     rc, log, _ = launch(2 * stages, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
-                        "--tied", "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip", CONTINUOUS_TIED_CLIP,
+                        "--tied", "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip",
+                        CONTINUOUS_TIED_CLIP,
                         "--drain", *extra,
                         timeout=420)
     assert rc == 0, log[-4000:]
@@ -321,8 +324,8 @@ def test_tied_weights_under_continuous_schedules(tmp_path, stages, precision):
         in_step, _ = rule(parts, 2, MICRO_BATCHES, STEPS, tie_lag=0, **common)
         unclipped, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **{**common, "clip": 0.0})
         diff, gap, clipped = _max_diff(ours, ref), _max_diff(in_step, ref), _max_diff(unclipped, ref)
-        print(f"tied {name} {stages}x2 {precision}: |ours - reference| = {diff:.3g}, the in-step tie sum's rule {gap:.3g}, "
-              f"unclipped {clipped:.3g}")
+        print(f"tied {name} {stages}x2 {precision}: |ours - reference| = {diff:.3g}, the in-step tie sum's rule "
+              f"{gap:.3g}, unclipped {clipped:.3g}")
         assert diff <= tolerance, f"tied {name} {precision}: differs from the reference of its rule by {diff}"
         assert (copies[0] - ref[0]["weight"]).abs().max() <= tolerance
         assert gap > 2 * tolerance, f"tied {name}: the lagged and the in-step tie sum differ by only {gap}"

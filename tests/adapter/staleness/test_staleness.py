@@ -5,7 +5,8 @@ earlier shapes (format 1) load into it."""
 import torch
 
 from hippie_ds.adapter.checkpoint import state as ckpt
-from hippie_ds.adapter.staleness.prediction import InPlacePrediction, MadeWeightsPrediction, WeightPrediction, make_prediction
+from hippie_ds.adapter.staleness.prediction import (InPlacePrediction, MadeWeightsPrediction, WeightPrediction,
+                                                   make_prediction)
 from hippie_ds.config import StalenessConfig
 
 C = 1.5

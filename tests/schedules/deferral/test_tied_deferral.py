@@ -5,8 +5,8 @@ default delays a deferred stage's first layer with parameters that is not tied t
 1 still delays exactly the first layer with parameters, the tied embedding, and so the head's copy
 too. Read through what start-up uses: ``deferred_layers.resolve_for_module`` (the value checked,
 the module's layers read) -> the one pass (hippie_ds/schedules/resolve.py, the pure decision in
-global layer indices) -> the schedule that runs and the engine's ``split_deferred``. No processes: the stand-in has every stage's layers built, as
-``layers_with_parameters`` gathers them over the world."""
+global layer indices) -> the schedule that runs and the engine's ``split_deferred``. No processes: the stand-in has
+every stage's layers built, as ``layers_with_parameters`` gathers them over the world."""
 from types import SimpleNamespace
 
 import pytest

@@ -71,7 +71,8 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         sc, e_sc = _range(row, "scaling", "{:.2f}")
         mem = f"{row['memory_bytes'] / 1e9:.2f}" if row.get("memory_bytes") else "-"
         me = f"{row['me_vs_dp']:.2f}x" if row.get("me_vs_dp") else "-"
-        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core") else f"no ({wait:.1%})")
+        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core")
+                                           else f"no ({wait:.1%})")
         lines.append(f"| {label} | emulated | {vs} | {sc} | {mem} | {me} | {waited} |")
         for column, exprs in (("vs stock 1F1B", e_vs), ("scaling", e_sc)):
             if exprs:
