@@ -55,8 +55,7 @@ class OpInfo:
     role: str  # load | compute | send | recv | comm | update | weights
     category: str  # timeline category (its time: the cost terms below)
     doc: str  # "Roughly: ..." of what the engine does (also the generated instruction class's docstring)
-    # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/engine/instructions.py)
-    instruction: str
+    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or engine/instructions.py's
     _: KW_ONLY
     handler: str  # the engine method that runs it (adapter/engine/engine.py's _INSTRUCTION_MAP is built from these)
     args: tuple[str, ...] = ()  # its keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
@@ -151,8 +150,7 @@ OP_INFO: dict[OpKind, OpInfo] = {
     _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
                                "asynchronously", "StartAllReduce", handler="_exec_start_allreduce",
                                args=("target", "chunk"), placeable=True, targets=START_TARGETS, own_gradients=True,
-                               # chunk: read with target 'chunk' only
-                               steady_state=("epilogue", "after"), allreduce="start"),
+                               steady_state=("epilogue", "after"), allreduce="start"),  # chunk: target 'chunk' only
     _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce",
                               handler="_exec_wait_allreduce", args=("target",), placeable=True,
                               targets=ALLREDUCE_TARGETS, own_gradients=True, steady_state=("epilogue", "after"),
