@@ -1,4 +1,4 @@
-"""What a plan is sure of (issue 52): the runner-ups beside the chosen configuration, each with its
+"""What a plan is sure of: the runner-ups beside the chosen configuration, each with its
 predicted step. Pure Python.
 
 Two kinds: other **configurations** the search simulated (another depth, micro-batch size or

@@ -1,4 +1,4 @@
-"""Measure, then choose (issue 52 item 3): ``python -m tools.bench cut-sweep`` trains a plan's top
+"""Measure, then choose: ``python -m tools.bench cut-sweep`` trains a plan's top
 candidates on the GPT example in rotated rounds, reports measured against predicted ranking, and
 writes the measured best as a plan file when it is not the plan. The figures are checked on given
 measurements (pure); the tiny job checks the whole path (profile in place, plan, candidates' plan

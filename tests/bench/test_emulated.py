@@ -1,4 +1,4 @@
-"""The emulated accelerator (tools/bench/emulated.py, issue 34): a model built from PipeDream's
+"""The emulated accelerator (tools/bench/emulated.py): a model built from PipeDream's
 per-layer V100 profiles whose compute is a CPU-free wait, with real parameters and gradients.
 Checked: its layers follow the profile (parameters, output sizes, times, scaled as stated), a
 wait leaves the CPU free, gradients are real (the weight branch's wait runs in a split backward's

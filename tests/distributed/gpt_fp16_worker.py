@@ -1,4 +1,4 @@
-"""A rank worker: a Megatron-style GPT trained in fp16 as users' configs write it (issue 61).
+"""A rank worker: a Megatron-style GPT trained in fp16 as users' configs write it.
 
 The model is the Megatron-shaped client's (megatron_shaped.specs: a function first layer, the word
 embedding a ``TiedLayerSpec`` whose last-stage copy is the output projection, blocks partitioned by
@@ -10,7 +10,7 @@ in ``--engines`` is ``SCHEDULE[+OPT...]``:
 - precision: ``+fp16`` (DeepSpeed's dynamic loss scale from 2**``--power``), else fp32;
 - optimizer: the client's torch AdamW with Megatron's two parameter groups (FP16_UnfusedOptimizer in
   fp16), ``+adam``: torch's Adam in those groups, its L2 weight decay 0.01 added to the gradient
-  (Megatron-DeepSpeed's optimizer on CPU, without apex: issue 67), or ``+fused``: ``"optimizer": {"type": "Adam"}`` in
+  (Megatron-DeepSpeed's optimizer on CPU, without apex), or ``+fused``: ``"optimizer": {"type": "Adam"}`` in
   the config (DeepSpeed's own Adam: FP16_Optimizer in fp16), ``+zero1``: ``"zero_optimization": {"stage": 1}``
   (DeepSpeedZeroOptimizer);
 - ``+ovfS.T``: stage S's first gradient (its tied word embedding's, on stage 0 and on the last stage)

@@ -178,7 +178,7 @@ class Fp16Async(Fp16):
     def decide(self, applies) -> bool:
         """Update u's decision; the scale moves once per batch, at its last update, by whether any of
         the batch's updates overflowed (DeepSpeed's scaler moves once per step of a batch; an update
-        per micro-batch moving it would grow it M times as fast: issue 61)."""
+        per micro-batch moving it would grow it M times as fast)."""
         skip = any(not bool(torch.isfinite(g).all()) for gs in applies for g in gs if g is not None)
         self.skipped.append(skip)
         self._batch_overflow = self._batch_overflow or skip
@@ -189,7 +189,7 @@ class Fp16Async(Fp16):
 
     def unscale_by(self) -> float:
         """pipedream's micro-batch updates where the loss is not scaled (no ZeRO): 1, so that each applies
-        the fp32 rule's gradient, not that gradient over the scale (issue 67; fp16_async.py); else the scale."""
+        the fp32 rule's gradient, not that gradient over the scale (fp16_async.py); else the scale."""
         return 1.0 if self.updates_per_batch > 1 and self.grad_scale() is None else super().unscale_by()
 
     def backward_call(self, stage: int, batch: int, index: int) -> int:

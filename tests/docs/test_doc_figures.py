@@ -1,4 +1,4 @@
-"""README's and the results page's figures against the results files they cite (issue 60). Pure: the
+"""README's and the results page's figures against the results files they cite. Pure: the
 markdown and the cited files are read (a ``FILE@COMMIT`` source through ``git show``), nothing is run.
 
 - README.md and docs/results.md: every figure cited by a ``<!-- figures FILE ... -->`` block equals

@@ -1,4 +1,4 @@
-"""Plans fit the job (issue 48 item 3): a profile measured in place records the job's shape,
+"""Plans fit the job: a profile measured in place records the job's shape,
 ``hippie-ds plan`` keeps it unless told otherwise and says so, a plan of another shape prints the
 changes the job needs, and the start-up refusal of a module whose stage count is not the plan's
 names where the module got it (``topology=`` or ``num_stages=``) and the same changes. Pure: the

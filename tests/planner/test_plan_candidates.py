@@ -1,4 +1,4 @@
-"""Plans that say how sure they are (issue 52 item 2): a plan lists its runner-ups (other cuts of its
+"""Plans that say how sure they are: a plan lists its runner-ups (other cuts of its
 configuration, other configurations) with their predicted steps, and its summary says which are
 within the profile's spread of the plan. Pure: the planner on small profiles."""
 import pytest

@@ -1,6 +1,6 @@
 """The planner's memory inputs: re-computation (the memory model and its knapsack), the loss and the
 working memory in a stage's planned memory, profiles without those fields, and the state factor
-that follows the profile's precision (issue 40: planned memory against max_memory_allocated)."""
+that follows the profile's precision (planned memory against max_memory_allocated)."""
 import itertools
 import math
 import random
@@ -52,7 +52,7 @@ def test_recompute_memory_model_and_knapsack():
 
 
 # ---------------------------------------------------------------------------------------------
-# The loss, working memory and the state factor (issue 40: planned memory vs max_memory_allocated)
+# The loss, working memory and the state factor (planned memory vs max_memory_allocated)
 
 LOSS = {"name": "lm_loss", "forward": 5e-4, "backward": 1e-3, "backward_weight": 0.0, "output_bytes": 4.0,
         "saved_bytes": 400.0, "input_bytes": 464.0, "working_bytes": 800.0}
@@ -85,7 +85,7 @@ def test_planned_memory_counts_the_loss_and_the_working_memory():
     # peak adds the largest working memory, the loss's 800 over the head's 60
     assert (last.in_flight, last.kept_bytes, last.activation_memory, last.working_memory) == (1, 900.0, 900.0, 800.0)
     assert last.memory == 4 * 2000 + 900 + 800
-    assert without.stages[1].memory == 4 * 2000 + 500 + 60  # what the planner predicted before issue 40
+    assert without.stages[1].memory == 4 * 2000 + 500 + 60  # what the planner predicted without the loss
     # the loss's time is the last part's
     assert last.forward == pytest.approx(1.5e-3) and last.backward == pytest.approx(3e-3)
     assert without.stages[1].forward == pytest.approx(1e-3)

@@ -1,4 +1,4 @@
-"""Profiles that survive a busy machine (issue 52): robust times over the timed runs, identical
+"""Profiles that survive a busy machine: robust times over the timed runs, identical
 layers measured as one group sharing the pooled median, the machine's load recorded, and the warning
 a profile gives when its identical layers disagree by more than 25%, when written (``hippie-ds
 profile``) and when planned from (``hippie-ds plan``), old profiles included. Pure (hippie_ds.planner.noise)

@@ -1,4 +1,4 @@
-"""Identical means identical (issue 57 item 2): a profile that records no groups is grouped by name,
+"""Identical means identical: a profile that records no groups is grouped by name,
 parameter bytes and input and output bytes, and warns only of disagreements that could move a cut;
 the emulated models keep their layers' own kinds (EmulatedConv2d, EmulatedReLU, EmulatedMaxPool2d)
 while the plan's fingerprint stays the module's. Pure (hippie_ds.planner.noise) and the profiler in

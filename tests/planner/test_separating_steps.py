@@ -1,4 +1,4 @@
-"""A plan states its confidence (issue 57 item 4): how many profiling steps would separate it from its
+"""A plan states its confidence: how many profiling steps would separate it from its
 nearest candidate, from the profile's measured spread (a median's uncertainty falls as one over the
 square root of its runs), printed in the plan's summary, and ``hippie.profile`` takes that number as
 its ``steps``. Pure."""

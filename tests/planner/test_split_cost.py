@@ -1,4 +1,4 @@
-"""The split backward priced as the engine runs it (issue 57 item 1): a profile's ``split_extra`` (what
+"""The split backward priced as the engine runs it: a profile's ``split_extra`` (what
 the engine's I + W cost beyond the whole backward, timed by the profilers on the engine's own split)
 is charged in the input pass by the planner's analytic model and by the simulator's costs, never on
 a first stage whose data needs no gradient (its whole backward runs as W, one autograd call); a plan

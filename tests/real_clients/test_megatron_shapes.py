@@ -1,4 +1,4 @@
-"""What Megatron-DeepSpeed's GPTModelPipe showed on the 2026-11-27 checks (issue 48; docs/megatron.md,
+"""What Megatron-DeepSpeed's GPTModelPipe showed on the 2026-11-27 checks (docs/megatron.md,
 "The 2026-11-27 checks"), as tests of our own: no fetched code.
 
 The tied embedding of GPTModelPipe (``TiedLayerSpec("embed", EmbeddingPipe, ...)``) holds the word
@@ -6,7 +6,7 @@ table and the position table on both of its holders; the head's copy on the last
 with the word table only, so its position table never gets a gradient (``.grad`` stays None). 1F1B's
 fp32 clipping (DeepSpeed's ``clip_grad_norm_``) counts the position table's gradient norm on stage 0,
 where it has one. ``interleaved-1f1b`` with ``gradient_clipping`` must clip by that same coefficient
-(issue 48 item 4) and be bit-identical to stock 1F1B. The model is ``model.megatron_layer_specs``
+and be bit-identical to stock 1F1B. The model is ``model.megatron_layer_specs``
 (the same shape in small: an ``Embedding`` of a word projection plus a position table, tied to a
 head that uses the word weight only), 2 stages x 1 replica, AdamW, clipping below the gradient norm
 so that every step clips."""

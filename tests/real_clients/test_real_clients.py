@@ -176,7 +176,7 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
     assert loss.saved_bytes >= logits.output_bytes  # cross_entropy's fp32 log_softmax, as large as the logits
     assert loss.working_bytes is None and all(x.working_bytes is None for x in profile.layers)  # the CPU: estimated
     assert (profile.param_dtype, profile.param_bytes_dtype, profile.state_factor()) == ("float32", "float32", 4.0)
-    # the job's shape (issue 48), the four blocks as one group and the machine's load (issue 52)
+    # the job's shape, the four blocks as one group and the machine's load
     from hippie_ds.planner.profile_fields import JobShape
     assert profile.job == JobShape(stages=2, data_parallel=2, micro_batch_size=client.MICRO,
                                    global_batch=client.MICRO * 4 * 2, virtual_stages=2)

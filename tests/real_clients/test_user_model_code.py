@@ -1,4 +1,4 @@
-"""The model code users really have (issue 48), on real ranks: 2 stages x 2 replicas, gloo.
+"""The model code users really have, on real ranks: 2 stages x 2 replicas, gloo.
 
 The model is sequence-first (``model.seqfirst_layer_specs``: stage boundaries after
 ``x.transpose(0, 1).contiguous()``, as Megatron-style stacks hand on (SEQ, B, H)) and every parameter
@@ -83,7 +83,7 @@ def test_synchronous_schedules_are_bit_identical_to_stock(trained, precision):
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_virtual_stages_clip_with_1f1bs_coefficient(trained, precision):
-    """Issue 48 item 4: interleaved-1f1b and zb-v bit-identical to stock with gradient clipping on at
+    """interleaved-1f1b and zb-v bit-identical to stock with gradient clipping on at
     every step (fp32's coefficient computed as 1F1B's ranks compute it: adapter/precision/layout_clip.py; before,
     fp32 parted by 4e-3 and 1.6e-2 after 6 steps at this clip)."""
     out, _ = trained
@@ -122,5 +122,5 @@ def test_fp16_skips_the_steps_stock_skips(trained, precision):
         decisions = {(r["skipped_steps"], r["loss_scale"]) for r in ranks}
         assert len(decisions) == 1, (name, decisions)  # one decision per update, on every rank
         if name.split("+")[0] in SYNCHRONOUS or precision == "fp16":  # the loss unscaled: no overflow anywhere
-            # (pipedream too: an update per micro-batch, the scale moved once per batch, issue 61)
+            # (pipedream too: an update per micro-batch, the scale moved once per batch)
             assert decisions == {(stock["skipped_steps"], stock["loss_scale"])}, name

@@ -1,4 +1,4 @@
-"""Virtual stages (issue 33): layouts, interleaved and V-shape schedules compiled, validated and
+"""Virtual stages: layouts, interleaved and V-shape schedules compiled, validated and
 simulated (pure), and run by the engine with real ranks: interleaved-1f1b bit-identical to stock
 1F1B in fp32, bf16 and bf16 + ZeRO-1 with a tied embedding, zb-v likewise (untied: its V puts the
 embedding and the head on one stage, where a tied module is one parameter, so its two gradients

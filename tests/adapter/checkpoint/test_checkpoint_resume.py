@@ -91,7 +91,7 @@ def test_tied_module_resumes_exactly_under_lr_schedule(tmp_path, precision):
 
 
 # ---------------------------------------------------------------------------------------------
-# A checkpoint saved before the adapter moved into packages (issue 59)
+# A checkpoint saved before the adapter moved into packages
 
 BEFORE_THE_MOVE = Path(__file__).resolve().parents[2] / "data" / "checkpoint_before_issue59"
 
@@ -145,8 +145,8 @@ def _checkpoint(folder):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["hippie", "2bw"])
 def test_a_checkpoint_saved_before_the_move_resumes_exactly(tmp_path, name):
-    """Saved by the code before issue 59 (``tests/data/checkpoint_before_issue59``: 2 ranks, 2 stages, 3
-    micro-batches, AdamW at 0.01, after 3 of 5 steps; hippie with stage 0 deferred: a buffered
+    """Saved by the code before the adapter moved into packages (``tests/data/checkpoint_before_issue59``: 2 ranks, 2
+    stages, 3 micro-batches, AdamW at 0.01, after 3 of 5 steps; hippie with stage 0 deferred: a buffered
     gradient in flight; 2bw: weight versions), on another machine: its first 3 steps rounded on that
     CPU, so no run here reproduces them bit for bit. What holds on any CPU: today's code loads every
     piece of it exactly (loaded, then saved in today's format, it is the same state, file by file),

@@ -191,7 +191,7 @@ def test_the_call_cursor_skips_fill_and_drained_batches_and_restores_from_a_chec
 
 def test_an_fp16_wrapper_that_cannot_step_per_stage_is_refused_when_the_engine_is_built():
     """An fp16 wrapper other than FP16_UnfusedOptimizer, FP16_Optimizer (DeepSpeed's fused Adam, which
-    steps per stage since issue 61: tests/adapter/precision/test_fp16_gpt.py) and ZeRO-1's: a schedule with per-stage
+    steps per stage: tests/adapter/precision/test_fp16_gpt.py) and ZeRO-1's: a schedule with per-stage
     updates refuses it as the engine is built, on every rank."""
     from types import SimpleNamespace
     from hippie_ds import schedules

@@ -1,6 +1,6 @@
-"""``from hippie_ds import PipelineModule`` as a drop-in base class (issue 40): where a module built
+"""``from hippie_ds import PipelineModule`` as a drop-in base class: where a module built
 without ``config=`` finds the DeepSpeed config (hippie_ds/adapter/module/config_discovery.py), and the
-start-up refusals that follow from it (issue 42): the module named first, where its config came
+start-up refusals that follow from it: the module named first, where its config came
 from, parameters printed readably, only schedules that run on this module suggested. Pure: stand-in
 modules, no process group. The real ranks are in tests/real_clients/test_real_clients.py
 (``test_drop_in_module_takes_the_config_from_sys_argv``)."""

@@ -1,5 +1,5 @@
 """A planner plan with virtual stages (``interleaved-1f1b``, ``zb-v``, ``hippie-interleaved``) applied to
-``hippie_ds.PipelineModule`` (issue 40): the module takes the plan's model chunks and layout (the
+``hippie_ds.PipelineModule``: the module takes the plan's model chunks and layout (the
 config may name the schedule only when ``hippie_ds.initialize`` merges the plan in), counts the
 plan's stages as pipeline ranks (``pipeline_depth`` = K, ``boundaries`` K·v+1 entries), and
 ``initialize`` checks a chunked module's model parts against the plan. Pure: the checks on a plan of

@@ -1,5 +1,5 @@
-"""fp16 under the schedules that never flush (issue 48): ``2bw`` and ``pipedream`` with DeepSpeed's
-dynamic loss scale (FP16_UnfusedOptimizer; ``+fused``: FP16_Optimizer, DeepSpeed's fused Adam, issue 61;
+"""fp16 under the schedules that never flush: ``2bw`` and ``pipedream`` with DeepSpeed's
+dynamic loss scale (FP16_UnfusedOptimizer; ``+fused``: FP16_Optimizer, DeepSpeed's fused Adam;
 ``+zero1``: DeepSpeedZeroOptimizer), real ranks on gloo. The loss scale moves once per batch (pipedream:
 at a batch's last micro-batch update). One overflow decision per update
 for the whole pipeline, voted asynchronously (hippie_ds/adapter/precision/fp16_async.py): each rank starts a
@@ -45,10 +45,10 @@ TWO_BY_TWO = {"2bw+fp16": set(), "2bw+fp16+ovf1.1": {(1, 1)}, "2bw+fp16+ovf0.2":
               "2bw+fp16+zero1+p12": set(), "2bw+fp16+zero1+p12+ovf1.1": {(1, 1)},
               "pipedream+fp16+zero1+p12+ovf0.2": {(2, 0)}, "pipedream+vs+fp16+zero1+p12+ovf1.1": {(1, 1)},
               "2bw+fp16+zero1+p12+ckpt2": set(),
-              # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer (issue 61), tied too
+              # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer, tied too
               "2bw+fp16+fused+ovf1.1": {(1, 1)}, "pipedream+fp16+fused+ovf0.2": {(2, 0)},
               "2bw+fp16+fused+tied+attrs+ckpt2+ovf0.1": {(1, 0)}, "pipedream+fp16+fused+tied+attrs+ovf1.1": {(1, 1)},
-              # ZeRO-1 with the tied model (issue 61): the lagged tie sum rescaled from its update's scale to the
+              # ZeRO-1 with the tied model: the lagged tie sum rescaled from its update's scale to the
               # applying update's; overflows injected into the tied copies' stages (0: the embedding; 1: the head)
               "2bw+fp16+zero1+p12+tied+attrs": set(), "2bw+fp16+zero1+p12+tied+attrs+ovf0.1": {(1, 0)},
               "pipedream+fp16+zero1+p12+tied+attrs+ovf1.1": {(1, 1)},

@@ -1,4 +1,4 @@
-"""fp16 as users' configs write it, on a Megatron-style GPT (issue 61), real ranks on gloo: 2 stages x
+"""fp16 as users' configs write it, on a Megatron-style GPT, real ranks on gloo: 2 stages x
 2 replicas, the word embedding tied to the output projection across the stages, Megatron's
 attributes on every parameter (an int ``stride`` among them), the client's AdamW with Megatron's two
 parameter groups and its warm-up/cosine LR scheduler, gradient clipping 1.0, DeepSpeed's dynamic
@@ -106,7 +106,7 @@ def test_fused_adam_runs_every_schedule(trained):
 
 
 def test_zero1_with_the_tied_embedding(trained):
-    """fp16 + ZeRO-1 with the word embedding tied across the stages (issue 61: 2bw and pipedream refused
+    """fp16 + ZeRO-1 with the word embedding tied across the stages (2bw and pipedream refused
     it before): 1f1b bit-identical to stock; 2bw and pipedream train (the lagged tie sum rescaled to the
     applying update's loss scale), the copies identical on every holder, one decision on every rank;
     an overflow injected into a tied stage skips the updates it reaches on every rank."""

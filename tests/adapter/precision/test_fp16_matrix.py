@@ -1,4 +1,4 @@
-"""The fp16 matrix (issue 61): every built-in schedule in fp16 under each wrapper DeepSpeed picks from a
+"""The fp16 matrix: every built-in schedule in fp16 under each wrapper DeepSpeed picks from a
 user's config, with and without a module tied across stages, on real ranks (2 stages x 2 replicas,
 gloo), parameters carrying Megatron's attributes (model.megatron_attributes: an int ``stride``).
 
@@ -131,7 +131,7 @@ def test_delayed_schedules_equal_their_fp16_rule(trained, name):
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_pipedream_at_three_stages_is_refused_on_every_rank(tmp_path, wrapper):
-    """The one refusal left (issue 61 item 4, docs/precision.md: the vote order): pipedream in fp16 at 3
+    """The one refusal left (docs/precision.md: the vote order): pipedream in fp16 at 3
     stages, on the tied model with Megatron's attributes, under each wrapper, on every rank before any
     collective, naming the stage that would wait for a later decision."""
     rc, log, _ = launch(3, tmp_path, "--stages", 3, "--micro-batches", MICRO_BATCHES, "--optimizer", "AdamW",

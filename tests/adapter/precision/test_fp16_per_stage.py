@@ -1,5 +1,5 @@
-"""fp16 under per-stage updates (issue 48): the hippie family with DeepSpeed's dynamic loss scale
-(FP16_UnfusedOptimizer; ``+fused``: FP16_Optimizer, DeepSpeed's fused Adam, issue 61; ``+zero1``:
+"""fp16 under per-stage updates: the hippie family with DeepSpeed's dynamic loss scale
+(FP16_UnfusedOptimizer; ``+fused``: FP16_Optimizer, DeepSpeed's fused Adam; ``+zero1``:
 DeepSpeedZeroOptimizer), 2 stages x 2 replicas, real ranks. One overflow decision per update for
 the whole pipeline (hippie_ds/adapter/precision/fp16_stage.py): overflows are injected into one stage's
 gradient at a chosen step (the worker's ``+ovfS.T``): into the in-step stage 1 (its update of that
@@ -28,7 +28,7 @@ POWER, WINDOW = 20, 2  # train_worker's "+fp16": initial_scale_power 20, loss_sc
 ENGINES = {"hippie+fp16": (), "hippie+fp16+ovf1.1": {(1, 1)}, "hippie+fp16+ovf0.1": {(1, 0)},
            "hippie-1f1b+fp16+ovf1.2": {(2, 1)}, "hippie-zb+fp16+ovf0.2": {(2, 0)},
            "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}, "hippie+fp16+flush": (), "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)},
-           # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer (issue 61)
+           # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer
            "hippie+fp16+fused+ovf1.1": {(1, 1)}, "hippie-zb+fp16+fused+flush+ovf0.2": {(2, 0)},
            "hippie+fp16+fused+ckpt2": ()}
 INTERLEAVED = "hippie-interleaved+fp16+ovf1.1"

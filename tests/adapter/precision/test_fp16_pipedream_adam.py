@@ -1,4 +1,4 @@
-"""pipedream in fp16 under a torch Adam with L2 weight decay (issue 67), real ranks on gloo: the
+"""pipedream in fp16 under a torch Adam with L2 weight decay, real ranks on gloo: the
 Megatron-style GPT of tests/adapter/precision/test_fp16_gpt.py (2 stages x 2 replicas, the word embedding tied across
 the stages, Megatron's two parameter groups and its warm-up/cosine LR scheduler, clipping 1.0, the
 loss scale from 2**12) with ``torch.optim.Adam``, weight decay 0.01 added to the gradient: the
