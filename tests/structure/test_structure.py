@@ -2,7 +2,7 @@
 checks; both read the imports with tests/import_graph.py): the pure layers import neither torch
 nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is over
 400 lines; the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
-from the tests. And the adapter's packages (issue 59): each with a one-line purpose and under
+from the tests. And the adapter's packages: each with a one-line purpose and under
 MAX_PACKAGE_LINES lines, a package importing only the packages below it in ``hippie_ds.adapter.PACKAGES``
 (``ds`` at the bottom, ``integration`` at the top), and no module outside the ``engine`` package
 reading a private attribute of the engine (a component is built with what it uses)."""
@@ -65,7 +65,7 @@ def test_a_circle_is_found():
     assert circles({"a.py": {"b.py"}, "b.py": set()}) == []
 
 
-# --- the adapter's packages (issue 59) ------------------------------------------------------------
+# --- the adapter's packages -----------------------------------------------------------------------
 ADAPTER = ROOT / "hippie_ds" / "adapter"
 MAX_PACKAGE_LINES = 1250
 
@@ -226,7 +226,7 @@ def _method_calls(module: Path) -> dict[str, set[str]]:
 
 def test_the_engine_s_handlers_call_down_never_back_into_a_module_they_came_from():
     """The modules of the ``engine`` package, an arrow from one to another where a method of one calls
-    ``self.NAME()`` that the other defines: no circle (issue 59: an ``ISendGrad`` went back and forth
+    ``self.NAME()`` that the other defines: no circle (an ``ISendGrad`` went back and forth
     between engine.py and engine_chunks.py)."""
     modules = {p.relative_to(ROOT).as_posix(): _method_calls(p) for p in sorted((ADAPTER / "engine").glob("*.py"))}
     where = {}
