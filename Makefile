@@ -36,7 +36,10 @@ $(STAMP): setup.py
 	$(PIP) install -e '.[test]'
 	touch $@
 
+# Lint first (seconds; pyproject.toml's [tool.ruff] says which rules), then the tests.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+#	$(VENV)/bin/ruff format --check .  # enabled by the reformatting commit
 	$(RUN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
 
 # The fast half: single-process tests only (no `deepspeed` launcher); about a minute.

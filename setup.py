@@ -44,7 +44,7 @@ setup(
     include_package_data=False,
     install_requires=[
         # hippie-ds subclasses DeepSpeed's pipeline engine internals: the releases that have all of
-        # them (hippie_ds/_compat.py, SEAMS and REQUIREMENT; tests/test_seams.py checks both).
+        # them (hippie_ds/_compat.py, SEAMS and REQUIREMENT; tests/compat/test_seams.py checks both).
         "deepspeed>=0.19.8,<0.20",
         "torch>=2.1",
         "pydantic>=2,<3",
@@ -52,7 +52,8 @@ setup(
         "matplotlib>=3.5",
         "tqdm>=4",  # progress bars (hippie-ds profile, the examples); DeepSpeed needs it too
     ],
-    extras_require={"test": ["pytest", "scikit-learn"], "examples": ["scikit-learn"]},
+    # ruff pinned: a new release may add findings to the rules pyproject.toml selects, and `make test` runs it
+    extras_require={"test": ["pytest", "scikit-learn", "ruff==0.17.5"], "examples": ["scikit-learn"]},
     entry_points={"console_scripts": ["hippie-ds = hippie_ds.cli:main"]},
     cmdclass={"build_py": BuildPy},
 )

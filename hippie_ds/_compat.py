@@ -6,7 +6,7 @@ methods. :data:`SEAMS` lists every internal it reaches, by the DeepSpeed module 
 of them are reached in one package, :mod:`hippie_ds.adapter.ds`, as named operations.
 :data:`OVERRIDES` lists the private methods its subclasses override by name (or the op table names
 as handlers); :data:`RELIED_ON` what it relies on without naming. The supported range is the
-releases where all of them exist. ``tests/test_seams.py`` checks the installed DeepSpeed against the
+releases where all of them exist. ``tests/compat/test_seams.py`` checks the installed DeepSpeed against the
 lists, that only ``adapter/ds`` (and this module) imports ``deepspeed.runtime`` or reaches those
 names, and that every SEAMS entry is used there. ``_train_schedule``, ``_inference_schedule``,
 ``_loss_stage_global_rank`` and ``_configure_python_gc`` appeared in 0.19.8, hence the floor.
@@ -26,7 +26,7 @@ REQUIREMENT = "deepspeed>=0.19.8,<0.20"
 
 # DeepSpeed module -> {class name, or "" for module-level names: the internals hippie-ds reaches}.
 # A name is a method or class attribute, or an instance attribute the class sets (``self._x = ...``).
-# Every one is used in hippie_ds/adapter/ds/ and nowhere else (tests/test_seams.py).
+# Every one is used in hippie_ds/adapter/ds/ and nowhere else (tests/compat/test_seams.py).
 SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.engine": {
         "DeepSpeedEngine": ("_backward_epilogue", "_config", "_configure_python_gc", "_get_all_ckpt_names",
@@ -80,7 +80,7 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 # DeepSpeed's private methods hippie-ds's subclasses override by name (HippiePipelineEngine,
-# hippie_ds.PipelineModule). Checked to exist like SEAMS; tests/test_seams.py allows them outside
+# hippie_ds.PipelineModule). Checked to exist like SEAMS; tests/compat/test_seams.py allows them outside
 # adapter/ds only as a subclass's ``def``, its ``super().name(...)`` / ``self.name(...)``.
 OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.engine": {
@@ -101,7 +101,7 @@ OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
 # Internals hippie-ds relies on without naming them: swapping ZeRO-1's cached model-parallel group
 # (ds/zero.py's _stage_groups) redirects the reductions these methods make to the stage; DeepSpeed's
 # checkpoint load overwrites every copy of a tied weight with the first holder's (adapter/checkpoint/in_flight.py
-# puts each stage's own back). Checked to exist like SEAMS; tests/test_seams.py checks that nothing
+# puts each stage's own back). Checked to exist like SEAMS; tests/compat/test_seams.py checks that nothing
 # names these.
 RELIED_ON: dict[str, dict[str, tuple[str, ...]]] = {
     "deepspeed.runtime.zero.stage_1_and_2": {

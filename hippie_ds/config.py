@@ -1,7 +1,8 @@
 """hippie-ds's part of a DeepSpeed JSON config, validated before any process group is touched.
 
     "pipeline": {"schedule": "hippie",          # a built-in name or a path to a schedule file
-                 "virtual_stages": 2},          # model chunks per stage (interleaved-1f1b, ...); default: the schedule's
+                 "virtual_stages": 2},          # model chunks per stage (interleaved-1f1b, ...); default:
+                                                #   the schedule's
     "hippie": {
         "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
         "deferred_layers": "untied",            # partial deferral: a deferred stage delays only its first
@@ -164,10 +165,11 @@ class HippieConfig(BaseModel):
             else:
                 return out
         raise ValueError('allowed: "untied" (the first layer with parameters not tied to another stage, the '
-                         'default), a non-negative count of layers with parameters (every deferred stage; 0 or "none": not deferred), '
-                         '"all" (the whole stage), '
+                         'default), a non-negative count of layers with parameters (every deferred stage; 0 or "none": '
+                         'not deferred), "all" (the whole stage), '
                          '"auto" (per stage the count with the least predicted time to a loss, from '
-                         '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, e.g. {"0": 1}')
+                         '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, '
+                         'e.g. {"0": 1}')
 
 
 def _describe(err: dict, section: str) -> str:
@@ -260,7 +262,7 @@ def merge_plan(config: dict, planned: dict, plan_path: str, _prefix: str = "") -
         elif name in ("hippie.deferred_stages", "hippie.deferred_layers") and out[key] == "auto":
             out[key] = value
         elif out[key] != value:
-            raise ConfigError(f'config key "{name}" = {out[key]!r}, but the plan {plan_path} (config key "hippie.plan") '
-                              f"sets {value!r}; remove the key to use the plan's value, or make a plan for it "
-                              "(`hippie-ds plan ...`)")
+            raise ConfigError(f'config key "{name}" = {out[key]!r}, but the plan {plan_path} (config key '
+                              f'"hippie.plan") sets {value!r}; remove the key to use the plan\'s value, or make a '
+                              "plan for it (`hippie-ds plan ...`)")
     return out

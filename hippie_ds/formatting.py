@@ -8,5 +8,6 @@ def table(headers: list, rows: list[list], left: int = 1) -> str:
     width = max(len(r) for r in [headers, *rows])
     cells = [[str(c) for c in r] + [""] * (width - len(r)) for r in [headers, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(width)]
-    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                      for r in cells)

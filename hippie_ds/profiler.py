@@ -64,7 +64,8 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.profiling.layer_timing import (as_stage_input, attribute_saved, loadavg, measure_layer, nbytes, param_dtype,
+from .adapter.profiling.layer_timing import (as_stage_input, attribute_saved, loadavg, measure_layer, nbytes,
+                                             param_dtype,
                                    work_key)
 from .adapter.profiling.memory import _tensors
 from .planner.noise import pool

@@ -1,4 +1,4 @@
-"""The import graph the structure tests read (tests/test_structure.py, tests/test_docs.py): which of a
+"""The import graph the structure tests read (tests/structure/test_structure.py, tests/docs/test_docs.py): which of a
 package's modules a module imports, and the circles of such a graph."""
 import ast
 from pathlib import Path

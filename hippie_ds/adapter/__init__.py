@@ -3,7 +3,7 @@ profiler, ``hippie_ds/profiler.py``, touches torch too), in packages by concern.
 package imports none of them.
 
 Dependencies run one way: a package imports only the packages below it in :data:`PACKAGES`
-(bottom first), never one above it (``tests/test_structure.py`` checks it, that no module
+(bottom first), never one above it (``tests/structure/test_structure.py`` checks it, that no module
 outside ``engine/`` reads a private attribute of the engine, and that no component takes the engine:
 each is built with what it reads, DeepSpeed's operations as objects made in ``ds``):
 

@@ -67,7 +67,8 @@ def _release_shm_at_exit():
 
 def _suggest_placement(model: PipelineModule, options, compiled) -> None:
     """One info line (rank 0) when the model keeps DeepSpeed's layout and Hippie's would help."""
-    if options.placement is not None or ds_module.topology(model).get_dim("data") < 2 or not compiled.has_early_allreduce:
+    if options.placement is not None or ds_module.topology(model).get_dim("data") < 2 or \
+            not compiled.has_early_allreduce:
         return
     if placement_of(ds_module.topology(model)) != "data_parallel_in_node":
         return

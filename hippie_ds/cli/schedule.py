@@ -80,7 +80,8 @@ def _add_simulate_command(sub) -> None:
                                    "  hippie-ds schedule simulate 1f1b gpipe hippie -K 4 -M 8 --forward 1 "
                                    "--backward 2\n"
                                    "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml --json\n"
-                                   "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml --deferred-layers auto")
+                                   "  hippie-ds schedule simulate hippie -K 4 -M 8 --costs costs.yaml "
+                                   "--deferred-layers auto")
     q.add_argument("schedule", nargs="+", metavar="NAME|PATH", help="built-in schedule names or schedule files")
     _add_shape(q)
     _add_params(q)
@@ -158,7 +159,8 @@ def _cmd_list(args) -> int:
                     print(f"  param {key} ({p.kind}, default {_show_value(p.default)}): {p.help}")
             print()
     else:
-        print(_table(["schedule", "params", "description"], [[n, p or "-", _summary(d)] for n, p, d, _ in rows], left=3))
+        print(_table(["schedule", "params", "description"], [[n, p or "-", _summary(d)] for n, p, d, _ in rows],
+                     left=3))
     return 0
 
 
@@ -239,8 +241,8 @@ def _simulate_one(name: str, args, costs, only_declared: bool):
         raise UsageError(f"--deferred-layers {args.deferred_layers}: {exc}") from None
     missing = [s for s in resolved.deferral.stages if not costs.stages[s].layers]
     if missing and args.deferred_layers not in (UNTIED_LAYERS, WHOLE_STAGE, AUTO_LAYERS):
-        raise UsageError(f"--deferred-layers {args.deferred_layers}: stage(s) {missing} have no per-layer costs; give a "
-                         "--costs file whose stages list 'layers' (param_bytes, optionally backward, per layer)")
+        raise UsageError(f"--deferred-layers {args.deferred_layers}: stage(s) {missing} have no per-layer costs; give "
+                         "a --costs file whose stages list 'layers' (param_bytes, optionally backward, per layer)")
     result = simulator.simulate(resolved.compiled, costs, iterations=args.iterations,
                                 deferred_layers=resolved.simulator_layers())
     return resolved.compiled, result, list(resolved.choices.values())

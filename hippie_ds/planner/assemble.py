@@ -32,7 +32,8 @@ def _chunk_plans(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict)
         stage_layers = [i for x, y in lay.chunk_ranges(s) for i in range(x, y)]
         held = model.stage_params(lay.chunk_ranges(s))  # a tied module's copy counts where it is held
         out.append(StagePlan(stage=s, chunk=c, first_layer=a, end_layer=e, checkpointed=rec.layers(k),
-                             forward=f * sum(model.fwd[a:e]), backward=f * sum(model.bwd[a:e]), recompute=f * rec.time(k),
+                             forward=f * sum(model.fwd[a:e]), backward=f * sum(model.bwd[a:e]),
+                             recompute=f * rec.time(k),
                              param_bytes=sum(held[i] for i in range(a, e)),
                              activation_bytes=f * (model.cuts[e - 1] if e < model.n else 0.0),
                              kept_bytes=f * rec.kept(k), in_flight=p_c, deferred=s in deferred, memory=est.memory[s],
@@ -75,8 +76,10 @@ def to_plan(model: _Model, cand: _Candidate, est: _Estimate, delayed: dict, obje
                 objective=objective, objective_figure=OBJECTIVES[objective].figure, job=job, chosen_from=chosen_from,
                 memory_metric=model.metric, memory_cap=memory_cap, pipeline_depth=lay.K,
                 data_parallel=lay.r, micro_batch_size=cand.b, micro_batches=cand.M, schedule=cand.schedule,
-                virtual_stages=lay.v, layout=lay.kind, schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=sorted(checkpointed),
-                stages=stages, prediction=prediction(model, est, objective), single_device_throughput=model.single_throughput,
+                virtual_stages=lay.v, layout=lay.kind, schedule_params=params, boundaries=list(lay.parts),
+                checkpointed_layers=sorted(checkpointed),
+                stages=stages, prediction=prediction(model, est, objective),
+                single_device_throughput=model.single_throughput,
                 baselines=baselines, search=search, candidates=candidates,
                 profile_spread=time_spread(model.profile), profile_steps=model.profile.steps,
                 assumptions={

@@ -1,4 +1,4 @@
-"""What a plan is sure of (issue 52): the runner-ups beside the chosen configuration, each with its
+"""What a plan is sure of: the runner-ups beside the chosen configuration, each with its
 predicted step. Pure Python.
 
 Two kinds: other **configurations** the search simulated (another depth, micro-batch size or
@@ -8,8 +8,8 @@ the analytically fastest few are then simulated and priced like the plan when th
 (at most :data:`CHEAP` simulated micro-batch-stages), else predicted as the plan's step scaled by
 their analytic step over the plan configuration's (``predicted_by`` analytic).
 The plan lists the best few by the step its objective compares (the raw step; a priced
-objective's: ``step_time x steps_factor``) with the profile's spread (:func:`hippie_ds.planner.noise.time_spread`); its summary
-says which candidates are within that spread of the plan, i.e. which the profile cannot tell
+objective's: ``step_time x steps_factor``) with the profile's spread (:func:`hippie_ds.planner.noise.time_spread`); its
+summary says which candidates are within that spread of the plan, i.e. which the profile cannot tell
 apart from it, and ``python -m tools.bench cut-sweep`` measures them on the real job.
 """
 from __future__ import annotations

@@ -137,7 +137,8 @@ def parse_cluster(spec: str) -> Cluster:
             key, _, value = tok.partition("=")
             field = keys.get(key.strip().lower())
             if field is None:
-                raise ClusterError(f"cluster {spec!r}: unknown key {key.strip()!r}; allowed: mem, inter, intra, latency")
+                raise ClusterError(f"cluster {spec!r}: unknown key {key.strip()!r}; "
+                                   "allowed: mem, inter, intra, latency")
             kind = "bytes" if field == "device_memory" else "time" if field == "latency" else "rate"
             fields[field] = parse_quantity(value, kind, f"{key.strip()}=")
             continue

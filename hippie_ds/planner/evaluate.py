@@ -106,9 +106,9 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     least step. A stage that delays nothing is no longer deferred, the step is the one simulated
     with the chosen layers (what runs) and a priced objective's ``steps_factor`` prices what stays
     stale at ``staleness_price`` (None: the measured one; a free objective's is 1: one layer was
-    measured free, whatever its share of the gradient); memory keeps each deferred stage's whole gradient buffer (an upper bound). Analytic
-    estimates (too large to simulate) and layouts with virtual stages choose nothing: the config's
-    value applies."""
+    measured free, whatever its share of the gradient); memory keeps each deferred stage's whole gradient buffer (an
+    upper bound). Analytic estimates (too large to simulate) and layouts with virtual stages choose nothing: the
+    config's value applies."""
     if est.predicted_by != "simulator" or not est.deferred or lay.v > 1:
         # virtual stages: whole deferred stages (the engine's hippie.deferred_layers counts a
         # stage's leading layers as one contiguous range; a chunked stage's are not)

@@ -1,4 +1,4 @@
-"""The job's shape and the plan's (issue 48): what ``hippie-ds plan`` keeps of the job a profile was
+"""The job's shape and the plan's: what ``hippie-ds plan`` keeps of the job a profile was
 measured in (:func:`keep_shape`), and the changes a plan of another shape asks of the job
 (:func:`shape_changes`), printed by ``hippie-ds plan`` and by the start-up refusal of a module whose
 stage count is not the plan's (:func:`hippie_ds.adapter.module.pipeline_module.check_plan`). Pure Python.

@@ -1,4 +1,4 @@
-"""Profiles that survive a busy machine (issue 52): robust per-layer times, identical layers pooled,
+"""Profiles that survive a busy machine: robust per-layer times, identical layers pooled,
 and the warning a noisy profile gives. Pure Python; both profilers (``hippie-ds profile``,
 :mod:`hippie_ds.profiler`, and ``hippie.profile``, :mod:`hippie_ds.adapter.profiling.profile_in_place`) hand
 their raw timed runs here, and ``hippie-ds plan`` asks :func:`noise_warning` and :func:`time_spread`.
@@ -22,7 +22,7 @@ their raw timed runs here, and ``hippie-ds plan`` asks :func:`noise_warning` and
   a profile and ``hippie-ds plan`` when it plans from one.
 * **Inferred groups**: a profile that records no groups (written before groups existed, imported
   from PipeDream, built by a tool) is checked on inferred groups: same name, parameter bytes,
-  input bytes and output bytes (issue 57: a max-pool and a ReLU share a name, no parameters and an
+  input bytes and output bytes (a max-pool and a ReLU can share a name, no parameters and an
   output size, not their input), from their recorded times. A first layer whose input the profile
   does not size (the loaded data) joins the one group that matches it on the rest, if one does.
 """

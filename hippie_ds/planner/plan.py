@@ -208,9 +208,9 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
     ``objective`` names what is maximized (:mod:`.objectives`: 'me' memory efficiency,
-    'throughput', or a registered one), always under the device memory and ``memory_cap``. ``depths`` / ``micro_batch_sizes`` restrict the search;
-    ``min_micro_batch`` (default profile batch // 16, at least 1) bounds the micro-batch size
-    from below unless ``micro_batch_sizes`` lists sizes.
+    'throughput', or a registered one), always under the device memory and ``memory_cap``. ``depths`` /
+    ``micro_batch_sizes`` restrict the search; ``min_micro_batch`` (default profile batch // 16, at least 1) bounds the
+    micro-batch size from below unless ``micro_batch_sizes`` lists sizes.
     ``simulate_top`` best analytic candidates are simulated, within ``simulate_budget``
     micro-batch-stages each (larger ones keep their analytic figures). ``baseline_budget``
     caps the O(N^2 K) partition baselines (N^2 K operations); larger ones are skipped.
@@ -237,8 +237,9 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     P = cluster.devices
     if not any(P % K == 0 and K <= model.n and global_batch % (P // K) == 0 for K in (depths or _divisors(P))):
         raise PlannerError(f"global batch {global_batch} cannot be split over {P} devices: no pipeline depth K "
-                           f"(dividing {P}, at most {model.n} layers{', among ' + str(list(depths)) if depths else ''}) "
-                           f"leaves a data-parallel width P/K that divides it")
+                           f"(dividing {P}, at most {model.n} "
+                           f"layers{', among ' + str(list(depths)) if depths else ''}) leaves a data-parallel width "
+                           f"P/K that divides it")
 
     if min_micro_batch is None:
         min_micro_batch = max(1, profile.batch_size // 16)
@@ -266,7 +267,8 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
     chosen, est, delayed, simulated, ranked = _refine(model, found, objective, simulate_top, simulate_budget, cap,
                                                       price)
-    jobs = job_candidates(model, job, list(schedules), objective, simulate_budget, price, baseline_budget) if job else []
+    jobs = job_candidates(model, job, list(schedules), objective, simulate_budget, price,
+                          baseline_budget) if job else []
     chosen_from, best_job = "search", _best_job(jobs)
     if best_job is not None and (not ranked or best_job.value >= objective_value(model, est, objective) * (1 - 1e-9)):
         chosen, est, delayed, chosen_from = best_job.cand, best_job.est, best_job.delayed, "job"
@@ -303,7 +305,8 @@ def _job_row(model: _Model, j: JobCandidate, objective: str) -> Baseline:
         else {}
     return Baseline(name=j.name, description=j.description, pipeline_depth=lay.K, data_parallel=lay.r,
                     micro_batch_size=j.cand.b, micro_batches=j.cand.M, schedule=j.cand.schedule,
-                    schedule_params=params, boundaries=list(lay.parts), checkpointed_layers=checkpointed(lay, j.cand.ks),
+                    schedule_params=params, boundaries=list(lay.parts),
+                    checkpointed_layers=checkpointed(lay, j.cand.ks),
                     deferred_layers={str(s): _with_parameters(model, range(lay.parts[s], lay.parts[s + 1]), c.layers)
                                      for s, c in j.delayed.items()},
                     prediction=prediction(model, j.est, objective))

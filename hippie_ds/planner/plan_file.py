@@ -68,9 +68,9 @@ class StagePlan(_Strict):
     in_flight: int = Field(ge=1, description="peak micro-batches whose activations are held (this chunk's)")
     deferred: bool = Field(False, description="all-reduce deferred to the next step (gradient buffer)")
     deferred_layers: int | None = Field(None, ge=1, description="of a deferred stage: its leading layers with "
-                                        "parameters whose gradient is applied one step late (hippie.deferred_layers 'auto'; "
-                                        "its layer count: the whole stage); none: not chosen, the config's value applies "
-                                        f"(default {DEFAULT_DEFERRED_LAYERS!r})")
+                                        "parameters whose gradient is applied one step late (hippie.deferred_layers "
+                                        "'auto'; its layer count: the whole stage); none: not chosen, the config's "
+                                        f"value applies (default {DEFAULT_DEFERRED_LAYERS!r})")
     delayed_share: float = Field(0.0, ge=0, le=1, description="share of the stage's gradient bytes applied one "
                                                                "step late")
     memory: float = Field(ge=0, description="peak memory of one device of this stage (bytes; all its chunks): "

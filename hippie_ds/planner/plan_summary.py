@@ -105,8 +105,9 @@ def format_summary(plan: Plan, max_stage_rows: int = 24) -> str:
                         b.prediction))
     lines.append(table(rows[0], rows[1:]))
     lines.extend(skipped)
-    lines.append(f"ME = scalability x throughput / memory (samples/s per GB); single device {plan.single_device_throughput:.4g} "
-                 f"samples/s; figures by {p.predicted_by}; planned in {plan.search.get('seconds', 0):.3g} s")
+    lines.append(f"ME = scalability x throughput / memory (samples/s per GB); single device "
+                 f"{plan.single_device_throughput:.4g} samples/s; figures by {p.predicted_by}; planned in "
+                 f"{plan.search.get('seconds', 0):.3g} s")
     if plan.objective_figure:
         lines.append(f"ranked by the {plan.objective} objective: {plan.objective_figure}")
     if p.steps_factor > 1.0:

@@ -44,7 +44,7 @@ class JobShape(_Strict):
 
 
 class MeasuredLoad(_Strict):
-    """The machine while the profile was measured: a busy machine's times spread (issue 52)."""
+    """The machine while the profile was measured: a busy machine's times spread."""
 
     cpus: int | None = Field(None, ge=1, description="CPU cores the machine has (os.cpu_count)")
     load_before: float | None = Field(None, ge=0, description="1-minute load average when measuring began")

@@ -196,7 +196,8 @@ class ChunkedRecompute:
 
     def activations(self, k, p: Sequence[int]) -> float:
         k = self._k(k)
-        return sum(q * c.kept(x) for c, x, q in zip(self.chunks, k, p)) + max(c.max_run[x] for c, x in zip(self.chunks, k))
+        return sum(q * c.kept(x) for c, x, q in zip(self.chunks, k, p)) + max(c.max_run[x]
+                                                                              for c, x in zip(self.chunks, k))
 
     def layers(self, k) -> list[int]:
         return sorted(i for c, x in zip(self.chunks, self._k(k)) for i in c.layers(x))

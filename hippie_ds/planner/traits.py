@@ -76,7 +76,7 @@ def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleT
     Schedules with virtual stages are compiled at their real depth (their ``requires`` may
     tie M to K, as interleaved-1f1b's M % K == 0, so two depths need not share an M); above
     the probe size their M probes are the two smallest counts the schedule runs.
-    ``tests/test_planner.py`` and ``tests/test_planner_virtual.py`` check both against full
+    ``tests/planner/test_planner.py`` and ``tests/planner/test_planner_virtual.py`` check both against full
     compiles of every built-in schedule."""
     if stages > DEPTH_PROBE and not _virtual(schedule):
         return _deeper(schedule, stages, micro_batches)
@@ -188,7 +188,8 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
         in_flight.append(max(1, min(peak, v * micro_batches) if not compiled.continuous else peak))
         chunks.append(tuple(max(1, min(x, micro_batches) if not compiled.continuous else x) for x in chunk_peak))
     versions = tuple(weight_versions(compiled)) if compiled.continuous else (1,) * stages
-    versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages) for op in compiled.ops(s))
+    versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages)
+                    for op in compiled.ops(s))
     return ScheduleTraits(name=compiled.name, stages=stages, micro_batches=micro_batches, in_flight=tuple(in_flight),
                           interleaved=interleaved, defers=defers, continuous=compiled.continuous,
                           splits_backward=compiled.splits_backward, weight_versions=versions,

@@ -39,5 +39,6 @@ def builtins_where(predicate, stages: int, micro_batches: int, chunks: tuple[int
     return names
 
 
-__all__ = ["available", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params", "CompiledSchedule",
+__all__ = ["available", "builtins_where", "compile", "compile_schedule", "load_spec", "resolve_params",
+           "CompiledSchedule",
            "Op", "OpKind", "ScheduleError", "ScheduleSpec"]

@@ -151,9 +151,9 @@ def _continuous_timeline(spec, s, stages, env, placed, period, depth):
             if t in merged:
                 other = merged[t][0]
                 raise ScheduleError(f"schedule {spec.name!r}: stage {s}: steady state puts {op.kind.value}"
-                                    f"(mb={op.micro_batch}) of one batch and {other.kind.value}(mb={other.micro_batch}) "
-                                    f"of another in the same step; one compute op per step (period "
-                                    f"{period} too short?)")
+                                    f"(mb={op.micro_batch}) of one batch and "
+                                    f"{other.kind.value}(mb={other.micro_batch}) of another in the same step; one "
+                                    f"compute op per step (period {period} too short?)")
             merged[t] = (replace(op, step=t, batch=b), rule)
     lowered = lower_stage(merged, stages)
     # 'after' ops right after their compute op's step (after its same-step sends)

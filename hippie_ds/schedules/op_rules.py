@@ -1,7 +1,7 @@
 """What each analysis runs for each op kind: one row per kind, beside ``OP_INFO`` (what the kind
 means). Every entry is the analysis's function itself, referenced here, so the behaviour of a kind
 is read from its row and nothing joins names: a row's every analysis has an explicit entry, even
-"nothing to do" (``()``, ``LOCAL``), and ``tests/test_op_table.py`` checks that each is a function
+"nothing to do" (``()``, ``LOCAL``), and ``tests/schedules/test_op_table.py`` checks that each is a function
 of its analysis. The analyses do not import this table (it refers to them): their entry points
 (``validator.check``, ``simulator.simulate``) hand it to them. Pure Python."""
 from __future__ import annotations

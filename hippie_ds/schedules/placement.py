@@ -39,7 +39,8 @@ def after_ops(spec: ScheduleSpec, op: Op, rule: ComputeRule, env: dict, step: in
     """The ops placed right after ``op`` (its rule's ``after`` whose ``when`` holds), of its batch and chunk."""
     local = op_env(spec, env, op.stage, op.micro_batch, op.chunk)
     return [Op(p.kind, op.stage, step, target=p.target, batch=op.batch, chunk=op.chunk)
-            for i, p in enumerate(rule.after) if eval_expr(p.when, local, f"schedule {spec.name!r} {rule.op}.after[{i}] when")]
+            for i, p in enumerate(rule.after)
+            if eval_expr(p.when, local, f"schedule {spec.name!r} {rule.op}.after[{i}] when")]
 
 
 def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[Op, ComputeRule]]:

@@ -1,6 +1,7 @@
 """The simulator's discrete-event machinery: a minimal process-based kernel and the resources
 stages contend for (p2p channels, the shared inter-node link that all-reduces split), and what a
-run keeps per stage (``_StageState``, ``_Acc``). Pure Python; :mod:`hippie_ds.schedules.simulator` runs schedules on it."""
+run keeps per stage (``_StageState``, ``_Acc``). Pure Python; :mod:`hippie_ds.schedules.simulator` runs schedules on
+it."""
 from __future__ import annotations
 
 import heapq

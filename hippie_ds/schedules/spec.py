@@ -271,7 +271,8 @@ def load_spec(name_or_path: str | Path) -> ScheduleSpec:
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ScheduleError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
-        raise ScheduleError(f"{path}: a schedule file is a mapping with keys name, compute, ...; got {type(data).__name__}")
+        raise ScheduleError(f"{path}: a schedule file is a mapping with keys name, compute, ...; got "
+                            f"{type(data).__name__}")
     try:
         spec = ScheduleSpec.model_validate(data)
     except ValidationError as exc:

@@ -67,7 +67,8 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.runtime.utils.set_random_seed(args.seed)
     net = PipelineModule(layers=layers(), loss_fn=torch.nn.MSELoss(), num_stages=args.pipeline_parallel_size,
-                         partition_method="parameters", activation_checkpoint_interval=args.activation_checkpoint_interval)
+                         partition_method="parameters",
+                         activation_checkpoint_interval=args.activation_checkpoint_interval)
     if args.initialize == "hippie_ds":
         import hippie_ds as initializer
     else:

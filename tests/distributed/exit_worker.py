@@ -1,6 +1,6 @@
-"""Rank worker for tests/test_clean_exit.py: the teardown abort of hippie_ds/adapter/process/clean_exit.py
-made deterministic. Rank 0's gloo worker thread completes an all-reduce of a tensor that Python
-holds (rank 1 joins it late) and, releasing the work, waits for the GIL to release the tensor's
+"""Rank worker for tests/adapter/process/test_clean_exit.py: the teardown abort of
+hippie_ds/adapter/process/clean_exit.py made deterministic. Rank 0's gloo worker thread completes an all-reduce of a
+tensor that Python holds (rank 1 joins it late) and, releasing the work, waits for the GIL to release the tensor's
 Python object, while the main thread keeps the GIL (a long switch interval, a busy loop) up to
 the end of the script: the worker gets the GIL only once the interpreter finalizes, and CPython
 ends it there: "terminate called without an active exception". With ``--wait`` (what

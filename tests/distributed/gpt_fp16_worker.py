@@ -1,4 +1,4 @@
-"""A rank worker: a Megatron-style GPT trained in fp16 as users' configs write it (issue 61).
+"""A rank worker: a Megatron-style GPT trained in fp16 as users' configs write it.
 
 The model is the Megatron-shaped client's (megatron_shaped.specs: a function first layer, the word
 embedding a ``TiedLayerSpec`` whose last-stage copy is the output projection, blocks partitioned by
@@ -10,8 +10,9 @@ in ``--engines`` is ``SCHEDULE[+OPT...]``:
 - precision: ``+fp16`` (DeepSpeed's dynamic loss scale from 2**``--power``), else fp32;
 - optimizer: the client's torch AdamW with Megatron's two parameter groups (FP16_UnfusedOptimizer in
   fp16), ``+adam``: torch's Adam in those groups, its L2 weight decay 0.01 added to the gradient
-  (Megatron-DeepSpeed's optimizer on CPU, without apex: issue 67), or ``+fused``: ``"optimizer": {"type": "Adam"}`` in the config (DeepSpeed's own Adam:
-  FP16_Optimizer in fp16), ``+zero1``: ``"zero_optimization": {"stage": 1}`` (DeepSpeedZeroOptimizer);
+  (Megatron-DeepSpeed's optimizer on CPU, without apex), or ``+fused``: ``"optimizer": {"type": "Adam"}`` in
+  the config (DeepSpeed's own Adam: FP16_Optimizer in fp16), ``+zero1``: ``"zero_optimization": {"stage": 1}``
+  (DeepSpeedZeroOptimizer);
 - ``+ovfS.T``: stage S's first gradient (its tied word embedding's, on stage 0 and on the last stage)
   infinite in every backward of ``train_batch`` call T.
 
@@ -127,7 +128,10 @@ def main():
                     "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None},
                    os.path.join(args.out, name, f"rank{rank}.pt"))
         if rank == 0:
-            print(f"{name}: {type(engine.optimizer).__name__}/{type(getattr(engine.optimizer, 'optimizer', None)).__name__} scale {float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None} losses {[round(x, 3) for x in losses]}", flush=True)
+            print(f"{name}: "
+                  f"{type(engine.optimizer).__name__}/{type(getattr(engine.optimizer, 'optimizer', None)).__name__} "
+                  f"scale {float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None} losses "
+                  f"{[round(x, 3) for x in losses]}", flush=True)
         torch.distributed.barrier()
 
 

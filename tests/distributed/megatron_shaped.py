@@ -15,8 +15,8 @@ Each engine name in ``--engines`` (``[PRECISION:]NAME``) is trained in turn in t
 count N; ``SCHEDULE+drain``
 calls ``drain()`` after the last step; ``+tuple`` trains :func:`tuple_specs`, tuples between the
 stages, in a ``hippie_ds.PipelineModule`` with the schedule's model chunks; ``+profile`` sets
-``hippie.profile``, writing ``OUT/[PRECISION:]NAME/profile.yaml``). Per rank and engine it writes losses, this rank's layers and
-its copy of the tied word embedding to ``OUT/[PRECISION:]NAME/rankR.pt``, and both as they were
+``hippie.profile``, writing ``OUT/[PRECISION:]NAME/profile.yaml``). Per rank and engine it writes losses, this rank's
+layers and its copy of the tied word embedding to ``OUT/[PRECISION:]NAME/rankR.pt``, and both as they were
 before the first step and after it (``start``, ``first``).
 
 The drop-in (``+argv``, ``+b64``): the model is :class:`GPTModelPipe`, a subclass of

@@ -71,15 +71,16 @@ def tied_layer_specs():
     specs = [TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False)]
     for _ in range(DEPTH - 2):
         specs += [LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH)]
-    specs += [LayerSpec(torch.nn.Tanh), TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False, forward_fn=_tied_head),
+    specs += [LayerSpec(torch.nn.Tanh),
+              TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False, forward_fn=_tied_head),
               LayerSpec(torch.nn.Linear, IN, OUT)]
     return specs
 
 
 # ------------------------------------------------------------------ the Megatron-shaped model
 # What real clients (Megatron-DeepSpeed's GPTModelPipe) do that the tiny model does not, for the
-# split backward's regressions (tests/test_split_backward_clients.py): activations of 3 dimensions, so a
-# Linear's output is a view (and a layer returns ``x.view(...)``); an embedding tied to the head
+# split backward's regressions (tests/adapter/gradients/test_split_backward_clients.py): activations of
+# 3 dimensions, so a Linear's output is a view (and a layer returns ``x.view(...)``); an embedding tied to the head
 # whose head copy leaves a parameter unused (the position table: only the word weight projects).
 SEQ = 3
 

@@ -199,8 +199,8 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     made weights as ``adam``'s (not in fp16: the last stage holds its update until the vote is in);
     ``error_feedback`` > 0 (:func:`error_feedback`) on every stage that does not compute on made weights;
     ``delay_compensation`` > 0 (:func:`delay_compensation`, ``method`` "none") on every stage. ``tied``: the
-    tied model, its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16 (``precision``
-    reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
+    tied model, its copies ``tie_lag`` updates later (:func:`_lag_tied`), clipped apart (:func:`_clip_apart`). fp16
+    (``precision`` reference_fp16.Fp16Async): batch t's update is skipped on every stage when any gradient it applies
     (the lagged tie sum included) is not finite (:func:`_fp16_decision`)."""
     precision = precision or FP32
     layers, stage_params, slots = _continuous_model(parts, precision, tied)

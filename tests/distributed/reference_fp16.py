@@ -178,7 +178,7 @@ class Fp16Async(Fp16):
     def decide(self, applies) -> bool:
         """Update u's decision; the scale moves once per batch, at its last update, by whether any of
         the batch's updates overflowed (DeepSpeed's scaler moves once per step of a batch; an update
-        per micro-batch moving it would grow it M times as fast: issue 61)."""
+        per micro-batch moving it would grow it M times as fast)."""
         skip = any(not bool(torch.isfinite(g).all()) for gs in applies for g in gs if g is not None)
         self.skipped.append(skip)
         self._batch_overflow = self._batch_overflow or skip
@@ -189,7 +189,7 @@ class Fp16Async(Fp16):
 
     def unscale_by(self) -> float:
         """pipedream's micro-batch updates where the loss is not scaled (no ZeRO): 1, so that each applies
-        the fp32 rule's gradient, not that gradient over the scale (issue 67; fp16_async.py); else the scale."""
+        the fp32 rule's gradient, not that gradient over the scale (fp16_async.py); else the scale."""
         return 1.0 if self.updates_per_batch > 1 and self.grad_scale() is None else super().unscale_by()
 
     def backward_call(self, stage: int, batch: int, index: int) -> int:
@@ -288,7 +288,8 @@ class Fp16Fused(Fp16):
         offsets, at = {}, 0
         for j in self.order(ps):
             offsets[j], at = (at, ps[j].numel()), at + ps[j].numel()
-        tensors = [flat] + [v for v in optimizer.state[flat].values() if torch.is_tensor(v) and v.numel() == flat.numel()]
+        tensors = [flat] + [v for v in optimizer.state[flat].values() if torch.is_tensor(v)
+                            and v.numel() == flat.numel()]
         kept = [(ps[j], ps[j].detach().clone(), [(t, *offsets[j], t.detach().narrow(0, *offsets[j]).clone())
                                                   for t in tensors]) for j, g in enumerate(grads) if g is None]
         self.apply(ps, opt, grads, clip)

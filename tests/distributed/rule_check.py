@@ -1,6 +1,6 @@
 """What the tests of a staleness correction against its single-process rule share
-(tests/test_error_feedback.py, tests/test_delay_compensation.py): each precision's tolerance, the
-reference's precision for an engine, and the assertions of one engine against its rule."""
+(tests/adapter/staleness/test_error_feedback.py, tests/adapter/staleness/test_delay_compensation.py): each precision's
+tolerance, the reference's precision for an engine, and the assertions of one engine against its rule."""
 import torch
 
 import reference

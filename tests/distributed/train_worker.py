@@ -11,9 +11,9 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 import model as tiny
 
-emulated = None  # tools/bench/emulated.py, imported with --emulated
-
 import hippie_ds
+
+emulated = None  # tools/bench/emulated.py, imported with --emulated
 
 
 def _live_tensors() -> list[torch.Tensor]:
@@ -48,11 +48,13 @@ def split_name(name):
     (hippie_ds.PipelineModule's checkpointed_layers), "zb-h1+seqfirst" on the sequence-first model
     (model.seqfirst_layer_specs: stage boundaries after ``x.transpose(0, 1).contiguous()``),
     "hippie-zb+sync" with no deferred stage (the synchronous rule, whatever --deferred says),
-    "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam" ("2bw+made": "extrapolate-made"), "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says), "zb-h1+bf16+immediate"
-    with DeepSpeed's immediate_grad_update, "zb-h1+fp16" in fp16 with DeepSpeed's dynamic loss scale (+zero1: on
-    DeepSpeedZeroOptimizer; +fused: with "optimizer": {"type": "Adam"}, FP16_Optimizer), "zb-h1+attrs" with Megatron's attributes on every parameter (model.megatron_attributes:
-    an int ``stride`` hides ``Tensor.stride()``), "hippie+fp16+ovf1.2" with stage 1's first gradient infinite in
-    step 2 (:func:`inject_overflows`), "hippie+fp16+p12" with an initial loss scale of 2**12 (default 2**20)."""
+    "hippie+nostale" without a staleness correction, "2bw+adam" with hippie.staleness "adam" ("2bw+made":
+    "extrapolate-made"), "hippie+dl1" with hippie.deferred_layers 1 (whatever --deferred-layers says),
+    "zb-h1+bf16+immediate" with DeepSpeed's immediate_grad_update, "zb-h1+fp16" in fp16 with DeepSpeed's dynamic loss
+    scale (+zero1: on DeepSpeedZeroOptimizer; +fused: with "optimizer": {"type": "Adam"}, FP16_Optimizer), "zb-h1+attrs"
+    with Megatron's attributes on every parameter (model.megatron_attributes: an int ``stride`` hides
+    ``Tensor.stride()``), "hippie+fp16+ovf1.2" with stage 1's first gradient infinite in step 2
+    (:func:`inject_overflows`), "hippie+fp16+p12" with an initial loss scale of 2**12 (default 2**20)."""
     schedule, *opts = name.split("+")
     return schedule, opts
 
@@ -61,7 +63,8 @@ def config(args, schedule, dp, opts=()):
     cfg = {
         "train_micro_batch_size_per_gpu": tiny.MICRO_BATCH_SIZE,
         "train_batch_size": tiny.MICRO_BATCH_SIZE * args.micro_batches * dp,
-        "optimizer": {"type": args.optimizer, "params": {"lr": args.lr, **({"torch_adam": True} if args.optimizer == "AdamW" else {})}},
+        "optimizer": {"type": args.optimizer,
+                      "params": {"lr": args.lr, **({"torch_adam": True} if args.optimizer == "AdamW" else {})}},
         "steps_per_print": 10_000,
         "pipeline": {},
     }
@@ -95,7 +98,8 @@ def config(args, schedule, dp, opts=()):
             cfg["hippie"]["deferred_layers"] = int(layers) if layers.isdigit() else layers
         if args.staleness is not None:
             method, _, coefficient = args.staleness.partition(":")
-            cfg["hippie"]["staleness"] = {"method": method, **({"coefficient": float(coefficient)} if coefficient else {})}
+            cfg["hippie"]["staleness"] = {"method": method,
+                                          **({"coefficient": float(coefficient)} if coefficient else {})}
         for opt in opts:  # "dlN": hippie.deferred_layers N for this engine, whatever --deferred-layers says
             if opt.startswith("dl") and opt[2:].isdigit():
                 cfg["hippie"]["deferred_layers"] = int(opt[2:])
@@ -170,7 +174,8 @@ def parse_args():
     p.add_argument("--emulated", default=None, help="a profiled model whose compute is a wait (tools/bench/"
                    "emulated.py: vgg16, gnmt8, gnmt16), its waits 1000x shorter")
     p.add_argument("--megatron", action="store_true", help="the Megatron-shaped model (model.megatron_layer_specs): "
-                   "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last stage")
+                   "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last "
+                   "stage")
     p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")
     p.add_argument("--zero-plain", action="store_true", help="--zero without data_types (bf16: DeepSpeedZeroOptimizer "
                    "accumulating in bf16; fp32 takes DeepSpeedZeroOptimizer either way)")
@@ -219,7 +224,8 @@ def main():
         schedule, opts = split_name(name)
         specs = (emulated.emulated_specs(args.emulated, tiny.MICRO_BATCH_SIZE, speedup=1000.0) if args.emulated else
                  tiny.seqfirst_layer_specs() if "seqfirst" in opts else
-                 tiny.megatron_layer_specs() if args.megatron else tiny.tied_layer_specs() if args.tied or "tied" in opts else
+                 tiny.megatron_layer_specs() if args.megatron else
+                 tiny.tied_layer_specs() if args.tied or "tied" in opts else
                  tiny.layer_specs())
         cfg = config(args, schedule, dp, opts)
         # hippie_ds.PipelineModule builds the model chunks the config's schedule runs (virtual stages)

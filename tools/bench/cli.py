@@ -80,7 +80,7 @@ import sys
 import time
 from pathlib import Path
 
-# The pure parts, importable from here as they always were (tests/test_bench.py uses them so).
+# The pure parts, importable from here as they always were (tests/bench/test_bench.py uses them so).
 from tools.bench.analysis import analyse_all, analyse_job, combine_rounds, measured_costs, predict
 from tools.bench.cluster import Refuse, fix_owner
 from tools.bench.commands import COMMANDS, run_command

@@ -119,7 +119,8 @@ def _add_cluster_arguments(p: argparse.ArgumentParser):
                         "the prediction; 'auto': python -m tools.bench allreduce's measurement at --rate "
                         f"({ALLREDUCE_MEASURED.relative_to(REPO)}), 0 where it has none")
     p.add_argument("--intra-allreduce-bandwidth", type=float, default=1.1e9,
-                   help="bytes/s of an all-reduce inside a node (prediction of one-node DP; the brief: 64 MB in ~60 ms)")
+                   help="bytes/s of an all-reduce inside a node (prediction of one-node DP; the brief: 64 MB in "
+                        "~60 ms)")
     p.add_argument("--p2p-bandwidth", type=float, default=4e9, help="bytes/s of a pipeline send inside a node "
                                                                      "(the brief: 4 MB in ~1 ms)")
     p.add_argument("--p2p-latency", type=float, default=2e-4, help="seconds per pipeline send inside a node")

@@ -89,7 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--comm-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="DeepSpeed's communication_data_type of every run (the all-reduce's wire; default: "
                         "the precision's)")
-    p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices (--optimizer muon)")
+    p.add_argument("--muon-lr", type=float, default=0.02,
+                   help="peak learning rate of Muon's matrices (--optimizer muon)")
     p.add_argument("--gradient-clipping", default="0", metavar="NORM|config",
                    help="gradient_clipping of every run (default 0: off); 'config' keeps the config's (1.0 in "
                         "configs/). The engines clip differently: data parallelism by the whole model's norm, "
@@ -220,7 +221,8 @@ def run_one(example: str, name: str, seed: int, args, steps: int, eval_every: in
     if run.returncode != 0 or not metrics_file.exists():
         tail = (out / "log.txt").read_text(errors="replace")[-3000:]
         raise SystemExit(f"[convergence] {example} {name} failed "
-                         f"({'timeout' if run.timed_out else f'exit {run.returncode}'}); log {out / 'log.txt'}:\n{tail}")
+                         f"({'timeout' if run.timed_out else f'exit {run.returncode}'}); "
+                         f"log {out / 'log.txt'}:\n{tail}")
     metrics = json.loads(metrics_file.read_text())
     metrics["job_seconds"] = seconds
     metrics_file.write_text(json.dumps(metrics, indent=1))
@@ -269,7 +271,8 @@ def main(argv=None):
     meta = {"command": " ".join(["python -m tools.bench convergence"] + (sys.argv[1:] if argv is None else list(argv))),
             "ranks": args.ranks, "seeds": args.seed_list, "gradient_clipping": args.gradient_clipping,
             "stages": args.stages, "lr_schedule": args.lr_schedule, "step_times": args.step_times,
-            "optimizer": args.optimizer, "precision": args.precision, "comm_dtype": args.comm_dtype, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
+            "optimizer": args.optimizer, "precision": args.precision, "comm_dtype": args.comm_dtype,
+            "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
             "total_seconds": None if args.plot_only else time.monotonic() - start}
     previous = out / "results.json"
     if args.plot_only and previous.exists():  # keep what the runs were made with

@@ -21,7 +21,8 @@ def round_ratios(num: list | None, den: list | None) -> dict:
     with their median, min and max. Pure."""
     per = [a / b if a and b else None for a, b in zip(num or [], den or [])]
     vals = [x for x in per if x is not None]
-    return {"rounds": per, "median": median_or_none(vals), "min": min(vals, default=None), "max": max(vals, default=None),
+    return {"rounds": per, "median": median_or_none(vals), "min": min(vals, default=None),
+            "max": max(vals, default=None),
             "n": len(vals)}
 
 

@@ -227,7 +227,8 @@ class Trainer:
             # metrics, averaged by eval_batch over micro-batches and replicas (not broadcast: it is a
             # vector), then summed over the world from the loss stages only.
             module, loss_fn, total_loss = self.engine.module, self.engine.module.loss_fn, self.engine.total_loss
-            module.loss_fn = lambda outputs, labels: torch.stack([fn(outputs, labels).float() for fn in metrics.values()])
+            module.loss_fn = lambda outputs, labels: torch.stack([fn(outputs, labels).float()
+                                                                  for fn in metrics.values()])
             self.engine.total_loss = None  # the engine adds every forward's "loss" to it, eval_batch too
             try:
                 value = self.engine.eval_batch(self.share(make_batches()), bcast_loss=False,

@@ -43,9 +43,9 @@ _PARTS = (*_FORMAT1_KEYS, "tied_copies")
 # in DeepSpeed's model states: {pp_degree, tp_degree} (deepspeed.checkpoint.constants.CHECKPOINT_PARALLEL_DIMS)
 PARALLEL_DIMS = "checkpoint_parallel_dimensions"
 STOCK_MESSAGE = ("this checkpoint holds hippie-ds in-flight training state that stock DeepSpeed would drop: resume it "
-                 "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b, hippie-zb), "
-                 "call engine.drain() on every rank before save_checkpoint; 2bw/pipedream always keep the stashed "
-                 "weight version their next batch uses")
+                 "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b, "
+                 "hippie-zb), call engine.drain() on every rank before save_checkpoint; 2bw/pipedream always keep the "
+                 "stashed weight version their next batch uses")
 
 _state = threading.local()
 

@@ -14,7 +14,7 @@ roughly what DeepSpeed thing they reach. The rest of the adapter, and tools/, ca
 
 The names reached are :data:`hippie_ds._compat.SEAMS` (checked to exist on the installed DeepSpeed);
 the subclasses' overrides of private methods are :data:`hippie_ds._compat.OVERRIDES`;
-``tests/test_seams.py`` checks that nothing outside this package (and ``_compat``) imports
+``tests/compat/test_seams.py`` checks that nothing outside this package (and ``_compat``) imports
 ``deepspeed.runtime`` or reaches those names, and that every SEAMS entry is used here.
 Public DeepSpeed (``deepspeed.comm``, ``deepspeed.utils.logger``, ``deepspeed.accelerator``,
 ``deepspeed.pipe``) is imported where it is used. Importing this package imports none of its modules.

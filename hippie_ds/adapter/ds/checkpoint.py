@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def checkpoint_files(engine, load_dir, tag) -> list:
-    """Roughly: ``engine._get_all_ckpt_names(load_dir, tag)`` (the model-state files DeepSpeed's load reads, mp_rank_XX)."""
+    """Roughly: ``engine._get_all_ckpt_names(load_dir, tag)`` (the model-state files DeepSpeed's load reads,
+    mp_rank_XX)."""
     return engine._get_all_ckpt_names(load_dir, tag)
 
 

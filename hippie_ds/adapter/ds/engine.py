@@ -4,7 +4,7 @@ each as a named operation. Every function says roughly what it does in DeepSpeed
 
 The engine subclass also overrides some of DeepSpeed's private methods by name (its schedule, its
 forward and backward handlers, ...): those are :data:`hippie_ds._compat.OVERRIDES`, checked to
-exist like the names here; ``tests/test_seams.py`` allows them outside this package as overrides
+exist like the names here; ``tests/compat/test_seams.py`` allows them outside this package as overrides
 only (``def _name`` and its ``super()._name(...)``).
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ def p2p_state(engine) -> dict:
 
 
 def set_p2p_state(engine, state: dict) -> None:
-    """Roughly: ``setattr(engine, name, value)`` for each of :data:`P2P_STATE` (``P2P_STATE`` itself: a fresh boundary)."""
+    """Roughly: ``setattr(engine, name, value)`` for each of :data:`P2P_STATE` (``P2P_STATE`` itself: a fresh
+    boundary)."""
     for name, value in state.items():
         setattr(engine, name, value)
 

@@ -37,7 +37,8 @@ def decided(optimizer, overflow: bool, joint: float | None = None):
     norm is itself). All put back after."""
     checker = optimizer.overflow_checker
     check, has_overflow = checker.check, checker.has_overflow
-    weight_norm, global_norm, flattened = unfused.get_weight_norm, unfused.get_global_norm, fused.get_flattened_grad_norm
+    weight_norm, global_norm = unfused.get_weight_norm, unfused.get_global_norm
+    flattened = fused.get_flattened_grad_norm
     checker.check = lambda *args, **kwargs: overflow
     checker.has_overflow = lambda *args, **kwargs: overflow
     if joint is not None:
@@ -138,7 +139,8 @@ class FusedUnmoved:
             state = optimizer.optimizer.state.get(master, {})
             tensors = [master] + [v for v in state.values() if torch.is_tensor(v) and v.numel() == master.numel()]
             self.saved.append((p, torch.Tensor.clone(torch.Tensor.detach(p)),
-                               [(t, torch.Tensor.clone(torch.Tensor.narrow(torch.Tensor.detach(t), 0, offset, n)), offset, n)
+                               [(t, torch.Tensor.clone(torch.Tensor.narrow(torch.Tensor.detach(t), 0, offset, n)),
+                                 offset, n)
                                 for t in tensors]))
 
     @torch.no_grad()

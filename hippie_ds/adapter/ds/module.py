@@ -14,13 +14,15 @@ __all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec", "d
 
 
 def dualpipev_module() -> type:
-    """Roughly: ``deepspeed.runtime.pipe.dualpipev.DualPipeVModule`` (imported when asked: DeepSpeed's V-shaped module)."""
+    """Roughly: ``deepspeed.runtime.pipe.dualpipev.DualPipeVModule`` (imported when asked: DeepSpeed's V-shaped
+    module)."""
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     return DualPipeVModule
 
 
 def layer_specs(module) -> list:
-    """Roughly: ``module._layer_specs`` (every layer of the model, as given: specs, modules, callables; global indices)."""
+    """Roughly: ``module._layer_specs`` (every layer of the model, as given: specs, modules, callables; global
+    indices)."""
     return module._layer_specs
 
 
@@ -68,17 +70,20 @@ def set_local_range(module, start: int, stop: int) -> None:
 
 
 def precompute_checkpointable_values(module) -> None:
-    """Roughly: ``module._precompute_checkpointable_values()`` (which interval blocks of ``forward_funcs`` hold parameters)."""
+    """Roughly: ``module._precompute_checkpointable_values()`` (which interval blocks of ``forward_funcs`` hold
+    parameters)."""
     module._precompute_checkpointable_values()
 
 
 def recursive_getattr(module, obj, attr: str):
-    """Roughly: ``module._recursive_getattr(obj, attr)`` (a dotted attribute, as ``tied_comms``' ``weight_attr`` names it)."""
+    """Roughly: ``module._recursive_getattr(obj, attr)`` (a dotted attribute, as ``tied_comms``' ``weight_attr`` names
+    it)."""
     return module._recursive_getattr(obj, attr)
 
 
 def set_random_seed(seed: int) -> None:
-    """Roughly: ``deepspeed.runtime.utils.set_random_seed(seed)`` (what ``PipelineModule.forward`` seeds layers with)."""
+    """Roughly: ``deepspeed.runtime.utils.set_random_seed(seed)`` (what ``PipelineModule.forward`` seeds layers
+    with)."""
     from deepspeed.runtime import utils
     utils.set_random_seed(seed)
 

@@ -7,9 +7,11 @@ from deepspeed.runtime.pipe.schedule import (BufferOpInstruction, InferenceSched
                                              TrainSchedule)
 from deepspeed.runtime.pipe import schedule as _schedule
 
-__all__ = ["BufferOpInstruction", "InferenceSchedule", "PipeInstruction", "PipeSchedule", "TrainSchedule", "instruction"]
+__all__ = ["BufferOpInstruction", "InferenceSchedule", "PipeInstruction", "PipeSchedule", "TrainSchedule",
+           "instruction"]
 
 
 def instruction(name: str) -> type:
-    """Roughly: ``getattr(deepspeed.runtime.pipe.schedule, name)`` (one of DeepSpeed's instruction classes, ``ForwardPass``...)."""
+    """Roughly: ``getattr(deepspeed.runtime.pipe.schedule, name)`` (one of DeepSpeed's instruction classes,
+    ``ForwardPass``...)."""
     return getattr(_schedule, name)

@@ -107,7 +107,8 @@ class ZeroUnmoved:
             if not chosen:
                 continue
             flat = optimizer.bit16_groups_flat[i]
-            part = optimizer.parallel_partitioned_bit16_groups[i][dist.get_rank(group=optimizer.real_dp_process_group[i])]
+            part = optimizer.parallel_partitioned_bit16_groups[i][
+                dist.get_rank(group=optimizer.real_dp_process_group[i])]
             lo, n = part.storage_offset() - flat.storage_offset(), part.numel()
             mask = torch.zeros(n, dtype=torch.bool, device=flat.device)
             for p in chosen:
@@ -138,7 +139,8 @@ class ZeroUnmoved:
 
 
 def dp_group_of(optimizer, i: int):
-    """Roughly: ``optimizer.real_dp_process_group[i]`` (the data-parallel group of parameter group ``i``'s partitions)."""
+    """Roughly: ``optimizer.real_dp_process_group[i]`` (the data-parallel group of parameter group ``i``'s
+    partitions)."""
     return optimizer.real_dp_process_group[i]
 
 

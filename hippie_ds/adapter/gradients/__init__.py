@@ -1,1 +1,2 @@
-"""A stage's gradients: where they live (the store), their all-reduce stream and buffer, tied modules' sums, and the split backward."""
+"""A stage's gradients: where they live (the store), their all-reduce stream and buffer, tied modules' sums, and the
+split backward."""

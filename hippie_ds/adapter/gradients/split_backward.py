@@ -98,7 +98,8 @@ def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Para
     needs = [t for t in _float_tensors(inputs) if t.requires_grad]
     if not needs:
         # W runs later from these: a copy, since the caller may receive the next gradient into them
-        return PendingWeightGrad(outputs=outs, output_grads=None if grads is None else [torch.Tensor.clone(g) for g in grads])
+        return PendingWeightGrad(outputs=outs, output_grads=None if grads is None
+                                 else [torch.Tensor.clone(g) for g in grads])
     groups = _input_pass(outs, grads, needs, params)
     _own_gradients(groups, needs, grads)
     return PendingWeightGrad(param_groups=groups)
@@ -118,7 +119,8 @@ def obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     """torch's gradient layout contract (``obeys_layout_contract``): ``grad`` has ``leaf``'s strides
     (dimensions of size 1 aside) when ``leaf`` is dense and non-overlapping, else is contiguous."""
     if _dense(leaf):
-        return all(gs == ls if n != 1 else gs != 0 for n, gs, ls in zip(grad.shape, torch.Tensor.stride(grad), torch.Tensor.stride(leaf)))
+        return all(gs == ls if n != 1 else gs != 0
+                   for n, gs, ls in zip(grad.shape, torch.Tensor.stride(grad), torch.Tensor.stride(leaf)))
     return torch.Tensor.is_contiguous(grad)
 
 
@@ -131,7 +133,8 @@ def as_accumulated(grad, leaf: torch.Tensor):
             obeys_layout(grad, leaf):
         return grad
     if _dense(leaf):
-        return torch.empty_strided(leaf.shape, torch.Tensor.stride(leaf), dtype=grad.dtype, device=grad.device).copy_(grad)
+        return torch.empty_strided(leaf.shape, torch.Tensor.stride(leaf), dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
     return torch.Tensor.clone(grad, memory_format=torch.contiguous_format)
 
 

@@ -83,9 +83,9 @@ def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
             groups.setdefault(stage, set()).add(tuple(sorted(stages)))
     several = {s: sorted(g) for s, g in groups.items() if len(g) > 1}
     if several:
-        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r}: stage(s) {sorted(several)} hold modules '
-                          f"tied to different sets of stages ({several}); a per-stage update clips by the norm of one "
-                          "tie group; use " + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape,
+        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r}: stage(s) {sorted(several)} hold '
+                          f"modules tied to different sets of stages ({several}); a per-stage update clips by the norm "
+                          "of one tie group; use " + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape,
                                                                          held_chunks(model))) +
                           ", or tie them to the same stages")
 

@@ -42,7 +42,8 @@ def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    flags = torch.zeros(len(ds_module.layer_specs(model)), dtype=torch.int32, device=get_accelerator().current_device_name())
+    flags = torch.zeros(len(ds_module.layer_specs(model)), dtype=torch.int32,
+                        device=get_accelerator().current_device_name())
     for i, f in enumerate(funcs):
         if isinstance(f, torch.nn.Module) and any(p.requires_grad for p in f.parameters()):
             flags[ds_module.local_start(model) + i] = 1

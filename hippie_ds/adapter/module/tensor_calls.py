@@ -5,7 +5,7 @@ Model code sets plain attributes on its parameters, and an instance attribute hi
 method of the same name: Megatron's ``ColumnParallelLinear`` sets ``bias.stride = stride`` (an int),
 so ``bias.stride()`` raises ``TypeError: 'int' object is not callable``. Every call hippie-ds makes
 on a tensor it did not create goes through ``torch.Tensor`` (``torch.Tensor.stride(t)``), which no
-instance attribute hides; ``tests/test_user_tensor_attributes.py`` checks the sweep over the package.
+instance attribute hides; ``tests/adapter/module/test_user_tensor_attributes.py`` checks the sweep over the package.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ the run for pipedream):
   are, ``ds.fp16.scale_moves``). Moving it at every micro-batch update would grow it M times as
   fast; without ZeRO the loss is not scaled, nothing overflows and the scale only grows while the
   wrapper divides every gradient by it, so pipedream's gradients sank below Adam's ``eps`` and the
-  loss rose (tests/test_fp16_gpt.py). The same trajectory on every rank, and the scale
+  loss rose (tests/adapter/precision/test_fp16_gpt.py). The same trajectory on every rank, and the scale
   update u unscales by is the one the single-process rule gives it
   (tests/distributed/reference_fp16.py). The LR schedule steps once per ``train_batch`` call, as
   for these schedules in fp32 and bf16 (a skipped update does not hold it back).

@@ -319,8 +319,8 @@ class InPlaceProfiler:
 def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
     """One record from (data-parallel index, per-step records) of every replica: every timed run of
     every step and replica pooled (``forward_runs``, ``backward_runs``: :func:`noise.pool` takes their
-    medians), W and the split's extra the median over steps, then over replicas; the working memory the largest; sizes the
-    lowest index's."""
+    medians), W and the split's extra the median over steps, then over replicas; the working memory the largest; sizes
+    the lowest index's."""
     replicas = sorted(replicas, key=lambda r: r[0])
     record = dict(replicas[0][1][0])
     for key in RUNS:

@@ -6,7 +6,7 @@ component that owns the state it touches: DeepSpeed's side of the stage
 (:class:`~hippie_ds.adapter.ds.stage.DeepSpeedStage`: loads, forwards, backwards, DeepSpeed's own
 reductions and step), ``StageGradients`` (all-reduces and the gradient buffer), ``StageStep`` (per-stage
 updates), the continuous schedules' updates, ``WeightVersions`` and ``SplitBackward``. The p2p handlers
-are in :mod:`~hippie_ds.adapter.stage.p2p`. ``tests/test_op_table.py`` checks that every kind has one
+are in :mod:`~hippie_ds.adapter.stage.p2p`. ``tests/schedules/test_op_table.py`` checks that every kind has one
 whose signature takes its arguments."""
 from __future__ import annotations
 

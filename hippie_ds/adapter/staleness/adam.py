@@ -23,8 +23,8 @@ computes on the made weights instead: ``W(v) + c (W(v+1) - W(v))``, W(v+1) itsel
 ``2bw``'s last stage is such a stage (it updates at the end of a call, and the next call's
 micro-batches all compute on the version before), so with ``adam`` it follows the synchronous
 rule; on the other stages a micro-batch computes on version v before that update (its backward
-must see its forward's weights), so they keep Adam's prediction (:func:`~hippie_ds.adapter.staleness.prediction.made_before_use` reads
-it from the compiled schedule).
+must see its forward's weights), so they keep Adam's prediction
+(:func:`~hippie_ds.adapter.staleness.prediction.made_before_use` reads it from the compiled schedule).
 
 Where it is computed. fp32 (no ZeRO): the optimizer steps the module's parameters, each rank holds
 every moment of its stage, and computes ``W_hat`` locally. bf16 and bf16 + ZeRO-1
@@ -76,7 +76,8 @@ def _adam_kind(optimizer) -> str:
 
 
 @torch.no_grad()
-def predicted_update(optimizer, kind: str, param: torch.Tensor, weights: torch.Tensor, group: dict) -> torch.Tensor | None:
+def predicted_update(optimizer, kind: str, param: torch.Tensor, weights: torch.Tensor,
+                     group: dict) -> torch.Tensor | None:
     """u_hat for ``param`` (a tensor the optimizer steps) at ``weights`` (its fp32 values), or
     None when the optimizer has no state for it yet (module docstring)."""
     state = optimizer.state.get(param)

@@ -82,7 +82,8 @@ class WeightPrediction:
             self.deltas = {}
             return
         if state.get("format") == STATE_FORMAT or ("deltas" in state and "format" not in state):
-            deltas = {int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds]) for v, ds in state["deltas"].items()}
+            deltas = {int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds])
+                      for v, ds in state["deltas"].items()}
         elif "previous" in state:
             previous = state["previous"]
             deltas = {} if previous is None else {0: [torch.Tensor.detach(p) - q.to(device)

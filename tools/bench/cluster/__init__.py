@@ -41,6 +41,8 @@ from tools.bench.cluster.processes import (
 )
 from tools.bench.cluster.star import StarNetwork
 
-__all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "StarNetwork", "WorkerJob",
-           "burst_for", "check_cores", "cleanup_on_signals", "core_ticks", "fix_owner", "foreign_cpu_between", "free_port",
+__all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "StarNetwork",
+           "WorkerJob",
+           "burst_for", "check_cores", "cleanup_on_signals", "core_ticks", "fix_owner", "foreign_cpu_between",
+           "free_port",
            "gpu_slices", "local_env", "node_env", "parse_rate", "preflight", "remove_shm_segments", "sh"]

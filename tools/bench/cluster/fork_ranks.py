@@ -13,7 +13,7 @@ and DeepSpeed's runner imports DeepSpeed twice more, per launch, on CI's 2 cores
 The imports start no thread (checked: a fork with threads running would copy their locks held);
 each rank draws fresh seeds for Python's and NumPy's global generators, as a new process does, and
 exits as a process does (atexit handlers, then the interpreter's finalization, where gloo's teardown
-abort would show: tests/test_clean_exit.py). This process itself leaves with ``os._exit``."""
+abort would show: tests/adapter/process/test_clean_exit.py). This process itself leaves with ``os._exit``."""
 import os
 import random
 import runpy

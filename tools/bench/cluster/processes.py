@@ -149,7 +149,7 @@ class LocalJob:
     process that imported torch, DeepSpeed and hippie_ds once (:mod:`tools.bench.cluster.fork_ranks`), each
     with the environment, arguments, first-failure rule and exit code DeepSpeed's launcher gives
     it; it saves about 2.5 s of CPU per rank and the runner's two imports of DeepSpeed per launch,
-    which is what the tests use it for (tests/test_dropin.py and the failed-rank tests keep
+    which is what the tests use it for (tests/real_clients/test_dropin.py and the failed-rank tests keep
     DeepSpeed's launcher)."""
 
     def __init__(self, worker: str | Path, num_ranks: int, worker_args: Sequence = (), port: int | None = None,

@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--megabytes", type=float, default=25.0, help="all-reduce size (the bench model's stage: 25 MB)")
     p.add_argument("--repeats", type=int, default=12, help="timed all-reduces per setting and rate")
     p.add_argument("--burst", choices=["default", "min"], default="default",
-                   help="tbf's token bucket (tools/bench/cluster burst_for): default 1mb, min the least the kernel takes")
+                   help="tbf's token bucket (tools/bench/cluster burst_for): default 1mb, min the least the kernel "
+                        "takes")
     p.add_argument("--idle-s", type=float, default=0.0,
                    help="seconds the link idles before each timed all-reduce (tc's token bucket, --burst of the "
                         "cluster, refills meanwhile, as between a pipeline step's all-reduces)")
@@ -66,7 +67,8 @@ def report(rows: list[dict], megabytes: float) -> str:
               "machine busy (core-s) | per core per MB (ms): `--allreduce-cpu-per-mb` |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['rate']} | {r['one_pair_cpu_s']:.3f} | {r['one_pair_machine_busy_s']:.3f} | "
-                     f"{r['two_pairs_cpu_s']:.3f} | {r['two_pairs_machine_busy_s']:.3f} | {r['cpu_per_mb'] * 1e3:.2f} |")
+                     f"{r['two_pairs_cpu_s']:.3f} | {r['two_pairs_machine_busy_s']:.3f} | "
+                     f"{r['cpu_per_mb'] * 1e3:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,7 +100,8 @@ def run_rate(a, rate: str, i: int) -> dict:
     out = Path(a.out, rate)
     NETWORK.setup(rate, a.burst)
     job = WorkerJob(NETWORK, WORKER, ["--out", str(out), "--megabytes", str(a.megabytes), "--repeats",
-                                      str(a.repeats), "--idle-s", str(a.idle_s)], out / "logs", 2, 2, a.cores.split(","), a.port + i)
+                                      str(a.repeats), "--idle-s", str(a.idle_s)], out / "logs", 2, 2,
+                    a.cores.split(","), a.port + i)
     try:
         job.run(600)  # RuntimeError with the logs' last lines if a launcher fails
     finally:

@@ -58,7 +58,8 @@ def parse_args(argv=None):
                         "configuration: every boundary moved by up to 2 layers, planned and ranked by predicted step "
                         "(cut), or every position of each boundary, the others kept (every-cut: at 2 stages every "
                         "single-boundary cut; --top does not cap it)")
-    p.add_argument("--schedules", default=None, help="hippie-ds plan's --schedules (e.g. zb-h1 or 1f1b; default: its own)")
+    p.add_argument("--schedules", default=None,
+                   help="hippie-ds plan's --schedules (e.g. zb-h1 or 1f1b; default: its own)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, order rotated (default 3)")
     p.add_argument("--steps", type=int, default=25, help="training steps per run (default 25)")
     p.add_argument("--skip", type=int, default=5, help="untimed first steps of a run (default 5)")
@@ -103,7 +104,8 @@ def profile_and_plan(args, out: Path) -> tuple[Path, Path]:
     cluster = args.cluster or f"1x{args.ranks},16GB,10Gbit"
     plan = subprocess.run([sys.executable, "-m", "hippie_ds.cli", "plan", "--profile", str(out / "profile.yaml"),
                            "--cluster", cluster, "--out", str(out / "plan.json"),
-                           *(["--schedules", args.schedules] if args.schedules else [])], capture_output=True, text=True)
+                           *(["--schedules", args.schedules] if args.schedules else [])], capture_output=True,
+                          text=True)
     (out / "plan.txt").write_text(plan.stdout + plan.stderr)
     if plan.returncode != 0:
         raise SystemExit(f"cut-sweep: hippie-ds plan failed:\n{plan.stderr}")

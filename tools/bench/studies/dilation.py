@@ -7,8 +7,8 @@ step, h / D what its ranks still wait for the host (and for each other's cores).
 line (least squares in 1 / D) per schedule over the D that give each rank at least one core of host
 (D >= ranks on a core: below it the waits grow faster than 1 / D; the fit over every D is reported
 too) and reports, per D, how far the step lies above T_inf: the smallest D within ``--within`` (5%)
-of it for every schedule is the dilation the scaling study may use. The plan is the planner's at the first D listed in ``--fixed-plan-at`` (the
-scaling study's default) and is then re-planned at every other D with the same depth, schedule,
+of it for every schedule is the dilation the scaling study may use. The plan is the planner's at the first D listed in
+``--fixed-plan-at`` (the scaling study's default) and is then re-planned at every other D with the same depth, schedule,
 micro-batch size and boundaries (a plan's fingerprint holds the ranks' bytes, x D), so every D runs
 the same configuration; the report says whether the re-computed layers agreed too.
 

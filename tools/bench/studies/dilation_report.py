@@ -12,10 +12,11 @@ def report(results: dict) -> str:
              f"The scaling study's emulated cluster at {results['nodes']} nodes, each schedule run at every "
              f"dilation D, its step divided back by D (emulated figures). Fit: T(D) = T_inf + h / D (least squares "
              f"in 1/D) over the D of at least {results.get('fitted_from_dilation', 0):g} (each rank has a core of "
-             f"host or more; below, the waits grow faster than 1/D); excess = T(D) / T_inf - 1 of the fitted line. Command: `{results['command']}`. Commit "
-             f"{(results.get('source') or {}).get('commit', '?')[:7]}; machine "
+             f"host or more; below, the waits grow faster than 1/D); excess = T(D) / T_inf - 1 of the fitted line. "
+             f"Command: `{results['command']}`. Commit {(results.get('source') or {}).get('commit', '?')[:7]}; machine "
              f"{(results.get('machine') or {}).get('cpu')}, {(results.get('machine') or {}).get('cores')} cores.", ""]
-    head = ["schedule"] + [f"D = {d}: step (s)" for d in ds] + ["T_inf (s)", "h (s)"] + [f"excess at D = {d}" for d in ds]
+    head = ["schedule"] + [f"D = {d}: step (s)" for d in ds] + ["T_inf (s)", "h (s)"] + [f"excess at D = {d}"
+                                                                                         for d in ds]
     body = []
     for name, fit in fits.items():
         body.append([name_of(name)] + [_f((per_d[d]["rows"].get(name) or {}).get("step_s"), "{:.3f}") for d in ds]
@@ -39,7 +40,8 @@ def report(results: dict) -> str:
     fixed = {d: e["fixed_plan"] for d, e in per_d.items() if e.get("fixed_plan")}
     if fixed:
         lines += ["The plan at every D is the first D's, re-planned with its depth, schedule, micro-batch size and "
-                  "boundaries: " + "; ".join(f"D = {d}: configuration {'same' if f['same_configuration'] else 'DIFFERS'}"
+                  "boundaries: "
+                  + "; ".join(f"D = {d}: configuration {'same' if f['same_configuration'] else 'DIFFERS'}"
                                              f", re-computed layers {'same' if f['same_recomputation'] else 'differ'}"
                                              for d, f in fixed.items()) + ".", ""]
     best = results.get("smallest_dilation")
@@ -48,9 +50,10 @@ def report(results: dict) -> str:
     host = results.get("host_cost")
     if host:
         lines += [f"Host cost fitted ({host.get('source')}): forward {host['forward']['fixed'] * 1e3:.2f} ms + "
-                  f"{host['forward']['per_layer'] * 1e3:.3f} ms/layer; backward {host['backward']['fixed'] * 1e3:.2f} ms + "
-                  f"{host['backward']['per_layer'] * 1e3:.3f} ms/layer + {host['recompute_per_layer'] * 1e3:.3f} ms per "
-                  f"re-computed layer; p2p {host['p2p']['fixed'] * 1e3:.2f} ms; all-reduce {host['allreduce']['fixed'] * 1e3:.2f} "
-                  f"ms; step {host['step']['fixed'] * 1e3:.2f} ms + {host['step']['per_layer'] * 1e3:.3f} ms/layer "
+                  f"{host['forward']['per_layer'] * 1e3:.3f} ms/layer; backward {host['backward']['fixed'] * 1e3:.2f} "
+                  f"ms + {host['backward']['per_layer'] * 1e3:.3f} ms/layer + {host['recompute_per_layer'] * 1e3:.3f} "
+                  f"ms per re-computed layer; p2p {host['p2p']['fixed'] * 1e3:.2f} ms; all-reduce "
+                  f"{host['allreduce']['fixed'] * 1e3:.2f} ms; step {host['step']['fixed'] * 1e3:.2f} ms + "
+                  f"{host['step']['per_layer'] * 1e3:.3f} ms/layer "
                   "(CPU seconds on this machine's core, before the scaling to a rank's share)."]
     return "\n".join(lines) + "\n"

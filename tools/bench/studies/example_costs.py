@@ -72,7 +72,8 @@ def auto_choice(costs: dict, stages: int, micro_batches: int) -> list[str]:
     from hippie_ds.schedules.costs import Costs
     from hippie_ds.schedules.resolve import Shape, resolve
 
-    resolved = resolve("hippie", Shape(stages, micro_batches), {"deferred_stages": "auto"}, "auto", Costs.from_dict(costs))
+    resolved = resolve("hippie", Shape(stages, micro_batches), {"deferred_stages": "auto"}, "auto",
+                       Costs.from_dict(costs))
     return [f"deferred_stages {sorted(resolved.choices)}"] + [ch.describe() for ch in resolved.choices.values()]
 
 

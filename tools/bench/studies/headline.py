@@ -3,7 +3,7 @@
 Reads docs/bench/scaling/{vgg16,gnmt16}/results.json (``python -m tools.bench scaling``), writes one
 table per model at the most nodes run (every column against stock 1F1B and DP, scaling from one node,
 memory per device, ME against DP, whether a rank waited for a core), each followed by the figures
-block tests/test_doc_figures.py checks it with, between README's ``<!-- HEADLINE START -->`` and
+block tests/docs/test_doc_figures.py checks it with, between README's ``<!-- HEADLINE START -->`` and
 ``<!-- HEADLINE END -->`` markers, and draws docs/images/headline.png: ME against DP and the scaling
 from one node per column, beside the paper's figures. Nothing is typed by hand: rerun it after the
 study.
@@ -71,7 +71,8 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         sc, e_sc = _range(row, "scaling", "{:.2f}")
         mem = f"{row['memory_bytes'] / 1e9:.2f}" if row.get("memory_bytes") else "-"
         me = f"{row['me_vs_dp']:.2f}x" if row.get("me_vs_dp") else "-"
-        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core") else f"no ({wait:.1%})")
+        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core")
+                                           else f"no ({wait:.1%})")
         lines.append(f"| {label} | emulated | {vs} | {sc} | {mem} | {me} | {waited} |")
         for column, exprs in (("vs stock 1F1B", e_vs), ("scaling", e_sc)):
             if exprs:

@@ -56,10 +56,11 @@ def _spread(xs: list[float]) -> str:
 def report(summary: dict, raw: dict, command: str) -> str:
     lines = ["# Engine host cost per instruction: hippie-ds against stock PipelineEngine", "",
              f"Command: `{command}`. Model: {raw['args']['layers']} x Linear({raw['args']['width']}), micro-batch 1, "
-             f"{raw['args']['micro_batches']} micro-batches, 2 stages x 1, gloo, {raw['args']['steps']} timed steps per "
-             f"engine and round after {raw['args']['warmup']} untimed; load average at the end "
+             f"{raw['args']['micro_batches']} micro-batches, 2 stages x 1, gloo, {raw['args']['steps']} timed steps "
+             f"per engine and round after {raw['args']['warmup']} untimed; load average at the end "
              f"{summary.get('load', 'n/a')}.", "",
-             "| engine | wall per instruction (us), median over rounds | CPU per instruction (us) | wall / stock, median (min-max) | CPU / stock |",
+             "| engine | wall per instruction (us), median over rounds | CPU per instruction (us) | wall / stock, "
+             "median (min-max) | CPU / stock |",
              "|---|---|---|---|---|"]
     for name, rounds in summary["per_round"].items():
         wall = statistics.median(v["wall_us"] for v in rounds.values())

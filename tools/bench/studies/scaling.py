@@ -106,7 +106,8 @@ def parse_args(argv=None):
         p.error(f"--dilate {own.dilate}: D must be at least 1 (1: no dilation)")
     a.dilate, a.host_cost = own.dilate, own.host_cost
     if own.host_cost and not Path(own.host_cost).is_file():
-        p.error(f"--host-cost {own.host_cost!r}: no such file (python -m tools.bench scaling writes OUT/host_cost.json)")
+        p.error(f"--host-cost {own.host_cost!r}: no such file "
+                "(python -m tools.bench scaling writes OUT/host_cost.json)")
     if len(own.network.split(",")) != 2 or len(own.network.split(",")[1].split(".")) != 3:
         p.error(f"--network {own.network!r}: expected PREFIX,A.B.C, e.g. hdss,10.82.0")
     # an explicit --link-efficiency replaces the measured ones (link_calibration)
@@ -327,7 +328,8 @@ def main(argv=None) -> int:
     from tools.bench.config import config_record
     from tools.bench.studies.scaling_report import report
     config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
-              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts), "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
+              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts),
+              "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
               "source": getattr(a, "source", None) or source_state(),
               "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE,
               "dilation": a.dilate, "host_cost_file": a.host_cost,

@@ -118,9 +118,9 @@ def report(results: dict) -> str:
              f"Model: {what}. Nodes: {', '.join(map(str, cfg['nodes']))}, each a network namespace with "
              f"{cfg['stages']} ranks (a {cfg['stages']}-stage pipeline; data parallelism across nodes), one link per "
              f"node to a switch, {cfg['link']} both ways; nodes pinned round-robin to cores {cfg['cores']}. "
-             f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} per replica and step; DP runs, in a job of its own, the "
-             f"same global batch on every rank. {cfg['warmup']} warm-up + {cfg['steps']} timed steps per run, "
-             f"{cfg['rounds']} rounds (order rotated), fp32 AdamW. Command: `{cfg['command']}`"
+             f"{cfg['micro_batches']} micro-batches of {cfg['micro_batch_size']} per replica and step; DP runs, in a "
+             f"job of its own, the same global batch on every rank. {cfg['warmup']} warm-up + {cfg['steps']} timed "
+             f"steps per run, {cfg['rounds']} rounds (order rotated), fp32 AdamW. Command: `{cfg['command']}`"
              + (f"; then `{cfg['reanalysed_by']}`." if cfg.get("reanalysed_by") else "."), "",
              dilation_line(cfg),
              "All figures below are **emulated** on this 2-core machine: the compute is the profiled V100 time "
@@ -141,7 +141,8 @@ def report(results: dict) -> str:
         lines += [machine_line(cfg), ""]
     src = cfg.get("source") or {}
     if src.get("commit"):
-        lines += [f"Code: commit {src['commit'][:7]}" + (f", with uncommitted changes in {', '.join(src['uncommitted'])}"
+        lines += [f"Code: commit {src['commit'][:7]}"
+                  + (f", with uncommitted changes in {', '.join(src['uncommitted'])}"
                                                          if src.get("uncommitted") else "") + ".", ""]
     lines += targets_section(summ, model[9:] if model.startswith("emulated:") else model)
     lines += ["## Scaling efficiency from one node", ""] + scaling_pivot(summ)

@@ -81,7 +81,8 @@ def analyse_label(ranks: dict, micro_batches: int) -> dict:
     peaks = [statistics.median(s["saved_peak_bytes"] for s in steps["steps"] if not s["warmup"])
              for steps, _ in by_stage]
     return {"step_time": step, "per_round": per_round, "ops": [timings[s]["median"] for s in sorted(timings)],
-            "per_micro_batch": per_mb, "busy": busy, "bubble": 1 - statistics.mean(busy) / step, "peak_saved_bytes": peaks}
+            "per_micro_batch": per_mb, "busy": busy, "bubble": 1 - statistics.mean(busy) / step,
+            "peak_saved_bytes": peaks}
 
 
 def costs_of(per_mb: list[dict], saved: list[float], step_end: list[float], p2p: float) -> Costs:

@@ -298,7 +298,8 @@ def tables(runs: list[dict]) -> str:
             lines += [f"**{example}**, seeds {','.join(map(str, seeds))} (held-out loss at step "
                       f"{sync[seeds[0]]['steps']}; % vs `sync` over the same seeds; steps to target per seed: first "
                       f"evaluation at or below that seed's sync final + {tta.TARGET_MARGIN_PCT:g}%)", "",
-                      "| rule | held-out loss | min-max | vs sync (per-seed range) | accuracy | vs sync | steps to target | s/run |",
+                      "| rule | held-out loss | min-max | vs sync (per-seed range) | accuracy | vs sync | steps to "
+                      "target | s/run |",
                       "|---|---|---|---|---|---|---|---|"]
             for n in names:
                 rs = [rules[n][s] for s in seeds]

@@ -95,7 +95,7 @@ def order_labels(schedules: str, measured_costs: bool = False) -> list[str]:
         raise SystemExit(f"bench_worker: --schedules {schedules!r}: dp must run alone (a pipeline engine in the "
                          "same process changes DeepSpeed's data-parallel group for it); give it a job of its own")
     if measured_costs:
-        labels = [STOCK] + [l for l in labels if l != STOCK]
+        labels = [STOCK] + [label for label in labels if label != STOCK]
     return labels
 
 
@@ -129,7 +129,8 @@ def parse_args():
     p.add_argument("--allreduce-bandwidth", type=float, default=1.25e8, help="bytes/s, for the 'auto' cost file")
     p.add_argument("--timeout-s", type=int, default=600)
     p.add_argument("--memory", action="store_true", help="record bytes saved for backward and resident memory")
-    p.add_argument("--schedule-configs", default=None, help="directory of NAME.json configs (pipeline.schedule, hippie)")
+    p.add_argument("--schedule-configs", default=None,
+                   help="directory of NAME.json configs (pipeline.schedule, hippie)")
     p.add_argument("--costs", default=None, help="cost file for 'deferred_stages: auto' in those configs; "
                    "'measured': measured on the stock engine's warm-up in this job")
     p.add_argument("--plan", action="append", default=[], help="LABEL=PLAN_FILE (needs hippie_ds.PipelineModule)")

@@ -39,7 +39,8 @@ def main():
     args = parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
+    layers = [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+              torch.nn.Linear(32, 4)]
     net = PipelineModule(layers=layers, loss_fn=torch.nn.MSELoss(), num_stages=2, partition_method="uniform")
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
