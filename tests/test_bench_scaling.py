@@ -196,7 +196,8 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     out = tmp_path / "scaling"
     res = subprocess.run([sys.executable, "-m", "tools.bench", "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
                           "--micro-batch-size", "4", "--schedules", "dp,1f1b,hippie-1f1b", "--rounds", "2",
-                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate", "100mbit",
+                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--max-dilate", "2",
+                          "--rate", "100mbit",
                           "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -218,7 +219,7 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     # --dilate 2: the ranks ran the model's bytes x 2 and its times x 2; the report divides them back
     assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {"1": 1.0, "2": 1.0}  # 2 ranks a core, D = 2
     raw = results["runs"]["two_nodes"]["1f1b"]
-    assert two["1f1b"]["step_s"] == pytest.approx(raw["median_step_s"] / 2)
+    assert two["1f1b"]["step_s"] == pytest.approx(raw["median_step_s"] / 2) and two["1f1b"]["dilation"] == 2
     assert two["1f1b"]["throughput"] == pytest.approx(raw["throughput_samples_s"] * 2)
     params = {json.loads(f.read_text())["params"] for f in (out / "runs" / "one_device" / "raw" / "dp").glob("rank*.steps.json")}
     from tools.bench.config import parameter_count
