@@ -176,3 +176,22 @@ def test_a_row_at_d_32_beside_rows_at_16_reports_its_times_over_its_own_d(tmp_pa
     assert dilation_cell(rows["hippie-1f1b"]) == "32 (16: 9.0%)" and dilation_cell(rows["1f1b"]) == "16"
     assert "| hippie-1f1b | 4 stages x 2" in "\n".join(nodes_table(rows, 2))
     assert "32 (16: 9.0%) | 0.500 |" in "\n".join(nodes_table(rows, 2))
+
+
+def test_the_planned_row_s_plan_is_the_one_made_at_its_d(tmp_path, monkeypatch):
+    """results.json's plans, and the predictions set beside each planned row, are those of the D its
+    figure was taken at (a planned row host-free at the job's D keeps the job's plan)."""
+    a = _args(tmp_path, "--schedules", "planned,planned-throughput")
+    base = {"schedule": "hippie", "file": "p16.json"}
+    a.planned = {(n, name): {**base, "name": name} for n in (1, 2) for name in ("planned", "planned-throughput")}
+    at32 = {"schedule": "hippie-1f1b", "file": "p32.json"}
+    monkeypatch.setattr(row_dilation, "plan_at", lambda a, out, d, n, name, make, log=print: {**at32, "d": d})
+    for job in scaling.run_plan(a):
+        waited = job["nodes"] == 2 and job["schedules"] == ["planned"]
+        write_row(tmp_path / "runs" / job["dir"], "hippie", 16, 0.097 if waited else 0.01, nodes=job["nodes"])
+        if waited:
+            write_row(tmp_path / "runs" / "D32" / job["dir"], "hippie-1f1b", 32, 0.02, nodes=2)
+    plans = row_dilation.row_plans(a, tmp_path, scaling.run_plan(a))
+    assert plans[(2, "planned")] == {**at32, "d": 32, "dilation": 32}
+    assert plans[(2, "planned-throughput")] == {**base, "name": "planned-throughput", "dilation": 16}
+    assert plans[(1, "planned")]["dilation"] == 16

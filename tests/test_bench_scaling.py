@@ -239,11 +239,15 @@ def test_worker_label_order_and_dp_alone():
         order_labels("dp,stock")
 
 
-def test_worst_wait_is_the_worst_rank_s_median_share(tmp_path):
-    """The rerun rule reads the same wait share as the report's flag (analysis.cpu_figures)."""
-    assert scaling.worst_wait(tmp_path) is None  # no records
+def test_row_wait_is_the_worst_rank_s_median_share_in_the_worst_round(tmp_path):
+    """The rerun rule (row_dilation.row_wait) reads the same wait share as the report's flag
+    (analysis.cpu_figures per round, scaling_summary.cpu_fields: the worst round)."""
+    from tools.bench.studies.row_dilation import row_wait
+    assert row_wait(tmp_path, "stock") is None  # no records
     (tmp_path / "raw" / "stock").mkdir(parents=True)
-    for rank, wait in ((0, 0.01), (1, 0.2)):
-        (tmp_path / "raw" / "stock" / f"rank{rank}.steps.json").write_text(json.dumps(
-            {"rank": rank, "steps": [{"warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": wait}] * 3}))
-    assert scaling.worst_wait(tmp_path) == pytest.approx(0.2)
+    for rank, waits in ((0, (0.01, 0.01)), (1, (0.2, 0.03))):
+        steps = [{"round": r, "warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": w}
+                 for r, w in enumerate(waits) for _ in range(3)]
+        (tmp_path / "raw" / "stock" / f"rank{rank}.steps.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+    assert row_wait(tmp_path, "stock") == pytest.approx(0.2)  # rank 1 in round 0
+    assert row_wait(tmp_path, "gpipe") is None  # another label's

@@ -159,6 +159,6 @@ def row_plans(a, out: Path, jobs: list[dict]) -> dict:
         for s in job["schedules"]:
             if s in PLANNED:
                 d, _, one, _ = chosen_run(a, out, job, s)
-                if d != a.dilate and one.get("plan"):
+                if one.get("plan"):
                     plans[(job["nodes"], s)] = {**one["plan"], "dilation": d}
     return plans

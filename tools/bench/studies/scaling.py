@@ -243,14 +243,6 @@ def run_job(a, net, job: dict, run_dir: Path, port: int, start: float) -> None:
                                                   "dilation": a.dilate}))
 
 
-def worst_wait(run_dir: Path) -> float | None:
-    """The largest share of a timed step any rank's main thread waited for a core, worst round
-    (row_dilation.row_wait, the report's flag), over the job's labels; None without records."""
-    labels = [d.name for d in (run_dir / "raw").iterdir() if d.is_dir()] if (run_dir / "raw").is_dir() else []
-    waits = [w for w in (row_dilation.row_wait(run_dir, label) for label in labels) if w is not None]
-    return max(waits) if waits else None
-
-
 def analyse(a, out: Path, link: dict | None) -> dict:
     """runs[config][schedule]: each label's steps split by the worker's rounds, combined
     (``combine_rounds``), from the run at the D its figure is taken at (row_dilation.chosen_run: its
