@@ -20,10 +20,9 @@ def _results():
 def test_table_and_figures_block():
     lines = model_table(_results(), "docs/bench/scaling/vgg16/results.json", "VGG-16")
     text = "\n".join(lines)
-    assert "D = 16" in text and "10 Gbit/s between nodes" in text and \
-        "| hippie-1f1b | emulated | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
-    assert "| 1F1B (stock DeepSpeed) | emulated | 1.00x |" in text
-    assert "| planned (ME) | emulated | not a figure | - | - | - | **yes** (25.9%) |" in text  # flagged: no figures
+    assert "D = 16" in text and "10 Gbit/s between nodes" in text and "| hippie-1f1b | emulated | 16 | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
+    assert "| 1F1B (stock DeepSpeed) | emulated | 16 | 1.00x |" in text
+    assert "| planned (ME) | emulated | 16 | not a figure | - | - | - | **yes** (25.9%) |" in text  # flagged: no figures
     assert "hippie-1f1b | vs stock 1F1B | {summary.by_nodes.4.hippie-1f1b.vs_1f1b} " \
            "{summary.by_nodes.4.hippie-1f1b.vs_1f1b_min} {summary.by_nodes.4.hippie-1f1b.vs_1f1b_max}" in text
     assert "planned (ME) | memory" not in text
@@ -41,3 +40,17 @@ def test_splice_and_main(tmp_path):
     text = readme.read_text()
     assert "VGG-16, 4 nodes x 4" in text and "![ME against DP and scaling per column](h.png)" in text
     assert text.endswith("rest\n") and (tmp_path / "h.png").stat().st_size > 1000
+
+
+def test_every_column_states_its_own_dilation():
+    """A row rerun at a larger D (tools/bench/studies/row_dilation.py) names its D, cited from its row;
+    rows before per-row D cite the job's."""
+    res = _results()
+    rows = res["summary"]["by_nodes"]["4"]
+    rows["planned"] = {**rows["hippie-1f1b"], "dilation": 32.0, "me_vs_dp": 9.1}
+    rows["1f1b"]["dilation"] = 16.0
+    text = "\n".join(model_table(res, "r.json", "VGG-16"))
+    assert "each column at its time dilation D" in text and "| schedule | kind | D |" in text
+    assert "| planned (ME) | emulated | 32 | 1.71x (1.60-1.80) |" in text
+    assert "planned (ME) | D | {summary.by_nodes.4.planned.dilation}" in text
+    assert "hippie-1f1b | D | {config.dilation}" in text and "1F1B (stock DeepSpeed) | D | {summary.by_nodes.4.1f1b.dilation}" in text

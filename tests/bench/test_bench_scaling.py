@@ -194,11 +194,10 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     """The whole study on a tiny shape: the star network, one worker job per node count with every
     schedule as a label ('auto' from stock's costs in the same job), the analysis and the report."""
     out = tmp_path / "scaling"
-    res = subprocess.run([sys.executable, "-m", "tools.bench", "scaling", "--nodes", "1,2", "--stages", "2",
-                          "--micro-batches", "2",
+    res = subprocess.run([sys.executable, "-m", "tools.bench", "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
                           "--micro-batch-size", "4", "--schedules", "dp,1f1b,hippie-1f1b", "--rounds", "2",
-                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate",
-                          "100mbit",
+                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--max-dilate", "2",
+                          "--rate", "100mbit",
                           "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -218,13 +217,11 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
         assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 * link[shape]["efficiency"])
     assert results["runs"]["two_nodes"]["1f1b"]["prediction"]["costs"]["tied_groups"] == []  # the model is untied
     # --dilate 2: the ranks ran the model's bytes x 2 and its times x 2; the report divides them back
-    # 2 ranks a core, D = 2
-    assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {"1": 1.0, "2": 1.0}
+    assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {"1": 1.0, "2": 1.0}  # 2 ranks a core, D = 2
     raw = results["runs"]["two_nodes"]["1f1b"]
-    assert two["1f1b"]["step_s"] == pytest.approx(raw["median_step_s"] / 2)
+    assert two["1f1b"]["step_s"] == pytest.approx(raw["median_step_s"] / 2) and two["1f1b"]["dilation"] == 2
     assert two["1f1b"]["throughput"] == pytest.approx(raw["throughput_samples_s"] * 2)
-    params = {json.loads(f.read_text())["params"]
-              for f in (out / "runs" / "one_device" / "raw" / "dp").glob("rank*.steps.json")}
+    params = {json.loads(f.read_text())["params"] for f in (out / "runs" / "one_device" / "raw" / "dp").glob("rank*.steps.json")}
     from tools.bench.config import parameter_count
     assert params == {parameter_count(scaling.dilated(scaling.parse_args(["--out", "/tmp/x", "--dilate", "2"])))}
     host = json.loads((out / "host_cost.json").read_text())  # fitted from every rank's instructions
@@ -242,12 +239,15 @@ def test_worker_label_order_and_dp_alone():
         order_labels("dp,stock")
 
 
-def test_worst_wait_is_the_worst_rank_s_median_share(tmp_path):
-    """The rerun rule reads the same wait share as the report's flag (analysis.cpu_figures)."""
-    assert scaling.worst_wait(tmp_path) is None  # no records
+def test_row_wait_is_the_worst_rank_s_median_share_in_the_worst_round(tmp_path):
+    """The rerun rule (row_dilation.row_wait) reads the same wait share as the report's flag
+    (analysis.cpu_figures per round, scaling_summary.cpu_fields: the worst round)."""
+    from tools.bench.studies.row_dilation import row_wait
+    assert row_wait(tmp_path, "stock") is None  # no records
     (tmp_path / "raw" / "stock").mkdir(parents=True)
-    for rank, wait in ((0, 0.01), (1, 0.2)):
-        (tmp_path / "raw" / "stock" / f"rank{rank}.steps.json").write_text(json.dumps(
-            {"rank": rank,
-             "steps": [{"warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": wait}] * 3}))
-    assert scaling.worst_wait(tmp_path) == pytest.approx(0.2)
+    for rank, waits in ((0, (0.01, 0.01)), (1, (0.2, 0.03))):
+        steps = [{"round": r, "warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": w}
+                 for r, w in enumerate(waits) for _ in range(3)]
+        (tmp_path / "raw" / "stock" / f"rank{rank}.steps.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+    assert row_wait(tmp_path, "stock") == pytest.approx(0.2)  # rank 1 in round 0
+    assert row_wait(tmp_path, "gpipe") is None  # another label's

@@ -1,16 +1,19 @@
 """``python -m tools.bench dilation``: does the time dilation hold? The scaling study's cluster at one node
-count (default VGG-16, 4 nodes x 4), stock 1F1B and one fixed plan, run at several dilations D.
+count (default VGG-16, 4 nodes x 4), stock 1F1B and the planned columns (one fixed plan each), run at
+several dilations D.
 
 With D, every device time and transfer is D x longer and the host's CPU per instruction is not, so
 a step measured at D and divided back by D is T(D) = T_inf + h / D: T_inf the emulated cluster's own
 step, h / D what its ranks still wait for the host (and for each other's cores). The study fits that
 line (least squares in 1 / D) per schedule over the D that give each rank at least one core of host
 (D >= ranks on a core: below it the waits grow faster than 1 / D; the fit over every D is reported
-too) and reports, per D, how far the step lies above T_inf: the smallest D within ``--within`` (5%)
-of it for every schedule is the dilation the scaling study may use. The plan is the planner's at the first D listed in
-``--fixed-plan-at`` (the scaling study's default) and is then re-planned at every other D with the same depth, schedule,
-micro-batch size and boundaries (a plan's fingerprint holds the ranks' bytes, x D), so every D runs
-the same configuration; the report says whether the re-computed layers agreed too.
+too) and reports, per D, how far the step lies above T_inf: T(D) per row, each row's smallest D within
+``--within`` (5%) of its T_inf (the D its figure needs), and the smallest D within it for every schedule.
+Each planned column (``planned``: the ME objective, ``planned-throughput``: the throughput one) is the
+planner's at the first D of ``--dilations`` (the scaling study's default) and is then re-planned at every
+other D with the same depth, schedule, micro-batch size and boundaries (a plan's fingerprint holds the
+ranks' bytes, x D), so every D runs the same configuration; the report says whether the re-computed
+layers agreed too. No row is rerun at a larger D here (the scaling study's ``--max-dilate`` is each D).
 
 Writes OUT/D<d>/ (each D's scaling study: runs, plans, its results.json), OUT/results.json and
 OUT/report.md; the host cost fitted from the first D's runs into OUT/host_cost.json (what the scaling
@@ -68,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=int, default=4, help="the one node count measured")
     p.add_argument("--dilations", default="16,4,8,32",
                    help="the D to run, the first the one the fixed plan is made at (the scaling study's default)")
-    p.add_argument("--schedules", default="1f1b,planned", help="the scaling study's columns to run at each D")
+    p.add_argument("--schedules", default="1f1b,planned,planned-throughput",
+                   help="the scaling study's columns to run at each D (a planned one: its plan fixed at the first D)")
     p.add_argument("--within", type=float, default=WITHIN, help="how close to T_inf the chosen D must be")
     p.add_argument("--out", default="out/bench/dilation")
     p.add_argument("--publish", default=None, metavar="DIR")
@@ -89,14 +93,15 @@ def study_args(own, rest: list[str], d: float, out: Path):
     from tools.bench.studies import scaling
     a = scaling.parse_args(["--nodes", f"1,{own.nodes}" if own.nodes != 1 else "1,2", "--dilate", str(d),
                             "--schedules", own.schedules, "--no-single", "--resume", "--out", str(out), *rest])
-    a.node_counts, a.link_efficiency_given = [own.nodes], True
+    a.node_counts, a.link_efficiency_given, a.max_dilate = [own.nodes], True, d  # T(D) at every D: no reruns
     a.command = " ".join(["python -m tools.bench dilation", *sys.argv[1:]])
     return a
 
 
-def fix_plan(first: Path, a, out: Path) -> dict:
+def fix_plan(first: Path, a, out: Path, name: str = "planned") -> dict:
     """Re-plan the plan at ``first`` for ``a``'s dilation with its depth, schedule, micro-batch size and
-    boundaries, into the scaling study's plan path under ``out``; what it chose beside the first."""
+    boundaries, into the scaling study's plan path of the column ``name`` under ``out``; what it chose
+    beside the first."""
     from hippie_ds.planner import load_plan, make_plan, parse_cluster, save_plan
     from tools.bench.studies.scaling_plan import cluster_record, emulated_profile, plan_path, tensor_scale
     p0 = load_plan(first)
@@ -107,7 +112,7 @@ def fix_plan(first: Path, a, out: Path) -> dict:
     plan = make_plan(profile, parse_cluster(str(cluster_file)), p0.global_batch, objective=p0.objective,
                      schedules=(p0.schedule,), depths=(p0.pipeline_depth,), micro_batch_sizes=(p0.micro_batch_size,),
                      boundaries=p0.boundaries, candidates=0, baselines=False)
-    save_plan(plan, plan_path(out, a.node_counts[0], "planned"))
+    save_plan(plan, plan_path(out, a.node_counts[0], name))
     return {"same_configuration": (plan.schedule, plan.micro_batches, list(plan.boundaries)) ==
             (p0.schedule, p0.micro_batches, list(p0.boundaries)),
             "same_recomputation": list(plan.checkpointed_layers) == list(p0.checkpointed_layers)}
@@ -126,20 +131,18 @@ def main(argv=None) -> int:
             for name, row in entry["rows"].items():
                 steps.setdefault(name, []).append((float(d), row["step_s"]))
         return finish(own, out, results, steps, study_args(own, rest, own.dilation_list[0], out / "unused"))
+    from tools.bench.studies.scaling_plan import load_plans, plan_path, planned_names, tensor_scale
     steps: dict[str, list] = {}
-    per_d, first_plan = {}, None
+    per_d, first = {}, None
     for d in own.dilation_list:
         out_d = out / f"D{d:g}"
         a = study_args(own, rest, d, out_d)
-        fixed = None
-        if "planned" in a.schedule_list and first_plan is not None:
-            fixed = fix_plan(first_plan, a, out_d)
+        fixed = {name: fix_plan(plan_path(first, own.nodes, name), a, out_d, name)
+                 for name in planned_names(a.schedule_list) if first is not None} or None
         print(f"dilation D = {d:g}: {out_d}", flush=True)
         scaling.measure(a, out_d)
-        if "planned" in a.schedule_list and first_plan is None:
-            first_plan = out_d / "plans" / f"{own.nodes}_nodes_planned.json"
+        first = out_d if first is None else first  # the plans made at the first D
         runs = scaling.analyse(a, out_d, None)
-        from tools.bench.studies.scaling_plan import load_plans, tensor_scale
         summary = scaling.summarize(runs, a.node_counts, tensor_scale(a), load_plans(a, out_d), len(a.core_list), d)
         rows = summary["by_nodes"][str(own.nodes)]
         per_d[f"{d:g}"] = {"rows": rows, "fixed_plan": fixed, "load_average": list(__import__("os").getloadavg())}
@@ -165,7 +168,9 @@ def finish(own, out: Path, results: dict, steps: dict, a) -> int:
     least = own.dilation_list[0] / host_cores(a, own.nodes)  # ranks on the busiest core
     fits = fits_above(steps, least)
     results.update({"fits": fits, "fits_every_dilation": fits_above(steps, 0.0), "fitted_from_dilation": least,
-                    "within": own.within, "smallest_dilation": smallest_dilation(fits, own.within)})
+                    "within": own.within, "smallest_dilation": smallest_dilation(fits, own.within),
+                    "smallest_dilation_per_row": {name: smallest_dilation({name: f}, own.within)
+                                                  for name, f in fits.items()}})
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "report.md").write_text(report(results))
     print(report(results))

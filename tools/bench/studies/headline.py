@@ -1,8 +1,8 @@
 """``python -m tools.bench headline``: README's headline from the scaling study's published results.
 
 Reads docs/bench/scaling/{vgg16,gnmt16}/results.json (``python -m tools.bench scaling``), writes one
-table per model at the most nodes run (every column against stock 1F1B and DP, scaling from one node,
-memory per device, ME against DP, whether a rank waited for a core), each followed by the figures
+table per model at the most nodes run (every column's time dilation D, against stock 1F1B and DP, scaling
+from one node, memory per device, ME against DP, whether a rank waited for a core), each followed by the figures
 block tests/docs/test_doc_figures.py checks it with, between README's ``<!-- HEADLINE START -->`` and
 ``<!-- HEADLINE END -->`` markers, and draws docs/images/headline.png: ME against DP and the scaling
 from one node per column, beside the paper's figures. Nothing is typed by hand: rerun it after the
@@ -51,10 +51,13 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
     n = max(by_nodes, key=int)
     rows = by_nodes[n]
     cfg = results["config"]
-    lines = [f"**{model}, {n} nodes x {cfg['stages']} V100s (emulated, time dilation D = {cfg.get('dilation', 1):g}), "
+    d_job = cfg.get("dilation", 1)
+    ds = {rows[s].get("dilation", d_job) for s in COLUMNS if s in rows}
+    what = f"time dilation D = {d_job:g}" if ds <= {d_job} else "each column at its time dilation D"
+    lines = [f"**{model}, {n} nodes x {cfg['stages']} V100s (emulated, {what}), "
              f"{link_equivalent(cfg)} between nodes**", "",
-             "| schedule | kind | vs stock 1F1B | scaling 1 -> " + n + " nodes | memory/device (GB) | ME vs DP | "
-             "waited for a core |", "|---|---|---|---|---|---|---|"]
+             "| schedule | kind | D | vs stock 1F1B | scaling 1 -> " + n + " nodes | memory/device (GB) | ME vs DP | "
+             "waited for a core |", "|---|---|---|---|---|---|---|---|"]
     block = [f"<!-- figures {source}"]
     for s in COLUMNS:
         row = rows.get(s)
@@ -63,17 +66,19 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         path = f"summary.by_nodes.{n}.{s}"
         label = name_of(s)
         wait = row.get("runqueue_wait_share_max")
+        d = row.get("dilation")  # a row's own D (rows before per-row D: the job's)
+        d_cell, d_expr = (f"{d:g}", f"{{{path}.dilation}}") if d else (f"{d_job:g}", "{config.dilation}")
+        block.append(f"{label} | D | {d_expr}")
         if row.get("waited_for_core"):  # it measured the machine's contention: no figure
-            lines.append(f"| {label} | emulated | not a figure | - | - | - | **yes** ({wait:.1%}) |")
+            lines.append(f"| {label} | emulated | {d_cell} | not a figure | - | - | - | **yes** ({wait:.1%}) |")
             block.append(f"{label} | waited | {{{path}.runqueue_wait_share_max}}*100")
             continue
         vs, e_vs = _range(row, "vs_1f1b", "{:.2f}x")
         sc, e_sc = _range(row, "scaling", "{:.2f}")
         mem = f"{row['memory_bytes'] / 1e9:.2f}" if row.get("memory_bytes") else "-"
         me = f"{row['me_vs_dp']:.2f}x" if row.get("me_vs_dp") else "-"
-        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core")
-                                           else f"no ({wait:.1%})")
-        lines.append(f"| {label} | emulated | {vs} | {sc} | {mem} | {me} | {waited} |")
+        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core") else f"no ({wait:.1%})")
+        lines.append(f"| {label} | emulated | {d_cell} | {vs} | {sc} | {mem} | {me} | {waited} |")
         for column, exprs in (("vs stock 1F1B", e_vs), ("scaling", e_sc)):
             if exprs:
                 block.append(f"{label} | {column} | " + " ".join(e.replace("{path}", path) for e in exprs))

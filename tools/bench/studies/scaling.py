@@ -26,8 +26,10 @@ objective; tools/bench/studies/scaling_plan.py): per node count the planner plan
 cluster, and the plan runs in a job of its own through the DeepSpeed config key ``hippie.plan`` (its
 stages, boundaries, re-computed layers, schedule, deferral and batch); the report sets the plan's
 predicted step, memory and ME beside the measured ones (scaling_plan_report.py). Every step records each
-rank's CPU time and its run-queue wait; a run whose rank waited for a core more than WAITED_FOR_CORE of
-its step is flagged.
+rank's CPU time and its run-queue wait; a row (one schedule of a job) whose rank waited for a core more
+than WAITED_FOR_CORE of its step is rerun alone at 2D, 4D, ... up to ``--max-dilate`` until it is
+host-free, and reports the D its figure was taken at (tools/bench/studies/row_dilation.py); a row that
+waited at every D is flagged.
 
 Writes OUT/results.json, OUT/report.md (tools/bench/studies/scaling_report.py); ``--publish DIR`` copies them
 (and OUT/plans to DIR/plans).
@@ -43,13 +45,13 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench.analysis import analyse_job, combine_rounds, cpu_figures, load_run
+from tools.bench.analysis import analyse_job, combine_rounds
 from tools.bench.cluster import Refuse, StarNetwork, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate
 from tools.bench.cluster import preflight as cluster_preflight
 from tools.bench.labels import engine_label
 from tools.bench.publish import publish
 from tools.bench.runs import WORKER, worker_args
-from tools.bench.studies import link_calibration
+from tools.bench.studies import link_calibration, row_dilation
 from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names
 from tools.bench.studies.scaling_summary import WAITED_FOR_CORE, config_name, host_cores, summarize
 
@@ -87,7 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--dilate", type=float, default=DEFAULT_DILATION, metavar="D",
                    help="time dilation: every device time x D and every transfer D x longer (the tensors' bytes "
                         "x D at --rate), so each rank has D x cores / ranks cores of host; reports divide every "
-                        "time by D (tools/bench/studies/dilation.py measures the choice)")
+                        "time by its row's D (tools/bench/studies/dilation.py measures the choice)")
+    p.add_argument("--max-dilate", type=float, default=row_dilation.D_MAX, metavar="D",
+                   help="a row whose rank waited for a core more than 5%% of a step at D is rerun alone at 2D, "
+                        "4D, ... up to this D until it is host-free (--dilate's value: no reruns); each row "
+                        "reports its D, its times / its own D")
     p.add_argument("--host-cost", default=None, metavar="FILE",
                    help="the host's CPU per instruction kind (a host_cost.json this study wrote: fitted from every "
                         "instruction's CPU on its ranks); the planned columns' planner charges it, scaled to this "
@@ -104,7 +110,7 @@ def parse_args(argv=None):
     a.plan_memory, a.planned, a.network, a.resume = own.plan_memory, {}, own.network, own.resume
     if own.dilate < 1:
         p.error(f"--dilate {own.dilate}: D must be at least 1 (1: no dilation)")
-    a.dilate, a.host_cost = own.dilate, own.host_cost
+    a.dilate, a.host_cost, a.max_dilate = own.dilate, own.host_cost, max(own.max_dilate, own.dilate)
     if own.host_cost and not Path(own.host_cost).is_file():
         p.error(f"--host-cost {own.host_cost!r}: no such file "
                 "(python -m tools.bench scaling writes OUT/host_cost.json)")
@@ -207,20 +213,15 @@ def measure(a, out: Path) -> float:
         print(f"emulated cluster: {net.describe(qdiscs, with_veths=False)}", flush=True)
         if not a.calibrate_only:
             a.planned = make_plans(a, out, reuse=a.resume)
+        reruns = iter(range(a.port + 100, a.port + 10000))  # a port per rerun job
         for i, job in enumerate([] if a.calibrate_only else run_plan(a)):
             run_dir = out / "runs" / job["dir"]
             if a.resume and (run_dir / "raw" / "done.json").exists():
                 print(f"{job['dir']}: done in an earlier run (--resume)", flush=True)
-                continue
-            for attempt in (1, 2):  # a job whose rank waited for a core measured the machine: run it once more
-                run_job(a, net, job, run_dir, a.port + i + 100 * (attempt - 1), start)
-                wait = worst_wait(run_dir)
-                if wait is None or wait <= WAITED_FOR_CORE or attempt == 2:
-                    break
-                print(f"{job['dir']}: a rank waited for a core {wait:.1%} of a step (> {WAITED_FOR_CORE:.0%}): "
-                      f"kept in runs/{job['dir']}.waited, run once more", flush=True)
-                shutil.rmtree(run_dir.with_name(run_dir.name + ".waited"), ignore_errors=True)
-                run_dir.rename(run_dir.with_name(run_dir.name + ".waited"))
+            else:
+                run_job(a, net, job, run_dir, a.port + i, start)
+            # a row whose rank waited for a core measured the machine: rerun it alone at 2D, 4D, ...
+            row_dilation.rerun_rows(a, out, job, lambda a_d, one, d: run_job(a_d, net, one, d, next(reruns), start))
         if not a.link_efficiency_given:  # an explicit --link-efficiency replaces the measured ones
             link_calibration.measure(dilated(a), out, net, run_plan(a), a.port + 50, start)
     return time.monotonic() - start
@@ -243,31 +244,26 @@ def run_job(a, net, job: dict, run_dir: Path, port: int, start: float) -> None:
                                                   "dilation": a.dilate}))
 
 
-def worst_wait(run_dir: Path) -> float | None:
-    """The largest share of a timed step any rank's main thread waited for a core (each rank's median
-    over its timed steps, analysis.cpu_figures), over the job's labels; None without records."""
-    waits = [cpu_figures(load_run(run_dir, d.name)).get("runqueue_wait_share_max") for d in (run_dir / "raw").iterdir()
-             if d.is_dir()] if (run_dir / "raw").is_dir() else []
-    waits = [w for w in waits if w is not None]
-    return max(waits) if waits else None
-
-
 def analyse(a, out: Path, link: dict | None) -> dict:
     """runs[config][schedule]: each label's steps split by the worker's rounds, combined
-    (``combine_rounds``); the simulator's link efficiency per run from ``link`` (OUT/link.json:
-    ``link_calibration``) where measured, else ``--link-efficiency``."""
+    (``combine_rounds``), from the run at the D its figure is taken at (row_dilation.chosen_run: its
+    ``dilation``; ``dilation_tried``: every D it ran at and its worst wait); the simulator's link
+    efficiency per run from ``link`` (OUT/link.json: ``link_calibration``) where measured, else
+    ``--link-efficiency``."""
     runs = {}
     for job in run_plan(a):
         for s in job["schedules"]:
-            one = {**job, "schedule": s, "label": job["labels"] if job.get("plan") else engine_label(s)}
+            d, run_dir, job_d, tried = row_dilation.chosen_run(a, out, job, s)
+            one = {**job_d, "schedule": s, "label": row_dilation.row_label(job_d, s)}
             measured = link_calibration.efficiency(link, job["nodes"], s)
-            a_run = dilated(a)
+            a_run = dilated(row_dilation.at_dilation(a, d))
             if measured is not None:
                 a_run.link_efficiency = measured
-            per_round = [analyse_job(out / "runs" / job["dir"], one, a_run, parse_rate(a.rate), only_round=r)
+            per_round = [analyse_job(run_dir, one, a_run, parse_rate(a.rate), only_round=r)
                          for r in range(a.rounds if job["config"] != "one_device" else 1)]
             r = combine_rounds(per_round)
             if r is not None:
+                r.update(dilation=d, dilation_tried=[{"dilation": x, "wait": w} for x, w in tried])
                 runs.setdefault(job["config"], {})[s] = r
     return runs
 
@@ -332,7 +328,7 @@ def main(argv=None) -> int:
               "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
               "source": getattr(a, "source", None) or source_state(),
               "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE,
-              "dilation": a.dilate, "host_cost_file": a.host_cost,
+              "dilation": a.dilate, "max_dilation": a.max_dilate, "host_cost_file": a.host_cost,
               "host_per_rank_cores": {str(n): host_cores(a, n) for n in a.node_counts}}
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
@@ -341,7 +337,9 @@ def main(argv=None) -> int:
     link = None if a.link_efficiency_given else link_calibration.load(out)
     if not a.planned:
         a.planned = load_plans(a, out)
-    results = {"config": config, "runs": analyse(a, out, link), "wall_s": wall, "link": link,
+    runs = analyse(a, out, link)
+    a.planned = row_dilation.row_plans(a, out, run_plan(a))  # each planned column's plan at its row's D
+    results = {"config": config, "runs": runs, "wall_s": wall, "link": link,
                "plans": {f"{n}/{name}": rec for (n, name), rec in a.planned.items()}}
     results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale * a.dilate, a.planned,
                                    len(a.core_list), a.dilate)
@@ -353,5 +351,7 @@ def main(argv=None) -> int:
     publish(a.publish, ("report.md", "results.json"), base=out)
     if a.publish and (out / "plans").is_dir():  # the plans run, their inputs and hippie-ds plan's output
         publish(Path(a.publish) / "plans", sorted((out / "plans").iterdir()))
+    for plans in sorted((out / "runs").glob("D*/plans")) if a.publish else []:  # the rows' plans at their D
+        publish(Path(a.publish) / "plans" / plans.parent.name, sorted(plans.iterdir()))
     fix_owner(out)
     return 0

@@ -28,21 +28,30 @@ def _exposed(row: dict) -> str:
 
 
 def nodes_table(rows: dict, n: int) -> list[str]:
-    head = ["schedule", "layout", "step (s)", "vs 1F1B", "vs DP", f"scaling 1->{n} nodes", "memory/device (GB)",
+    head = ["schedule", "layout", "D", "step (s)", "vs 1F1B", "vs DP", f"scaling 1->{n} nodes", "memory/device (GB)",
             "ME vs DP", "exposed all-reduce per stage (ms/step)", "predicted (s)", "error"]
     body = []
     for name, r in rows.items():
         layout = r["layout"] + (f", deferred {r['deferred_stages']}" if r.get("deferred_stages") is not None else "")
         if r.get("plan"):
             layout += f", {r['micro_batches']} x {r['micro_batch_size']}, {r['plan']['schedule']}"
-        body.append([name_of(name), layout, spread_cell(r["step_s"], r.get("step_min"), r.get("step_max"),
-                                                                  "{:.3f}", ""),
+        body.append([name_of(name), layout, dilation_cell(r),
+                     spread_cell(r["step_s"], r.get("step_min"), r.get("step_max"), "{:.3f}", ""),
                      _spread(r, "vs_1f1b", real=r.get("real_vs_1f1b")), _spread(r, "vs_dp"),
                      "-" if n == 1 else _spread(r, "scaling", suffix=""),
                      _f(r["memory_bytes"] / 1e9 if r.get("memory_bytes") else None, "{:.2f}"),
                      _f(r.get("me_vs_dp"), "{:.2f}x"), _exposed(r), _f(r.get("predicted_step_s")),
                      _f(r.get("prediction_error"), "{:+.1%}")])
     return table(head, body)
+
+
+def dilation_cell(row: dict) -> str:
+    """The row's D, and the D it waited for a core at before it (row_dilation.py): '32 (16: 9.7%)'. Pure."""
+    d = row.get("dilation")
+    if d is None:
+        return "-"
+    waited = [t for t in row.get("dilation_tried") or [] if t["dilation"] != d and t.get("wait") is not None]
+    return f"{d:g}" + (" (" + ", ".join(f"{t['dilation']:g}: {t['wait']:.1%}" for t in waited) + ")" if waited else "")
 
 
 def scaling_pivot(summary: dict) -> list[str]:
@@ -99,13 +108,19 @@ def dilation_line(cfg: dict) -> str:
         return ""
     cores = cfg.get("host_per_rank_cores") or {}
     host = ", ".join(f"{n} node{'s' if n != '1' else ''}: {c:.3g}" for n, c in cores.items())
-    return (f"**Time dilation D = {d:g}**: the ranks ran every device time x {d:g} and every transfer {d:g} x longer "
-            f"(the tensors' bytes x {d:g} at the shaped rate); every time below is divided by {d:g} (throughput "
-            f"x {d:g}), so the figures are those of the undilated cluster whose ranks each have D x cores / "
-            f"ranks-on-a-core cores of host ({host}). " + (f"The planner priced the host measured in "
-                                                            f"`{cfg['host_cost_file']}`, scaled to that share."
-                                                            if cfg.get("host_cost_file") else
-                                                            "The planner priced no host cost.") + "\n")
+    rerun = (f" A row whose rank waited for a core more than {cfg.get('waited_for_core_share', 0.05):.0%} of a step "
+             f"at D was rerun alone (same nodes, rounds and steps; a planned column planned afresh at that D) at "
+             f"2D, 4D, ... up to {cfg['max_dilation']:g} until host-free; its figure is the first D's at which it "
+             "was (column D; in brackets the D it waited at before, and its wait), else the last D's, flagged. "
+             "Each row's times are divided by its own D (ratios and scaling between rows at different D are of "
+             "those undilated figures): stock 1F1B's step is flat in D (the dilation study), so rows at "
+             "different D compare." if cfg.get("max_dilation") and cfg["max_dilation"] > d else "")
+    return (f"**Time dilation D = {d:g}**: the ranks ran every device time x D and every transfer D x longer "
+            f"(the tensors' bytes x D at the shaped rate); every time below is divided by its row's D (throughput "
+            f"x D), so the figures are those of the undilated cluster whose ranks each have D x cores / "
+            f"ranks-on-a-core cores of host (at D = {d:g}: {host}).{rerun} "
+            + (f"The planner priced the host measured in `{cfg['host_cost_file']}`, scaled to that share."
+               if cfg.get("host_cost_file") else "The planner priced no host cost.") + "\n")
 
 
 def report(results: dict) -> str:

@@ -1,6 +1,7 @@
 """The figures of ``python -m tools.bench scaling`` (tools/bench/studies/scaling.py) per node count and
 schedule: ratios per round, scaling from one node, scalability, memory and ME against DP, the planned
-columns' predictions beside them, the CPU verdict; every time divided back by the dilation D. Pure."""
+columns' predictions beside them, the CPU verdict; every time divided back by its row's dilation D
+(tools/bench/studies/row_dilation.py: a row that waited for a core ran again at a larger D). Pure."""
 from __future__ import annotations
 
 from tools.bench.figures import round_ratios, spread_excludes
@@ -37,10 +38,12 @@ def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | No
     round, scalability, memory and ME against DP (the paper's definitions); the planned columns'
     predictions beside their measured figures (``plans``: {(nodes, name): scaling_plan.plan_record});
     each run's CPU per step against ``cores`` (the cores its nodes were pinned to, at most one per
-    node). ``dilation`` D: the runs' times are D x the emulated cluster's, and so reported / D
-    (throughput x D); ``scale`` is the tensors' (x D too). Pure."""
-    single = ((runs.get("one_device") or {}).get("dp") or {}).get("throughput_samples_s")
-    single = single * dilation if single else single
+    node). ``dilation`` D: the job's; each run at its own D (its ``dilation``, else the job's) has
+    times D x the emulated cluster's, and so is reported / D (throughput x D), ratios and scaling
+    taken between such undilated figures; ``scale`` is the tensors' at the job's D (a row's is x its
+    D / the job's). Pure."""
+    single_run = (runs.get("one_device") or {}).get("dp") or {}
+    single = undilated(single_run, dilation).get("throughput_samples_s")
     one = runs.get(config_name(1), {})
     out = {"single_device_throughput": single, "by_nodes": {}}
     for n in node_counts:
@@ -48,7 +51,10 @@ def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | No
         devices = next(iter(here.values()))["world"] if here else n  # every run on n nodes uses them all
         rows = {}
         for s, r in here.items():
-            rows[s] = _row(s, r, here, one.get(s) or {}, n, devices, single, scale, dilation)
+            d = r.get("dilation") or dilation
+            rows[s] = _row(s, undilated(r, dilation), {k: undilated(v, dilation) for k, v in here.items()},
+                           undilated(one.get(s) or {}, dilation), n, devices, single, scale * d / dilation, d)
+            rows[s]["dilation_tried"] = r.get("dilation_tried")
             rows[s].update(cpu_fields(r, min(n, cores) if cores else None))
         dp_me = (rows.get("dp") or {}).get("me")
         for row in rows.values():
@@ -57,6 +63,18 @@ def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | No
             if (n, s) in (plans or {}):
                 row.update(planned_fields(row, here[s], plans[(n, s)]))
         out["by_nodes"][str(n)] = rows
+    return out
+
+
+def undilated(r: dict, dilation: float) -> dict:
+    """The run's throughputs (median and per round) x its own D (``dilation``: where it records
+    none), so that runs at different D compare. Pure."""
+    d = r.get("dilation") or dilation
+    out = dict(r)
+    if r.get("throughput_samples_s"):
+        out["throughput_samples_s"] = r["throughput_samples_s"] * d
+    if r.get("round_throughput_samples_s"):
+        out["round_throughput_samples_s"] = [x * d if x else x for x in r["round_throughput_samples_s"]]
     return out
 
 
@@ -98,8 +116,9 @@ def cpu_fields(r: dict, cores: int | None) -> dict:
 
 def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single, scale: float,
          dilation: float = 1.0) -> dict:
+    """One row; ``r``, ``here`` and ``one`` with undilated throughputs (``undilated``), the times still
+    the run's own at ``dilation``, its D."""
     thr = r.get("throughput_samples_s")
-    thr = thr * dilation if thr else thr
 
     def t(x):  # a dilated time, back to the emulated cluster's
         return x / dilation if x is not None else None
@@ -110,7 +129,7 @@ def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single
     scal = thr / (devices * single) if thr and single else None
     pred = r.get("prediction") or {}
     return {
-        "step_s": t(r.get("median_step_s")), "step_min": t(r.get("median_step_s_min")),
+        "dilation": dilation, "step_s": t(r.get("median_step_s")), "step_min": t(r.get("median_step_s_min")),
         "step_max": t(r.get("median_step_s_max")),
         "throughput": thr, "devices": devices,
         "vs_1f1b": v1["median"], "vs_1f1b_min": v1["min"], "vs_1f1b_max": v1["max"],
