@@ -39,7 +39,7 @@ $(STAMP): setup.py
 # Lint first (seconds; pyproject.toml's [tool.ruff] says which rules), then the tests.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-#	$(VENV)/bin/ruff format --check .  # enabled by the reformatting commit
+	$(VENV)/bin/ruff format --check .
 	$(RUN_ENV) $(PY) -m pytest $(PYTEST_FLAGS) $(TESTS)
 
 # The fast half: single-process tests only (no `deepspeed` launcher); about a minute.

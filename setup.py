@@ -4,6 +4,7 @@ The built-in schedule files live in the repository's top-level ``schedules/`` di
 installed as the data-only package ``hippie_ds._builtin_schedules`` (see
 ``hippie_ds.schedules.spec.builtin_dir``). ``configs/`` and ``tools/`` stay in the repository.
 """
+
 import os
 
 from setuptools import find_namespace_packages, setup

@@ -1,46 +1,47 @@
 """hippie-ds's part of a DeepSpeed JSON config, validated before any process group is touched.
 
-    "pipeline": {"schedule": "hippie",          # a built-in name or a path to a schedule file
-                 "virtual_stages": 2},          # model chunks per stage (interleaved-1f1b, ...); default:
-                                                #   the schedule's
-    "hippie": {
-        "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
-        "deferred_layers": "untied",            # partial deferral: a deferred stage delays only its first
-                                                #   layer with parameters not tied to another stage (a
-                                                #   tied embedding before it stays in-step); an int (or
-                                                #   {"stage": int}): its first this many layers with
-                                                #   parameters (0: none, the stage is not deferred); the
-                                                #   rest of its gradient is all-reduced and applied
-                                                #   in-step; "all": the whole stage (the
-                                                #   paper's rule); "auto": chosen from costs for the
-                                                #   least time to a loss
-        "staleness_price": null,                # "auto"'s price of a stale gradient: extra steps (a share)
-                                                #   when the whole model's gradient is stale; null: 0.5
-        "schedule_params": {},                  # other parameters a schedule file declares
-        "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
-        "placement": null,                      # checked against the module's topology when given:
-                                                #   "pipeline_in_node" or "data_parallel_in_node"
-        "timeline_dir": null,                   # write a per-rank Chrome trace of executed instructions
-        "timeline_steps": 100,                  #   of the last this many train_batch calls (memory stays flat)
-        "plan": null,                           # a planner plan file (`hippie-ds plan --out`): stage
-                                                #   boundaries, checkpointed layers, schedule, batch
-        "staleness": {                          # correction for stages that update one step late
-            "method": "extrapolate-made",       #   W_hat = W + c * (W - W_previous), and where a stage has
-                                                #   made its next weights before it computes (2bw's last
-                                                #   stage), those ("extrapolate": never); "adam": W_hat = W +
-                                                #   c * (Adam's predicted next update, from its moments,
-                                                #   step count and LR; Adam/AdamW only); or "none" (the
-                                                #   plain one-step-delayed rule)
-            "coefficient": 1.0,                 #   c
-            "error_feedback": 0.0,              # 2bw: update u(t) + g (u(t) - u(t-1)), u the optimizer's
-                                                #   step (g; 0: off)
-            "delay_compensation": 0.0           # 2bw with "method": "none": DC-ASGD's gradient g + L g g
-        },                                      #   (W - W_computed_on) / (sqrt(v_hat) + eps) (L; 0: off)
-        "profile": null                         # {"out": "profile.yaml", "steps": 3, "repeats": 3}: measure
-                                                #   every layer of every stage in place (after one warm-up
-                                                #   train_batch, during the next `steps`), write one profile
-    }
+"pipeline": {"schedule": "hippie",          # a built-in name or a path to a schedule file
+             "virtual_stages": 2},          # model chunks per stage (interleaved-1f1b, ...); default:
+                                            #   the schedule's
+"hippie": {
+    "deferred_stages": "auto",              # or a list of stage ids (schedules that declare it)
+    "deferred_layers": "untied",            # partial deferral: a deferred stage delays only its first
+                                            #   layer with parameters not tied to another stage (a
+                                            #   tied embedding before it stays in-step); an int (or
+                                            #   {"stage": int}): its first this many layers with
+                                            #   parameters (0: none, the stage is not deferred); the
+                                            #   rest of its gradient is all-reduced and applied
+                                            #   in-step; "all": the whole stage (the
+                                            #   paper's rule); "auto": chosen from costs for the
+                                            #   least time to a loss
+    "staleness_price": null,                # "auto"'s price of a stale gradient: extra steps (a share)
+                                            #   when the whole model's gradient is stale; null: 0.5
+    "schedule_params": {},                  # other parameters a schedule file declares
+    "costs": null,                          # cost file for 'auto' parameters (simulator's rule)
+    "placement": null,                      # checked against the module's topology when given:
+                                            #   "pipeline_in_node" or "data_parallel_in_node"
+    "timeline_dir": null,                   # write a per-rank Chrome trace of executed instructions
+    "timeline_steps": 100,                  #   of the last this many train_batch calls (memory stays flat)
+    "plan": null,                           # a planner plan file (`hippie-ds plan --out`): stage
+                                            #   boundaries, checkpointed layers, schedule, batch
+    "staleness": {                          # correction for stages that update one step late
+        "method": "extrapolate-made",       #   W_hat = W + c * (W - W_previous), and where a stage has
+                                            #   made its next weights before it computes (2bw's last
+                                            #   stage), those ("extrapolate": never); "adam": W_hat = W +
+                                            #   c * (Adam's predicted next update, from its moments,
+                                            #   step count and LR; Adam/AdamW only); or "none" (the
+                                            #   plain one-step-delayed rule)
+        "coefficient": 1.0,                 #   c
+        "error_feedback": 0.0,              # 2bw: update u(t) + g (u(t) - u(t-1)), u the optimizer's
+                                            #   step (g; 0: off)
+        "delay_compensation": 0.0           # 2bw with "method": "none": DC-ASGD's gradient g + L g g
+    },                                      #   (W - W_computed_on) / (sqrt(v_hat) + eps) (L; 0: off)
+    "profile": null                         # {"out": "profile.yaml", "steps": 3, "repeats": 3}: measure
+                                            #   every layer of every stage in place (after one warm-up
+                                            #   train_batch, during the next `steps`), write one profile
+}
 """
+
 from __future__ import annotations
 
 import json
@@ -66,6 +67,7 @@ class ConfigError(ValueError):
 class StalenessConfig(BaseModel):
     """How a stage that applies its gradient one step late (hippie's deferred stages) corrects
     for it; see :mod:`hippie_ds.adapter.staleness.prediction`."""
+
     model_config = ConfigDict(extra="forbid")
 
     # "extrapolate": W_hat = W + c (W - W_previous); "extrapolate-made": the same, but a stage that has
@@ -87,6 +89,7 @@ class StalenessConfig(BaseModel):
 class ProfileConfig(BaseModel):
     """``hippie.profile``: the job profiles its own layers in place
     (:mod:`hippie_ds.adapter.profiling.profile_in_place`) and global rank 0 writes one profile file."""
+
     model_config = ConfigDict(extra="forbid")
 
     # The profile to write (.json, else YAML), relative to the working directory of rank 0.
@@ -134,15 +137,20 @@ class HippieConfig(BaseModel):
     @classmethod
     def _profile(cls, v):
         if v is not None and not isinstance(v, (dict, ProfileConfig)):
-            raise ValueError('allowed: null or a mapping {"out": FILE, "steps": N, "repeats": N, "name": NAME} '
-                             '(only "out" is required)')
+            raise ValueError(
+                'allowed: null or a mapping {"out": FILE, "steps": N, "repeats": N, "name": NAME} '
+                '(only "out" is required)'
+            )
         return v
 
     @field_validator("deferred_stages", mode="before")
     @classmethod
     def _stages(cls, v):
-        ok = v is None or v == "auto" or (isinstance(v, list) and all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+        ok = (
+            v is None
+            or v == "auto"
+            or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+        )
         if not ok:
             raise ValueError("allowed: 'auto' or a list of non-negative stage indices, e.g. [0, 1]")
         return v
@@ -152,6 +160,7 @@ class HippieConfig(BaseModel):
     def _layers(cls, v):
         def count(x):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
         # read here once: a count of 0 means the stage is not deferred, said as NOT_DEFERRED
         if v in (WHOLE_STAGE, AUTO_LAYERS, UNTIED_LAYERS, NOT_DEFERRED) or count(v):
             return NOT_DEFERRED if v == 0 else v
@@ -164,12 +173,14 @@ class HippieConfig(BaseModel):
                 out[key] = NOT_DEFERRED if x == 0 else x
             else:
                 return out
-        raise ValueError('allowed: "untied" (the first layer with parameters not tied to another stage, the '
-                         'default), a non-negative count of layers with parameters (every deferred stage; 0 or "none": '
-                         'not deferred), "all" (the whole stage), '
-                         '"auto" (per stage the count with the least predicted time to a loss, from '
-                         '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, '
-                         'e.g. {"0": 1}')
+        raise ValueError(
+            'allowed: "untied" (the first layer with parameters not tied to another stage, the '
+            'default), a non-negative count of layers with parameters (every deferred stage; 0 or "none": '
+            'not deferred), "all" (the whole stage), '
+            '"auto" (per stage the count with the least predicted time to a loss, from '
+            '"hippie.costs" or "hippie.plan"), or a mapping of deferred stage to layer count, '
+            'e.g. {"0": 1}'
+        )
 
 
 def _describe(err: dict, section: str) -> str:
@@ -199,12 +210,16 @@ def split_config(config: dict) -> tuple[dict, str, HippieConfig]:
     pipeline = dict(ds_config.get("pipeline", {}) or {})
     schedule = pipeline.pop("schedule", DEFAULT_SCHEDULE)
     if not isinstance(schedule, str) or not schedule:
-        raise ConfigError(f'config key "pipeline.schedule" = {schedule!r}: must be a schedule name '
-                          "(see `hippie-ds schedule list`) or a path to a schedule file")
+        raise ConfigError(
+            f'config key "pipeline.schedule" = {schedule!r}: must be a schedule name '
+            "(see `hippie-ds schedule list`) or a path to a schedule file"
+        )
     virtual = pipeline.pop("virtual_stages", None)
     if virtual is not None and (isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1):
-        raise ConfigError(f'config key "pipeline.virtual_stages" = {virtual!r}: must be an integer >= 1 (model '
-                          "chunks per stage, for schedules with virtual stages such as interleaved-1f1b)")
+        raise ConfigError(
+            f'config key "pipeline.virtual_stages" = {virtual!r}: must be an integer >= 1 (model '
+            "chunks per stage, for schedules with virtual stages such as interleaved-1f1b)"
+        )
     if "virtual_stages" in raw:
         raise ConfigError('config key "hippie.virtual_stages" is not known; set "pipeline.virtual_stages"')
     ds_config["pipeline"] = pipeline
@@ -223,13 +238,17 @@ def schedule_params(options: HippieConfig, declared: dict, declaring=None) -> di
     if options.deferred_stages is not None:
         if "deferred_stages" not in declared:
             which = f" ({', '.join(declaring('deferred_stages'))})" if declaring else ""
-            raise ConfigError(f'config key "hippie.deferred_stages" = {options.deferred_stages!r}: the chosen '
-                              f"schedule has no deferred stages; it applies to schedules that declare it{which}")
+            raise ConfigError(
+                f'config key "hippie.deferred_stages" = {options.deferred_stages!r}: the chosen '
+                f"schedule has no deferred stages; it applies to schedules that declare it{which}"
+            )
         params["deferred_stages"] = options.deferred_stages
     unknown = set(params) - set(declared)
     if unknown:
-        raise ConfigError(f'config key "hippie.schedule_params" has {sorted(unknown)}, which the schedule does not '
-                          f"declare; declared: {sorted(declared) or 'none'}")
+        raise ConfigError(
+            f'config key "hippie.schedule_params" has {sorted(unknown)}, which the schedule does not '
+            f"declare; declared: {sorted(declared) or 'none'}"
+        )
     return params
 
 
@@ -262,7 +281,9 @@ def merge_plan(config: dict, planned: dict, plan_path: str, _prefix: str = "") -
         elif name in ("hippie.deferred_stages", "hippie.deferred_layers") and out[key] == "auto":
             out[key] = value
         elif out[key] != value:
-            raise ConfigError(f'config key "{name}" = {out[key]!r}, but the plan {plan_path} (config key '
-                              f'"hippie.plan") sets {value!r}; remove the key to use the plan\'s value, or make a '
-                              "plan for it (`hippie-ds plan ...`)")
+            raise ConfigError(
+                f'config key "{name}" = {out[key]!r}, but the plan {plan_path} (config key '
+                f'"hippie.plan") sets {value!r}; remove the key to use the plan\'s value, or make a '
+                "plan for it (`hippie-ds plan ...`)"
+            )
     return out

@@ -1,5 +1,6 @@
 """Reading the project's data files (costs, clusters, profiles, plans) and reporting their
 validation errors: one place, so every file error names the path, the format and the field."""
+
 from __future__ import annotations
 
 import json

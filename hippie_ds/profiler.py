@@ -51,6 +51,7 @@ a layer's forward or backward) comes out as :class:`TargetError`, the exception 
 ``__cause__``; ``hippie-ds profile`` reports it with the target's frames only. A target that is
 not usable (no such module, file or function, a wrong return value) is a ``ProfileError``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -64,9 +65,15 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from .adapter.profiling.layer_timing import (as_stage_input, attribute_saved, loadavg, measure_layer, nbytes,
-                                             param_dtype,
-                                   work_key)
+from .adapter.profiling.layer_timing import (
+    as_stage_input,
+    attribute_saved,
+    loadavg,
+    measure_layer,
+    nbytes,
+    param_dtype,
+    work_key,
+)
 from .adapter.profiling.memory import _tensors
 from .planner.noise import pool
 from .planner.profile import LayerProfile, Profile, ProfileError
@@ -86,11 +93,13 @@ class TargetError(Exception):
 
 def _guard(fn: Callable, where: str) -> Callable:
     """``fn`` whose exceptions come out as :class:`TargetError` (``where``), the exception its cause."""
+
     def call(*args):
         try:
             return fn(*args)
         except Exception as exc:
             raise TargetError(where) from exc
+
     return call
 
 
@@ -141,18 +150,21 @@ def load_target_spec(target: str) -> dict[str, Any]:
     elif isinstance(result, (tuple, list)) and len(result) == 2:
         (layers, sample), name = result, None
     else:
-        raise ProfileError(f"profile target {target!r}: {func_name}() must return (layers, sample) or a dict "
-                           f"with 'layers' and 'sample'; got {type(result).__name__}")
+        raise ProfileError(
+            f"profile target {target!r}: {func_name}() must return (layers, sample) or a dict "
+            f"with 'layers' and 'sample'; got {type(result).__name__}"
+        )
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ProfileError(f"profile target {target!r}: 'layers' must be a non-empty list of layer specs")
     if not any(True for _ in _tensors(sample)):
         raise ProfileError(f"profile target {target!r}: 'sample' must be a tensor or a tuple of tensors")
     if (loss_fn is None) != (labels is None) or (loss_fn is not None and not callable(loss_fn)):
-        raise ProfileError(f"profile target {target!r}: 'loss_fn' (a callable loss_fn(outputs, labels)) and "
-                           f"'labels' (one micro-batch of labels) come together; got loss_fn={loss_fn!r}, labels "
-                           f"{'given' if labels is not None else 'missing'}")
-    return dict(layers=list(layers), sample=sample, name=name or f"{where}:{func_name}", loss_fn=loss_fn,
-                labels=labels)
+        raise ProfileError(
+            f"profile target {target!r}: 'loss_fn' (a callable loss_fn(outputs, labels)) and "
+            f"'labels' (one micro-batch of labels) come together; got loss_fn={loss_fn!r}, labels "
+            f"{'given' if labels is not None else 'missing'}"
+        )
+    return dict(layers=list(layers), sample=sample, name=name or f"{where}:{func_name}", loss_fn=loss_fn, labels=labels)
 
 
 def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch.nn.Parameter]]]:
@@ -188,8 +200,17 @@ def build_layers(layers: Sequence[Any]) -> tuple[list[Callable], list[list[torch
     return funcs, params
 
 
-def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", repeats: int = 10, warmup: int = 3,
-                   progress: bool | TextIO = False, loss_fn: Callable | None = None, labels: Any = None) -> Profile:
+def profile_layers(
+    layers: Sequence[Any],
+    sample: Any,
+    *,
+    model: str = "model",
+    repeats: int = 10,
+    warmup: int = 3,
+    progress: bool | TextIO = False,
+    loss_fn: Callable | None = None,
+    labels: Any = None,
+) -> Profile:
     """Measure every layer (see the module docstring) and return the profile. ``progress``: a tqdm
     bar over the layers on stderr (True) or on the given stream; erased when a layer raises.
     ``loss_fn`` and ``labels``: the loss, measured on the last layer's output (``loss``)."""
@@ -207,15 +228,26 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     batch = int(first.shape[0]) if torch.Tensor.dim(first) > 0 else 1
     x = sample
     records = []
-    bar = tqdm(total=len(funcs), desc="profile", unit="layer", disable=not progress,
-               file=None if isinstance(progress, bool) else progress)
+    bar = tqdm(
+        total=len(funcs),
+        desc="profile",
+        unit="layer",
+        disable=not progress,
+        file=None if isinstance(progress, bool) else progress,
+    )
     try:
         for i, (name, layer_fn, ps) in enumerate(zip(names, funcs, params)):
             bar.set_postfix_str(name[:30], refresh=False)
             inp = as_stage_input(x)
-            measured = measure_layer(layer_fn, inp, ps, tensor_bytes(ps),
-                                     repeats=repeats, warmup=warmup,
-                                     guard=lambda f, phase, i=i, name=name: _guard(f, f"layer {i} ({name}) {phase}"))
+            measured = measure_layer(
+                layer_fn,
+                inp,
+                ps,
+                tensor_bytes(ps),
+                repeats=repeats,
+                warmup=warmup,
+                guard=lambda f, phase, i=i, name=name: _guard(f, f"layer {i} ({name}) {phase}"),
+            )
             for p in ps:
                 p.grad = None
             records.append(dict(name=name, input_bytes=float(nbytes(sample)) if i == 0 else None, **measured.record))
@@ -231,17 +263,30 @@ def profile_layers(layers: Sequence[Any], sample: Any, *, model: str = "model", 
     if loss_fn is not None:
         name = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
         ps = list(loss_fn.parameters()) if isinstance(loss_fn, torch.nn.Module) else []
-        measured = measure_layer(lambda pair: loss_fn(pair[0], pair[1]), (as_stage_input(x), labels), ps,
-                                 tensor_bytes(ps), repeats=repeats, warmup=warmup,
-                                 guard=lambda f, phase: _guard(f, f"loss ({name}) {phase}"))
+        measured = measure_layer(
+            lambda pair: loss_fn(pair[0], pair[1]),
+            (as_stage_input(x), labels),
+            ps,
+            tensor_bytes(ps),
+            repeats=repeats,
+            warmup=warmup,
+            guard=lambda f, phase: _guard(f, f"loss ({name}) {phase}"),
+        )
         # what the loss saves for itself: the output it receives is the last layer's
         record = pool([dict(name=name, input_bytes=float(nbytes((x, labels))), **measured.record)], [None])[0][0]
         loss = LayerProfile(**attribute_saved([record])[0])
     dtype = param_dtype([p for ps in params for p in ps])
     pooled, groups = pool(records, keys)
-    return Profile(model=model, batch_size=batch, source="hippie-ds profile", loss=loss, param_dtype=dtype,
-                   groups=groups or None, load=load(),
-                   layers=[LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(pooled), tied)])
+    return Profile(
+        model=model,
+        batch_size=batch,
+        source="hippie-ds profile",
+        loss=loss,
+        param_dtype=dtype,
+        groups=groups or None,
+        load=load(),
+        layers=[LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(pooled), tied)],
+    )
 
 
 def load_meter() -> Callable[[], MeasuredLoad]:
@@ -251,6 +296,12 @@ def load_meter() -> Callable[[], MeasuredLoad]:
 
     def done() -> MeasuredLoad:
         seconds = time.perf_counter() - wall
-        return MeasuredLoad(cpus=os.cpu_count(), load_before=before, load_after=loadavg(), wall_seconds=seconds,
-                            cpu_share=(time.process_time() - cpu) / seconds if seconds > 0 else None)
+        return MeasuredLoad(
+            cpus=os.cpu_count(),
+            load_before=before,
+            load_after=loadavg(),
+            wall_seconds=seconds,
+            cpu_share=(time.process_time() - cpu) / seconds if seconds > 0 else None,
+        )
+
     return done

@@ -1,4 +1,5 @@
 """How the CLI tests run ``hippie-ds``: in-process, through ``hippie_ds.cli.main``."""
+
 from hippie_ds.cli import main
 
 

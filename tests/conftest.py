@@ -9,6 +9,7 @@ starts, stock reference and hippie-ds alike; where torch cannot compute fp16 at 
 skip with the reason. The end of the run says which, and how many fp16 tests ran and skipped.
 
 Also the planner tests' shared fixtures: the vendored PipeDream profiles and a plan of VGG-16."""
+
 import platform
 from pathlib import Path
 
@@ -47,8 +48,9 @@ def pytest_collection_modifyitems(config, items):
         _prepare_host_for_ranks(config)
     for item in items:
         callspec = getattr(item, "callspec", None)  # an fp16 file (test_fp16_*.py) or an fp16 parameter
-        if ("fp16" in item.path.name or (callspec is not None and "fp16" in callspec.id.lower())) and \
-                item.get_closest_marker("fp16") is None:
+        if (
+            "fp16" in item.path.name or (callspec is not None and "fp16" in callspec.id.lower())
+        ) and item.get_closest_marker("fp16") is None:
             item.add_marker(pytest.mark.fp16)
         if decision.skip and item.get_closest_marker("fp16") is not None:
             item.add_marker(pytest.mark.skip(reason=f"fp16: {decision.skip}"))
@@ -63,8 +65,11 @@ def _prepare_host_for_ranks(config):
     try:
         lines = host_checks.build_ops()
     except Exception as e:  # no compiler, no ninja: every rank would fail the same way later
-        pytest.exit(f"DeepSpeed's CPU ops do not build here ({type(e).__name__}: {e}); the distributed tests "
-                    f"need ninja and g++", returncode=3)
+        pytest.exit(
+            f"DeepSpeed's CPU ops do not build here ({type(e).__name__}: {e}); the distributed tests "
+            f"need ninja and g++",
+            returncode=3,
+        )
     report = config.pluginmanager.get_plugin("terminalreporter")
     if report is not None:
         for lock in removed:
@@ -82,10 +87,14 @@ def pytest_terminal_summary(terminalreporter):
             # a passed test's report is its call's; a skip or an error of its setup is the setup's
             if "fp16" in getattr(report, "keywords", {}) and report.when in ("call", "setup"):
                 counts[outcome] = counts.get(outcome, 0) + 1
-    how = ("DeepSpeed's CPU accelerator accepts fp16 here" if decision.deepspeed_accepts else
-           "DeepSpeed's CPU accelerator refuses fp16 here (oneDNN has no fp16 kernels); the tests' switch "
-           "(tests/fp16_switch) let it accept fp16, for stock and hippie-ds alike" if decision.switch else
-           f"fp16 cannot run here: {decision.skip}")
+    how = (
+        "DeepSpeed's CPU accelerator accepts fp16 here"
+        if decision.deepspeed_accepts
+        else "DeepSpeed's CPU accelerator refuses fp16 here (oneDNN has no fp16 kernels); the tests' switch "
+        "(tests/fp16_switch) let it accept fp16, for stock and hippie-ds alike"
+        if decision.switch
+        else f"fp16 cannot run here: {decision.skip}"
+    )
     summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "none in this run"
     terminalreporter.write_line(f"fp16 tests on {_cpu_model()}: {summary}. {how}.")
 
@@ -93,16 +102,19 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="module")
 def vgg():
     from hippie_ds.planner import read_pipedream
+
     return read_pipedream(PROFILES / "vgg16.txt")
 
 
 @pytest.fixture(scope="module")
 def gnmt():
     from hippie_ds.planner import read_pipedream
+
     return read_pipedream(PROFILES / "gnmt.txt")
 
 
 @pytest.fixture(scope="module")
 def vgg_plan(vgg):
     from hippie_ds.planner import make_plan, parse_cluster
+
     return make_plan(vgg, parse_cluster(V100_CLUSTER), 2048)

@@ -9,13 +9,14 @@ missing piece fails the run at once with its reason instead of hanging or crashi
   build lock left by a build that was killed would make every later rank wait for ever: removed
   when it is older than any build takes.
 """
+
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
 
-SHM_NEEDED = 4 * 66 * 2 ** 20 + 64 * 2 ** 20  # 4 ranks' segments and some slack
+SHM_NEEDED = 4 * 66 * 2**20 + 64 * 2**20  # 4 ranks' segments and some slack
 STALE_LOCK_S = 15 * 60  # a build takes 40-100 s on 2 cores
 OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
 
@@ -28,8 +29,10 @@ def shm_problem(path: str = "/dev/shm", needed: int = SHM_NEEDED) -> str | None:
         return f"{path} is not there ({e}); DeepSpeed's CPU all-reduce maps its buffers from it"
     free = st.f_bavail * st.f_frsize
     if free < needed:
-        return (f"{path} has {free / 2 ** 20:.0f} MiB free; the distributed tests need {needed / 2 ** 20:.0f} MiB "
-                f"(DeepSpeed's CPU all-reduce: 66 MiB a local rank, 4 ranks at once)")
+        return (
+            f"{path} has {free / 2**20:.0f} MiB free; the distributed tests need {needed / 2**20:.0f} MiB "
+            f"(DeepSpeed's CPU all-reduce: 66 MiB a local rank, 4 ranks at once)"
+        )
     return None
 
 
@@ -37,6 +40,7 @@ def environment():
     """The build folder and PATH the ranks get (tools.bench.cluster.local_env), here too: the pytest
     process builds into the same folder, with the venv's ninja."""
     from tools.bench.cluster.processes import local_env
+
     ranks = local_env()
     os.environ.update({key: ranks[key] for key in ("PATH", "TORCH_EXTENSIONS_DIR")})
 
@@ -59,6 +63,7 @@ def remove_stale_locks(root: str | None = None, now: float | None = None, stale_
 def build_ops() -> list[str]:
     """JIT-build (or load) DeepSpeed's CPU ops the tests use; one line per op with its seconds."""
     from deepspeed.accelerator import get_accelerator
+
     lines = []
     for name in OPS:
         builder = get_accelerator().create_op_builder(name)

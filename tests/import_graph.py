@@ -1,5 +1,6 @@
 """The import graph the structure tests read (tests/structure/test_structure.py, tests/docs/test_docs.py): which of a
 package's modules a module imports, and the circles of such a graph."""
+
 import ast
 from pathlib import Path
 
@@ -16,7 +17,7 @@ def module_imports(module: str, package: str) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name.split(".") for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = list(parent[:len(parent) - node.level + 1]) if node.level else []
+            base = list(parent[: len(parent) - node.level + 1]) if node.level else []
             base += node.module.split(".") if node.module else []
             targets = [base + [a.name] for a in node.names]
         else:
@@ -27,8 +28,11 @@ def module_imports(module: str, package: str) -> set[str]:
                 if (ROOT / f"{candidate}.py").is_file():
                     out.add(f"{candidate}.py")
                     break
-                if (ROOT / candidate / "__init__.py").is_file() and len(parts) > 1 and \
-                        not (ROOT / "/".join(parts[:-1] + [parts[-1] + ".py"])).is_file():
+                if (
+                    (ROOT / candidate / "__init__.py").is_file()
+                    and len(parts) > 1
+                    and not (ROOT / "/".join(parts[:-1] + [parts[-1] + ".py"])).is_file()
+                ):
                     out.add(f"{candidate}/__init__.py")
                     break
                 parts = parts[:-1]
@@ -45,10 +49,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[m] = "open"
         for t in sorted(graph.get(m, ())):
             if state.get(t) == "open":
-                found.append(path[path.index(t):] + [t])
+                found.append(path[path.index(t) :] + [t])
             elif t not in state:
                 visit(t, path + [t])
         state[m] = "done"
+
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])

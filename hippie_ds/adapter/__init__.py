@@ -26,6 +26,19 @@ each is built with what it reads, DeepSpeed's operations as objects made in ``ds
 
 :data:`ALIASES` are modules kept at paths that saved checkpoints pickled (they re-export the new place).
 """
-PACKAGES = ("ds", "process", "module", "precision", "gradients", "staleness", "checkpoint", "profiling", "stage", "engine",
-            "startup", "integration")
-ALIASES = ("checkpoint_state", )
+
+PACKAGES = (
+    "ds",
+    "process",
+    "module",
+    "precision",
+    "gradients",
+    "staleness",
+    "checkpoint",
+    "profiling",
+    "stage",
+    "engine",
+    "startup",
+    "integration",
+)
+ALIASES = ("checkpoint_state",)

@@ -12,6 +12,7 @@ naming the target and the exception, then the traceback's frames of the target's
 One module per command: :mod:`.schedule`, :mod:`.plan`, :mod:`.profile` (``profile`` and
 ``profile-import``), :mod:`.costs`; :mod:`.base` holds option parsing and output formatting.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,16 +26,23 @@ from .base import PROG, UsageError, _Formatter, _version
 # name -> function(subparsers) that adds the command's parser, in --help's order. Each parser sets
 # ``func`` (args -> exit code) through set_defaults.
 COMMANDS: dict[str, Callable[[Any], None]] = {
-    "schedule": schedule.schedule_parser, "plan": plan.plan_parser, "profile": profile.profile_parser,
-    "profile-import": profile.profile_import_parser, "costs": costs.costs_parser}
+    "schedule": schedule.schedule_parser,
+    "plan": plan.plan_parser,
+    "profile": profile.profile_parser,
+    "profile-import": profile.profile_import_parser,
+    "costs": costs.costs_parser,
+}
 
 # ---------------------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=_Formatter,
+        prog=PROG,
+        formatter_class=_Formatter,
         description="hippie-ds: declarative pipeline-parallel schedules (Hippie, 1F1B, GPipe) for DeepSpeed.",
-        epilog=f"Run `{PROG} COMMAND --help` for a command's options.")
+        epilog=f"Run `{PROG} COMMAND --help` for a command's options.",
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS.values():
@@ -46,6 +54,7 @@ def _user_error_types() -> tuple:
     from pydantic import ValidationError
     from ..schedules.simulator import SimulationError
     from ..schedules.spec import ScheduleError
+
     return (UsageError, ScheduleError, SimulationError, ValidationError, ValueError, OSError)
 
 
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error_text(exc: BaseException) -> str:
     from pydantic import ValidationError
+
     if isinstance(exc, ValidationError):
         parts = []
         for err in exc.errors():

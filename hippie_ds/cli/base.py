@@ -1,4 +1,5 @@
 """Shared parts of the command line: option parsing, cost options, tables."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,11 @@ PROG = "hippie-ds"
 def _version() -> str:
     try:
         from .. import __version__
+
         return __version__
     except ImportError:
         from importlib.metadata import version
+
         return version("hippie-ds")
 
 
@@ -36,16 +39,19 @@ class _Formatter(argparse.HelpFormatter):
             if para.startswith("  ") or "\n  " in para:
                 out.append("\n".join(indent + line for line in para.splitlines()))
             else:
-                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
-                                         subsequent_indent=indent))
+                out.append(
+                    textwrap.fill(" ".join(para.split()), width, initial_indent=indent, subsequent_indent=indent)
+                )
         return "\n\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
 # Option values
 
+
 def _int_at_least(minimum: int):
     """An argparse type: an integer >= ``minimum``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -54,6 +60,7 @@ def _int_at_least(minimum: int):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum} (got {value})")
         return value
+
     return parse
 
 
@@ -62,8 +69,7 @@ _non_negative_int = _int_at_least(0)
 
 
 _TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
-               "ti": 2 ** 40}
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
 
 
@@ -81,8 +87,9 @@ def _quantity(text: str, kind: str, option: str) -> float:
         tail = r"\s*([kKmMgGtT]i?)?B?" + (r"(?:/s)?" if kind == "rate" else "")
         m = re.fullmatch(_NUMBER + tail, text)
         value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()] if m else None
-        unit_help = ("bytes" if kind == "bytes" else "bytes per second") + \
-            ", e.g. 1e6, 64MB or 2GiB (k/M/G/T powers of 1000, Ki/Mi/Gi/Ti powers of 1024)"
+        unit_help = (
+            "bytes" if kind == "bytes" else "bytes per second"
+        ) + ", e.g. 1e6, 64MB or 2GiB (k/M/G/T powers of 1000, Ki/Mi/Gi/Ti powers of 1024)"
     if value is None or not math.isfinite(value):
         raise UsageError(f"{option} {text!r}: not a number; expected {unit_help}")
     if value < 0:
@@ -96,8 +103,10 @@ def _per_stage(text: str, kind: str, option: str, stages: int) -> list[float]:
     if len(values) == 1:
         return values * stages
     if len(values) != stages:
-        raise UsageError(f"{option} {text!r}: gave {len(values)} values for {stages} stages; give one value for "
-                         "all stages or one per stage")
+        raise UsageError(
+            f"{option} {text!r}: gave {len(values)} values for {stages} stages; give one value for "
+            "all stages or one per stage"
+        )
     return values
 
 
@@ -120,8 +129,9 @@ def _param_value(raw: str, kind: str | None, key: str) -> Any:
         try:
             return [int(v) for v in inner.split(",") if v.strip()]
         except ValueError:
-            raise UsageError(f"--param {key}={raw}: expected 'auto', 'none' or a comma-separated list of stage "
-                             "indices such as 0,1") from None
+            raise UsageError(
+                f"--param {key}={raw}: expected 'auto', 'none' or a comma-separated list of stage indices such as 0,1"
+            ) from None
     try:
         return int(text)
     except ValueError:
@@ -145,20 +155,32 @@ def _parse_params(items: list[str] | None, spec) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
 
+
 def _add_shape(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", "-K", type=_positive_int, required=True, metavar="K",
-                   help="number of pipeline stages")
-    p.add_argument("--micro-batches", "-M", type=_positive_int, required=True, metavar="M",
-                   help="micro-batches per training step")
-    p.add_argument("--virtual-stages", "-v", type=_positive_int, default=None, metavar="V",
-                   help="model chunks per stage (pipeline.virtual_stages) for schedules with virtual stages; "
-                        "default: the schedule's")
+    p.add_argument("--stages", "-K", type=_positive_int, required=True, metavar="K", help="number of pipeline stages")
+    p.add_argument(
+        "--micro-batches", "-M", type=_positive_int, required=True, metavar="M", help="micro-batches per training step"
+    )
+    p.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=_positive_int,
+        default=None,
+        metavar="V",
+        help="model chunks per stage (pipeline.virtual_stages) for schedules with virtual stages; "
+        "default: the schedule's",
+    )
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--param", "-p", action="append", metavar="KEY=VALUE",
-                   help="set a schedule parameter (repeatable): integers, true/false, 'auto', or stage lists "
-                        "such as deferred_stages=0,1 (deferred_stages=none for no stage)")
+    p.add_argument(
+        "--param",
+        "-p",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a schedule parameter (repeatable): integers, true/false, 'auto', or stage lists "
+        "such as deferred_stages=0,1 (deferred_stages=none for no stage)",
+    )
 
 
 # Without --costs, a stage costs this unless told otherwise (the other fields default to 0 and the
@@ -169,25 +191,46 @@ _STAGE_COST_OPTIONS = [  # option, StageCost field, kind, help
     ("--forward", "forward", "time", "forward time of one micro-batch (s; default 1)"),
     ("--backward", "backward", "time", "backward time of one micro-batch (s; default 2)"),
     ("--recompute", "recompute", "time", "re-computation (activation checkpointing) time per micro-batch (s)"),
-    ("--backward-weight", "backward_weight", "time", "the weight-gradient part of --backward (W of a split "
-                                                     "backward, zb-h1; s; default half of it)"),
+    (
+        "--backward-weight",
+        "backward_weight",
+        "time",
+        "the weight-gradient part of --backward (W of a split backward, zb-h1; s; default half of it)",
+    ),
     ("--activation-bytes", "activation_bytes", "bytes", "bytes of activations sent to the next stage per micro-batch"),
     ("--saved-bytes", "saved_bytes", "bytes", "activation bytes a stage keeps per in-flight micro-batch"),
     ("--param-bytes", "param_bytes", "bytes", "bytes of the stage's parameters (= its gradients)"),
     ("--optimizer-time", "optimizer_time", "time", "time of the stage's optimizer step (s)"),
     ("--send-issue-time", "send_issue_time", "time", "time the stage spends in one non-blocking send call (s)"),
-    ("--allreduce-issue-time", "allreduce_issue_time", "time", "time the stage spends starting one "
-                                                               "asynchronous all-reduce (s)"),
-    ("--allreduce-cpu-time", "allreduce_cpu_time", "time", "compute time an all-reduce of the stage's whole "
-                                                           "gradient takes from it while in flight (s; a CPU core "
-                                                           "shared with the communication)"),
+    (
+        "--allreduce-issue-time",
+        "allreduce_issue_time",
+        "time",
+        "time the stage spends starting one asynchronous all-reduce (s)",
+    ),
+    (
+        "--allreduce-cpu-time",
+        "allreduce_cpu_time",
+        "time",
+        "compute time an all-reduce of the stage's whole "
+        "gradient takes from it while in flight (s; a CPU core "
+        "shared with the communication)",
+    ),
 ]
 _COMM_COST_OPTIONS = [  # option, CommCost field, kind, help
-    ("--p2p-bandwidth", "p2p_bandwidth", "rate", "bandwidth between neighbouring stages (bytes/s; inf = free; "
-                                                 "default 10e9)"),
+    (
+        "--p2p-bandwidth",
+        "p2p_bandwidth",
+        "rate",
+        "bandwidth between neighbouring stages (bytes/s; inf = free; default 10e9)",
+    ),
     ("--p2p-latency", "p2p_latency", "time", "latency of one point-to-point transfer (s)"),
-    ("--allreduce-bandwidth", "allreduce_bandwidth", "rate", "bandwidth of the inter-node link the data-parallel "
-                                                             "all-reduce uses (bytes/s; default 1.25e8 = 1 Gbit/s)"),
+    (
+        "--allreduce-bandwidth",
+        "allreduce_bandwidth",
+        "rate",
+        "bandwidth of the inter-node link the data-parallel all-reduce uses (bytes/s; default 1.25e8 = 1 Gbit/s)",
+    ),
     ("--allreduce-latency", "allreduce_latency", "time", "latency of one all-reduce (s)"),
 ]
 
@@ -205,17 +248,27 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
         g.add_argument(option, metavar="V[,V...]", help=text + "; one value or one per stage")
     for option, _, kind, text in _COMM_COST_OPTIONS:
         g.add_argument(option, metavar="V", help=text)
-    g.add_argument("--data-parallel", "-r", type=_positive_int, metavar="R",
-                   help="data-parallel replicas of every stage (the all-reduce group size; default 1: no "
-                        "all-reduce)")
-    g.add_argument("--no-shared-link", action="store_true",
-                   help="stages' all-reduces do not share one inter-node link (default: they do)")
+    g.add_argument(
+        "--data-parallel",
+        "-r",
+        type=_positive_int,
+        metavar="R",
+        help="data-parallel replicas of every stage (the all-reduce group size; default 1: no all-reduce)",
+    )
+    g.add_argument(
+        "--no-shared-link",
+        action="store_true",
+        help="stages' all-reduces do not share one inter-node link (default: they do)",
+    )
 
 
 def _comm_options(args) -> dict:
     """The ``CommCost`` fields given as options (_COMM_COST_OPTIONS and --data-parallel)."""
-    given = {field: _quantity(getattr(args, field), kind, option)
-             for option, field, kind, _ in _COMM_COST_OPTIONS if getattr(args, field) is not None}
+    given = {
+        field: _quantity(getattr(args, field), kind, option)
+        for option, field, kind, _ in _COMM_COST_OPTIONS
+        if getattr(args, field) is not None
+    }
     if args.data_parallel is not None:
         given["data_parallel"] = args.data_parallel
     return given
@@ -225,8 +278,11 @@ def _build_costs(args, stages: int):
     """Costs from --costs FILE and/or the cost options."""
     from ..schedules import costs as costs_mod
 
-    stage_given = {field: _per_stage(getattr(args, field), kind, option, stages)
-                   for option, field, kind, _ in _STAGE_COST_OPTIONS if getattr(args, field) is not None}
+    stage_given = {
+        field: _per_stage(getattr(args, field), kind, option, stages)
+        for option, field, kind, _ in _STAGE_COST_OPTIONS
+        if getattr(args, field) is not None
+    }
     comm_given = _comm_options(args)
     if args.no_shared_link:
         comm_given["shared_link"] = False
@@ -242,8 +298,9 @@ def _build_costs(args, stages: int):
         stage_list = [_replace(base.stages[s], **{k: v[s] for k, v in stage_given.items()}) for s in range(stages)]
         return costs_mod.Costs(stages=stage_list, comm=_replace(base.comm, **comm_given))
     defaults = dict(DEFAULT_STAGE_COST)
-    stage_list = [costs_mod.StageCost(**{**defaults, **{k: v[s] for k, v in stage_given.items()}})
-                  for s in range(stages)]
+    stage_list = [
+        costs_mod.StageCost(**{**defaults, **{k: v[s] for k, v in stage_given.items()}}) for s in range(stages)
+    ]
     return costs_mod.Costs(stages=stage_list, comm=costs_mod.CommCost(**comm_given))
 
 
@@ -254,20 +311,29 @@ def _replace(obj, **changes):
     if hasattr(obj, "model_dump"):  # pydantic: rebuild so the new values are validated
         return type(obj)(**{**obj.model_dump(), **changes})
     import dataclasses
+
     return dataclasses.replace(obj, **changes)
 
 
 def _load(name_or_path: str):
     from ..schedules import load_spec
+
     return load_spec(name_or_path)
 
 
 def _compile(name_or_path: str, args, validate: bool, params: dict | None = None):
     from ..schedules import compile as compile_schedule
+
     if params is None:
         params = _parse_params(args.param, _load(name_or_path))
-    return compile_schedule(name_or_path, args.stages, args.micro_batches, validate=validate,
-                            virtual_stages=getattr(args, "virtual_stages", None), **params)
+    return compile_schedule(
+        name_or_path,
+        args.stages,
+        args.micro_batches,
+        validate=validate,
+        virtual_stages=getattr(args, "virtual_stages", None),
+        **params,
+    )
 
 
 def _fmt_time(seconds: float) -> str:
@@ -291,7 +357,7 @@ def _summary(description: str, width: int = 90) -> str:
     text = " ".join(description.split())
     if len(text) <= width:
         return text
-    return text[:width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+    return text[: width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -305,17 +371,29 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _add_profile_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, metavar="FILE",
-                   help="per-layer profile: a PipeDream graph.txt (.txt) or a hippie-ds profile (YAML/JSON)")
-    p.add_argument("--profile-format", choices=["pipedream", "hippie"],
-                   help="profile format (default: pipedream for .txt, hippie otherwise)")
-    p.add_argument("--profile-batch", type=_positive_int, metavar="N",
-                   help="minibatch size the profile was measured at (PipeDream's vgg16, gnmt and gnmt_large are "
-                        "known: 128, 32, 128)")
+    p.add_argument(
+        "--profile",
+        required=True,
+        metavar="FILE",
+        help="per-layer profile: a PipeDream graph.txt (.txt) or a hippie-ds profile (YAML/JSON)",
+    )
+    p.add_argument(
+        "--profile-format",
+        choices=["pipedream", "hippie"],
+        help="profile format (default: pipedream for .txt, hippie otherwise)",
+    )
+    p.add_argument(
+        "--profile-batch",
+        type=_positive_int,
+        metavar="N",
+        help="minibatch size the profile was measured at (PipeDream's vgg16, gnmt and gnmt_large are "
+        "known: 128, 32, 128)",
+    )
 
 
 def _read_profile(args):
     from ..planner import load_profile
+
     if not Path(args.profile).is_file():
         raise UsageError(f"--profile {args.profile!r}: no such file")
     return load_profile(args.profile, args.profile_format, args.profile_batch)

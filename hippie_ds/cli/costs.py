@@ -1,4 +1,5 @@
 """``hippie-ds costs``: a cost file (``hippie.costs``) from a run's timelines or from a layer profile."""
+
 from __future__ import annotations
 
 import json
@@ -29,21 +30,43 @@ examples:
 
 
 def costs_parser(subparsers) -> None:
-    p = subparsers.add_parser("costs", help="write a cost file from a run's timelines or a layer profile",
-                              description=COSTS_CMD_HELP, formatter_class=_Formatter)
+    p = subparsers.add_parser(
+        "costs",
+        help="write a cost file from a run's timelines or a layer profile",
+        description=COSTS_CMD_HELP,
+        formatter_class=_Formatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--timeline", metavar="DIR", help="folder of rank*.json timelines (hippie.timeline_dir)")
     src.add_argument("--profile", metavar="FILE", help="layer profile (YAML/JSON)")
-    p.add_argument("--skip-steps", type=_non_negative_int, default=1, metavar="N",
-                   help="--timeline: recorded train_batch calls per rank left out first (warm-up; default 1)")
-    p.add_argument("--boundaries", metavar="B0,B1,...", help="--profile: stage boundaries, DeepSpeed parts "
-                   "(0,10,12) or stage starts (0,10)")
-    p.add_argument("--stages", "-K", type=_positive_int, metavar="K",
-                   help="--profile without --boundaries: DeepSpeed's uniform partition into K stages")
+    p.add_argument(
+        "--skip-steps",
+        type=_non_negative_int,
+        default=1,
+        metavar="N",
+        help="--timeline: recorded train_batch calls per rank left out first (warm-up; default 1)",
+    )
+    p.add_argument(
+        "--boundaries",
+        metavar="B0,B1,...",
+        help="--profile: stage boundaries, DeepSpeed parts (0,10,12) or stage starts (0,10)",
+    )
+    p.add_argument(
+        "--stages",
+        "-K",
+        type=_positive_int,
+        metavar="K",
+        help="--profile without --boundaries: DeepSpeed's uniform partition into K stages",
+    )
     for option, _, _, text in _COMM_COST_OPTIONS:
         p.add_argument(option, metavar="V", help=text)
-    p.add_argument("--data-parallel", "-r", type=_positive_int, metavar="R",
-                   help="data-parallel replicas of every stage (default 1)")
+    p.add_argument(
+        "--data-parallel",
+        "-r",
+        type=_positive_int,
+        metavar="R",
+        help="data-parallel replicas of every stage (default 1)",
+    )
     p.add_argument("--out", "-o", required=True, metavar="FILE", help="cost file to write (.json, or .yaml/.yml)")
     p.set_defaults(func=_cmd_costs)
 
@@ -57,12 +80,15 @@ def _cmd_costs(args) -> int:
             raise UsageError("--boundaries/--stages go with --profile; a timeline knows its stages")
         files = sorted(Path(args.timeline).glob("rank*.json"))
         if not files:
-            raise UsageError(f"--timeline {args.timeline!r}: no rank*.json files (the folder hippie.timeline_dir "
-                             "names, after the run)")
+            raise UsageError(
+                f"--timeline {args.timeline!r}: no rank*.json files (the folder hippie.timeline_dir "
+                "names, after the run)"
+            )
         costs = mc.costs_from_timelines([json.loads(f.read_text()) for f in files], comm, args.skip_steps)
         source = f"{len(files)} timeline(s) in {args.timeline}"
     else:
         from ..planner import load_profile
+
         if not Path(args.profile).is_file():
             raise UsageError(f"--profile {args.profile!r}: no such file")
         profile = load_profile(args.profile)

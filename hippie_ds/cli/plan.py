@@ -1,4 +1,5 @@
 """``hippie-ds plan``: pipeline depth, partition, re-computation and schedule for a profile."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,16 @@ from functools import partial
 
 from ..planner.objectives import OBJECTIVES
 from ..planner.plan_file import SCHEDULES
-from .base import (UsageError, _Formatter, _add_profile_options, _int_list, _non_negative_int, _positive_int,
-                   _quantity, _read_profile)
+from .base import (
+    UsageError,
+    _Formatter,
+    _add_profile_options,
+    _int_list,
+    _non_negative_int,
+    _positive_int,
+    _quantity,
+    _read_profile,
+)
 
 # ---------------------------------------------------------------------------------------------
 # hippie-ds plan / profile-import
@@ -55,49 +64,99 @@ examples:
 
 
 def plan_parser(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="plan pipeline depth, partition, re-computation and schedule",
-                              description=PLAN_HELP, formatter_class=_Formatter)
+    p = subparsers.add_parser(
+        "plan",
+        help="plan pipeline depth, partition, re-computation and schedule",
+        description=PLAN_HELP,
+        formatter_class=_Formatter,
+    )
     _add_profile_options(p)
-    p.add_argument("--cluster", required=True, metavar="SPEC|FILE",
-                   help="cluster, e.g. 4x4,16GB,100Gbit (nodes x devices, device memory, inter-node bandwidth"
-                        "[, intra-node bandwidth]) or a YAML/JSON file")
-    p.add_argument("--global-batch", "-G", type=_positive_int, metavar="N",
-                   help="samples per training step over all replicas (default: the profiled job's train_batch_size; "
-                        "required for a profile without a job shape)")
-    p.add_argument("--objective", choices=sorted(OBJECTIVES), default="me",
-                   help="maximize memory efficiency (default), throughput, or time-to-loss (throughput / the "
-                        "steps factor of staleness)")
-    p.add_argument("--job", metavar="K,B[,SCHEDULE]",
-                   help="the job as it is: K stages, micro-batch size B, its schedule (default: the profile's job "
-                        "shape; else one --stages and one --micro-batch-size); a candidate of the plan")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        metavar="SPEC|FILE",
+        help="cluster, e.g. 4x4,16GB,100Gbit (nodes x devices, device memory, inter-node bandwidth"
+        "[, intra-node bandwidth]) or a YAML/JSON file",
+    )
+    p.add_argument(
+        "--global-batch",
+        "-G",
+        type=_positive_int,
+        metavar="N",
+        help="samples per training step over all replicas (default: the profiled job's train_batch_size; "
+        "required for a profile without a job shape)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=sorted(OBJECTIVES),
+        default="me",
+        help="maximize memory efficiency (default), throughput, or time-to-loss (throughput / the "
+        "steps factor of staleness)",
+    )
+    p.add_argument(
+        "--job",
+        metavar="K,B[,SCHEDULE]",
+        help="the job as it is: K stages, micro-batch size B, its schedule (default: the profile's job "
+        "shape; else one --stages and one --micro-batch-size); a candidate of the plan",
+    )
     p.add_argument("--memory-cap", metavar="BYTES", help="memory a device may use, e.g. 12GB (default: all of it)")
-    p.add_argument("--memory-metric", choices=["mean", "max"], default="mean",
-                   help="memory in ME: the mean per-device peak (default; = total / devices) or the largest")
-    p.add_argument("--schedules", metavar="LIST", default=",".join(SCHEDULES),
-                   help="schedules to consider, comma-separated: built-in names or schedule files "
-                        "(default: the flush schedules, %(default)s; ones with virtual stages, e.g. "
-                        "interleaved-1f1b, zb-v, plan stages x chunks model parts)")
-    p.add_argument("--stages", metavar="K[,K...]|all",
-                   help="only these pipeline depths (each must divide the devices); 'all': every depth. Default: the "
-                        "profiled job's stage count (and micro-batch size) on a cluster of its device count, else all")
+    p.add_argument(
+        "--memory-metric",
+        choices=["mean", "max"],
+        default="mean",
+        help="memory in ME: the mean per-device peak (default; = total / devices) or the largest",
+    )
+    p.add_argument(
+        "--schedules",
+        metavar="LIST",
+        default=",".join(SCHEDULES),
+        help="schedules to consider, comma-separated: built-in names or schedule files "
+        "(default: the flush schedules, %(default)s; ones with virtual stages, e.g. "
+        "interleaved-1f1b, zb-v, plan stages x chunks model parts)",
+    )
+    p.add_argument(
+        "--stages",
+        metavar="K[,K...]|all",
+        help="only these pipeline depths (each must divide the devices); 'all': every depth. Default: the "
+        "profiled job's stage count (and micro-batch size) on a cluster of its device count, else all",
+    )
     p.add_argument("--micro-batch-size", metavar="B[,B...]", help="only these micro-batch sizes")
-    p.add_argument("--min-micro-batch", type=_positive_int, metavar="B",
-                   help="smallest micro-batch size to consider (default: profile batch / 16, at least 1: the "
-                        "linear time scaling is not trusted further down)")
-    p.add_argument("--state-factor", type=float, default=None, metavar="F",
-                   help="training-state bytes per profiled parameter byte; given, it wins. Default: from the "
-                        "profile's precision (param_dtype): 4 for fp32 (fp32 weights, gradients and two Adam moments, "
-                        "16 bytes a parameter) and for a profile that does not say; 4.5 for bf16/fp16 over fp32-sized "
-                        "param_bytes (DeepSpeed's BF16_Optimizer: bf16 weights, fp32 master weights, fp32 gradient "
-                        "accumulator, two fp32 Adam moments, 18 bytes a parameter), 9 over 2-byte param_bytes")
-    p.add_argument("--simulate-top", type=_non_negative_int, default=4, metavar="N",
-                   help="simulate the N best analytic candidates (default 4; 0: analytic only)")
+    p.add_argument(
+        "--min-micro-batch",
+        type=_positive_int,
+        metavar="B",
+        help="smallest micro-batch size to consider (default: profile batch / 16, at least 1: the "
+        "linear time scaling is not trusted further down)",
+    )
+    p.add_argument(
+        "--state-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="training-state bytes per profiled parameter byte; given, it wins. Default: from the "
+        "profile's precision (param_dtype): 4 for fp32 (fp32 weights, gradients and two Adam moments, "
+        "16 bytes a parameter) and for a profile that does not say; 4.5 for bf16/fp16 over fp32-sized "
+        "param_bytes (DeepSpeed's BF16_Optimizer: bf16 weights, fp32 master weights, fp32 gradient "
+        "accumulator, two fp32 Adam moments, 18 bytes a parameter), 9 over 2-byte param_bytes",
+    )
+    p.add_argument(
+        "--simulate-top",
+        type=_non_negative_int,
+        default=4,
+        metavar="N",
+        help="simulate the N best analytic candidates (default 4; 0: analytic only)",
+    )
     p.add_argument("--no-baselines", action="store_true", help="do not evaluate the baselines")
-    p.add_argument("--staleness-price", type=float, default=None, metavar="P",
-                   help="price of a stale gradient (hippie.staleness_price: extra steps, as a share, when the "
-                        "whole gradient is one step stale; default 0.5, measured on the GPT example, "
-                        "docs/results/deferred_layers_auto.md): time-to-loss chooses deferred layers and ranks by "
-                        "it; every plan records the steps factor it gives")
+    p.add_argument(
+        "--staleness-price",
+        type=float,
+        default=None,
+        metavar="P",
+        help="price of a stale gradient (hippie.staleness_price: extra steps, as a share, when the "
+        "whole gradient is one step stale; default 0.5, measured on the GPT example, "
+        "docs/results/deferred_layers_auto.md): time-to-loss chooses deferred layers and ranks by "
+        "it; every plan records the steps factor it gives",
+    )
     p.add_argument("--out", "-o", metavar="FILE", help="write the plan (.json, or .yaml/.yml)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
     p.set_defaults(func=_cmd_plan)
@@ -134,25 +193,51 @@ def _cmd_plan(args) -> int:
     if args.staleness_price is not None and not (args.staleness_price >= 0 and math.isfinite(args.staleness_price)):
         raise UsageError(f"--staleness-price {args.staleness_price}: must be a number >= 0")
     try:
-        kept = keep_shape(profile.job, cluster.devices, depths=depths, search_all=search_all,
-                          micro_batch_sizes=sizes, global_batch=args.global_batch)
-        job, job_note = job_as_it_is(profile.job, cluster.devices, kept.global_batch, given=args.job,
-                                     depths=kept.depths, micro_batch_sizes=kept.micro_batch_sizes, schedules=schedules)
+        kept = keep_shape(
+            profile.job,
+            cluster.devices,
+            depths=depths,
+            search_all=search_all,
+            micro_batch_sizes=sizes,
+            global_batch=args.global_batch,
+        )
+        job, job_note = job_as_it_is(
+            profile.job,
+            cluster.devices,
+            kept.global_batch,
+            given=args.job,
+            depths=kept.depths,
+            micro_batch_sizes=kept.micro_batch_sizes,
+            schedules=schedules,
+        )
     except PlannerError as exc:
         raise UsageError(str(exc)) from None
     say = partial(print, file=sys.stderr if args.json else sys.stdout)
     from ..planner.noise import noise_warning
+
     warning = noise_warning(profile)
     if warning:
         print(warning, file=sys.stderr)
     if kept.message:
         say(kept.message)
-    plan = make_plan(profile, cluster, kept.global_batch, objective=args.objective, memory_cap=cap,
-                     schedules=schedules, depths=kept.depths, micro_batch_sizes=kept.micro_batch_sizes,
-                     min_micro_batch=args.min_micro_batch, state_factor=args.state_factor,
-                     memory_metric=args.memory_metric, simulate_top=args.simulate_top,
-                     baselines=not args.no_baselines, staleness_price=args.staleness_price, job=job,
-                     job_note=job_note)
+    plan = make_plan(
+        profile,
+        cluster,
+        kept.global_batch,
+        objective=args.objective,
+        memory_cap=cap,
+        schedules=schedules,
+        depths=kept.depths,
+        micro_batch_sizes=kept.micro_batch_sizes,
+        min_micro_batch=args.min_micro_batch,
+        state_factor=args.state_factor,
+        memory_metric=args.memory_metric,
+        simulate_top=args.simulate_top,
+        baselines=not args.no_baselines,
+        staleness_price=args.staleness_price,
+        job=job,
+        job_note=job_note,
+    )
     if args.out:
         save_plan(plan, args.out)
     if args.json:
@@ -161,8 +246,11 @@ def _cmd_plan(args) -> int:
         print(plan.summary())
     changes = changes_from_job(profile.job, plan) if profile.job is not None else []
     if changes:
-        say(format_changes(changes, f"the plan's shape is not the profiled job's ({profile.job.describe()}); "
-                                    "to run it, change:"))
+        say(
+            format_changes(
+                changes, f"the plan's shape is not the profiled job's ({profile.job.describe()}); to run it, change:"
+            )
+        )
     if args.out and not args.json:
         print(f"wrote {args.out}")
     return 0

@@ -12,6 +12,7 @@ objective's: ``step_time x steps_factor``) with the profile's spread (:func:`hip
 summary says which candidates are within that spread of the plan, i.e. which the profile cannot tell
 apart from it, and ``python -m tools.bench cut-sweep`` measures them on the real job.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,13 +22,22 @@ from .evaluate import choose_recompute, deferred_layers, simulate_configuration,
 from .model import _Candidate, _Estimate, _Layout, _Model
 from .plan_file import Candidate
 
-REACH = 2        # a boundary moves by up to this many layers
-MAX_CUTS = 24    # neighbouring cuts evaluated at most (the nearest first)
-CHEAP = 256      # simulated micro-batch-stages up to which a cut is simulated and priced as the plan was
+REACH = 2  # a boundary moves by up to this many layers
+MAX_CUTS = 24  # neighbouring cuts evaluated at most (the nearest first)
+CHEAP = 256  # simulated micro-batch-stages up to which a cut is simulated and priced as the plan was
 
 
-def evaluate(model: _Model, lay: _Layout, b: int, M: int, schedule: str, objective: str, simulate_budget: int,
-             cap: float, price: float) -> tuple[_Candidate, _Estimate, dict] | None:
+def evaluate(
+    model: _Model,
+    lay: _Layout,
+    b: int,
+    M: int,
+    schedule: str,
+    objective: str,
+    simulate_budget: int,
+    cap: float,
+    price: float,
+) -> tuple[_Candidate, _Estimate, dict] | None:
     """One configuration as the plan's is evaluated: re-computation, then the simulator (within
     ``simulate_budget``) and the deferred layers as ``objective`` chooses them (``price``: the
     staleness price); None when it does not fit."""
@@ -62,26 +72,48 @@ def neighbour_cuts(parts: Sequence[int], reach: int = REACH, limit: int = MAX_CU
 def checkpointed(lay: _Layout, ks: Sequence[int]) -> list[int]:
     if lay.v == 1:
         return sorted(i for s in range(lay.K) for i in lay.rec[s].layers(ks[s]))
-    return sorted(i for s in range(lay.K) for c, rec in enumerate(lay.rec[s].chunks)
-                  for i in rec.layers(lay.rec[s]._k(ks[s])[c]))
+    return sorted(
+        i for s in range(lay.K) for c, rec in enumerate(lay.rec[s].chunks) for i in rec.layers(lay.rec[s]._k(ks[s])[c])
+    )
 
 
 def describe(kind: str, cand: _Candidate, est: _Estimate, model: _Model, objective_value: float) -> Candidate:
     lay = cand.lay
-    return Candidate(kind=kind, pipeline_depth=lay.K, data_parallel=lay.r, micro_batch_size=cand.b,
-                     micro_batches=cand.M, schedule=cand.schedule, virtual_stages=lay.v, boundaries=list(lay.parts),
-                     checkpointed_layers=checkpointed(lay, cand.ks), step_time=est.step,
-                     steps_factor=est.steps_factor, objective_value=objective_value,
-                     memory_max=max(est.memory), predicted_by=est.predicted_by)
+    return Candidate(
+        kind=kind,
+        pipeline_depth=lay.K,
+        data_parallel=lay.r,
+        micro_batch_size=cand.b,
+        micro_batches=cand.M,
+        schedule=cand.schedule,
+        virtual_stages=lay.v,
+        boundaries=list(lay.parts),
+        checkpointed_layers=checkpointed(lay, cand.ks),
+        step_time=est.step,
+        steps_factor=est.steps_factor,
+        objective_value=objective_value,
+        memory_max=max(est.memory),
+        predicted_by=est.predicted_by,
+    )
 
 
-def runner_ups(model: _Model, chosen: _Candidate, plan_est: _Estimate, ranked: Sequence[tuple], objective: str,
-               simulate_budget: int, cap: float, price: float, count: int) -> list[Candidate]:
+def runner_ups(
+    model: _Model,
+    chosen: _Candidate,
+    plan_est: _Estimate,
+    ranked: Sequence[tuple],
+    objective: str,
+    simulate_budget: int,
+    cap: float,
+    price: float,
+    count: int,
+) -> list[Candidate]:
     """The best ``count`` candidates beside ``chosen`` by the step the objective compares: the other simulated
     configurations (``ranked``: (score, candidate, estimate, delayed) from the search) and the
     chosen configuration's neighbouring cuts."""
     from .evaluate import objective_value
     from .objectives import priced
+
     seen = {(chosen.lay.K, chosen.b, chosen.schedule, tuple(chosen.lay.parts))}
     out = []
     for value, cand, est, _ in ranked:
@@ -109,9 +141,16 @@ def runner_ups(model: _Model, chosen: _Candidate, plan_est: _Estimate, ranked: S
                 got = choose_recompute(model, lay, chosen.schedule, chosen.b, chosen.M, objective)
                 if got is not None:
                     ratio = step / chosen.est.step if chosen.est.step > 0 else 1.0
-                    got = (_Candidate(got[0], chosen.key, lay, chosen.b, chosen.M, chosen.schedule, got[1], got[2]),
-                           dataclasses.replace(got[2], step=plan_est.step * ratio, steps_factor=plan_est.steps_factor,
-                                               predicted_by="analytic"), {})
+                    got = (
+                        _Candidate(got[0], chosen.key, lay, chosen.b, chosen.M, chosen.schedule, got[1], got[2]),
+                        dataclasses.replace(
+                            got[2],
+                            step=plan_est.step * ratio,
+                            steps_factor=plan_est.steps_factor,
+                            predicted_by="analytic",
+                        ),
+                        {},
+                    )
             if got is not None:
                 cand, est, _ = got
                 out.append(describe("cut", cand, est, model, objective_value(model, est, objective)))

@@ -13,6 +13,7 @@ keys, the first size is the device memory, the first rate the inter-node bandwid
 second the intra-node one (default 100 GB/s: NVLink-class, the figure PipeDream's reference
 plans assume inside a server).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,11 +42,14 @@ class Cluster(BaseModel):
     devices_per_node: int = Field(ge=1, description="accelerators per node")
     device_memory: float = Field(gt=0, description="memory of one device (bytes)")
     inter_node_bandwidth: float = Field(gt=0, description="bandwidth between nodes, per node (bytes/s)")
-    intra_node_bandwidth: float = Field(DEFAULT_INTRA_NODE_BANDWIDTH, gt=0,
-                                        description="bandwidth between devices of a node (bytes/s)")
+    intra_node_bandwidth: float = Field(
+        DEFAULT_INTRA_NODE_BANDWIDTH, gt=0, description="bandwidth between devices of a node (bytes/s)"
+    )
     latency: float = Field(0.0, ge=0, description="start-up latency of one message (s)")
-    host: HostCost | None = Field(None, description="the host's CPU per instruction kind (planner/host.py); "
-                                  "none: the host is never the bottleneck")
+    host: HostCost | None = Field(
+        None,
+        description="the host's CPU per instruction kind (planner/host.py); none: the host is never the bottleneck",
+    )
 
     @property
     def devices(self) -> int:
@@ -57,10 +61,16 @@ class Cluster(BaseModel):
         return max(self.latency, self.host.p2p.fixed if self.host else 0.0)
 
     def describe(self) -> str:
-        host = (f"; host per forward {self.host.forward.fixed * 1e3:.3g} ms + {self.host.forward.per_layer * 1e3:.3g} "
-                f"ms/layer" if self.host else "")
-        return (f"{self.nodes} node(s) x {self.devices_per_node} device(s), {_bytes(self.device_memory)} each, "
-                f"{_rate(self.inter_node_bandwidth)} between nodes, {_rate(self.intra_node_bandwidth)} inside{host}")
+        host = (
+            f"; host per forward {self.host.forward.fixed * 1e3:.3g} ms + {self.host.forward.per_layer * 1e3:.3g} "
+            f"ms/layer"
+            if self.host
+            else ""
+        )
+        return (
+            f"{self.nodes} node(s) x {self.devices_per_node} device(s), {_bytes(self.device_memory)} each, "
+            f"{_rate(self.inter_node_bandwidth)} between nodes, {_rate(self.intra_node_bandwidth)} inside{host}"
+        )
 
 
 def _bytes(n: float) -> str:
@@ -74,8 +84,7 @@ def _rate(n: float) -> str:
     return f"{n * 8 / 1e9:.4g} Gbit/s ({n / 1e9:.4g} GB/s)"
 
 
-_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30,
-          "ti": 2.0 ** 40}
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _QUANTITY = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]i?)?(.*)$")
 
 
@@ -101,8 +110,10 @@ def parse_quantity(text: str, kind: str, what: str = "value") -> float:
         return value
     if low in ("bit", "bits", "bit/s", "bits/s", "bps") or unit in ("b/s", "b"):
         return value / 8
-    raise ClusterError(f"{what} {text!r}: expected a rate in bytes per second (12.5GB/s) or bits per second "
-                       "(100Gbit, 100Gbit/s, 100Gbps)")
+    raise ClusterError(
+        f"{what} {text!r}: expected a rate in bytes per second (12.5GB/s) or bits per second "
+        "(100Gbit, 100Gbit/s, 100Gbps)"
+    )
 
 
 def _kind(token: str) -> str:
@@ -128,17 +139,24 @@ def parse_cluster(spec: str) -> Cluster:
         raise ClusterError(f"cluster {spec!r}: must start with NODESxDEVICES, e.g. 4x4 (4 nodes of 4 devices)")
     fields: dict[str, Any] = {"nodes": int(m.group(1)), "devices_per_node": int(m.group(2))}
     rates: list[float] = []
-    keys = {"mem": "device_memory", "memory": "device_memory", "device_memory": "device_memory",
-            "inter": "inter_node_bandwidth", "inter_node_bandwidth": "inter_node_bandwidth",
-            "intra": "intra_node_bandwidth", "intra_node_bandwidth": "intra_node_bandwidth",
-            "latency": "latency"}
+    keys = {
+        "mem": "device_memory",
+        "memory": "device_memory",
+        "device_memory": "device_memory",
+        "inter": "inter_node_bandwidth",
+        "inter_node_bandwidth": "inter_node_bandwidth",
+        "intra": "intra_node_bandwidth",
+        "intra_node_bandwidth": "intra_node_bandwidth",
+        "latency": "latency",
+    }
     for tok in tokens[1:]:
         if "=" in tok:
             key, _, value = tok.partition("=")
             field = keys.get(key.strip().lower())
             if field is None:
-                raise ClusterError(f"cluster {spec!r}: unknown key {key.strip()!r}; "
-                                   "allowed: mem, inter, intra, latency")
+                raise ClusterError(
+                    f"cluster {spec!r}: unknown key {key.strip()!r}; allowed: mem, inter, intra, latency"
+                )
             kind = "bytes" if field == "device_memory" else "time" if field == "latency" else "rate"
             fields[field] = parse_quantity(value, kind, f"{key.strip()}=")
             continue
@@ -148,17 +166,24 @@ def parse_cluster(spec: str) -> Cluster:
         elif kind == "rate":
             rates.append(parse_quantity(tok, "rate", "bandwidth"))
         else:
-            raise ClusterError(f"cluster {spec!r}: cannot tell what {tok!r} is; write sizes with B (16GB) and "
-                               "rates with /s or bit (12.5GB/s, 100Gbit), or use mem=, inter=, intra=")
+            raise ClusterError(
+                f"cluster {spec!r}: cannot tell what {tok!r} is; write sizes with B (16GB) and "
+                "rates with /s or bit (12.5GB/s, 100Gbit), or use mem=, inter=, intra="
+            )
     if rates:
         fields.setdefault("inter_node_bandwidth", rates[0])
     if len(rates) > 1:
         fields.setdefault("intra_node_bandwidth", rates[1])
     if len(rates) > 2:
         raise ClusterError(f"cluster {spec!r}: more than two bandwidths")
-    missing = [name for name, f in (("device memory (e.g. 16GB)", "device_memory"),
-                                     ("inter-node bandwidth (e.g. 100Gbit)", "inter_node_bandwidth"))
-               if f not in fields]
+    missing = [
+        name
+        for name, f in (
+            ("device memory (e.g. 16GB)", "device_memory"),
+            ("inter-node bandwidth (e.g. 100Gbit)", "inter_node_bandwidth"),
+        )
+        if f not in fields
+    ]
     if fields["nodes"] == 1 and "inter_node_bandwidth" not in fields:
         fields["inter_node_bandwidth"] = fields.get("intra_node_bandwidth", DEFAULT_INTRA_NODE_BANDWIDTH)
         missing = [x for x in missing if "inter" not in x]
@@ -171,8 +196,9 @@ def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
     data = read_data_file(path, "cluster", ClusterError)
     if not isinstance(data, dict):
-        raise ClusterError(f"{path}: expected a mapping with nodes, devices_per_node, device_memory, "
-                           "inter_node_bandwidth")
+        raise ClusterError(
+            f"{path}: expected a mapping with nodes, devices_per_node, device_memory, inter_node_bandwidth"
+        )
     for key in ("device_memory",):
         if isinstance(data.get(key), str):
             data[key] = parse_quantity(data[key], "bytes", f"{path}: {key}")

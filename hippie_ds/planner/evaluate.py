@@ -1,6 +1,7 @@
 """Evaluating one planner configuration (depth, layout, micro-batches, schedule): the
 re-computation it should use, its analytic or simulated estimate, and the prediction a plan
 reports. Pure Python; the search (:mod:`.plan`) and the baselines (:mod:`.baselines`) share it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,9 @@ from .plan_file import TARGETS, Prediction
 from .traits import schedule_traits
 
 
-def choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str,
-                     targets: Sequence[float] = TARGETS) -> tuple[float, list[int], _Estimate] | None:
+def choose_recompute(
+    model: _Model, lay: _Layout, schedule: str, b: int, M: int, objective: str, targets: Sequence[float] = TARGETS
+) -> tuple[float, list[int], _Estimate] | None:
     """The best re-computation choice (over bottleneck targets) for a fixed configuration:
     (score, prefix per stage, estimate), or None when nothing fits."""
     K, f = lay.K, b / model.b0
@@ -48,9 +50,18 @@ def choose_recompute(model: _Model, lay: _Layout, schedule: str, b: int, M: int,
     return best
 
 
-def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
-                           deferred: Sequence[int], auto_limit: int, default_deferral: bool = False,
-                           staleness_price: float = 0.0) -> _Estimate:
+def simulate_configuration(
+    model: _Model,
+    lay: _Layout,
+    b: int,
+    M: int,
+    schedule: str,
+    ks: Sequence[int],
+    deferred: Sequence[int],
+    auto_limit: int,
+    default_deferral: bool = False,
+    staleness_price: float = 0.0,
+) -> _Estimate:
     """Simulate a configuration: deferred stages by the simulator's rule when affordable
     (``auto_limit`` micro-batch-stages of repeated simulation), else ``deferred`` (the
     analytic rule's choice). Each deferred stage delays its whole gradient (what the layer choice,
@@ -76,13 +87,17 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
     res = simulate(compiled, costs, iterations=iterations, critical_path=False, deferred_layers=leading or None)
     # the simulator counts a stage's chunks together; the memory model wants each chunk's count,
     # which the compiled streams give (the same op order the simulator runs)
-    p = ([max(1, x["peak_activation_microbatches"]) for x in res.per_stage] if lay.v == 1
-         else model.in_flight(schedule, lay.K, M))
+    p = (
+        [max(1, x["peak_activation_microbatches"]) for x in res.per_stage]
+        if lay.v == 1
+        else model.in_flight(schedule, lay.K, M)
+    )
     d = list(compiled.params.get("deferred_stages", []))
     mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
     factor = 1.0
     if leading:
         from ..schedules.deferral import stale_share
+
         total = sum(st.param_bytes for st in costs.stages) or 1.0
         stale = stale_share(costs, leading, total)
         stale += sum(costs.stages[s].param_bytes for s in d if s not in leading) / total
@@ -92,12 +107,21 @@ def simulate_configuration(model: _Model, lay: _Layout, b: int, M: int, schedule
 
 def _price(staleness_price: float | None) -> float:
     from ..schedules.deferral import STALENESS_PRICE
+
     return STALENESS_PRICE if staleness_price is None else staleness_price
 
 
-def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, ks: Sequence[int],
-                    est: _Estimate, staleness_price: float | None, objective: str = "time-to-loss"
-                    ) -> tuple[_Estimate, dict]:
+def deferred_layers(
+    model: _Model,
+    lay: _Layout,
+    b: int,
+    M: int,
+    schedule: str,
+    ks: Sequence[int],
+    est: _Estimate,
+    staleness_price: float | None,
+    objective: str = "time-to-loss",
+) -> tuple[_Estimate, dict]:
     """``hippie.deferred_layers: "auto"`` for a simulated configuration with deferred stages:
     (the estimate, {deferred stage: LayersChoice}) by the engine's own rule
     (:func:`hippie_ds.schedules.resolve.resolve`, the engine's one pass), as ``objective`` asks
@@ -117,22 +141,36 @@ def deferred_layers(model: _Model, lay: _Layout, b: int, M: int, schedule: str, 
     from ..schedules.resolve import Shape, resolve
     from .objectives import FREE_LAYERS, priced
 
-    choices = resolve(schedule, Shape(lay.K, M), {"deferred_stages": list(est.deferred)}, AUTO_LAYERS,
-                      _costs(model, lay, b, ks), validate=False,
-                      staleness_price=objective_price(objective, staleness_price),
-                      most_with_parameters=None if priced(objective) else FREE_LAYERS).choices
+    choices = resolve(
+        schedule,
+        Shape(lay.K, M),
+        {"deferred_stages": list(est.deferred)},
+        AUTO_LAYERS,
+        _costs(model, lay, b, ks),
+        validate=False,
+        staleness_price=objective_price(objective, staleness_price),
+        most_with_parameters=None if priced(objective) else FREE_LAYERS,
+    ).choices
     kept = [s for s in est.deferred if choices[s].layers]
-    memory = est.memory if kept == list(est.deferred) else model.memory(
-        lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions)
+    memory = (
+        est.memory
+        if kept == list(est.deferred)
+        else model.memory(
+            lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions
+        )
+    )
     first = next(iter(choices.values()))  # the step and the stale share are the pipeline's, on every choice
-    return (dataclasses.replace(est, step=first.step_time, memory=memory, deferred=kept,
-                                steps_factor=first.steps_factor), {s: choices[s] for s in kept})
+    return (
+        dataclasses.replace(est, step=first.step_time, memory=memory, deferred=kept, steps_factor=first.steps_factor),
+        {s: choices[s] for s in kept},
+    )
 
 
 def objective_price(objective: str, staleness_price: float | None) -> float:
     """The price ``objective`` charges a stale gradient: the measured one (or ``staleness_price``) for a
     priced objective, 0 for a free one."""
     from .objectives import priced
+
     return _price(staleness_price) if priced(objective) else 0.0
 
 
@@ -148,7 +186,16 @@ def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
 
 def prediction(model: _Model, est: _Estimate, objective: str | None = None) -> Prediction:
     thr, scal, m, me = model.figures(est.step, est.memory)
-    return Prediction(step_time=est.step, steps_factor=est.steps_factor, throughput=thr, scalability=scal, memory=m,
-                      memory_max=max(est.memory), memory_per_stage=list(est.memory), me=me,
-                      fits=max(est.memory) <= model.cap, predicted_by=est.predicted_by,
-                      objective_value=None if objective is None else objective_value(model, est, objective))
+    return Prediction(
+        step_time=est.step,
+        steps_factor=est.steps_factor,
+        throughput=thr,
+        scalability=scal,
+        memory=m,
+        memory_max=max(est.memory),
+        memory_per_stage=list(est.memory),
+        me=me,
+        fits=max(est.memory) <= model.cap,
+        predicted_by=est.predicted_by,
+        objective_value=None if objective is None else objective_value(model, est, objective),
+    )

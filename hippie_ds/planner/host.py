@@ -18,6 +18,7 @@ time on the rank that ran it and fits these terms over its runs (:func:`fit_host
 rank gets ``D x cores / ranks`` cores of host, so the measured CPU is scaled by
 ``ranks / (cores x D)`` (:meth:`HostCost.scaled`); for a real cluster give it as measured there.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, NamedTuple
@@ -28,13 +29,25 @@ from pydantic import BaseModel, ConfigDict, Field
 # named here is counted under "other" (load, weight-version bookkeeping): fitted, never charged.
 KIND_OF_INSTRUCTION = {
     "ForwardPass": "forward",
-    "BackwardPass": "backward", "BackwardInputPass": "backward", "BackwardWeightPass": "backward",
+    "BackwardPass": "backward",
+    "BackwardInputPass": "backward",
+    "BackwardWeightPass": "backward",
     "ForwardBackwardPass": "backward",
-    "SendActivation": "p2p", "RecvActivation": "p2p", "SendGrad": "p2p", "RecvGrad": "p2p",
-    "ISendActivation": "p2p", "ISendGrad": "p2p", "WaitSends": "p2p",
-    "ReduceGrads": "allreduce", "ReduceTiedGrads": "allreduce", "StartAllReduce": "allreduce",
-    "WaitAllReduce": "allreduce", "CopyGradsToBuffer": "allreduce",
-    "OptimizerStep": "step", "StageOptimizerStep": "step", "ApplyBufferedUpdate": "step",
+    "SendActivation": "p2p",
+    "RecvActivation": "p2p",
+    "SendGrad": "p2p",
+    "RecvGrad": "p2p",
+    "ISendActivation": "p2p",
+    "ISendGrad": "p2p",
+    "WaitSends": "p2p",
+    "ReduceGrads": "allreduce",
+    "ReduceTiedGrads": "allreduce",
+    "StartAllReduce": "allreduce",
+    "WaitAllReduce": "allreduce",
+    "CopyGradsToBuffer": "allreduce",
+    "OptimizerStep": "step",
+    "StageOptimizerStep": "step",
+    "ApplyBufferedUpdate": "step",
 }
 KINDS = ("forward", "backward", "p2p", "allreduce", "step")
 
@@ -46,6 +59,7 @@ def host_kind(instruction: str) -> str:
 
 class KindCost(BaseModel):
     """Host seconds of one instruction of a kind: ``fixed`` + ``per_layer`` x its layers."""
+
     model_config = ConfigDict(extra="forbid")
 
     fixed: float = Field(0.0, ge=0, description="seconds per instruction")
@@ -57,6 +71,7 @@ class KindCost(BaseModel):
 
 class HostCost(BaseModel):
     """What the host spends per instruction, by kind (the module docstring says how it is used)."""
+
     model_config = ConfigDict(extra="forbid")
 
     forward: KindCost = KindCost()
@@ -69,12 +84,19 @@ class HostCost(BaseModel):
 
     def scaled(self, factor: float, why: str = "") -> "HostCost":
         """Every time x ``factor`` (e.g. ranks / (cores x D) on a dilated emulated cluster)."""
+
         def s(k: KindCost) -> KindCost:
             return KindCost(fixed=k.fixed * factor, per_layer=k.per_layer * factor)
-        return HostCost(forward=s(self.forward), backward=s(self.backward),
-                        recompute_per_layer=self.recompute_per_layer * factor, p2p=s(self.p2p),
-                        allreduce=s(self.allreduce), step=s(self.step),
-                        source=f"{self.source}; x {factor:.4g}" + (f" ({why})" if why else ""))
+
+        return HostCost(
+            forward=s(self.forward),
+            backward=s(self.backward),
+            recompute_per_layer=self.recompute_per_layer * factor,
+            p2p=s(self.p2p),
+            allreduce=s(self.allreduce),
+            step=s(self.step),
+            source=f"{self.source}; x {factor:.4g}" + (f" ({why})" if why else ""),
+        )
 
     def forward_s(self, layers: float) -> float:
         return self.forward.at(layers)
@@ -100,16 +122,23 @@ def apply_to_costs(costs, host: HostCost, layers: list[int], recomputed: list[in
     stages = []
     for s, st in enumerate(costs.stages):
         backward = max(st.backward, host.backward_s(layers[s] / v, recomputed[s] / v) - st.recompute)
-        stages.append(st.model_copy(update={
-            "forward": floor(st.forward, host.forward_s(layers[s] / v)), "backward": backward,
-            "optimizer_time": st.optimizer_time + host.step_s(layers[s]),
-            "allreduce_issue_time": max(st.allreduce_issue_time, host.allreduce.fixed)}))
+        stages.append(
+            st.model_copy(
+                update={
+                    "forward": floor(st.forward, host.forward_s(layers[s] / v)),
+                    "backward": backward,
+                    "optimizer_time": st.optimizer_time + host.step_s(layers[s]),
+                    "allreduce_issue_time": max(st.allreduce_issue_time, host.allreduce.fixed),
+                }
+            )
+        )
     return costs.model_copy(update={"stages": stages})
 
 
 class Sample(NamedTuple):
     """One rank's CPU for one kind of instruction over a run: ``count`` instructions that ran
     ``layers`` layers each (``recomputed`` of them re-computed, for a backward), ``cpu_s`` in all."""
+
     kind: str
     layers: int
     recomputed: int

@@ -4,6 +4,7 @@ no re-computation, under the job's schedule and every schedule considered, each 
 with the deferral a job without a plan runs (``hippie.deferred_layers``' default) and with the one
 the plan's objective searches. The planner ranks them with its own candidates by the same figure,
 so a plan is never predicted worse than the job it would replace. Pure Python."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,12 +19,12 @@ from .profile import PlannerError
 
 @dataclass
 class JobCandidate:
-    name: str            # job:PARTITION[:searched]
+    name: str  # job:PARTITION[:searched]
     description: str
     cand: _Candidate
     est: _Estimate
-    delayed: dict        # {deferred stage: LayersChoice} of a searched deferral; {}: the config's default
-    value: float         # the objective's figure
+    delayed: dict  # {deferred stage: LayersChoice} of a searched deferral; {}: the config's default
+    value: float  # the objective's figure
     fits: bool
 
 
@@ -32,15 +33,28 @@ def deepspeed_partitions(model: _Model, parts: int) -> list[tuple[str, str, Call
     its boundaries, the operations that takes): 'parameters' (PipelineModule's default
     partition_method, hippie-ds's without a plan) and 'uniform'."""
     from . import partition as part
+
     n = model.n
-    return [("parameters", "DeepSpeed 'parameters' partition (partition_balanced over parameter counts; "
-                           "PipelineModule's default)",
-             lambda: part.deepspeed_parameters([round(w / 4) for w in model.params], parts), n * n * parts),
-            ("uniform", "DeepSpeed 'uniform' partition (equal layer counts)", lambda: part.uniform(n, parts), 0)]
+    return [
+        (
+            "parameters",
+            "DeepSpeed 'parameters' partition (partition_balanced over parameter counts; PipelineModule's default)",
+            lambda: part.deepspeed_parameters([round(w / 4) for w in model.params], parts),
+            n * n * parts,
+        ),
+        ("uniform", "DeepSpeed 'uniform' partition (equal layer counts)", lambda: part.uniform(n, parts), 0),
+    ]
 
 
-def job_candidates(model: _Model, job: Job, schedules: Sequence[str], objective: str, simulate_budget: int,
-                   staleness_price: float | None, budget: float) -> list[JobCandidate]:
+def job_candidates(
+    model: _Model,
+    job: Job,
+    schedules: Sequence[str],
+    objective: str,
+    simulate_budget: int,
+    staleness_price: float | None,
+    budget: float,
+) -> list[JobCandidate]:
     """Every configuration of the job as it is (module docstring), evaluated as the plan's are:
     simulated within ``simulate_budget`` micro-batch-stages, else analytic; a partition that costs
     more than ``budget`` operations to compute is left out."""
@@ -74,10 +88,25 @@ def job_candidates(model: _Model, job: Job, schedules: Sequence[str], objective:
             what = f"the job as it is: {job.describe()}; {description}, no re-computation, schedule {schedule}"
             rows = []
             if simulate:
-                rows.append(("", simulate_configuration(model, lay, b, M, schedule, ks, deferred, simulate_budget,
-                                                        default_deferral=True,
-                                                        staleness_price=objective_price(objective, staleness_price)),
-                             {}, "the default deferral (hippie.deferred_layers 'untied')" if traits.defers else ""))
+                rows.append(
+                    (
+                        "",
+                        simulate_configuration(
+                            model,
+                            lay,
+                            b,
+                            M,
+                            schedule,
+                            ks,
+                            deferred,
+                            simulate_budget,
+                            default_deferral=True,
+                            staleness_price=objective_price(objective, staleness_price),
+                        ),
+                        {},
+                        "the default deferral (hippie.deferred_layers 'untied')" if traits.defers else "",
+                    )
+                )
                 if traits.defers and lay.v == 1:
                     whole = simulate_configuration(model, lay, b, M, schedule, ks, deferred, simulate_budget)
                     est, delayed = deferred_layers(model, lay, b, M, schedule, ks, whole, staleness_price, objective)
@@ -85,6 +114,15 @@ def job_candidates(model: _Model, job: Job, schedules: Sequence[str], objective:
             else:
                 rows.append(("", analytic, {}, "analytic"))
             for suffix, est, delayed, how in rows:
-                out.append(JobCandidate(f"job:{name}{suffix}", what + (f"; {how}" if how else ""), cand, est, delayed,
-                                        objective_value(model, est, objective), max(est.memory) <= model.cap))
+                out.append(
+                    JobCandidate(
+                        f"job:{name}{suffix}",
+                        what + (f"; {how}" if how else ""),
+                        cand,
+                        est,
+                        delayed,
+                        objective_value(model, est, objective),
+                        max(est.memory) <= model.cap,
+                    )
+                )
     return out

@@ -1,5 +1,6 @@
 """The planner's analytic cost model of a pipeline configuration (see :mod:`hippie_ds.planner.plan`
 for the formulas): layouts, step time, memory. Pure Python."""
+
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ from .split_bounds import split_backward_time, split_stage_times
 # ---------------------------------------------------------------------------------------------
 # Cost model
 
+
 @dataclass
 class _Layout:
     """A pipeline depth and a partition, with everything per stage at the profile's batch size."""
@@ -27,22 +29,22 @@ class _Layout:
     parts: list[int]
     fwd: list[float]
     bwd: list[float]
-    wgt: list[float]                # W of a split backward: the first stage's whole backward (its data
-                                    # needs no gradient), else its layers' backward_weight
+    wgt: list[float]  # W of a split backward: the first stage's whole backward (its data
+    # needs no gradient), else its layers' backward_weight
     wgt_recomputed: list[list[list[float]]]  # [s][c][k]: of that, what re-computing prefix k of chunk c
-                                             # moves into the input pass (a re-entrant checkpoint's
-                                             # backward does it all)
+    # moves into the input pass (a re-entrant checkpoint's
+    # backward does it all)
     params: list[float]
-    cut_out: list[float]            # bytes crossing the cut after the stage (0 for the last; with
-                                    # chunks, the largest of its chunks' outgoing cuts)
-    inter_link: list[bool]          # the link to the next stage crosses nodes for some replica
-    rec: list                       # StageRecompute, or ChunkedRecompute with chunks
-    ar_work: list[float]            # seconds of all-reduce work at full link bandwidth (+ latency)
-    ar_inter: bool                  # the data-parallel groups span nodes
-    v: int = 1                      # model chunks per stage (virtual stages); parts has K v + 1 entries
-    kind: str = "interleaved"       # their layout (hippie_ds.schedules.layout)
+    cut_out: list[float]  # bytes crossing the cut after the stage (0 for the last; with
+    # chunks, the largest of its chunks' outgoing cuts)
+    inter_link: list[bool]  # the link to the next stage crosses nodes for some replica
+    rec: list  # StageRecompute, or ChunkedRecompute with chunks
+    ar_work: list[float]  # seconds of all-reduce work at full link bandwidth (+ latency)
+    ar_inter: bool  # the data-parallel groups span nodes
+    v: int = 1  # model chunks per stage (virtual stages); parts has K v + 1 entries
+    kind: str = "interleaved"  # their layout (hippie_ds.schedules.layout)
     working: list[float] = field(default_factory=list)  # the largest working memory of one of the stage's
-                                                        # layers (the loss's on the last part)
+    # layers (the loss's on the last part)
 
     def moved(self, s: int, k) -> float:
         """W of stage s that re-computing ``k`` moves into the input pass."""
@@ -54,6 +56,7 @@ class _Layout:
     def chunk_ranges(self, s: int) -> list[tuple[int, int]]:
         """[first, end) layers of each chunk of stage s, by chunk."""
         from ..schedules.layout import Layout
+
         return [(self.parts[p], self.parts[p + 1]) for p in Layout(self.kind, self.K, self.v).chunks(s)]
 
     @property
@@ -64,7 +67,7 @@ class _Layout:
 @dataclass
 class _Estimate:
     step: float
-    memory: list[float]             # per stage, bytes per device
+    memory: list[float]  # per stage, bytes per device
     in_flight: list[int]
     deferred: list[int]
     predicted_by: str = "analytic"
@@ -76,8 +79,15 @@ class _Estimate:
 class _Model:
     """Profile + cluster + options: builds layouts and estimates configurations."""
 
-    def __init__(self, profile: Profile, cluster: Cluster, global_batch: int, state_factor: float,
-                 memory_metric: str, memory_cap: float) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        cluster: Cluster,
+        global_batch: int,
+        state_factor: float,
+        memory_metric: str,
+        memory_cap: float,
+    ) -> None:
         self.profile, self.cluster, self.G = profile, cluster, global_batch
         self.state_factor, self.metric, self.cap = state_factor, memory_metric, memory_cap
         layers = profile.layers
@@ -128,9 +138,13 @@ class _Model:
         """Depth K with ``parts`` (K v + 1 boundaries; default: the balanced partition), v model
         chunks per stage placed by layout ``kind``; per-stage figures sum the stage's chunks."""
         from ..schedules.layout import Layout
+
         if parts is None:
-            parts = (part.min_bottleneck(self.work, K, self.prefix_work)[0] if v == 1 else
-                     part.chunked_partition(self.work, K, v, kind, self.prefix_work)[0])
+            parts = (
+                part.min_bottleneck(self.work, K, self.prefix_work)[0]
+                if v == 1
+                else part.chunked_partition(self.work, K, v, kind, self.prefix_work)[0]
+            )
         parts = list(parts)
         key = (K, v, kind, tuple(parts))
         cached = self._layouts.get(key)
@@ -150,8 +164,12 @@ class _Model:
             bwd.append(sum(sum(self.bwd[a:b]) for a, b in ranges))
             w = sum(self.stage_params(ranges).values())
             params.append(w)
-            working.append(max([x for a, b in ranges for x in self.working[a:b]]
-                               + [self.loss_working if any(b == self.n for _, b in ranges) else 0.0]))
+            working.append(
+                max(
+                    [x for a, b in ranges for x in self.working[a:b]]
+                    + [self.loss_working if any(b == self.n for _, b in ranges) else 0.0]
+                )
+            )
             cut_out.append(max(self.cuts[b - 1] if b < self.n else 0.0 for a, b in ranges))
             # Device d = q*K + s (pipeline innermost): does replica q's link s -> s+1 cross nodes?
             has_next = ranges[0][1] < self.n if v == 1 else s < K - 1
@@ -160,7 +178,7 @@ class _Model:
             for a, b in ranges:
                 chunk_recs.append(self._stage_recompute(a, b))
                 first = a == 0 and self.first_whole  # the model's first part: its data needs no gradient,
-                                                     # its whole backward is W
+                # its whole backward is W
                 weight += sum(self.bwd[a:b]) if first else sum(self.wgt[a:b])
                 moved = [0.0]
                 for i in chunk_recs[-1].order:
@@ -170,8 +188,9 @@ class _Model:
             wgt.append(weight)
             wgt_rec.append(moved_all)
             ar.append(0.0 if r == 1 else 2 * (r - 1) / r * w / ar_bw + 2 * (r - 1) * c.latency)
-        lay = _Layout(K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes, v, kind,
-                      working)
+        lay = _Layout(
+            K, r, parts, fwd, bwd, wgt, wgt_rec, params, cut_out, inter, rec, ar, spans_nodes, v, kind, working
+        )
         self._layouts[key] = lay
         return lay
 
@@ -254,15 +273,17 @@ class _Model:
         host = self.cluster.host
         return max(host.step_s(n) for n in self.stage_layers(lay)) if host is not None else 0.0
 
-    def step_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int],
-                  deferred: Sequence[int] | None = None) -> tuple[float, list[int]]:
+    def step_time(
+        self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int], deferred: Sequence[int] | None = None
+    ) -> tuple[float, list[int]]:
         """Analytic step time and the deferred stages (given, or by the rule), with the host's
         optimizer step."""
         step, chosen = self._pipeline_time(lay, schedule, f, M, ks, deferred)
         return step + self.host_step(lay), chosen
 
-    def _pipeline_time(self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int],
-                       deferred: Sequence[int] | None) -> tuple[float, list[int]]:
+    def _pipeline_time(
+        self, lay: _Layout, schedule: str, f: float, M: int, ks: Sequence[int], deferred: Sequence[int] | None
+    ) -> tuple[float, list[int]]:
         K = lay.K
         T, F, B, c = self.compute_time(lay, schedule, f, M, ks)
         a = lay.ar_work
@@ -304,21 +325,34 @@ class _Model:
         return max(T + max(delay, 0.0), lay.ar_total), sorted(chosen)
 
     # -- memory ---------------------------------------------------------------------------------
-    def memory(self, lay: _Layout, f: float, in_flight: Sequence[int], ks: Sequence[int],
-               deferred: Sequence[int], weight_versions: Sequence[int] | None = None) -> list[float]:
+    def memory(
+        self,
+        lay: _Layout,
+        f: float,
+        in_flight: Sequence[int],
+        ks: Sequence[int],
+        deferred: Sequence[int],
+        weight_versions: Sequence[int] | None = None,
+    ) -> list[float]:
         """Per device (the formula, :mod:`.plan`): weights and optimizer state, the gradient
         buffer of a deferred stage, extra weight versions (2bw, pipedream), activations held for
         backward and the largest working memory of one layer's forward+backward."""
         d = set(deferred)
         extra = [v - 1 for v in weight_versions] if weight_versions else [0] * lay.K
-        return [lay.params[s] * (self.state_factor + extra[s]) + (lay.params[s] if s in d else 0.0)
-                + f * (lay.rec[s].activations(ks[s], in_flight[s]) + lay.working[s]) for s in range(lay.K)]
+        return [
+            lay.params[s] * (self.state_factor + extra[s])
+            + (lay.params[s] if s in d else 0.0)
+            + f * (lay.rec[s].activations(ks[s], in_flight[s]) + lay.working[s])
+            for s in range(lay.K)
+        ]
 
     def least_memory(self, lay: _Layout, f: float, in_flight: Sequence[int]) -> list[float]:
         """Per device, a lower bound of :meth:`memory`: no deferral or extra weight versions, the
         re-computation with the least activation memory."""
-        return [lay.params[s] * self.state_factor + f * (lay.rec[s].least(in_flight[s]) + lay.working[s])
-                for s in range(lay.K)]
+        return [
+            lay.params[s] * self.state_factor + f * (lay.rec[s].least(in_flight[s]) + lay.working[s])
+            for s in range(lay.K)
+        ]
 
     def summarize_memory(self, mem: Sequence[float]) -> float:
         return max(mem) if self.metric == "max" else sum(mem) / len(mem)

@@ -26,6 +26,7 @@ their raw timed runs here, and ``hippie-ds plan`` asks :func:`noise_warning` and
   output size, not their input), from their recorded times. A first layer whose input the profile
   does not size (the loaded data) joins the one group that matches it on the rest, if one does.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,14 +77,23 @@ def pool(records: list[dict], keys: Sequence[str | None]) -> tuple[list[dict], l
         fw = [t for i in members for t in records[i]["forward_runs"]]
         bw = [t for i in members for t in records[i]["backward_runs"]]
         forward, backward = statistics.median(fw), statistics.median(bw)
-        weight = backward if all(records[i].get("weight_is_backward") for i in members) else \
-            min(statistics.median(out[i]["backward_weight"] for i in members), backward)
+        weight = (
+            backward
+            if all(records[i].get("weight_is_backward") for i in members)
+            else min(statistics.median(out[i]["backward_weight"] for i in members), backward)
+        )
         spread = _spread(fw, bw)
         extras = [out[i]["split_extra"] for i in members if out[i].get("split_extra") is not None]
         for i in members:
             own = out[i]["forward"] + out[i]["backward"]
-            out[i].update(forward=forward, recompute=forward, backward=backward, backward_weight=weight,
-                          spread=spread, own_ratio=own / (forward + backward) if forward + backward > 0 else 1.0)
+            out[i].update(
+                forward=forward,
+                recompute=forward,
+                backward=backward,
+                backward_weight=weight,
+                spread=spread,
+                own_ratio=own / (forward + backward) if forward + backward > 0 else 1.0,
+            )
             if extras:
                 out[i]["split_extra"] = statistics.median(extras)
     return out, groups
@@ -140,18 +150,29 @@ def noise_warning(profile, margin: float = NOISE_MARGIN) -> str | None:
     found = disagreements(profile, margin)
     if not found:
         return None
-    parts = [f"layers {_ranges(m)} ({profile.layers[m[0]].name}) measured {lo * 1e3:.3g}-{hi * 1e3:.3g} ms "
-             f"forward+backward (x{hi / lo:.2f})" for m, lo, hi in found]
+    parts = [
+        f"layers {_ranges(m)} ({profile.layers[m[0]].name}) measured {lo * 1e3:.3g}-{hi * 1e3:.3g} ms "
+        f"forward+backward (x{hi / lo:.2f})"
+        for m, lo, hi in found
+    ]
     load = profile.load
     busy = ""
     if load is not None and load.load_before is not None:
-        busy = f"; load average {load.load_before:.2f}" + (f" on {load.cpus} cores" if load.cpus else "") + \
-            (f", CPU/wall {load.cpu_share:.2f}" if load.cpu_share is not None else "")
-    pooled = "their times are pooled (one median per group)" if profile.groups else \
-        "this profile predates pooling: each keeps its own time"
-    return (f"warning: profile {profile.model!r} is noisy: identical layers disagree by more than "
-            f"{margin:.0%}: {'; '.join(parts)}{busy}. {pooled.capitalize()}; the machine was likely busy while "
-            "measuring: profile again on a quieter machine or with more steps/repeats before trusting close cuts")
+        busy = (
+            f"; load average {load.load_before:.2f}"
+            + (f" on {load.cpus} cores" if load.cpus else "")
+            + (f", CPU/wall {load.cpu_share:.2f}" if load.cpu_share is not None else "")
+        )
+    pooled = (
+        "their times are pooled (one median per group)"
+        if profile.groups
+        else "this profile predates pooling: each keeps its own time"
+    )
+    return (
+        f"warning: profile {profile.model!r} is noisy: identical layers disagree by more than "
+        f"{margin:.0%}: {'; '.join(parts)}{busy}. {pooled.capitalize()}; the machine was likely busy while "
+        "measuring: profile again on a quieter machine or with more steps/repeats before trusting close cuts"
+    )
 
 
 def time_spread(profile) -> float | None:

@@ -14,6 +14,7 @@ deferred stages' layers are chosen:
   factor priced at the measured :data:`hippie_ds.schedules.deferral.STALENESS_PRICE`
   (:data:`PRICE_SOURCE`); the figure is samples per second to a loss, throughput / steps factor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ from .profile import PlannerError
 
 FREE, PRICED = "free", "priced"
 # Where the staleness price comes from: the plan file records it beside the price.
-PRICE_SOURCE = ("docs/results/deferred_layers_auto.md, 'The price, measured' (GPT example, 3 seeds, steps to dp's "
-                "held-out loss): one layer delayed (2.6% of the gradient) +0.04% loss, steps factor 1.005; stage 0's "
-                "first two layers (27%) 1.19; all of stage 0 (50%) +4.24% loss, 1.27; least squares through the "
-                "origin 0.54 per stale share")
+PRICE_SOURCE = (
+    "docs/results/deferred_layers_auto.md, 'The price, measured' (GPT example, 3 seeds, steps to dp's "
+    "held-out loss): one layer delayed (2.6% of the gradient) +0.04% loss, steps factor 1.005; stage 0's "
+    "first two layers (27%) 1.19; all of stage 0 (50%) +4.24% loss, 1.27; least squares through the "
+    "origin 0.54 per stale share"
+)
 # Layers with parameters a deferred stage delays at most under a free objective: the measured-free depth.
 FREE_LAYERS = 1
 
@@ -55,13 +58,19 @@ class Objective:
 OBJECTIVES: dict[str, Objective] = {
     "me": Objective(lambda f: f.memory_efficiency, "ME, samples/s per GB (raw step)"),
     "throughput": Objective(lambda f: f.throughput, "samples/s (raw step)"),
-    "time-to-loss": Objective(lambda f: f.throughput / f.steps_factor,
-                              "samples/s to a loss: throughput / steps factor", PRICED),
+    "time-to-loss": Objective(
+        lambda f: f.throughput / f.steps_factor, "samples/s to a loss: throughput / steps factor", PRICED
+    ),
 }
 
 
-def register_objective(name: str, score: Callable[[Figures], float], *, figure: str | None = None,
-                       deferral: Literal["free", "priced"] = FREE) -> None:
+def register_objective(
+    name: str,
+    score: Callable[[Figures], float],
+    *,
+    figure: str | None = None,
+    deferral: Literal["free", "priced"] = FREE,
+) -> None:
     """Make ``name`` plannable: ``score(figures)`` is maximized, subject to the memory limits."""
     if deferral not in (FREE, PRICED):
         raise PlannerError(f"objective {name!r}: deferral {deferral!r}, expected {FREE!r} or {PRICED!r}")
@@ -79,7 +88,8 @@ def priced(name: str) -> bool:
     return OBJECTIVES[name].deferral == PRICED
 
 
-def score(name: str, throughput: float, scalability: float, memory: float, memory_efficiency: float,
-          steps_factor: float = 1.0) -> float:
+def score(
+    name: str, throughput: float, scalability: float, memory: float, memory_efficiency: float, steps_factor: float = 1.0
+) -> float:
     """The objective ``name`` of these figures (larger is better)."""
     return OBJECTIVES[name].score(Figures(throughput, scalability, memory, memory_efficiency, steps_factor))

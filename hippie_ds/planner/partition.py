@@ -19,6 +19,7 @@ holds layers parts[s] .. parts[s+1]-1.
   :func:`pipedream_uniform` - the same recurrence for K stages that are all replicated r times
   (the planner's 'pipedream' baseline: hippie-ds stages share one data-parallel width).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -48,6 +49,7 @@ def check_parts(parts: Sequence[int], n: int, k: int | None = None) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Optimal bottleneck partition
+
 
 def _greedy(prefix: list[float], k: int, limit: float) -> list[int] | None:
     """Left-to-right greedy: each stage takes as many layers as fit under ``limit``. Returns
@@ -88,8 +90,8 @@ def min_bottleneck(weights: Sequence[float], k: int, prefix: list[float] | None 
     if not 1 <= k <= n:
         raise ValueError(f"cannot split {n} layers into {k} non-empty stages")
     prefix = prefix if prefix is not None else prefix_sums(weights)
-    lo = max(weights)            # no partition beats the largest layer ...
-    hi = prefix[-1]              # ... and one stage always fits under the total
+    lo = max(weights)  # no partition beats the largest layer ...
+    hi = prefix[-1]  # ... and one stage always fits under the total
     if k == 1 or lo >= hi:
         parts = _greedy(prefix, k, hi)
         return _fill(parts, k), max(stage_sums(weights, _fill(parts, k)))
@@ -122,8 +124,14 @@ def chunk_stage_sums(prefix: Sequence[float], parts: Sequence[int], owner: Seque
     return sums
 
 
-def chunked_partition(weights: Sequence[float], k: int, v: int, kind: str = "interleaved",
-                      prefix: list[float] | None = None, max_moves: int | None = None) -> tuple[list[int], float]:
+def chunked_partition(
+    weights: Sequence[float],
+    k: int,
+    v: int,
+    kind: str = "interleaved",
+    prefix: list[float] | None = None,
+    max_moves: int | None = None,
+) -> tuple[list[int], float]:
     """K x v contiguous non-empty parts (``kind``: the layout placing them, ``interleaved`` or
     ``v``) whose largest stage sum is small, and that sum. Needs k * v <= len(weights).
 
@@ -151,8 +159,11 @@ def chunked_partition(weights: Sequence[float], k: int, v: int, kind: str = "int
 
     def key(ps: list[int]) -> tuple[float, float, float]:
         sums = chunk_stage_sums(prefix, ps, owner, k)
-        return (max(sums) / scale, sum((x / scale) ** 2 for x in sums),
-                sum(((prefix[b] - prefix[a]) / scale) ** 2 for a, b in zip(ps, ps[1:])))
+        return (
+            max(sums) / scale,
+            sum((x / scale) ** 2 for x in sums),
+            sum(((prefix[b] - prefix[a]) / scale) ** 2 for a, b in zip(ps, ps[1:])),
+        )
 
     def better(x: tuple, y: tuple) -> bool:  # lexicographic, ties within rounding
         for a, b in zip(x, y):
@@ -164,15 +175,15 @@ def chunked_partition(weights: Sequence[float], k: int, v: int, kind: str = "int
 
     def shifted(i: int, j: int, d: int) -> list[int] | None:
         """Boundaries i..j moved by d, or None when a part would be empty."""
-        ps = parts[:i] + [x + d for x in parts[i:j + 1]] + parts[j + 1:]
-        return ps if all(y > x for x, y in zip(ps[i - 1:j + 2], ps[i:j + 2])) else None
+        ps = parts[:i] + [x + d for x in parts[i : j + 1]] + parts[j + 1 :]
+        return ps if all(y > x for x, y in zip(ps[i - 1 : j + 2], ps[i : j + 2])) else None
 
     best = key(parts)
     for _ in range(max_moves if max_moves is not None else 4 * n):
         move = None
         for span in (0, None):  # single boundaries first; runs only to escape
             for i in range(1, parts_count):
-                for j in ([i] if span == 0 else range(i + 1, parts_count)):
+                for j in [i] if span == 0 else range(i + 1, parts_count):
                     for d in (-1, 1):
                         ps = shifted(i, j, d)
                         if ps is None:
@@ -205,6 +216,7 @@ def brute_force(weights: Sequence[float], k: int) -> tuple[list[int], float]:
 
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed's methods
+
 
 def uniform(num_items: int, num_parts: int) -> list[int]:
     """``deepspeed.runtime.utils.partition_uniform``: equal layer counts, the first
@@ -263,11 +275,12 @@ def deepspeed_parameters(weights: Sequence[float], num_parts: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # PipeDream's dynamic program
 
+
 @dataclass
 class PipeDreamResult:
-    time: float              # A(N, M): the slowest stage (or transfer) of the best plan
-    parts: list[int]         # stage boundaries
-    replication: list[int]   # machines of each stage
+    time: float  # A(N, M): the slowest stage (or transfer) of the best plan
+    parts: list[int]  # stage boundaries
+    replication: list[int]  # machines of each stage
 
 
 def _stage_time(compute: float, params: float, m: int, bandwidth: float, combine: str) -> float:
@@ -278,8 +291,15 @@ def _stage_time(compute: float, params: float, m: int, bandwidth: float, combine
     return (compute + sync) / m if combine == "sum" else max(compute, sync) / m
 
 
-def pipedream_dp(compute: Sequence[float], params: Sequence[float], cut_bytes: Sequence[float], machines: int,
-                 bandwidth: float, combine: str = "sum", transfers: bool = True) -> PipeDreamResult:
+def pipedream_dp(
+    compute: Sequence[float],
+    params: Sequence[float],
+    cut_bytes: Sequence[float],
+    machines: int,
+    bandwidth: float,
+    combine: str = "sum",
+    transfers: bool = True,
+) -> PipeDreamResult:
     """PipeDream's recurrence over layer prefixes j and machine counts m:
 
         A(j, m) = min( T(1 -> j, m),
@@ -325,8 +345,9 @@ def pipedream_dp(compute: Sequence[float], params: Sequence[float], cut_bytes: S
     return PipeDreamResult(A[n][machines], parts[::-1], reps[::-1])
 
 
-def pipedream_plan_time(compute, params, cut_bytes, parts, replication, bandwidth, combine="sum",
-                        transfers=True) -> float:
+def pipedream_plan_time(
+    compute, params, cut_bytes, parts, replication, bandwidth, combine="sum", transfers=True
+) -> float:
     """The objective PipeDream's recurrence minimizes, for one plan."""
     pc, pp = prefix_sums(compute), prefix_sums(params)
     value = 0.0
@@ -337,8 +358,7 @@ def pipedream_plan_time(compute, params, cut_bytes, parts, replication, bandwidt
     return value
 
 
-def pipedream_brute_force(compute, params, cut_bytes, machines, bandwidth, combine="sum",
-                          transfers=True) -> float:
+def pipedream_brute_force(compute, params, cut_bytes, machines, bandwidth, combine="sum", transfers=True) -> float:
     """The best value of :func:`pipedream_plan_time` over every partition and every split of
     ``machines`` into per-stage counts (tests)."""
     n = len(compute)
@@ -348,14 +368,22 @@ def pipedream_brute_force(compute, params, cut_bytes, machines, bandwidth, combi
             parts = [0, *cuts, n]
             for split in itertools.combinations(range(1, machines), k - 1):
                 counts = [b - a for a, b in zip((0, *split), (*split, machines))]
-                best = min(best, pipedream_plan_time(compute, params, cut_bytes, parts, counts, bandwidth,
-                                                     combine, transfers))
+                best = min(
+                    best, pipedream_plan_time(compute, params, cut_bytes, parts, counts, bandwidth, combine, transfers)
+                )
     return best
 
 
-def pipedream_uniform(compute: Sequence[float], params: Sequence[float], cut_bytes: Sequence[float], stages: int,
-                      replicas: int, bandwidth: float, p2p_bandwidth: float | None = None,
-                      combine: str = "sum") -> tuple[list[int], float]:
+def pipedream_uniform(
+    compute: Sequence[float],
+    params: Sequence[float],
+    cut_bytes: Sequence[float],
+    stages: int,
+    replicas: int,
+    bandwidth: float,
+    p2p_bandwidth: float | None = None,
+    combine: str = "sum",
+) -> tuple[list[int], float]:
     """PipeDream's recurrence restricted to ``stages`` stages that are each replicated
     ``replicas`` times: A_k(j) = min_i max(A_{k-1}(i), 2 C_i / r, T(i+1 -> j, r)). ``bandwidth``
     is the data-parallel link, ``p2p_bandwidth`` the pipeline link (default the same); the

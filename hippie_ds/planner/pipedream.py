@@ -22,6 +22,7 @@ Microsoft Corporation), with the same choices, so the reference plans quoted in
 This module is for validation and the ``pipedream`` figures in reports; the planner's own
 layer-sequence recurrence is :func:`hippie_ds.planner.partition.pipedream_dp`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from .pipedream_profile import PipeDreamGraph, parse_pipedream_graph
 class _Node:
     node_id: str
     desc: str
-    compute: float          # (forward + backward) ms
+    compute: float  # (forward + backward) ms
     activation: float
     params: float
 
@@ -129,8 +130,8 @@ class _Graph:
 
 @dataclass
 class State:
-    antichain: list[str]                    # augmented antichain
-    compute_time: float = 0.0               # seconds, all nodes up to and including the antichain
+    antichain: list[str]  # augmented antichain
+    compute_time: float = 0.0  # seconds, all nodes up to and including the antichain
     activation_size: float = 0.0
     parameter_size: float = 0.0
     output_activation_size: float = 0.0
@@ -242,16 +243,15 @@ def _pipedream_topological_order(dag_edges: dict[int, list[int]], dag_order: lis
 
 @dataclass
 class PipeDreamPlan:
-    time_per_minibatch: float               # seconds, PipeDream's predicted pipeline time
-    stages: list[tuple[int, int]]           # (first state, end state) of every stage
-    replication: list[int]                  # machines per stage (all levels multiplied)
-    single_machine_time: float              # seconds, the whole model on one GPU
-    data_parallel_time: float               # PipeDream's estimate for plain data parallelism
+    time_per_minibatch: float  # seconds, PipeDream's predicted pipeline time
+    stages: list[tuple[int, int]]  # (first state, end state) of every stage
+    replication: list[int]  # machines per stage (all levels multiplied)
+    single_machine_time: float  # seconds, the whole model on one GPU
+    data_parallel_time: float  # PipeDream's estimate for plain data parallelism
     num_states: int
 
 
-def _level(C, P, out_act, pred_mask, machines, within, bandwidth, final, straight, count_transfers,
-           rows=None):
+def _level(C, P, out_act, pred_mask, machines, within, bandwidth, final, straight, count_transfers, rows=None):
     """One level of PipeDream's compute_partitioning, vectorized over (k, j) with numpy.
 
     ``C``/``P``: (n+1) x n compute time / parameter bytes of states i..j (row 0: from the start,
@@ -273,7 +273,7 @@ def _level(C, P, out_act, pred_mask, machines, within, bandwidth, final, straigh
     last = {}
     for mp in range(1, 2 if straight else machines):
         L = (C[1:, :] + (4 * (mp - 1) * P[1:, :]) / (bandwidth * mp)) / mp
-        L = np.where(pred_mask, L, np.inf)          # k must be a predecessor state of j
+        L = np.where(pred_mask, L, np.inf)  # k must be a predecessor state of j
         if count_transfers:
             L = np.maximum(L, (2.0 * out_act / (bandwidth * mp))[:, None])
             out_j = np.where(np.arange(n) < n - 1, 2.0 * out_act / (bandwidth * mp), 0.0)
@@ -293,8 +293,8 @@ def _level(C, P, out_act, pred_mask, machines, within, bandwidth, final, straigh
         for m in range(1, machines):
             best = T[i, :, m].copy()
             for mp in range(1, 2 if straight else m + 1):
-                prev = T[i, i:, m - mp]                                 # over k >= i
-                vals = np.maximum(prev[:, None], last[mp][i:, :])       # (k, j)
+                prev = T[i, i:, m - mp]  # over k >= i
+                vals = np.maximum(prev[:, None], last[mp][i:, :])  # (k, j)
                 k_best = np.argmin(vals, axis=0)
                 v_best = vals[k_best, np.arange(n)]
                 better = v_best < best
@@ -326,8 +326,13 @@ def _splits(choice, start, end, machines):
     return list(zip(bounds, bounds[1:])), reps
 
 
-def pipedream_optimizer(profile: str | Path | PipeDreamGraph, machines: list[int], bandwidths: list[float],
-                        straight: bool = False, count_transfers: bool = True) -> PipeDreamPlan:
+def pipedream_optimizer(
+    profile: str | Path | PipeDreamGraph,
+    machines: list[int],
+    bandwidths: list[float],
+    straight: bool = False,
+    count_transfers: bool = True,
+) -> PipeDreamPlan:
     """Run PipeDream's hierarchical optimizer: ``machines`` per level (e.g. [4, 4]: 4 GPUs a
     server, 4 servers), ``bandwidths`` per level in bytes/s (e.g. [100e9, 12.5e9])."""
     if len(machines) != len(bandwidths) or not machines:
@@ -346,15 +351,25 @@ def pipedream_optimizer(profile: str | Path | PipeDreamGraph, machines: list[int
         C[i, i:] = ct[i:] - ct[i - 1]
         P[i, i:] = pt[i:] - pt[i - 1]
     out_act = np.array([s.output_activation_size for s in states])
-    pred_mask = np.zeros((n, n), dtype=bool)   # [k, j]: state k is a (transitive) predecessor of j
+    pred_mask = np.zeros((n, n), dtype=bool)  # [k, j]: state k is a (transitive) predecessor of j
     for j, s in enumerate(states):
         pred_mask[s.predecessors, j] = True
 
     tables = []
     within = 1
     for level, (m, bw) in enumerate(zip(machines, bandwidths)):
-        T, choices = _level(C, P, out_act, pred_mask, m, within, bw, final=(level == len(machines) - 1),
-                            straight=straight, count_transfers=count_transfers)
+        T, choices = _level(
+            C,
+            P,
+            out_act,
+            pred_mask,
+            m,
+            within,
+            bw,
+            final=(level == len(machines) - 1),
+            straight=straight,
+            count_transfers=count_transfers,
+        )
         tables.append((T, choices, m, within, bw, level == len(machines) - 1, C.copy()))
         within = m
         C = T[:, :, -1].copy()
@@ -366,8 +381,19 @@ def pipedream_optimizer(profile: str | Path | PipeDreamGraph, machines: list[int
         new = []
         for (start, end), rep in ranges:
             if start not in choices:  # a row the level did not keep the choices of
-                _, extra = _level(C_level, P, out_act, pred_mask, m, w, bw, final=False, straight=straight,
-                                  count_transfers=count_transfers, rows=[start])
+                _, extra = _level(
+                    C_level,
+                    P,
+                    out_act,
+                    pred_mask,
+                    m,
+                    w,
+                    bw,
+                    final=False,
+                    straight=straight,
+                    count_transfers=count_transfers,
+                    rows=[start],
+                )
                 choices.update(extra)
             sub, reps = _splits(choices[start], start, end, m)
             new.extend((rng, rep * r) for rng, r in zip(sub, reps))
@@ -379,6 +405,11 @@ def pipedream_optimizer(profile: str | Path | PipeDreamGraph, machines: list[int
     for m, bw in zip(machines, bandwidths):
         dp_time = (dp_time + (4 * (m - 1) * p_total) / (bw * m) / within) / m
         within = m
-    return PipeDreamPlan(time_per_minibatch=float(tables[-1][0][0, n - 1, machines[-1] - 1]),
-                         stages=[r for r, _ in ranges], replication=[rep for _, rep in ranges],
-                         single_machine_time=total, data_parallel_time=dp_time, num_states=n)
+    return PipeDreamPlan(
+        time_per_minibatch=float(tables[-1][0][0, n - 1, machines[-1] - 1]),
+        stages=[r for r, _ in ranges],
+        replication=[rep for _, rep in ranges],
+        single_machine_time=total,
+        data_parallel_time=dp_time,
+        num_states=n,
+    )

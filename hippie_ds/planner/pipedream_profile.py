@@ -1,6 +1,7 @@
 """PipeDream ``graph.txt`` profiles (the published per-layer profiles of its models): parsing,
 the linear order the planner uses, and conversion to a hippie-ds :class:`.profile.Profile`.
 Pure Python."""
+
 from __future__ import annotations
 
 import re
@@ -20,15 +21,15 @@ class GraphNode:
     desc: str
     forward_ms: float
     backward_ms: float
-    activation: float        # summed over a tuple output, as PipeDream's optimizer does
+    activation: float  # summed over a tuple output, as PipeDream's optimizer does
     params: float
     line: int
 
 
 @dataclass
 class PipeDreamGraph:
-    nodes: list[GraphNode]                 # file order
-    edges: list[tuple[str, str]]           # (producer, consumer), file order
+    nodes: list[GraphNode]  # file order
+    edges: list[tuple[str, str]]  # (producer, consumer), file order
     path: str
 
 
@@ -66,22 +67,37 @@ def parse_pipedream_graph(path: str | Path) -> PipeDreamGraph:
         if parts and parts[-1].startswith("stage_id="):
             parts = parts[:-1]
         if len(parts) < 3:
-            raise ProfileError(f"{where}: expected 'nodeN -- description -- forward_compute_time=..., "
-                               f"backward_compute_time=..., activation_size=..., parameter_size=...', "
-                               f"got {raw[:80]!r}")
+            raise ProfileError(
+                f"{where}: expected 'nodeN -- description -- forward_compute_time=..., "
+                f"backward_compute_time=..., activation_size=..., parameter_size=...', "
+                f"got {raw[:80]!r}"
+            )
         meta = dict(_META.findall(parts[-1]))
-        missing = [k for k in ("forward_compute_time", "backward_compute_time", "activation_size",
-                               "parameter_size") if k not in meta]
+        missing = [
+            k
+            for k in ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+            if k not in meta
+        ]
         if missing:
             raise ProfileError(f"{where}: node {parts[0]}: missing {', '.join(missing)}")
-        values = {k: _number(meta[k], where, k) for k in ("forward_compute_time", "backward_compute_time",
-                                                          "activation_size", "parameter_size")}
+        values = {
+            k: _number(meta[k], where, k)
+            for k in ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+        }
         bad = [k for k, v in values.items() if not v >= 0]
         if bad:
             raise ProfileError(f"{where}: node {parts[0]}: {bad[0]}={values[bad[0]]} must be >= 0")
-        nodes.append(GraphNode(parts[0].strip(), " -- ".join(parts[1:-1]).strip(), values["forward_compute_time"],
-                               values["backward_compute_time"], values["activation_size"],
-                               values["parameter_size"], no))
+        nodes.append(
+            GraphNode(
+                parts[0].strip(),
+                " -- ".join(parts[1:-1]).strip(),
+                values["forward_compute_time"],
+                values["backward_compute_time"],
+                values["activation_size"],
+                values["parameter_size"],
+                no,
+            )
+        )
     if not nodes:
         raise ProfileError(f"{path}: no nodes: not a PipeDream graph.txt profile")
     ids = {n.node_id for n in nodes}
@@ -151,9 +167,11 @@ def read_pipedream(path: str | Path, batch_size: int | None = None, model: str |
     if batch_size is None:
         batch_size = PIPEDREAM_BATCH_SIZES.get(stem) or PIPEDREAM_BATCH_SIZES.get(name)
         if batch_size is None:
-            raise ProfileError(f"{path}: the minibatch size this PipeDream profile was measured at is not known "
-                               f"(known: {', '.join(sorted(PIPEDREAM_BATCH_SIZES))}); give it "
-                               "(--profile-batch N)")
+            raise ProfileError(
+                f"{path}: the minibatch size this PipeDream profile was measured at is not known "
+                f"(known: {', '.join(sorted(PIPEDREAM_BATCH_SIZES))}); give it "
+                "(--profile-batch N)"
+            )
     order = linear_order(graph)
     pos = {node: k for k, node in enumerate(order)}
     index = {n.node_id: i for i, n in enumerate(graph.nodes)}
@@ -180,11 +198,14 @@ def read_pipedream(path: str | Path, batch_size: int | None = None, model: str |
         node = graph.nodes[i]
         is_input = node.desc.startswith("Input") and i not in producers
         fwd, bwd = (0.0, 0.0) if is_input else (node.forward_ms / 1e3, node.backward_ms / 1e3)
-        layers.append(LayerProfile(
-            name=f"{node.node_id}:{node.desc.split('(')[0].strip() or node.node_id}",
-            forward=fwd, backward=bwd, output_bytes=node.activation,
-            input_bytes=sum(graph.nodes[p].activation for p in producers.get(i, [])),
-            param_bytes=node.params))
+        layers.append(
+            LayerProfile(
+                name=f"{node.node_id}:{node.desc.split('(')[0].strip() or node.node_id}",
+                forward=fwd,
+                backward=bwd,
+                output_bytes=node.activation,
+                input_bytes=sum(graph.nodes[p].activation for p in producers.get(i, [])),
+                param_bytes=node.params,
+            )
+        )
     return Profile(model=name, batch_size=batch_size, layers=layers, cut_bytes=cuts, source=str(path))
-
-

@@ -66,6 +66,7 @@ least activation memory, no all-reduce exposure); they are visited best bound fi
 skipped once the bound cannot beat the best few found. The best few are simulated
 (``simulate_budget`` limits the simulated micro-batch-stages) and ranked by simulated figures.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,11 +91,13 @@ from .traits import schedule_traits
 # ---------------------------------------------------------------------------------------------
 # Search
 
+
 def _check_schedules(schedules: Sequence[str]) -> None:
     """Every schedule a built-in name or a file the compiler loads (any is plannable: the planner
     asks the schedule, :mod:`.traits`)."""
     from ..schedules import available
     from ..schedules.spec import ScheduleError, load_spec
+
     if not schedules:
         raise PlannerError(f"no schedules to plan; built-in: {', '.join(available())}")
     for name in schedules:
@@ -135,14 +138,21 @@ class _SearchResult:
     too_few_layers: dict[str, tuple[int, int]]
 
 
-def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Sequence[int] | None,
-            micro_batch_sizes: Sequence[int] | None, min_micro_batch: int, keep: int,
-            boundaries: Sequence[int] | None = None) -> _SearchResult:
+def _search(
+    model: _Model,
+    schedules: Sequence[str],
+    objective: str,
+    depths: Sequence[int] | None,
+    micro_batch_sizes: Sequence[int] | None,
+    min_micro_batch: int,
+    keep: int,
+    boundaries: Sequence[int] | None = None,
+) -> _SearchResult:
     n, P, G = model.n, model.P, model.G
     combos = []
     least_memory = math.inf
     too_few_layers: dict[str, tuple[int, int]] = {}  # schedule -> (the least depth K, v) with K v parts > layers
-    for K in (depths or _divisors(P)):
+    for K in depths or _divisors(P):
         if K > n or P % K:
             continue
         r = P // K
@@ -198,13 +208,30 @@ def _search(model: _Model, schedules: Sequence[str], objective: str, depths: Seq
 # ---------------------------------------------------------------------------------------------
 # Public entry point
 
-def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objective: str = "me",
-              memory_cap: float | None = None, schedules: Sequence[str] = SCHEDULES,
-              depths: Sequence[int] | None = None, micro_batch_sizes: Sequence[int] | None = None,
-              min_micro_batch: int | None = None, state_factor: float | None = None, memory_metric: str = "mean",
-              simulate_top: int = 4, simulate_budget: int = 4096, baselines: bool = True,
-              baseline_budget: float = 2e6, staleness_price: float | None = None, candidates: int = 5,
-              boundaries: Sequence[int] | None = None, job: Job | None = None, job_note: str | None = None) -> Plan:
+
+def make_plan(
+    profile: Profile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    objective: str = "me",
+    memory_cap: float | None = None,
+    schedules: Sequence[str] = SCHEDULES,
+    depths: Sequence[int] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    min_micro_batch: int | None = None,
+    state_factor: float | None = None,
+    memory_metric: str = "mean",
+    simulate_top: int = 4,
+    simulate_budget: int = 4096,
+    baselines: bool = True,
+    baseline_budget: float = 2e6,
+    staleness_price: float | None = None,
+    candidates: int = 5,
+    boundaries: Sequence[int] | None = None,
+    job: Job | None = None,
+    job_note: str | None = None,
+) -> Plan:
     """Plan ``profile`` on ``cluster`` for ``global_batch`` samples a step.
 
     ``objective`` names what is maximized (:mod:`.objectives`: 'me' memory efficiency,
@@ -236,55 +263,102 @@ def make_plan(profile: Profile, cluster: Cluster, global_batch: int, *, objectiv
     model = _Model(profile, cluster, global_batch, state_factor, memory_metric, cap)
     P = cluster.devices
     if not any(P % K == 0 and K <= model.n and global_batch % (P // K) == 0 for K in (depths or _divisors(P))):
-        raise PlannerError(f"global batch {global_batch} cannot be split over {P} devices: no pipeline depth K "
-                           f"(dividing {P}, at most {model.n} "
-                           f"layers{', among ' + str(list(depths)) if depths else ''}) leaves a data-parallel width "
-                           f"P/K that divides it")
+        raise PlannerError(
+            f"global batch {global_batch} cannot be split over {P} devices: no pipeline depth K "
+            f"(dividing {P}, at most {model.n} "
+            f"layers{', among ' + str(list(depths)) if depths else ''}) leaves a data-parallel width "
+            f"P/K that divides it"
+        )
 
     if min_micro_batch is None:
         min_micro_batch = max(1, profile.batch_size // 16)
     if boundaries is not None:
         _check_boundaries(boundaries, depths, model.n)
-    found = _search(model, list(schedules), objective, depths, micro_batch_sizes, min_micro_batch,
-                    keep=max(simulate_top, 1), boundaries=boundaries)
+    found = _search(
+        model,
+        list(schedules),
+        objective,
+        depths,
+        micro_batch_sizes,
+        min_micro_batch,
+        keep=max(simulate_top, 1),
+        boundaries=boundaries,
+    )
     if not found.best:
         if not found.bounded and found.too_few_layers:
-            raise PlannerError("too few layers for the schedules' model chunks: " + "; ".join(
-                f"schedule {name!r} runs {v} model chunks per stage, so {K} stages need {K * v} parts of at least "
-                f"one layer; the profile has {model.n} layers" for name, (K, v) in found.too_few_layers.items())
-                + ". Use fewer stages (--stages) or a schedule without virtual stages")
+            raise PlannerError(
+                "too few layers for the schedules' model chunks: "
+                + "; ".join(
+                    f"schedule {name!r} runs {v} model chunks per stage, so {K} stages need {K * v} parts of at least "
+                    f"one layer; the profile has {model.n} layers"
+                    for name, (K, v) in found.too_few_layers.items()
+                )
+                + ". Use fewer stages (--stages) or a schedule without virtual stages"
+            )
         least = found.least_memory
         detail = f" the least any configuration needs is {least / GB:.3g} GB per device" if math.isfinite(least) else ""
         if not found.bounded and not math.isfinite(found.least_memory):
-            raise PlannerError(f"no micro-batch size to search: the global batch {global_batch} per data-parallel "
-                               f"replica has no divisor >= {min_micro_batch} (--min-micro-batch) among the "
-                               "allowed sizes")
-        raise PlannerError(f"{profile.model!r} does not fit: no configuration of {P} devices with "
-                           f"{cap / GB:.3g} GB each (re-computing everything that helps) holds it;{detail}. "
-                           "Use more devices, more memory, or a smaller global batch")
+            raise PlannerError(
+                f"no micro-batch size to search: the global batch {global_batch} per data-parallel "
+                f"replica has no divisor >= {min_micro_batch} (--min-micro-batch) among the "
+                "allowed sizes"
+            )
+        raise PlannerError(
+            f"{profile.model!r} does not fit: no configuration of {P} devices with "
+            f"{cap / GB:.3g} GB each (re-computing everything that helps) holds it;{detail}. "
+            "Use more devices, more memory, or a smaller global batch"
+        )
 
     from ..schedules.deferral import STALENESS_PRICE
+
     price = STALENESS_PRICE if staleness_price is None else staleness_price  # what the plan records
-    chosen, est, delayed, simulated, ranked = _refine(model, found, objective, simulate_top, simulate_budget, cap,
-                                                      price)
-    jobs = job_candidates(model, job, list(schedules), objective, simulate_budget, price,
-                          baseline_budget) if job else []
+    chosen, est, delayed, simulated, ranked = _refine(
+        model, found, objective, simulate_top, simulate_budget, cap, price
+    )
+    jobs = (
+        job_candidates(model, job, list(schedules), objective, simulate_budget, price, baseline_budget) if job else []
+    )
     chosen_from, best_job = "search", _best_job(jobs)
     if best_job is not None and (not ranked or best_job.value >= objective_value(model, est, objective) * (1 - 1e-9)):
         chosen, est, delayed, chosen_from = best_job.cand, best_job.est, best_job.delayed, "job"
     compared = [_job_row(model, j, objective) for j in jobs]
     if baselines:
-        compared += plan_baselines(model, chosen, est, objective, simulate_budget, baseline_budget,
-                                   dp_micro_batch=job.micro_batch_size if job else None, staleness_price=price)
-    others = (runner_ups(model, chosen, est, ranked, objective, simulate_budget, cap, price, candidates)
-              if candidates else [])
+        compared += plan_baselines(
+            model,
+            chosen,
+            est,
+            objective,
+            simulate_budget,
+            baseline_budget,
+            dp_micro_batch=job.micro_batch_size if job else None,
+            staleness_price=price,
+        )
+    others = (
+        runner_ups(model, chosen, est, ranked, objective, simulate_budget, cap, price, candidates) if candidates else []
+    )
     note = (job.describe() if best_job else f"{job.describe()}; none of its configurations fits") if job else job_note
-    return to_plan(model, chosen, est, delayed, objective, memory_cap, compared, price, others, {
-        "seconds": round(time.perf_counter() - t0, 4), "configurations_bounded": found.bounded,
-        "configurations_evaluated": found.evaluated, "simulated": simulated,
-        "schedules": list(schedules), "depths": list(depths) if depths else "divisors of the device count",
-        "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",
-    }, job=note, chosen_from=chosen_from)
+    return to_plan(
+        model,
+        chosen,
+        est,
+        delayed,
+        objective,
+        memory_cap,
+        compared,
+        price,
+        others,
+        {
+            "seconds": round(time.perf_counter() - t0, 4),
+            "configurations_bounded": found.bounded,
+            "configurations_evaluated": found.evaluated,
+            "simulated": simulated,
+            "schedules": list(schedules),
+            "depths": list(depths) if depths else "divisors of the device count",
+            "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",
+        },
+        job=note,
+        chosen_from=chosen_from,
+    )
 
 
 def _best_job(jobs: Sequence[JobCandidate]) -> JobCandidate | None:
@@ -300,20 +374,39 @@ def _best_job(jobs: Sequence[JobCandidate]) -> JobCandidate | None:
 def _job_row(model: _Model, j: JobCandidate, objective: str) -> Baseline:
     """A configuration of the job as it is, as a row beside the plan."""
     from .candidates import checkpointed
+
     lay = j.cand.lay
-    params = {"deferred_stages": list(j.est.deferred)} if schedule_traits(j.cand.schedule, lay.K, j.cand.M).defers \
-        else {}
-    return Baseline(name=j.name, description=j.description, pipeline_depth=lay.K, data_parallel=lay.r,
-                    micro_batch_size=j.cand.b, micro_batches=j.cand.M, schedule=j.cand.schedule,
-                    schedule_params=params, boundaries=list(lay.parts),
-                    checkpointed_layers=checkpointed(lay, j.cand.ks),
-                    deferred_layers={str(s): _with_parameters(model, range(lay.parts[s], lay.parts[s + 1]), c.layers)
-                                     for s, c in j.delayed.items()},
-                    prediction=prediction(model, j.est, objective))
+    params = (
+        {"deferred_stages": list(j.est.deferred)} if schedule_traits(j.cand.schedule, lay.K, j.cand.M).defers else {}
+    )
+    return Baseline(
+        name=j.name,
+        description=j.description,
+        pipeline_depth=lay.K,
+        data_parallel=lay.r,
+        micro_batch_size=j.cand.b,
+        micro_batches=j.cand.M,
+        schedule=j.cand.schedule,
+        schedule_params=params,
+        boundaries=list(lay.parts),
+        checkpointed_layers=checkpointed(lay, j.cand.ks),
+        deferred_layers={
+            str(s): _with_parameters(model, range(lay.parts[s], lay.parts[s + 1]), c.layers)
+            for s, c in j.delayed.items()
+        },
+        prediction=prediction(model, j.est, objective),
+    )
 
 
-def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: int, simulate_budget: int,
-            cap: float, staleness_price: float) -> tuple[_Candidate, _Estimate, dict, int, list]:
+def _refine(
+    model: _Model,
+    found: _SearchResult,
+    objective: str,
+    simulate_top: int,
+    simulate_budget: int,
+    cap: float,
+    staleness_price: float,
+) -> tuple[_Candidate, _Estimate, dict, int, list]:
     """Simulate the best few analytic candidates, choose each one's deferred layers as the objective
     asks (:func:`.evaluate.deferred_layers`), and rank them by the objective's figure at the chosen
     layers (a layout that is fast only while whole stages are stale does not win): (the chosen
@@ -321,14 +414,16 @@ def _refine(model: _Model, found: _SearchResult, objective: str, simulate_top: i
     ranked (figure, candidate, estimate, choice))."""
     simulated = 0
     ranked = []
-    for cand in found.best[:max(simulate_top, 0)]:
+    for cand in found.best[: max(simulate_top, 0)]:
         if sim_cost(cand.lay, cand.M, cand.schedule) > simulate_budget:
             continue
-        est = simulate_configuration(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
-                                     auto_limit=simulate_budget)
+        est = simulate_configuration(
+            model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred, auto_limit=simulate_budget
+        )
         simulated += 1
-        est, delayed = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, staleness_price,
-                                       objective)
+        est, delayed = deferred_layers(
+            model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, staleness_price, objective
+        )
         if max(est.memory) > cap:
             continue
         ranked.append((objective_value(model, est, objective), cand, est, delayed))

@@ -77,6 +77,7 @@ A profile file (YAML or JSON)::
 PipeDream ``graph.txt`` profiles are read by :func:`.pipedream_profile.read_pipedream`; either
 format by :func:`.profile_io.load_profile`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -110,33 +111,59 @@ class LayerProfile(_Strict):
     name: str = Field(min_length=1)
     forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
     backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
-    backward_weight: float | None = Field(None, ge=0, description="the parameter-gradient part of backward (W of a "
-                                          "split backward, s; default half of backward)")
-    split_extra: float | None = Field(None, ge=0, description="what the engine's split backward (I, then W: one "
-                                      "autograd.grad per parameter group) costs beyond the whole backward (s); its I "
-                                      "is backward - backward_weight + this (default 0: the split free)")
+    backward_weight: float | None = Field(
+        None,
+        ge=0,
+        description="the parameter-gradient part of backward (W of a split backward, s; default half of backward)",
+    )
+    split_extra: float | None = Field(
+        None,
+        ge=0,
+        description="what the engine's split backward (I, then W: one "
+        "autograd.grad per parameter group) costs beyond the whole backward (s); its I "
+        "is backward - backward_weight + this (default 0: the split free)",
+    )
     recompute: float | None = Field(None, ge=0, description="extra backward time when re-computed (default forward)")
     output_bytes: float = Field(0.0, ge=0, description="bytes of the layer's output activation")
     saved_bytes: float | None = Field(None, ge=0, description="bytes kept for backward (default output_bytes)")
-    output_saved: bool | None = Field(None, description="saved_bytes includes the output: this layer or the next "
-                                                        "saves it for backward (default true)")
+    output_saved: bool | None = Field(
+        None, description="saved_bytes includes the output: this layer or the next saves it for backward (default true)"
+    )
     input_bytes: float | None = Field(None, ge=0, description="bytes entering the layer (default: previous output)")
     param_bytes: float = Field(0.0, ge=0, description="bytes of parameters (fp32: 4 per parameter)")
-    working_bytes: float | None = Field(None, ge=0, description="memory the forward+backward needs above the input, "
-                                        "parameters and saved bytes (CUDA allocator peak; default: an estimate)")
-    tied_key: str | None = Field(None, min_length=1, description="the key of a module tied to other layers "
-                                 "(TiedLayerSpec): param_bytes counts it at its first use only, and every other stage "
-                                 "that uses it holds a copy of those bytes")
-    spread: float | None = Field(None, ge=0, description="relative spread of the timed repeats: inter-quartile range "
-                                 "of forward + backward over their median (a group's: over all its repeats)")
-    own_ratio: float | None = Field(None, gt=0, description="of a grouped layer: its own median forward + backward "
-                                    "over the group's pooled median (1: it agrees with its group)")
+    working_bytes: float | None = Field(
+        None,
+        ge=0,
+        description="memory the forward+backward needs above the input, "
+        "parameters and saved bytes (CUDA allocator peak; default: an estimate)",
+    )
+    tied_key: str | None = Field(
+        None,
+        min_length=1,
+        description="the key of a module tied to other layers "
+        "(TiedLayerSpec): param_bytes counts it at its first use only, and every other stage "
+        "that uses it holds a copy of those bytes",
+    )
+    spread: float | None = Field(
+        None,
+        ge=0,
+        description="relative spread of the timed repeats: inter-quartile range "
+        "of forward + backward over their median (a group's: over all its repeats)",
+    )
+    own_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="of a grouped layer: its own median forward + backward "
+        "over the group's pooled median (1: it agrees with its group)",
+    )
 
     @model_validator(mode="after")
     def _weight_within_backward(self) -> "LayerProfile":
         if self.backward_weight is not None and self.backward_weight > self.backward:
-            raise ValueError(f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
-                             "(it is the parameter-gradient part of backward)")
+            raise ValueError(
+                f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
+                "(it is the parameter-gradient part of backward)"
+            )
         return self
 
     @property
@@ -166,24 +193,37 @@ class Profile(_Strict):
     source: str | None = Field(None, description="where the profile came from (file, tool)")
     loss: LayerProfile | None = Field(None, description="the loss function, measured like a layer (not one)")
     param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="the dtype the parameters were trained in, as measured")
+        None, description="the dtype the parameters were trained in, as measured"
+    )
     param_bytes_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="the dtype param_bytes counts (default: param_dtype)")
-    job: JobShape | None = Field(None, description="the shape of the job measured in place (hippie.profile): "
-                                 "hippie-ds plan keeps it unless told otherwise")
+        None, description="the dtype param_bytes counts (default: param_dtype)"
+    )
+    job: JobShape | None = Field(
+        None,
+        description="the shape of the job measured in place (hippie.profile): "
+        "hippie-ds plan keeps it unless told otherwise",
+    )
     load: MeasuredLoad | None = Field(None, description="the machine's load while the profile was measured")
-    groups: list[list[int]] | None = Field(None, description="layers that are the same work (class, parameter "
-                                           "shapes, input shape), measured as one group: they share their times")
-    steps: int | None = Field(None, ge=1, description="train_batch calls the times were measured over "
-                              "(hippie.profile's steps); none: one pass (hippie-ds profile) or not recorded")
+    groups: list[list[int]] | None = Field(
+        None,
+        description="layers that are the same work (class, parameter "
+        "shapes, input shape), measured as one group: they share their times",
+    )
+    steps: int | None = Field(
+        None,
+        ge=1,
+        description="train_batch calls the times were measured over "
+        "(hippie.profile's steps); none: one pass (hippie-ds profile) or not recorded",
+    )
 
     @model_validator(mode="after")
     def _check_cuts(self) -> "Profile":
         n = len(self.layers)
         if self.cut_bytes is not None:
             if len(self.cut_bytes) != n - 1:
-                raise ValueError(f"cut_bytes has {len(self.cut_bytes)} entries; a profile of {n} layers has "
-                                 f"{n - 1} cuts")
+                raise ValueError(
+                    f"cut_bytes has {len(self.cut_bytes)} entries; a profile of {n} layers has {n - 1} cuts"
+                )
             bad = [i for i, v in enumerate(self.cut_bytes) if not v >= 0]
             if bad:
                 raise ValueError(f"cut_bytes[{bad[0]}] = {self.cut_bytes[bad[0]]}: must be >= 0")
@@ -191,8 +231,10 @@ class Profile(_Strict):
         for g, group in enumerate(self.groups or ()):
             bad = [i for i in group if not 0 <= i < n or i in seen]
             if bad or len(group) < 2:
-                raise ValueError(f"groups[{g}] = {group}: a group lists two or more distinct layer indices in "
-                                 f"0..{n - 1}, each in one group only")
+                raise ValueError(
+                    f"groups[{g}] = {group}: a group lists two or more distinct layer indices in "
+                    f"0..{n - 1}, each in one group only"
+                )
             seen.update(group)
         return self
 
@@ -223,8 +265,10 @@ class Profile(_Strict):
     def working(self) -> list[float]:
         """Working memory of each layer's forward+backward (bytes above what it keeps): measured,
         else input + output + parameter bytes (the module docstring says why)."""
-        return [x.working_bytes if x.working_bytes is not None else i + x.output_bytes + x.param_bytes
-                for x, i in zip(self.layers, self.inputs())]
+        return [
+            x.working_bytes if x.working_bytes is not None else i + x.output_bytes + x.param_bytes
+            for x, i in zip(self.layers, self.inputs())
+        ]
 
     def loss_working(self) -> float:
         """The loss's working memory (0 without a loss entry), estimated as a layer's."""
@@ -263,14 +307,30 @@ class Profile(_Strict):
 
         def scale(layer: LayerProfile) -> LayerProfile:
             d = layer.model_dump()
-            for key in ("forward", "backward", "backward_weight", "split_extra", "recompute", "output_bytes",
-                        "saved_bytes", "input_bytes", "working_bytes"):
+            for key in (
+                "forward",
+                "backward",
+                "backward_weight",
+                "split_extra",
+                "recompute",
+                "output_bytes",
+                "saved_bytes",
+                "input_bytes",
+                "working_bytes",
+            ):
                 if d[key] is not None:
                     d[key] *= f
             return LayerProfile(**d)
+
         cuts = None if self.cut_bytes is None else [c * f for c in self.cut_bytes]
-        return self.model_copy(update=dict(batch_size=batch_size, layers=[scale(x) for x in self.layers],
-                                           cut_bytes=cuts, loss=None if self.loss is None else scale(self.loss)))
+        return self.model_copy(
+            update=dict(
+                batch_size=batch_size,
+                layers=[scale(x) for x in self.layers],
+                cut_bytes=cuts,
+                loss=None if self.loss is None else scale(self.loss),
+            )
+        )
 
 
 def fingerprint_of(names: Sequence[str], param_bytes: Sequence[float]) -> str:
@@ -288,14 +348,16 @@ def fingerprint_of(names: Sequence[str], param_bytes: Sequence[float]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Files
 
+
 def _format(exc: ValidationError, where: str) -> str:
     return "\n  ".join(describe(exc, where))
 
 
 def profile_from_dict(data: Any, where: str = "profile") -> Profile:
     if not isinstance(data, Mapping):
-        raise ProfileError(f"{where}: expected a mapping with keys model, batch_size, layers; "
-                           f"got {type(data).__name__}")
+        raise ProfileError(
+            f"{where}: expected a mapping with keys model, batch_size, layers; got {type(data).__name__}"
+        )
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:
@@ -310,8 +372,16 @@ def save_profile(profile: Profile, path: str | Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Synthetic profiles (tests, benchmarks)
 
-def synthetic_profile(num_layers: int, seed: int = 0, model: str | None = None, batch_size: int = 8,
-                      time_scale: float = 1e-3, act_scale: float = 5e7, param_scale: float = 2e7) -> Profile:
+
+def synthetic_profile(
+    num_layers: int,
+    seed: int = 0,
+    model: str | None = None,
+    batch_size: int = 8,
+    time_scale: float = 1e-3,
+    act_scale: float = 5e7,
+    param_scale: float = 2e7,
+) -> Profile:
     """A reproducible transformer-like profile: blocks of varied cost with an embedding first and
     a large head last (deterministic for a seed)."""
     import random
@@ -326,10 +396,19 @@ def synthetic_profile(num_layers: int, seed: int = 0, model: str | None = None, 
         out = act_scale * rng.uniform(0.5, 1.5)
         # A block saves several times its output for backward (its internals and its output).
         saved = out * rng.uniform(3.0, 8.0)
-        layers.append(LayerProfile(name=f"layer{i}", forward=time_scale * w, backward=2 * time_scale * w,
-                                   output_bytes=out, saved_bytes=saved, param_bytes=round(params)))
-    return Profile(model=model or f"synthetic-{num_layers}-{seed}", batch_size=batch_size, layers=layers,
-                   source="synthetic")
+        layers.append(
+            LayerProfile(
+                name=f"layer{i}",
+                forward=time_scale * w,
+                backward=2 * time_scale * w,
+                output_bytes=out,
+                saved_bytes=saved,
+                param_bytes=round(params),
+            )
+        )
+    return Profile(
+        model=model or f"synthetic-{num_layers}-{seed}", batch_size=batch_size, layers=layers, source="synthetic"
+    )
 
 
 def as_profile(data: Profile | Mapping[str, Any] | Sequence[Mapping[str, Any]], **kwargs) -> Profile:
@@ -340,4 +419,3 @@ def as_profile(data: Profile | Mapping[str, Any] | Sequence[Mapping[str, Any]], 
     if isinstance(data, Mapping):
         return profile_from_dict(data)
     return profile_from_dict({"layers": list(data), **kwargs})
-

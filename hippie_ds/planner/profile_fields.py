@@ -1,6 +1,7 @@
 """What a profile records besides its layers: the job it was measured in (:class:`JobShape`) and
 the machine's load while it was measured (:class:`MeasuredLoad`). Pure Python (pydantic); every
 field optional in a profile, so older profiles load as before (:mod:`.profile`)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,8 +24,10 @@ class JobShape(_Strict):
     @model_validator(mode="after")
     def _whole_micro_batches(self) -> "JobShape":
         if self.global_batch % (self.data_parallel * self.micro_batch_size):
-            raise ValueError(f"global_batch {self.global_batch} is not a multiple of data_parallel "
-                             f"{self.data_parallel} x micro_batch_size {self.micro_batch_size}")
+            raise ValueError(
+                f"global_batch {self.global_batch} is not a multiple of data_parallel "
+                f"{self.data_parallel} x micro_batch_size {self.micro_batch_size}"
+            )
         return self
 
     @property
@@ -38,9 +41,11 @@ class JobShape(_Strict):
 
     def describe(self) -> str:
         chunks = f" ({self.virtual_stages} model chunks each)" if self.virtual_stages > 1 else ""
-        return (f"{self.stages} stage{'s' if self.stages != 1 else ''}{chunks} x {self.data_parallel} "
-                f"replica{'s' if self.data_parallel != 1 else ''}, micro-batch {self.micro_batch_size}, "
-                f"global batch {self.global_batch}")
+        return (
+            f"{self.stages} stage{'s' if self.stages != 1 else ''}{chunks} x {self.data_parallel} "
+            f"replica{'s' if self.data_parallel != 1 else ''}, micro-batch {self.micro_batch_size}, "
+            f"global batch {self.global_batch}"
+        )
 
 
 class MeasuredLoad(_Strict):
@@ -49,6 +54,10 @@ class MeasuredLoad(_Strict):
     cpus: int | None = Field(None, ge=1, description="CPU cores the machine has (os.cpu_count)")
     load_before: float | None = Field(None, ge=0, description="1-minute load average when measuring began")
     load_after: float | None = Field(None, ge=0, description="1-minute load average when measuring ended")
-    cpu_share: float | None = Field(None, ge=0, description="process CPU seconds / wall seconds while measuring "
-                                    "(about the threads' share of the cores they got; low: the machine was busy)")
+    cpu_share: float | None = Field(
+        None,
+        ge=0,
+        description="process CPU seconds / wall seconds while measuring "
+        "(about the threads' share of the cores they got; low: the machine was busy)",
+    )
     wall_seconds: float | None = Field(None, ge=0, description="seconds the measurement took")

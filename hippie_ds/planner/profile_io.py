@@ -1,6 +1,7 @@
 """Profile files of either format: the one reader that picks PipeDream's ``graph.txt``
 (:mod:`.pipedream_profile`) or hippie-ds's YAML/JSON (:mod:`.profile`). Its own module so that the
 two format modules do not import each other."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -27,6 +27,7 @@ relaxation's order: its prefixes are the vertices of the time/memory trade-off) 
 time budget and ``p``, picks the prefix with the least memory. Layers that save nothing are
 never re-computed; free ones (zero re-compute time, e.g. views and dropout in a profile) first.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -38,8 +39,15 @@ class StageRecompute:
 
     __slots__ = ("start", "order", "cum_time", "cum_saved", "run_out", "max_run", "input", "total_saved", "_best")
 
-    def __init__(self, start: int, saved: Sequence[float], recompute: Sequence[float], stage_input: float,
-                 outputs: Sequence[float] | None = None, inputs: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        start: int,
+        saved: Sequence[float],
+        recompute: Sequence[float],
+        stage_input: float,
+        outputs: Sequence[float] | None = None,
+        inputs: Sequence[float] | None = None,
+    ) -> None:
         self.start = start
         n = len(saved)
         # The part of a layer's saved bytes that stays when it ends a re-computed run, and what a
@@ -137,8 +145,15 @@ class StageRecompute:
         return sorted(self.start + i for i in self.order[:k])
 
 
-def activations_of(selected: Sequence[int], start: int, saved: Sequence[float], stage_input: float, p: int,
-                   outputs: Sequence[float] | None = None, inputs: Sequence[float] | None = None) -> float:
+def activations_of(
+    selected: Sequence[int],
+    start: int,
+    saved: Sequence[float],
+    stage_input: float,
+    p: int,
+    outputs: Sequence[float] | None = None,
+    inputs: Sequence[float] | None = None,
+) -> float:
     """The memory model for an arbitrary set of re-computed layers (profile indices), written
     out run by run: for tests and for checking a plan's choice."""
     n = len(saved)
@@ -155,7 +170,7 @@ def activations_of(selected: Sequence[int], start: int, saved: Sequence[float], 
         while j + 1 < n and on[j + 1]:
             j += 1
         kept += inp[i] + out[j]
-        best = max(best, sum(saved[i:j + 1]) - out[j])
+        best = max(best, sum(saved[i : j + 1]) - out[j])
         i = j + 1
     return p * (stage_input + kept) + best
 
@@ -196,8 +211,9 @@ class ChunkedRecompute:
 
     def activations(self, k, p: Sequence[int]) -> float:
         k = self._k(k)
-        return sum(q * c.kept(x) for c, x, q in zip(self.chunks, k, p)) + max(c.max_run[x]
-                                                                              for c, x in zip(self.chunks, k))
+        return sum(q * c.kept(x) for c, x, q in zip(self.chunks, k, p)) + max(
+            c.max_run[x] for c, x in zip(self.chunks, k)
+        )
 
     def layers(self, k) -> list[int]:
         return sorted(i for c, x in zip(self.chunks, self._k(k)) for i in c.layers(x))
@@ -229,7 +245,7 @@ class ChunkedRecompute:
             return prefixes[0]
         limit = bisect_right(times, budget * (1 + 1e-12)) - 1
         best, low = prefixes[0], float("inf")
-        for k in prefixes[:max(limit, 0) + 1]:
+        for k in prefixes[: max(limit, 0) + 1]:
             mem = self.activations(k, p)
             if mem < low * (1 - 1e-12):
                 best, low = k, mem

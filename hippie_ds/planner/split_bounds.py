@@ -1,6 +1,7 @@
 """The analytic step time of a flush step whose backward is split (zero-bubble schedules, e.g.
 ZB-H1): lower bounds on the paths the step cannot shorten, and what each stage's I and W cost as
 the engine runs them (:func:`split_stage_times`). Pure Python; :mod:`.model` uses it."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -31,8 +32,9 @@ def split_stage_times(model, lay, f: float, ks: Sequence, B: Sequence[float]) ->
     return [B[s] - W[s] + f * split_extra(model, lay, s, ks[s]) / v for s in range(lay.K)], W
 
 
-def split_backward_time(F: Sequence[float], I: Sequence[float], W: Sequence[float], c: Sequence[float], M: int,
-                        in_flight: Sequence[int]) -> float:
+def split_backward_time(
+    F: Sequence[float], I: Sequence[float], W: Sequence[float], c: Sequence[float], M: int, in_flight: Sequence[int]
+) -> float:
     """Compute time of a flush step whose backward is split into I (the input gradient the
     previous stage waits for) and W (the parameter gradients nobody waits for), e.g. ZB-H1.
 
@@ -72,22 +74,38 @@ def split_backward_time(F: Sequence[float], I: Sequence[float], W: Sequence[floa
         return forwards + links + back[s]
 
     busy = max(fill[s] + M * (F[s] + I[s] + W[s]) + (M - 1) * inbound[s] + M * c[s] for s in range(K))
-    drain = max(first_input_pass(s) + M * (I[s] + W[s]) + (M - 1) * c[s]
-                + max(0, M - in_flight[s]) * (F[s] + inbound[s]) for s in range(K))
+    drain = max(
+        first_input_pass(s) + M * (I[s] + W[s]) + (M - 1) * c[s] + max(0, M - in_flight[s]) * (F[s] + inbound[s])
+        for s in range(K)
+    )
     done = max(0, M - in_flight[0])  # micro-batches stage 0 finished before its last forward
     last_forward = (M - 1) * F[0] + done * (I[0] + W[0])
     if done:
-        last_forward = max(last_forward, first_input_pass(0) + done * (I[0] + W[0]) + (done - 1) * c[0]
-                           + max(0, M - 1 - in_flight[0]) * F[0])
+        last_forward = max(
+            last_forward,
+            first_input_pass(0) + done * (I[0] + W[0]) + (done - 1) * c[0] + max(0, M - 1 - in_flight[0]) * F[0],
+        )
     round_trip = last_forward + forwards + sum(I) + 2 * links + W[0]
     back_to_0 = [0.0] * K  # the input passes and transfers from stage s back to stage 0
     for s in range(1, K):
         back_to_0[s] = back_to_0[s - 1] + I[s - 1] + c[s - 1]
-    last_input = max(fill[s] + M * (F[s] + I[s]) + max(0, M - in_flight[s]) * W[s] + (M - 1) * inbound[s]
-                     + M * c[s] + back_to_0[s] for s in range(K)) + W[0]
+    last_input = (
+        max(
+            fill[s]
+            + M * (F[s] + I[s])
+            + max(0, M - in_flight[s]) * W[s]
+            + (M - 1) * inbound[s]
+            + M * c[s]
+            + back_to_0[s]
+            for s in range(K)
+        )
+        + W[0]
+    )
     link = 0.0
     for s in range(K - 1):
         loops = max(0, M - in_flight[s])
-        link = max(link, first_input_pass(s) + loops * (2 * c[s] + F[s + 1] + I[s + 1] + c[s + 1])
-                   + (M - loops) * (I[s] + W[s]))
+        link = max(
+            link,
+            first_input_pass(s) + loops * (2 * c[s] + F[s + 1] + I[s + 1] + c[s + 1]) + (M - loops) * (I[s] + W[s]),
+        )
     return max(busy, drain, round_trip, last_input, link)

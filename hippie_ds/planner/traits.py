@@ -27,6 +27,7 @@ runs), so a new schedule file is plannable without touching the planner:
 * ``updates_per_batch[s]``: gradient all-reduces and updates of stage s per step (1 but for
   pipedream, which updates after every micro-batch).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,20 +90,33 @@ def schedule_traits(schedule: str, stages: int, micro_batches: int) -> ScheduleT
 
     def extend(x: tuple, y: tuple) -> tuple:
         # (hi - lo) is 1, or the step the schedule's `requires` allows (interleaved-1f1b: K)
-        return tuple(extend(u, w) if isinstance(u, tuple) else u + (w - u) * (micro_batches - lo) // (hi - lo)
-                     for u, w in zip(x, y))
-    return ScheduleTraits(name=a.name, stages=stages, micro_batches=micro_batches,
-                          in_flight=extend(a.in_flight, b.in_flight), interleaved=a.interleaved, defers=a.defers,
-                          continuous=a.continuous, splits_backward=a.splits_backward,
-                          weight_versions=extend(a.weight_versions, b.weight_versions),
-                          late_update=a.late_update, updates_per_batch=extend(a.updates_per_batch, b.updates_per_batch),
-                          virtual_stages=a.virtual_stages, layout=a.layout,
-                          in_flight_chunks=extend(a.in_flight_chunks, b.in_flight_chunks))
+        return tuple(
+            extend(u, w) if isinstance(u, tuple) else u + (w - u) * (micro_batches - lo) // (hi - lo)
+            for u, w in zip(x, y)
+        )
+
+    return ScheduleTraits(
+        name=a.name,
+        stages=stages,
+        micro_batches=micro_batches,
+        in_flight=extend(a.in_flight, b.in_flight),
+        interleaved=a.interleaved,
+        defers=a.defers,
+        continuous=a.continuous,
+        splits_backward=a.splits_backward,
+        weight_versions=extend(a.weight_versions, b.weight_versions),
+        late_update=a.late_update,
+        updates_per_batch=extend(a.updates_per_batch, b.updates_per_batch),
+        virtual_stages=a.virtual_stages,
+        layout=a.layout,
+        in_flight_chunks=extend(a.in_flight_chunks, b.in_flight_chunks),
+    )
 
 
 @lru_cache(maxsize=256)
 def _spec(schedule: str):
     from ..schedules.spec import load_spec
+
     return load_spec(schedule)
 
 
@@ -116,6 +130,7 @@ def _check_shape(schedule: str, stages: int, micro_batches: int) -> None:
     from ..schedules.compiler import resolve_params, resolve_virtual_stages
     from ..schedules.placement import eval_expr
     from ..schedules.spec import ScheduleError
+
     spec = _spec(schedule)
     try:
         given = {"deferred_stages": []} if "deferred_stages" in spec.params else {}
@@ -126,8 +141,9 @@ def _check_shape(schedule: str, stages: int, micro_batches: int) -> None:
             if not eval_expr(req.check, env, f"schedule {spec.name!r} requires"):
                 raise ScheduleError(f"{req.message} ({req.check.source})")
     except ScheduleError as exc:
-        raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
-                           f"micro-batches: {exc}") from None
+        raise PlannerError(
+            f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} micro-batches: {exc}"
+        ) from None
 
 
 @lru_cache(maxsize=4096)
@@ -142,8 +158,9 @@ def _probes(schedule: str, stages: int, probe: int) -> tuple[int, int]:
         found.append(m)
         if len(found) == 2:
             return found[0], found[1]
-    raise PlannerError(f"schedule {schedule!r}: no micro-batch counts near {probe} to extrapolate its traits "
-                       f"at {stages} stages from")
+    raise PlannerError(
+        f"schedule {schedule!r}: no micro-batch counts near {probe} to extrapolate its traits at {stages} stages from"
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -159,8 +176,9 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
         params = {"deferred_stages": []} if defers else {}
         compiled = compile_schedule(schedule, stages, micro_batches, validate=False, **params)
     except ScheduleError as exc:
-        raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
-                           f"micro-batches: {exc}") from None
+        raise PlannerError(
+            f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} micro-batches: {exc}"
+        ) from None
     v = compiled.virtual_stages
     in_flight, chunks, interleaved = [], [], False
     for s in range(stages):
@@ -188,25 +206,38 @@ def _compiled_traits(schedule: str, stages: int, micro_batches: int) -> Schedule
         in_flight.append(max(1, min(peak, v * micro_batches) if not compiled.continuous else peak))
         chunks.append(tuple(max(1, min(x, micro_batches) if not compiled.continuous else x) for x in chunk_peak))
     versions = tuple(weight_versions(compiled)) if compiled.continuous else (1,) * stages
-    versioned = any(op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages)
-                    for op in compiled.ops(s))
-    return ScheduleTraits(name=compiled.name, stages=stages, micro_batches=micro_batches, in_flight=tuple(in_flight),
-                          interleaved=interleaved, defers=defers, continuous=compiled.continuous,
-                          splits_backward=compiled.splits_backward, weight_versions=versions,
-                          late_update=defers or versioned,
-                          updates_per_batch=tuple(compiled.updates_per_batch or (1,) * stages),
-                          virtual_stages=v, layout=compiled.layout_kind, in_flight_chunks=tuple(chunks))
+    versioned = any(
+        op.version is not None and op.kind in COMPUTE_KINDS for s in range(stages) for op in compiled.ops(s)
+    )
+    return ScheduleTraits(
+        name=compiled.name,
+        stages=stages,
+        micro_batches=micro_batches,
+        in_flight=tuple(in_flight),
+        interleaved=interleaved,
+        defers=defers,
+        continuous=compiled.continuous,
+        splits_backward=compiled.splits_backward,
+        weight_versions=versions,
+        late_update=defers or versioned,
+        updates_per_batch=tuple(compiled.updates_per_batch or (1,) * stages),
+        virtual_stages=v,
+        layout=compiled.layout_kind,
+        in_flight_chunks=tuple(chunks),
+    )
 
 
 def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
     from ..schedules.compiler import resolve_params
     from ..schedules.spec import ScheduleError, load_spec
+
     spec = load_spec(schedule)
     try:
         resolve_params(spec, stages, micro_batches, {"deferred_stages": []} if "deferred_stages" in spec.params else {})
     except ScheduleError as exc:
-        raise PlannerError(f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} "
-                           f"micro-batches: {exc}") from None
+        raise PlannerError(
+            f"schedule {schedule!r} cannot be planned at {stages} stages x {micro_batches} micro-batches: {exc}"
+        ) from None
     base = schedule_traits(schedule, DEPTH_PROBE, micro_batches)
     prev = schedule_traits(schedule, DEPTH_PROBE - 1, micro_batches)
 
@@ -217,21 +248,38 @@ def _deeper(schedule: str, stages: int, micro_batches: int) -> ScheduleTraits:
     def by_distance(field: str) -> tuple[int, ...]:
         # linear in the distance from the last stage and in the depth (zb-h1 holds K everywhere)
         x, y = getattr(base, field), getattr(prev, field)
-        return tuple(at(x, d) + (stages - DEPTH_PROBE) * (at(x, d) - at(y, d))
-                     for d in (stages - 1 - s for s in range(stages)))
+        return tuple(
+            at(x, d) + (stages - DEPTH_PROBE) * (at(x, d) - at(y, d)) for d in (stages - 1 - s for s in range(stages))
+        )
+
     in_flight = by_distance("in_flight")
     v = base.virtual_stages
-    per_chunk = [tuple(at(tuple(x[c] for x in base.in_flight_chunks), d)
-                       + (stages - DEPTH_PROBE) * (at(tuple(x[c] for x in base.in_flight_chunks), d)
-                                                   - at(tuple(x[c] for x in prev.in_flight_chunks), d))
-                       for d in (stages - 1 - s for s in range(stages))) for c in range(v)]
+    per_chunk = [
+        tuple(
+            at(tuple(x[c] for x in base.in_flight_chunks), d)
+            + (stages - DEPTH_PROBE)
+            * (at(tuple(x[c] for x in base.in_flight_chunks), d) - at(tuple(x[c] for x in prev.in_flight_chunks), d))
+            for d in (stages - 1 - s for s in range(stages))
+        )
+        for c in range(v)
+    ]
     chunks = tuple(zip(*per_chunk))
     if not base.continuous:  # a flush pipeline holds at most its M micro-batches (per chunk)
         in_flight = tuple(min(x, v * micro_batches) for x in in_flight)
         chunks = tuple(tuple(min(x, micro_batches) for x in row) for row in chunks)
-    return ScheduleTraits(name=base.name, stages=stages, micro_batches=micro_batches,
-                          in_flight=in_flight, interleaved=base.interleaved, defers=base.defers,
-                          continuous=base.continuous, splits_backward=base.splits_backward,
-                          weight_versions=by_distance("weight_versions"),
-                          late_update=base.late_update, updates_per_batch=by_distance("updates_per_batch"),
-                          virtual_stages=v, layout=base.layout, in_flight_chunks=chunks)
+    return ScheduleTraits(
+        name=base.name,
+        stages=stages,
+        micro_batches=micro_batches,
+        in_flight=in_flight,
+        interleaved=base.interleaved,
+        defers=base.defers,
+        continuous=base.continuous,
+        splits_backward=base.splits_backward,
+        weight_versions=by_distance("weight_versions"),
+        late_update=base.late_update,
+        updates_per_batch=by_distance("updates_per_batch"),
+        virtual_stages=v,
+        layout=base.layout,
+        in_flight_chunks=chunks,
+    )

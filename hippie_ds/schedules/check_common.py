@@ -1,5 +1,6 @@
 """What the validator's analyses share: the :class:`Problem` they report and the call sequences
 (scenarios) a continuous schedule is checked under. Pure Python."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,14 +42,17 @@ def short(op: Op) -> str:
 # A scenario of a continuous schedule: a list of phases, each ("call", t) or ("drain", t) (the
 # drain after t calls); ops of batches that do not exist or were drained are skipped.
 
+
 def scenarios(compiled: CompiledSchedule, iterations: int = 2) -> list[list[tuple[str, int]]]:
     """The call sequences the validator checks for a continuous schedule: enough calls to
     reach the steady state, then a drain; and a drain in the middle of training (as
     save_checkpoint does) followed by more calls and a final drain."""
     depth = max((-op.batch for s in range(compiled.stages) for op in compiled.ops(s)), default=0)
     n = max(iterations, depth + 3)
-    return [[("call", t) for t in range(n)] + [("drain", n)],
-            [("call", 0), ("drain", 1), ("call", 1), ("call", 2), ("drain", 3)]]
+    return [
+        [("call", t) for t in range(n)] + [("drain", n)],
+        [("call", 0), ("drain", 1), ("call", 1), ("call", 2), ("drain", 3)],
+    ]
 
 
 def scenario_ops(compiled: CompiledSchedule, stage: int, scenario) -> list[tuple[int, int, Op]]:
@@ -63,8 +67,12 @@ def scenario_ops(compiled: CompiledSchedule, stage: int, scenario) -> list[tuple
     return out
 
 
-def check_slots(ops: Sequence[tuple[Hashable, Op]], num_buffers: int, add: Callable[[Op, str], None],
-                name: Callable[[Hashable], str]) -> None:
+def check_slots(
+    ops: Sequence[tuple[Hashable, Op]],
+    num_buffers: int,
+    add: Callable[[Op, str], None],
+    name: Callable[[Hashable], str],
+) -> None:
     """Pipeline buffer slots of one stage's op sequence, ``(micro-batch key, op)`` in execution
     order: every slot in range, one slot per micro-batch, and no slot rewritten while its
     micro-batch still has ops to run. A micro-batch holds its slot from its first buffer op to its
@@ -93,8 +101,11 @@ def check_slots(ops: Sequence[tuple[Hashable, Op]], num_buffers: int, add: Calla
             other = holder.get(b)
             if other is not None and last[other] > i:
                 later = ops[last[other]][1]
-                add(op, f"buffer overwritten while live: slot {b} still holds {name(other)} "
-                        f"(used again at step {later.step} by {short(later)})")
+                add(
+                    op,
+                    f"buffer overwritten while live: slot {b} still holds {name(other)} "
+                    f"(used again at step {later.step} by {short(later)})",
+                )
             holder[b] = key
         elif b != slot_of[key]:
             add(op, f"{name(key)} in slot {b}, but its first op put it in slot {slot_of[key]}")

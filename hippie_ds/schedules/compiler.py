@@ -12,6 +12,7 @@ Passes, in order (2 and 3 in :mod:`.placement`; continuous schedules in :mod:`.c
 5. allocate pipeline buffer slots from micro-batch lifetimes (cyclic ``mb % n`` when it is
    conflict-free, as DeepSpeed does, else interval colouring), n >= 2 like DeepSpeed.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -36,8 +37,9 @@ def resolve_params(spec: ScheduleSpec, stages: int, micro_batches: int, given: M
     unknown = set(given) - set(spec.params)
     if unknown:
         allowed = ", ".join(sorted(spec.params)) or "none"
-        raise ScheduleError(f"schedule {spec.name!r} has no parameter {', '.join(sorted(unknown))}; "
-                            f"its parameters: {allowed}")
+        raise ScheduleError(
+            f"schedule {spec.name!r} has no parameter {', '.join(sorted(unknown))}; its parameters: {allowed}"
+        )
     env = {"stages": stages, "micro_batches": micro_batches}
     out: dict[str, Any] = {}
     for name, p in spec.params.items():
@@ -53,17 +55,21 @@ def resolve_params(spec: ScheduleSpec, stages: int, micro_batches: int, given: M
                 try:
                     value = [int(v) for v in value.split(",") if v.strip()]
                 except ValueError:
-                    raise ScheduleError(f"parameter {name} = {value!r}: expected 'auto' or a list of stage "
-                                        f"indices in 0..{stages - 1}") from None
+                    raise ScheduleError(
+                        f"parameter {name} = {value!r}: expected 'auto' or a list of stage indices in 0..{stages - 1}"
+                    ) from None
             try:
                 value = sorted({int(v) for v in value})
             except (TypeError, ValueError):
-                raise ScheduleError(f"parameter {name} = {value!r}: expected 'auto' or a list of stage "
-                                    f"indices in 0..{stages - 1}") from None
+                raise ScheduleError(
+                    f"parameter {name} = {value!r}: expected 'auto' or a list of stage indices in 0..{stages - 1}"
+                ) from None
             bad = [v for v in value if not 0 <= v < stages]
             if bad:
-                raise ScheduleError(f"parameter {name} = {value}: stage(s) {bad} out of range; "
-                                    f"allowed 0..{stages - 1} for {stages} stages")
+                raise ScheduleError(
+                    f"parameter {name} = {value}: stage(s) {bad} out of range; "
+                    f"allowed 0..{stages - 1} for {stages} stages"
+                )
         elif p.kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ScheduleError(f"parameter {name} = {value!r}: expected an integer")
@@ -124,21 +130,32 @@ def resolve_virtual_stages(spec: ScheduleSpec, stages: int, micro_batches: int, 
     if given is None:
         if declared is None:
             return 1
-        given = _int(declared, {"stages": stages, "micro_batches": micro_batches},
-                     f"schedule {spec.name!r} virtual_stages")
+        given = _int(
+            declared, {"stages": stages, "micro_batches": micro_batches}, f"schedule {spec.name!r} virtual_stages"
+        )
     if isinstance(given, bool) or not isinstance(given, int) or given < 1:
         raise ScheduleError(f"virtual_stages = {given!r}: must be an integer >= 1")
     if given > 1 and declared is None:
-        raise ScheduleError(f"virtual_stages = {given}: schedule {spec.name!r} runs one model chunk per stage; "
-                            "schedules with virtual stages declare virtual_stages (e.g. interleaved-1f1b)")
+        raise ScheduleError(
+            f"virtual_stages = {given}: schedule {spec.name!r} runs one model chunk per stage; "
+            "schedules with virtual stages declare virtual_stages (e.g. interleaved-1f1b)"
+        )
     if spec.layout == "v" and given != 2:
-        raise ScheduleError(f"virtual_stages = {given}: schedule {spec.name!r} has the V-shape layout, "
-                            "which holds exactly 2 chunks per stage")
+        raise ScheduleError(
+            f"virtual_stages = {given}: schedule {spec.name!r} has the V-shape layout, "
+            "which holds exactly 2 chunks per stage"
+        )
     return given
 
 
-def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params: Mapping[str, Any] | None = None,
-                     source: str = "", virtual_stages: int | None = None) -> CompiledSchedule:
+def compile_schedule(
+    spec: ScheduleSpec,
+    stages: int,
+    micro_batches: int,
+    params: Mapping[str, Any] | None = None,
+    source: str = "",
+    virtual_stages: int | None = None,
+) -> CompiledSchedule:
     """Compile ``spec`` for ``stages`` x ``micro_batches`` (x ``virtual_stages`` chunks per stage,
     default the schedule's); raises ScheduleError naming the problem."""
     _check_counts(stages, micro_batches)
@@ -150,31 +167,41 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
         if not _eval(req.check, env, f"schedule {spec.name!r} requires"):
             given = ", ".join(f"{k}={v!r}" for k, v in resolved.items())
             chunks = f", {v} model chunks per stage" if v > 1 else ""
-            raise ScheduleError(f"schedule {spec.name!r} cannot run {stages} stages x {micro_batches} "
-                                f"micro-batch{'es' if micro_batches != 1 else ''}{chunks}"
-                                f"{f' with {given}' if given else ''}: {req.message} ({req.check.source})")
+            raise ScheduleError(
+                f"schedule {spec.name!r} cannot run {stages} stages x {micro_batches} "
+                f"micro-batch{'es' if micro_batches != 1 else ''}{chunks}"
+                f"{f' with {given}' if given else ''}: {req.message} ({req.check.source})"
+            )
     if spec.steady_state is not None:
         if v > 1:
             raise ScheduleError(f"schedule {spec.name!r}: virtual stages in a steady_state schedule are not supported")
         return compile_continuous(spec, stages, micro_batches, resolved, env, source)
     for i, rule in enumerate(spec.compute):
         if rule.version is not None:
-            raise ScheduleError(f"schedule {spec.name!r} compute[{i}].version: only allowed in schedules with "
-                                "steady_state (a flush schedule updates once, after every backward)")
+            raise ScheduleError(
+                f"schedule {spec.name!r} compute[{i}].version: only allowed in schedules with "
+                "steady_state (a flush schedule updates once, after every backward)"
+            )
         if any(p.target != "chunk" for p in rule.after):  # the spec gives target 'chunk' to start_allreduce only
-            raise ScheduleError(f"schedule {spec.name!r} compute[{i}].after: a flush schedule places only "
-                                "start_allreduce (target chunk) there; its update comes once, after every backward")
+            raise ScheduleError(
+                f"schedule {spec.name!r} compute[{i}].after: a flush schedule places only "
+                "start_allreduce (target chunk) there; its update comes once, after every backward"
+            )
     for p in spec.prologue + spec.epilogue:
         if p.target == "chunk":
-            raise ScheduleError(f"schedule {spec.name!r}: start_allreduce(chunk) belongs in a compute rule's "
-                                "'after' (it all-reduces that op's chunk)")
+            raise ScheduleError(
+                f"schedule {spec.name!r}: start_allreduce(chunk) belongs in a compute rule's "
+                "'after' (it all-reduces that op's chunk)"
+            )
 
     sparse = []
     for s in range(stages):
         placed = place_compute(spec, s, env)
         if not placed:
-            raise ScheduleError(f"schedule {spec.name!r}: stage {s} has no compute ops for "
-                                f"{stages} stages x {micro_batches} micro-batches")
+            raise ScheduleError(
+                f"schedule {spec.name!r}: stage {s} has no compute ops for "
+                f"{stages} stages x {micro_batches} micro-batches"
+            )
         lowered = lower_stage(placed, layout)
         for t, (op, rule) in placed.items():  # 'after' ops follow the op and its same-step sends
             lowered[t].extend(after_ops(spec, op, rule, env, t))
@@ -184,8 +211,10 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
     if spec.steps is not None:
         num_steps = _int(spec.steps, env, f"schedule {spec.name!r} steps")
         if num_steps < needed:
-            raise ScheduleError(f"schedule {spec.name!r}: steps = {num_steps} but ops are placed up to step "
-                                f"{needed - 1}; steps must be at least {needed}")
+            raise ScheduleError(
+                f"schedule {spec.name!r}: steps = {num_steps} but ops are placed up to step "
+                f"{needed - 1}; steps must be at least {needed}"
+            )
     else:
         num_steps = needed
 
@@ -198,24 +227,40 @@ def compile_schedule(spec: ScheduleSpec, stages: int, micro_batches: int, params
         has_isend = any(op.kind in SEND_KINDS and not op.blocking for step in steps for op in step)
         if has_isend:
             steps[stage_end].append(Op(OpKind.WAIT_SENDS, s, stage_end))
-        steps[0][:0] = [Op(p.kind, s, 0, target=p.target) for i, p in enumerate(spec.prologue)
-                        if _eval(p.when, stage_env, f"schedule {spec.name!r} prologue[{i}] when")]
+        steps[0][:0] = [
+            Op(p.kind, s, 0, target=p.target)
+            for i, p in enumerate(spec.prologue)
+            if _eval(p.when, stage_env, f"schedule {spec.name!r} prologue[{i}] when")
+        ]
         for i, placed_op in enumerate(spec.epilogue):
             if _eval(placed_op.when, stage_env, f"schedule {spec.name!r} epilogue[{i}] when"):
                 t = num_steps - 1 if placed_op.at == "end" else stage_end
                 steps[t].append(Op(placed_op.kind, s, t, target=placed_op.target))
         flat = [op for step in steps for op in step]
         assign, n = _allocate_buffers(flat)
-        steps = [[replace(op, buffer=assign[(op.chunk, op.micro_batch)]) if op.micro_batch is not None else op
-                  for op in step]
-                 for step in steps]
+        steps = [
+            [
+                replace(op, buffer=assign[(op.chunk, op.micro_batch)]) if op.micro_batch is not None else op
+                for op in step
+            ]
+            for step in steps
+        ]
         streams.append(steps)
         num_buffers.append(n)
 
-    return CompiledSchedule(name=spec.name, stages=stages, micro_batches=micro_batches, params=resolved,
-                            streams=streams, num_buffers=num_buffers, source=source, description=spec.description,
-                            uses_tied_reduction=any(OP_INFO[p.kind].tied for p in spec.epilogue),
-                            virtual_stages=v, layout_kind=spec.layout)
+    return CompiledSchedule(
+        name=spec.name,
+        stages=stages,
+        micro_batches=micro_batches,
+        params=resolved,
+        streams=streams,
+        num_buffers=num_buffers,
+        source=source,
+        description=spec.description,
+        uses_tied_reduction=any(OP_INFO[p.kind].tied for p in spec.epilogue),
+        virtual_stages=v,
+        layout_kind=spec.layout,
+    )
 
 
 def inference_stream(layout: Layout, stage: int, micro_batches: int):

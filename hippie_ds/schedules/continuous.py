@@ -1,6 +1,7 @@
 """Continuous (``steady_state``) schedules: the pipeline stays full across ``train_batch`` calls.
 Batch b's ops sit ``period`` steps after batch b-1's on an endless per-stage timeline; a call
 runs one window of it, and ``drain`` completes the batches still in flight. Pure Python."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,8 +11,9 @@ from .placement import after_ops, eval_expr, int_expr, lower_stage, place_comput
 from .spec import ComputeRule, ScheduleError, ScheduleSpec
 
 
-def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, resolved: dict, env: dict,
-                        source: str) -> CompiledSchedule:
+def compile_continuous(
+    spec: ScheduleSpec, stages: int, micro_batches: int, resolved: dict, env: dict, source: str
+) -> CompiledSchedule:
     """Batch b's ops sit ``period`` steps after batch b-1's on an endless per-stage timeline;
     a call runs one window of it. Lowering (loads, receives, sends) runs on the timeline, so a
     send that follows the last op of a window lands at the start of the next one."""
@@ -28,14 +30,17 @@ def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, reso
         offset = int_expr(ss.offset, stage_env, f"schedule {name!r} steady_state.offset")
         placed = place_compute(spec, s, env)
         if not placed:
-            raise ScheduleError(f"schedule {name!r}: stage {s} has no compute ops for "
-                                f"{stages} stages x {micro_batches} micro-batches")
+            raise ScheduleError(
+                f"schedule {name!r}: stage {s} has no compute ops for {stages} stages x {micro_batches} micro-batches"
+            )
         first, last = min(placed), max(placed)
         if first < offset:
             op = placed[first][0]
-            raise ScheduleError(f"schedule {name!r}: stage {s} places {op.kind.value}(mb={op.micro_batch}) at step "
-                                f"{first}, before its window starts (steady_state.offset = {offset}): a batch's ops "
-                                "must not run in an earlier call than its own")
+            raise ScheduleError(
+                f"schedule {name!r}: stage {s} places {op.kind.value}(mb={op.micro_batch}) at step "
+                f"{first}, before its window starts (steady_state.offset = {offset}): a batch's ops "
+                "must not run in an earlier call than its own"
+            )
         depth = max(0, (last - offset) // period)  # earlier batches with ops in a call's window
         versioned = [op.version is not None for op, _ in placed.values()]
         if any(versioned) and not all(versioned):
@@ -49,8 +54,13 @@ def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, reso
                 raise ScheduleError(f"schedule {name!r}: stage {s} declares weight versions but never updates")
             window = _weight_ops(window, u, depth, s)
         slots, n = _continuous_buffers(timeline, micro_batches, period, name, s)
-        window = [[replace(op, step=t, buffer=slots[op.micro_batch]) if op.micro_batch is not None
-                   else replace(op, step=t) for op in step] for t, step in enumerate(window)]
+        window = [
+            [
+                replace(op, step=t, buffer=slots[op.micro_batch]) if op.micro_batch is not None else replace(op, step=t)
+                for op in step
+            ]
+            for t, step in enumerate(window)
+        ]
         drain: list[list[Op]] = []
         for k in range(depth + 1):
             for step in window:
@@ -64,10 +74,22 @@ def compile_continuous(spec: ScheduleSpec, stages: int, micro_batches: int, reso
         offsets.append(offset)
     length = max(len(d) for d in drains)
     drains = [d + [[] for _ in range(length - len(d))] for d in drains]
-    return CompiledSchedule(name=name, stages=stages, micro_batches=micro_batches, params=resolved, streams=streams,
-                            num_buffers=num_buffers, source=source, description=spec.description,
-                            uses_tied_reduction=False, continuous=True, drain=drains, updates_per_batch=updates,
-                            period=period, offsets=offsets)
+    return CompiledSchedule(
+        name=name,
+        stages=stages,
+        micro_batches=micro_batches,
+        params=resolved,
+        streams=streams,
+        num_buffers=num_buffers,
+        source=source,
+        description=spec.description,
+        uses_tied_reduction=False,
+        continuous=True,
+        drain=drains,
+        updates_per_batch=updates,
+        period=period,
+        offsets=offsets,
+    )
 
 
 def update_times(compiled: CompiledSchedule, stage: int) -> list[tuple[int, int]]:
@@ -93,8 +115,10 @@ def sum_lag(compiled: CompiledSchedule, stages) -> int:
     times = {s: update_times(compiled, s) for s in stages}
     per_batch = {len(t) for t in times.values()}
     if len(per_batch) != 1 or 0 in per_batch:
-        raise ScheduleError(f"schedule {compiled.name!r}: stages {stages} update {sorted(per_batch)} times a batch; "
-                            "a sum over them needs the same count on each")
+        raise ScheduleError(
+            f"schedule {compiled.name!r}: stages {stages} update {sorted(per_batch)} times a batch; "
+            "a sum over them needs the same count on each"
+        )
     (u_per_batch,) = per_batch
 
     def at(s: int, u: int) -> tuple[int, int]:
@@ -119,26 +143,37 @@ def _check_continuous_spec(spec: ScheduleSpec) -> None:
     backwards, and 'after' ops other than the per-micro-batch all-reduce and update."""
     name = spec.name
     if spec.prologue:
-        raise ScheduleError(f"schedule {name!r}: prologue is not allowed with steady_state (no call starts "
-                            "the pipeline afresh); use epilogue or a compute rule's 'after'")
+        raise ScheduleError(
+            f"schedule {name!r}: prologue is not allowed with steady_state (no call starts "
+            "the pipeline afresh); use epilogue or a compute rule's 'after'"
+        )
     if spec.steps is not None:
-        raise ScheduleError(f"schedule {name!r}: steps is not allowed with steady_state (a call is "
-                            "steady_state.period steps)")
+        raise ScheduleError(
+            f"schedule {name!r}: steps is not allowed with steady_state (a call is steady_state.period steps)"
+        )
     for i, p in enumerate(spec.epilogue):
         if p.at != "stage_end":
-            raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): at: {p.at} is not allowed with "
-                                "steady_state; a batch's epilogue runs at the stage's end of that batch")
+            raise ScheduleError(
+                f"schedule {name!r} epilogue[{i}] ({p.op}): at: {p.at} is not allowed with "
+                "steady_state; a batch's epilogue runs at the stage's end of that batch"
+            )
         if "epilogue" not in OP_INFO[p.kind].steady_state:
-            raise ScheduleError(f"schedule {name!r} epilogue[{i}] ({p.op}): not allowed with steady_state; "
-                                "allowed: start_allreduce/wait_allreduce (grads), stage_optimizer_step, wait_sends")
+            raise ScheduleError(
+                f"schedule {name!r} epilogue[{i}] ({p.op}): not allowed with steady_state; "
+                "allowed: start_allreduce/wait_allreduce (grads), stage_optimizer_step, wait_sends"
+            )
     for i, rule in enumerate(spec.compute):
         if "compute" not in OP_INFO[OpKind(rule.op)].steady_state:
-            raise ScheduleError(f"schedule {name!r} compute[{i}] ({rule.op}): a split backward is not supported "
-                                "with steady_state (only in flush schedules)")
+            raise ScheduleError(
+                f"schedule {name!r} compute[{i}] ({rule.op}): a split backward is not supported "
+                "with steady_state (only in flush schedules)"
+            )
         for p in rule.after:
             if "after" not in OP_INFO[p.kind].steady_state or p.target == "buffer":
-                raise ScheduleError(f"schedule {name!r} compute[{i}].after ({p.op}): not allowed; allowed: "
-                                    "start_allreduce/wait_allreduce (target grads), stage_optimizer_step")
+                raise ScheduleError(
+                    f"schedule {name!r} compute[{i}].after ({p.op}): not allowed; allowed: "
+                    "start_allreduce/wait_allreduce (target grads), stage_optimizer_step"
+                )
 
 
 def _continuous_timeline(spec, s, stages, env, placed, period, depth):
@@ -150,10 +185,12 @@ def _continuous_timeline(spec, s, stages, env, placed, period, depth):
             t = base + x + b * period
             if t in merged:
                 other = merged[t][0]
-                raise ScheduleError(f"schedule {spec.name!r}: stage {s}: steady state puts {op.kind.value}"
-                                    f"(mb={op.micro_batch}) of one batch and "
-                                    f"{other.kind.value}(mb={other.micro_batch}) of another in the same step; one "
-                                    f"compute op per step (period {period} too short?)")
+                raise ScheduleError(
+                    f"schedule {spec.name!r}: stage {s}: steady state puts {op.kind.value}"
+                    f"(mb={op.micro_batch}) of one batch and "
+                    f"{other.kind.value}(mb={other.micro_batch}) of another in the same step; one "
+                    f"compute op per step (period {period} too short?)"
+                )
             merged[t] = (replace(op, step=t, batch=b), rule)
     lowered = lower_stage(merged, stages)
     # 'after' ops right after their compute op's step (after its same-step sends)
@@ -180,8 +217,11 @@ def _weight_ops(window: list[list[Op]], u: int, depth: int, s: int) -> list[list
     free_weights after the last use of a stashed version. Versions are relative to the call
     (batch b's version d is b * u + d); the next call sees this call's version v as v - u."""
     flat = [(t, op) for t, step in enumerate(window) for op in step]
-    uses = [(i, weight_version(op.batch, u, op.version, clamp=False)) for i, (_, op) in enumerate(flat)
-            if op.kind in COMPUTE_KINDS and op.version is not None]
+    uses = [
+        (i, weight_version(op.batch, u, op.version, clamp=False))
+        for i, (_, op) in enumerate(flat)
+        if op.kind in COMPUTE_KINDS and op.version is not None
+    ]
     # updates of earlier batches still to come in this call or later ones
     count = -sum(1 for _, op in flat for k in range(depth + 1) if op.kind in UPDATE_KINDS and op.batch < -k)
 
@@ -228,6 +268,8 @@ def _continuous_buffers(timeline: dict[int, list[Op]], micro_batches: int, perio
             holder[b] = key
         if ok:
             return {m: m % n for m in range(micro_batches)}, n
-    raise ScheduleError(f"schedule {name!r}: stage {s}: a micro-batch stays in flight longer than a batch "
-                        f"(steady_state.period = {period} steps): its pipeline buffer would be reused by the same "
-                        "micro-batch index of the next batch; use more micro-batches")
+    raise ScheduleError(
+        f"schedule {name!r}: stage {s}: a micro-batch stays in flight longer than a batch "
+        f"(steady_state.period = {period} steps): its pipeline buffer would be reused by the same "
+        "micro-batch index of the next batch; use more micro-batches"
+    )

@@ -1,5 +1,6 @@
 """The validator's per-stage analysis of continuous schedules (2bw, pipedream): one stage over a
 whole scenario of calls and drains. Pure Python."""
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -70,9 +71,12 @@ class ContinuousStageChecker:
         if key in self.loaded:
             self._add(op, f"micro-batch {op.micro_batch} of batch {batch} loaded twice")
         if self.last_load is not None and key < self.last_load:
-            self._add(op, f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
-                          f"{self.last_load[1]} of batch {self.last_load[0]}: the data iterator is read out of "
-                          "order")
+            self._add(
+                op,
+                f"loads micro-batch {op.micro_batch} of batch {batch} after micro-batch "
+                f"{self.last_load[1]} of batch {self.last_load[0]}: the data iterator is read out of "
+                "order",
+            )
         self.loaded.add(key)
         self.last_load = key
 
@@ -96,16 +100,25 @@ class ContinuousStageChecker:
             return None
         version = weight_version(batch, self.U, op.version)
         if version > self.count:
-            self._add(op, f"uses weight version {version}, which does not exist yet (the stage has "
-                          f"applied {self.count} update(s))")
+            self._add(
+                op,
+                f"uses weight version {version}, which does not exist yet (the stage has "
+                f"applied {self.count} update(s))",
+            )
         elif version < self.count and version not in self.stashed:
             if version in self.freed:
                 f = self.freed[version]
-                self._add(op, f"uses weight version {version}, freed while needed (free_weights at "
-                              f"step {f.step}{self._where(f)})")
+                self._add(
+                    op,
+                    f"uses weight version {version}, freed while needed (free_weights at "
+                    f"step {f.step}{self._where(f)})",
+                )
             else:
-                self._add(op, f"uses weight version {version}, which was updated in place and never "
-                              "stashed (stash_weights missing before the update)")
+                self._add(
+                    op,
+                    f"uses weight version {version}, which was updated in place and never "
+                    "stashed (stash_weights missing before the update)",
+                )
         return version
 
     def _version(self, op: Op, batch: int) -> None:
@@ -129,8 +142,11 @@ class ContinuousStageChecker:
         if key not in self.fwd:
             self._add(op, f"backward of micro-batch {mb} before its forward")
         elif self.fwd[key] != version:
-            self._add(op, f"backward of micro-batch {mb} of batch {batch} uses weight version "
-                          f"{version}, its forward used {self.fwd[key]}")
+            self._add(
+                op,
+                f"backward of micro-batch {mb} of batch {batch} uses weight version "
+                f"{version}, its forward used {self.fwd[key]}",
+            )
         if key in self.bwd:
             self._add(op, f"micro-batch {mb} of batch {batch} backwarded twice")
         if self.s < self.K - 1 and key not in self.recv_grad:
@@ -171,14 +187,16 @@ class ContinuousStageChecker:
         """An update (a new weight version): applies the gradients of its batch, reduced."""
         kind = op.kind
         if self.reducing:
-            self._add(op, f"{kind.value} before the gradients it applies are reduced (their all-reduce "
-                          "is still in flight)")
+            self._add(
+                op, f"{kind.value} before the gradients it applies are reduced (their all-reduce is still in flight)"
+            )
         if not self.grads:
             self._add(op, f"{kind.value} of batch {batch} with no gradients accumulated since the last update")
         other = sorted({b for b, _ in self.grads if b != batch})
         if other:
-            self._add(op, f"{kind.value} of batch {batch} applies gradients of batch(es) "
-                          f"{', '.join(map(str, other))} too")
+            self._add(
+                op, f"{kind.value} of batch {batch} applies gradients of batch(es) {', '.join(map(str, other))} too"
+            )
         self.grads = set()
         self.count += 1
 
@@ -189,11 +207,23 @@ class ContinuousStageChecker:
                 if (b, m) not in self.fwd:
                     self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never forwarded"))
                 elif (b, m) not in self.bwd:
-                    self.problems.append(Problem(s, None, None, f"micro-batch {m} of batch {b} is never backwarded "
-                                                                "(lost: not completed by the drain)"))
+                    self.problems.append(
+                        Problem(
+                            s,
+                            None,
+                            None,
+                            f"micro-batch {m} of batch {b} is never backwarded (lost: not completed by the drain)",
+                        )
+                    )
         if self.grads:
-            self.problems.append(Problem(s, None, None, f"gradients of {len(self.grads)} micro-batch(es) never "
-                                                        "applied (no update after their backward)"))
+            self.problems.append(
+                Problem(
+                    s,
+                    None,
+                    None,
+                    f"gradients of {len(self.grads)} micro-batch(es) never applied (no update after their backward)",
+                )
+            )
         if self.reducing:
             self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end"))
 
@@ -204,5 +234,9 @@ class ContinuousStageChecker:
         return ""
 
     def _check_slots(self) -> None:
-        check_slots([((batch, op.micro_batch), op) for _, batch, op in self.seq], self.c.num_buffers[self.s],
-                    self._add, lambda key: f"micro-batch {key[1]} of batch {key[0]}")
+        check_slots(
+            [((batch, op.micro_batch), op) for _, batch, op in self.seq],
+            self.c.num_buffers[self.s],
+            self._add,
+            lambda key: f"micro-batch {key[1]} of batch {key[0]}",
+        )

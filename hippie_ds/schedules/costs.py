@@ -19,6 +19,7 @@ A cost file (YAML or JSON) looks like::
       data_parallel: 2
     tied_groups: [[0, 3]]   # optional: stages sharing a tied module (none given: all stages)
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,10 +43,17 @@ class LayerShare(_Strict):
     moves out of the step (its gradient bytes) and how much earlier the rest of the stage's
     gradient is final (its backward time; the first layers' backward runs last)."""
 
-    param_bytes: float = Field(ge=0, description="bytes of this layer's parameters; only their share of the "
-                               "stage's layers matters (parameter counts do)")
-    backward: float | None = Field(None, ge=0, description="backward time of one micro-batch through this layer "
-                                   "(s); default: the stage's backward split by parameter share")
+    param_bytes: float = Field(
+        ge=0,
+        description="bytes of this layer's parameters; only their share of the "
+        "stage's layers matters (parameter counts do)",
+    )
+    backward: float | None = Field(
+        None,
+        ge=0,
+        description="backward time of one micro-batch through this layer "
+        "(s); default: the stage's backward split by parameter share",
+    )
 
 
 class DelayedPart(NamedTuple):
@@ -63,32 +71,54 @@ class StageCost(_Strict):
     forward: float = Field(ge=0, description="forward time of one micro-batch (s)")
     backward: float = Field(ge=0, description="backward time of one micro-batch (s)")
     recompute: float = Field(0.0, ge=0, description="extra backward time when activations are re-computed (s)")
-    backward_weight: float | None = Field(None, ge=0, description="the part of backward that computes parameter "
-                                          "gradients (W of a split backward, s); default half of backward")
-    split_extra: float = Field(0.0, ge=0, description="what a split backward's two autograd passes cost beyond "
-                               "backward, charged in its input pass (s; a profile's split_extra)")
-    activation_bytes: float = Field(0.0, ge=0, description="bytes sent to the next stage per micro-batch "
-                                                           "(its gradient sent back has the same size)")
+    backward_weight: float | None = Field(
+        None,
+        ge=0,
+        description="the part of backward that computes parameter "
+        "gradients (W of a split backward, s); default half of backward",
+    )
+    split_extra: float = Field(
+        0.0,
+        ge=0,
+        description="what a split backward's two autograd passes cost beyond "
+        "backward, charged in its input pass (s; a profile's split_extra)",
+    )
+    activation_bytes: float = Field(
+        0.0, ge=0, description="bytes sent to the next stage per micro-batch (its gradient sent back has the same size)"
+    )
     saved_bytes: float = Field(0.0, ge=0, description="activation memory held per in-flight micro-batch")
     param_bytes: float = Field(0.0, ge=0, description="bytes of this stage's parameters (= its gradients)")
     optimizer_time: float = Field(0.0, ge=0, description="time of one optimizer step of this stage (s)")
     # What handing work to the communication threads costs the caller: on GPUs a kernel launch
     # (nothing), on a CPU core shared with gloo a copy and a hand-off of milliseconds.
-    send_issue_time: float = Field(0.0, ge=0, description="time the stage spends in one non-blocking send "
-                                   "call (s); a blocking send is timed as its transfer")
-    allreduce_issue_time: float = Field(0.0, ge=0, description="time the stage spends starting one "
-                                        "asynchronous all-reduce (s)")
-    allreduce_cpu_time: float = Field(0.0, ge=0, description="compute time an all-reduce of this stage's "
-                                      "whole gradient takes from the stage while in flight (s): copies, "
-                                      "reductions and network work on a core compute shares; 0 on GPUs")
-    layers: list[LayerShare] | None = Field(None, min_length=1, description="per-layer breakdown in "
-                                            "PipelineModule order (partial deferral); none: not known")
+    send_issue_time: float = Field(
+        0.0,
+        ge=0,
+        description="time the stage spends in one non-blocking send call (s); a blocking send is timed as its transfer",
+    )
+    allreduce_issue_time: float = Field(
+        0.0, ge=0, description="time the stage spends starting one asynchronous all-reduce (s)"
+    )
+    allreduce_cpu_time: float = Field(
+        0.0,
+        ge=0,
+        description="compute time an all-reduce of this stage's "
+        "whole gradient takes from the stage while in flight (s): copies, "
+        "reductions and network work on a core compute shares; 0 on GPUs",
+    )
+    layers: list[LayerShare] | None = Field(
+        None,
+        min_length=1,
+        description="per-layer breakdown in PipelineModule order (partial deferral); none: not known",
+    )
 
     @model_validator(mode="after")
     def _weight_within_backward(self):
         if self.backward_weight is not None and self.backward_weight > self.backward:
-            raise ValueError(f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
-                             "(it is the weight-gradient part of backward)")
+            raise ValueError(
+                f"backward_weight = {self.backward_weight} exceeds backward = {self.backward} "
+                "(it is the weight-gradient part of backward)"
+            )
         return self
 
     def delayed_part(self, layers: int) -> DelayedPart:
@@ -97,16 +127,22 @@ class StageCost(_Strict):
         is delayed); the lead is those layers' backward time, each layer's own or, when not
         given, the stage's backward split by parameter share. Needs :attr:`layers`."""
         if not self.layers:
-            raise CostsError("stage costs have no per-layer breakdown (field layers): partial deferral needs each "
-                             "layer's param_bytes (and optionally backward)")
+            raise CostsError(
+                "stage costs have no per-layer breakdown (field layers): partial deferral needs each "
+                "layer's param_bytes (and optionally backward)"
+            )
         n = len(self.layers)
         if isinstance(layers, bool) or not isinstance(layers, int) or not 0 <= layers <= n:
             raise CostsError(f"delayed layers = {layers!r}: allowed 0..{n} for a stage of {n} layers")
         total = sum(x.param_bytes for x in self.layers)
         head = self.layers[:layers]
-        fraction = (sum(x.param_bytes for x in head) / total if total > 0 else float(layers == n))
-        lead = sum(x.backward if x.backward is not None else
-                   (self.backward * x.param_bytes / total if total > 0 else self.backward / n) for x in head)
+        fraction = sum(x.param_bytes for x in head) / total if total > 0 else float(layers == n)
+        lead = sum(
+            x.backward
+            if x.backward is not None
+            else (self.backward * x.param_bytes / total if total > 0 else self.backward / n)
+            for x in head
+        )
         return DelayedPart(fraction, min(lead, self.backward))
 
     @property
@@ -129,8 +165,12 @@ class CommCost(_Strict):
     allreduce_bandwidth: float = Field(1.25e8, gt=0, description="inter-node link bandwidth (bytes/s), 1 Gbit/s")
     allreduce_latency: float = Field(0.0, ge=0)
     data_parallel: int = Field(1, ge=1, description="replicas of every stage (the all-reduce group size)")
-    wire_ratio: float = Field(1.0, gt=0, description="bytes the all-reduce sends per gradient byte (param_bytes): "
-                              "0.5 when DeepSpeed's communication_data_type is bf16 or fp16 and the gradients fp32")
+    wire_ratio: float = Field(
+        1.0,
+        gt=0,
+        description="bytes the all-reduce sends per gradient byte (param_bytes): "
+        "0.5 when DeepSpeed's communication_data_type is bf16 or fp16 and the gradients fp32",
+    )
     # Pipeline inside a node, data parallelism across nodes (brief section 4): every stage's
     # all-reduce crosses the same inter-node link, so concurrent ones split its bandwidth.
     shared_link: bool = True
@@ -141,17 +181,22 @@ class Costs(_Strict):
     comm: CommCost = CommCost()
     # DeepSpeed's ReduceTiedGrads all-reduces each tied module's gradient over the stages that hold
     # it, and nothing else: a model without tied modules passes through it without waiting.
-    tied_groups: list[list[int]] | None = Field(None, description="the stages sharing each tied module "
-                                                "(TiedLayerSpec), in the engine's order; none: not known, "
-                                                "every stage waits for all (the worst case); []: no tied modules")
+    tied_groups: list[list[int]] | None = Field(
+        None,
+        description="the stages sharing each tied module "
+        "(TiedLayerSpec), in the engine's order; none: not known, "
+        "every stage waits for all (the worst case); []: no tied modules",
+    )
 
     @model_validator(mode="after")
     def _tied_groups_in_range(self):
         for i, group in enumerate(self.tied_groups or []):
             bad = [s for s in group if not 0 <= s < len(self.stages)]
             if bad or not group or len(set(group)) != len(group):
-                raise ValueError(f"tied_groups[{i}] = {group}: stage indices must be distinct and within "
-                                 f"0..{len(self.stages) - 1}, at least one")
+                raise ValueError(
+                    f"tied_groups[{i}] = {group}: stage indices must be distinct and within "
+                    f"0..{len(self.stages) - 1}, at least one"
+                )
         return self
 
     def tied_groups_of(self, stage: int) -> list[tuple[int, list[int]]]:
@@ -193,14 +238,30 @@ class Costs(_Strict):
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def uniform(cls, stages: int, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
-                activation_bytes: float = 0.0, saved_bytes: float = 0.0, param_bytes: float = 0.0,
-                optimizer_time: float = 0.0, comm: CommCost | Mapping[str, Any] | None = None) -> "Costs":
+    def uniform(
+        cls,
+        stages: int,
+        forward: float = 1.0,
+        backward: float = 2.0,
+        recompute: float = 0.0,
+        activation_bytes: float = 0.0,
+        saved_bytes: float = 0.0,
+        param_bytes: float = 0.0,
+        optimizer_time: float = 0.0,
+        comm: CommCost | Mapping[str, Any] | None = None,
+    ) -> "Costs":
         """``stages`` identical stages."""
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise CostsError(f"stages = {stages!r}: must be an integer >= 1")
-        one = dict(forward=forward, backward=backward, recompute=recompute, activation_bytes=activation_bytes,
-                   saved_bytes=saved_bytes, param_bytes=param_bytes, optimizer_time=optimizer_time)
+        one = dict(
+            forward=forward,
+            backward=backward,
+            recompute=recompute,
+            activation_bytes=activation_bytes,
+            saved_bytes=saved_bytes,
+            param_bytes=param_bytes,
+            optimizer_time=optimizer_time,
+        )
         return cls._build({"stages": [one] * stages, "comm": _comm_dict(comm)}, "Costs.uniform")
 
     @classmethod
@@ -233,8 +294,12 @@ class Costs(_Strict):
         return cls.from_dict(data, num_stages=num_stages, where=str(path))
 
     @classmethod
-    def from_layers(cls, layer_costs: Sequence[Mapping[str, Any]], boundaries: Sequence[int],
-                    comm: CommCost | Mapping[str, Any] | None = None) -> "Costs":
+    def from_layers(
+        cls,
+        layer_costs: Sequence[Mapping[str, Any]],
+        boundaries: Sequence[int],
+        comm: CommCost | Mapping[str, Any] | None = None,
+    ) -> "Costs":
         """Stages from per-layer costs. Each layer: forward, backward, and optionally recompute,
         backward_weight (summed when every layer of the stage has it), split_extra, saved_bytes, param_bytes,
         optimizer_time (summed over the stage's layers) and
@@ -255,21 +320,29 @@ class Costs(_Strict):
         if parts[-1] != n:
             parts.append(n)
         if any(b >= a for a, b in zip(parts[1:], parts)) or parts[-1] > n:
-            raise CostsError(f"boundaries {list(boundaries)}: must be strictly increasing within 0..{n} "
-                             f"(every stage needs at least one of the {n} layers)")
+            raise CostsError(
+                f"boundaries {list(boundaries)}: must be strictly increasing within 0..{n} "
+                f"(every stage needs at least one of the {n} layers)"
+            )
         stages = []
         for a, b in zip(parts, parts[1:]):
             seg = layers[a:b]
-            stages.append({
-                "forward": sum(x.forward for x in seg), "backward": sum(x.backward for x in seg),
-                "recompute": sum(x.recompute for x in seg), "saved_bytes": sum(x.saved_bytes for x in seg),
-                "split_extra": sum(x.split_extra for x in seg),
-                "backward_weight": (None if any(x.backward_weight is None for x in seg)
-                                    else sum(x.backward_weight for x in seg)),
-                "param_bytes": sum(x.param_bytes for x in seg), "optimizer_time": sum(x.optimizer_time for x in seg),
-                "activation_bytes": seg[-1].output_bytes,
-                "layers": [{"param_bytes": x.param_bytes, "backward": x.backward} for x in seg],
-            })
+            stages.append(
+                {
+                    "forward": sum(x.forward for x in seg),
+                    "backward": sum(x.backward for x in seg),
+                    "recompute": sum(x.recompute for x in seg),
+                    "saved_bytes": sum(x.saved_bytes for x in seg),
+                    "split_extra": sum(x.split_extra for x in seg),
+                    "backward_weight": (
+                        None if any(x.backward_weight is None for x in seg) else sum(x.backward_weight for x in seg)
+                    ),
+                    "param_bytes": sum(x.param_bytes for x in seg),
+                    "optimizer_time": sum(x.optimizer_time for x in seg),
+                    "activation_bytes": seg[-1].output_bytes,
+                    "layers": [{"param_bytes": x.param_bytes, "backward": x.backward} for x in seg],
+                }
+            )
         return cls._build({"stages": stages, "comm": _comm_dict(comm)}, "Costs.from_layers")
 
     @classmethod

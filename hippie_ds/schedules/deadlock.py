@@ -2,6 +2,7 @@
 engine runs it (blocking sends are rendezvous, non-blocking ones queue until WAIT_SENDS, FIFO
 channels, pipeline collectives matched by count), to find deadlocks and mis-matched messages.
 Pure Python."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -25,8 +26,10 @@ def peer_of(layout, op: Op) -> tuple[int, int] | None:
     +1 to the next model part; the layout says which stage and chunk hold it); None past the model's ends."""
     return (layout.next if OP_INFO[op.kind].direction > 0 else layout.prev)(op.stage, op.chunk)
 
+
 # ---------------------------------------------------------------------------------------------
 # Communication: all stages together
+
 
 class _Message:
     __slots__ = ("op", "iteration", "received", "batch")
@@ -78,8 +81,9 @@ class _Simulation:
             for channel in self.channels.values():
                 for msg in channel:
                     peer = self._peer(msg.op)
-                    self.problems.append(problem(msg.op, f"unmatched: {short(msg.op)} to stage {peer} "
-                                                          "is never received"))
+                    self.problems.append(
+                        problem(msg.op, f"unmatched: {short(msg.op)} to stage {peer} is never received")
+                    )
         else:
             for s in range(self.K):
                 if not self._finished(s):
@@ -149,12 +153,16 @@ class _Simulation:
         expected_chunk = peer_of(self.layout, op)[1]
         wrong_kind = msg.op.kind != OP_INFO[op.kind].peer or msg.op.chunk != expected_chunk
         if wrong_kind or msg.op.micro_batch != op.micro_batch or msg.iteration != iteration or msg.batch != batch:
-            later = "" if msg.iteration == iteration else \
-                f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
+            later = (
+                ""
+                if msg.iteration == iteration
+                else f" (sent in train_batch call {msg.iteration + 1}, received in call {iteration + 1})"
+            )
             other = "" if msg.batch == batch else f" of batch {msg.batch} (expected batch {batch})"
             what = f"{short(msg.op)}" if wrong_kind else f"mb={msg.op.micro_batch}{other}"
-            self.problems.append(problem(op, f"mis-ordered: stage {s} {short(op)} received "
-                                              f"{what} from stage {peer}{later}"))
+            self.problems.append(
+                problem(op, f"mis-ordered: stage {s} {short(op)} received {what} from stage {peer}{later}")
+            )
         self.pc[s] += 1
         return True
 
@@ -171,9 +179,14 @@ class _Simulation:
             first = arrived[0]
             for other, other_op in sorted(arrived.items()):
                 if other_op.kind != first.kind:
-                    self.problems.append(problem(other_op, f"pipeline collective #{k + 1} mismatched: stage {other} "
-                                                            f"runs {other_op.kind.value} while stage {s} runs "
-                                                            f"{first.kind.value}"))
+                    self.problems.append(
+                        problem(
+                            other_op,
+                            f"pipeline collective #{k + 1} mismatched: stage {other} "
+                            f"runs {other_op.kind.value} while stage {s} runs "
+                            f"{first.kind.value}",
+                        )
+                    )
         self.collectives_done[s] += 1
         self.pc[s] += 1
         return True
@@ -215,15 +228,18 @@ class _Simulation:
         peer = self._peer(op)
         if self._finished(peer):
             return f"unmatched: blocking {short(op)} to stage {peer} is never received ({self._at(peer)})"
-        return (f"deadlock: blocking {short(op)} to stage {peer} waits for a matching "
-                f"{OP_INFO[op.kind].peer.value}, but {self._at(peer)}")
+        return (
+            f"deadlock: blocking {short(op)} to stage {peer} waits for a matching "
+            f"{OP_INFO[op.kind].peer.value}, but {self._at(peer)}"
+        )
 
     def _recv_stuck(self, s: int, op: Op) -> str:
         peer = self._peer(op)
         if self._finished(peer):
             return f"unmatched: {short(op)} from stage {peer} is never sent ({self._at(peer)})"
-        return (f"deadlock: {short(op)} waits for a {OP_INFO[op.kind].peer.value} from stage {peer}, "
-                f"but {self._at(peer)}")
+        return (
+            f"deadlock: {short(op)} waits for a {OP_INFO[op.kind].peer.value} from stage {peer}, but {self._at(peer)}"
+        )
 
     def _wait_sends_stuck(self, s: int, op: Op) -> str:
         peers = [self._peer(m.op) for m in self.isends[s]]
@@ -235,5 +251,6 @@ class _Simulation:
     def _collective_stuck(self, s: int, op: Op) -> str:
         k = self.collectives_done[s]
         missing = [p for p in range(self.K) if p not in self.arrivals[k]]
-        return (f"deadlock: {op.kind.value} is pipeline collective #{k + 1} and waits for every stage, but "
-                + "; ".join(self._at(p) for p in missing))
+        return f"deadlock: {op.kind.value} is pipeline collective #{k + 1} and waits for every stage, but " + "; ".join(
+            self._at(p) for p in missing
+        )

@@ -6,6 +6,7 @@ schedule's declared parameters). They are parsed with :mod:`ast` and evaluated b
 whitelist of node types, so nothing in a file can import, call arbitrary functions or touch
 attributes.
 """
+
 from __future__ import annotations
 
 import ast
@@ -33,8 +34,10 @@ _COMPARE = {
     ast.NotIn: lambda a, b: a not in b,
 }
 
-ALLOWED_SYNTAX = ("integers, True/False, names, + - * // %, comparisons, in / not in, "
-                  "and / or / not, `a if c else b`, [lists], and calls of " + ", ".join(sorted(ALLOWED_FUNCTIONS)))
+ALLOWED_SYNTAX = (
+    "integers, True/False, names, + - * // %, comparisons, in / not in, "
+    "and / or / not, `a if c else b`, [lists], and calls of " + ", ".join(sorted(ALLOWED_FUNCTIONS))
+)
 
 
 class ExpressionError(ValueError):
@@ -59,18 +62,39 @@ class Expression:
         self.names = frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)) - set(ALLOWED_FUNCTIONS)
 
     def _check(self, node: ast.AST) -> None:
-        ok = (ast.Constant, ast.Name, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.List,
-              ast.Tuple, ast.Call, ast.Load, ast.And, ast.Or) + tuple(_BINARY) + tuple(_UNARY) + tuple(_COMPARE)
+        ok = (
+            (
+                ast.Constant,
+                ast.Name,
+                ast.BinOp,
+                ast.UnaryOp,
+                ast.BoolOp,
+                ast.Compare,
+                ast.IfExp,
+                ast.List,
+                ast.Tuple,
+                ast.Call,
+                ast.Load,
+                ast.And,
+                ast.Or,
+            )
+            + tuple(_BINARY)
+            + tuple(_UNARY)
+            + tuple(_COMPARE)
+        )
         for sub in ast.walk(node):
             if not isinstance(sub, ok):
-                raise ExpressionError(f"{type(sub).__name__} is not allowed in expression {self.source!r}; "
-                                      f"allowed: {ALLOWED_SYNTAX}")
+                raise ExpressionError(
+                    f"{type(sub).__name__} is not allowed in expression {self.source!r}; allowed: {ALLOWED_SYNTAX}"
+                )
             if isinstance(sub, ast.Constant) and not isinstance(sub.value, (int, bool)):
                 raise ExpressionError(f"constant {sub.value!r} in {self.source!r}: only integers and booleans")
             if isinstance(sub, ast.Call):
                 if not isinstance(sub.func, ast.Name) or sub.func.id not in ALLOWED_FUNCTIONS or sub.keywords:
-                    raise ExpressionError(f"call in {self.source!r}: only {', '.join(sorted(ALLOWED_FUNCTIONS))} "
-                                          "with positional arguments")
+                    raise ExpressionError(
+                        f"call in {self.source!r}: only {', '.join(sorted(ALLOWED_FUNCTIONS))} "
+                        "with positional arguments"
+                    )
 
     def evaluate(self, env: Mapping[str, Any]) -> Any:
         return self._eval(self._tree, env)

@@ -7,6 +7,7 @@ transitions, the simulator times the legal ones, the engine runs them. Pure Pyth
 At the first step the buffer is empty: start, wait and apply find nothing and do nothing (the
 update is skipped). With one replica there is nothing to reduce: start goes straight to reduced.
 """
+
 from __future__ import annotations
 
 EMPTY, FILLED, REDUCING, REDUCED = "empty", "filled", "reducing", "reduced"
@@ -40,8 +41,9 @@ class GradBuffer:
             self.state = REDUCED
             return True, None
         if self.state == FILLED:
-            return False, ("wait_allreduce(buffer) with no all-reduce of the gradient buffer in flight "
-                           f"(buffer {self.state})")
+            return False, (
+                f"wait_allreduce(buffer) with no all-reduce of the gradient buffer in flight (buffer {self.state})"
+            )
         return False, None
 
     def apply(self) -> tuple[bool, str | None]:

@@ -5,6 +5,7 @@ A compiled schedule is, for every pipeline stage, a list of *steps*; a step is a
 convention). Ops carry the micro-batch they concern so the validator and the simulator can
 reason about data flow; the DeepSpeed adapter drops what DeepSpeed's instructions do not take.
 """
+
 from __future__ import annotations
 
 import enum
@@ -56,9 +57,12 @@ class OpInfo:
     role: str  # load | compute | send | recv | comm | update | weights
     category: str  # timeline category (its time: the cost terms below)
     doc: str  # "Roughly: ..." of what the engine does (also the generated instruction class's docstring)
-    instruction: str  # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/stage/instructions.py)
+    # the PipeInstruction class: DeepSpeed's (DEEPSPEED_INSTRUCTIONS) or generated (adapter/stage/instructions.py)
+    instruction: str
     _: KW_ONLY
-    args: tuple[str, ...] = ()  # its handler's keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
+    args: tuple[
+        str, ...
+    ] = ()  # its handler's keyword arguments: Op fields (HANDLER_ARG_FIELDS: buffer_id is Op.buffer)
     nonblocking_instruction: str | None = None  # sends with blocking: false (their handler takes the same args)
     micro_batch: bool = False  # concerns one micro-batch and its pipeline buffer slot
     placeable: bool = False  # a schedule file may place it in its prologue/epilogue
@@ -98,6 +102,8 @@ ALLREDUCE_TARGETS = ("grads", "buffer")
 START_TARGETS = ALLREDUCE_TARGETS + ("chunk",)
 _K = OpKind
 _BUF = ("buffer_id",)  # DeepSpeed's BufferOpInstruction argument: the op's pipeline buffer slot
+# The table reads as one entry per kind: unformatted (the formatter puts every field on its own line).
+# fmt: off
 OP_INFO: dict[OpKind, OpInfo] = {
     _K.LOAD: OpInfo("L", "load", "load", "buffers['inputs'][buf] = next(data_iter) (first/last stage)",
                     "LoadMicroBatch", args=_BUF, micro_batch=True),
@@ -121,8 +127,8 @@ OP_INFO: dict[OpKind, OpInfo] = {
                               cost=("input_time", "recompute"), input_grad=True, receives=_K.RECV_GRAD,
                               sends=_K.SEND_GRAD, own_gradients=True),
     _K.BACKWARD_WEIGHT: OpInfo("W", "compute", "backward_weight", "grads += weight gradients of buf from what I kept; "
-                               "frees the micro-batch", "BackwardWeightPass", args=_BUF, micro_batch=True, cost=("weight_time",), weight_grad=True,
-                               own_gradients=True),
+                               "frees the micro-batch", "BackwardWeightPass", args=_BUF, micro_batch=True,
+                               cost=("weight_time",), weight_grad=True, own_gradients=True),
     _K.SEND_ACTIVATION: OpInfo("sA", "send", "p2p", "send(buffers['outputs'][buf], next stage)", "SendActivation",
                                args=_BUF,
                                nonblocking_instruction="ISendActivation", micro_batch=True,
@@ -144,8 +150,10 @@ OP_INFO: dict[OpKind, OpInfo] = {
     _K.REDUCE_GRADS: OpInfo("", "comm", "allreduce", "grads = all_reduce(grads) / dp (blocking)", "ReduceGrads",
                             placeable=True),
     _K.START_ALLREDUCE: OpInfo("", "comm", "allreduce", "start all_reduce(grads, buffer, or one chunk's grads) / dp, "
-                               "asynchronously", "StartAllReduce", args=("target", "chunk"), placeable=True, targets=START_TARGETS, own_gradients=True,
-                               steady_state=("epilogue", "after"), allreduce="start"),  # chunk: read with target 'chunk' only
+                               "asynchronously", "StartAllReduce", args=("target", "chunk"), placeable=True,
+                               # chunk: read with target 'chunk' only
+                               targets=START_TARGETS, own_gradients=True, steady_state=("epilogue", "after"),
+                               allreduce="start"),
     _K.WAIT_ALLREDUCE: OpInfo("", "comm", "allreduce", "wait for that all-reduce", "WaitAllReduce",
                               args=("target",), placeable=True,
                               targets=ALLREDUCE_TARGETS, own_gradients=True, steady_state=("epilogue", "after"),
@@ -170,11 +178,24 @@ OP_INFO: dict[OpKind, OpInfo] = {
     _K.FREE_WEIGHTS: OpInfo("", "weights", "weights", "del versions[v] after its last use", "FreeWeights",
                             args=("batch", "version")),
 }
+# fmt: on
 del _K
 # The instruction classes of the table that are DeepSpeed's own (deepspeed.runtime.pipe.schedule);
 # adapter/stage/instructions.py generates the others, so stock code and PipelineEngine's map keep working.
-DEEPSPEED_INSTRUCTIONS = frozenset({"LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
-                                    "SendGrad", "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"})
+DEEPSPEED_INSTRUCTIONS = frozenset(
+    {
+        "LoadMicroBatch",
+        "ForwardPass",
+        "BackwardPass",
+        "SendActivation",
+        "RecvActivation",
+        "SendGrad",
+        "RecvGrad",
+        "ReduceTiedGrads",
+        "ReduceGrads",
+        "OptimizerStep",
+    }
+)
 HANDLER_ARG_FIELDS = {"buffer_id": "buffer"}  # handler argument -> the Op field it is read from, where names differ
 
 
@@ -354,10 +375,19 @@ class CompiledSchedule:
         rG3 p2p (non-blocking sends marked '~'), other ops by name, @-1: an op of the previous
         call's batch; continuous schedules add their drain. Golden
         files of the built-in schedules (tests/golden/) are written in it."""
+
         def ops(step) -> str:
-            return " ".join(op_name(op) + ("~" if op.kind in SEND_KINDS and not op.blocking else "")
-                            + (f"v{op.version:+d}" if op.kind in COMPUTE_KINDS and op.version is not None else "")
-                            + (f"@{op.batch:+d}" if op.batch else "") for op in step) or "."
+            return (
+                " ".join(
+                    op_name(op)
+                    + ("~" if op.kind in SEND_KINDS and not op.blocking else "")
+                    + (f"v{op.version:+d}" if op.kind in COMPUTE_KINDS and op.version is not None else "")
+                    + (f"@{op.batch:+d}" if op.batch else "")
+                    for op in step
+                )
+                or "."
+            )
+
         chunks = f" v={self.virtual_stages} layout={self.layout_kind}" if self.virtual_stages > 1 else ""
         lines = [f"{self.name} K={self.stages} M={self.micro_batches}{chunks} params={self.params}"]
         for s in range(self.stages):
@@ -368,8 +398,10 @@ class CompiledSchedule:
 
     def describe(self, stage: int | None = None) -> str:
         """Human-readable listing, one line per non-empty step."""
-        lines = [f"schedule {self.name}: {self.stages} stages, {self.micro_batches} micro-batches, "
-                 f"{self.num_steps} steps, params {self.params}"]
+        lines = [
+            f"schedule {self.name}: {self.stages} stages, {self.micro_batches} micro-batches, "
+            f"{self.num_steps} steps, params {self.params}"
+        ]
         for s in range(self.stages) if stage is None else [stage]:
             lines.append(f"stage {s} ({self.num_buffers[s]} buffers):")
             for t, step in enumerate(self.streams[s]):

@@ -11,6 +11,7 @@ The model is cut into ``K * v`` consecutive parts. A layout says which (stage, c
 
 With ``v == 1`` both are DeepSpeed's plain layout: stage s is part s.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -81,4 +82,3 @@ class Layout:
     def chunks(self, stage: int) -> list[int]:
         """The parts stage ``stage`` holds, by chunk."""
         return [self.part(stage, c) for c in range(self.virtual_stages)]
-

@@ -4,6 +4,7 @@ is read from its row and nothing joins names: a row's every analysis has an expl
 "nothing to do" (``()``, ``LOCAL``), and ``tests/schedules/test_op_table.py`` checks that each is a function
 of its analysis. The analyses do not import this table (it refers to them): their entry points
 (``validator.check``, ``simulator.simulate``) hand it to them. Pure Python."""
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -51,12 +52,18 @@ _K = OpKind
 # (deadlock.py); weight versions exist in steady-state schedules alone.
 RULES: dict[OpKind, Rules] = {
     _K.LOAD: Rules(Sim._no_time, (Flush._load,), (Steady._load,), LOCAL),
-    _K.FORWARD: Rules(Sim._compute, (Flush._forward, Flush._forward_before_update), (Steady._version, Steady._forward),
-                      LOCAL),
-    _K.BACKWARD: Rules(Sim._compute, (Flush._input_grad, Flush._weight_grad), (Steady._version, Steady._backward),
-                       LOCAL),
-    _K.FORWARD_BACKWARD: Rules(Sim._compute, (Flush._forward, Flush._input_grad, Flush._weight_grad),
-                               (Steady._version, Steady._forward, Steady._backward), LOCAL),
+    _K.FORWARD: Rules(
+        Sim._compute, (Flush._forward, Flush._forward_before_update), (Steady._version, Steady._forward), LOCAL
+    ),
+    _K.BACKWARD: Rules(
+        Sim._compute, (Flush._input_grad, Flush._weight_grad), (Steady._version, Steady._backward), LOCAL
+    ),
+    _K.FORWARD_BACKWARD: Rules(
+        Sim._compute,
+        (Flush._forward, Flush._input_grad, Flush._weight_grad),
+        (Steady._version, Steady._forward, Steady._backward),
+        LOCAL,
+    ),
     _K.BACKWARD_INPUT: Rules(Sim._compute, (Flush._input_grad,), (Steady._version,), LOCAL),
     _K.BACKWARD_WEIGHT: Rules(Sim._compute, (Flush._backward_weight, Flush._weight_grad), (Steady._version,), LOCAL),
     _K.SEND_ACTIVATION: Rules(Sim._p2p, (Flush._send_activation,), (Steady._send_activation,), SEND),
@@ -69,8 +76,9 @@ RULES: dict[OpKind, Rules] = {
     _K.START_ALLREDUCE: Rules(Sim._start_allreduce, (Flush._start_allreduce,), (Steady._start_allreduce,), LOCAL),
     _K.WAIT_ALLREDUCE: Rules(Sim._wait_allreduce, (Flush._wait_allreduce,), (Steady._wait_allreduce,), LOCAL),
     _K.COPY_GRADS_TO_BUFFER: Rules(Sim._copy_grads_to_buffer, (Flush._copy_to_buffer,), (), LOCAL),
-    _K.APPLY_BUFFERED_UPDATE: Rules(Sim._apply_buffered_update, (Flush._apply_buffered_update,), (Steady._update,),
-                                    LOCAL),
+    _K.APPLY_BUFFERED_UPDATE: Rules(
+        Sim._apply_buffered_update, (Flush._apply_buffered_update,), (Steady._update,), LOCAL
+    ),
     _K.OPTIMIZER_STEP: Rules(Sim._pipeline_collective, (Flush._update,), (Steady._update,), COLLECTIVE),
     _K.STAGE_OPTIMIZER_STEP: Rules(Sim._stage_optimizer_step, (Flush._update,), (Steady._update,), LOCAL),
     _K.STASH_WEIGHTS: Rules(Sim._stash_weights, (), (Steady._stash_weights,), LOCAL),

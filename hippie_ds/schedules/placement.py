@@ -1,6 +1,7 @@
 """Passes 2 and 3 of the compiler: place a stage's compute ops at their declared steps, then add
 the loads, receives and sends around them (DeepSpeed's order). Pure Python; shared by flush and
 continuous compilation."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -38,9 +39,11 @@ def op_env(spec: ScheduleSpec, env: dict, stage: int, mb: int, chunk: int) -> di
 def after_ops(spec: ScheduleSpec, op: Op, rule: ComputeRule, env: dict, step: int) -> list[Op]:
     """The ops placed right after ``op`` (its rule's ``after`` whose ``when`` holds), of its batch and chunk."""
     local = op_env(spec, env, op.stage, op.micro_batch, op.chunk)
-    return [Op(p.kind, op.stage, step, target=p.target, batch=op.batch, chunk=op.chunk)
-            for i, p in enumerate(rule.after)
-            if eval_expr(p.when, local, f"schedule {spec.name!r} {rule.op}.after[{i}] when")]
+    return [
+        Op(p.kind, op.stage, step, target=p.target, batch=op.batch, chunk=op.chunk)
+        for i, p in enumerate(rule.after)
+        if eval_expr(p.when, local, f"schedule {spec.name!r} {rule.op}.after[{i}] when")
+    ]
 
 
 def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[Op, ComputeRule]]:
@@ -59,8 +62,9 @@ def place_compute(spec: ScheduleSpec, stage: int, env: dict) -> dict[int, tuple[
                     raise ScheduleError(f"{where}: stage {stage} {name} placed at step {step} < 0")
                 if step in placed:
                     other = placed[step][0]
-                    raise ScheduleError(f"{where}: stage {stage} step {step}: {name} collides with {other}; "
-                                        "one compute op per step")
+                    raise ScheduleError(
+                        f"{where}: stage {stage} step {step}: {name} collides with {other}; one compute op per step"
+                    )
                 version = None if rule.version is None else int_expr(rule.version, local, where + " version")
                 placed[step] = (Op(OpKind(rule.op), stage, step, mb, version=version, chunk=chunk), rule)
     return placed

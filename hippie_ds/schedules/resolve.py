@@ -16,6 +16,7 @@ pass, in order:
    nothing is not deferred; a holder of a delayed tied module is);
 6. validated once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,8 +26,15 @@ from ..config import AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, WHOLE_STAGE
 from .compiler import compile_schedule
 from .costs import Costs, CostsError
 from .deferral.auto_layers import NeedsCosts
-from .deferral import (Deferral, LayersChoice, StageLayers, choose_deferred_layers, decide, resolve_auto_params,
-                       with_parameters)
+from .deferral import (
+    Deferral,
+    LayersChoice,
+    StageLayers,
+    choose_deferred_layers,
+    decide,
+    resolve_auto_params,
+    with_parameters,
+)
 from .ir import CompiledSchedule
 from .spec import ScheduleSpec, load_spec
 
@@ -72,12 +80,22 @@ def cost_layers(costs: Costs) -> dict[int, StageLayers]:
     return out
 
 
-def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | None = None,
-            layers: Any = DEFAULT_DEFERRED_LAYERS, costs: Costs | None = None,
-            stage_layers: StageLayersSource | None = None, ties: bool = False, *,
-            staleness_price: float | None = None, most_with_parameters: int | None = None,
-            layer_bytes: Callable[[int], Sequence[float]] | None = None,
-            iterations: int = 3, validate: bool = True, source: str | None = None) -> Resolved:
+def resolve(
+    name: str | ScheduleSpec,
+    shape: Shape,
+    params: Mapping[str, Any] | None = None,
+    layers: Any = DEFAULT_DEFERRED_LAYERS,
+    costs: Costs | None = None,
+    stage_layers: StageLayersSource | None = None,
+    ties: bool = False,
+    *,
+    staleness_price: float | None = None,
+    most_with_parameters: int | None = None,
+    layer_bytes: Callable[[int], Sequence[float]] | None = None,
+    iterations: int = 3,
+    validate: bool = True,
+    source: str | None = None,
+) -> Resolved:
     """The schedule ``name`` resolved for ``shape`` (module docstring).
 
     ``params``: the schedule's parameters as given ('auto' stage lists chosen from ``costs`` when
@@ -92,14 +110,18 @@ def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | 
     spec = name if isinstance(name, ScheduleSpec) else load_spec(name)
     source = source if source is not None else (str(name) if not isinstance(name, ScheduleSpec) else None)
     given = dict(params or {})
-    auto_stage_lists = any((given.get(n) if given.get(n) is not None else p.default) == "auto"
-                           for n, p in spec.params.items() if p.kind == "stage_list")
+    auto_stage_lists = any(
+        (given.get(n) if given.get(n) is not None else p.default) == "auto"
+        for n, p in spec.params.items()
+        if p.kind == "stage_list"
+    )
     if costs is not None and auto_stage_lists:
         given = resolve_auto_params(spec, shape.stages, shape.micro_batches, costs, given, iterations)
 
     def compiled_with(p):
-        return compile_schedule(spec, shape.stages, shape.micro_batches, p, source=source,
-                                virtual_stages=shape.virtual_stages)
+        return compile_schedule(
+            spec, shape.stages, shape.micro_batches, p, source=source, virtual_stages=shape.virtual_stages
+        )
 
     compiled = compiled_with(given)
     deferred = [] if compiled.continuous else compiled.deferred_stages()
@@ -109,8 +131,9 @@ def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | 
     if value == AUTO_LAYERS:
         if costs is None:
             raise NeedsCosts(f'deferred_layers {AUTO_LAYERS!r} needs costs to choose from')
-        choices = choose_deferred_layers(compiled, _per_layer(costs, deferred, every, layer_bytes),
-                                         iterations, staleness_price, most_with_parameters)
+        choices = choose_deferred_layers(
+            compiled, _per_layer(costs, deferred, every, layer_bytes), iterations, staleness_price, most_with_parameters
+        )
         value = {s: with_parameters(every[s].params, c.layers) for s, c in choices.items()}
     tie_rule = ties and not compiled.uses_tied_reduction and not compiled.continuous
     deferral = decide(deferred, value, every, tie_rule)
@@ -118,12 +141,14 @@ def resolve(name: str | ScheduleSpec, shape: Shape, params: Mapping[str, Any] | 
         compiled = compiled_with({**compiled.params, "deferred_stages": deferral.deferred_stages()})
     if validate:
         from .validator import validate as validated
+
         compiled = validated(compiled)
     return Resolved(compiled, deferral, every, choices)
 
 
-def _stage_layers(source: StageLayersSource | None, costs: Costs | None, stages: int,
-                  need_params: bool) -> Mapping[int, StageLayers]:
+def _stage_layers(
+    source: StageLayersSource | None, costs: Costs | None, stages: int, need_params: bool
+) -> Mapping[int, StageLayers]:
     if callable(source):
         return source(need_params)
     if source is not None:
@@ -133,11 +158,16 @@ def _stage_layers(source: StageLayersSource | None, costs: Costs | None, stages:
     return {s: StageLayers(s, (True,)) for s in range(stages)}
 
 
-def _per_layer(costs: Costs, deferred: Sequence[int], every: Mapping[int, StageLayers],
-               layer_bytes: Callable[[int], Sequence[float]] | None) -> Costs:
+def _per_layer(
+    costs: Costs,
+    deferred: Sequence[int],
+    every: Mapping[int, StageLayers],
+    layer_bytes: Callable[[int], Sequence[float]] | None,
+) -> Costs:
     """``costs`` with per-layer figures on every deferred stage: a stage without them takes
     ``layer_bytes(stage)``; a stage listing another count of layers than the model's is refused."""
     from .costs import LayerShare
+
     stages = list(costs.stages)
     for s in deferred:
         count = len(every[s].params)

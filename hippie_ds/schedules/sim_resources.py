@@ -2,6 +2,7 @@
 stages contend for (p2p channels, the shared inter-node link that all-reduces split), and what a
 run keeps per stage (``_StageState``, ``_Acc``). Pure Python; :mod:`hippie_ds.schedules.simulator` runs schedules on
 it."""
+
 from __future__ import annotations
 
 import heapq
@@ -20,6 +21,7 @@ class SimulationError(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # A minimal process-based event kernel: a process is a generator that yields a delay (float)
 # or a _Signal to wait for; events are handled in time order (ties in insertion order).
+
 
 class _Signal:
     __slots__ = ("time", "waiters")
@@ -71,6 +73,7 @@ class _Kernel:
 # ---------------------------------------------------------------------------------------------
 # Communication resources
 
+
 class _Transfer:
     __slots__ = ("mb", "done", "start", "end")
 
@@ -96,8 +99,10 @@ class _Channel:
             return tr
         tr = other.popleft()
         if tr.mb != mb:
-            raise SimulationError(f"channel {self.name}: {side} of micro-batch {mb} matched with micro-batch "
-                                  f"{tr.mb}: sends and receives are not in the same order")
+            raise SimulationError(
+                f"channel {self.name}: {side} of micro-batch {mb} matched with micro-batch "
+                f"{tr.mb}: sends and receives are not in the same order"
+            )
         tr.start = self.k.now
         self.k.at(self.k.now + self.duration, self._complete, tr)
         return tr
@@ -173,11 +178,22 @@ class _Link:
 # ---------------------------------------------------------------------------------------------
 # Per-stage state of a run.
 
+
 class _Acc:
     """Per stage and call: what the figures are made of."""
 
-    __slots__ = ("busy", "p2p", "allreduce", "sync", "peak", "compute_start", "compute_end", "first_forward",
-                 "last_backward", "versions")
+    __slots__ = (
+        "busy",
+        "p2p",
+        "allreduce",
+        "sync",
+        "peak",
+        "compute_start",
+        "compute_end",
+        "first_forward",
+        "last_backward",
+        "versions",
+    )
 
     def __init__(self) -> None:
         self.busy = self.p2p = self.allreduce = self.sync = 0.0

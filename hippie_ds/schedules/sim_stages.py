@@ -2,6 +2,7 @@
 (:mod:`.sim_resources`), and one function per op kind, the op's time and its waits, which
 ``op_rules.RULES[kind].simulate`` names. What the simulation means and the figures it gives:
 :mod:`.simulator`. Pure Python."""
+
 from __future__ import annotations
 
 from typing import Iterator, Mapping
@@ -10,8 +11,17 @@ from .costs import Costs, DelayedPart
 from .sim_results import SimEvent
 from .sim_resources import SimulationError, _Acc, _AllReduce, _Channel, _Kernel, _Link, _Signal, _StageState, _Transfer
 from .deadlock import link_of, peer_of
-from .ir import (ALLREDUCE_TARGETS, CATEGORY, OP_INFO, WHOLE_BACKWARD_KINDS, weight_version, CompiledSchedule, Op,
-                 OpKind, op_name)
+from .ir import (
+    ALLREDUCE_TARGETS,
+    CATEGORY,
+    OP_INFO,
+    WHOLE_BACKWARD_KINDS,
+    weight_version,
+    CompiledSchedule,
+    Op,
+    OpKind,
+    op_name,
+)
 
 
 class _Sim:
@@ -19,14 +29,23 @@ class _Sim:
     ``op_rules.RULES``, whose ``simulate`` entry of each kind is one of the functions below
     (handed in, not imported: the table refers to this class)."""
 
-    def __init__(self, compiled: CompiledSchedule, costs: Costs, iterations: int,
-                 delayed: Mapping[int, DelayedPart], rules: Mapping) -> None:
+    def __init__(
+        self,
+        compiled: CompiledSchedule,
+        costs: Costs,
+        iterations: int,
+        delayed: Mapping[int, DelayedPart],
+        rules: Mapping,
+    ) -> None:
         self.c, self.costs, self.iterations, self.rules = compiled, costs, iterations, rules
         # the share of each stage's gradient that the 'grads' and 'buffer' all-reduces carry
         deferred = set(compiled.deferred_stages())
-        self.share = {(s, t): (1.0 if s not in deferred else (f if t == "buffer" else 1.0 - f))
-                      for s in range(compiled.stages) for f in [delayed[s].fraction if s in delayed else 1.0]
-                      for t in ALLREDUCE_TARGETS}
+        self.share = {
+            (s, t): (1.0 if s not in deferred else (f if t == "buffer" else 1.0 - f))
+            for s in range(compiled.stages)
+            for f in [delayed[s].fraction if s in delayed else 1.0]
+            for t in ALLREDUCE_TARGETS
+        }
         # partial deferral: how long before its last whole backward of a call ends a stage starts
         # its 'grads' all-reduce (only when part of the gradient is delayed, as the engine does)
         self.lead = {s: p.lead for s, p in delayed.items() if s in deferred and 0 < p.fraction < 1 and p.lead > 0}
@@ -47,12 +66,17 @@ class _Sim:
         self.where: list[str | None] = ["not started"] * self.K  # for deadlock reports
         self.uses_buffer = [False] * self.K
         # Continuous schedules: call i skips the ops of batches before the first (pipeline fill).
-        self.ops = [[list(compiled.call_ops(s, i)) if compiled.continuous else list(compiled.ops(s))
-                     for i in range(iterations)] for s in range(self.K)]
+        self.ops = [
+            [list(compiled.call_ops(s, i)) if compiled.continuous else list(compiled.ops(s)) for i in range(iterations)]
+            for s in range(self.K)
+        ]
         self.updates = [compiled.updates_per_batch[s] if compiled.updates_per_batch else 0 for s in range(self.K)]
-        self.last_whole_backward = {(s, i): [op for op in self.ops[s][i] if op.kind in WHOLE_BACKWARD_KINDS][-1]
-                                    for s in self.lead for i in range(iterations)
-                                    if any(op.kind in WHOLE_BACKWARD_KINDS for op in self.ops[s][i])}
+        self.last_whole_backward = {
+            (s, i): [op for op in self.ops[s][i] if op.kind in WHOLE_BACKWARD_KINDS][-1]
+            for s in self.lead
+            for i in range(iterations)
+            if any(op.kind in WHOLE_BACKWARD_KINDS for op in self.ops[s][i])
+        }
 
     # -- one stage -------------------------------------------------------------------------
     def stage(self, s: int) -> Iterator:
@@ -99,7 +123,9 @@ class _Sim:
             # the activation crossing it is the sending side's output (its gradient the same size);
             # a hand-over between two chunks of one stage (the V's turn) is local: no time
             out = src if activation else dst
-            self.channels[link] = _Channel(self.k, f"stage {src}->{dst}", 0.0 if src == dst else self.costs.p2p_time(out))
+            self.channels[link] = _Channel(
+                self.k, f"stage {src}->{dst}", 0.0 if src == dst else self.costs.p2p_time(out)
+            )
         message = op.micro_batch if self.v == 1 else ("A" if activation else "G", boundary, op.micro_batch)
         return self.channels[link], side, message
 
@@ -270,8 +296,10 @@ class _Sim:
         stuck = [(s, w) for s, w in enumerate(self.where) if w is not None]
         if stuck:
             detail = "; ".join(f"stage {s} blocked at {w}" for s, w in stuck)
-            raise SimulationError(f"schedule {self.c.name!r} deadlocks at t={self.k.now:g}: {detail} "
-                                  "(run the validator for a precise diagnosis)")
+            raise SimulationError(
+                f"schedule {self.c.name!r} deadlocks at t={self.k.now:g}: {detail} "
+                "(run the validator for a precise diagnosis)"
+            )
         for s, op, t0, tr in self.isend_events:
             self.events.append(SimEvent(s, op_name(op), "comm", t0, tr.end, op.micro_batch))
         for ar in self.allreduces:

@@ -65,6 +65,7 @@ Figures (all of the last, steady-state iteration):
   all-reduces consumed in the iteration; an all-reduce belongs to the call whose WAIT consumes
   it (the deferred stages' buffer all-reduce started at the end of call i-1 counts for call i).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -77,9 +78,15 @@ from .sim_stages import _Sim
 from .ir import CompiledSchedule
 
 
-def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
-             critical_path: bool = True, delayed_fraction: Mapping[int, float] | None = None,
-             deferred_layers: Mapping[int, int] | None = None) -> SimResult:
+def simulate(
+    compiled: CompiledSchedule,
+    costs: Costs,
+    iterations: int = 3,
+    *,
+    critical_path: bool = True,
+    delayed_fraction: Mapping[int, float] | None = None,
+    deferred_layers: Mapping[int, int] | None = None,
+) -> SimResult:
     """Simulate ``iterations`` consecutive train_batch calls of ``compiled`` under ``costs``;
     figures are of the last call (see the module docstring for the definitions).
     ``critical_path=False`` skips the second, all-reduce-free run behind
@@ -92,8 +99,9 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
     exposed). The rest is all-reduced by the in-step ``grads`` all-reduce, the buffer holds the
     delayed share."""
     if costs.num_stages != compiled.stages:
-        raise SimulationError(f"costs describe {costs.num_stages} stages, schedule {compiled.name!r} "
-                              f"was compiled for {compiled.stages}")
+        raise SimulationError(
+            f"costs describe {costs.num_stages} stages, schedule {compiled.name!r} was compiled for {compiled.stages}"
+        )
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise SimulationError(f"iterations = {iterations!r}: must be an integer >= 1")
     both = sorted(set(delayed_fraction or {}) & set(deferred_layers or {}))
@@ -121,13 +129,30 @@ def simulate(compiled: CompiledSchedule, costs: Costs, iterations: int = 3, *,
 
     critical = 0.0
     if critical_path and any(costs.allreduce_time(s) > 0 for s in range(K)):
-        critical = step_time - simulate(compiled, costs.without_allreduce(), iterations, critical_path=False,
-                                        delayed_fraction=delayed_fraction,
-                                        deferred_layers=deferred_layers).step_time
+        critical = (
+            step_time
+            - simulate(
+                compiled,
+                costs.without_allreduce(),
+                iterations,
+                critical_path=False,
+                delayed_fraction=delayed_fraction,
+                deferred_layers=deferred_layers,
+            ).step_time
+        )
 
-    return SimResult(schedule=compiled.name, stages=K, micro_batches=compiled.micro_batches,
-                     params=dict(compiled.params), step_time=step_time, bubble_fraction=bubble, per_stage=per_stage,
-                     throughput=throughput, events=sim.events, data_parallel=r, iterations=iterations,
-                     allreduce_on_critical_path=critical, timeline=timeline)
-
-
+    return SimResult(
+        schedule=compiled.name,
+        stages=K,
+        micro_batches=compiled.micro_batches,
+        params=dict(compiled.params),
+        step_time=step_time,
+        bubble_fraction=bubble,
+        per_stage=per_stage,
+        throughput=throughput,
+        events=sim.events,
+        data_parallel=r,
+        iterations=iterations,
+        allreduce_on_critical_path=critical,
+        timeline=timeline,
+    )

@@ -5,6 +5,7 @@ forward+backward of every micro-batch, placed at a step given by an expression) 
 runs before and after (gradient reduction, buffering, updates). The compiler derives the
 loads, sends, receives and buffer ids from that; see docs/reference.md ("Schedule files").
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -59,8 +60,10 @@ class PlacedOp(_Strict):
     def _known_op(cls, v):
         allowed = sorted(k.value for k in PLACEABLE_KINDS)
         if v not in allowed:
-            raise ValueError(f"unknown op {v!r}; allowed here: {', '.join(allowed)} "
-                             "(loads, sends and receives are added by the compiler)")
+            raise ValueError(
+                f"unknown op {v!r}; allowed here: {', '.join(allowed)} "
+                "(loads, sends and receives are added by the compiler)"
+            )
         return v
 
     @field_validator("when", mode="before")
@@ -206,10 +209,12 @@ class ScheduleSpec(_Strict):
 # ---------------------------------------------------------------------------------------------
 # Loading
 
+
 def builtin_dir() -> Path:
     """Where the built-in schedule files live: the installed copy, else the source checkout."""
     try:
         from importlib.resources import files
+
         installed = Path(str(files("hippie_ds._builtin_schedules")))
         if any(installed.glob("*.yaml")):
             return installed
@@ -232,8 +237,10 @@ def resolve_path(name_or_path: str | Path) -> Path:
         return path
     path = builtin_dir() / f"{text}.yaml"
     if not path.is_file():
-        raise ScheduleError(f"unknown schedule {text!r}; built-in schedules: {', '.join(available())} "
-                            "(or give a path to a .yaml schedule file)")
+        raise ScheduleError(
+            f"unknown schedule {text!r}; built-in schedules: {', '.join(available())} "
+            "(or give a path to a .yaml schedule file)"
+        )
     return path
 
 
@@ -271,8 +278,9 @@ def load_spec(name_or_path: str | Path) -> ScheduleSpec:
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ScheduleError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
-        raise ScheduleError(f"{path}: a schedule file is a mapping with keys name, compute, ...; got "
-                            f"{type(data).__name__}")
+        raise ScheduleError(
+            f"{path}: a schedule file is a mapping with keys name, compute, ...; got {type(data).__name__}"
+        )
     try:
         spec = ScheduleSpec.model_validate(data)
     except ValidationError as exc:

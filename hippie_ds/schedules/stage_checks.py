@@ -1,12 +1,20 @@
 """The validator's per-stage analysis of flush schedules: data flow (every micro-batch loaded /
 received / computed / sent in a valid order, a split backward's W after its B), pipeline buffer
 slots and the gradient state machine. Continuous schedules: :mod:`.continuous_checks`. Pure Python."""
+
 from __future__ import annotations
 
 from typing import Mapping
 
-from .ir import (BUFFER_KINDS, GRAD_RECEIVING_KINDS, GRADIENT_CONSUMER_KINDS, OP_INFO, RECV_GRAD_KINDS,
-                 CompiledSchedule, Op)
+from .ir import (
+    BUFFER_KINDS,
+    GRAD_RECEIVING_KINDS,
+    GRADIENT_CONSUMER_KINDS,
+    OP_INFO,
+    RECV_GRAD_KINDS,
+    CompiledSchedule,
+    Op,
+)
 from .check_common import Problem, check_slots, problem
 from .grad_buffer import REDUCED, GradBuffer
 
@@ -14,6 +22,7 @@ _MB_KINDS = BUFFER_KINDS  # ops that concern one micro-batch
 
 # ---------------------------------------------------------------------------------------------
 # Data flow, buffer slots and gradients: one stage at a time
+
 
 def _name(chunk: int, mb) -> str:
     """A chunk's micro-batch in messages: 'micro-batch 3', 'micro-batch 3 of chunk 1'."""
@@ -73,8 +82,15 @@ class _StageChecker:
             if mb not in self.fwd:
                 self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never forwarded"))
             if mb in self.igrad and mb not in self.bwd:
-                self.problems.append(Problem(s, None, None, f"{_name(*mb)}'s backward_weight is missing (its "
-                                                            "backward_input ran: parameter gradients never computed)"))
+                self.problems.append(
+                    Problem(
+                        s,
+                        None,
+                        None,
+                        f"{_name(*mb)}'s backward_weight is missing (its "
+                        "backward_input ran: parameter gradients never computed)",
+                    )
+                )
             elif mb not in self.bwd:
                 self.problems.append(Problem(s, None, None, f"{_name(*mb)} is never backwarded"))
         self._end_of_iteration()
@@ -122,8 +138,11 @@ class _StageChecker:
     def _forward_before_update(self, op: Op) -> None:
         """forward (a fused forward_backward's backward says it): on this iteration's weights."""
         if self.weights_changed is not None:
-            self._add(op, f"forward after this iteration's {self.weights_changed.kind.value} at step "
-                          f"{self.weights_changed.step}: runs on weights already updated")
+            self._add(
+                op,
+                f"forward after this iteration's {self.weights_changed.kind.value} at step "
+                f"{self.weights_changed.step}: runs on weights already updated",
+            )
 
     def _input_grad(self, op: Op) -> None:
         """backward / forward_backward / backward_input: the gradient of the stage's input."""
@@ -157,11 +176,17 @@ class _StageChecker:
 
     def _check_weights_unchanged(self, op: Op, name: str) -> None:
         if self.update is not None:
-            self._add(op, f"{name} after this iteration's {self.update.kind.value} at step {self.update.step}: "
-                          "its gradient is lost or applied in the wrong step")
+            self._add(
+                op,
+                f"{name} after this iteration's {self.update.kind.value} at step {self.update.step}: "
+                "its gradient is lost or applied in the wrong step",
+            )
         elif self.weights_changed is not None:
-            self._add(op, f"{name} after this iteration's {self.weights_changed.kind.value} at step "
-                          f"{self.weights_changed.step}: weights changed between forward and backward")
+            self._add(
+                op,
+                f"{name} after this iteration's {self.weights_changed.kind.value} at step "
+                f"{self.weights_changed.step}: weights changed between forward and backward",
+            )
 
     def _report(self, op: Op, error: str | None) -> None:
         if error is not None:
@@ -170,22 +195,31 @@ class _StageChecker:
     def _all_backwards_done(self, op: Op) -> bool:
         missing = [m for m in self.items if m not in self.bwd]
         if missing:
-            self._add(op, f"{op.kind.value} before all {len(self.items)} backwards of this iteration "
-                          f"({', '.join(_name(*m) for m in missing)} not yet backwarded)")
+            self._add(
+                op,
+                f"{op.kind.value} before all {len(self.items)} backwards of this iteration "
+                f"({', '.join(_name(*m) for m in missing)} not yet backwarded)",
+            )
         return not missing
 
     # -- gradients and the gradient buffer ---------------------------------------------------
     def _consume(self, op: Op) -> None:
         """An op that applies or buffers the iteration's gradients (``consumes_grads``): once."""
         if self.update is not None:
-            self._add(op, f"second update in one iteration (already {self.update.kind.value} at step "
-                          f"{self.update.step}); a stage applies or buffers its gradients exactly once")
+            self._add(
+                op,
+                f"second update in one iteration (already {self.update.kind.value} at step "
+                f"{self.update.step}); a stage applies or buffers its gradients exactly once",
+            )
         self.update = self.update or op
 
     def _no_chunk_in_flight(self, op: Op) -> None:
         if self.chunks_reducing:
-            self._add(op, f"{op.kind.value} while chunk {min(self.chunks_reducing)}'s all-reduce is in flight "
-                          "(start_allreduce(chunk) is for stages that update in-step: wait_allreduce(grads) first)")
+            self._add(
+                op,
+                f"{op.kind.value} while chunk {min(self.chunks_reducing)}'s all-reduce is in flight "
+                "(start_allreduce(chunk) is for stages that update in-step: wait_allreduce(grads) first)",
+            )
 
     def _reduce_grads(self, op: Op) -> None:
         self._no_chunk_in_flight(op)
@@ -199,8 +233,11 @@ class _StageChecker:
         if op.target == "chunk":
             missing = [m for m in self.items if m[0] == op.chunk and m not in self.bwd]
             if missing:
-                self._add(op, f"start_allreduce(chunk {op.chunk}) before all of its backwards "
-                              f"({', '.join(_name(*m) for m in missing)} not yet backwarded)")
+                self._add(
+                    op,
+                    f"start_allreduce(chunk {op.chunk}) before all of its backwards "
+                    f"({', '.join(_name(*m) for m in missing)} not yet backwarded)",
+                )
             if op.chunk in self.chunks_reducing or self.grads_reducing:
                 self._add(op, f"start_allreduce(chunk {op.chunk}) while its all-reduce is already in flight")
             self.chunks_reducing.add(op.chunk)
@@ -215,9 +252,11 @@ class _StageChecker:
     def _wait_allreduce(self, op: Op) -> None:
         if op.target == "grads":
             if not self.grads_reducing:
-                self._add(op, "wait_allreduce(grads) with no all-reduce of the gradients in flight"
-                              + (" (start_allreduce(grads) takes the rest after the chunks')" if self.chunks_reducing
-                                 else ""))
+                self._add(
+                    op,
+                    "wait_allreduce(grads) with no all-reduce of the gradients in flight"
+                    + (" (start_allreduce(grads) takes the rest after the chunks')" if self.chunks_reducing else ""),
+                )
             elif self.grads == "accumulating":
                 self.grads = "reduced"
             self.grads_reducing = False
@@ -229,8 +268,11 @@ class _StageChecker:
         """optimizer_step / stage_optimizer_step: applies the reduced gradients."""
         self._all_backwards_done(op)
         if self.grads_reducing or self.chunks_reducing:
-            self._add(op, f"{op.kind.value} before the gradients it applies are reduced "
-                          "(their all-reduce is still in flight: wait_allreduce(grads) comes later)")
+            self._add(
+                op,
+                f"{op.kind.value} before the gradients it applies are reduced "
+                "(their all-reduce is still in flight: wait_allreduce(grads) comes later)",
+            )
         elif self.grads != "reduced":
             self._add(op, f"{op.kind.value} before the gradients it applies are reduced (gradients {self.grads})")
         self.grads = "empty"
@@ -252,22 +294,45 @@ class _StageChecker:
     def _end_of_iteration(self) -> None:
         s = self.s
         if self.update is None:
-            self.problems.append(Problem(s, None, None, f"stage {s} never applies or buffers its gradients "
-                                                        "(no optimizer_step, stage_optimizer_step or "
-                                                        "copy_grads_to_buffer)"))
+            self.problems.append(
+                Problem(
+                    s,
+                    None,
+                    None,
+                    f"stage {s} never applies or buffers its gradients "
+                    "(no optimizer_step, stage_optimizer_step or "
+                    "copy_grads_to_buffer)",
+                )
+            )
         elif self.grads != "empty":
-            self.problems.append(Problem(s, None, None, f"gradients {self.grads} after this iteration's "
-                                                        f"{self.update.kind.value}: never applied or buffered"))
+            self.problems.append(
+                Problem(
+                    s,
+                    None,
+                    None,
+                    f"gradients {self.grads} after this iteration's "
+                    f"{self.update.kind.value}: never applied or buffered",
+                )
+            )
         if self.grads_reducing or self.chunks_reducing:
-            self.problems.append(Problem(s, None, None, "all-reduce of the gradients still in flight at the end of "
-                                                        "the iteration (no wait_allreduce(grads))"))
+            self.problems.append(
+                Problem(
+                    s,
+                    None,
+                    None,
+                    "all-reduce of the gradients still in flight at the end of "
+                    "the iteration (no wait_allreduce(grads))",
+                )
+            )
         if self.buffer.state == REDUCED:
-            self.problems.append(Problem(s, None, None, "gradient buffer all-reduced but never applied "
-                                                        "(apply_buffered_update missing)"))
+            self.problems.append(
+                Problem(s, None, None, "gradient buffer all-reduced but never applied (apply_buffered_update missing)")
+            )
 
     def _check_slots(self) -> None:
-        check_slots([((op.chunk, op.micro_batch), op) for op in self.ops], self.num_buffers, self._add,
-                    lambda key: _name(*key))
+        check_slots(
+            [((op.chunk, op.micro_batch), op) for op in self.ops], self.num_buffers, self._add, lambda key: _name(*key)
+        )
 
 
 def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
@@ -279,9 +344,11 @@ def check_single_grad_slot(compiled: CompiledSchedule, stage: int) -> None:
     for op in compiled.ops(stage):
         if op.kind in RECV_GRAD_KINDS:
             if op.chunk in holding:
-                raise ValueError(f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
-                                 f"micro-batch {op.micro_batch} before the backward of micro-batch "
-                                 f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward")
+                raise ValueError(
+                    f"schedule {compiled.name!r} stage {stage} step {op.step}: receives the gradient of "
+                    f"micro-batch {op.micro_batch} before the backward of micro-batch "
+                    f"{holding[op.chunk]}; hippie-ds receives a gradient in the step of its backward"
+                )
             holding[op.chunk] = op.micro_batch
         elif op.kind in GRAD_RECEIVING_KINDS and holding.get(op.chunk) == op.micro_batch:
             del holding[op.chunk]

@@ -16,6 +16,7 @@ Layout: this module (the API), :mod:`.deadlock` (the communication analysis),
 Problems are collected, not raised one by one: :func:`check` returns them all, :func:`validate`
 raises :class:`ScheduleValidationError` listing them.
 """
+
 from __future__ import annotations
 
 from .check_common import Problem, problem, scenario_ops, scenarios, unique  # noqa: F401 (API)
@@ -38,9 +39,10 @@ class ScheduleValidationError(ScheduleError):
         lines = [str(p) for p in self.problems[:_MAX_LISTED]]
         if len(self.problems) > _MAX_LISTED:
             lines.append(f"... and {len(self.problems) - _MAX_LISTED} more")
-        super().__init__(f"schedule {compiled.name} ({compiled.stages} stages x {compiled.micro_batches} "
-                         f"micro-batches, params {compiled.params}): {len(self.problems)} problem(s):\n  "
-                         + "\n  ".join(lines))
+        super().__init__(
+            f"schedule {compiled.name} ({compiled.stages} stages x {compiled.micro_batches} "
+            f"micro-batches, params {compiled.params}): {len(self.problems)} problem(s):\n  " + "\n  ".join(lines)
+        )
 
 
 def check(compiled: CompiledSchedule, iterations: int = 2) -> list[Problem]:
@@ -77,14 +79,25 @@ def _check_shape(compiled: CompiledSchedule) -> list[Problem]:
     problems = []
     K = compiled.stages
     if len(compiled.streams) != K or len(compiled.num_buffers) != K:
-        return [Problem(0, None, None, f"{K} stages but {len(compiled.streams)} streams and "
-                                       f"{len(compiled.num_buffers)} buffer counts")]
+        return [
+            Problem(
+                0,
+                None,
+                None,
+                f"{K} stages but {len(compiled.streams)} streams and {len(compiled.num_buffers)} buffer counts",
+            )
+        ]
     for s, stream in enumerate(compiled.streams):
         for t, step in enumerate(stream):
             for op in step:
                 if op.stage != s or op.step != t:
-                    problems.append(problem(op, f"op says stage {op.stage} step {op.step} but is in stage "
-                                                 f"{s}'s stream at step {t}", stage=s))
+                    problems.append(
+                        problem(
+                            op,
+                            f"op says stage {op.stage} step {op.step} but is in stage {s}'s stream at step {t}",
+                            stage=s,
+                        )
+                    )
                 if op.kind in BUFFER_KINDS and op.micro_batch is None:
                     problems.append(problem(op, f"{op.kind.value} without a micro-batch"))
                 targets = OP_INFO[op.kind].targets

@@ -2,8 +2,12 @@
 
 
 def run_record(thr, rss, saved=10e6, state=100e6):
-    return {"throughput_samples_s": thr, "mean_peak_training_rss_bytes": rss, "mean_peak_saved_bytes": saved,
-            "mean_state_bytes": state}
+    return {
+        "throughput_samples_s": thr,
+        "mean_peak_training_rss_bytes": rss,
+        "mean_peak_saved_bytes": saved,
+        "mean_state_bytes": state,
+    }
 
 
 def rounds_runs(thr_rounds: dict) -> dict:
@@ -12,8 +16,15 @@ def rounds_runs(thr_rounds: dict) -> dict:
     for name, thrs in thr_rounds.items():
         meds = [32 / t for t in thrs]
         med = sorted(meds)[len(meds) // 2]
-        two[name] = {**run_record(32 / med, 200e6), "rounds": len(thrs), "round_throughput_samples_s": thrs,
-                     "round_median_step_s": meds, "median_step_s": med,
-                     "median_step_s_min": min(meds), "median_step_s_max": max(meds),
-                     "throughput_samples_s_min": min(thrs), "throughput_samples_s_max": max(thrs)}
+        two[name] = {
+            **run_record(32 / med, 200e6),
+            "rounds": len(thrs),
+            "round_throughput_samples_s": thrs,
+            "round_median_step_s": meds,
+            "median_step_s": med,
+            "median_step_s_min": min(meds),
+            "median_step_s_max": max(meds),
+            "throughput_samples_s_min": min(thrs),
+            "throughput_samples_s_max": max(thrs),
+        }
     return {"two_nodes": two}

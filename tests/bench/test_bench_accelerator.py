@@ -1,6 +1,7 @@
 """The bench's CUDA path, what of it runs without a GPU: where the ranks compute (--accelerator),
 each emulated node's GPUs and NCCL environment, the collective backend and the instruction clock.
 A GPU run itself needs one GPU per rank (docs/results.md says what is verified)."""
+
 import argparse
 import time
 
@@ -50,5 +51,5 @@ def test_cpu_instruction_clock_is_the_plain_counter():
 
 def test_worker_backend_is_gloo_on_the_cpu():
     from tools.bench.workers.bench_worker import backend_name
-    assert backend_name() == "gloo"
 
+    assert backend_name() == "gloo"

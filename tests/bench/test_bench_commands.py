@@ -1,5 +1,6 @@
 """The bench's subcommands (``python -m tools.bench NAME``, tools/bench/commands.py): every one imports and
 answers ``--help``, and ``python -m tools.bench --help`` lists them all. Pure: ``--help`` runs nothing."""
+
 import importlib
 import subprocess
 import sys
@@ -31,8 +32,9 @@ def test_usage_names_every_subcommand():
 
 
 def test_bench_help_lists_every_subcommand():
-    res = subprocess.run([sys.executable, "-m", "tools.bench", "--help"], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "tools.bench", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert res.returncode == 0, res.stderr
     missing = [name for name in COMMANDS if f"  {name} " not in res.stdout]
     assert not missing, f"python -m tools.bench --help does not list {missing}"
@@ -45,8 +47,9 @@ def test_tools_holds_the_examples_and_the_bench():
     path by the bench's jobs, live in tools/bench/workers/; the fork launcher is run as a module)."""
     tools = REPO / "tools"
     assert sorted(p.name for p in tools.iterdir() if p.name != "__pycache__") == ["__init__.py", "bench", "examples"]
-    scripts = {p.relative_to(tools).as_posix() for p in tools.rglob("*.py")
-               if 'if __name__ == "__main__"' in p.read_text()}
+    scripts = {
+        p.relative_to(tools).as_posix() for p in tools.rglob("*.py") if 'if __name__ == "__main__"' in p.read_text()
+    }
     workers = {p.relative_to(tools).as_posix() for p in (tools / "bench" / "workers").glob("*_worker.py")}
     assert scripts - workers == {"examples/train_gpt.py", "examples/train_vgg.py", "bench/cluster/fork_ranks.py"}
     assert "bench_worker.py" in {p.rsplit("/", 1)[1] for p in workers}

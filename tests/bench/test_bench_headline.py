@@ -1,5 +1,6 @@
 """python -m tools.bench headline: README's headline table from a scaling study's results (pure), and
 its figures block is the one tests/docs/test_doc_figures.py checks (every figure cited, a waited row no figure)."""
+
 import json
 
 import pytest
@@ -8,23 +9,42 @@ from tools.bench.studies.headline import END, START, main, model_table, splice
 
 
 def _results():
-    row = {"vs_1f1b": 1.712, "vs_1f1b_min": 1.6, "vs_1f1b_max": 1.8, "scaling": 0.97, "scaling_min": 0.95,
-           "scaling_max": 0.99, "memory_bytes": 2.31e9, "me_vs_dp": 5.12, "runqueue_wait_share_max": 0.012,
-           "waited_for_core": False}
+    row = {
+        "vs_1f1b": 1.712,
+        "vs_1f1b_min": 1.6,
+        "vs_1f1b_max": 1.8,
+        "scaling": 0.97,
+        "scaling_min": 0.95,
+        "scaling_max": 0.99,
+        "memory_bytes": 2.31e9,
+        "me_vs_dp": 5.12,
+        "runqueue_wait_share_max": 0.012,
+        "waited_for_core": False,
+    }
     stock = {**row, "vs_1f1b": 1.0, "vs_1f1b_min": None, "vs_1f1b_max": None, "me_vs_dp": 1.75}
     waited = {**row, "runqueue_wait_share_max": 0.259, "waited_for_core": True}
-    return {"config": {"stages": 4, "dilation": 16.0, "link": "tbf 10mbit burst min", "emulate_scale": 1e-3},
-            "summary": {"by_nodes": {"1": {}, "4": {"1f1b": stock, "hippie-1f1b": row, "planned": waited}}}}
+    return {
+        "config": {"stages": 4, "dilation": 16.0, "link": "tbf 10mbit burst min", "emulate_scale": 1e-3},
+        "summary": {"by_nodes": {"1": {}, "4": {"1f1b": stock, "hippie-1f1b": row, "planned": waited}}},
+    }
 
 
 def test_table_and_figures_block():
     lines = model_table(_results(), "docs/bench/scaling/vgg16/results.json", "VGG-16")
     text = "\n".join(lines)
-    assert "D = 16" in text and "10 Gbit/s between nodes" in text and "| hippie-1f1b | emulated | 16 | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
+    assert (
+        "D = 16" in text
+        and "10 Gbit/s between nodes" in text
+        and "| hippie-1f1b | emulated | 16 | 1.71x (1.60-1.80) | 0.97 (0.95-0.99) | 2.31 | 5.12x | no (1.2%) |" in text
+    )
     assert "| 1F1B (stock DeepSpeed) | emulated | 16 | 1.00x |" in text
-    assert "| planned (ME) | emulated | 16 | not a figure | - | - | - | **yes** (25.9%) |" in text  # flagged: no figures
-    assert "hippie-1f1b | vs stock 1F1B | {summary.by_nodes.4.hippie-1f1b.vs_1f1b} " \
-           "{summary.by_nodes.4.hippie-1f1b.vs_1f1b_min} {summary.by_nodes.4.hippie-1f1b.vs_1f1b_max}" in text
+    assert (
+        "| planned (ME) | emulated | 16 | not a figure | - | - | - | **yes** (25.9%) |" in text
+    )  # flagged: no figures
+    assert (
+        "hippie-1f1b | vs stock 1F1B | {summary.by_nodes.4.hippie-1f1b.vs_1f1b} "
+        "{summary.by_nodes.4.hippie-1f1b.vs_1f1b_min} {summary.by_nodes.4.hippie-1f1b.vs_1f1b_max}" in text
+    )
     assert "planned (ME) | memory" not in text
 
 
@@ -53,4 +73,7 @@ def test_every_column_states_its_own_dilation():
     assert "each column at its time dilation D" in text and "| schedule | kind | D |" in text
     assert "| planned (ME) | emulated | 32 | 1.71x (1.60-1.80) |" in text
     assert "planned (ME) | D | {summary.by_nodes.4.planned.dilation}" in text
-    assert "hippie-1f1b | D | {config.dilation}" in text and "1F1B (stock DeepSpeed) | D | {summary.by_nodes.4.1f1b.dilation}" in text
+    assert (
+        "hippie-1f1b | D | {config.dilation}" in text
+        and "1F1B (stock DeepSpeed) | D | {summary.by_nodes.4.1f1b.dilation}" in text
+    )

@@ -1,15 +1,21 @@
 """python -m tools.bench host-cost's arithmetic (the study itself is a bench: no timing here)."""
+
 from tools.bench.studies.host_cost import report, summarize
 
 
 def _raw():
     def recs(walls, cpus, n):
         return [{"round": r, "wall": w, "cpu": c, "instructions": n} for r, (w, c) in enumerate(zip(walls, cpus))]
+
     # two ranks; rank 1 is the slower one in round 0 for stock, rank 0 in round 1 for 1f1b
-    return {"args": {"layers": 8, "width": 16, "micro_batches": 16, "steps": 1, "warmup": 0},
-            "calls_per_instruction": {"stock": 14.0, "1f1b": 12.5},
-            "ranks": [{"stock": recs([0.10, 0.10], [0.05, 0.05], 100), "1f1b": recs([0.11, 0.12], [0.05, 0.06], 100)},
-                      {"stock": recs([0.20, 0.10], [0.10, 0.04], 100), "1f1b": recs([0.10, 0.10], [0.05, 0.05], 100)}]}
+    return {
+        "args": {"layers": 8, "width": 16, "micro_batches": 16, "steps": 1, "warmup": 0},
+        "calls_per_instruction": {"stock": 14.0, "1f1b": 12.5},
+        "ranks": [
+            {"stock": recs([0.10, 0.10], [0.05, 0.05], 100), "1f1b": recs([0.11, 0.12], [0.05, 0.06], 100)},
+            {"stock": recs([0.20, 0.10], [0.10, 0.04], 100), "1f1b": recs([0.10, 0.10], [0.05, 0.05], 100)},
+        ],
+    }
 
 
 def test_ratios_are_taken_per_round_on_the_slowest_rank():

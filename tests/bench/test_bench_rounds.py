@@ -1,6 +1,7 @@
 """python -m tools.bench, its rounds: the run order rotated per round, the run plan with rounds,
 rounds combined, the per-round ratios and their spread (the "real difference" rule), scaling
 efficiency per round. Pure: no processes."""
+
 import pytest
 
 from bench_records import rounds_runs, run_record
@@ -10,7 +11,11 @@ from tools.bench import cli as bench
 def test_round_orders_rotate():
     # stock 1F1B first in round 0; round r starts at schedule r mod S
     assert bench.round_orders(["dp", "1f1b", "hippie"], 4) == [
-        ["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"], ["hippie", "1f1b", "dp"], ["1f1b", "dp", "hippie"]]
+        ["1f1b", "dp", "hippie"],
+        ["dp", "hippie", "1f1b"],
+        ["hippie", "1f1b", "dp"],
+        ["1f1b", "dp", "hippie"],
+    ]
     assert bench.round_orders(["hippie"], 2) == [["hippie"], ["hippie"]]
     assert bench.round_orders(["dp", "1f1b"], 1) == [["1f1b", "dp"]]
 
@@ -20,10 +25,19 @@ def test_run_plan_with_rounds():
     jobs = bench.run_plan(a)
     # each round: every schedule on two nodes, then on one node, in the round's order
     assert [j["dir"] for j in jobs] == [
-        "two_nodes/1f1b/round0", "two_nodes/dp/round0", "two_nodes/hippie/round0",
-        "one_node/1f1b/round0", "one_node/dp/round0", "one_node/hippie/round0",
-        "two_nodes/dp/round1", "two_nodes/hippie/round1", "two_nodes/1f1b/round1",
-        "one_node/dp/round1", "one_node/hippie/round1", "one_node/1f1b/round1"]
+        "two_nodes/1f1b/round0",
+        "two_nodes/dp/round0",
+        "two_nodes/hippie/round0",
+        "one_node/1f1b/round0",
+        "one_node/dp/round0",
+        "one_node/hippie/round0",
+        "two_nodes/dp/round1",
+        "two_nodes/hippie/round1",
+        "two_nodes/1f1b/round1",
+        "one_node/dp/round1",
+        "one_node/hippie/round1",
+        "one_node/1f1b/round1",
+    ]
     assert [j["round"] for j in jobs] == [0] * 6 + [1] * 6
     assert bench.config_record(a)["round_orders"] == [["1f1b", "dp", "hippie"], ["dp", "hippie", "1f1b"]]
     # the one-device run once, at the end
@@ -33,9 +47,16 @@ def test_run_plan_with_rounds():
 
 def test_combine_rounds():
     def run(m, steps):
-        return {"median_step_s": m, "samples_per_step": 32, "throughput_samples_s": 32 / m, "step_times_s": steps,
-                "timed_steps": len(steps), "memory_per_rank": {"0": {"m": m}},
-                "prediction": {"step_time": 1.1, "error": (1.1 - m) / m}}
+        return {
+            "median_step_s": m,
+            "samples_per_step": 32,
+            "throughput_samples_s": 32 / m,
+            "step_times_s": steps,
+            "timed_steps": len(steps),
+            "memory_per_rank": {"0": {"m": m}},
+            "prediction": {"step_time": 1.1, "error": (1.1 - m) / m},
+        }
+
     r = bench.combine_rounds([run(1.0, [1.0, 1.0]), run(1.4, [1.4]), None, run(1.2, [1.2, 1.2])])
     assert r["median_step_s"] == pytest.approx(1.2) and r["throughput_samples_s"] == pytest.approx(32 / 1.2)
     assert r["round_median_step_s"] == [1.0, 1.4, None, 1.2] and r["rounds"] == 4
@@ -69,8 +90,9 @@ def test_round_ratio_statistics():
 def test_summarize_per_round_ratios_and_real_rule():
     # The machine drifts: round 1 is slow for everybody. Per round, hippie beats 1F1B by 20%,
     # which a ratio of medians taken over rounds mixed together would not show as cleanly.
-    runs = rounds_runs({"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0], "hippie": [19.2, 9.6, 18.0],
-                         "gpipe": [17.0, 7.6, 15.5]})
+    runs = rounds_runs(
+        {"dp": [20.0, 10.0, 19.0], "1f1b": [16.0, 8.0, 15.0], "hippie": [19.2, 9.6, 18.0], "gpipe": [17.0, 7.6, 15.5]}
+    )
     s = bench.summarize(runs)["schedules"]
     h, g, f, dp = s["hippie"], s["gpipe"], s["1f1b"], s["dp"]
     assert h["ratio_to_1f1b_rounds"] == pytest.approx([1.2, 1.2, 1.2])
@@ -96,16 +118,27 @@ def test_summarize_per_round_ratios_and_real_rule():
 def test_scaling_efficiency_per_round():
     """With one-node runs in rounds, the scaling 1->2 nodes is taken per round (runs of the same
     round) with its spread; the report shows it and no longer calls the one-node runs single."""
+
     def run(thr_rounds):
         med = sorted(thr_rounds)[len(thr_rounds) // 2]
-        return {**run_record(med, 100e6), "rounds": len(thr_rounds), "round_throughput_samples_s": thr_rounds,
-                "throughput_samples_s_min": min(thr_rounds), "throughput_samples_s_max": max(thr_rounds)}
-    runs = {"two_nodes": {"1f1b": run([18.0, 16.0, 20.0])}, "one_node": {"1f1b": run([10.0, 10.0, 10.0])},
-            "one_device": {"dp": run_record(6.0, 100e6)}}
+        return {
+            **run_record(med, 100e6),
+            "rounds": len(thr_rounds),
+            "round_throughput_samples_s": thr_rounds,
+            "throughput_samples_s_min": min(thr_rounds),
+            "throughput_samples_s_max": max(thr_rounds),
+        }
+
+    runs = {
+        "two_nodes": {"1f1b": run([18.0, 16.0, 20.0])},
+        "one_node": {"1f1b": run([10.0, 10.0, 10.0])},
+        "one_device": {"dp": run_record(6.0, 100e6)},
+    }
     s = bench.summarize(runs)["schedules"]["1f1b"]
     assert s["scaling_efficiency_rounds"] == pytest.approx([0.9, 0.8, 1.0])
     assert s["scaling_efficiency"] == pytest.approx(0.9)
     assert (s["scaling_efficiency_min"], s["scaling_efficiency_max"]) == pytest.approx((0.8, 1.0))
     from tools.bench.report import single_runs_note
+
     note = single_runs_note({"runs": runs})
     assert "one-device run" in note and "one-node" not in note

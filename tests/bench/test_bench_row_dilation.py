@@ -2,6 +2,7 @@
 which rows are rerun at which D (up to 64), --resume skipping the reruns that finished, the D read back
 for the analysis, and every figure divided by the row's own D. The job runner is a fake that writes the
 records a worker writes (rank*.steps.json, raw/done.json); nothing runs on a cluster."""
+
 import json
 
 import pytest
@@ -14,8 +15,9 @@ STAGES, MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 8, 32
 
 
 def _args(out, *extra):
-    return scaling.parse_args(["--out", str(out), "--nodes", "1,2", "--rounds", "2", "--dilate", "16",
-                               "--no-single", *extra])
+    return scaling.parse_args(
+        ["--out", str(out), "--nodes", "1,2", "--rounds", "2", "--dilate", "16", "--no-single", *extra]
+    )
 
 
 def write_row(run_dir, label, d, wait, step=1.0, nodes=2, state=1e3, rounds=2, steps=2):
@@ -29,14 +31,38 @@ def write_row(run_dir, label, d, wait, step=1.0, nodes=2, state=1e3, rounds=2, s
         t, records = 100.0, []
         for r in range(rounds):
             for i in range(steps + 1):
-                records.append({"round": r, "index": i, "warmup": i == 0, "start": t, "end": t + step * d,
-                                "loss": 1.0, "cpu_s": 0.1 * step * d, "runqueue_wait_s": wait * step * d,
-                                "saved_peak_bytes": 500.0 * d})
+                records.append(
+                    {
+                        "round": r,
+                        "index": i,
+                        "warmup": i == 0,
+                        "start": t,
+                        "end": t + step * d,
+                        "loss": 1.0,
+                        "cpu_s": 0.1 * step * d,
+                        "runqueue_wait_s": wait * step * d,
+                        "saved_peak_bytes": 500.0 * d,
+                    }
+                )
                 t += step * d
-        (raw / f"rank{rank}.steps.json").write_text(json.dumps(
-            {"rank": rank, "stage": rank % STAGES if label != "dp" else 0, "stages": STAGES if label != "dp" else 1,
-             "world": world, "schedule": label, "params": 10, "t0": 100.0, "micro_batch_size": MICRO_BATCH_SIZE,
-             "micro_batches": MICRO_BATCHES, "parts": None, "memory": {"state_bytes": state * d}, "steps": records}))
+        (raw / f"rank{rank}.steps.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "stage": rank % STAGES if label != "dp" else 0,
+                    "stages": STAGES if label != "dp" else 1,
+                    "world": world,
+                    "schedule": label,
+                    "params": 10,
+                    "t0": 100.0,
+                    "micro_batch_size": MICRO_BATCH_SIZE,
+                    "micro_batches": MICRO_BATCHES,
+                    "parts": None,
+                    "memory": {"state_bytes": state * d},
+                    "steps": records,
+                }
+            )
+        )
     (run_dir / "raw" / "done.json").write_text("{}")
 
 
@@ -50,8 +76,9 @@ class FakeRunner:
     def __call__(self, a_d, job, run_dir):
         (s,) = job["schedules"]
         self.calls.append((s, a_d.dilate, run_dir))
-        write_row(run_dir, job["labels"], a_d.dilate, self.waits[(s, a_d.dilate)], self.steps.get(s, 1.0),
-                  nodes=job["nodes"])
+        write_row(
+            run_dir, job["labels"], a_d.dilate, self.waits[(s, a_d.dilate)], self.steps.get(s, 1.0), nodes=job["nodes"]
+        )
 
 
 def test_dilations_double_up_to_64():
@@ -70,14 +97,19 @@ def test_only_rows_that_waited_rerun_alone_at_2d_until_host_free_stopping_at_64(
     run = FakeRunner({("hippie-1f1b", 32): 0.03, ("gpipe", 32): 0.12, ("gpipe", 64): 0.08})
     tried = row_dilation.rerun_rows(a, tmp_path, job, run, log=lambda *x, **k: None)
     runs = tmp_path / "runs"
-    assert run.calls == [("hippie-1f1b", 32, runs / "D32" / "two_nodes_hippie-1f1b"),
-                         ("gpipe", 32, runs / "D32" / "two_nodes_gpipe"),
-                         ("gpipe", 64, runs / "D64" / "two_nodes_gpipe")]  # 64: the last, though it waited
+    assert run.calls == [
+        ("hippie-1f1b", 32, runs / "D32" / "two_nodes_hippie-1f1b"),
+        ("gpipe", 32, runs / "D32" / "two_nodes_gpipe"),
+        ("gpipe", 64, runs / "D64" / "two_nodes_gpipe"),
+    ]  # 64: the last, though it waited
     assert tried["1f1b"] == [(16, pytest.approx(0.01))]  # host-free at the job's D: not rerun
     assert [d for d, _ in tried["gpipe"]] == [16, 32, 64]
     # the analysis reads the same D back from the records: the first host-free one, else the last
-    for s, d, where in (("1f1b", 16, base), ("hippie-1f1b", 32, runs / "D32" / "two_nodes_hippie-1f1b"),
-                        ("gpipe", 64, runs / "D64" / "two_nodes_gpipe")):
+    for s, d, where in (
+        ("1f1b", 16, base),
+        ("hippie-1f1b", 32, runs / "D32" / "two_nodes_hippie-1f1b"),
+        ("gpipe", 64, runs / "D64" / "two_nodes_gpipe"),
+    ):
         got_d, got_dir, one, got_tried = row_dilation.chosen_run(a, tmp_path, job, s)
         assert (got_d, got_dir) == (d, where) and got_tried == tried[s]
         assert one["schedules"] == [s] if d != 16 else one is job
@@ -101,7 +133,10 @@ def test_resume_runs_again_only_the_reruns_that_did_not_finish(tmp_path):
     assert [(s, d) for s, d, _ in first.calls] == [("1f1b", 32), ("1f1b", 64)]
     again = FakeRunner(waits)
     assert row_dilation.rerun_rows(a, tmp_path, job, again, **quiet)["1f1b"] == [
-        (16, pytest.approx(0.2)), (32, pytest.approx(0.07)), (64, pytest.approx(0.02))]
+        (16, pytest.approx(0.2)),
+        (32, pytest.approx(0.07)),
+        (64, pytest.approx(0.02)),
+    ]
     assert again.calls == []  # every rerun finished: none runs again
     (tmp_path / "runs" / "D64" / "two_nodes_1f1b" / "raw" / "done.json").unlink()  # stopped before its end
     again = FakeRunner(waits)
@@ -114,14 +149,15 @@ def test_max_dilate_at_the_job_s_d_reruns_nothing(tmp_path):
     job = next(j for j in scaling.run_plan(a) if j["dir"] == "two_nodes")
     write_row(tmp_path / "runs" / "two_nodes", "stock", 16, 0.3)
     run = FakeRunner({})
-    assert row_dilation.rerun_rows(a, tmp_path, job, run, log=lambda *x, **k: None) == {
-        "1f1b": [(16, pytest.approx(0.3))]} and run.calls == []
+    assert (
+        row_dilation.rerun_rows(a, tmp_path, job, run, log=lambda *x, **k: None) == {"1f1b": [(16, pytest.approx(0.3))]}
+        and run.calls == []
+    )
 
 
 def test_a_planned_row_is_planned_afresh_at_its_new_d(tmp_path):
     a = _args(tmp_path, "--schedules", "planned")
-    plan16 = {"schedule": "hippie", "file": "p16.json", "pipeline_depth": 4, "micro_batch_size": 8,
-              "micro_batches": 32}
+    plan16 = {"schedule": "hippie", "file": "p16.json", "pipeline_depth": 4, "micro_batch_size": 8, "micro_batches": 32}
     a.planned = {(2, "planned"): plan16}
     job = next(j for j in scaling.run_plan(a) if j["dir"] == "two_nodes_planned")
     assert job["labels"] == "hippie" and job["plan"] is plan16
@@ -135,6 +171,7 @@ def test_a_planned_row_is_planned_afresh_at_its_new_d(tmp_path):
     def run(a_d, one, run_dir):
         jobs.append(one)
         write_row(run_dir, one["labels"], a_d.dilate, 0.045)
+
     tried = row_dilation.rerun_rows(a, tmp_path, job, run, plan=plan, log=lambda *x, **k: None)
     assert asked == [(32, 2, "planned")] and tried["planned"][-1] == (32, pytest.approx(0.045))
     assert jobs[0]["labels"] == "hippie-1f1b" and jobs[0]["plan"]["file"] == "p32.json"  # the plan made at D = 32
@@ -148,6 +185,7 @@ def test_a_row_at_d_32_beside_rows_at_16_reports_its_times_over_its_own_d(tmp_pa
     undilated steps: stock 1F1B 1.0 s, hippie-1f1b 0.5 s (rerun at D = 32), GPipe 0.8 s; the same on one
     node. The simulator is not what is checked here: its prediction is stubbed."""
     from tools.bench import analysis
+
     monkeypatch.setattr(analysis, "job_prediction", lambda *args: ({}, {"step_time": None}))
     a = _args(tmp_path, "--schedules", "1f1b,hippie-1f1b,gpipe")
     undilated = {"1f1b": 1.0, "hippie-1f1b": 0.5, "gpipe": 0.8}

@@ -1,5 +1,6 @@
 """python -m tools.bench scaling, its pure parts (run plan, labels, figures, report, the optimizer-step
 barrier in the measured costs) and the star network of N emulated nodes (root only: namespaces)."""
+
 import json
 import subprocess
 import sys
@@ -22,8 +23,9 @@ def test_defaults_and_run_plan():
     assert a.model == "emulated:vgg16" and a.stages == 4 and a.rate == "10mbit" and a.node_counts == [1, 2, 4]
     plan = scaling.run_plan(a)
     columns = ["", "_dp", "_planned", "_planned-throughput"]  # the planned columns in jobs of their own
-    assert [j["dir"] for j in plan] == [f"{n}{c}" for n in ("one_node", "two_nodes", "four_nodes")
-                                        for c in columns] + ["one_device"]
+    assert [j["dir"] for j in plan] == [f"{n}{c}" for n in ("one_node", "two_nodes", "four_nodes") for c in columns] + [
+        "one_device"
+    ]
     plan = [j for j in plan if "planned" not in j["dir"]]
     assert plan[0]["labels"] == "stock,gpipe,hippie-1f1b"  # every pipeline in one job, as engine labels
     pipelines = scaling.job_args(a, plan[0], scaling.Path("/tmp/x"))
@@ -37,8 +39,9 @@ def test_defaults_and_run_plan():
 
 
 def test_dilated_options_and_host_cores():
-    a = _args("--nodes", "1,2,4", "--dilate", "8", "--timeout", "100", "--emulate-scale", "0.002",
-              "--emulate-speedup", "2")
+    a = _args(
+        "--nodes", "1,2,4", "--dilate", "8", "--timeout", "100", "--emulate-scale", "0.002", "--emulate-speedup", "2"
+    )
     d = scaling.dilated(a)
     assert (d.emulate_scale, d.emulate_speedup, d.timeout) == (0.016, 0.25, 800)  # bytes x 8, times x 8
     assert (a.emulate_scale, a.emulate_speedup) == (0.002, 2)  # the undilated cluster, what the planner sees
@@ -59,18 +62,35 @@ def test_nodes_must_include_one_and_a_larger_count(nodes, capsys):
 
 def _run(rounds_thr, world, stages=4, state=1e3, saved=1e3, pred=None):
     med = sorted(rounds_thr)[len(rounds_thr) // 2]
-    return {"throughput_samples_s": med, "round_throughput_samples_s": rounds_thr, "median_step_s": 256 / med,
-            "median_step_s_min": 256 / max(rounds_thr), "median_step_s_max": 256 / min(rounds_thr),
-            "world": world, "stages": 1 if stages == 1 else stages, "mean_state_bytes": state,
-            "mean_peak_saved_bytes": saved, "schedule_params": {}, "prediction": {"step_time": pred, "error": 0.05}}
+    return {
+        "throughput_samples_s": med,
+        "round_throughput_samples_s": rounds_thr,
+        "median_step_s": 256 / med,
+        "median_step_s_min": 256 / max(rounds_thr),
+        "median_step_s_max": 256 / min(rounds_thr),
+        "world": world,
+        "stages": 1 if stages == 1 else stages,
+        "mean_state_bytes": state,
+        "mean_peak_saved_bytes": saved,
+        "schedule_params": {},
+        "prediction": {"step_time": pred, "error": 0.05},
+    }
 
 
 def test_summarize_scaling_me_and_report():
-    runs = {"one_node": {"dp": _run([100, 110], 4, 1, state=4e3), "1f1b": _run([200, 200], 4),
-                         "hippie-1f1b": _run([220, 230], 4)},
-            "two_nodes": {"dp": _run([100, 100], 8, 1, state=4e3), "1f1b": _run([300, 280], 8),
-                          "hippie-1f1b": _run([440, 450], 8)},
-            "one_device": {"dp": _run([60], 1, 1, state=16e3)}}
+    runs = {
+        "one_node": {
+            "dp": _run([100, 110], 4, 1, state=4e3),
+            "1f1b": _run([200, 200], 4),
+            "hippie-1f1b": _run([220, 230], 4),
+        },
+        "two_nodes": {
+            "dp": _run([100, 100], 8, 1, state=4e3),
+            "1f1b": _run([300, 280], 8),
+            "hippie-1f1b": _run([440, 450], 8),
+        },
+        "one_device": {"dp": _run([60], 1, 1, state=16e3)},
+    }
     s = scaling.summarize(runs, [1, 2], scale=1e-3)
     two = s["by_nodes"]["2"]
     # scaling 1 -> 2 per round: 440 / (2 x 220), 450 / (2 x 230)
@@ -83,11 +103,29 @@ def test_summarize_scaling_me_and_report():
     me = (thr / (dev * 60)) * thr / 2e-3
     me_dp = (100 / (dev * 60)) * 100 / 5e-3
     assert two["1f1b"]["me_vs_dp"] == pytest.approx(me / me_dp)
-    md = report({"config": {"model": "emulated:vgg16", "emulate_speedup": 1.0, "emulate_scale": 1e-3,
-                            "params_total": "138K", "nodes": [1, 2], "stages": 4, "link": "tbf 10mbit",
-                            "cores": "0,1", "micro_batches": 8, "micro_batch_size": 32, "warmup": 2, "steps": 4,
-                            "rounds": 2, "command": "python -m tools.bench scaling", "link_efficiency": 0.97},
-                 "summary": s, "runs": runs})
+    md = report(
+        {
+            "config": {
+                "model": "emulated:vgg16",
+                "emulate_speedup": 1.0,
+                "emulate_scale": 1e-3,
+                "params_total": "138K",
+                "nodes": [1, 2],
+                "stages": 4,
+                "link": "tbf 10mbit",
+                "cores": "0,1",
+                "micro_batches": 8,
+                "micro_batch_size": 32,
+                "warmup": 2,
+                "steps": 4,
+                "rounds": 2,
+                "command": "python -m tools.bench scaling",
+                "link_efficiency": 0.97,
+            },
+            "summary": s,
+            "runs": runs,
+        }
+    )
     assert "| hippie-1f1b | 0.99 (0.98-1.00) |" in md  # the pivot: scaling 1 -> 2 nodes
     assert "> 90%" in md and "emulated here" in md  # the paper's figure beside ours
     assert "**emulated**" in md
@@ -96,18 +134,29 @@ def test_summarize_scaling_me_and_report():
 def _rank(rank, stage, opt_start, opt_end, t0=100.0):
     """A rank's step record (absolute times) and timeline (times after its own ``t0``) with one
     timed step and its OptimizerStep at absolute ``opt_start``-``opt_end``."""
-    steps = {"rank": rank, "stage": stage, "stages": 2, "schedule": "stock", "params": 10, "t0": t0,
-             "steps": [{"round": 0, "index": 0, "warmup": False, "start": 100.0, "end": 102.0}]}
-    events = [{"kind": "ForwardPass", "start": 100.1 - t0, "end": 100.2 - t0},
-              {"kind": "OptimizerStep", "start": 100 + opt_start - t0, "end": 100 + opt_end - t0}]
+    steps = {
+        "rank": rank,
+        "stage": stage,
+        "stages": 2,
+        "schedule": "stock",
+        "params": 10,
+        "t0": t0,
+        "steps": [{"round": 0, "index": 0, "warmup": False, "start": 100.0, "end": 102.0}],
+    }
+    events = [
+        {"kind": "ForwardPass", "start": 100.1 - t0, "end": 100.2 - t0},
+        {"kind": "OptimizerStep", "start": 100 + opt_start - t0, "end": 100 + opt_end - t0},
+    ]
     return steps, {"events": events}
 
 
 def test_link_calibration_efficiency_is_the_fluid_ring_over_the_slowest_rank():
     # 2 ranks, 1 MB at 1 MB/s: the fluid ring takes 2(r-1)/r x 1 s = 1 s; a repeat lasts its slowest rank
-    records = [{"stage": [1.0, 1.25, 2.0], "stage_bytes": 1e6, "all": [2.0, 2.0, 2.0], "all_bytes": 1e6},
-               {"stage": [1.1, 1.0, 2.5], "stage_bytes": 1e6, "all": [2.0, 2.5, 2.0], "all_bytes": 1e6},
-               {"stage": None, "stage_bytes": 1e6, "all": [2.0, 2.0, 2.0], "all_bytes": 1e6}]
+    records = [
+        {"stage": [1.0, 1.25, 2.0], "stage_bytes": 1e6, "all": [2.0, 2.0, 2.0], "all_bytes": 1e6},
+        {"stage": [1.1, 1.0, 2.5], "stage_bytes": 1e6, "all": [2.0, 2.5, 2.0], "all_bytes": 1e6},
+        {"stage": None, "stage_bytes": 1e6, "all": [2.0, 2.0, 2.0], "all_bytes": 1e6},
+    ]
     got = link_calibration.summarize(records, rate_bytes=1e6)
     assert got["stage"]["repeats_s"] == [1.1, 1.25, 2.5] and got["stage"]["ranks"] == 2
     assert got["stage"]["efficiency"] == pytest.approx(1.0 / 1.25)
@@ -120,9 +169,13 @@ def test_link_calibration_efficiency_is_the_fluid_ring_over_the_slowest_rank():
 
 def test_link_calibration_plans_the_largest_stage_and_dp_from_the_runs(tmp_path):
     a = _args("--nodes", "1,2")
-    for d, label, stage, params in (("two_nodes", "stock", 0, 10), ("two_nodes", "stock", 1, 30),
-                                    ("two_nodes", "gpipe", 0, 10), ("two_nodes_dp", "dp", 0, 40),
-                                    ("one_node", "stock", 1, 30)):
+    for d, label, stage, params in (
+        ("two_nodes", "stock", 0, 10),
+        ("two_nodes", "stock", 1, 30),
+        ("two_nodes", "gpipe", 0, 10),
+        ("two_nodes_dp", "dp", 0, 40),
+        ("one_node", "stock", 1, 30),
+    ):
         raw = tmp_path / "runs" / d / "raw" / label
         raw.mkdir(parents=True, exist_ok=True)
         (raw / f"rank{stage}.steps.json").write_text(json.dumps({"stage": stage, "params": params}))
@@ -131,8 +184,12 @@ def test_link_calibration_plans_the_largest_stage_and_dp_from_the_runs(tmp_path)
 
 
 def test_tied_groups_come_from_every_rank_s_record():
-    ranks = {0: ({"tied_stages": {"embed": [0, 3]}}, {}), 1: ({"tied_stages": {}}, {}),
-             3: ({"tied_stages": {"embed": [0, 3], "pos": [3]}}, {}), 4: ({}, {})}  # 4: recorded before the field
+    ranks = {
+        0: ({"tied_stages": {"embed": [0, 3]}}, {}),
+        1: ({"tied_stages": {}}, {}),
+        3: ({"tied_stages": {"embed": [0, 3], "pos": [3]}}, {}),
+        4: ({}, {}),
+    }  # 4: recorded before the field
     assert tied_groups(ranks) == [[0, 3], [3]]
     assert tied_groups({0: ({}, {})}) == []
 
@@ -173,10 +230,17 @@ def test_star_network_joins_every_node_through_its_own_shaped_link():
         qdiscs = net.setup("100mbit", "min")
         assert set(qdiscs) == set(net.nodes) and all("tbf" in q and "100Mbit" in q for q in qdiscs.values())
         for src, dst in ((0, 2), (2, 1)):  # a TCP message from one node to another, through the switch
-            server = subprocess.Popen(net.exec_prefix(dst) + [sys.executable, "-c", _SERVER, net.addrs[dst]],
-                                      stdout=subprocess.PIPE, text=True)
-            client = subprocess.run(net.exec_prefix(src) + [sys.executable, "-c", _CLIENT, net.addrs[dst]],
-                                    capture_output=True, text=True, timeout=30)
+            server = subprocess.Popen(
+                net.exec_prefix(dst) + [sys.executable, "-c", _SERVER, net.addrs[dst]],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            client = subprocess.run(
+                net.exec_prefix(src) + [sys.executable, "-c", _CLIENT, net.addrs[dst]],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert client.returncode == 0, client.stderr
             assert server.communicate(timeout=30)[0].strip() == "hello"
         assert net.link_bytes(0)["tx"] > 0
@@ -194,12 +258,46 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     """The whole study on a tiny shape: the star network, one worker job per node count with every
     schedule as a label ('auto' from stock's costs in the same job), the analysis and the report."""
     out = tmp_path / "scaling"
-    res = subprocess.run([sys.executable, "-m", "tools.bench", "scaling", "--nodes", "1,2", "--stages", "2", "--micro-batches", "2",
-                          "--micro-batch-size", "4", "--schedules", "dp,1f1b,hippie-1f1b", "--rounds", "2",
-                          "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--max-dilate", "2",
-                          "--rate", "100mbit",
-                          "--out", str(out), "--timeout", "300"], capture_output=True, text=True, timeout=600,
-                         cwd=REPO)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench",
+            "scaling",
+            "--nodes",
+            "1,2",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--schedules",
+            "dp,1f1b,hippie-1f1b",
+            "--rounds",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--emulate-speedup",
+            "40",
+            "--dilate",
+            "2",
+            "--max-dilate",
+            "2",
+            "--rate",
+            "100mbit",
+            "--out",
+            str(out),
+            "--timeout",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     two = results["summary"]["by_nodes"]["2"]
@@ -217,12 +315,19 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
         assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 * link[shape]["efficiency"])
     assert results["runs"]["two_nodes"]["1f1b"]["prediction"]["costs"]["tied_groups"] == []  # the model is untied
     # --dilate 2: the ranks ran the model's bytes x 2 and its times x 2; the report divides them back
-    assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {"1": 1.0, "2": 1.0}  # 2 ranks a core, D = 2
+    assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {
+        "1": 1.0,
+        "2": 1.0,
+    }  # 2 ranks a core, D = 2
     raw = results["runs"]["two_nodes"]["1f1b"]
     assert two["1f1b"]["step_s"] == pytest.approx(raw["median_step_s"] / 2) and two["1f1b"]["dilation"] == 2
     assert two["1f1b"]["throughput"] == pytest.approx(raw["throughput_samples_s"] * 2)
-    params = {json.loads(f.read_text())["params"] for f in (out / "runs" / "one_device" / "raw" / "dp").glob("rank*.steps.json")}
+    params = {
+        json.loads(f.read_text())["params"]
+        for f in (out / "runs" / "one_device" / "raw" / "dp").glob("rank*.steps.json")
+    }
     from tools.bench.config import parameter_count
+
     assert params == {parameter_count(scaling.dilated(scaling.parse_args(["--out", "/tmp/x", "--dilate", "2"])))}
     host = json.loads((out / "host_cost.json").read_text())  # fitted from every rank's instructions
     assert host["forward"]["fixed"] + host["forward"]["per_layer"] > 0 and host["p2p"]["fixed"] > 0
@@ -231,6 +336,7 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
 
 def test_worker_label_order_and_dp_alone():
     from tools.bench.workers.bench_worker import order_labels
+
     assert order_labels("hippie-1f1b,gpipe", measured_costs=True) == ["stock", "hippie-1f1b", "gpipe"]
     assert order_labels("gpipe,stock,hippie", measured_costs=True) == ["stock", "gpipe", "hippie"]
     assert order_labels("gpipe,stock") == ["gpipe", "stock"]
@@ -243,11 +349,15 @@ def test_row_wait_is_the_worst_rank_s_median_share_in_the_worst_round(tmp_path):
     """The rerun rule (row_dilation.row_wait) reads the same wait share as the report's flag
     (analysis.cpu_figures per round, scaling_summary.cpu_fields: the worst round)."""
     from tools.bench.studies.row_dilation import row_wait
+
     assert row_wait(tmp_path, "stock") is None  # no records
     (tmp_path / "raw" / "stock").mkdir(parents=True)
     for rank, waits in ((0, (0.01, 0.01)), (1, (0.2, 0.03))):
-        steps = [{"round": r, "warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": w}
-                 for r, w in enumerate(waits) for _ in range(3)]
+        steps = [
+            {"round": r, "warmup": False, "start": 0, "end": 1, "cpu_s": 0.1, "runqueue_wait_s": w}
+            for r, w in enumerate(waits)
+            for _ in range(3)
+        ]
         (tmp_path / "raw" / "stock" / f"rank{rank}.steps.json").write_text(json.dumps({"rank": rank, "steps": steps}))
     assert row_wait(tmp_path, "stock") == pytest.approx(0.2)  # rank 1 in round 0
     assert row_wait(tmp_path, "gpipe") is None  # another label's

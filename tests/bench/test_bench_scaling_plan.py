@@ -2,6 +2,7 @@
 cluster, the planned jobs' worker arguments, the plans beside the measured rows, the CPU figures; and the
 plan -> bench path on a tiny emulated cluster (root only: namespaces), one round, asserting that every rank
 ran the plan's boundaries, re-computed layers, schedule and batch. Speed stays in the bench."""
+
 import json
 
 import pytest
@@ -12,16 +13,45 @@ from tools.bench.studies.scaling_plan import cluster_record, emulated_profile, g
 from tools.bench.studies.scaling_plan_report import cpu_section, planned_section, targets
 from tools.bench.workers.bench_worker import wait_between
 
-TINY = ["--nodes", "1,2", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--schedules", "planned",
-        "--rounds", "1", "--steps", "1", "--warmup", "1", "--emulate-speedup", "40", "--dilate", "2", "--rate",
-        "100mbit",
-        "--link-efficiency", "0.97", "--no-single", "--timeout", "300", "--port", "29720",
-        "--network", "hdsp,10.84.0"]  # beside test_bench_scaling's end-to-end study (hdss)
+TINY = [
+    "--nodes",
+    "1,2",
+    "--stages",
+    "2",
+    "--micro-batches",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--schedules",
+    "planned",
+    "--rounds",
+    "1",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+    "--emulate-speedup",
+    "40",
+    "--dilate",
+    "2",
+    "--rate",
+    "100mbit",
+    "--link-efficiency",
+    "0.97",
+    "--no-single",
+    "--timeout",
+    "300",
+    "--port",
+    "29720",
+    "--network",
+    "hdsp,10.84.0",
+]  # beside test_bench_scaling's end-to-end study (hdss)
 
 
 def test_the_emulated_profile_is_the_emulated_module_s():
     from hippie_ds.adapter.module.pipeline_module import model_fingerprint
     from tools.bench.emulated import emulated_specs, read_profile
+
     p = emulated_profile("vgg16", 1e-3, speedup=2.0)
     assert p.fingerprint() == model_fingerprint(emulated_specs("vgg16", 8, 1e-3))  # a plan for it fits the module
     real = read_profile("vgg16")
@@ -38,9 +68,14 @@ def test_the_emulated_cluster_and_the_planned_jobs(tmp_path):
     assert c["inter_node_bandwidth"] == pytest.approx(1.25e6 * 0.97)  # 10mbit: 10 Gbit/s x 1e-3
     a.dilate = 16.0  # the ranks' bytes x 16 at the same rate: the planner's cluster is the undilated one
     d = cluster_record(a, 4)
-    assert d["device_memory"] == pytest.approx(16 * 16e6) and d["inter_node_bandwidth"] == pytest.approx(
-        16 * 1.25e6 * 0.97) and d["latency"] == pytest.approx(c["latency"] / 16) and "host" not in d
+    assert (
+        d["device_memory"] == pytest.approx(16 * 16e6)
+        and d["inter_node_bandwidth"] == pytest.approx(16 * 1.25e6 * 0.97)
+        and d["latency"] == pytest.approx(c["latency"] / 16)
+        and "host" not in d
+    )
     from hippie_ds.planner.host import HostCost, KindCost
+
     a.host_cost = str(tmp_path / "host.json")
     (tmp_path / "host.json").write_text(HostCost(backward=KindCost(fixed=4e-3, per_layer=1e-3)).model_dump_json())
     h = cluster_record(a, 4)["host"]  # 16 ranks on 2 cores at D = 16: a rank has 2 cores of host, half the time
@@ -48,8 +83,15 @@ def test_the_emulated_cluster_and_the_planned_jobs(tmp_path):
     h = cluster_record(a, 1)["host"]  # 4 ranks on 1 core at D = 16: 4 cores of host, a quarter of the time
     assert h["backward"] == {"fixed": pytest.approx(1e-3), "per_layer": pytest.approx(2.5e-4)}
     assert global_batch(a, 4) == 32 * 8 * 4  # the pipelines' and DP's
-    a.planned = {(4, "planned"): {"schedule": "hippie", "pipeline_depth": 2, "micro_batch_size": 16,
-                                  "micro_batches": 32, "file": "/p.json"}}
+    a.planned = {
+        (4, "planned"): {
+            "schedule": "hippie",
+            "pipeline_depth": 2,
+            "micro_batch_size": 16,
+            "micro_batches": 32,
+            "file": "/p.json",
+        }
+    }
     job = next(j for j in scaling.run_plan(a) if j["dir"] == "four_nodes_planned")
     assert job["labels"] == "hippie" and job["rpn"] == 4 and job["schedules"] == ["planned"]
     args = scaling.job_args(a, job, scaling.Path("/tmp/x"))
@@ -59,22 +101,49 @@ def test_the_emulated_cluster_and_the_planned_jobs(tmp_path):
 
 
 def _run(thr, world=8, stages=4, parts=None, ckpt=None, waits=(0.01,)):
-    return {"throughput_samples_s": thr, "round_throughput_samples_s": [thr], "median_step_s": 256 / thr,
-            "world": world, "stages": stages, "mean_state_bytes": 1e3, "mean_peak_saved_bytes": 1e3,
-            "schedule_params": {}, "prediction": {}, "parts": parts, "checkpointed_layers": ckpt,
-            "cpu_s_per_step_all_ranks": 2.0, "cpu_share_median": 0.1, "round_runqueue_wait_share_max": list(waits)}
+    return {
+        "throughput_samples_s": thr,
+        "round_throughput_samples_s": [thr],
+        "median_step_s": 256 / thr,
+        "world": world,
+        "stages": stages,
+        "mean_state_bytes": 1e3,
+        "mean_peak_saved_bytes": 1e3,
+        "schedule_params": {},
+        "prediction": {},
+        "parts": parts,
+        "checkpointed_layers": ckpt,
+        "cpu_s_per_step_all_ranks": 2.0,
+        "cpu_share_median": 0.1,
+        "round_runqueue_wait_share_max": list(waits),
+    }
 
 
 def test_plans_beside_the_measured_rows_and_the_cpu_flag():
-    plan = {"objective": "me", "schedule": "hippie", "pipeline_depth": 4, "data_parallel": 2, "micro_batch_size": 8,
-            "micro_batches": 32, "boundaries": [0, 2, 4, 6, 8], "checkpointed_layers": [0, 1, 3],
-            "schedule_params": {"deferred_stages": [0]}, "deferred_layers": {}, "command": "hippie-ds plan",
-            "file": "p",
-            "predicted": {"step_s": 1.1, "memory_bytes": 1.2e6, "me": None, "me_vs_dp": 5.0,
-                          "predicted_by": "simulator"}}
-    runs = {"one_node": {"dp": _run(100, 4, 1), "planned": _run(200, 4, 4, [0, 2, 4, 6, 8], [0, 1, 3])},
-            "two_nodes": {"dp": _run(100, 8, 1), "planned": _run(256, 8, 4, [0, 2, 4, 6, 8], [0, 1, 3], (0.01, 0.2)),
-                          "1f1b": _run(128)}, "one_device": {"dp": _run(50, 1, 1)}}
+    plan = {
+        "objective": "me",
+        "schedule": "hippie",
+        "pipeline_depth": 4,
+        "data_parallel": 2,
+        "micro_batch_size": 8,
+        "micro_batches": 32,
+        "boundaries": [0, 2, 4, 6, 8],
+        "checkpointed_layers": [0, 1, 3],
+        "schedule_params": {"deferred_stages": [0]},
+        "deferred_layers": {},
+        "command": "hippie-ds plan",
+        "file": "p",
+        "predicted": {"step_s": 1.1, "memory_bytes": 1.2e6, "me": None, "me_vs_dp": 5.0, "predicted_by": "simulator"},
+    }
+    runs = {
+        "one_node": {"dp": _run(100, 4, 1), "planned": _run(200, 4, 4, [0, 2, 4, 6, 8], [0, 1, 3])},
+        "two_nodes": {
+            "dp": _run(100, 8, 1),
+            "planned": _run(256, 8, 4, [0, 2, 4, 6, 8], [0, 1, 3], (0.01, 0.2)),
+            "1f1b": _run(128),
+        },
+        "one_device": {"dp": _run(50, 1, 1)},
+    }
     s = scaling.summarize(runs, [1, 2], 1e-3, {(2, "planned"): plan}, cores=2)
     row = s["by_nodes"]["2"]["planned"]
     assert row["used_plan"] and row["plan_predicted_step_s"] == 1.1 and row["plan_step_error"] == pytest.approx(0.1)
@@ -91,9 +160,11 @@ def test_plans_beside_the_measured_rows_and_the_cpu_flag():
 
 
 def test_cpu_figures_and_run_queue_waits():
-    steps = [{"warmup": True, "start": 0, "end": 1, "cpu_s": 9, "runqueue_wait_s": 9},
-             {"warmup": False, "start": 1, "end": 2, "cpu_s": 0.2, "runqueue_wait_s": 0.05},
-             {"warmup": False, "start": 2, "end": 4, "cpu_s": 0.4, "runqueue_wait_s": 0.3}]
+    steps = [
+        {"warmup": True, "start": 0, "end": 1, "cpu_s": 9, "runqueue_wait_s": 9},
+        {"warmup": False, "start": 1, "end": 2, "cpu_s": 0.2, "runqueue_wait_s": 0.05},
+        {"warmup": False, "start": 2, "end": 4, "cpu_s": 0.4, "runqueue_wait_s": 0.3},
+    ]
     got = cpu_figures({0: ({"steps": steps}, {}), 1: ({"steps": steps[:2]}, {})})
     assert got["cpu_s_per_step"] == {"0": pytest.approx(0.3), "1": 0.2} and got["cpu_s_per_step_all_ranks"] == 0.5
     assert got["runqueue_wait_share_max"] == pytest.approx((0.05 + 0.15) / 2)
@@ -104,13 +175,15 @@ def test_cpu_figures_and_run_queue_waits():
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not __import__("test_bench_scaling")._netns_available(),
-                    reason="needs root, `ip netns` and `tc` (emulated nodes)")
+@pytest.mark.skipif(
+    not __import__("test_bench_scaling")._netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)"
+)
 def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
     """The plan -> bench path: hippie-ds plan for a 2-node x 2-device emulated cluster, the run through
     hippie.plan (one job, one round of one step), and what every rank recorded is the plan."""
     from hippie_ds.planner import load_plan
     from hippie_ds.planner.host import HostCost, KindCost
+
     host = tmp_path / "host_cost.json"  # a host the tiny plan must price: 1 ms + 0.5 ms a layer per forward
     host.write_text(HostCost(forward=KindCost(fixed=1e-3, per_layer=5e-4), source="test").model_dump_json())
     a = scaling.parse_args([*TINY, "--out", str(tmp_path), "--host-cost", str(host)])
@@ -120,20 +193,30 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
     # the planner saw that host, scaled to a rank's share at D = 2: 2 ranks on each core -> x 2 / 2
     assert plan.cluster.host.forward.fixed == pytest.approx(1e-3) and "D = 2" in plan.cluster.host.source
     assert plan.checkpointed_layers, "the tiny plan re-computes nothing: pick a shape whose plan does"
-    ranks = [json.loads(f.read_text()) for f in (tmp_path / "runs" / "two_nodes_planned" / "raw" / plan.schedule)
-             .glob("rank*.steps.json")]
+    ranks = [
+        json.loads(f.read_text())
+        for f in (tmp_path / "runs" / "two_nodes_planned" / "raw" / plan.schedule).glob("rank*.steps.json")
+    ]
     assert len(ranks) == 4
     for rec in ranks:
         assert rec["parts"] == plan.boundaries and rec["checkpointed_layers"] == plan.checkpointed_layers
-        assert (rec["schedule"], rec["stages"], rec["micro_batches"], rec["micro_batch_size"]) == \
-            (plan.schedule, plan.pipeline_depth, plan.micro_batches, plan.micro_batch_size)
+        assert (rec["schedule"], rec["stages"], rec["micro_batches"], rec["micro_batch_size"]) == (
+            plan.schedule,
+            plan.pipeline_depth,
+            plan.micro_batches,
+            plan.micro_batch_size,
+        )
         assert {k: v for k, v in rec["schedule_params"].items() if k in plan.schedule_params} == plan.schedule_params
         assert all(s["cpu_s"] >= 0 and "runqueue_wait_s" in s for s in rec["steps"])
     run = scaling.analyse(a, tmp_path, None)["two_nodes"]["planned"]
     assert all(s["cpu_by_instruction"].get("ForwardPass", [0])[0] >= 1 for rec in ranks for s in rec["steps"])
-    row = scaling.summarize({"two_nodes": {"planned": run}}, [2], 2e-3,
-                            {(2, "planned"): plan_record(tmp_path / "plans" / "2_nodes_planned.json", 2e-3, None)},
-                            dilation=2.0)
+    row = scaling.summarize(
+        {"two_nodes": {"planned": run}},
+        [2],
+        2e-3,
+        {(2, "planned"): plan_record(tmp_path / "plans" / "2_nodes_planned.json", 2e-3, None)},
+        dilation=2.0,
+    )
     assert row["by_nodes"]["2"]["planned"]["used_plan"]
     assert row["by_nodes"]["2"]["planned"]["step_s"] == pytest.approx(run["median_step_s"] / 2)
     assert "hdsp-" not in __import__("subprocess").run(["ip", "netns", "list"], capture_output=True, text=True).stdout

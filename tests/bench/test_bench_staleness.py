@@ -1,5 +1,6 @@
 """python -m tools.bench staleness (the single-process study of delay corrections): its rules say
 which stages are delayed, and a short run of each layout trains what the rule says."""
+
 from types import SimpleNamespace
 
 import pytest

@@ -2,6 +2,7 @@
 as python -m tools.bench convergence trains it: the same layers (the planner's fingerprint: layer
 names and parameter sizes), loss, micro-batch shape and dtype, and `make bench-vgg`'s batch is the
 convergence runs'. Pure: no processes."""
+
 import json
 import re
 import types
@@ -19,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_args(**kw):
-    return types.SimpleNamespace(**{"model": bench_model.VGG_EXAMPLE, "micro_batch_size": 4, "micro_batches": 4,
-                                    "stages": 2, **kw})
+    return types.SimpleNamespace(
+        **{"model": bench_model.VGG_EXAMPLE, "micro_batch_size": 4, "micro_batches": 4, "stages": 2, **kw}
+    )
 
 
 def test_the_bench_builds_the_convergence_examples_layers_and_loss():

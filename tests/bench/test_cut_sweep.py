@@ -3,6 +3,7 @@ candidates on the GPT example in rotated rounds, reports measured against predic
 writes the measured best as a plan file when it is not the plan. The figures are checked on given
 measurements (pure); the tiny job checks the whole path (profile in place, plan, candidates' plan
 files, one round, the report and the plan output) without asserting any timing."""
+
 import json
 import os
 
@@ -12,9 +13,11 @@ from hippie_ds.planner import load_plan, load_profile
 from tools.bench.studies import cut_sweep
 from tools.bench.studies.cut_sweep_report import ranks, report, summarize
 
-CANDIDATES = [dict(label="plan", schedule="1f1b", boundaries=[0, 5, 10], predicted_step=0.10),
-              dict(label="cut 1", schedule="1f1b", boundaries=[0, 6, 10], predicted_step=0.11),
-              dict(label="cut 2", schedule="1f1b", boundaries=[0, 4, 10], predicted_step=0.12)]
+CANDIDATES = [
+    dict(label="plan", schedule="1f1b", boundaries=[0, 5, 10], predicted_step=0.10),
+    dict(label="cut 1", schedule="1f1b", boundaries=[0, 6, 10], predicted_step=0.11),
+    dict(label="cut 2", schedule="1f1b", boundaries=[0, 4, 10], predicted_step=0.12),
+]
 
 
 def test_measured_against_predicted_ranking():
@@ -23,12 +26,16 @@ def test_measured_against_predicted_ranking():
     assert s["rounds"] == 3 and s["best"] == 1 and s["best_holds_every_round"]
     assert [r["measured_rank"] for r in s["candidates"]] == [2, 1, 3]
     assert [r["predicted_rank"] for r in s["candidates"]] == [1, 2, 3] and not s["same_ranking"]
-    assert s["candidates"][1]["vs_plan"] == pytest.approx(0.08 / 0.09) and s["candidates"][1]["vs_plan_range"] == \
-        pytest.approx([100 / 120, 0.9])
+    assert s["candidates"][1]["vs_plan"] == pytest.approx(0.08 / 0.09) and s["candidates"][1][
+        "vs_plan_range"
+    ] == pytest.approx([100 / 120, 0.9])
     assert s["plan_over_best"] == pytest.approx(0.1 / 0.09 - 1) and not s["target_met"]
     text = report(s, ["head"])
-    assert text.startswith("head\n") and "| **cut 1** | 1f1b | `[0, 6, 10]` | 110.0 | 2 | 90.0 (90.0, 100.0, 80.0) |" \
-        in text and "the 5% target is missed" in text
+    assert (
+        text.startswith("head\n")
+        and "| **cut 1** | 1f1b | `[0, 6, 10]` | 110.0 | 2 | 90.0 (90.0, 100.0, 80.0) |" in text
+        and "the 5% target is missed" in text
+    )
     quiet = summarize(CANDIDATES, [[0.1], [0.1], [0.1]], [[0.1, 0.2, 0.3, 0.4, 0.5], [0.3, 0.3, 0.3], [0.05, 0.5]])
     assert [r["lower_quartile"] for r in quiet["candidates"]] == pytest.approx([0.2, 0.3, 0.1625])
     assert [r["lower_quartile_rank"] for r in quiet["candidates"]] == [2, 3, 1]
@@ -63,10 +70,30 @@ def test_every_cut_of_a_large_vocabulary_planned_with_one_schedule(tmp_path):
     """--only every-cut trains the plan and every other single-boundary cut; --vocab reaches the model;
     --schedules reaches the planner."""
     out = tmp_path / "every"
-    code = cut_sweep.main(["--out", str(out), "--rounds", "1", "--steps", "2", "--skip", "1", "--only", "every-cut",
-                           "--schedules", "1f1b", "--vocab", "512", "--profile-steps", "1",
-                           "--model-args", "--dim 16 --layers 2 --seq-len 8",
-                           "--launcher", os.environ.get("HIPPIE_TEST_LAUNCHER", "fork")])
+    code = cut_sweep.main(
+        [
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--skip",
+            "1",
+            "--only",
+            "every-cut",
+            "--schedules",
+            "1f1b",
+            "--vocab",
+            "512",
+            "--profile-steps",
+            "1",
+            "--model-args",
+            "--dim 16 --layers 2 --seq-len 8",
+            "--launcher",
+            os.environ.get("HIPPIE_TEST_LAUNCHER", "fork"),
+        ]
+    )
     assert code == 0
     plan = load_plan(out / "plan.json")
     assert plan.schedule == "1f1b"
@@ -78,9 +105,28 @@ def test_every_cut_of_a_large_vocabulary_planned_with_one_schedule(tmp_path):
 @pytest.mark.distributed
 def test_a_tiny_sweep_writes_its_report_and_the_measured_best_plan(tmp_path, capsys):
     out = tmp_path / "sweep"
-    code = cut_sweep.main(["--out", str(out), "--rounds", "1", "--steps", "2", "--skip", "1", "--top", "3",
-                           "--only", "cut", "--profile-steps", "1", "--model-args", "--dim 16 --layers 3 --seq-len 8",
-                           "--launcher", os.environ.get("HIPPIE_TEST_LAUNCHER", "fork")])
+    code = cut_sweep.main(
+        [
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--skip",
+            "1",
+            "--top",
+            "3",
+            "--only",
+            "cut",
+            "--profile-steps",
+            "1",
+            "--model-args",
+            "--dim 16 --layers 3 --seq-len 8",
+            "--launcher",
+            os.environ.get("HIPPIE_TEST_LAUNCHER", "fork"),
+        ]
+    )
     assert code == 0
     plan = load_plan(out / "plan.json")
     assert (plan.pipeline_depth, plan.data_parallel, plan.micro_batch_size, plan.global_batch) == (2, 1, 4, 16)

@@ -5,6 +5,7 @@ wait leaves the CPU free, gradients are real (the weight branch's wait runs in a
 W), and schedules are exact on it (stock 1F1B, zb-h1, interleaved-1f1b, zb-v bit-identical; with
 gradient clipping off: DeepSpeed's default clips at norm 1.0, and the global norm sums the stages'
 squares in an order that depends on the partition, which the virtual layouts change)."""
+
 import time
 
 import pytest
@@ -54,8 +55,21 @@ def test_a_wait_leaves_the_cpu_free_and_gradients_are_real():
 @pytest.mark.distributed
 def test_schedules_exact_on_the_emulated_model(tmp_path):
     engines = "stock,1f1b,zb-h1,interleaved-1f1b,zb-v"
-    rc, log, _ = launch(4, tmp_path, "--stages", 4, "--micro-batches", 4, "--steps", 2, "--emulated", "vgg16",
-                        "--engines", engines, timeout=300)
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        4,
+        "--micro-batches",
+        4,
+        "--steps",
+        2,
+        "--emulated",
+        "vgg16",
+        "--engines",
+        engines,
+        timeout=300,
+    )
     assert rc == 0, log[-4000:]
     stock, stock_losses, _, _, _ = collect(tmp_path, "stock")
     assert len(stock) == len(read_profile("vgg16").layers)

@@ -2,6 +2,7 @@
 (``deepspeed --hostfile H --no_ssh --node_rank N``) on two emulated nodes (network namespaces
 joined by a shaped veth pair). The real run needs root and ``ip netns`` (skipped otherwise);
 the refusal and --help run anywhere."""
+
 import json
 import os
 import shutil
@@ -36,15 +37,33 @@ def _namespaces() -> str:
 @pytest.fixture(scope="module")
 def multinode():
     from tools.bench import multinode
+
     return multinode
 
 
 @pytest.mark.skipif(not _netns_available(), reason="needs root, `ip netns` and `tc` (emulated nodes)")
 def test_two_nodes_with_the_deepspeed_launcher(tmp_path):
     out = tmp_path / "mn"
-    res = subprocess.run([sys.executable, *TOOL, "--out", str(out), "--steps", "2", "--prefix", PREFIX,
-                          "--subnet", SUBNET, "--timeout", "150"], capture_output=True, text=True, timeout=200,
-                         cwd=REPO)
+    res = subprocess.run(
+        [
+            sys.executable,
+            *TOOL,
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--prefix",
+            PREFIX,
+            "--subnet",
+            SUBNET,
+            "--timeout",
+            "150",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "multinode: OK" in res.stdout and "all 4 ranks agree on the loss" in res.stdout
     # What a user types on two machines: one `deepspeed --hostfile ... --no_ssh --node_rank N` per node.
@@ -58,8 +77,11 @@ def test_two_nodes_with_the_deepspeed_launcher(tmp_path):
     assert result["ok"] and result["schedule"] == "hippie" and len(result["losses"]) == 2
     ranks = result["ranks"]
     assert {r: (x["node"], x["gloo_socket_ifname"]) for r, x in ranks.items()} == {
-        "0": (0, f"{PREFIX}-veth0"), "1": (0, f"{PREFIX}-veth0"), "2": (1, f"{PREFIX}-veth1"),
-        "3": (1, f"{PREFIX}-veth1")}
+        "0": (0, f"{PREFIX}-veth0"),
+        "1": (0, f"{PREFIX}-veth0"),
+        "2": (1, f"{PREFIX}-veth1"),
+        "3": (1, f"{PREFIX}-veth1"),
+    }
     assert ranks["0"]["netns"] == ranks["1"]["netns"] != ranks["2"]["netns"] == ranks["3"]["netns"]
     assert {(x["stage"], x["replica"]) for x in ranks.values()} == {(0, 0), (1, 0), (0, 1), (1, 1)}
     for r in range(4):

@@ -1,6 +1,7 @@
 """A long run keeps its timeline bounded and its handles flat: python -m tools.bench soak on 4 real ranks
 (short here; `make soak` runs 1,000 steps and also checks resident memory, which is a
 measurement and not asserted in tests)."""
+
 import json
 import subprocess
 import sys
@@ -15,10 +16,32 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_timeline_window_and_handles_stay_flat(tmp_path):
     out = tmp_path / "soak"
-    res = subprocess.run([sys.executable, "-m", "tools.bench", "soak", "--out", str(out), "--steps", "90",
-                          "--warmup", "30", "--sample-every", "15", "--timeline-steps", "12",
-                          "--max-rss-growth", "1.0", "--timeout", "300"],
-                         capture_output=True, text=True, timeout=360, cwd=REPO)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench",
+            "soak",
+            "--out",
+            str(out),
+            "--steps",
+            "90",
+            "--warmup",
+            "30",
+            "--sample-every",
+            "15",
+            "--timeline-steps",
+            "12",
+            "--max-rss-growth",
+            "1.0",
+            "--timeout",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     for rank in report["ranks"]:

@@ -1,5 +1,6 @@
 """The ``hippie-ds`` command line: in-process through ``main(argv)``, and once through the
 installed console script."""
+
 import json
 import subprocess
 import sys
@@ -18,9 +19,18 @@ def test_version(capsys):
     assert code == 0 and out.startswith("hippie-ds 0.1.0")
 
 
-@pytest.mark.parametrize("argv", [[], ["schedule"], ["schedule", "list", "--help"], ["schedule", "show", "--help"],
-                                  ["schedule", "validate", "--help"], ["schedule", "simulate", "--help"],
-                                  ["schedule", "trace", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["schedule"],
+        ["schedule", "list", "--help"],
+        ["schedule", "show", "--help"],
+        ["schedule", "validate", "--help"],
+        ["schedule", "simulate", "--help"],
+        ["schedule", "trace", "--help"],
+    ],
+)
 def test_help(capsys, argv):
     code, out, err = run(capsys, *argv, "--help")
     assert code == 0
@@ -37,8 +47,23 @@ def test_list(capsys):
     code, out, _ = run(capsys, "schedule", "list")
     assert code == 0
     names = [line.split()[0] for line in out.splitlines()[1:]]
-    assert names == available() == ["1f1b", "2bw", "gpipe", "hippie", "hippie-1f1b", "hippie-interleaved", "hippie-zb",
-                                    "interleaved-1f1b", "pipedream", "zb-h1", "zb-v"]
+    assert (
+        names
+        == available()
+        == [
+            "1f1b",
+            "2bw",
+            "gpipe",
+            "hippie",
+            "hippie-1f1b",
+            "hippie-interleaved",
+            "hippie-zb",
+            "interleaved-1f1b",
+            "pipedream",
+            "zb-h1",
+            "zb-v",
+        ]
+    )
     assert "deferred_stages=auto" in out
     assert "GPipe: every stage runs all forwards" in out
 
@@ -71,13 +96,16 @@ def test_show_params(capsys):
     assert code == 0 and "'deferred_stages': [3]" in out.splitlines()[0]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--param", "deferred_stages=7"], ["deferred_stages", "out of range", "0..3"]),
-    (["--param", "nosuch=1"], ["no parameter nosuch", "deferred_stages"]),
-    (["--param", "deferred_stages"], ["key=value"]),
-    (["--param", "deferred_stages=a,b"], ["deferred_stages=a,b", "stage"]),
-    (["--stage", "4"], ["--stage 4", "0..3"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--param", "deferred_stages=7"], ["deferred_stages", "out of range", "0..3"]),
+        (["--param", "nosuch=1"], ["no parameter nosuch", "deferred_stages"]),
+        (["--param", "deferred_stages"], ["key=value"]),
+        (["--param", "deferred_stages=a,b"], ["deferred_stages=a,b", "stage"]),
+        (["--stage", "4"], ["--stage 4", "0..3"]),
+    ],
+)
 def test_show_bad_arguments(capsys, argv, words):
     code, out, err = run(capsys, "schedule", "show", "hippie", *SHAPE, *argv)
     assert code == 2
@@ -92,9 +120,14 @@ def test_unknown_schedule(capsys):
     assert "unknown schedule 'no-such-schedule'" in err and ", ".join(available()) in err
 
 
-@pytest.mark.parametrize("argv, field", [(["--stages", "0", "--micro-batches", "8"], "--stages"),
-                                         (["--stages", "4", "--micro-batches", "-1"], "--micro-batches"),
-                                         (["--stages", "two", "--micro-batches", "8"], "--stages")])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--stages", "0", "--micro-batches", "8"], "--stages"),
+        (["--stages", "4", "--micro-batches", "-1"], "--micro-batches"),
+        (["--stages", "two", "--micro-batches", "8"], "--stages"),
+    ],
+)
 def test_bad_counts(capsys, argv, field):
     for sub in ("show", "validate", "simulate"):
         code, _, err = run(capsys, "schedule", sub, "hippie", *argv)
@@ -126,8 +159,11 @@ def test_validate_bad_yaml(capsys, tmp_path):
 
 
 def test_validate_unknown_op(capsys, tmp_path):
-    path = _write(tmp_path, "badop.yaml", "name: badop\ncompute:\n  - {op: forward, at: stage + mb}\n"
-                                          "epilogue:\n  - {op: allreduce_everything}\n")
+    path = _write(
+        tmp_path,
+        "badop.yaml",
+        "name: badop\ncompute:\n  - {op: forward, at: stage + mb}\nepilogue:\n  - {op: allreduce_everything}\n",
+    )
     code, out, _ = run(capsys, "schedule", "validate", path, *SHAPE)
     assert code == 1
     assert f"{path}:5: field epilogue.0.op" in out
@@ -135,8 +171,12 @@ def test_validate_unknown_op(capsys, tmp_path):
 
 
 def test_validate_bad_expression(capsys, tmp_path):
-    path = _write(tmp_path, "badexpr.yaml", "name: badexpr\ncompute:\n  - op: forward\n    at: stage + mb\n"
-                                            "  - op: backward\n    at: __import__('os').getpid()\n")
+    path = _write(
+        tmp_path,
+        "badexpr.yaml",
+        "name: badexpr\ncompute:\n  - op: forward\n    at: stage + mb\n"
+        "  - op: backward\n    at: __import__('os').getpid()\n",
+    )
     code, out, _ = run(capsys, "schedule", "validate", path, *SHAPE)
     assert code == 1
     assert f"{path}:6: field compute.1.at" in out
@@ -152,9 +192,13 @@ def test_validate_expression_with_unknown_name(capsys, tmp_path):
 
 def test_validate_reports_problems(capsys, tmp_path):
     # GPipe's compute, but no optimizer step: the gradients are never applied.
-    path = _write(tmp_path, "noupdate.yaml", "name: noupdate\ncompute:\n  - {op: forward, at: stage + mb}\n"
-                                             "  - op: backward\n    at: micro_batches + 2 * stages - 2 - stage + mb\n"
-                                             "epilogue:\n  - {op: reduce_grads, at: end}\n")
+    path = _write(
+        tmp_path,
+        "noupdate.yaml",
+        "name: noupdate\ncompute:\n  - {op: forward, at: stage + mb}\n"
+        "  - op: backward\n    at: micro_batches + 2 * stages - 2 - stage + mb\n"
+        "epilogue:\n  - {op: reduce_grads, at: end}\n",
+    )
     code, out, _ = run(capsys, "schedule", "validate", path, *SHAPE)
     assert code == 1
     assert out.startswith("INVALID: schedule 'noupdate' (4 stages x 8 micro-batches):")
@@ -175,8 +219,18 @@ def test_show_broken_file_is_usage_error(capsys, tmp_path):
     assert "not valid YAML" in err and "Traceback" not in err
 
 
-COSTS = ("--forward", "1", "--backward", "2", "--param-bytes", "100e6", "--data-parallel", "2",
-         "--allreduce-bandwidth", "125e6")
+COSTS = (
+    "--forward",
+    "1",
+    "--backward",
+    "2",
+    "--param-bytes",
+    "100e6",
+    "--data-parallel",
+    "2",
+    "--allreduce-bandwidth",
+    "125e6",
+)
 
 
 def test_simulate_json(capsys):
@@ -199,11 +253,21 @@ def test_simulate_json_several(capsys):
 
 
 def test_simulate_table_compares(capsys):
-    code, out, err = run(capsys, "schedule", "simulate", "1f1b", "gpipe", "hippie", *SHAPE, *COSTS,
-                         "--param", "deferred_stages=auto")
+    code, out, err = run(
+        capsys, "schedule", "simulate", "1f1b", "gpipe", "hippie", *SHAPE, *COSTS, "--param", "deferred_stages=auto"
+    )
     assert code == 0, err
-    for word in ("busy", "idle", "exposed comm", "peak act", "grad buffer", "step time", "bubble", "throughput",
-                 "vs 1f1b"):
+    for word in (
+        "busy",
+        "idle",
+        "exposed comm",
+        "peak act",
+        "grad buffer",
+        "step time",
+        "bubble",
+        "throughput",
+        "vs 1f1b",
+    ):
         assert word in out, word
     comparison = out.strip().splitlines()[-3:]
     assert [line.split()[0] for line in comparison] == ["1f1b", "gpipe", "hippie"]
@@ -211,20 +275,37 @@ def test_simulate_table_compares(capsys):
 
 
 def test_simulate_per_stage_lists_and_units(capsys):
-    code, out, err = run(capsys, "schedule", "simulate", "1f1b", *SHAPE, "--forward", "10ms,10ms,10ms,20ms",
-                         "--backward", "0.02", "--activation-bytes", "4MB", "--p2p-bandwidth", "inf", "--json")
+    code, out, err = run(
+        capsys,
+        "schedule",
+        "simulate",
+        "1f1b",
+        *SHAPE,
+        "--forward",
+        "10ms,10ms,10ms,20ms",
+        "--backward",
+        "0.02",
+        "--activation-bytes",
+        "4MB",
+        "--p2p-bandwidth",
+        "inf",
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["step_time"] > 0
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--forward", "1,2"], ["--forward", "2 values for 4 stages"]),
-    (["--backward", "fast"], ["--backward 'fast'", "not a number"]),
-    (["--param-bytes", "-5"], ["--param-bytes", "negative"]),
-    (["--allreduce-bandwidth", "0"], ["allreduce_bandwidth"]),
-    (["--costs", "/nonexistent/costs.yaml"], ["/nonexistent/costs.yaml"]),
-    (["--param", "nosuch=1"], ["nosuch"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--forward", "1,2"], ["--forward", "2 values for 4 stages"]),
+        (["--backward", "fast"], ["--backward 'fast'", "not a number"]),
+        (["--param-bytes", "-5"], ["--param-bytes", "negative"]),
+        (["--allreduce-bandwidth", "0"], ["allreduce_bandwidth"]),
+        (["--costs", "/nonexistent/costs.yaml"], ["/nonexistent/costs.yaml"]),
+        (["--param", "nosuch=1"], ["nosuch"]),
+    ],
+)
 def test_simulate_bad_costs(capsys, argv, words):
     code, out, err = run(capsys, "schedule", "simulate", "hippie", *SHAPE, *argv)
     assert code == 2, out
@@ -234,8 +315,12 @@ def test_simulate_bad_costs(capsys, argv, words):
 
 
 def test_simulate_costs_file(capsys, tmp_path):
-    path = _write(tmp_path, "costs.yaml", "stages: {forward: 1.0, backward: 2.0, param_bytes: 1.0e8}\n"
-                                          "comm: {data_parallel: 2, allreduce_bandwidth: 1.25e8}\n")
+    path = _write(
+        tmp_path,
+        "costs.yaml",
+        "stages: {forward: 1.0, backward: 2.0, param_bytes: 1.0e8}\n"
+        "comm: {data_parallel: 2, allreduce_bandwidth: 1.25e8}\n",
+    )
     code, out, err = run(capsys, "schedule", "simulate", "gpipe", *SHAPE, "--costs", path, "--json")
     assert code == 0, err
     from_file = json.loads(out)["step_time"]
@@ -261,8 +346,20 @@ def test_trace_writes_json_and_png(capsys, tmp_path):
 
 
 def test_trace_png_option(capsys, tmp_path):
-    code, _, err = run(capsys, "schedule", "trace", "1f1b", "--stages", "2", "--micro-batches", "3",
-                       "--out", str(tmp_path / "t.json"), "--png", str(tmp_path / "pic.png"))
+    code, _, err = run(
+        capsys,
+        "schedule",
+        "trace",
+        "1f1b",
+        "--stages",
+        "2",
+        "--micro-batches",
+        "3",
+        "--out",
+        str(tmp_path / "t.json"),
+        "--png",
+        str(tmp_path / "pic.png"),
+    )
     assert code == 0, err
     assert (tmp_path / "t.json").is_file() and (tmp_path / "pic.png").is_file()
     assert not (tmp_path / "t.png").exists()
@@ -277,11 +374,15 @@ def _console_script() -> Path:
 
 def test_console_script(tmp_path):
     script = _console_script()
-    done = subprocess.run([str(script), "schedule", "list"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=120)
+    done = subprocess.run([str(script), "schedule", "list"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "hippie-1f1b" in done.stdout
-    done = subprocess.run([str(script), "schedule", "validate", "hippie", "--stages", "0", "--micro-batches", "8"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [str(script), "schedule", "validate", "hippie", "--stages", "0", "--micro-batches", "8"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "--stages" in done.stderr and "Traceback" not in done.stderr

@@ -1,5 +1,6 @@
 """``hippie-ds profile``'s errors from the target's own code: a target module or layer that raises on import,
 at build or in forward is reported as the user's error (their file and line), exit code 2."""
+
 import sys
 from pathlib import Path
 
@@ -49,8 +50,7 @@ def init_raises():
 
 def _profile_target(capsys, tmp_path, target, *extra):
     pytest.importorskip("torch")
-    return run(capsys, "profile", target, "--out", str(tmp_path / "p.yaml"), "--repeats", "1", "--warmup", "0",
-               *extra)
+    return run(capsys, "profile", target, "--out", str(tmp_path / "p.yaml"), "--repeats", "1", "--warmup", "0", *extra)
 
 
 def _line_of(path: Path, text: str) -> int:
@@ -75,9 +75,14 @@ def test_profile_target_raises(capsys, tmp_path):
     path.write_text(TARGET)
     target = f"{path}:build"
     code, out, err = _profile_target(capsys, tmp_path, target, "--no-progress")
-    _assert_user_report(code, err, f"hippie-ds profile: target {target!r} raised ValueError: bad width", path,
-                        _line_of(path, "return [torch.nn.Linear(width(), 2)]"),
-                        _line_of(path, 'raise ValueError("bad width")'))
+    _assert_user_report(
+        code,
+        err,
+        f"hippie-ds profile: target {target!r} raised ValueError: bad width",
+        path,
+        _line_of(path, "return [torch.nn.Linear(width(), 2)]"),
+        _line_of(path, 'raise ValueError("bad width")'),
+    )
     assert out == ""
 
 
@@ -85,13 +90,20 @@ def test_profile_target_module_raises_on_import(capsys, tmp_path, monkeypatch):
     (tmp_path / "brokenmod.py").write_text("import torch\n\nWIDTH = int('wide')\n\n\ndef build():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     code, _, err = _profile_target(capsys, tmp_path, "brokenmod:build")
-    _assert_user_report(code, err, "hippie-ds profile: target 'brokenmod:build' raised ValueError: invalid literal "
-                                   "for int() with base 10: 'wide'", tmp_path / "brokenmod.py", 3)
+    _assert_user_report(
+        code,
+        err,
+        "hippie-ds profile: target 'brokenmod:build' raised ValueError: invalid literal for int() with base 10: 'wide'",
+        tmp_path / "brokenmod.py",
+        3,
+    )
     assert "brokenmod" not in sys.modules
     # A module that does not exist is still a usage error, in one line.
     code, _, err = _profile_target(capsys, tmp_path, "no_such_module_here:build")
-    assert code == 2 and err == ("hippie-ds: error: profile target 'no_such_module_here:build': cannot import "
-                                 "'no_such_module_here': No module named 'no_such_module_here'\n")
+    assert code == 2 and err == (
+        "hippie-ds: error: profile target 'no_such_module_here:build': cannot import "
+        "'no_such_module_here': No module named 'no_such_module_here'\n"
+    )
 
 
 def test_profile_layer_raises_at_build(capsys, tmp_path):
@@ -100,8 +112,13 @@ def test_profile_layer_raises_at_build(capsys, tmp_path):
     path.write_text(TARGET)
     target = f"{path}:init_raises"
     code, _, err = _profile_target(capsys, tmp_path, target, "--no-progress")
-    _assert_user_report(code, err, f"hippie-ds profile: target {target!r}: layer 1 (BadInit) build raised "
-                                   "TypeError: cannot make 3", path, _line_of(path, 'raise TypeError(f"cannot make'))
+    _assert_user_report(
+        code,
+        err,
+        f"hippie-ds profile: target {target!r}: layer 1 (BadInit) build raised TypeError: cannot make 3",
+        path,
+        _line_of(path, 'raise TypeError(f"cannot make'),
+    )
     assert "deepspeed" not in err.split("Traceback", 1)[1]  # LayerSpec.build, which calls it, is not shown
 
 
@@ -112,8 +129,14 @@ def test_profile_layer_forward_raises(capsys, tmp_path):
     target = f"{path}:forward_raises"
     code, _, err = _profile_target(capsys, tmp_path, target, "--no-progress")
     head = f"hippie-ds profile: target {target!r}: layer 1 (Boom) forward raised RuntimeError: boom in forward"
-    _assert_user_report(code, err, head, path, _line_of(path, "return self.explode(x)"),
-                        _line_of(path, 'raise RuntimeError("boom in forward")'))
+    _assert_user_report(
+        code,
+        err,
+        head,
+        path,
+        _line_of(path, "return self.explode(x)"),
+        _line_of(path, 'raise RuntimeError("boom in forward")'),
+    )
     assert "torch/nn/modules" not in err  # the module-call machinery that leads to the user's forward
     # With the progress bar: it is erased, and the report starts where it stood.
     code, _, err = _profile_target(capsys, tmp_path, target)

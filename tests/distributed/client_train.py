@@ -9,6 +9,7 @@ the weights, off on the biases: the groups interleave the module's parameter ord
 The only hippie-ds line is the choice of ``initialize`` (``--initialize hippie_ds``): that is
 the one import a user changes. The rest is what a stock DeepSpeed user already has.
 """
+
 import argparse
 import json
 import os
@@ -51,37 +52,51 @@ class RandomDataset(torch.utils.data.Dataset):
 
 
 def layers():
-    return [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-            torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
+    return [
+        torch.nn.Linear(16, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 4),
+    ]
 
 
 def param_groups(net):
     """Megatron-DeepSpeed's two optimizer groups: weight decay on the weights, off on the biases."""
     params = [p for p in net.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+    ]
 
 
 def main():
     args = get_args()
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.runtime.utils.set_random_seed(args.seed)
-    net = PipelineModule(layers=layers(), loss_fn=torch.nn.MSELoss(), num_stages=args.pipeline_parallel_size,
-                         partition_method="parameters",
-                         activation_checkpoint_interval=args.activation_checkpoint_interval)
+    net = PipelineModule(
+        layers=layers(),
+        loss_fn=torch.nn.MSELoss(),
+        num_stages=args.pipeline_parallel_size,
+        partition_method="parameters",
+        activation_checkpoint_interval=args.activation_checkpoint_interval,
+    )
     if args.initialize == "hippie_ds":
         import hippie_ds as initializer
     else:
         initializer = deepspeed
-    engine, _, _, _ = initializer.initialize(args=args, model=net, model_parameters=param_groups(net),
-                                             training_data=RandomDataset())
+    engine, _, _, _ = initializer.initialize(
+        args=args, model=net, model_parameters=param_groups(net), training_data=RandomDataset()
+    )
     eval_data = [RandomDataset(n=8, seed=1)[i] for i in range(8)]
 
     def evaluate():
         # The same 4 micro-batches cycled: the mean loss does not depend on the number of
         # micro-batches per step (4 on 2 stages x 2 replicas, 8 on 4 stages), so layouts compare.
         batch = engine.train_micro_batch_size_per_gpu()
-        micro = [tuple(torch.stack(t) for t in zip(*eval_data[i:i + batch])) for i in range(0, len(eval_data), batch)]
+        micro = [tuple(torch.stack(t) for t in zip(*eval_data[i : i + batch])) for i in range(0, len(eval_data), batch)]
         return float(engine.eval_batch(iter(micro * engine.micro_batches)))
 
     if args.load:
@@ -94,8 +109,11 @@ def main():
     record["eval_after"] = evaluate()
     if args.save:
         engine.save_checkpoint(args.save)
-    state = {int(engine.module._local_start) + i: {k: v.detach().clone() for k, v in layer.state_dict().items()}
-             for i, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
+    state = {
+        int(engine.module._local_start) + i: {k: v.detach().clone() for k, v in layer.state_dict().items()}
+        for i, layer in enumerate(engine.module.forward_funcs)
+        if isinstance(layer, torch.nn.Module)
+    }
     rank = torch.distributed.get_rank()
     os.makedirs(args.out, exist_ok=True)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
@@ -108,4 +126,5 @@ def main():
 if __name__ == "__main__":
     main()
     import hippie_ds
+
     hippie_ds.shutdown()  # gloo's workers idle, then the process groups torn down: no rank dies at exit (rc 250)

@@ -6,6 +6,7 @@ the classifier), each subclassing the pipeline module as DeepSpeed's do, with fe
 units than DeepSpeed's so that a CPU rank trains them in a moment. megatron_shaped.py trains them
 (engine option ``+linearstack`` / ``+alexnet``), built without ``config=``.
 """
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
@@ -17,7 +18,6 @@ CLASSES = 8
 
 
 class LinearStackPipe(hippie_ds.PipelineModule):
-
     def __init__(self, input_dim=16, hidden_dim=16, output_dim=CLASSES, num_layers=4, **kwargs):
         self.input_dim = input_dim
         self.output_dim = output_dim
@@ -35,7 +35,6 @@ class LinearStackPipe(hippie_ds.PipelineModule):
 
 
 class AlexNetPipeSpec(hippie_ds.PipelineModule):
-
     def __init__(self, num_classes=CLASSES, **kwargs):
         self.num_classes = num_classes
         c = (3, 8, 12, 16, 16, 16)  # DeepSpeed's: 3, 64, 192, 384, 256, 256
@@ -74,5 +73,5 @@ def data(kind, replica, micro_batches):
         for m in range(micro_batches):
             g = torch.Generator().manual_seed(7919 * step + 104_729 * replica + m)
             shape = (MICRO, 16) if kind == "linearstack" else (MICRO, 3, 32, 32)
-            yield torch.randn(shape, generator=g), torch.randint(0, CLASSES, (MICRO, ), generator=g)
+            yield torch.randn(shape, generator=g), torch.randint(0, CLASSES, (MICRO,), generator=g)
         step += 1

@@ -4,6 +4,7 @@
 from the same initial weights and data; then ``hippie_ds.initialize`` with a hippie-ds schedule
 named, or hippie-ds options, which must refuse before any collective. Writes OUT/rankR.pt: per
 initializer the losses and this rank's layers of both phases, and the refusals' messages."""
+
 import argparse
 import os
 
@@ -26,9 +27,13 @@ def layer_specs():
 
 
 def config(schedule=None):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO * MICRO_BATCHES,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, "gradient_clipping": 1.0,
-           "steps_per_print": 10_000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "train_batch_size": MICRO * MICRO_BATCHES,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10_000,
+    }
     if schedule is not None:
         cfg["pipeline"] = {"schedule": schedule}
     return cfg
@@ -41,8 +46,14 @@ def data():
 
 
 def build(stages):
-    return DualPipeVModule(layers=layer_specs(), num_stages=stages, loss_fn=torch.nn.functional.mse_loss,
-                           partition_method="uniform", seed_layers=True, base_seed=1234)
+    return DualPipeVModule(
+        layers=layer_specs(),
+        num_stages=stages,
+        loss_fn=torch.nn.functional.mse_loss,
+        partition_method="uniform",
+        seed_layers=True,
+        base_seed=1234,
+    )
 
 
 def main():
@@ -56,13 +67,17 @@ def main():
     result = {}
     for name, init in (("stock", deepspeed.initialize), ("hippie_ds", hippie_ds.initialize)):
         module = build(stages)
-        engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-                          config=config())
+        engine, *_ = init(
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=config()
+        )
         it = data()
         losses = [float(engine.train_batch(it)) for _ in range(args.steps)]
-        layers = {start + i: {k: v.detach().clone() for k, v in f.state_dict().items()}
-                  for (start, _), funcs in zip(module.phase_bounds, module.phase_funcs)
-                  for i, f in enumerate(funcs) if isinstance(f, torch.nn.Module)}
+        layers = {
+            start + i: {k: v.detach().clone() for k, v in f.state_dict().items()}
+            for (start, _), funcs in zip(module.phase_bounds, module.phase_funcs)
+            for i, f in enumerate(funcs)
+            if isinstance(f, torch.nn.Module)
+        }
         result[name] = {"engine": type(engine).__name__, "losses": losses, "layers": layers}
         torch.distributed.barrier()
     module = build(stages)

@@ -5,6 +5,7 @@ Python object, while the main thread keeps the GIL (a long switch interval, a bu
 the end of the script: the worker gets the GIL only once the interpreter finalizes, and CPython
 ends it there: "terminate called without an active exception". With ``--wait`` (what
 ``hippie_ds.initialize`` registers) the exit first waits for the worker."""
+
 import argparse
 import ctypes
 import sys

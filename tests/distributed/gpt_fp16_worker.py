@@ -20,6 +20,7 @@ in ``--engines`` is ``SCHEDULE[+OPT...]``:
 the skipped steps, the loss scale, the optimizer wrapper's name, this rank's layers and its tied
 copies to ``OUT/NAME/rankR.pt``.
 """
+
 import argparse
 import os
 
@@ -47,11 +48,20 @@ def learnable(replica, micro_batches, steps):
 
 
 def config(opts, micro_batches, dp, power, lr, args_window=1000):
-    cfg = {"train_micro_batch_size_per_gpu": gpt.MICRO, "train_batch_size": gpt.MICRO * micro_batches * dp,
-           "gradient_clipping": 1.0, "steps_per_print": 10_000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": gpt.MICRO,
+        "train_batch_size": gpt.MICRO * micro_batches * dp,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10_000,
+    }
     if "fp16" in opts:
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": power, "loss_scale_window": args_window, "hysteresis": 2,
-                       "min_loss_scale": 1}
+        cfg["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": power,
+            "loss_scale_window": args_window,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     if "fused" in opts:
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.1}}
     if "zero1" in opts:
@@ -64,8 +74,13 @@ def inject_overflows(engine, opts):
         if opt.startswith("ovf"):
             stage, call = map(int, opt[3:].split("."))
             if engine.stage_id == stage:
-                first = next(p for _, layer in gpt.layers_of(engine.module) if isinstance(layer, torch.nn.Module)
-                             for p in layer.parameters() if p.requires_grad)
+                first = next(
+                    p
+                    for _, layer in gpt.layers_of(engine.module)
+                    if isinstance(layer, torch.nn.Module)
+                    for p in layer.parameters()
+                    if p.requires_grad
+                )
                 first.register_hook(lambda g, call=call: g * float("inf") if engine.global_steps == call else g)
 
 
@@ -79,8 +94,13 @@ def main():
     p.add_argument("--power", type=int, default=12)
     p.add_argument("--lr", type=float, default=2e-2)
     p.add_argument("--engines", required=True)
-    p.add_argument("--window", type=int, default=4, help="loss_scale_window: small, so that 20 steps see the "
-                   "scale grow (the loss is not scaled without ZeRO, so nothing overflows and it only grows)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=4,
+        help="loss_scale_window: small, so that 20 steps see the "
+        "scale grow (the loss is not scaled without ZeRO, so nothing overflows and it only grows)",
+    )
     p.add_argument("--warmup", type=int, default=4, help="LR warm-up steps, then cosine (Megatron's scheduler)")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -92,8 +112,9 @@ def main():
         if schedule != "stock":
             cfg["pipeline"] = {"schedule": schedule}
         torch.manual_seed(1234)
-        module = PipelineModule(layers=gpt.specs(2), num_stages=args.stages, loss_fn=gpt.loss_fn,
-                                partition_method="type:Block")
+        module = PipelineModule(
+            layers=gpt.specs(2), num_stages=args.stages, loss_fn=gpt.loss_fn, partition_method="type:Block"
+        )
         gpt.reseed(module)
         with torch.no_grad():  # Megatron's init: normal(0, 0.02) weights, zero biases (every layout alike)
             for n, q in module.named_parameters():
@@ -106,13 +127,18 @@ def main():
             decay = [p for n, p in module.named_parameters() if p.dim() > 1 and "norm" not in n]
             no_decay = [p for n, p in module.named_parameters() if not (p.dim() > 1 and "norm" not in n)]
             adam, wd = (torch.optim.Adam, 0.01) if "adam" in opts else (torch.optim.AdamW, 0.1)
-            kw["optimizer"] = adam([{"params": decay, "weight_decay": wd},
-                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+            kw["optimizer"] = adam(
+                [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
+            )
         else:
             kw["model_parameters"] = [p for p in module.parameters() if p.requires_grad]
         if "fused" not in opts:  # Megatron's scheduler: step(increment) counts samples
-            kw["lr_scheduler"] = ParamScheduler(kw["optimizer"], args.lr, warmup=args.warmup * cfg["train_batch_size"],
-                                                total=2 * args.steps * cfg["train_batch_size"])
+            kw["lr_scheduler"] = ParamScheduler(
+                kw["optimizer"],
+                args.lr,
+                warmup=args.warmup * cfg["train_batch_size"],
+                total=2 * args.steps * cfg["train_batch_size"],
+            )
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, config=cfg, **kw)
         inject_overflows(engine, opts)
@@ -122,16 +148,27 @@ def main():
             engine.drain()
         layers, tied = gpt.snapshot(engine)
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
-        torch.save({"stage": int(engine.stage_id), "replica": int(engine.grid.data_parallel_id), "losses": losses,
-                    "layers": layers, "tied": tied, "optimizer": type(engine.optimizer).__name__,
-                    "skipped_steps": engine.skipped_steps,
-                    "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None},
-                   os.path.join(args.out, name, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "stage": int(engine.stage_id),
+                "replica": int(engine.grid.data_parallel_id),
+                "losses": losses,
+                "layers": layers,
+                "tied": tied,
+                "optimizer": type(engine.optimizer).__name__,
+                "skipped_steps": engine.skipped_steps,
+                "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None,
+            },
+            os.path.join(args.out, name, f"rank{rank}.pt"),
+        )
         if rank == 0:
-            print(f"{name}: "
-                  f"{type(engine.optimizer).__name__}/{type(getattr(engine.optimizer, 'optimizer', None)).__name__} "
-                  f"scale {float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None} losses "
-                  f"{[round(x, 3) for x in losses]}", flush=True)
+            print(
+                f"{name}: "
+                f"{type(engine.optimizer).__name__}/{type(getattr(engine.optimizer, 'optimizer', None)).__name__} "
+                f"scale {float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None} losses "
+                f"{[round(x, 3) for x in losses]}",
+                flush=True,
+            )
         torch.distributed.barrier()
 
 

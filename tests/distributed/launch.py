@@ -4,6 +4,7 @@
 DeepSpeed and hippie_ds); ``launcher="deepspeed"`` for the tests whose point is the user's launcher,
 and for every test with ``HIPPIE_TEST_LAUNCHER=deepspeed`` in the environment (slower: about 7 s a
 launch more)."""
+
 import os
 from pathlib import Path
 
@@ -20,7 +21,8 @@ def launch(num_ranks, out, *worker_args, timeout=240, port=None, clean_shm=True,
     (left by stock DeepSpeed and by killed ranks)."""
     launcher = launcher or os.environ.get("HIPPIE_TEST_LAUNCHER", "fork")
     run = LocalJob(worker, num_ranks, ["--out", out, *worker_args], port=port, launcher=launcher).run(
-        timeout, clean_shm=clean_shm)
+        timeout, clean_shm=clean_shm
+    )
     output = run.output + (f"\n[launch] killed after {timeout} s" if run.timed_out else "")
     return run.returncode, output, run.seconds
 

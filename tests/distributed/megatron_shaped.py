@@ -34,6 +34,7 @@ Before the engines, each rank builds
 the GPT both with DeepSpeed's class and with ``GPTModelPipe`` and no config anywhere, and writes
 whether their partition and weights agree to ``OUT/no-config/rankR.pt``.
 """
+
 import argparse
 import base64
 import json
@@ -86,8 +87,11 @@ class Block(torch.nn.Module):
 
 def specs(blocks):
     tied = dict(tied_weight_attr="word_embeddings.weight")
-    return ([_to_float, TiedLayerSpec("embed", Embedding, **tied)] + [LayerSpec(Block) for _ in range(blocks)] +
-            [LayerSpec(torch.nn.LayerNorm, HIDDEN), TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied)])
+    return (
+        [_to_float, TiedLayerSpec("embed", Embedding, **tied)]
+        + [LayerSpec(Block) for _ in range(blocks)]
+        + [LayerSpec(torch.nn.LayerNorm, HIDDEN), TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied)]
+    )
 
 
 class TupleBlock(Block):
@@ -114,10 +118,15 @@ def tuple_specs(blocks):
     place): a function, a tied module, its forward_fn copy, a lambda, tuple activations with an
     integer tensor."""
     tied = dict(tied_weight_attr="word_embeddings.weight")
-    return ([_to_float, TiedLayerSpec("embed", Embedding, **tied), _with_positions] +
-            [LayerSpec(TupleBlock) for _ in range(blocks)] +
-            [lambda inputs: inputs[0], LayerSpec(torch.nn.LayerNorm, HIDDEN),
-             TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied)])
+    return (
+        [_to_float, TiedLayerSpec("embed", Embedding, **tied), _with_positions]
+        + [LayerSpec(TupleBlock) for _ in range(blocks)]
+        + [
+            lambda inputs: inputs[0],
+            LayerSpec(torch.nn.LayerNorm, HIDDEN),
+            TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied),
+        ]
+    )
 
 
 def loss_fn(logits, labels):
@@ -129,8 +138,13 @@ class GPTModelPipe(hippie_ds.PipelineModule):
     hippie-ds's, the one-line change) that builds it with DeepSpeed's arguments and no config."""
 
     def __init__(self, blocks, num_stages, topology=None):
-        super().__init__(layers=specs(blocks), num_stages=None if topology else num_stages, topology=topology,
-                         loss_fn=loss_fn, partition_method="type:Block")
+        super().__init__(
+            layers=specs(blocks),
+            num_stages=None if topology else num_stages,
+            topology=topology,
+            loss_fn=loss_fn,
+            partition_method="type:Block",
+        )
 
 
 # ``+plan``: a planner plan for interleaved-1f1b with these model-part boundaries (not DeepSpeed's
@@ -138,24 +152,47 @@ class GPTModelPipe(hippie_ds.PipelineModule):
 PLAN_BOUNDARIES, PLAN_CHECKPOINTED = [0, 2, 3, 5, 8], [3, 4, 6]
 
 
-def chunked_plan(stages=2, micro_batches=4, dp=2, schedule="interleaved-1f1b", boundaries=PLAN_BOUNDARIES,
-                 checkpointed=PLAN_CHECKPOINTED, blocks=4):
+def chunked_plan(
+    stages=2,
+    micro_batches=4,
+    dp=2,
+    schedule="interleaved-1f1b",
+    boundaries=PLAN_BOUNDARIES,
+    checkpointed=PLAN_CHECKPOINTED,
+    blocks=4,
+):
     """A plan of :func:`specs` (``blocks`` blocks) for ``schedule``: ``hippie_ds.planner.make_plan`` on a
     synthetic profile with this model's layer names and parameter sizes (so its fingerprint fits),
     then set to ``boundaries`` and ``checkpointed`` through the ``Plan`` model (which checks them)."""
     from hippie_ds.adapter.module.pipeline_module import layer_names, layer_param_bytes
     from hippie_ds.planner import LayerProfile, Plan, Profile, make_plan, parse_cluster
+
     layers = specs(blocks)
-    profile = Profile(model="megatron-shaped", batch_size=MICRO, layers=[
-        LayerProfile(name=n, forward=1e-3, backward=2e-3, output_bytes=4.0 * MICRO * SEQ * HIDDEN, param_bytes=b)
-        for n, b in zip(layer_names(layers), layer_param_bytes(layers))])
-    plan = make_plan(profile, parse_cluster(f"1x{stages * dp},1GB,10Gbit"), MICRO * micro_batches * dp,
-                     schedules=[schedule], depths=[stages], micro_batch_sizes=[MICRO], baselines=False)
+    profile = Profile(
+        model="megatron-shaped",
+        batch_size=MICRO,
+        layers=[
+            LayerProfile(name=n, forward=1e-3, backward=2e-3, output_bytes=4.0 * MICRO * SEQ * HIDDEN, param_bytes=b)
+            for n, b in zip(layer_names(layers), layer_param_bytes(layers))
+        ],
+    )
+    plan = make_plan(
+        profile,
+        parse_cluster(f"1x{stages * dp},1GB,10Gbit"),
+        MICRO * micro_batches * dp,
+        schedules=[schedule],
+        depths=[stages],
+        micro_batch_sizes=[MICRO],
+        baselines=False,
+    )
     data = plan.model_dump(mode="json")
     data.update(boundaries=list(boundaries), checkpointed_layers=list(checkpointed))
     for p, st in enumerate(data["stages"]):
-        st.update(first_layer=boundaries[p], end_layer=boundaries[p + 1],
-                  checkpointed=[i for i in checkpointed if boundaries[p] <= i < boundaries[p + 1]])
+        st.update(
+            first_layer=boundaries[p],
+            end_layer=boundaries[p + 1],
+            checkpointed=[i for i in checkpointed if boundaries[p] <= i < boundaries[p + 1]],
+        )
     return Plan.model_validate(data)
 
 
@@ -205,22 +242,37 @@ def build_from_argv(cfg, out, opts, model, blocks, stages, topology=None):
 def check_no_config(out, blocks, stages):
     """Nothing names a config: GPTModelPipe is DeepSpeed's class (same partition, same weights)."""
     built = []
-    for cls in (lambda: PipelineModule(layers=specs(blocks), num_stages=stages, loss_fn=loss_fn,
-                                       partition_method="type:Block"), lambda: GPTModelPipe(blocks, stages)):
+    for cls in (
+        lambda: PipelineModule(layers=specs(blocks), num_stages=stages, loss_fn=loss_fn, partition_method="type:Block"),
+        lambda: GPTModelPipe(blocks, stages),
+    ):
         torch.manual_seed(1234)
         built.append(cls())
     stock, ours = built
-    same = list(stock.parts) == list(ours.parts) and stock.state_dict().keys() == ours.state_dict().keys() and \
-        all(torch.equal(v, ours.state_dict()[k]) for k, v in stock.state_dict().items())
+    same = (
+        list(stock.parts) == list(ours.parts)
+        and stock.state_dict().keys() == ours.state_dict().keys()
+        and all(torch.equal(v, ours.state_dict()[k]) for k, v in stock.state_dict().items())
+    )
     os.makedirs(os.path.join(out, "no-config"), exist_ok=True)
-    torch.save({"same": same, "parts": [int(x) for x in ours.parts], "chunks": ours.virtual_stages,
-                "source": ours.hippie_config_source},
-               os.path.join(out, "no-config", f"rank{torch.distributed.get_rank()}.pt"))
+    torch.save(
+        {
+            "same": same,
+            "parts": [int(x) for x in ours.parts],
+            "chunks": ours.virtual_stages,
+            "source": ours.hippie_config_source,
+        },
+        os.path.join(out, "no-config", f"rank{torch.distributed.get_rank()}.pt"),
+    )
 
 
 def config(precision, schedule, opts, micro_batches, dp, profile_out=None):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO * micro_batches * dp,
-           "gradient_clipping": 1.0, "steps_per_print": 10_000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "train_batch_size": MICRO * micro_batches * dp,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10_000,
+    }
     if precision.startswith("bf16"):
         cfg["bf16"] = {"enabled": True}
     if precision.endswith("zero1"):
@@ -253,10 +305,16 @@ def data(replica, micro_batches):
 
 def snapshot(engine):
     """(this rank's layers' states {layer index: state}, its tied word embeddings {key: weight})."""
-    held = engine.module.local_layers() if hasattr(engine.module, "local_layers") else \
-        [(int(engine.module._local_start) + i, f) for i, f in enumerate(engine.module.forward_funcs)]
-    layers = {int(i): {k: v.detach().float().clone() for k, v in f.state_dict().items()}
-              for i, f in held if isinstance(f, torch.nn.Module)}
+    held = (
+        engine.module.local_layers()
+        if hasattr(engine.module, "local_layers")
+        else [(int(engine.module._local_start) + i, f) for i, f in enumerate(engine.module.forward_funcs)]
+    )
+    layers = {
+        int(i): {k: v.detach().float().clone() for k, v in f.state_dict().items()}
+        for i, f in held
+        if isinstance(f, torch.nn.Module)
+    }
     tied = {k: m.word_embeddings.weight.detach().float().clone() for k, m in engine.module.tied_modules.items()}
     return layers, tied
 
@@ -288,23 +346,30 @@ def main():
         topology = None
         if "plan" in opts:  # the config names only the plan (relative to it), not the schedule: the plan's
             from hippie_ds.planner import save_plan
+
             plan = chunked_plan(args.stages, args.micro_batches, world // args.stages, schedule, blocks=args.blocks)
             save_plan(plan, os.path.join(args.out, name, f"plan.rank{rank}.json"))
             del cfg["pipeline"]
             cfg["hippie"] = {"plan": f"plan.rank{rank}.json"}
         if model != "megatron" or "argv" in opts or "b64" in opts:  # the drop-in: sys.argv names the config
-            module = build_from_argv(cfg, os.path.join(args.out, name), opts, model, args.blocks, args.stages,
-                                     topology)
+            module = build_from_argv(cfg, os.path.join(args.out, name), opts, model, args.blocks, args.stages, topology)
         elif "tuple" in opts:  # hippie_ds.PipelineModule: the schedule's model chunks (virtual stages)
-            module = hippie_ds.PipelineModule(layers=tuple_specs(args.blocks), num_stages=args.stages,
-                                              loss_fn=loss_fn, partition_method="type:Block", config=cfg)
+            module = hippie_ds.PipelineModule(
+                layers=tuple_specs(args.blocks),
+                num_stages=args.stages,
+                loss_fn=loss_fn,
+                partition_method="type:Block",
+                config=cfg,
+            )
         else:
-            module = PipelineModule(layers=specs(args.blocks), num_stages=args.stages, loss_fn=loss_fn,
-                                    partition_method="type:Block")
+            module = PipelineModule(
+                layers=specs(args.blocks), num_stages=args.stages, loss_fn=loss_fn, partition_method="type:Block"
+            )
         decay = [p for n, p in module.named_parameters() if p.dim() > 1 and "norm" not in n]
         no_decay = [p for n, p in module.named_parameters() if not (p.dim() > 1 and "norm" not in n)]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+        )
         # step(increment) counts samples (DeepSpeed's pipeline engine passes the batch size), as
         # Megatron's scheduler does: the rate stays above 0 for every step
         batch = cfg["train_batch_size"]
@@ -317,8 +382,11 @@ def main():
             scheduler = ParamScheduler(optimizer, 1e-2, warmup=2, total=args.steps)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
-        it = data(engine.grid.data_parallel_id, args.micro_batches) if model == "megatron" else \
-            ds_unit_models.data(model, engine.grid.data_parallel_id, args.micro_batches)
+        it = (
+            data(engine.grid.data_parallel_id, args.micro_batches)
+            if model == "megatron"
+            else ds_unit_models.data(model, engine.grid.data_parallel_id, args.micro_batches)
+        )
         start = snapshot(engine)
         losses = [float(engine.train_batch(it))]
         first = snapshot(engine)
@@ -327,11 +395,23 @@ def main():
             engine.drain()
         layers, tied = snapshot(engine)
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
-        torch.save({"stage": int(engine.stage_id), "replica": int(engine.grid.data_parallel_id), "losses": losses,
-                    "layers": layers, "tied": tied, "start": start, "first": first, "lr": scheduler.get_lr(),
-                    "parts": [int(x) for x in engine.module.parts], "chunks": held_chunks(engine.module),
-                    "checkpointed": list(getattr(engine.module, "checkpointed_layers", [])),
-                    "global_steps": engine.global_steps}, os.path.join(args.out, name, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "stage": int(engine.stage_id),
+                "replica": int(engine.grid.data_parallel_id),
+                "losses": losses,
+                "layers": layers,
+                "tied": tied,
+                "start": start,
+                "first": first,
+                "lr": scheduler.get_lr(),
+                "parts": [int(x) for x in engine.module.parts],
+                "chunks": held_chunks(engine.module),
+                "checkpointed": list(getattr(engine.module, "checkpointed_layers", [])),
+                "global_steps": engine.global_steps,
+            },
+            os.path.join(args.out, name, f"rank{rank}.pt"),
+        )
         torch.distributed.barrier()
         kept.append(engine)  # alive until exit: what is in flight is warned about then
 

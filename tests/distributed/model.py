@@ -1,5 +1,6 @@
 """A tiny deterministic PipelineModule and data, shared by the rank workers and the
 single-process references of the distributed tests."""
+
 import random
 
 import numpy
@@ -26,7 +27,7 @@ def seed_cpu(seed):
     CUDA also queues the CUDA/XPU/MTIA seeding, each with a formatted stack (about 2 ms a call), and
     ``seed_layers`` seeds every layer of every forward. The same numbers; both engines use it."""
     random.seed(seed)
-    numpy.random.seed(seed % 2 ** 32)
+    numpy.random.seed(seed % 2**32)
     torch.default_generator.manual_seed(seed)
 
 
@@ -68,12 +69,15 @@ def tied_layer_specs():
     to the output layer, as in Megatron-DeepSpeed's GPT): the first and the last stage each hold a
     copy, DeepSpeed sums their gradients in ``reduce_tied_grads``."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
+
     specs = [TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False)]
     for _ in range(DEPTH - 2):
         specs += [LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH)]
-    specs += [LayerSpec(torch.nn.Tanh),
-              TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False, forward_fn=_tied_head),
-              LayerSpec(torch.nn.Linear, IN, OUT)]
+    specs += [
+        LayerSpec(torch.nn.Tanh),
+        TiedLayerSpec("tied", torch.nn.Linear, IN, WIDTH, bias=False, forward_fn=_tied_head),
+        LayerSpec(torch.nn.Linear, IN, OUT),
+    ]
     return specs
 
 
@@ -119,11 +123,17 @@ def megatron_layer_specs():
     """8 layers; on 2 stages: [embedding, Tanh, Linear (a view of 3-D), Fold (x.view)] and
     [Fold back, Linear, head tied to the embedding, Linear]."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
-    return [TiedLayerSpec("embed", Embedding, tied_weight_attr=["word.weight"]), LayerSpec(torch.nn.Tanh),
-            LayerSpec(torch.nn.Linear, WIDTH, WIDTH), LayerSpec(Fold),
-            LayerSpec(Fold, unfold=True), LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
-            TiedLayerSpec("embed", Embedding, forward_fn=_word_head, tied_weight_attr=["word.weight"]),
-            LayerSpec(torch.nn.Linear, IN, OUT)]
+
+    return [
+        TiedLayerSpec("embed", Embedding, tied_weight_attr=["word.weight"]),
+        LayerSpec(torch.nn.Tanh),
+        LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
+        LayerSpec(Fold),
+        LayerSpec(Fold, unfold=True),
+        LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
+        TiedLayerSpec("embed", Embedding, forward_fn=_word_head, tied_weight_attr=["word.weight"]),
+        LayerSpec(torch.nn.Linear, IN, OUT),
+    ]
 
 
 def megatron_data_iter(replica, micro_batches, start_step=0):
@@ -132,8 +142,10 @@ def megatron_data_iter(replica, micro_batches, start_step=0):
     while True:
         for m in range(micro_batches):
             g = torch.Generator().manual_seed(1_000_003 * step + 1_009 * replica + m)
-            yield (torch.randn(MICRO_BATCH_SIZE, SEQ, IN, generator=g),
-                   torch.randn(MICRO_BATCH_SIZE, SEQ, OUT, generator=g))
+            yield (
+                torch.randn(MICRO_BATCH_SIZE, SEQ, IN, generator=g),
+                torch.randn(MICRO_BATCH_SIZE, SEQ, OUT, generator=g),
+            )
         step += 1
 
 
@@ -142,6 +154,7 @@ def megatron_data_iter(replica, micro_batches, start_step=0):
 # and transpose them back inside each layer: the input gradient autograd.grad returns (the split
 # backward's) then has the transposed strides, where a full backward's AccumulateGrad gives a
 # contiguous one (DeepSpeed sends it; gloo and NCCL refuse non-contiguous tensors).
+
 
 class SeqFirstEmbedding(torch.nn.Module):
     """(B, SEQ, IN) -> (SEQ, B, WIDTH), contiguous."""
@@ -179,8 +192,11 @@ class SeqFirstHead(torch.nn.Module):
 def seqfirst_layer_specs():
     """8 layers, every boundary of a uniform partition into 2, 4 or 8 parts sequence-first; the data
     is :func:`megatron_data_iter`'s."""
-    return [LayerSpec(SeqFirstEmbedding)] + [LayerSpec(SeqFirstBlock) for _ in range(DEPTH - 2)] + \
-        [LayerSpec(SeqFirstHead)]
+    return (
+        [LayerSpec(SeqFirstEmbedding)]
+        + [LayerSpec(SeqFirstBlock) for _ in range(DEPTH - 2)]
+        + [LayerSpec(SeqFirstHead)]
+    )
 
 
 # ------------------------------------------------------------------ Megatron's parameter attributes

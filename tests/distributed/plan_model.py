@@ -1,5 +1,6 @@
 """A small MLP whose layers save a measurable amount for backward: the profiler / planner /
 plan-consumption tests profile it, plan it, and train it from the plan."""
+
 import torch
 from deepspeed.runtime.pipe.module import LayerSpec
 

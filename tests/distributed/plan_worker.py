@@ -2,6 +2,7 @@
 names (``hippie.plan``), trains a few steps while an ActivationMeter measures the bytes held
 for backward, and writes per-rank results (boundaries, checkpointed layers, peak bytes, losses,
 local layer states)."""
+
 import argparse
 import os
 
@@ -25,8 +26,13 @@ def main():
     rank = torch.distributed.get_rank()
     for i, cfg in enumerate(args.configs.split(",")):
         torch.manual_seed(1234)
-        module = hippie_ds.PipelineModule(plan_model.layer_specs(), loss_fn=plan_model.loss_fn, config=cfg,
-                                          partition_method="uniform", seed_layers=True)
+        module = hippie_ds.PipelineModule(
+            plan_model.layer_specs(),
+            loss_fn=plan_model.loss_fn,
+            config=cfg,
+            partition_method="uniform",
+            seed_layers=True,
+        )
         engine, *_ = hippie_ds.initialize(model=module, config=cfg)
         meter = ActivationMeter(engine.module)
         hold_stage_io(engine.module, meter)
@@ -38,13 +44,24 @@ def main():
                 loss = engine.train_batch(it)
             losses.append(float(loss))
             peaks.append(meter.peak)
-        states = {str(engine.module._local_start + j): {k: v.clone() for k, v in layer.state_dict().items()}
-                  for j, layer in enumerate(engine.module.forward_funcs) if isinstance(layer, torch.nn.Module)}
-        torch.save({"stage": engine.stage_id, "parts": list(engine.module.parts),
-                    "checkpointed": engine.module.checkpointed_layers,
-                    "micro_batches": engine.micro_batches, "schedule": engine.compiled_schedule.name,
-                    "losses": losses, "peaks": peaks, "states": states},
-                   os.path.join(args.out, f"run{i}_rank{rank}.pt"))
+        states = {
+            str(engine.module._local_start + j): {k: v.clone() for k, v in layer.state_dict().items()}
+            for j, layer in enumerate(engine.module.forward_funcs)
+            if isinstance(layer, torch.nn.Module)
+        }
+        torch.save(
+            {
+                "stage": engine.stage_id,
+                "parts": list(engine.module.parts),
+                "checkpointed": engine.module.checkpointed_layers,
+                "micro_batches": engine.micro_batches,
+                "schedule": engine.compiled_schedule.name,
+                "losses": losses,
+                "peaks": peaks,
+                "states": states,
+            },
+            os.path.join(args.out, f"run{i}_rank{rank}.pt"),
+        )
         meter = None
         torch.distributed.barrier()  # no rank tears gloo down while another still talks to it
     print("plan worker done", flush=True)

@@ -9,6 +9,7 @@ W(t) + c * (W(t) - W(t-1)) and its update applies to W(t). Partial deferral
 delayed rule (and the correction); the rest of the stage applies g(t) at step t, at t = 0 alone.
 The schedules that never flush (2bw, pipedream) have theirs in reference_async.py.
 """
+
 import torch
 from deepspeed.runtime import utils as ds_utils
 
@@ -37,6 +38,7 @@ def build_tied_layers(parts):
     broadcasts it), seeded per layer as PipelineModule(seed_layers=True)."""
     import functools
     from deepspeed.runtime.pipe.module import TiedLayerSpec
+
     stage = stage_of_layers(parts)
     layers, copies = [], {}
     for idx, spec in enumerate(tiny.tied_layer_specs()):
@@ -88,8 +90,22 @@ def _sum_tied(grads, slots):
             grads[s][j] = total.clone()
 
 
-def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, clip=0.0, staleness=None,
-        delayed_layers=None, precision=None, tied=False, untied=False, flush=False):
+def run(
+    parts,
+    dp,
+    micro_batches,
+    steps,
+    deferred=(),
+    optimizer="SGD",
+    lr=0.05,
+    clip=0.0,
+    staleness=None,
+    delayed_layers=None,
+    precision=None,
+    tied=False,
+    untied=False,
+    flush=False,
+):
     """``staleness``: None or an object with ``method`` ("none", "extrapolate", "extrapolate-made", "adam": the
     delayed parameters compute on reference_async.adam_predicted) and ``coefficient``;
     ``delayed_layers``: {deferred stage: its leading layers that are delayed} (default: all);
@@ -105,8 +121,13 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     slots = _tied_slots(stage_params, layers) if tied else []
     delayed_layers = delayed_layers or {}
     # partial deferral delays a stage's leading layers: those of its first chunk
-    delayed = [[s in deferred and (s not in delayed_layers or i < ranges(part)[0][0] + delayed_layers[s])
-                for i, _ in indexed[s]] for s, part in enumerate(parts)]
+    delayed = [
+        [
+            s in deferred and (s not in delayed_layers or i < ranges(part)[0][0] + delayed_layers[s])
+            for i, _ in indexed[s]
+        ]
+        for s, part in enumerate(parts)
+    ]
     if untied or any(delayed[s][j] for s, j in slots):
         for s, j in slots:
             delayed[s][j] = not untied
@@ -122,9 +143,12 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
     for t in range(steps):
         for s in deferred if adam else ():
             from reference_async import adam_predicted
+
             true_weights[s] = _snapshot(stage_params[s])
-            _load([p for p, late in zip(stage_params[s], delayed[s]) if late],
-                  [w for w, late in zip(adam_predicted(opts[s], staleness.coefficient, precision), delayed[s]) if late])
+            _load(
+                [p for p, late in zip(stage_params[s], delayed[s]) if late],
+                [w for w, late in zip(adam_predicted(opts[s], staleness.coefficient, precision), delayed[s]) if late],
+            )
         for s in deferred if extrapolate else ():
             true_weights[s] = _snapshot(stage_params[s])
             with torch.no_grad():
@@ -133,8 +157,16 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
                         p.add_(w - q, alpha=staleness.coefficient)
             previous[s] = true_weights[s]
         if precision.accumulates_per_rank:
-            grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
-                                               precision, slots if precision.tie_before_dp else ())
+            grads, batch_losses = _batch_grads(
+                layers,
+                stage_params,
+                t,
+                range(micro_batches),
+                dp,
+                micro_batches,
+                precision,
+                slots if precision.tie_before_dp else (),
+            )
             losses.append(sum(batch_losses) / micro_batches)
         else:
             grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
@@ -171,17 +203,24 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
         holders = {s for s, _ in slots}
         first = min(holders, default=None)  # DeepSpeed marks the other holders' copies ds_pipe_replicated
         replicated = [{j for t, j in slots if t == s and s != first} for s in sorted(holders)]
-        joint = None if not holders or clip <= 0 else \
-            precision.joint_norm([applies[s] for s in sorted(holders)], replicated) \
-            if hasattr(precision, "joint_norm") else _norm([g for s in holders for g in applies[s]])
+        joint = (
+            None
+            if not holders or clip <= 0
+            else precision.joint_norm([applies[s] for s in sorted(holders)], replicated)
+            if hasattr(precision, "joint_norm")
+            else _norm([g for s in holders for g in applies[s]])
+        )
         skip = precision.decide(applies)  # fp16: one overflow decision for the whole update
         for s, ps in enumerate(stage_params):
             if skip or all(g is None for g in applies[s]):
                 continue
             precision.apply(ps, opts[s], applies[s], clip, joint if s in holders else None)
     if flush:  # drain(): one more update, the deferred stages' buffers alone
-        applies = {s: [b if late else None for b, late in zip(precision.rescaled(pending[s], made_at[s]), delayed[s])]
-                   for s in deferred if pending[s] is not None}
+        applies = {
+            s: [b if late else None for b, late in zip(precision.rescaled(pending[s], made_at[s]), delayed[s])]
+            for s in deferred
+            if pending[s] is not None
+        }
         if not precision.decide(list(applies.values())):
             for s, apply in applies.items():
                 precision.apply_only(stage_params[s], opts[s], apply, clip)
@@ -191,10 +230,13 @@ def run(parts, dp, micro_batches, steps, deferred=(), optimizer="SGD", lr=0.05, 
 # ---------------------------------------------------------------------------------------------
 # Helpers of the references (``run`` here, and reference_async.py's never-flushing rules)
 
+
 def _make_optimizers(stage_params, optimizer, lr):
-    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
-            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr),
-            "NAdam": lambda ps: torch.optim.NAdam(ps, lr=lr)}[optimizer]
+    make = {
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr),
+        "NAdam": lambda ps: torch.optim.NAdam(ps, lr=lr),
+    }[optimizer]
     return [make(ps) for ps in stage_params]
 
 
@@ -366,5 +408,8 @@ def _apply(ps, opt, grads, clip, norm=None):
 
 
 def _result(layers):
-    return {i: {k: v.detach().clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(layers)
-            if isinstance(layer, torch.nn.Module) and list(layer.parameters())}
+    return {
+        i: {k: v.detach().clone() for k, v in layer.state_dict().items()}
+        for i, layer in enumerate(layers)
+        if isinstance(layer, torch.nn.Module) and list(layer.parameters())
+    }

@@ -2,13 +2,24 @@
 (``run_2bw``: double-buffered weights, every stage one step late) and PipeDream (``run_pipedream``:
 one weight version per in-flight micro-batch, ``vertical_sync`` optionally), for the distributed
 tests; the synchronous and deferred rules, and what both share, are reference.py's."""
+
 import math
 
 import torch
 
 import model as tiny
-from reference import (FP32, _batch_grads, _clipped, _load, _micro_batch_grads, _result, _snapshot, _stage_params,
-                       _tied_slots, build_tied_layers)
+from reference import (
+    FP32,
+    _batch_grads,
+    _clipped,
+    _load,
+    _micro_batch_grads,
+    _result,
+    _snapshot,
+    _stage_params,
+    _tied_slots,
+    build_tied_layers,
+)
 
 
 def _continuous_model(parts, precision, tied):
@@ -39,8 +50,12 @@ def _lag_tied(grads, slots, pending, lag=1, precision=None):
     else:
         pending.append((sum(grads[s][j] for s, j in slots), scale))
     applied = pending.pop(0) if len(pending) > lag else None
-    if applied is not None and scale is not None and applied[1] != scale and getattr(precision, "rescales_tie_sums",
-                                                                                      True):
+    if (
+        applied is not None
+        and scale is not None
+        and applied[1] != scale
+        and getattr(precision, "rescales_tie_sums", True)
+    ):
         applied = (applied[0] * (scale / applied[1]), scale)
     for s, j in slots:
         grads[s][j] = None if applied is None else applied[0].clone()
@@ -70,6 +85,7 @@ def _clip_apart(grads, slots, clip, precision=None):
     scale = None if precision is None else precision.grad_scale()
     if getattr(precision, "ds_clipping", False):  # fp16: DeepSpeed's own function, as the engine clips (its rounding)
         from deepspeed.runtime.utils import clip_tensors_by_global_norm
+
         for s, stage in enumerate(grads):
             tied = {j for t, j in slots if t == s}
             for part in ([j for j in range(len(stage)) if j in tied], [j for j in range(len(stage)) if j not in tied]):
@@ -77,8 +93,9 @@ def _clip_apart(grads, slots, clip, precision=None):
                 for j in present:
                     stage[j] = stage[j].clone()
                 if present:
-                    clip_tensors_by_global_norm([stage[j] for j in present], max_norm=clip * (scale or 1.0),
-                                                eps=1e-6 * (scale or 1.0))
+                    clip_tensors_by_global_norm(
+                        [stage[j] for j in present], max_norm=clip * (scale or 1.0), eps=1e-6 * (scale or 1.0)
+                    )
         return 0.0
     if scale is not None:
         for s, stage in enumerate(grads):
@@ -121,7 +138,7 @@ def adam_predicted(opt, coefficient, precision=None):
                 predicted = w.detach().clone()
             else:
                 k = float(state["step"]) + 1
-                m_hat, s_hat = state["exp_avg"] / (1 - b1 ** k), state["exp_avg_sq"] / (1 - b2 ** k)
+                m_hat, s_hat = state["exp_avg"] / (1 - b1**k), state["exp_avg_sq"] / (1 - b2**k)
                 predicted = w - coefficient * lr * (m_hat / (s_hat.sqrt() + eps) + wd * w)
             out.append(predicted.to(torch.bfloat16) if precision is not None and precision.bf16 else predicted)
     return out
@@ -135,8 +152,9 @@ def error_feedback(optimizer, gain):
     last, start = {}, []
 
     def before(opt, args, kwargs):
-        start[:] = [(p, p.detach().clone()) for group in opt.param_groups for p in group["params"]
-                    if p.grad is not None]
+        start[:] = [
+            (p, p.detach().clone()) for group in opt.param_groups for p in group["params"] if p.grad is not None
+        ]
 
     def after(opt, args, kwargs):
         with torch.no_grad():
@@ -168,7 +186,7 @@ def delay_compensation(optimizer, strength):
                     g = p.grad
                     if p in computed_on:
                         n = counts[p]
-                        denominator = (second_moment[p] / (1 - 0.999 ** n)).sqrt() + 1e-8
+                        denominator = (second_moment[p] / (1 - 0.999**n)).sqrt() + 1e-8
                         p.grad = (p - computed_on[p]) * g * g * strength / denominator + g
                     computed_on[p] = p.detach().clone()
                     stepping.append((p, g))
@@ -177,8 +195,9 @@ def delay_compensation(optimizer, strength):
         with torch.no_grad():
             for p, g in stepping:
                 stepped = p.grad
-                second_moment[p] = torch.addcmul(second_moment.get(p, torch.zeros_like(p)) * 0.999, stepped, stepped,
-                                                 value=1 - 0.999)  # torch Adam's exp_avg_sq, its rounding
+                second_moment[p] = torch.addcmul(
+                    second_moment.get(p, torch.zeros_like(p)) * 0.999, stepped, stepped, value=1 - 0.999
+                )  # torch Adam's exp_avg_sq, its rounding
                 counts[p] = counts.get(p, 0) + 1
                 p.grad = g
 
@@ -186,8 +205,19 @@ def delay_compensation(optimizer, strength):
     optimizer.register_step_post_hook(after)
 
 
-def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0, staleness=None, precision=None,
-            tied=False, tie_lag=1):
+def run_2bw(
+    parts,
+    dp,
+    micro_batches,
+    steps,
+    optimizer="SGD",
+    lr=0.05,
+    clip=0.0,
+    staleness=None,
+    precision=None,
+    tied=False,
+    tie_lag=1,
+):
     """PipeDream-2BW: every micro-batch of batch t runs forward and backward on W(t-1) (W(-1) =
     W(0)); the batch's gradient (summed over micro-batches, averaged over replicas) is applied
     to W(t): W(t+1) = W(t) - lr * grad(W(t-1)), on every stage. With ``staleness`` extrapolate
@@ -210,8 +240,9 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
     extrapolate = staleness is not None and staleness.method in ("extrapolate", "extrapolate-made")
     adam = staleness is not None and staleness.method == "adam"
     # "extrapolate-made": not in fp16, where the last stage holds its update until the vote is in
-    made_weights = adam or (staleness is not None and staleness.method == "extrapolate-made"
-                            and not hasattr(precision, "inject_backwards"))
+    made_weights = adam or (
+        staleness is not None and staleness.method == "extrapolate-made" and not hasattr(precision, "inject_backwards")
+    )
     gain = getattr(staleness, "error_feedback", 0.0) if staleness is not None else 0.0
     for s, opt in enumerate(opts if gain else ()):  # every stage computing one update behind
         if not (made_weights and s == len(opts) - 1):
@@ -232,13 +263,23 @@ def run_2bw(parts, dp, micro_batches, steps, optimizer="SGD", lr=0.05, clip=0.0,
             compute = [w + staleness.coefficient * (w - q) for w, q in zip(history[v], history[v - 1])]
         if made_weights and v >= 1:
             last = len(everything) - len(stage_params[-1])  # the last stage's tensors: the made W(t)
-            made = [w + staleness.coefficient * (n - w) if staleness.coefficient != 1 else n.clone()
-                    for w, n in zip(history[v][last:], current[last:])]
+            made = [
+                w + staleness.coefficient * (n - w) if staleness.coefficient != 1 else n.clone()
+                for w, n in zip(history[v][last:], current[last:])
+            ]
             compute = (predicted[v] if adam else compute)[:last] + made
         _load(everything, compute)
         if precision.accumulates_per_rank:
-            grads, batch_losses = _batch_grads(layers, stage_params, t, range(micro_batches), dp, micro_batches,
-                                               precision, slots if precision.tie_before_dp else ())
+            grads, batch_losses = _batch_grads(
+                layers,
+                stage_params,
+                t,
+                range(micro_batches),
+                dp,
+                micro_batches,
+                precision,
+                slots if precision.tie_before_dp else (),
+            )
             total = sum(batch_losses) / micro_batches
         else:
             grads = [[torch.zeros_like(p) for p in ps] for ps in stage_params]
@@ -273,8 +314,19 @@ def pipedream_version(stage, stages, index, vertical_sync=False):
     return max(0, index - warmup)
 
 
-def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimizer="SGD", lr=0.05, clip=0.0,
-                  precision=None, tied=False, tie_lag=1):
+def run_pipedream(
+    parts,
+    dp,
+    micro_batches,
+    steps,
+    vertical_sync=False,
+    optimizer="SGD",
+    lr=0.05,
+    clip=0.0,
+    precision=None,
+    tied=False,
+    tie_lag=1,
+):
     """PipeDream with weight stashing: micro-batch i runs forward and backward on stage s with
     weight version ``pipedream_version(s, K, i)``; each stage applies micro-batch i's gradient
     (grad(loss / M), averaged over replicas) as its (i+1)-th update. ``tied``: the tied model,
@@ -295,8 +347,9 @@ def run_pipedream(parts, dp, micro_batches, steps, vertical_sync=False, optimize
         for s, ps in enumerate(stage_params):
             _load(ps, history[s][pipedream_version(s, K, i, vertical_sync)])
         if precision.accumulates_per_rank:
-            grads, (loss,) = _batch_grads(layers, stage_params, t, [m], dp, micro_batches, precision,
-                                          slots if precision.tie_before_dp else ())
+            grads, (loss,) = _batch_grads(
+                layers, stage_params, t, [m], dp, micro_batches, precision, slots if precision.tie_before_dp else ()
+            )
         else:
             grads, loss = _micro_batch_grads(layers, stage_params, t, m, dp, micro_batches)
         if m == 0:

@@ -14,6 +14,7 @@ update for the whole pipeline (hippie_ds/adapter/precision/fp16_stage.py).
   step of zero gradients when it is made (its ``initialize_optimizer_states``: Adam's step count 1,
   the weight decay applied to the masters once).
 """
+
 import math
 
 import torch
@@ -25,7 +26,7 @@ class LossScale:
     """DeepSpeed's dynamic loss scale of FP16_UnfusedOptimizer (``_update_scale``): no hysteresis."""
 
     def __init__(self, power: int, window: int, min_scale: float = 1.0, factor: float = 2.0):
-        self.scale, self.window, self.min_scale, self.factor = 2.0 ** power, window, min_scale, factor
+        self.scale, self.window, self.min_scale, self.factor = 2.0**power, window, min_scale, factor
         self.iteration, self.last_overflow = 0, -1
         self.history = []  # (update, skipped)
 
@@ -86,9 +87,17 @@ class Fp16(Precision):
         """The wrapper steps every parameter (a missing gradient as zeros): the others' fp16 weights,
         masters and optimizer state are put back afterwards (hippie_ds.adapter.precision.fp16_stage.Fp16Unmoved)."""
         optimizer, masters = opt
-        kept = [(p, m, p.detach().clone(), m.detach().clone(),
-                 {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state.get(m, {}).items()})
-                for p, m, g in zip(ps, masters, grads) if g is None]
+        kept = [
+            (
+                p,
+                m,
+                p.detach().clone(),
+                m.detach().clone(),
+                {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state.get(m, {}).items()},
+            )
+            for p, m, g in zip(ps, masters, grads)
+            if g is None
+        ]
         self.apply(ps, opt, grads, clip)
         with torch.no_grad():
             for p, m, weight, master, state in kept:
@@ -105,8 +114,16 @@ class Fp16(Precision):
         (every holder's but the first), which ZeRO-1's norm leaves out (:attr:`counts_replicated`)."""
         total = torch.zeros(1, dtype=torch.float32)
         for gs, skip in zip(grads_per_holder, replicated):
-            total += torch.tensor([sum(float(g.float().norm(2)) ** 2 for j, g in enumerate(gs) if g is not None
-                                       and (self.counts_replicated or j not in skip))], dtype=torch.float32)
+            total += torch.tensor(
+                [
+                    sum(
+                        float(g.float().norm(2)) ** 2
+                        for j, g in enumerate(gs)
+                        if g is not None and (self.counts_replicated or j not in skip)
+                    )
+                ],
+                dtype=torch.float32,
+            )
         return float(total.item()) ** 0.5
 
     def unscale_by(self) -> float:
@@ -233,6 +250,7 @@ class Fp16Fused(Fp16):
         by ``pow`` at the loaded step count instead of by one multiplication per step (fp32 rounding,
         ~2e-7 in a master: an fp16 unit of a weight now and then); the reference's steps do the same."""
         from deepspeed.ops.adam import FusedAdam
+
         done = len(getattr(self, "skipped", self.loss_scale.history))
         if self.resumed_after is not None and done > self.resumed_after:
             self.resumed_after = None
@@ -248,6 +266,7 @@ class Fp16Fused(Fp16):
     def optimizers(self, stage_params, optimizer, lr):
         from deepspeed.ops.adam import FusedAdam
         from torch._utils import _flatten_dense_tensors
+
         assert optimizer == "AdamW", "FP16_Optimizer is DeepSpeed's fused Adam"
         out = []
         for ps in stage_params:
@@ -262,11 +281,13 @@ class Fp16Fused(Fp16):
     def apply(self, ps, opt, grads, clip, norm=None):
         from deepspeed.runtime.utils import get_flattened_grad_norm, get_global_norm
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
         optimizer, flat = opt
         self._resume()
         order = self.order(ps)
-        flat.grad = _flatten_dense_tensors([torch.zeros(ps[j].shape) if grads[j] is None else grads[j].float()
-                                            for j in order])
+        flat.grad = _flatten_dense_tensors(
+            [torch.zeros(ps[j].shape) if grads[j] is None else grads[j].float() for j in order]
+        )
         own = get_flattened_grad_norm([flat]) if norm is None else norm
         total = get_global_norm(norm_list=[own])
         combined = self.unscale_by()
@@ -274,7 +295,7 @@ class Fp16Fused(Fp16):
             factor = ((total / combined) + 1e-6) / clip
             if factor > 1:
                 combined = factor * combined
-        flat.grad.mul_(1. / combined)
+        flat.grad.mul_(1.0 / combined)
         optimizer.step()
         flat.grad = None
         with torch.no_grad():
@@ -288,10 +309,18 @@ class Fp16Fused(Fp16):
         offsets, at = {}, 0
         for j in self.order(ps):
             offsets[j], at = (at, ps[j].numel()), at + ps[j].numel()
-        tensors = [flat] + [v for v in optimizer.state[flat].values() if torch.is_tensor(v)
-                            and v.numel() == flat.numel()]
-        kept = [(ps[j], ps[j].detach().clone(), [(t, *offsets[j], t.detach().narrow(0, *offsets[j]).clone())
-                                                  for t in tensors]) for j, g in enumerate(grads) if g is None]
+        tensors = [flat] + [
+            v for v in optimizer.state[flat].values() if torch.is_tensor(v) and v.numel() == flat.numel()
+        ]
+        kept = [
+            (
+                ps[j],
+                ps[j].detach().clone(),
+                [(t, *offsets[j], t.detach().narrow(0, *offsets[j]).clone()) for t in tensors],
+            )
+            for j, g in enumerate(grads)
+            if g is None
+        ]
         self.apply(ps, opt, grads, clip)
         with torch.no_grad():
             for p, weight, slices in kept:

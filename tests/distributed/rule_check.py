@@ -1,13 +1,14 @@
 """What the tests of a staleness correction against its single-process rule share
 (tests/adapter/staleness/test_error_feedback.py, tests/adapter/staleness/test_delay_compensation.py): each precision's
 tolerance, the reference's precision for an engine, and the assertions of one engine against its rule."""
+
 import torch
 
 import reference
 import reference_fp16
 
-BF16_TOLERANCE = 2 ** -8  # test_precision.py: the order of a few fp32 sums can flip one bf16 rounding
-ZERO_SCALE_GROWS = 2 ** -20  # test_fp16_async.py: fp16 + ZeRO-1's gradient made at half its step's scale
+BF16_TOLERANCE = 2**-8  # test_precision.py: the order of a few fp32 sums can flip one bf16 rounding
+ZERO_SCALE_GROWS = 2**-20  # test_fp16_async.py: fp16 + ZeRO-1's gradient made at half its step's scale
 
 
 def max_diff(a, b):
@@ -28,8 +29,13 @@ def reference_precision(kind: str, name: str, micro_batches: int, overflows=()):
         return None
     if kind.startswith("bf16"):
         return reference.Precision(bf16=True, accumulate=torch.float32 if "zero1" in kind else torch.bfloat16)
-    cls = (reference_fp16.Fp16AsyncZero if "zero1" in kind else reference_fp16.Fp16AsyncFused if "fused" in kind
-           else reference_fp16.Fp16Async)
+    cls = (
+        reference_fp16.Fp16AsyncZero
+        if "zero1" in kind
+        else reference_fp16.Fp16AsyncFused
+        if "fused" in kind
+        else reference_fp16.Fp16Async
+    )
     return cls(reference_fp16.LossScale(12 if "+p12" in name else 20, 2), 2, micro_batches, overflow_at=overflows)
 
 
@@ -40,7 +46,7 @@ def assert_matches_rule(what: str, name: str, kind: str, ours, ref, without) -> 
     diff, off = max_diff(ours, ref), max_diff(without, ref)
     print(f"{name}: |ours - reference| = {diff:.3g}; the rule without {what} is {off:.3g} away")
     assert diff <= tol, f"{name}: differs from its reference by {diff}"
-    assert off > 2 * max(tol, 2 ** -10), f"{what} changed nothing the test can see"
+    assert off > 2 * max(tol, 2**-10), f"{what} changed nothing the test can see"
 
 
 def assert_replicas_equal(replicas, name: str) -> None:

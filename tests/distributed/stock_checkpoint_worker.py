@@ -10,6 +10,7 @@ how the checkpoint's files are laid out and read. Per precision (``--precisions`
 ``--steps`` steps and saves; a fresh stock engine loads and trains ``--steps`` more; so does a
 fresh hippie-ds engine (no ``hippie`` key: ``1f1b``). Writes OUT/PRECISION/{stock,hippie_ds}/rankR.pt
 (losses, global steps, this rank's layers)."""
+
 import argparse
 import os
 
@@ -24,17 +25,29 @@ MICRO, MICRO_BATCHES = 2, 4
 
 
 def layers():
-    return [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-            torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
+    return [
+        torch.nn.Linear(16, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 4),
+    ]
 
 
 def config(precision, dp):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO * MICRO_BATCHES * dp,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, "gradient_clipping": 1.0,
-           "steps_per_print": 10_000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "train_batch_size": MICRO * MICRO_BATCHES * dp,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10_000,
+    }
     if precision == "bf16+zero1":
-        cfg.update({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
-                    "data_types": {"grad_accum_dtype": "fp32"}})
+        cfg.update(
+            {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}
+        )
     return cfg
 
 
@@ -64,13 +77,16 @@ def main():
     def build(init, precision):
         deepspeed.runtime.utils.set_random_seed(1138)
         topology = PipeModelDataParallelTopology(num_pp=args.stages, num_mp=args.tensor_parallel, num_dp=dp)
-        net = PipelineModule(layers=layers(), loss_fn=torch.nn.MSELoss(), topology=topology,
-                             partition_method="parameters")
+        net = PipelineModule(
+            layers=layers(), loss_fn=torch.nn.MSELoss(), topology=topology, partition_method="parameters"
+        )
         params = [p for p in net.parameters() if p.requires_grad]
         for p in params:  # as Megatron's tensor-parallel linears mark their weights (clipping norms count them
             p.tensor_model_parallel = p.dim() > 1  # on every TP rank; bf16's norm has nothing on TP rank 1 else)
-        groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+        ]
         engine, *_ = init(model=net, model_parameters=groups, config=config(precision, dp))
         return engine
 
@@ -86,12 +102,21 @@ def main():
             engine.load_checkpoint(ckpt)
             it = data(precision, engine.grid.data_parallel_id, args.steps)
             losses = [float(engine.train_batch(it)) for _ in range(args.steps)]
-            state = {int(engine.module._local_start) + i: {k: v.detach().float().clone()
-                                                           for k, v in f.state_dict().items()}
-                     for i, f in enumerate(engine.module.forward_funcs) if isinstance(f, torch.nn.Module)}
+            state = {
+                int(engine.module._local_start) + i: {k: v.detach().float().clone() for k, v in f.state_dict().items()}
+                for i, f in enumerate(engine.module.forward_funcs)
+                if isinstance(f, torch.nn.Module)
+            }
             os.makedirs(os.path.join(args.out, precision, name), exist_ok=True)
-            torch.save({"engine": type(engine).__name__, "losses": losses, "global_steps": engine.global_steps,
-                        "layers": state}, os.path.join(args.out, precision, name, f"rank{rank}.pt"))
+            torch.save(
+                {
+                    "engine": type(engine).__name__,
+                    "losses": losses,
+                    "global_steps": engine.global_steps,
+                    "layers": state,
+                },
+                os.path.join(args.out, precision, name, f"rank{rank}.pt"),
+            )
             torch.distributed.barrier()
 
 

@@ -1,5 +1,6 @@
 """Rank worker for the distributed tests: trains the tiny model with each requested engine
 (stock DeepSpeed or a hippie-ds schedule) in turn and saves parameters and losses."""
+
 import argparse
 import json
 import os
@@ -19,6 +20,7 @@ emulated = None  # tools/bench/emulated.py, imported with --emulated
 def _live_tensors() -> list[torch.Tensor]:
     """Every tensor alive in this process, after a collection (a gc scan: 0.5 s per engine and rank)."""
     import gc
+
     gc.collect()
     return [o for o in gc.get_objects() if torch.is_tensor(o)]
 
@@ -63,8 +65,10 @@ def config(args, schedule, dp, opts=()):
     cfg = {
         "train_micro_batch_size_per_gpu": tiny.MICRO_BATCH_SIZE,
         "train_batch_size": tiny.MICRO_BATCH_SIZE * args.micro_batches * dp,
-        "optimizer": {"type": args.optimizer,
-                      "params": {"lr": args.lr, **({"torch_adam": True} if args.optimizer == "AdamW" else {})}},
+        "optimizer": {
+            "type": args.optimizer,
+            "params": {"lr": args.lr, **({"torch_adam": True} if args.optimizer == "AdamW" else {})},
+        },
         "steps_per_print": 10_000,
         "pipeline": {},
     }
@@ -98,8 +102,10 @@ def config(args, schedule, dp, opts=()):
             cfg["hippie"]["deferred_layers"] = int(layers) if layers.isdigit() else layers
         if args.staleness is not None:
             method, _, coefficient = args.staleness.partition(":")
-            cfg["hippie"]["staleness"] = {"method": method,
-                                          **({"coefficient": float(coefficient)} if coefficient else {})}
+            cfg["hippie"]["staleness"] = {
+                "method": method,
+                **({"coefficient": float(coefficient)} if coefficient else {}),
+            }
         for opt in opts:  # "dlN": hippie.deferred_layers N for this engine, whatever --deferred-layers says
             if opt.startswith("dl") and opt[2:].isdigit():
                 cfg["hippie"]["deferred_layers"] = int(opt[2:])
@@ -134,11 +140,14 @@ def crash_in_first_backward(engine, at_step):
     ``at_step`` raises inside its handler, mid-schedule, as a model the handler cannot serve would."""
     from hippie_ds.adapter.stage import handlers
     from hippie_ds.schedules.ir import OpKind
+
     for kind in (OpKind.BACKWARD, OpKind.BACKWARD_INPUT, OpKind.FORWARD_BACKWARD):
+
         def crashing(rt, *args, _handler=handlers.HANDLERS[kind], **kwargs):
             if engine.global_steps == at_step:
                 raise RuntimeError(f"rank {engine.global_rank} crashes on purpose inside its handler at step {at_step}")
             return _handler(rt, *args, **kwargs)
+
         handlers.HANDLERS[kind] = crashing  # this rank's process only: it trains one engine
 
 
@@ -149,10 +158,18 @@ def inject_overflows(engine, opts):
         if opt.startswith("ovf"):
             stage, step = map(int, opt[3:].split("."))
             if engine.stage_id == stage:
-                layers = engine.module.local_layers() if hasattr(engine.module, "local_layers") else \
-                    enumerate(engine.module.forward_funcs)  # the stage's first layer's, as reference_fp16 injects
-                first = next(p for _, layer in layers if isinstance(layer, torch.nn.Module)
-                             for p in layer.parameters() if p.requires_grad)
+                layers = (
+                    engine.module.local_layers()
+                    if hasattr(engine.module, "local_layers")
+                    else enumerate(engine.module.forward_funcs)
+                )  # the stage's first layer's, as reference_fp16 injects
+                first = next(
+                    p
+                    for _, layer in layers
+                    if isinstance(layer, torch.nn.Module)
+                    for p in layer.parameters()
+                    if p.requires_grad
+                )
                 first.register_hook(lambda g, step=step: g * float("inf") if engine.global_steps == step else g)
 
 
@@ -171,43 +188,86 @@ def parse_args():
     p.add_argument("--comm-dtype", default=None, help="DeepSpeed's communication_data_type (every engine)")
     p.add_argument("--bf16-immediate", action="store_true", help='bf16 with "immediate_grad_update": true')
     p.add_argument("--tied", action="store_true", help="the model with its first layer tied to a head (last stage)")
-    p.add_argument("--emulated", default=None, help="a profiled model whose compute is a wait (tools/bench/"
-                   "emulated.py: vgg16, gnmt8, gnmt16), its waits 1000x shorter")
-    p.add_argument("--megatron", action="store_true", help="the Megatron-shaped model (model.megatron_layer_specs): "
-                   "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last "
-                   "stage")
+    p.add_argument(
+        "--emulated",
+        default=None,
+        help="a profiled model whose compute is a wait (tools/bench/"
+        "emulated.py: vgg16, gnmt8, gnmt16), its waits 1000x shorter",
+    )
+    p.add_argument(
+        "--megatron",
+        action="store_true",
+        help="the Megatron-shaped model (model.megatron_layer_specs): "
+        "3-D activations, views as stage outputs, a tied embedding with a parameter unused on the last "
+        "stage",
+    )
     p.add_argument("--zero", type=int, default=0, help="zero_optimization.stage (with fp32 gradient accumulation)")
-    p.add_argument("--zero-plain", action="store_true", help="--zero without data_types (bf16: DeepSpeedZeroOptimizer "
-                   "accumulating in bf16; fp32 takes DeepSpeedZeroOptimizer either way)")
+    p.add_argument(
+        "--zero-plain",
+        action="store_true",
+        help="--zero without data_types (bf16: DeepSpeedZeroOptimizer "
+        "accumulating in bf16; fp32 takes DeepSpeedZeroOptimizer either way)",
+    )
     p.add_argument("--deferred", default=None)
-    p.add_argument("--deferred-layers", default="all", help='hippie.deferred_layers of hippie schedules: a count, '
-                   '"all" (the whole deferred stage, the references\' default) or "default" (the key left out)')
-    p.add_argument("--staleness", default=None, help="hippie.staleness as METHOD[:COEFFICIENT] (default: the "
-                   "config's default)")
+    p.add_argument(
+        "--deferred-layers",
+        default="all",
+        help='hippie.deferred_layers of hippie schedules: a count, '
+        '"all" (the whole deferred stage, the references\' default) or "default" (the key left out)',
+    )
+    p.add_argument(
+        "--staleness", default=None, help="hippie.staleness as METHOD[:COEFFICIENT] (default: the config's default)"
+    )
     p.add_argument("--flush", action="store_true")
     p.add_argument("--drain", action="store_true", help="engine.drain() after the last step (batches in flight)")
     p.add_argument("--timeline", action="store_true")
-    p.add_argument("--memory-count", action="store_true", help="after the last train_batch: the bench's state "
-                   "count (tools.bench.engines.state_bytes) and an independent count of live tensor storages")
-    p.add_argument("--largest-tensor", action="store_true",
-                   help="record the largest tensor alive after training (a gc scan: 0.5 s per engine and rank)")
+    p.add_argument(
+        "--memory-count",
+        action="store_true",
+        help="after the last train_batch: the bench's state "
+        "count (tools.bench.engines.state_bytes) and an independent count of live tensor storages",
+    )
+    p.add_argument(
+        "--largest-tensor",
+        action="store_true",
+        help="record the largest tensor alive after training (a gc scan: 0.5 s per engine and rank)",
+    )
     p.add_argument("--checkpoint-at", type=int, default=None, help="save after this many steps, then exit")
     p.add_argument("--resume", default=None, help="checkpoint dir to resume from")
-    p.add_argument("--resave", default=None, help="with --resume: save what was loaded to this dir, in today's "
-                   "format, before training on")
-    p.add_argument("--resume-weights-only", action="store_true", help="--resume loads DeepSpeed's per-layer weight "
-                   "files only (a checkpoint of another layout: optimizer state is per stage)")
+    p.add_argument(
+        "--resave",
+        default=None,
+        help="with --resume: save what was loaded to this dir, in today's format, before training on",
+    )
+    p.add_argument(
+        "--resume-weights-only",
+        action="store_true",
+        help="--resume loads DeepSpeed's per-layer weight "
+        "files only (a checkpoint of another layout: optimizer state is per stage)",
+    )
     p.add_argument("--eval", action="store_true", help="eval_batch on the next batch after training; its loss saved")
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=None)
-    p.add_argument("--crash-in-handler", action="store_true", help="--crash-rank raises inside the handler of its "
-                   "first backward of step 1, and every rank's script catches what train_batch raises and calls a "
-                   "barrier before re-raising")
-    p.add_argument("--refusal-barrier", action="store_true", help="a rank whose engine build raises prints the "
-                   "error, then waits in a barrier for the others to do the same before it exits (the launcher ends "
-                   "the other ranks at the first failure: a slower rank's refusal would go unprinted)")
-    p.add_argument("--schedule-override", default=None, help="JSON merged into the hippie section; its "
-                   "'pipeline' and 'deepspeed' keys into the pipeline section and the top level (bad-input tests)")
+    p.add_argument(
+        "--crash-in-handler",
+        action="store_true",
+        help="--crash-rank raises inside the handler of its "
+        "first backward of step 1, and every rank's script catches what train_batch raises and calls a "
+        "barrier before re-raising",
+    )
+    p.add_argument(
+        "--refusal-barrier",
+        action="store_true",
+        help="a rank whose engine build raises prints the "
+        "error, then waits in a barrier for the others to do the same before it exits (the launcher ends "
+        "the other ranks at the first failure: a slower rank's refusal would go unprinted)",
+    )
+    p.add_argument(
+        "--schedule-override",
+        default=None,
+        help="JSON merged into the hippie section; its "
+        "'pipeline' and 'deepspeed' keys into the pipeline section and the top level (bad-input tests)",
+    )
     return p.parse_args()
 
 
@@ -220,27 +280,42 @@ def main():
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     dp = world // args.stages
+
     def build(name):
         schedule, opts = split_name(name)
-        specs = (emulated.emulated_specs(args.emulated, tiny.MICRO_BATCH_SIZE, speedup=1000.0) if args.emulated else
-                 tiny.seqfirst_layer_specs() if "seqfirst" in opts else
-                 tiny.megatron_layer_specs() if args.megatron else
-                 tiny.tied_layer_specs() if args.tied or "tied" in opts else
-                 tiny.layer_specs())
+        specs = (
+            emulated.emulated_specs(args.emulated, tiny.MICRO_BATCH_SIZE, speedup=1000.0)
+            if args.emulated
+            else tiny.seqfirst_layer_specs()
+            if "seqfirst" in opts
+            else tiny.megatron_layer_specs()
+            if args.megatron
+            else tiny.tied_layer_specs()
+            if args.tied or "tied" in opts
+            else tiny.layer_specs()
+        )
         cfg = config(args, schedule, dp, opts)
         # hippie_ds.PipelineModule builds the model chunks the config's schedule runs (virtual stages)
         kind, extra = (PipelineModule, {}) if schedule == "stock" else (hippie_ds.PipelineModule, {"config": cfg})
         if "recompute" in opts:  # re-compute every layer in backward (per-layer re-computation, the planner's)
             extra["checkpointed_layers"] = list(range(len(specs)))
-        module = kind(layers=specs, num_stages=args.stages, loss_fn=emulated.loss_fn if args.emulated else tiny.loss_fn,
-                      topology=hippie_ds.make_topology(args.stages, world),
-                      partition_method="uniform", seed_layers=True, base_seed=tiny.BASE_SEED, seed_fn=tiny.seed_cpu,
-                      **extra)
+        module = kind(
+            layers=specs,
+            num_stages=args.stages,
+            loss_fn=emulated.loss_fn if args.emulated else tiny.loss_fn,
+            topology=hippie_ds.make_topology(args.stages, world),
+            partition_method="uniform",
+            seed_layers=True,
+            base_seed=tiny.BASE_SEED,
+            seed_fn=tiny.seed_cpu,
+            **extra,
+        )
         if "attrs" in opts:
             tiny.megatron_attributes(module)
         init = deepspeed.initialize if schedule == "stock" else hippie_ds.initialize
-        engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-                          config=cfg)
+        engine, *_ = init(
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=cfg
+        )
         return engine
 
     def data(replica, start, opts):
@@ -250,8 +325,9 @@ def main():
                 next(it)
         else:
             sequences = args.megatron or "seqfirst" in opts
-            it = (tiny.megatron_data_iter if sequences else tiny.data_iter)(replica, args.micro_batches,
-                                                                             start_step=start)
+            it = (tiny.megatron_data_iter if sequences else tiny.data_iter)(
+                replica, args.micro_batches, start_step=start
+            )
         if "fp16" in opts:
             return ((x.half(), y.half()) for x, y in it)
         return ((x.bfloat16(), y.bfloat16()) for x, y in it) if args.bf16 or "bf16" in opts else it
@@ -313,15 +389,26 @@ def main():
             engine.drain()
 
         def module_state():
-            layers = (engine.module.local_layers() if hasattr(engine.module, "local_layers") else
-                      [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)])
-            return {i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
-                    for i, layer in layers if isinstance(layer, torch.nn.Module)}
+            layers = (
+                engine.module.local_layers()
+                if hasattr(engine.module, "local_layers")
+                else [(engine.module._local_start + i, f) for i, f in enumerate(engine.module.forward_funcs)]
+            )
+            return {
+                i: {k: v.detach().float().clone() for k, v in layer.state_dict().items()}
+                for i, layer in layers
+                if isinstance(layer, torch.nn.Module)
+            }
+
         memory = None
         if args.memory_count:  # before anything below allocates: the state as the step left it
             from tools.bench.engines import state_bytes
-            memory = {"bench": state_bytes(engine), "bench_alive": state_bytes(engine, released_grads=False),
-                      "live": live_tensor_bytes()}
+
+            memory = {
+                "bench": state_bytes(engine),
+                "bench_alive": state_bytes(engine, released_grads=False),
+                "live": live_tensor_bytes(),
+            }
         # what a user reads from the module after the last train_batch, batches still in flight
         in_flight = getattr(engine, "has_in_flight", lambda: False)()
         between_calls = {"layers": module_state(), "weight_versions": engine.weight_versions()} if in_flight else None
@@ -331,22 +418,37 @@ def main():
         drained = bool(engine.drain()) if args.drain and getattr(engine, "has_in_flight", lambda: False)() else None
         state = module_state()
         os.makedirs(os.path.join(args.out, name), exist_ok=True)
-        torch.save({"stage": engine.stage_id, "replica": replica, "losses": losses, "applied": applied, "layers": state,
-                    "grad_norms": norms,
-                    "parts": list(engine.module.parts), "params": engine.compiled_schedule.params
-                    if hasattr(engine, "compiled_schedule") else {}, "drained": drained, "eval": evaluated,
-                    "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
-                    "between_calls": between_calls, "hook_counts": hook_counts,
-                    "optimizer": type(engine.optimizer).__name__, "skipped_steps": engine.skipped_steps,
-                    # what the module really computes in (an fp16 engine that fell back to fp32 shows it)
-                    "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
-                    "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None,
-                    "tied": {k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
-                             for k, m in engine.module.tied_modules.items()},
-                    # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
-                    "partitions": getattr(engine.optimizer, "partition_count", None),
-                    "largest_tensor": largest_live_tensor() if args.largest_tensor else None, "memory": memory},
-                   os.path.join(args.out, name, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "stage": engine.stage_id,
+                "replica": replica,
+                "losses": losses,
+                "applied": applied,
+                "layers": state,
+                "grad_norms": norms,
+                "parts": list(engine.module.parts),
+                "params": engine.compiled_schedule.params if hasattr(engine, "compiled_schedule") else {},
+                "drained": drained,
+                "eval": evaluated,
+                "weight_versions": engine.weight_versions() if hasattr(engine, "weight_versions") else None,
+                "between_calls": between_calls,
+                "hook_counts": hook_counts,
+                "optimizer": type(engine.optimizer).__name__,
+                "skipped_steps": engine.skipped_steps,
+                # what the module really computes in (an fp16 engine that fell back to fp32 shows it)
+                "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+                "loss_scale": float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None,
+                "tied": {
+                    k: {n: v.detach().float().clone() for n, v in m.state_dict().items()}
+                    for k, m in engine.module.tied_modules.items()
+                },
+                # BF16_Optimizer: how many ranks share the fp32 master weights (ZeRO-1 over data parallelism)
+                "partitions": getattr(engine.optimizer, "partition_count", None),
+                "largest_tensor": largest_live_tensor() if args.largest_tensor else None,
+                "memory": memory,
+            },
+            os.path.join(args.out, name, f"rank{rank}.pt"),
+        )
         if hasattr(engine, "write_timeline"):
             engine.write_timeline()
         torch.distributed.barrier()

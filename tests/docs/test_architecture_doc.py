@@ -2,6 +2,7 @@
 is defined in the file it is listed with (a function, a class, a module-level name, or a method of a
 class there, ``Class.method``), and every name the walk puts in backticks with a call shape is in the
 table. Pure."""
+
 import ast
 import re
 from pathlib import Path
@@ -36,8 +37,9 @@ def _defined(path: Path) -> set[str]:
 def test_every_cited_name_is_defined_where_the_page_says():
     table = _cited()
     assert len(table) >= 15, table
-    missing = [f"{file}: {name}" for file, names in table.items() for name in names
-               if name not in _defined(ROOT / file)]
+    missing = [
+        f"{file}: {name}" for file, names in table.items() for name in names if name not in _defined(ROOT / file)
+    ]
     assert not missing, "docs/architecture.md cites names its files do not define:\n" + "\n".join(missing)
 
 
@@ -45,7 +47,11 @@ def test_the_walk_cites_only_names_in_the_table():
     walk = DOC.read_text().split("## Names this page cites", 1)[0]
     listed = {name for names in _cited().values() for name in names}
     # CamelCase classes and Class.method of hippie-ds's, as the walk writes them; DeepSpeed's own are named as such
-    ours = {n for n in re.findall(r"`([A-Z][A-Za-z]+(?:\.[_a-z]+)?)`", walk)
-            if not n.startswith(("PipelineEngine", "PipelineModule", "TrainSchedule", "DualPipeVModule",
-                                 "ApplyBufferedUpdate"))}
+    ours = {
+        n
+        for n in re.findall(r"`([A-Z][A-Za-z]+(?:\.[_a-z]+)?)`", walk)
+        if not n.startswith(
+            ("PipelineEngine", "PipelineModule", "TrainSchedule", "DualPipeVModule", "ApplyBufferedUpdate")
+        )
+    }
     assert ours <= listed, f"cited in the walk but not in its table: {sorted(ours - listed)}"

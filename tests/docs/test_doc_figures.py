@@ -6,6 +6,7 @@ markdown and the cited files are read (a ``FILE@COMMIT`` source through ``git sh
 - docs/results.md: every table with figures is tagged measured, emulated or simulated on each row and
   cites every figure it gives; README's schedule table has a figures block.
 """
+
 import ast
 import json
 import re
@@ -46,9 +47,27 @@ from test_docs import ROOT, _cells
 FIGURE_DOCS = ["README.md", "docs/results.md"]
 KINDS = ("measured", "emulated", "simulated")
 FUNCTIONS = {"min": min, "max": max, "abs": abs}
-CONTEXT_COLUMNS = ("kind", "setup", "source", "schedule", "model", "shape", "what", "run", "question",
-                   "commit", "machine", "command", "example", "optimizer", "link", "study", "page", "status",
-                   "codebase")
+CONTEXT_COLUMNS = (
+    "kind",
+    "setup",
+    "source",
+    "schedule",
+    "model",
+    "shape",
+    "what",
+    "run",
+    "question",
+    "commit",
+    "machine",
+    "command",
+    "example",
+    "optimizer",
+    "link",
+    "study",
+    "page",
+    "status",
+    "codebase",
+)
 
 
 def _numbers(text: str) -> list[tuple[float, str]]:
@@ -59,8 +78,11 @@ def _numbers(text: str) -> list[tuple[float, str]]:
     text = re.sub(r"`[^`]*`", " ", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     out = []
-    for m in re.finditer(r"(?<![\w.])(?<![A-Za-z_]-)([-+\u2212]?)(\d+(?:,\d{3})*(?:\.\d+)?)"
-                         r"((?:x|GB|MB|GiB|MiB|ms|us|s|pt)?)(?![\w]|\.\d)", text):
+    for m in re.finditer(
+        r"(?<![\w.])(?<![A-Za-z_]-)([-+\u2212]?)(\d+(?:,\d{3})*(?:\.\d+)?)"
+        r"((?:x|GB|MB|GiB|MiB|ms|us|s|pt)?)(?![\w]|\.\d)",
+        text,
+    ):
         value = float(m.group(2).replace(",", ""))
         out.append((-value if m.group(1) in ("-", "\u2212") else value, m.group(2)))
     return out
@@ -68,8 +90,9 @@ def _numbers(text: str) -> list[tuple[float, str]]:
 
 def _git_show(path: str, commit: str) -> str | None:
     try:
-        return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run(
+            ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -126,10 +149,24 @@ def _evaluate(expr: str, text: str, data) -> list[float] | None:
         name = f"_v{len(values)}"
         values[name] = _lookup(data, m.group(1))
         return name
+
     code = re.sub(r"\{([^}]+)\}", sub, expr)
     tree = ast.parse(code, mode="eval")
-    allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Call,
-               ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.UAdd)
+    allowed = (
+        ast.Expression,
+        ast.BinOp,
+        ast.UnaryOp,
+        ast.Constant,
+        ast.Name,
+        ast.Load,
+        ast.Call,
+        ast.Add,
+        ast.Sub,
+        ast.Mult,
+        ast.Div,
+        ast.USub,
+        ast.UAdd,
+    )
     for node in ast.walk(tree):
         assert isinstance(node, allowed), f"{expr}: only arithmetic over {{paths}}"
         if isinstance(node, ast.Call):
@@ -142,14 +179,14 @@ def _evaluate(expr: str, text: str, data) -> list[float] | None:
 def _matches(written: float, digits: str, value: float) -> bool:
     """``written`` (its ``digits`` as written) is ``value`` to the digits written."""
     decimals = len(digits.split(".")[1]) if "." in digits else 0
-    return abs(value - written) <= 0.5 * 10 ** -decimals * (1 + 1e-9) + 1e-12
+    return abs(value - written) <= 0.5 * 10**-decimals * (1 + 1e-9) + 1e-12
 
 
 def _figure_blocks(doc: str):
     """(line number, source spec, lines, the text just above: its table or paragraph) per block."""
     text = (ROOT / doc).read_text()
     for m in re.finditer(r"<!-- figures (\S+)\n(.*?)-->", text, flags=re.S):
-        above = text[:m.start()].rstrip("\n")
+        above = text[: m.start()].rstrip("\n")
         blocks_above = re.split(r"\n\s*\n", above)
         chunk = blocks_above[-1]
         # several blocks may follow one table: skip back over them
@@ -159,7 +196,7 @@ def _figure_blocks(doc: str):
             chunk = blocks_above[i]
         chunk = re.sub(r"<!-- figures .*?-->", "", chunk, flags=re.S)
         lines = [line.strip() for line in m.group(2).splitlines() if line.strip()]
-        yield text[:m.start()].count("\n") + 1, m.group(1), lines, chunk
+        yield text[: m.start()].count("\n") + 1, m.group(1), lines, chunk
 
 
 def _cell(chunk: str, row: str, column: str) -> str:
@@ -197,20 +234,27 @@ def _check_block(doc, line, spec, lines, chunk, covered: dict) -> list[str]:
                 expected.extend([None] if values is None else values)
             numbers = _numbers(written)
             if entry.startswith('"'):
-                assert len(numbers) == len(expected), \
+                assert len(numbers) == len(expected), (
                     f"{written!r} has {len(numbers)} numbers, the block gives {len(expected)}"
+                )
                 start = 0
             else:  # a run of the cell's numbers, in order
-                fits = [i for i in range(len(numbers) - len(expected) + 1)
-                        if all(v is None or _matches(*numbers[i + k], v) for k, v in enumerate(expected))]
-                assert fits, (f"{written!r}: no run of its numbers {[d for _, d in numbers]} is the source's "
-                              f"{['(context)' if v is None else f'{v:.6g}' for v in expected]}")
+                fits = [
+                    i
+                    for i in range(len(numbers) - len(expected) + 1)
+                    if all(v is None or _matches(*numbers[i + k], v) for k, v in enumerate(expected))
+                ]
+                assert fits, (
+                    f"{written!r}: no run of its numbers {[d for _, d in numbers]} is the source's "
+                    f"{['(context)' if v is None else f'{v:.6g}' for v in expected]}"
+                )
                 start = fits[0]
                 key = (doc, written)
                 covered.setdefault(key, set()).update(range(start, start + len(expected)))
             for (written_value, digits), value in zip(numbers[start:], expected):
-                assert value is None or _matches(written_value, digits, value), \
+                assert value is None or _matches(written_value, digits, value), (
                     f"{written!r}: {written_value:g} is not the source's {value:.6g}"
+                )
         except (AssertionError, KeyError, ValueError, IndexError, SyntaxError) as e:
             problems.append(f"{doc}:{line}: {entry[:80]!r}: {e}")
     return problems
@@ -239,7 +283,7 @@ def _tables(text: str):
             j = i + 2
             while j < len(lines) and lines[j].startswith("|"):
                 j += 1
-            yield i + 1, _cells(lines[i]), [_cells(line) for line in lines[i + 2:j]], "\n".join(lines[j:])
+            yield i + 1, _cells(lines[i]), [_cells(line) for line in lines[i + 2 : j]], "\n".join(lines[j:])
             i = j
         else:
             i += 1
@@ -253,8 +297,12 @@ def test_results_page_tables_cite_and_tag_every_figure():
     problems = []
     for line, header, body, after in _tables(text):
         kind = [i for i, h in enumerate(header) if h.lower() == "kind"]
-        figures = any(_numbers(cell) for row in body for i, cell in enumerate(row[1:], start=1)
-                      if header[i].lower().split()[0] not in CONTEXT_COLUMNS)
+        figures = any(
+            _numbers(cell)
+            for row in body
+            for i, cell in enumerate(row[1:], start=1)
+            if header[i].lower().split()[0] not in CONTEXT_COLUMNS
+        )
         if not kind and not figures:
             continue  # a table of links or words, no figures
         if not kind:
@@ -262,8 +310,9 @@ def test_results_page_tables_cite_and_tag_every_figure():
             continue
         cited = set()
         blocks = re.match(r"\s*((?:<!-- figures .*?-->\s*)+)", after, flags=re.S)
-        for row_cited, columns in re.findall(r"^(.+?)\s*\|\s*(.+?)\s*\|", blocks.group(1) if blocks else "",
-                                             flags=re.M):
+        for row_cited, columns in re.findall(
+            r"^(.+?)\s*\|\s*(.+?)\s*\|", blocks.group(1) if blocks else "", flags=re.M
+        ):
             cited |= {(row_cited, column.strip()) for column in columns.split(" + ")}
         for row in body:
             if not any(k in row[kind[0]] for k in KINDS):
@@ -272,14 +321,16 @@ def test_results_page_tables_cite_and_tag_every_figure():
                 if header[i].lower().split()[0] in CONTEXT_COLUMNS or not _numbers(cell):
                     continue
                 if not any((r == row[0] or r in row[0]) and (c == header[i] or c in header[i]) for r, c in cited):
-                    problems.append(f"docs/results.md:{line}: row {row[0]!r}, column {header[i]!r}: no figure block "
-                                    f"cites {cell!r}")
+                    problems.append(
+                        f"docs/results.md:{line}: row {row[0]!r}, column {header[i]!r}: no figure block cites {cell!r}"
+                    )
     assert not problems, "\n".join(problems)
 
 
 def test_readme_schedule_table_figures_are_cited():
     """README's schedule table cites each figure it gives (a figures block after the table)."""
-    _, _, lines, _ = next(((n, s, found, c) for n, s, found, c in _figure_blocks("README.md")
-                           if "| schedule | what it buys" in c),
-                          (None, None, None, None))
+    _, _, lines, _ = next(
+        ((n, s, found, c) for n, s, found, c in _figure_blocks("README.md") if "| schedule | what it buys" in c),
+        (None, None, None, None),
+    )
     assert lines, "README.md's schedule table has no figures block after it"

@@ -4,6 +4,7 @@ after, found by that line's start, not by its number), applied to a copy of the 
 the copy, in a fresh interpreter, a schedule using the new kind compiles, validates and simulates,
 and tests/schedules/test_op_table.py passes, its engine checks included. The edits touch at most three files;
 the engine's edit goes to the ``HANDLERS`` table of adapter/stage/handlers.py."""
+
 import os
 import re
 import shutil
@@ -18,8 +19,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## 2. Adding an op kind"
 ENGINE_FILE = "hippie_ds/adapter/stage/handlers.py"
-_EDIT = re.compile(r"^\*\*`(?P<path>[^`]+)`\*\*, (?P<where>before|after) the line starting `(?P<anchor>[^`]+)`:\n\n"
-                   r"```python\n(?P<code>.*?)\n```$", re.S | re.M)
+_EDIT = re.compile(
+    r"^\*\*`(?P<path>[^`]+)`\*\*, (?P<where>before|after) the line starting `(?P<anchor>[^`]+)`:\n\n"
+    r"```python\n(?P<code>.*?)\n```$",
+    re.S | re.M,
+)
 _SCHEDULE = re.compile(r"^```yaml\n(?P<text>name: .*?)\n```$", re.S | re.M)
 
 
@@ -33,7 +37,7 @@ class Edit(NamedTuple):
 def section() -> str:
     text = (ROOT / "docs/extending.md").read_text()
     start = text.index(SECTION)
-    return text[start:text.index("\n## ", start + len(SECTION))]
+    return text[start : text.index("\n## ", start + len(SECTION))]
 
 
 def edits(text: str) -> list[Edit]:
@@ -66,8 +70,9 @@ def test_the_edits_are_read_and_anchored():
     assert len(found) == 5, f"the worked example's edits (file, before/after, anchor, block): {found}"
     assert {e.path for e in found} == {"hippie_ds/schedules/ir.py", "hippie_ds/schedules/op_rules.py", ENGINE_FILE}
     for edit in found:
-        assert anchor_line((ROOT / edit.path).read_text().splitlines(), edit) is not None, \
+        assert anchor_line((ROOT / edit.path).read_text().splitlines(), edit) is not None, (
             f"{edit.path} has no line starting {edit.anchor!r}"
+        )
     assert _SCHEDULE.search(section()), "the worked example shows a schedule file using the kind"
 
 
@@ -122,8 +127,11 @@ def test_the_worked_example_adds_an_op_kind_in_three_files(tmp_path):
     assert applied == {"hippie_ds/schedules/ir.py", "hippie_ds/schedules/op_rules.py", ENGINE_FILE}, applied
     touched = {e.path for e in found}
     assert len(touched) <= 3, f"the worked example touches {len(touched)} files: {sorted(touched)}"
-    changed = {p.relative_to(copy).as_posix() for p in (copy / "hippie_ds").rglob("*.py")
-               if p.read_text() != (ROOT / p.relative_to(copy)).read_text()}
+    changed = {
+        p.relative_to(copy).as_posix()
+        for p in (copy / "hippie_ds").rglob("*.py")
+        if p.read_text() != (ROOT / p.relative_to(copy)).read_text()
+    }
     assert changed == applied, changed
     (copy / "example.yaml").write_text(_SCHEDULE.search(text)["text"] + "\n")
     spec = yaml.safe_load((ROOT / "schedules/2bw.yaml").read_text())
@@ -131,11 +139,17 @@ def test_the_worked_example_adds_an_op_kind_in_three_files(tmp_path):
     spec["epilogue"].append({"op": "empty_cache"})
     (copy / "example-2bw.yaml").write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    run = subprocess.run([sys.executable, "-c", _CHECK, str(copy)], cwd=copy, env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _CHECK, str(copy)], cwd=copy, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     # the op table's checks on the copy, the engine's included
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/schedules/test_op_table.py"],
-                         cwd=copy,
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/schedules/test_op_table.py"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]

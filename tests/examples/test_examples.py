@@ -4,6 +4,7 @@ learns the digits with the hippie schedule on 2 stages x 2 replicas, and the dat
 (it reproduces 1f1b's losses). Plus the pure parts: the data sharding, the digits split and
 python -m tools.bench convergence's config and table. Nothing is downloaded (the digits ship with scikit-learn).
 """
+
 import json
 from pathlib import Path
 
@@ -30,8 +31,21 @@ def run_example(script, ranks, out, *args, timeout=300):
 def test_vgg_hippie_learns(tmp_path):
     """2 stages x 2 replicas, hippie with a deferred stage 0: the loss falls and the test accuracy
     is far above chance (10%) after 60 steps; metrics file and timeline picture are written."""
-    rc, log, m = run_example("train_vgg.py", 4, tmp_path, "--deepspeed_config", REPO / "configs" / "hippie.json",
-                             "--stages", 2, "--steps", 60, "--eval-every", 30, "--lr", 2e-3)
+    rc, log, m = run_example(
+        "train_vgg.py",
+        4,
+        tmp_path,
+        "--deepspeed_config",
+        REPO / "configs" / "hippie.json",
+        "--stages",
+        2,
+        "--steps",
+        60,
+        "--eval-every",
+        30,
+        "--lr",
+        2e-3,
+    )
     assert rc == 0, log[-4000:]
     assert (m["schedule"], m["stages"], m["replicas"], m["global_batch"]) == ("hippie", 2, 2, 32)
     assert m["schedule_params"]["deferred_stages"] == [0]
@@ -81,7 +95,7 @@ def test_replica_micro_batches_partition_the_global_batch():
         rows = []
         for r in range(replicas):
             for x, y in harness.replica_micro_batches([batch], 4, micro_batches, r, replicas):
-                assert x.shape == (4, ) and torch.equal(y, x * 10)
+                assert x.shape == (4,) and torch.equal(y, x * 10)
                 rows.append(x)
         pieces[replicas] = torch.cat(rows)
         assert torch.equal(pieces[replicas], batch[0])
@@ -91,6 +105,7 @@ def test_replica_micro_batches_partition_the_global_batch():
 
 def test_digits_split_and_order():
     from tools.examples import vgg
+
     d = vgg.Digits()
     assert len(d.train[1]) + len(d.test[1]) == 1797 and len(d.test[1]) == vgg.TEST_SIZE
     assert d.train[0].shape[1:] == (1, 8, 8) and 0 <= float(d.train[0].min()) and float(d.train[0].max()) <= 1
@@ -109,12 +124,15 @@ def test_digits_split_and_order():
 
 def test_convergence_config_and_table(tmp_path):
     from tools.bench import convergence
+
     configs = REPO / "configs"
     cfg = convergence.make_config("hippie", configs, 1e-3, "decay", 400)
     assert cfg["pipeline"]["schedule"] == "hippie" and cfg["hippie"]["deferred_stages"] == "auto"
     assert cfg["optimizer"]["params"]["lr"] == 1e-3 and cfg["scheduler"]["params"]["total_num_steps"] == 400
-    assert convergence.make_config("2bw-not-shipped", configs, 1e-3, "constant", 10)["pipeline"]["schedule"] == \
-        "2bw-not-shipped"
+    assert (
+        convergence.make_config("2bw-not-shipped", configs, 1e-3, "constant", 10)["pipeline"]["schedule"]
+        == "2bw-not-shipped"
+    )
     assert "scheduler" not in convergence.make_config("dp", configs, 1e-3, "constant", 10)
     assert cfg["gradient_clipping"] == 1.0  # the config's
     assert convergence.make_config("1f1b", configs, 1e-3, "decay", 10, "0")["gradient_clipping"] == 0.0
@@ -122,9 +140,17 @@ def test_convergence_config_and_table(tmp_path):
     assert muon["optimizer"]["type"] == "Muon" and muon["optimizer"]["params"]["muon_lr"] == 0.02
     assert muon["optimizer"]["params"]["adam_lr"] == 1e-3
     assert muon["scheduler"]["params"]["warmup_max_lr"] == [0.02, 1e-3]  # DeepSpeed's Muon half, then AdamW half
-    run = {"final": {"loss": 1.0, "accuracy": 0.9}, "steps": 10, "mode": "data-parallel", "replicas": 4, "stages": 1,
-           "global_batch": 32, "seed": 0, "train_loss": [2.0, 1.0], "eval": [{"step": 10, "loss": 1.0,
-                                                                              "accuracy": 0.9}]}
+    run = {
+        "final": {"loss": 1.0, "accuracy": 0.9},
+        "steps": 10,
+        "mode": "data-parallel",
+        "replicas": 4,
+        "stages": 1,
+        "global_batch": 32,
+        "seed": 0,
+        "train_loss": [2.0, 1.0],
+        "eval": [{"step": 10, "loss": 1.0, "accuracy": 0.9}],
+    }
     other = {**run, "final": {"loss": 1.02, "accuracy": 0.897}, "mode": "pipeline", "replicas": 2, "stages": 2}
     results = convergence.summarize({"vgg": {"dp": [run], "hippie": [other]}})
     row = results["vgg"]["runs"]["hippie"]
@@ -148,10 +174,14 @@ def test_gpt_example_gives_muon_its_hidden_matrices_only():
     import deepspeed
 
     from tools.examples import gpt
+
     model = torch.nn.Sequential(*[spec.build() for spec in gpt.layer_specs(vocab=50)])  # names as PipelineModule's
     deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
     adamw = {n for n, p in model.named_parameters() if not p.use_muon}
     assert {"0.embed.weight", "0.pos_embed", "5.lm_head.weight"} <= adamw
-    assert all(p.ndim == 1 for n, p in model.named_parameters() if n in adamw - {"0.embed.weight", "0.pos_embed",
-                                                                               "5.lm_head.weight"})
+    assert all(
+        p.ndim == 1
+        for n, p in model.named_parameters()
+        if n in adamw - {"0.embed.weight", "0.pos_embed", "5.lm_head.weight"}
+    )
     assert {n for n, p in model.named_parameters() if p.use_muon} >= {"1.mlp.0.weight", "4.attn.out_proj.weight"}

@@ -9,6 +9,7 @@ Test-only: nothing under hippie_ds/ or tools/ imports it. The pytest process dec
 the stock DeepSpeed reference and hippie-ds get the same accelerator: each fp16 comparison still
 compares like with like. ``sitecustomize.py`` beside this file applies it in those processes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ ACCELERATOR_MODULE = "deepspeed.accelerator.cpu_accelerator"
 def forced_mkldnn(is_mkldnn_fp16_supported=None):
     """Inside: torch's ``torch.ops.mkldnn._is_mkldnn_fp16_supported`` is the callable given (None: torch's own)."""
     import torch
+
     if is_mkldnn_fp16_supported is None:
         yield
         return
@@ -43,6 +45,7 @@ def accepts_fp16(is_mkldnn_fp16_supported=None) -> bool:
     """What DeepSpeed's CPU accelerator answers, by its own code (``CPU_Accelerator.is_fp16_supported``
     unpatched): the mkldnn answer, taken from torch unless given (a callable, to force it)."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
     original = getattr(CPU_Accelerator.is_fp16_supported, "__wrapped__", CPU_Accelerator.is_fp16_supported)
     with forced_mkldnn(is_mkldnn_fp16_supported):
         return bool(original(object.__new__(CPU_Accelerator)))
@@ -52,6 +55,7 @@ def torch_computes_fp16() -> str | None:
     """None when torch runs the fp16 ops the tests' models use (Linear, Embedding, LayerNorm, GELU,
     softmax, forward and backward) on this CPU; else why not."""
     import torch
+
     try:
         torch.manual_seed(0)
         emb = torch.nn.Embedding(8, 4).half()
@@ -70,6 +74,7 @@ def torch_computes_fp16() -> str | None:
 class Decision:
     """How the suite runs fp16 on this machine: ``switch`` on (DeepSpeed would refuse fp16 and torch
     computes it), ``skip`` (a reason: fp16 cannot run at all), or neither (DeepSpeed accepts fp16)."""
+
     deepspeed_accepts: bool
     switch: bool
     skip: str | None

@@ -1,6 +1,7 @@
 """Profile -> plan -> train: the profiler's measurements, the plan driving a real 2-rank
 DeepSpeed job (stage boundaries and per-layer re-computation), and the planner's predicted
 activation memory against the bytes the job actually held for backward."""
+
 import json
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def test_profile_measures_what_a_sequential_run_holds(profile):
 
 def test_profile_target_errors(tmp_path):
     from hippie_ds.planner.profile import ProfileError
+
     with pytest.raises(ProfileError, match="expected module:function"):
         load_target("plan_model")
     with pytest.raises(ProfileError, match="has no function 'nope'"):
@@ -71,23 +73,32 @@ def _even_times(profile):
     input once; the meter counts the clone, so where the first layer does not save its input (a
     cut after layer 6: Tanh saves its output) it misses the buffer (827392 B measured, 1052672 B
     predicted), and where the first layer does save it, both miss the second copy."""
-    return profile.model_copy(update={"layers": [x.model_copy(update={"forward": 1e-3, "backward": 2e-3})
-                                                 for x in profile.layers]})
+    return profile.model_copy(
+        update={"layers": [x.model_copy(update={"forward": 1e-3, "backward": 2e-3}) for x in profile.layers]}
+    )
 
 
 def _plans(profile, tmp_path):
     profile = _even_times(profile)
     cluster = parse_cluster(CLUSTER)
-    kw = dict(objective="throughput", depths=[2], micro_batch_sizes=[plan_model.MICRO_BATCH_SIZE],
-              schedules=["gpipe"], baselines=False)
+    kw = dict(
+        objective="throughput",
+        depths=[2],
+        micro_batch_sizes=[plan_model.MICRO_BATCH_SIZE],
+        schedules=["gpipe"],
+        baselines=False,
+    )
     plain = make_plan(profile, cluster, GLOBAL_BATCH, **kw)
     recompute = make_plan(profile, cluster, GLOBAL_BATCH, memory_cap=plain.prediction.memory_max * 0.95, **kw)
     assert not plain.checkpointed_layers and recompute.checkpointed_layers
     out = []
     for name, plan in (("plain", plain), ("recompute", recompute)):
         save_plan(plan, tmp_path / f"{name}.json")
-        cfg = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "steps_per_print": 10_000,
-               "hippie": {"plan": f"{name}.json"}}  # relative to the config file
+        cfg = {
+            "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+            "steps_per_print": 10_000,
+            "hippie": {"plan": f"{name}.json"},
+        }  # relative to the config file
         (tmp_path / f"{name}-config.json").write_text(json.dumps(cfg))
         out.append((plan, tmp_path / f"{name}-config.json"))
     return out
@@ -101,9 +112,16 @@ def predicted_activations(profile, plan, stage):
     if not layers[b - 1].output_saved:
         stage_input += layers[b - 1].output_bytes  # the engine holds the stage output
     outs = [x.output_bytes if x.output_saved else 0.0 for x in layers[a:b]]
-    ins = [0.0] + [0.0 if x.output_saved else x.output_bytes for x in layers[a:b - 1]]
-    pred = activations_of(plan.checkpointed_layers, a, [x.saved for x in layers[a:b]], stage_input,
-                          plan.stages[stage].in_flight, outs, ins)
+    ins = [0.0] + [0.0 if x.output_saved else x.output_bytes for x in layers[a : b - 1]]
+    pred = activations_of(
+        plan.checkpointed_layers,
+        a,
+        [x.saved for x in layers[a:b]],
+        stage_input,
+        plan.stages[stage].in_flight,
+        outs,
+        ins,
+    )
     assert plan.stages[stage].activation_memory == pytest.approx(pred)
     return pred
 
@@ -113,8 +131,9 @@ def test_plan_drives_training_and_predicts_activation_memory(profile, tmp_path):
     plans = _plans(profile, tmp_path)
     out = tmp_path / "run"
     out.mkdir()
-    code, log, seconds = launch(2, out, "--configs", ",".join(str(c) for _, c in plans), "--steps", "2",
-                                worker=WORKER, timeout=900)
+    code, log, seconds = launch(
+        2, out, "--configs", ",".join(str(c) for _, c in plans), "--steps", "2", worker=WORKER, timeout=900
+    )
     assert code == 0, log[-3000:]
     results, checks = {}, []
     for i, (plan, _) in enumerate(plans):
@@ -125,9 +144,11 @@ def test_plan_drives_training_and_predicts_activation_memory(profile, tmp_path):
             assert r["micro_batches"] == plan.micro_batches and r["schedule"] == plan.schedule
             pred = predicted_activations(profile, plan, r["stage"])
             measured = max(r["peaks"])
-            print(f"plan {i} {plan.boundaries} stage {r['stage']}, {plan.stages[r['stage']].in_flight} in flight: "
-                  f"measured {measured} B, predicted {pred:.0f} B ({measured / pred - 1:+.1%}); "
-                  f"checkpointed {plan.checkpointed_layers}")
+            print(
+                f"plan {i} {plan.boundaries} stage {r['stage']}, {plan.stages[r['stage']].in_flight} in flight: "
+                f"measured {measured} B, predicted {pred:.0f} B ({measured / pred - 1:+.1%}); "
+                f"checkpointed {plan.checkpointed_layers}"
+            )
             results[(i, rank)] = r
             checks.append((measured, pred))
     for measured, pred in checks:
@@ -162,6 +183,7 @@ def test_plan_for_another_model_or_job_is_refused(profile, tmp_path):
     with pytest.raises(PlanMismatchError, match="10 layers; this model has 9"):
         check_plan(plan, specs[:-1], world_size=2, num_stages=None)
     from deepspeed.pipe import LayerSpec
+
     wider = specs[:-1] + [LayerSpec(torch.nn.Linear, plan_model.WIDTH, 8)]
     with pytest.raises(PlanMismatchError, match="another model"):
         check_plan(plan, wider, world_size=2, num_stages=None)
@@ -185,11 +207,40 @@ def test_recompute_runs():
 
 def test_profile_cli_writes_a_profile_the_planner_reads(tmp_path):
     from hippie_ds.cli import main
+
     path = tmp_path / "p.yaml"
-    assert main(["profile", f"{Path(plan_model.__file__)}:profile_target", "--out", str(path), "--repeats", "2",
-                 "--warmup", "0", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                f"{Path(plan_model.__file__)}:profile_target",
+                "--out",
+                str(path),
+                "--repeats",
+                "2",
+                "--warmup",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     prof = load_profile(path)
     assert prof.num_layers == 10 and prof.model == "plan-mlp"
-    assert main(["plan", "--profile", str(path), "--cluster", CLUSTER, "--global-batch", "256",
-                 "--out", str(tmp_path / "plan.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(path),
+                "--cluster",
+                CLUSTER,
+                "--global-batch",
+                "256",
+                "--out",
+                str(tmp_path / "plan.json"),
+            ]
+        )
+        == 0
+    )
     assert main(["profile", "nope"]) == 2

@@ -1,11 +1,21 @@
 """The planner (hippie_ds.planner): plans and their file format, the search and its objectives, what
 the planner asks a schedule, zero-bubble estimates, the CLI. Pure Python. Its inputs: test_planner_inputs.py."""
+
 import json
 
 import pytest
 
-from hippie_ds.planner import (Cluster, PlanMismatchError, PlannerError, load_plan, make_plan, parse_cluster,
-                               save_plan, save_profile, synthetic_profile)
+from hippie_ds.planner import (
+    Cluster,
+    PlanMismatchError,
+    PlannerError,
+    load_plan,
+    make_plan,
+    parse_cluster,
+    save_plan,
+    save_profile,
+    synthetic_profile,
+)
 from hippie_ds.planner import partition as part
 from cli_run import run
 from planner_fixtures import PROFILES, V100_CLUSTER, need_profiles
@@ -13,6 +23,7 @@ from planner_fixtures import PROFILES, V100_CLUSTER, need_profiles
 
 # ---------------------------------------------------------------------------------------------
 # Plans
+
 
 @need_profiles
 def test_vgg_plan_on_16_v100s(vgg_plan, vgg):
@@ -28,7 +39,8 @@ def test_vgg_plan_on_16_v100s(vgg_plan, vgg):
     # The plan's stages use the optimal bottleneck partition.
     work = [x.forward + x.backward for x in vgg.layers]
     assert max(part.stage_sums(work, plan.boundaries)) == pytest.approx(
-        part.min_bottleneck(work, plan.pipeline_depth)[1])
+        part.min_bottleneck(work, plan.pipeline_depth)[1]
+    )
     summary = plan.summary()
     assert "plan for vgg16" in summary and "gpipe+dp" in summary and "ME =" in summary
 
@@ -86,9 +98,11 @@ def test_plan_memory_agrees_with_the_simulator(vgg, vgg_plan):
         k = next(k for k in range(lay.rec[s].options) if lay.rec[s].layers(k) == st.checkpointed)
         ks.append(k)
     from hippie_ds.planner.sim_costs import _costs
+
     costs = _costs(model, lay, vgg_plan.micro_batch_size, ks)
-    compiled = compile_schedule(vgg_plan.schedule, vgg_plan.pipeline_depth, vgg_plan.micro_batches,
-                                **vgg_plan.schedule_params)
+    compiled = compile_schedule(
+        vgg_plan.schedule, vgg_plan.pipeline_depth, vgg_plan.micro_batches, **vgg_plan.schedule_params
+    )
     delayed = {st.stage: st.deferred_layers for st in vgg_plan.stages if st.deferred}  # the plan's "auto" choice
     res = simulate(compiled, costs, iterations=3, critical_path=False, deferred_layers=delayed)
     assert [p["peak_activation_microbatches"] for p in res.per_stage] == [st.in_flight for st in vgg_plan.stages]
@@ -108,7 +122,7 @@ def test_analytic_deferral_rule_matches_the_simulators():
         for schedule in ("hippie", "hippie-1f1b"):
             ks = [0] * K
             step, deferred = model.step_time(lay, schedule, b / 8, M, ks)
-            sim = evaluate.simulate_configuration(model, lay, b, M, schedule, ks, deferred, auto_limit=10 ** 9)
+            sim = evaluate.simulate_configuration(model, lay, b, M, schedule, ks, deferred, auto_limit=10**9)
             assert sim.deferred == deferred
             assert step == pytest.approx(sim.step, rel=0.25)
 
@@ -128,11 +142,28 @@ def test_throughput_objective_respects_the_memory_cap():
 def test_recompute_is_chosen_when_memory_is_tight():
     profile = synthetic_profile(30, seed=6, batch_size=16, act_scale=5e8)
     cluster = parse_cluster("1x4,200GB,100Gbit")
-    loose = make_plan(profile, cluster, 64, objective="throughput", depths=[4], micro_batch_sizes=[16],
-                      schedules=["gpipe"], baselines=False)
+    loose = make_plan(
+        profile,
+        cluster,
+        64,
+        objective="throughput",
+        depths=[4],
+        micro_batch_sizes=[16],
+        schedules=["gpipe"],
+        baselines=False,
+    )
     tight_cap = loose.prediction.memory_max * 0.5
-    tight = make_plan(profile, cluster, 64, objective="throughput", depths=[4], micro_batch_sizes=[16],
-                      schedules=["gpipe"], memory_cap=tight_cap, baselines=False)
+    tight = make_plan(
+        profile,
+        cluster,
+        64,
+        objective="throughput",
+        depths=[4],
+        micro_batch_sizes=[16],
+        schedules=["gpipe"],
+        memory_cap=tight_cap,
+        baselines=False,
+    )
     assert not loose.checkpointed_layers and tight.checkpointed_layers
     assert tight.prediction.memory_max <= tight_cap
     assert tight.prediction.step_time >= loose.prediction.step_time
@@ -158,8 +189,9 @@ def test_bad_plan_requests():
 def test_large_instance_plans():
     """The benchmark's shape (`tools/bench.py planner` reports the time; not timed here)."""
     profile = synthetic_profile(1000, seed=1)
-    cluster = Cluster(nodes=64, devices_per_node=16, device_memory=80e9, inter_node_bandwidth=25e9,
-                      intra_node_bandwidth=300e9)
+    cluster = Cluster(
+        nodes=64, devices_per_node=16, device_memory=80e9, inter_node_bandwidth=25e9, intra_node_bandwidth=300e9
+    )
     plan = make_plan(profile, cluster, 8192)
     assert plan.world_size == 1024 and plan.prediction.fits
     assert any(b.skipped for b in plan.baselines)  # the O(N^2 K) baselines are too large here
@@ -167,6 +199,7 @@ def test_large_instance_plans():
 
 # ---------------------------------------------------------------------------------------------
 # Command line
+
 
 @pytest.mark.parametrize("argv", [["plan", "--help"], ["profile-import", "--help"]])
 def test_cli_help(capsys, argv):
@@ -180,27 +213,57 @@ def test_cli_plan_and_import(capsys, tmp_path):
     code, out, err = run(capsys, "profile-import", "--profile", PROFILES / "gnmt.txt", "--out", out_file)
     assert code == 0 and "48 layers at batch 32" in out
     plan_file = tmp_path / "plan.json"
-    code, out, err = run(capsys, "plan", "--profile", out_file, "--cluster", V100_CLUSTER, "--global-batch", 512,
-                         "--schedules", "1f1b,hippie", "--out", plan_file)
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--profile",
+        out_file,
+        "--cluster",
+        V100_CLUSTER,
+        "--global-batch",
+        512,
+        "--schedules",
+        "1f1b,hippie",
+        "--out",
+        plan_file,
+    )
     assert code == 0, err
     assert "plan for gnmt" in out and "dp" in out and f"wrote {plan_file}" in out
     plan = load_plan(plan_file)
     assert plan.schedule in ("1f1b", "hippie") and plan.model == "gnmt"
-    code, out, _ = run(capsys, "plan", "--profile", PROFILES / "gnmt.txt", "--cluster", V100_CLUSTER,
-                       "--global-batch", 512, "--no-baselines", "--json", "--objective", "throughput",
-                       "--memory-cap", "8GB", "--staleness-price", "0")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--profile",
+        PROFILES / "gnmt.txt",
+        "--cluster",
+        V100_CLUSTER,
+        "--global-batch",
+        512,
+        "--no-baselines",
+        "--json",
+        "--objective",
+        "throughput",
+        "--memory-cap",
+        "8GB",
+        "--staleness-price",
+        "0",
+    )
     assert code == 0 and json.loads(out)["memory_cap"] == 8e9
     assert json.loads(out)["assumptions"]["staleness_price"] == 0.0
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--cluster", "4x4"], "missing device memory"),
-    (["--schedules", "zb"], "--schedules 'zb'"),
-    (["--memory-cap", "lots"], "--memory-cap 'lots'"),
-    (["--stages", "3"], "do(es) not divide"),
-    (["--cluster", "1x1,1MB,1Gbit"], "does not fit"),
-    (["--staleness-price", "-1"], "--staleness-price -1.0: must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--cluster", "4x4"], "missing device memory"),
+        (["--schedules", "zb"], "--schedules 'zb'"),
+        (["--memory-cap", "lots"], "--memory-cap 'lots'"),
+        (["--stages", "3"], "do(es) not divide"),
+        (["--cluster", "1x1,1MB,1Gbit"], "does not fit"),
+        (["--staleness-price", "-1"], "--staleness-price -1.0: must be a number >= 0"),
+    ],
+)
 def test_cli_plan_errors(capsys, tmp_path, extra, message):
     profile = tmp_path / "p.yaml"
     save_profile(synthetic_profile(8, seed=1), profile)
@@ -216,8 +279,9 @@ def test_cli_bad_profile(capsys, tmp_path):
     bad.write_text("node1 -- Conv\n")
     code, _, err = run(capsys, "plan", "--profile", bad, "--cluster", V100_CLUSTER, "--global-batch", 16)
     assert code == 2 and f"{bad}:1" in err
-    code, _, err = run(capsys, "plan", "--profile", tmp_path / "nope.txt", "--cluster", V100_CLUSTER,
-                       "--global-batch", 16)
+    code, _, err = run(
+        capsys, "plan", "--profile", tmp_path / "nope.txt", "--cluster", V100_CLUSTER, "--global-batch", 16
+    )
     assert code == 2 and "no such file" in err
 
 
@@ -226,6 +290,7 @@ def test_objective_registry():
     device picks a configuration holding no more than the throughput plan's; unknown names
     are refused with the registered ones listed."""
     from hippie_ds.planner import OBJECTIVES, register_objective
+
     profile = synthetic_profile(24, seed=2, batch_size=8)
     cluster = parse_cluster("2x4,16GB,10Gbit")
     register_objective("least-memory", lambda f: -f.memory)

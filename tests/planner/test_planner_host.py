@@ -1,6 +1,7 @@
 """The host's CPU per instruction in the planner (hippie_ds/planner/host.py): fitted from samples,
 scaled, applied as a floor on every instruction, and a plan whose micro-batches the host cannot feed
 is not chosen. Pure: no processes."""
+
 import pytest
 
 from hippie_ds.planner import Cluster, make_plan, synthetic_profile
@@ -8,13 +9,24 @@ from hippie_ds.planner.host import HostCost, KindCost, Sample, fit_host_cost, ho
 
 
 def _cluster(host=None):
-    return Cluster(nodes=2, devices_per_node=4, device_memory=64e9, inter_node_bandwidth=12.5e9,
-                   intra_node_bandwidth=100e9, host=host)
+    return Cluster(
+        nodes=2,
+        devices_per_node=4,
+        device_memory=64e9,
+        inter_node_bandwidth=12.5e9,
+        intra_node_bandwidth=100e9,
+        host=host,
+    )
 
 
 def test_fit_recovers_fixed_and_per_layer_terms():
-    truth = HostCost(forward=KindCost(fixed=2e-3, per_layer=5e-4), backward=KindCost(fixed=3e-3, per_layer=1e-3),
-                     recompute_per_layer=4e-4, p2p=KindCost(fixed=1e-3), step=KindCost(fixed=1e-3, per_layer=2e-4))
+    truth = HostCost(
+        forward=KindCost(fixed=2e-3, per_layer=5e-4),
+        backward=KindCost(fixed=3e-3, per_layer=1e-3),
+        recompute_per_layer=4e-4,
+        p2p=KindCost(fixed=1e-3),
+        step=KindCost(fixed=1e-3, per_layer=2e-4),
+    )
     samples = []
     for layers, rec in ((3, 0), (7, 0), (12, 0), (7, 7), (12, 5)):
         samples.append(Sample("forward", layers, 0, 10, 10 * truth.forward_s(layers)))
@@ -47,9 +59,19 @@ def test_scaled_and_kinds():
 def test_cluster_file_carries_the_host(tmp_path):
     from hippie_ds.planner import parse_cluster
     import json
+
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"nodes": 2, "devices_per_node": 4, "device_memory": 1e9,
-                                "inter_node_bandwidth": 1e9, "host": {"forward": {"fixed": 0.01}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "nodes": 2,
+                "devices_per_node": 4,
+                "device_memory": 1e9,
+                "inter_node_bandwidth": 1e9,
+                "host": {"forward": {"fixed": 0.01}},
+            }
+        )
+    )
     c = parse_cluster(str(path))
     assert c.host.forward.fixed == 0.01 and c.message_latency == 0.0
     assert "host per forward" in c.describe()

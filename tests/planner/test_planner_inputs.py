@@ -1,6 +1,7 @@
 """The planner's inputs (hippie_ds.planner): profiles (PipeDream graph.txt and hippie-ds files), clusters,
 partitions and PipeDream's DP with its reference plans, re-computation. Pure Python except the
 DeepSpeed cross-checks of the partition baselines."""
+
 import itertools
 import json
 import math
@@ -8,9 +9,16 @@ import random
 
 import pytest
 
-from hippie_ds.planner import (Cluster, ClusterError, ProfileError, load_profile, parse_cluster, read_pipedream,
-                               save_profile,
-                               synthetic_profile)
+from hippie_ds.planner import (
+    Cluster,
+    ClusterError,
+    ProfileError,
+    load_profile,
+    parse_cluster,
+    read_pipedream,
+    save_profile,
+    synthetic_profile,
+)
 from hippie_ds.planner import partition as part
 from hippie_ds.planner.pipedream import antichain_states, pipedream_optimizer
 from hippie_ds.planner.pipedream_profile import parse_pipedream_graph
@@ -20,9 +28,12 @@ from planner_fixtures import PROFILES, V100_CLUSTER, need_profiles
 # ---------------------------------------------------------------------------------------------
 # Profiles
 
+
 @need_profiles
-@pytest.mark.parametrize("name, layers, batch, total_ms", [("vgg16", 41, 128, 672.535), ("gnmt", 48, 32, 89.416),
-                                                          ("gnmt_large", 96, 128, 520.453)])
+@pytest.mark.parametrize(
+    "name, layers, batch, total_ms",
+    [("vgg16", 41, 128, 672.535), ("gnmt", 48, 32, 89.416), ("gnmt_large", 96, 128, 520.453)],
+)
 def test_read_pipedream(name, layers, batch, total_ms):
     profile = read_pipedream(PROFILES / f"{name}.txt")
     assert profile.num_layers == layers and profile.batch_size == batch and profile.model == name
@@ -71,8 +82,9 @@ def test_profile_round_trip_and_fingerprint(tmp_path, gnmt):
         again = load_profile(path)
         assert again == gnmt
         assert again.fingerprint() == gnmt.fingerprint()
-    other = gnmt.model_copy(update={"layers": gnmt.layers[:-1] + [gnmt.layers[-1].model_copy(
-        update={"param_bytes": 1.0})]})
+    other = gnmt.model_copy(
+        update={"layers": gnmt.layers[:-1] + [gnmt.layers[-1].model_copy(update={"param_bytes": 1.0})]}
+    )
     assert other.fingerprint() != gnmt.fingerprint()
     # Times and activations scale with the micro-batch, parameters do not; the model is the same.
     half = gnmt.scaled(16)
@@ -82,25 +94,38 @@ def test_profile_round_trip_and_fingerprint(tmp_path, gnmt):
 
 def test_hippie_profile_defaults(tmp_path):
     path = tmp_path / "m.yaml"
-    path.write_text("model: m\nbatch_size: 4\nlayers:\n  - {name: a, forward: 1, backward: 2, output_bytes: 10}\n"
-                    "  - {name: b, forward: 1, backward: 2, output_bytes: 20, saved_bytes: 5, recompute: 0.5}\n")
+    path.write_text(
+        "model: m\nbatch_size: 4\nlayers:\n  - {name: a, forward: 1, backward: 2, output_bytes: 10}\n"
+        "  - {name: b, forward: 1, backward: 2, output_bytes: 20, saved_bytes: 5, recompute: 0.5}\n"
+    )
     p = load_profile(path)
     assert p.cuts() == [10] and p.inputs() == [0.0, 10]
     assert [x.saved for x in p.layers] == [10, 5] and [x.recompute_time for x in p.layers] == [1, 0.5]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("node1 -- Conv -- forward_compute_time=1.0\n", "missing backward_compute_time"),
-    ("node1 -- Conv\n", "expected 'nodeN -- description"),
-    ("node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=x, parameter_size=0\n",
-     "activation_size='x' is not a number"),
-    ("node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
-     "\tnode1 -- node2\n", "unknown node node2"),
-    ("node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
-     "node2 -- B -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
-     "\tnode1 -- node2\n\tnode2 -- node1\n", "cycle"),
-    ("", "no nodes"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("node1 -- Conv -- forward_compute_time=1.0\n", "missing backward_compute_time"),
+        ("node1 -- Conv\n", "expected 'nodeN -- description"),
+        (
+            "node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=x, parameter_size=0\n",
+            "activation_size='x' is not a number",
+        ),
+        (
+            "node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
+            "\tnode1 -- node2\n",
+            "unknown node node2",
+        ),
+        (
+            "node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
+            "node2 -- B -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
+            "\tnode1 -- node2\n\tnode2 -- node1\n",
+            "cycle",
+        ),
+        ("", "no nodes"),
+    ],
+)
 def test_bad_pipedream_profiles(tmp_path, text, message):
     path = tmp_path / "vgg16.txt"
     path.write_text(text)
@@ -111,12 +136,16 @@ def test_bad_pipedream_profiles(tmp_path, text, message):
 
 def test_bad_profiles_name_file_and_field(tmp_path):
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"model": "m", "batch_size": 1, "layers": [{"name": "a", "forward": -1,
-                                                                           "backward": 1}]}))
+    path.write_text(
+        json.dumps({"model": "m", "batch_size": 1, "layers": [{"name": "a", "forward": -1, "backward": 1}]})
+    )
     with pytest.raises(ProfileError, match=r"m\.json: field layers\.0\.forward"):
         load_profile(path)
-    path.write_text(json.dumps({"model": "m", "batch_size": 1, "cut_bytes": [1, 2],
-                                "layers": [{"name": "a", "forward": 1, "backward": 1}]}))
+    path.write_text(
+        json.dumps(
+            {"model": "m", "batch_size": 1, "cut_bytes": [1, 2], "layers": [{"name": "a", "forward": 1, "backward": 1}]}
+        )
+    )
     with pytest.raises(ProfileError, match="cut_bytes has 2 entries; a profile of 1 layers has 0 cuts"):
         load_profile(path)
     path.write_text("{not json")
@@ -125,8 +154,9 @@ def test_bad_profiles_name_file_and_field(tmp_path):
     with pytest.raises(ProfileError, match="does not exist"):
         load_profile(tmp_path / "missing.yaml")
     unknown = tmp_path / "mynet.txt"
-    unknown.write_text("node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, "
-                       "parameter_size=0\n")
+    unknown.write_text(
+        "node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=0\n"
+    )
     with pytest.raises(ProfileError, match="--profile-batch"):
         read_pipedream(unknown)
     assert read_pipedream(unknown, batch_size=8).batch_size == 8
@@ -135,22 +165,31 @@ def test_bad_profiles_name_file_and_field(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Clusters
 
+
 def test_parse_cluster(tmp_path):
     c = parse_cluster(V100_CLUSTER)
     assert (c.nodes, c.devices_per_node, c.devices) == (4, 4, 16)
     assert c.device_memory == 16e9 and c.inter_node_bandwidth == 12.5e9 and c.intra_node_bandwidth == 100e9
     c = parse_cluster("2x8,mem=80GiB,inter=25GB/s,intra=450GB/s,latency=5us")
-    assert c.device_memory == 80 * 2 ** 30 and c.inter_node_bandwidth == 25e9 and c.latency == pytest.approx(5e-6)
+    assert c.device_memory == 80 * 2**30 and c.inter_node_bandwidth == 25e9 and c.latency == pytest.approx(5e-6)
     path = tmp_path / "c.yaml"
     path.write_text("nodes: 2\ndevices_per_node: 4\ndevice_memory: 32GB\ninter_node_bandwidth: 100Gbit\n")
-    assert parse_cluster(str(path)) == Cluster(nodes=2, devices_per_node=4, device_memory=32e9,
-                                               inter_node_bandwidth=12.5e9)
+    assert parse_cluster(str(path)) == Cluster(
+        nodes=2, devices_per_node=4, device_memory=32e9, inter_node_bandwidth=12.5e9
+    )
 
 
-@pytest.mark.parametrize("spec, message", [("4x4", "missing device memory"), ("16GB", "must start with NODESxDEVICES"),
-                                           ("4x4,16GB,100", "cannot tell what '100' is"),
-                                           ("4x4,16GB,1Gbit,foo=2", "unknown key 'foo'"),
-                                           ("0x4,16GB,1Gbit", "nodes"), ("4x4,16GB,fastGbit", "cannot tell")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("4x4", "missing device memory"),
+        ("16GB", "must start with NODESxDEVICES"),
+        ("4x4,16GB,100", "cannot tell what '100' is"),
+        ("4x4,16GB,1Gbit,foo=2", "unknown key 'foo'"),
+        ("0x4,16GB,1Gbit", "nodes"),
+        ("4x4,16GB,fastGbit", "cannot tell"),
+    ],
+)
 def test_bad_clusters(spec, message):
     with pytest.raises(ClusterError, match=message):
         parse_cluster(spec)
@@ -158,6 +197,7 @@ def test_bad_clusters(spec, message):
 
 # ---------------------------------------------------------------------------------------------
 # Partitions
+
 
 def _instances(count, seed=0, max_n=9):
     rng = random.Random(seed)
@@ -222,10 +262,10 @@ def test_pipedream_dp_matches_its_recurrence_by_brute_force():
         res = part.pipedream_dp(compute, params, cuts, m, 4.0, combine, transfers)
         assert sum(res.replication) == m and len(res.parts) == len(res.replication) + 1
         # The reported plan achieves the reported value, which is the best of all plans.
-        assert part.pipedream_plan_time(compute, params, cuts, res.parts, res.replication, 4.0, combine,
-                                        transfers) == pytest.approx(res.time)
-        assert res.time == pytest.approx(part.pipedream_brute_force(compute, params, cuts, m, 4.0, combine,
-                                                                   transfers))
+        assert part.pipedream_plan_time(
+            compute, params, cuts, res.parts, res.replication, 4.0, combine, transfers
+        ) == pytest.approx(res.time)
+        assert res.time == pytest.approx(part.pipedream_brute_force(compute, params, cuts, m, 4.0, combine, transfers))
 
 
 def test_pipedream_uniform_is_optimal_for_its_objective():
@@ -246,6 +286,7 @@ def test_pipedream_uniform_is_optimal_for_its_objective():
                 if s:
                     v = max(v, 2 * cuts[a - 1] / (4.0 * r))
             return v
+
         assert objective(parts) == pytest.approx(value)
         best = min(objective([0, *c, n]) for c in itertools.combinations(range(1, n), k - 1))
         assert value == pytest.approx(best)
@@ -254,8 +295,9 @@ def test_pipedream_uniform_is_optimal_for_its_objective():
 # PipeDream's reference plans (profiles/README.md), quoted to 0.1 ms (GNMT-8: 0.01 ms): the
 # tolerance is half the last quoted digit.
 @need_profiles
-@pytest.mark.parametrize("name, hierarchical, stages, straight, single", [
-    ("vgg16", 43.0, 3, 235.6, 672.5), ("gnmt", 7.28, 10, 25.9, 89.4)])
+@pytest.mark.parametrize(
+    "name, hierarchical, stages, straight, single", [("vgg16", 43.0, 3, 235.6, 672.5), ("gnmt", 7.28, 10, 25.9, 89.4)]
+)
 def test_pipedream_reference_plans(name, hierarchical, stages, straight, single):
     path = PROFILES / f"{name}.txt"
     plan = pipedream_optimizer(path, [4, 4], [100e9, 12.5e9])

@@ -1,6 +1,7 @@
 """The planner's memory inputs: re-computation (the memory model and its knapsack), the loss and the
 working memory in a stage's planned memory, profiles without those fields, and the state factor
 that follows the profile's precision (planned memory against max_memory_allocated)."""
+
 import itertools
 import math
 import random
@@ -13,6 +14,7 @@ from hippie_ds.planner.recompute import StageRecompute, activations_of
 
 # ---------------------------------------------------------------------------------------------
 # Re-computation
+
 
 def test_recompute_memory_model_and_knapsack():
     rng = random.Random(3)
@@ -30,17 +32,20 @@ def test_recompute_memory_model_and_knapsack():
         for k in range(rec.options):
             layers = rec.layers(k)
             assert rec.activations(k, p) == pytest.approx(activations_of(layers, start, saved, stage_input, p))
-            assert rec_out.activations(k,
-                                       p) == pytest.approx(activations_of(layers, start, saved, stage_input, p, out,
-                                                                          ins))
+            assert rec_out.activations(k, p) == pytest.approx(
+                activations_of(layers, start, saved, stage_input, p, out, ins)
+            )
             assert rec.time(k) == pytest.approx(sum(rc[i - start] for i in layers))
             if k < len(rec.order) and rc[rec.order[k]] == 0:
                 continue  # not a breakpoint: the next layer is free, the same time buys it too
             # At its own time, a prefix of the ratio order saves the most any subset can (0/1
             # knapsack at an LP breakpoint).
-            best = max(sum(saved[i] for i in sub) for size in range(n + 1)
-                       for sub in itertools.combinations(range(n), size)
-                       if sum(rc[i] for i in sub) <= rec.time(k) + 1e-12)
+            best = max(
+                sum(saved[i] for i in sub)
+                for size in range(n + 1)
+                for sub in itertools.combinations(range(n), size)
+                if sum(rc[i] for i in sub) <= rec.time(k) + 1e-12
+            )
             assert rec.cum_saved[k] == pytest.approx(best)
         for budget in (0.0, 0.5, 2.0, math.inf):
             k = rec.choose(p, budget)
@@ -54,24 +59,65 @@ def test_recompute_memory_model_and_knapsack():
 # ---------------------------------------------------------------------------------------------
 # The loss, working memory and the state factor (planned memory vs max_memory_allocated)
 
-LOSS = {"name": "lm_loss", "forward": 5e-4, "backward": 1e-3, "backward_weight": 0.0, "output_bytes": 4.0,
-        "saved_bytes": 400.0, "input_bytes": 464.0, "working_bytes": 800.0}
+LOSS = {
+    "name": "lm_loss",
+    "forward": 5e-4,
+    "backward": 1e-3,
+    "backward_weight": 0.0,
+    "output_bytes": 4.0,
+    "saved_bytes": 400.0,
+    "input_bytes": 464.0,
+    "working_bytes": 800.0,
+}
 
 
 def _head_profile(**extra):
     """An embedding-like layer and a head: the head's output (the logits) is what the loss holds."""
     from hippie_ds.planner.profile import as_profile
-    return as_profile({"model": "m", "batch_size": 4, "layers": [
-        {"name": "a", "forward": 1e-3, "backward": 2e-3, "output_bytes": 100.0, "saved_bytes": 300.0,
-         "param_bytes": 1000.0, "working_bytes": 50.0},
-        {"name": "head", "forward": 1e-3, "backward": 2e-3, "output_bytes": 400.0, "saved_bytes": 400.0,
-         "param_bytes": 2000.0, "working_bytes": 60.0}], **extra})
+
+    return as_profile(
+        {
+            "model": "m",
+            "batch_size": 4,
+            "layers": [
+                {
+                    "name": "a",
+                    "forward": 1e-3,
+                    "backward": 2e-3,
+                    "output_bytes": 100.0,
+                    "saved_bytes": 300.0,
+                    "param_bytes": 1000.0,
+                    "working_bytes": 50.0,
+                },
+                {
+                    "name": "head",
+                    "forward": 1e-3,
+                    "backward": 2e-3,
+                    "output_bytes": 400.0,
+                    "saved_bytes": 400.0,
+                    "param_bytes": 2000.0,
+                    "working_bytes": 60.0,
+                },
+            ],
+            **extra,
+        }
+    )
 
 
 def _plan_two_stages(profile, **kw):
     from hippie_ds.planner import make_plan
-    return make_plan(profile, parse_cluster("1x2,80GB,100Gbit"), 8, objective="throughput", depths=[2],
-                     micro_batch_sizes=[4], schedules=["1f1b"], baselines=False, **kw)
+
+    return make_plan(
+        profile,
+        parse_cluster("1x2,80GB,100Gbit"),
+        8,
+        objective="throughput",
+        depths=[2],
+        micro_batch_sizes=[4],
+        schedules=["1f1b"],
+        baselines=False,
+        **kw,
+    )
 
 
 def test_planned_memory_counts_the_loss_and_the_working_memory():
@@ -108,10 +154,12 @@ def test_working_memory_estimate_without_a_measurement():
 
 def test_profile_without_the_new_fields_loads_and_plans(tmp_path):
     path = tmp_path / "old.yaml"
-    path.write_text("model: m\nbatch_size: 4\nlayers:\n"
-                    "  - {name: a, forward: 0.001, backward: 0.002, output_bytes: 100, saved_bytes: 300,"
-                    " param_bytes: 1000}\n"
-                    "  - {name: head, forward: 0.001, backward: 0.002, output_bytes: 400, param_bytes: 2000}\n")
+    path.write_text(
+        "model: m\nbatch_size: 4\nlayers:\n"
+        "  - {name: a, forward: 0.001, backward: 0.002, output_bytes: 100, saved_bytes: 300,"
+        " param_bytes: 1000}\n"
+        "  - {name: head, forward: 0.001, backward: 0.002, output_bytes: 400, param_bytes: 2000}\n"
+    )
     old = load_profile(path)
     assert old.loss is None and old.param_dtype is None and old.state_factor() == 4.0
     assert old.loss_working() == 0.0 and old.working() == [1100, 2500]
@@ -132,25 +180,49 @@ def test_loss_and_precision_round_trip_and_scale(tmp_path):
     assert profile.total_time() == pytest.approx(4 * 3e-3 / 2 + 1.5e-3)  # the loss counts
     with pytest.raises(ProfileError, match="param_dtype"):
         from hippie_ds.planner.profile import profile_from_dict
+
         profile_from_dict({**profile.model_dump(exclude_none=True), "param_dtype": "int8"})
 
 
-@pytest.mark.parametrize("dtype, bytes_dtype, factor", [
-    (None, None, 4.0), ("float32", None, 4.0), ("float32", "float32", 4.0),
-    ("bfloat16", "float32", 4.5),   # in place: fp32-sized param bytes, BF16_Optimizer's 18 bytes a parameter
-    ("bfloat16", None, 9.0), ("float16", "float16", 9.0)])
+@pytest.mark.parametrize(
+    "dtype, bytes_dtype, factor",
+    [
+        (None, None, 4.0),
+        ("float32", None, 4.0),
+        ("float32", "float32", 4.0),
+        ("bfloat16", "float32", 4.5),  # in place: fp32-sized param bytes, BF16_Optimizer's 18 bytes a parameter
+        ("bfloat16", None, 9.0),
+        ("float16", "float16", 9.0),
+    ],
+)
 def test_state_factor_follows_the_profile_precision(tmp_path, dtype, bytes_dtype, factor):
     from hippie_ds.cli import main
     from hippie_ds.planner import load_plan
+
     profile = _head_profile(param_dtype=dtype, param_bytes_dtype=bytes_dtype)
     assert profile.state_factor() == factor
     plan = _plan_two_stages(profile)
     assert plan.assumptions["state_factor"] == factor and plan.stages[1].memory == factor * 2000 + 500 + 60
     assert _plan_two_stages(profile, state_factor=3.0).stages[1].memory == 3 * 2000 + 500 + 60  # given: it wins
     save_profile(profile, tmp_path / "p.yaml")
-    args = ["plan", "--profile", str(tmp_path / "p.yaml"), "--cluster", "1x2,80GB,100Gbit", "--global-batch", "8",
-            "--stages", "2", "--micro-batch-size", "4", "--schedules", "1f1b", "--objective", "throughput",
-            "--no-baselines"]
+    args = [
+        "plan",
+        "--profile",
+        str(tmp_path / "p.yaml"),
+        "--cluster",
+        "1x2,80GB,100Gbit",
+        "--global-batch",
+        "8",
+        "--stages",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--schedules",
+        "1f1b",
+        "--objective",
+        "throughput",
+        "--no-baselines",
+    ]
     assert main(args + ["--out", str(tmp_path / "a.json")]) == 0
     assert load_plan(tmp_path / "a.json").assumptions["state_factor"] == factor
     assert main(args + ["--state-factor", "7", "--out", str(tmp_path / "b.json")]) == 0

@@ -1,6 +1,7 @@
 """The planner asks the schedule: every one-part built-in is plannable through its traits (asynchronous
 ones too), deep pipelines extrapolate by distance from the last stage, zb-h1 chosen where the bubble
 dominates, the split backward's estimate, deferred layers and the priced staleness in hippie plans."""
+
 import math
 
 import pytest
@@ -19,6 +20,7 @@ def test_the_planner_asks_the_schedule(name):
     in-flight counts, hippie's fused last stage, 2bw's two weight versions) and, above the probe
     size, the linear extrapolation equals a full compile."""
     from hippie_ds.planner.traits import _compiled_traits, schedule_traits
+
     for K in (2, 4):
         for M in (K, 2 * K + 5, 2 * K + 9):
             t = schedule_traits(name, K, M)
@@ -56,6 +58,7 @@ def test_asynchronous_schedules_are_plannable():
 @pytest.mark.parametrize("name", ONE_PART)
 def test_deep_pipelines_extrapolate_by_distance_from_the_last_stage(name, monkeypatch):
     from hippie_ds.planner import traits
+
     monkeypatch.setattr(traits, "DEPTH_PROBE", 6)
     traits.schedule_traits.cache_clear()
     try:
@@ -68,13 +71,24 @@ def test_deep_pipelines_extrapolate_by_distance_from_the_last_stage(name, monkey
 # ---------------------------------------------------------------------------------------------
 # Split backward (zero-bubble: zb-h1)
 
+
 def _head_heavy_profile():
     """Equal layers, W half the backward; the last layers' activations are large, so a schedule
     holding K micro-batches on the last stages (zb-h1) needs far more memory there than 1F1B's."""
     from hippie_ds.planner import LayerProfile
-    layers = [LayerProfile(name=f"l{i}", forward=1e-3, backward=2e-3, backward_weight=1e-3,
-                           output_bytes=1e9 if i >= 23 else 1e7, saved_bytes=2e9 if i >= 23 else 2e7, param_bytes=1e8)
-              for i in range(32)]
+
+    layers = [
+        LayerProfile(
+            name=f"l{i}",
+            forward=1e-3,
+            backward=2e-3,
+            backward_weight=1e-3,
+            output_bytes=1e9 if i >= 23 else 1e7,
+            saved_bytes=2e9 if i >= 23 else 2e7,
+            param_bytes=1e8,
+        )
+        for i in range(32)
+    ]
     return Profile(model="head-heavy", batch_size=8, layers=layers)
 
 
@@ -123,7 +137,7 @@ def test_split_backward_estimate_is_a_lower_bound_close_to_the_simulator():
             M = 64 // (8 // K) // b
             for ks in ([0] * K, [lay.rec[s].options - 1 for s in range(K)]):
                 step, deferred = model.step_time(lay, "zb-h1", b / 8, M, ks)
-                sim = evaluate.simulate_configuration(model, lay, b, M, "zb-h1", ks, deferred, auto_limit=10 ** 9)
+                sim = evaluate.simulate_configuration(model, lay, b, M, "zb-h1", ks, deferred, auto_limit=10**9)
                 assert step <= sim.step * (1 + 1e-9) and step == pytest.approx(sim.step, rel=0.25), (spec, K, ks)
 
 
@@ -136,8 +150,9 @@ def test_hippie_plan_states_its_deferred_layers(vgg):
     assert deferred and plan.prediction.predicted_by == "simulator"
     for st in deferred:
         assert 1 <= st.deferred_layers <= st.end_layer - st.first_layer and 0 < st.delayed_share <= 1
-    assert plan.deepspeed_config()["hippie"]["deferred_layers"] == {str(st.stage): st.deferred_layers
-                                                                    for st in deferred}
+    assert plan.deepspeed_config()["hippie"]["deferred_layers"] == {
+        str(st.stage): st.deferred_layers for st in deferred
+    }
     assert f"layers, {deferred[0].delayed_share:.0%}" in plan.summary()
 
 
@@ -147,10 +162,14 @@ def test_plan_prices_staleness_and_records_the_price(vgg):
     ``staleness_price``: priced at 0 it delays more of the gradient for a shorter step than at the
     default 0.5, and a high price delays less; the plan records the price it used and its source."""
     from hippie_ds.planner import make_plan, parse_cluster
+
     cluster = parse_cluster(V100_CLUSTER)
-    plans = {price: make_plan(vgg, cluster, 2048, schedules=["hippie"], baselines=False, staleness_price=price,
-                              objective="time-to-loss")
-             for price in (None, 0.0, 5.0)}
+    plans = {
+        price: make_plan(
+            vgg, cluster, 2048, schedules=["hippie"], baselines=False, staleness_price=price, objective="time-to-loss"
+        )
+        for price in (None, 0.0, 5.0)
+    }
     assert all("deferred_layers_auto.md" in p.assumptions["staleness_price_source"] for p in plans.values())
     share = {price: sum(st.delayed_share * st.param_bytes for st in p.stages) for price, p in plans.items()}
     assert [p.assumptions["staleness_price"] for p in plans.values()] == [0.5, 0.0, 5.0]
@@ -172,14 +191,16 @@ def test_planner_ranks_candidates_at_their_priced_step(vgg):
     from hippie_ds.planner.model import _Model
     from hippie_ds.planner.objectives import score
     from hippie_ds.planner.plan_file import DEFAULT_STATE_FACTOR, SCHEDULES
+
     cluster = parse_cluster(V100_CLUSTER)
     chosen = make_plan(vgg, cluster, 2048, baselines=False, objective="time-to-loss")
     model = _Model(vgg, cluster, 2048, DEFAULT_STATE_FACTOR, "mean", cluster.device_memory)
     found = planner._search(model, SCHEDULES, "time-to-loss", None, None, max(1, vgg.batch_size // 16), keep=4)
     priced, whole_stage = [], []
     for cand in found.best:
-        est = simulate_configuration(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred,
-                                     auto_limit=4096)
+        est = simulate_configuration(
+            model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, cand.est.deferred, auto_limit=4096
+        )
         whole_stage.append((score("time-to-loss", *model.figures(est.step, est.memory)), cand))
         est, _ = deferred_layers(model, cand.lay, cand.b, cand.M, cand.schedule, cand.ks, est, 0.5, "time-to-loss")
         priced.append((score("time-to-loss", *model.figures(est.step, est.memory), est.steps_factor), cand))

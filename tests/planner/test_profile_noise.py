@@ -4,6 +4,7 @@ a profile gives when its identical layers disagree by more than 25%, when writte
 profile``) and when planned from (``hippie-ds plan``), old profiles included. Pure (hippie_ds.planner.noise)
 and the standalone profiler in this process; the job profiling itself in place:
 ``tests/real_clients/test_real_clients.py::test_the_job_profiles_itself_in_place_for_the_planner``."""
+
 import time
 
 import pytest
@@ -19,15 +20,29 @@ MS = 1e-3
 
 
 def _record(fw, bw, w=0.5 * MS):
-    return dict(name="Block", forward=0.0, backward=0.0, backward_weight=w, recompute=0.0, forward_runs=list(fw),
-                backward_runs=list(bw), output_bytes=8.0, param_bytes=4.0)
+    return dict(
+        name="Block",
+        forward=0.0,
+        backward=0.0,
+        backward_weight=w,
+        recompute=0.0,
+        forward_runs=list(fw),
+        backward_runs=list(bw),
+        output_bytes=8.0,
+        param_bytes=4.0,
+    )
 
 
 def test_identical_layers_share_the_pooled_median_and_keep_their_own_ratio():
     quiet = [1 * MS, 1.1 * MS, 0.9 * MS]
     busy = [3 * MS, 5.6 * MS, 2.9 * MS]  # one member measured while the machine was busy
-    records = [_record(quiet, [2 * MS] * 3), _record(busy, [6 * MS, 7 * MS, 5 * MS]), _record(quiet, [2 * MS] * 3),
-               _record(quiet, [2 * MS] * 3), dict(_record([4 * MS] * 3, [8 * MS] * 3), name="Head")]
+    records = [
+        _record(quiet, [2 * MS] * 3),
+        _record(busy, [6 * MS, 7 * MS, 5 * MS]),
+        _record(quiet, [2 * MS] * 3),
+        _record(quiet, [2 * MS] * 3),
+        dict(_record([4 * MS] * 3, [8 * MS] * 3), name="Head"),
+    ]
     out, groups = pool(records, ["k", "k", "k", "k", "head"])
     assert groups == [[0, 1, 2, 3]]
     pooled = {(r["forward"], r["backward"], r["recompute"], r["spread"]) for r in out[:4]}
@@ -58,19 +73,34 @@ def test_a_layer_with_no_input_gradient_keeps_w_equal_to_its_pooled_backward():
 
 
 def _profile(times, groups=None, ratios=None, **extra):
-    layers = [LayerProfile(name="Block", forward=t, backward=2 * t, output_bytes=8.0, param_bytes=4.0,
-                           own_ratio=None if ratios is None else ratios[i]) for i, t in enumerate(times)]
+    layers = [
+        LayerProfile(
+            name="Block",
+            forward=t,
+            backward=2 * t,
+            output_bytes=8.0,
+            param_bytes=4.0,
+            own_ratio=None if ratios is None else ratios[i],
+        )
+        for i, t in enumerate(times)
+    ]
     return Profile(model="gpt", batch_size=2, layers=layers, groups=groups, **extra)
 
 
 def test_a_noisy_profile_is_named_with_its_layers_and_the_margin():
     assert NOISE_MARGIN == 0.25
-    grouped = _profile([2 * MS] * 4, groups=[[0, 1, 2, 3]], ratios=[0.6, 1.0, 1.0, 1.9],
-                       load={"cpus": 2, "load_before": 3.5, "cpu_share": 0.6})
+    grouped = _profile(
+        [2 * MS] * 4,
+        groups=[[0, 1, 2, 3]],
+        ratios=[0.6, 1.0, 1.0, 1.9],
+        load={"cpus": 2, "load_before": 3.5, "cpu_share": 0.6},
+    )
     text = noise_warning(grouped)
-    assert text.startswith("warning: profile 'gpt' is noisy: identical layers disagree by more than 25%: layers 0, 1, "
-                           "2, 3 (Block) measured 3.6-11.4 ms forward+backward (x3.17); load average 3.50 on 2 cores, "
-                           "CPU/wall 0.60. Their times are pooled"), text
+    assert text.startswith(
+        "warning: profile 'gpt' is noisy: identical layers disagree by more than 25%: layers 0, 1, "
+        "2, 3 (Block) measured 3.6-11.4 ms forward+backward (x3.17); load average 3.50 on 2 cores, "
+        "CPU/wall 0.60. Their times are pooled"
+    ), text
     assert noise_warning(_profile([2 * MS] * 4, groups=[[0, 1, 2, 3]], ratios=[0.9, 1.0, 1.0, 1.1])) is None
     # an older profile (no groups): identical layers found by name and sizes, their own times compared
     old = _profile([1.7 * MS, 5.6 * MS, 2 * MS, 2 * MS])
@@ -80,9 +110,14 @@ def test_a_noisy_profile_is_named_with_its_layers_and_the_margin():
 
 
 def test_the_profiles_spread():
-    spread = _profile([1 * MS, 3 * MS]).model_copy(update={"layers": [
-        LayerProfile(name="a", forward=1 * MS, backward=0.0, spread=0.4),
-        LayerProfile(name="b", forward=3 * MS, backward=0.0, spread=0.0)]})
+    spread = _profile([1 * MS, 3 * MS]).model_copy(
+        update={
+            "layers": [
+                LayerProfile(name="a", forward=1 * MS, backward=0.0, spread=0.4),
+                LayerProfile(name="b", forward=3 * MS, backward=0.0, spread=0.0),
+            ]
+        }
+    )
     assert time_spread(spread) == pytest.approx(0.1)  # time-weighted
     # older: the step-weighted median of the members' distances from their median (0 at 2 ms, 0.5 at 1 and 3 ms)
     assert time_spread(_profile([1 * MS, 2 * MS, 3 * MS])) == pytest.approx(0.5)
@@ -104,8 +139,10 @@ class Block(torch.nn.Module):
 
 
 def target():
-    return [LayerSpec(Block) for _ in range(3)] + [LayerSpec(Block, delay=0.004), LayerSpec(torch.nn.Linear, 16, 4)], \
-        torch.randn(8, 16)
+    return [LayerSpec(Block) for _ in range(3)] + [
+        LayerSpec(Block, delay=0.004),
+        LayerSpec(torch.nn.Linear, 16, 4),
+    ], torch.randn(8, 16)
 
 
 def test_the_profiler_groups_identical_layers_records_the_load_and_warns_when_written(capsys, tmp_path):
@@ -129,9 +166,13 @@ def test_old_profiles_load_and_plan(capsys, tmp_path):
     """A profile written before spreads, groups, load and the job shape: it loads, plans, and its
     identical layers are still checked."""
     path = tmp_path / "old.yaml"
-    path.write_text("model: old\nbatch_size: 2\nlayers:\n"
-                    + "".join(f"- {{name: Block, forward: {t}, backward: {2 * t}, output_bytes: 8, param_bytes: 4}}\n"
-                              for t in (0.0017, 0.0056, 0.002, 0.002)))
+    path.write_text(
+        "model: old\nbatch_size: 2\nlayers:\n"
+        + "".join(
+            f"- {{name: Block, forward: {t}, backward: {2 * t}, output_bytes: 8, param_bytes: 4}}\n"
+            for t in (0.0017, 0.0056, 0.002, 0.002)
+        )
+    )
     profile = load_profile(path)
     assert profile.groups is None and profile.job is None and profile.load is None
     code, stdout, err = run(capsys, "plan", "--profile", path, "--cluster", "1x2,1GB,10Gbit", "--global-batch", 8)

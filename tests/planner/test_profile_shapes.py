@@ -3,6 +3,7 @@ parameter bytes and input and output bytes, and warns only of disagreements that
 the emulated models keep their layers' own kinds (EmulatedConv2d, EmulatedReLU, EmulatedMaxPool2d)
 while the plan's fingerprint stays the module's. Pure (hippie_ds.planner.noise) and the profiler in
 this process (a measured profile of repeated blocks still warns and pools)."""
+
 import time
 
 import pytest
@@ -19,6 +20,7 @@ def test_the_emulated_vgg16_profile_as_the_bench_builds_it_is_not_noisy():
     from hippie_ds.adapter.module.pipeline_module import model_fingerprint
     from tools.bench.emulated import emulated_specs
     from tools.bench.studies.scaling_plan import emulated_profile
+
     profile = emulated_profile("vgg16", 1e-3)
     assert profile.groups is None and noise_warning(profile) is None
     names = [x.name for x in profile.layers]
@@ -35,15 +37,23 @@ def _layer(name, t, inp, out=8.0, params=0.0):
 def test_inferred_groups_tell_layers_apart_by_their_input():
     """The issue's case: a max-pool and ReLUs under one name, no parameters, one output size; the
     max-pool's input is 4x larger (and so is its time): not one group, no warning."""
-    layers = [_layer("Emulated", 4 * MS, 32.0), _layer("Emulated", 1 * MS, 8.0), _layer("Emulated", 1.1 * MS, 8.0),
-              _layer("Emulated", 1 * MS, 8.0)]
+    layers = [
+        _layer("Emulated", 4 * MS, 32.0),
+        _layer("Emulated", 1 * MS, 8.0),
+        _layer("Emulated", 1.1 * MS, 8.0),
+        _layer("Emulated", 1 * MS, 8.0),
+    ]
     profile = Profile(model="m", batch_size=1, layers=layers)
     assert noise_warning(profile) is None
     same_input = profile.model_copy(update={"layers": [layers[0].model_copy(update={"input_bytes": 8.0})] + layers[1:]})
     assert disagreements(same_input) == [([0, 1, 2, 3], pytest.approx(3 * MS), pytest.approx(12 * MS))]
     # a first layer whose input the profile does not size (the loaded data) joins the group it matches
-    unsized = profile.model_copy(update={"layers": [layers[0].model_copy(update={"input_bytes": None})] + [
-        x.model_copy(update={"input_bytes": None}) for x in layers[1:]]})
+    unsized = profile.model_copy(
+        update={
+            "layers": [layers[0].model_copy(update={"input_bytes": None})]
+            + [x.model_copy(update={"input_bytes": None}) for x in layers[1:]]
+        }
+    )
     assert disagreements(unsized)[0][0] == [0, 1, 2, 3]
 
 
@@ -59,14 +69,25 @@ def test_only_disagreements_that_could_move_a_cut_warn():
 
 
 def _record(fw, bw):
-    return dict(name="Block", forward=0.0, backward=0.0, backward_weight=0.5 * MS, split_extra=0.1 * MS,
-                recompute=0.0, forward_runs=list(fw), backward_runs=list(bw), output_bytes=8.0, param_bytes=4.0)
+    return dict(
+        name="Block",
+        forward=0.0,
+        backward=0.0,
+        backward_weight=0.5 * MS,
+        split_extra=0.1 * MS,
+        recompute=0.0,
+        forward_runs=list(fw),
+        backward_runs=list(bw),
+        output_bytes=8.0,
+        param_bytes=4.0,
+    )
 
 
 def test_a_measured_profile_of_repeated_blocks_still_warns_and_pools():
     quiet, busy = [1 * MS, 1.1 * MS, 0.9 * MS], [3 * MS, 5.6 * MS, 2.9 * MS]
-    records, groups = pool([_record(quiet, [2 * MS] * 3), _record(busy, [6 * MS] * 3), _record(quiet, [2 * MS] * 3)],
-                           ["k", "k", "k"])
+    records, groups = pool(
+        [_record(quiet, [2 * MS] * 3), _record(busy, [6 * MS] * 3), _record(quiet, [2 * MS] * 3)], ["k", "k", "k"]
+    )
     assert groups == [[0, 1, 2]] and len({(r["forward"], r["backward"], r["split_extra"]) for r in records}) == 1
     profile = Profile(model="gpt", batch_size=2, groups=groups, layers=[LayerProfile(**r) for r in records])
     assert "layers 0, 1, 2 (Block)" in noise_warning(profile) and "pooled" in noise_warning(profile)
@@ -85,6 +106,7 @@ class Block(torch.nn.Module):
 
 def test_the_profiler_still_groups_and_warns_on_repeated_blocks():
     from hippie_ds.profiler import profile_layers
+
     layers = [LayerSpec(Block) for _ in range(3)] + [LayerSpec(Block, delay=0.004), LayerSpec(torch.nn.Linear, 16, 4)]
     profile = profile_layers(layers, torch.randn(8, 16), repeats=3, warmup=1)
     assert profile.groups == [[0, 1, 2, 3]] and profile.layers[3].own_ratio > 1.25

@@ -4,6 +4,7 @@ is charged in the input pass by the planner's analytic model and by the simulato
 a first stage whose data needs no gradient (its whole backward runs as W, one autograd call); a plan
 changes when the split costs more than the whole backward. Pure (the planner), and the profilers'
 timing of one layer in this process."""
+
 import pytest
 import torch
 
@@ -18,11 +19,29 @@ MS = 1e-3
 def _profile(extra: float | None, first_extra: float | None = None, n: int = 16) -> Profile:
     """An embedding fed token ids (no split: split_extra None) and n - 1 equal blocks whose split
     costs ``extra`` x their backward beyond it."""
-    layers = [LayerProfile(name="Embedding", forward=0.2 * MS, backward=0.4 * MS, backward_weight=0.4 * MS,
-                           split_extra=first_extra, output_bytes=1e6, param_bytes=1e7)]
-    layers += [LayerProfile(name="Block", forward=1 * MS, backward=2 * MS, backward_weight=1 * MS,
-                            split_extra=None if extra is None else extra * 2 * MS, output_bytes=1e6, param_bytes=1e7)
-               for _ in range(n - 1)]
+    layers = [
+        LayerProfile(
+            name="Embedding",
+            forward=0.2 * MS,
+            backward=0.4 * MS,
+            backward_weight=0.4 * MS,
+            split_extra=first_extra,
+            output_bytes=1e6,
+            param_bytes=1e7,
+        )
+    ]
+    layers += [
+        LayerProfile(
+            name="Block",
+            forward=1 * MS,
+            backward=2 * MS,
+            backward_weight=1 * MS,
+            split_extra=None if extra is None else extra * 2 * MS,
+            output_bytes=1e6,
+            param_bytes=1e7,
+        )
+        for _ in range(n - 1)
+    ]
     return Profile(model="blocks", batch_size=8, layers=layers)
 
 
@@ -42,6 +61,7 @@ def test_the_planner_and_the_simulator_charge_the_split_but_not_on_a_stage_fed_d
     free = pl._Model(_profile(None), cluster, 64, 4.0, "mean", cluster.device_memory)
     ks = [0] * 4
     from hippie_ds.planner.split_bounds import split_stage_times
+
     B = [2 * MS * (len(range(a, b))) for a, b in zip(lay.parts, lay.parts[1:])]
     I, W = split_stage_times(model, lay, 1.0, ks, B)
     I0, W0 = split_stage_times(free, free.layout(4, lay.parts), 1.0, ks, B)
@@ -52,13 +72,16 @@ def test_the_planner_and_the_simulator_charge_the_split_but_not_on_a_stage_fed_d
     assert [s.input_time for s in sim[1:]] == pytest.approx(I[1:])
     # the analytic step stays a lower bound of the simulated one, and both grow with the split's cost
     from hippie_ds.planner import evaluate
+
     for m in (free, model):
         step, deferred = m.step_time(m.layout(4, lay.parts), "zb-h1", 1.0, 8, ks)
-        simulated = evaluate.simulate_configuration(m, m.layout(4, lay.parts), 8, 8, "zb-h1", ks, deferred,
-                                                    auto_limit=10 ** 9).step
+        simulated = evaluate.simulate_configuration(
+            m, m.layout(4, lay.parts), 8, 8, "zb-h1", ks, deferred, auto_limit=10**9
+        ).step
         assert step <= simulated * (1 + 1e-9)
-    assert model.step_time(lay, "zb-h1", 1.0, 8, ks)[0] > free.step_time(free.layout(4, lay.parts), "zb-h1", 1.0, 8,
-                                                                          ks)[0]
+    assert (
+        model.step_time(lay, "zb-h1", 1.0, 8, ks)[0] > free.step_time(free.layout(4, lay.parts), "zb-h1", 1.0, 8, ks)[0]
+    )
 
 
 def test_a_stage_fed_floating_point_data_splits_like_the_others():
@@ -73,8 +96,7 @@ def test_a_stage_fed_floating_point_data_splits_like_the_others():
 
 def test_a_plan_changes_when_the_split_costs_more_than_the_whole_backward():
     cluster = parse_cluster("1x4,80GB,100Gbit")
-    kw = dict(objective="throughput", baselines=False, depths=[4], micro_batch_sizes=[8],
-              schedules=["1f1b", "zb-h1"])
+    kw = dict(objective="throughput", baselines=False, depths=[4], micro_batch_sizes=[8], schedules=["1f1b", "zb-h1"])
     # 16 micro-batches on 4 stages of about 4 blocks (F 4, I 4, W 4 ms): 1F1B's bubble 3 (F + B) = 36 ms
     free = make_plan(_profile(None), cluster, 128, **kw)
     assert free.schedule == "zb-h1"  # priced free, the split removes most of the bubble
@@ -94,6 +116,7 @@ class _Block(torch.nn.Module):
 
 def test_the_profiler_times_the_engines_split_and_leaves_gradients_alone():
     from hippie_ds.adapter.profiling.layer_timing import as_stage_input, measure_layer
+
     block, x = _Block(), as_stage_input(torch.randn(16, 64))
     params = list(block.parameters())
     held = block.fc.weight.grad = torch.full_like(block.fc.weight, 7.0)  # a job's gradient, kept as it was
@@ -102,9 +125,11 @@ def test_the_profiler_times_the_engines_split_and_leaves_gradients_alone():
     assert 0 <= record["backward_weight"] <= record["backward"]
     assert block.fc.weight.grad is held and torch.all(held == 7.0) and block.fc.bias.grad is None and x.grad is None
     emb = torch.nn.Embedding(10, 8)  # token ids: no input gradient, the whole backward is W, no split
-    record = measure_layer(emb, torch.randint(0, 10, (4, 3)), list(emb.parameters()), 1.0, repeats=2, warmup=1,
-                           accumulate=False).record
+    record = measure_layer(
+        emb, torch.randint(0, 10, (4, 3)), list(emb.parameters()), 1.0, repeats=2, warmup=1, accumulate=False
+    ).record
     assert record["split_extra"] is None and record["backward_weight"] == record["backward"]
-    record = measure_layer(torch.nn.ReLU(), as_stage_input(torch.randn(4, 8)), [], 0.0, repeats=2, warmup=1,
-                           accumulate=False).record
+    record = measure_layer(
+        torch.nn.ReLU(), as_stage_input(torch.randn(4, 8)), [], 0.0, repeats=2, warmup=1, accumulate=False
+    ).record
     assert record["split_extra"] == 0.0 and record["backward_weight"] == 0.0

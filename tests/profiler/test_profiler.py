@@ -1,4 +1,5 @@
 """The layer profiler (hippie_ds.profiler, torch): the split backward's W per layer."""
+
 import pytest
 import torch
 
@@ -12,8 +13,12 @@ WIDTH = 512
 @pytest.fixture(scope="module")
 def profile():
     torch.manual_seed(0)
-    layers = [torch.nn.Embedding(1000, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(),
-              torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH))]
+    layers = [
+        torch.nn.Embedding(1000, WIDTH),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.GELU(),
+        torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH)),
+    ]
     tokens = torch.randint(0, 1000, (64, 16))
     return profile_layers(layers, tokens, model="tiny", repeats=5, warmup=1)
 
@@ -77,12 +82,15 @@ def test_the_loss_is_profiled_apart_from_the_layers(tmp_path):
 
 def test_a_target_gives_loss_fn_and_labels_together(tmp_path):
     from hippie_ds.profiler import load_target, load_target_spec
+
     target = tmp_path / "t.py"
-    target.write_text("import torch\n"
-                      "def full():\n    return {'layers': [torch.nn.Linear(4, 4)], 'sample': torch.zeros(2, 4),\n"
-                      "            'loss_fn': lambda out, y: (out - y).pow(2).mean(), 'labels': torch.zeros(2, 4)}\n"
-                      "def half():\n    return {'layers': [torch.nn.Linear(4, 4)], 'sample': torch.zeros(2, 4),\n"
-                      "            'loss_fn': lambda out, y: out.sum()}\n")
+    target.write_text(
+        "import torch\n"
+        "def full():\n    return {'layers': [torch.nn.Linear(4, 4)], 'sample': torch.zeros(2, 4),\n"
+        "            'loss_fn': lambda out, y: (out - y).pow(2).mean(), 'labels': torch.zeros(2, 4)}\n"
+        "def half():\n    return {'layers': [torch.nn.Linear(4, 4)], 'sample': torch.zeros(2, 4),\n"
+        "            'loss_fn': lambda out, y: out.sum()}\n"
+    )
     spec = load_target_spec(f"{target}:full")
     assert callable(spec["loss_fn"]) and spec["labels"].shape == (2, 4)
     assert len(load_target(f"{target}:full")) == 3  # (layers, sample, name) as before
@@ -113,8 +121,12 @@ def test_a_tied_module_is_counted_where_each_copy_is_held():
     from hippie_ds.planner.model import _Model
 
     torch.manual_seed(0)
-    layers = [TiedLayerSpec("embed", _Embed), LayerSpec(torch.nn.Linear, 8, 8), LayerSpec(torch.nn.Linear, 8, 8),
-              TiedLayerSpec("embed", _Embed, forward_fn=_head)]
+    layers = [
+        TiedLayerSpec("embed", _Embed),
+        LayerSpec(torch.nn.Linear, 8, 8),
+        LayerSpec(torch.nn.Linear, 8, 8),
+        TiedLayerSpec("embed", _Embed, forward_fn=_head),
+    ]
     profile = profile_layers(layers, torch.randint(0, 50, (4, 6)), model="tied", repeats=1, warmup=0)
     assert [x.tied_key for x in profile.layers] == ["embed", None, None, "embed"]
     embed, linear = 50 * 8 * 4, (8 * 8 + 8) * 4

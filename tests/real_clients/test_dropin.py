@@ -9,6 +9,7 @@ others forked as that launcher starts ranks (tests/distributed/launch.py; it sav
 between stock DeepSpeed and hippie-ds both ways, across stage layouts, and from a tensor x pipeline model; DeepSpeed's
 own ``DualPipeVModule`` runs as stock. Launches are shared where one run can serve two checks.
 """
+
 import json
 from pathlib import Path
 
@@ -27,8 +28,13 @@ STEPS = 3
 
 
 def _config(tmp, schedule=None):
-    cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}, "gradient_clipping": 1.0}
+    cfg = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+    }
     if schedule is not None:
         cfg["pipeline"] = {"schedule": schedule}
     path = Path(tmp, f"config-{schedule or 'stock'}.json")
@@ -37,8 +43,19 @@ def _config(tmp, schedule=None):
 
 
 def run(out, config, *args, ranks=4, initialize="hippie_ds", expect_ok=True, launcher=None):
-    rc, log, _ = launch(ranks, out, "--initialize", initialize, "--deepspeed", "--deepspeed_config", config,
-                        *args, worker=CLIENT, timeout=180, launcher=launcher)
+    rc, log, _ = launch(
+        ranks,
+        out,
+        "--initialize",
+        initialize,
+        "--deepspeed",
+        "--deepspeed_config",
+        config,
+        *args,
+        worker=CLIENT,
+        timeout=180,
+        launcher=launcher,
+    )
     if expect_ok:
         assert rc == 0, log[-4000:]
     return rc, log, _results(out)
@@ -68,10 +85,12 @@ def stock(tmp_path_factory):
     """Stock DeepSpeed: trains STEPS steps and saves; resumes from that checkpoint for 2 steps."""
     tmp = tmp_path_factory.mktemp("stock")
     config = _config(tmp)
-    _, _, trained = run(tmp / "trained", config, "--steps", STEPS, "--save", tmp / "ckpt", initialize="deepspeed",
-                        launcher="deepspeed")
-    _, _, resumed = run(tmp / "resumed", config, "--steps", 2, "--load", tmp / "ckpt", initialize="deepspeed",
-                        launcher="deepspeed")
+    _, _, trained = run(
+        tmp / "trained", config, "--steps", STEPS, "--save", tmp / "ckpt", initialize="deepspeed", launcher="deepspeed"
+    )
+    _, _, resumed = run(
+        tmp / "resumed", config, "--steps", 2, "--load", tmp / "ckpt", initialize="deepspeed", launcher="deepspeed"
+    )
     return {"dir": tmp, "trained": trained, "resumed": resumed}
 
 
@@ -94,8 +113,9 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
     # a checkpoint saved by stock DeepSpeed: loads, and training continues (and, for schedules
     # with in-flight state, saves it: stock DeepSpeed must refuse that checkpoint, below)
     save = ("--save", tmp_path / "ckpt") if schedule in IN_FLIGHT else ()
-    _, log, resumed = run(tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt", *save,
-                          launcher=launcher)
+    _, log, resumed = run(
+        tmp_path / "resumed", config, "--steps", 2, "--load", stock["dir"] / "ckpt", *save, launcher=launcher
+    )
     records = resumed["records"]
     assert len(records) == 4 and all(r["global_steps"] == STEPS + 2 for r in records.values())
     # eval_batch on the loaded weights: stock's loss on the same weights
@@ -107,8 +127,16 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
     else:
         assert _losses(resumed) != _losses(stock["resumed"])  # its own update rule really ran
     if schedule in IN_FLIGHT:
-        rc, log, _ = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", tmp_path / "ckpt",
-                         initialize="deepspeed", expect_ok=False)
+        rc, log, _ = run(
+            tmp_path / "stock",
+            _config(tmp_path),
+            "--steps",
+            1,
+            "--load",
+            tmp_path / "ckpt",
+            initialize="deepspeed",
+            expect_ok=False,
+        )
         assert rc != 0
         assert "hippie-ds in-flight training state" in log and "engine.drain()" in log, log[-3000:]
 
@@ -117,14 +145,16 @@ def test_unchanged_script_trains_and_resumes_stock_checkpoint(tmp_path, stock, s
 def drained(tmp_path_factory):
     """hippie (a deferred stage) on 2 stages x 2 replicas, drained before saving: nothing in flight."""
     tmp = tmp_path_factory.mktemp("drained")
-    _, _, ours = run(tmp / "hippie", _config(tmp, "hippie"), "--steps", STEPS, "--drain-before-save",
-                     "--save", tmp / "ckpt")
+    _, _, ours = run(
+        tmp / "hippie", _config(tmp, "hippie"), "--steps", STEPS, "--drain-before-save", "--save", tmp / "ckpt"
+    )
     return {"ckpt": tmp / "ckpt", "result": ours}
 
 
 def test_drained_checkpoint_loads_into_stock(tmp_path, drained):
-    _, _, theirs = run(tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", drained["ckpt"],
-                       initialize="deepspeed")
+    _, _, theirs = run(
+        tmp_path / "stock", _config(tmp_path), "--steps", 1, "--load", drained["ckpt"], initialize="deepspeed"
+    )
     assert theirs["records"][0]["eval_before"] == drained["result"]["records"][0]["eval_after"]
     assert theirs["records"][0]["global_steps"] == STEPS + 1
 
@@ -136,8 +166,9 @@ def test_replanned_resume(tmp_path, drained):
     before = drained["result"]
     rc, log, _ = run(tmp_path / "refused", config, "-p", 4, "--load", drained["ckpt"], expect_ok=False)
     assert rc != 0 and "load_optimizer_states=False" in log and "stage boundaries" in log, log[-3000:]
-    _, _, after = run(tmp_path / "four", config, "-p", 4, "--steps", 2, "--load", drained["ckpt"],
-                      "--restart-optimizer")
+    _, _, after = run(
+        tmp_path / "four", config, "-p", 4, "--steps", 2, "--load", drained["ckpt"], "--restart-optimizer"
+    )
     assert after["records"][0]["eval_before"] == pytest.approx(before["records"][0]["eval_after"], rel=1e-6)
     assert {r["stage"] for r in after["records"].values()} == {0, 1, 2, 3}
     assert all(r["global_steps"] == STEPS + 2 for r in after["records"].values())
@@ -158,8 +189,10 @@ def test_tensor_x_pipeline_stock_checkpoint(tmp_path):
     for precision in ("fp32", "bf16+zero1"):
         ckpt = tmp_path / precision / "ckpt"
         assert len(list((ckpt / (ckpt / "latest").read_text().strip()).glob("mp_rank_*_model_states.pt"))) == 4
-        runs = {name: [torch.load(f) for f in sorted((tmp_path / precision / name).glob("rank*.pt"))]
-                for name in ("stock", "hippie_ds")}
+        runs = {
+            name: [torch.load(f) for f in sorted((tmp_path / precision / name).glob("rank*.pt"))]
+            for name in ("stock", "hippie_ds")
+        }
         assert len(runs["hippie_ds"]) == 4 and {r["engine"] for r in runs["hippie_ds"]} == {"HippiePipelineEngine"}
         for ours, theirs in zip(runs["hippie_ds"], runs["stock"], strict=True):
             assert ours["global_steps"] == theirs["global_steps"] == 4
@@ -172,9 +205,14 @@ def test_dualpipev_module_runs_as_stock(tmp_path):
     ``hippie_ds.initialize``: DeepSpeed's ``DualPipeVEngine``, as ``deepspeed.initialize`` picks it,
     and bit-identical training; naming a hippie-ds schedule for it is refused at start-up on
     every rank, with the key, the value and what works."""
-    rc, log, _ = launch(2, tmp_path, "--steps", 3,
-                        worker=Path(__file__).resolve().parents[1] / "distributed" / "dualpipev_worker.py",
-                        timeout=180)
+    rc, log, _ = launch(
+        2,
+        tmp_path,
+        "--steps",
+        3,
+        worker=Path(__file__).resolve().parents[1] / "distributed" / "dualpipev_worker.py",
+        timeout=180,
+    )
     assert rc == 0, log[-4000:]
     results = [torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))]
     assert len(results) == 2
@@ -185,6 +223,7 @@ def test_dualpipev_module_runs_as_stock(tmp_path):
         refused = r["refused"]
         assert refused is not None and 'config key "pipeline.schedule" = \'hippie\'' in refused, refused
         assert "DualPipeVModule" in refused and "DualPipeVEngine" in refused and "PipelineModule" in refused
-        assert (r["refused_options"] or "").startswith('config key "hippie" = {\'timeline_dir\': \'t\'}: the model is '
-                                                       "a DualPipeVModule"), r["refused_options"]
+        assert (r["refused_options"] or "").startswith(
+            'config key "hippie" = {\'timeline_dir\': \'t\'}: the model is a DualPipeVModule'
+        ), r["refused_options"]
     assert all(torch.isfinite(torch.tensor(r["stock"]["losses"])).all() for r in results)

@@ -10,6 +10,7 @@ and be bit-identical to stock 1F1B. The model is ``model.megatron_layer_specs``
 (the same shape in small: an ``Embedding`` of a word projection plus a position table, tied to a
 head that uses the word weight only), 2 stages x 1 replica, AdamW, clipping below the gradient norm
 so that every step clips."""
+
 import pytest
 
 from launch import collect, launch
@@ -27,9 +28,26 @@ def _max_diff(a, b):
 @pytest.fixture(scope="module")
 def clipped(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-clip")
-    rc, log, _ = launch(2, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--megatron",
-                        "--optimizer", "AdamW", "--lr", 0.01, "--clip", CLIP,
-                        "--engines", "stock,1f1b,interleaved-1f1b", timeout=600)
+    rc, log, _ = launch(
+        2,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--megatron",
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--clip",
+        CLIP,
+        "--engines",
+        "stock,1f1b,interleaved-1f1b",
+        timeout=600,
+    )
     assert rc == 0, log[-4000:]
     return out
 

@@ -8,6 +8,7 @@ schedule at its first step once. One launch per precision runs every engine in t
 Synchronous schedules must be bit-identical to stock DeepSpeed; the others must train with every
 copy of the tied embedding equal, and step the client's scheduler as stock does.
 """
+
 import math
 from pathlib import Path
 
@@ -24,14 +25,15 @@ SYNCHRONOUS = ["1f1b", "gpipe", "zb-h1"]
 # +drain: drain() after the last step (bf16 + clipping + tie: the tied copy's step alone)
 # hippie: the default deferral ("untied": the first block, not the tied embedding); hippie+1: exactly one
 # layer with parameters, the tied embedding (and so the head's copy)
-OTHERS = {"fp32": ["hippie", "hippie+1", "hippie-1f1b", "hippie-zb", "pipedream+drain", "2bw+drain",
-                   "hippie+all+drain"],
-          "bf16-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain", "pipedream+drain", "hippie+all+drain"],
-          # ZeRO-1 as users write it (fp32, or bf16 without data_types): DeepSpeedZeroOptimizer (ds/zero.py)
-          # hippie+drain: drain() steps the partition for the delayed block alone; the in-step tied embedding
-          # stays put on stage 0 too (ds.zero.ZeroUnmoved; without it the copies part by 0.0156 in bf16)
-          "bf16-plain-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain"],
-          "fp32-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain"]}
+OTHERS = {
+    "fp32": ["hippie", "hippie+1", "hippie-1f1b", "hippie-zb", "pipedream+drain", "2bw+drain", "hippie+all+drain"],
+    "bf16-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain", "pipedream+drain", "hippie+all+drain"],
+    # ZeRO-1 as users write it (fp32, or bf16 without data_types): DeepSpeedZeroOptimizer (ds/zero.py)
+    # hippie+drain: drain() steps the partition for the delayed block alone; the in-step tied embedding
+    # stays put on stage 0 too (ds.zero.ZeroUnmoved; without it the copies part by 0.0156 in bf16)
+    "bf16-plain-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain"],
+    "fp32-zero1": ["hippie+drain", "hippie-1f1b", "2bw+drain"],
+}
 STEPS = 4
 # hippie.profile: the job profiles itself (virtual stages, tuples between stages, a lambda, a tied
 # forward_fn) in this launch, next to the same engine without the key
@@ -39,10 +41,14 @@ PROFILED = ["fp32:interleaved-1f1b+tuple", "fp32:interleaved-1f1b+tuple+profile"
 # the drop-in: a subclass of hippie_ds.PipelineModule built without config= (as Megatron builds
 # GPTModelPipe), the config in sys.argv (--deepspeed_config PATH; +b64: base64 JSON); weights drawn per
 # global layer (layout-independent). Also DeepSpeed's unit-test models (ds_unit_models.py) so built.
-DROP_IN = {"megatron": ["1f1b+argv", "interleaved-1f1b+argv", "zb-v+b64", "hippie-interleaved+argv+drain"],
-           "linearstack": ["1f1b", "interleaved-1f1b", "zb-v"], "alexnet": ["1f1b", "interleaved-1f1b", "zb-v"]}
-DROP_IN_ENGINES = [f"fp32:{n}" if model == "megatron" else f"fp32:{n}+{model}" for model, names in DROP_IN.items()
-                   for n in names]
+DROP_IN = {
+    "megatron": ["1f1b+argv", "interleaved-1f1b+argv", "zb-v+b64", "hippie-interleaved+argv+drain"],
+    "linearstack": ["1f1b", "interleaved-1f1b", "zb-v"],
+    "alexnet": ["1f1b", "interleaved-1f1b", "zb-v"],
+}
+DROP_IN_ENGINES = [
+    f"fp32:{n}" if model == "megatron" else f"fp32:{n}+{model}" for model, names in DROP_IN.items() for n in names
+]
 # a planner plan for interleaved-1f1b (model chunks, boundaries, re-computed layers), named only by "hippie.plan"
 # in the config in sys.argv, which names no schedule (megatron_shaped.chunked_plan)
 PLANNED = "fp32:interleaved-1f1b+argv+plan"
@@ -56,8 +62,12 @@ def _load(out, name):
 def launched(tmp_path_factory):
     """One launch, every precision's engines in turn (each launch costs ~15 s of start-up)."""
     out = tmp_path_factory.mktemp("clients")
-    engines = [f"{p}:{name}" for p in sorted(OTHERS) for name in ["stock", *SYNCHRONOUS, *OTHERS[p]]] + PROFILED + \
-        DROP_IN_ENGINES + [PLANNED]
+    engines = (
+        [f"{p}:{name}" for p in sorted(OTHERS) for name in ["stock", *SYNCHRONOUS, *OTHERS[p]]]
+        + PROFILED
+        + DROP_IN_ENGINES
+        + [PLANNED]
+    )
     rc, log, _ = launch(4, out, "--steps", STEPS, "--engines", ",".join(engines), worker=WORKER, timeout=2400)
     assert rc == 0, log[-5000:]
     assert "terminate called" not in log, log[-3000:]
@@ -100,8 +110,10 @@ def test_every_schedule_trains_with_tied_copies_equal_and_the_clients_scheduler(
         assert all(math.isfinite(x) for x in first), name
         assert first[-1] < first[0], (name, first)
         copies = [r["tied"]["embed"] for r in ranks]
-        assert all(torch.equal(c, copies[0]) for c in copies), (name, [float((c - copies[0]).abs().max())
-                                                                       for c in copies])
+        assert all(torch.equal(c, copies[0]) for c in copies), (
+            name,
+            [float((c - copies[0]).abs().max()) for c in copies],
+        )
         assert [r["lr"] for r in ranks] == [stock["lr"]] * len(ranks), name
         assert all(r["global_steps"] == STEPS for r in ranks), name
 
@@ -110,8 +122,11 @@ def test_a_loop_that_never_drains_is_told_at_exit(launched):
     """Nothing requires drain() (Megatron never calls it); a process that exits with updates in
     flight says so once per stage, and one that drained says nothing."""
     _, log = launched
-    warned = {line.split("schedule ")[1].split()[0].strip("'") for line in log.splitlines()
-              if "not applied to the weights in memory" in line}
+    warned = {
+        line.split("schedule ")[1].split()[0].strip("'")
+        for line in log.splitlines()
+        if "not applied to the weights in memory" in line
+    }
     undrained = {name.split("+")[0] for names in OTHERS.values() for name in names if "drain" not in name}
     assert warned == undrained, (warned, undrained)
 
@@ -178,8 +193,10 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
     assert (profile.param_dtype, profile.param_bytes_dtype, profile.state_factor()) == ("float32", "float32", 4.0)
     # the job's shape, the four blocks as one group and the machine's load
     from hippie_ds.planner.profile_fields import JobShape
-    assert profile.job == JobShape(stages=2, data_parallel=2, micro_batch_size=client.MICRO,
-                                   global_batch=client.MICRO * 4 * 2, virtual_stages=2)
+
+    assert profile.job == JobShape(
+        stages=2, data_parallel=2, micro_batch_size=client.MICRO, global_batch=client.MICRO * 4 * 2, virtual_stages=2
+    )
     blocks = [i for i, name in enumerate(layer_names(specs)) if name == "TupleBlock"]
     assert profile.groups == [blocks] and len(blocks) == 4
     assert len({(profile.layers[i].forward, profile.layers[i].backward) for i in blocks}) == 1
@@ -187,8 +204,22 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
     assert profile.load.cpus >= 1 and profile.load.cpu_share > 0 and profile.load.load_before >= 0
 
     plan_path = tmp_path / "plan.json"
-    assert main(["plan", "--profile", str(path), "--cluster", "1x4,1GB,10Gbit", "--global-batch", "16",
-                 "--out", str(plan_path)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                str(path),
+                "--cluster",
+                "1x4,1GB,10Gbit",
+                "--global-batch",
+                "16",
+                "--out",
+                str(plan_path),
+            ]
+        )
+        == 0
+    )
     plan = load_plan(plan_path)
     assert plan.fingerprint == model_fingerprint(specs)
     # the loss's working memory (estimated: its input's gradient) is on the last stage's peak
@@ -199,6 +230,7 @@ def test_the_job_profiles_itself_in_place_for_the_planner(launched, tmp_path):
 def _same(a, b, tol=0.0):
     """The largest difference between runs ``a`` and ``b`` over every layer of every replica
     (all model chunks), wherever each layout holds it."""
+
     def held(ranks):
         return {(r["replica"], layer): state for r in ranks for layer, state in r["layers"].items()}
 
@@ -222,9 +254,9 @@ def test_drop_in_module_takes_the_config_from_sys_argv(launched):
     assert "from the DeepSpeed config --deepspeed_config <base64 JSON> (sys.argv): schedule 'zb-v'" in log
     for model, names in DROP_IN.items():
         suffix = "" if model == "megatron" else f"+{model}"
-        runs = {n.split("+")[0]: _load(out, f"fp32:{n}" if model == "megatron" else f"fp32:{n}{suffix}")
-                for n in names}
+        runs = {n.split("+")[0]: _load(out, f"fp32:{n}" if model == "megatron" else f"fp32:{n}{suffix}") for n in names}
         ref = runs["1f1b"]
+
         def stage0(ranks):
             return sorted(next(r for r in ranks if r["stage"] == 0)["layers"])
 
@@ -236,8 +268,11 @@ def test_drop_in_module_takes_the_config_from_sys_argv(launched):
             tol = 1e-5 if model == "megatron" else 0.0
             assert _same(ref, runs[name]) <= tol, (model, name)
             losses, ref_losses = (_ranks_by_stage(r) for r in (runs[name], ref))
-            assert all(x == pytest.approx(y, abs=tol) for key in ref_losses
-                       for x, y in zip(losses[key]["losses"], ref_losses[key]["losses"])), (model, name)
+            assert all(
+                x == pytest.approx(y, abs=tol)
+                for key in ref_losses
+                for x, y in zip(losses[key]["losses"], ref_losses[key]["losses"])
+            ), (model, name)
         if model == "megatron":
             ranks = runs["hippie-interleaved"]
             copies = [r["tied"]["embed"] for r in ranks]
@@ -245,8 +280,11 @@ def test_drop_in_module_takes_the_config_from_sys_argv(launched):
             by = _ranks_by_stage(ranks)
             for stage in (0, 1):
                 assert by[stage, 0]["layers"].keys() == by[stage, 1]["layers"].keys()
-                assert all(torch.equal(v, by[stage, 1]["layers"][i][k]) for i, state in by[stage, 0]["layers"].items()
-                           for k, v in state.items()), stage
+                assert all(
+                    torch.equal(v, by[stage, 1]["layers"][i][k])
+                    for i, state in by[stage, 0]["layers"].items()
+                    for k, v in state.items()
+                ), stage
             first = ranks[0]["losses"]
             assert all(math.isfinite(x) for x in first) and first[-1] < first[0], first
 
@@ -267,13 +305,18 @@ def test_a_chunked_plan_in_the_config_trains_as_1f1b(launched):
         held = {0: [1, 3, 4], 1: [2, 5, 6]}[r["stage"]]  # parts 0, 2 and 1, 3 (layers 0 and 7 hold no own weights)
         assert sorted(r["layers"]) == held, r["stage"]
     assert all(r["parts"] != PLAN_BOUNDARIES and r["checkpointed"] == [] for r in ref + default)
-    assert "(sys.argv): the plan for 'megatron-shaped' (schedule 'interleaved-1f1b': 2 model chunks per stage " \
-           f"(interleaved layout); boundaries {PLAN_BOUNDARIES})" in log
+    assert (
+        "(sys.argv): the plan for 'megatron-shaped' (schedule 'interleaved-1f1b': 2 model chunks per stage "
+        f"(interleaved layout); boundaries {PLAN_BOUNDARIES})" in log
+    )
     assert f"model-part boundaries {PLAN_BOUNDARIES} and checkpointed layers {PLAN_CHECKPOINTED} from the plan" in log
     assert _same(ref, ranks) <= 1e-5
     losses, ref_losses = _ranks_by_stage(ranks), _ranks_by_stage(ref)
-    assert all(x == pytest.approx(y, abs=1e-5) for key in ref_losses
-               for x, y in zip(losses[key]["losses"], ref_losses[key]["losses"]))
+    assert all(
+        x == pytest.approx(y, abs=1e-5)
+        for key in ref_losses
+        for x, y in zip(losses[key]["losses"], ref_losses[key]["losses"])
+    )
     copies = [r["tied"]["embed"] for r in ranks]
     assert all(torch.equal(c, copies[0]) for c in copies)
 

@@ -11,6 +11,7 @@ schedules must be bit-identical to stock in each precision; the others must trai
 replicas identical, in fp16 one decision on every rank: the same skipped steps and loss scale; a
 deferred stage's buffer of an overflowed batch skips one update more than stock with ZeRO-1).
 """
+
 import math
 
 import pytest
@@ -42,10 +43,28 @@ def _names(precision, model="+seqfirst+attrs"):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("user-model")
     engines = [n for p in PRECISIONS for model in ("+seqfirst+attrs", "+attrs") for n in _names(p, model)]
-    rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", 4, "--steps", STEPS, "--optimizer", "AdamW",
-                        "--lr", 0.01, "--clip", CLIP, "--deferred-layers", "default", "--drain", "--engines",
-                        ",".join(engines),
-                        timeout=1500)
+    rc, log, _ = launch(
+        4,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        4,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--clip",
+        CLIP,
+        "--deferred-layers",
+        "default",
+        "--drain",
+        "--engines",
+        ",".join(engines),
+        timeout=1500,
+    )
     assert rc == 0, log[-5000:]
     return out, log
 
@@ -116,8 +135,7 @@ def test_fp16_skips_the_steps_stock_skips(trained, precision):
     runs = {n: [torch.load(f) for f in sorted((out / n).glob("rank*.pt"))] for n in _names(precision)}
     stock = runs[_names(precision)[0]][0]
     if precision == "fp16-zero1":
-        assert stock["skipped_steps"] > 0 and stock["loss_scale"] < 2 ** 20, (stock["skipped_steps"],
-                                                                              stock["loss_scale"])
+        assert stock["skipped_steps"] > 0 and stock["loss_scale"] < 2**20, (stock["skipped_steps"], stock["loss_scale"])
     for name, ranks in runs.items():
         decisions = {(r["skipped_steps"], r["loss_scale"]) for r in ranks}
         assert len(decisions) == 1, (name, decisions)  # one decision per update, on every rank

@@ -8,6 +8,7 @@ launcher, gloo): each matches a single-process reference of its update rule to 1
 stages with and without data parallelism; a checkpoint taken between calls resumes exactly;
 ``drain()`` applies every micro-batch once.
 """
+
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -25,19 +26,27 @@ ASYNC = [("2bw", {}), ("pipedream", {}), ("pipedream", {"vertical_sync": True})]
 
 def _compile(name, stages, micro_batches, **params):
     c = schedules.compile(name, stages, micro_batches, validate=False, **params)
-    return replace(c, streams=[[list(step) for step in stream] for stream in c.streams],
-                   drain=[[list(step) for step in stream] for stream in c.drain])
+    return replace(
+        c,
+        streams=[[list(step) for step in stream] for stream in c.streams],
+        drain=[[list(step) for step in stream] for stream in c.drain],
+    )
 
 
 def _find(stream, kind, mb=None, batch=None):
-    hits = [(t, i) for t, step in enumerate(stream) for i, op in enumerate(step)
-            if op.kind == kind and (mb is None or op.micro_batch == mb) and (batch is None or op.batch == batch)]
+    hits = [
+        (t, i)
+        for t, step in enumerate(stream)
+        for i, op in enumerate(step)
+        if op.kind == kind and (mb is None or op.micro_batch == mb) and (batch is None or op.batch == batch)
+    ]
     assert len(hits) == 1, hits
     return hits[0]
 
 
 # ---------------------------------------------------------------------------------------------
 # Declarations
+
 
 @pytest.mark.parametrize("name,params", ASYNC)
 def test_async_schedules_are_valid(name, params):
@@ -104,16 +113,23 @@ def test_validator_catches_backward_on_another_version():
     pos = _find(c.streams[1], OpKind.BACKWARD, mb=2, batch=0)
     op = c.streams[1][pos[0]][pos[1]]
     c.streams[1][pos[0]][pos[1]] = replace(op, version=op.version + 1)
-    assert any("backward of micro-batch 2 of batch" in p.reason and "its forward used" in p.reason
-               for p in check(c) if p.stage == 1), [str(p) for p in check(c)]
+    assert any(
+        "backward of micro-batch 2 of batch" in p.reason and "its forward used" in p.reason
+        for p in check(c)
+        if p.stage == 1
+    ), [str(p) for p in check(c)]
 
 
 def test_validator_catches_version_freed_while_needed():
     c = _compile("pipedream", 3, 4)
     # stage 0 frees each version after the backward that last uses it; make the first free
     # drop the version the next backward still needs
-    frees = [(t, i, op) for t, step in enumerate(c.streams[0]) for i, op in enumerate(step)
-             if op.kind == OpKind.FREE_WEIGHTS and op.batch == 0]
+    frees = [
+        (t, i, op)
+        for t, step in enumerate(c.streams[0])
+        for i, op in enumerate(step)
+        if op.kind == OpKind.FREE_WEIGHTS and op.batch == 0
+    ]
     (t1, i1, first), (_, _, second) = frees[:2]
     c.streams[0][t1][i1] = replace(first, version=second.version)  # frees the next version too early
     problems = check(c)
@@ -134,15 +150,22 @@ def test_validator_catches_micro_batch_lost_at_the_end():
     c.drain[1] = [[op for op in step if op.kind != OpKind.SEND_GRAD] for step in c.drain[1]]
     problems = check(c)
     assert any("never backwarded (lost" in p.reason and p.stage == 0 for p in problems), [str(p) for p in problems]
-    assert any("never received" in p.reason or "never sent" in p.reason or "deadlock" in p.reason
-               for p in problems if p.stage == 0) or any("lost" in p.reason for p in problems)
+    assert any(
+        "never received" in p.reason or "never sent" in p.reason or "deadlock" in p.reason
+        for p in problems
+        if p.stage == 0
+    ) or any("lost" in p.reason for p in problems)
 
 
 def test_validator_catches_update_mixing_batches():
     c = _compile("2bw", 2, 4)
     # stage 0 applies the previous batch's gradient only after this batch's first backward
-    moved = [op for step in c.streams[0] for op in step if op.batch == -1 and op.micro_batch is None
-             and op.kind != OpKind.FREE_WEIGHTS]
+    moved = [
+        op
+        for step in c.streams[0]
+        for op in step
+        if op.batch == -1 and op.micro_batch is None and op.kind != OpKind.FREE_WEIGHTS
+    ]
     c.streams[0] = [[op for op in step if op not in moved] for step in c.streams[0]]
     t, _ = _find(c.streams[0], OpKind.BACKWARD, mb=0, batch=0)
     c.streams[0][t] += [replace(op, step=t) for op in moved]
@@ -163,17 +186,22 @@ def _write(tmp_path, text):
 
 
 def test_language_errors(tmp_path):
-    base = "name: x\ncompute:\n  - {op: forward, at: 2 * mb + stage, version: 0}\n" \
-           "  - {op: backward, at: 2 * mb + 2 * stages - 1 - stage, version: 0}\n"
+    base = (
+        "name: x\ncompute:\n  - {op: forward, at: 2 * mb + stage, version: 0}\n"
+        "  - {op: backward, at: 2 * mb + 2 * stages - 1 - stage, version: 0}\n"
+    )
     with pytest.raises(ScheduleError, match="only allowed in schedules with steady_state"):
         schedules.compile(_write(tmp_path, base + "epilogue: [{op: stage_optimizer_step}]\n"), 2, 4)
-    prefetch = base + "steady_state: {period: 2 * micro_batches, offset: stage + 1}\n" \
-                      "epilogue: [{op: stage_optimizer_step}]\n"
+    prefetch = (
+        base + "steady_state: {period: 2 * micro_batches, offset: stage + 1}\nepilogue: [{op: stage_optimizer_step}]\n"
+    )
     with pytest.raises(ScheduleError, match="before its window starts"):
         schedules.compile(_write(tmp_path, prefetch), 2, 4)
-    bad_after = "name: x\nsteady_state: {period: 2 * micro_batches, offset: stage}\ncompute:\n" \
-                "  - {op: forward, at: 2 * mb + stage}\n" \
-                "  - {op: backward, at: 2 * mb + 2 * stages - 1 - stage, after: [{op: optimizer_step}]}\n"
+    bad_after = (
+        "name: x\nsteady_state: {period: 2 * micro_batches, offset: stage}\ncompute:\n"
+        "  - {op: forward, at: 2 * mb + stage}\n"
+        "  - {op: backward, at: 2 * mb + 2 * stages - 1 - stage, after: [{op: optimizer_step}]}\n"
+    )
     with pytest.raises(ScheduleError, match=r"compute\[1\].after \(optimizer_step\): not allowed"):
         schedules.compile(_write(tmp_path, bad_after), 2, 4)
     no_update = "name: x\nsteady_state: {period: 2 * micro_batches, offset: stage}\n" + base.split("\n", 1)[1]
@@ -183,6 +211,7 @@ def test_language_errors(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Simulator
+
 
 def test_simulator_counts_weight_versions_and_no_flush():
     K, M, W = 4, 8, 1e6
@@ -206,11 +235,20 @@ def test_simulator_counts_weight_versions_and_no_flush():
     assert r2bw.step_time == pytest.approx(M * 3.0 + (K - 1) * 1.0)
 
 
-@pytest.mark.parametrize("name,stages,holders,lag", [
-    ("2bw", 2, (0, 1), 1), ("2bw", 4, (0, 3), 1), ("2bw", 6, (0, 5), 1),
-    ("pipedream", 2, (0, 1), 1), ("pipedream", 3, (0, 2), 2), ("pipedream", 4, (0, 3), 3), ("pipedream", 4, (1, 2), 1),
-    ("pipedream", 6, (0, 5), 5), ("pipedream", 6, (1, 4), 3),
-])
+@pytest.mark.parametrize(
+    "name,stages,holders,lag",
+    [
+        ("2bw", 2, (0, 1), 1),
+        ("2bw", 4, (0, 3), 1),
+        ("2bw", 6, (0, 5), 1),
+        ("pipedream", 2, (0, 1), 1),
+        ("pipedream", 3, (0, 2), 2),
+        ("pipedream", 4, (0, 3), 3),
+        ("pipedream", 4, (1, 2), 1),
+        ("pipedream", 6, (0, 5), 5),
+        ("pipedream", 6, (1, 4), 3),
+    ],
+)
 def test_sum_lag_waits_only_for_earlier_updates(name, stages, holders, lag):
     """The lag of a sum over stages of a schedule that never flushes (the tie sum of a tied
     module): 2bw's last stage updates a batch after stage 0's previous update. Pipedream's stage s
@@ -219,6 +257,7 @@ def test_sum_lag_waits_only_for_earlier_updates(name, stages, holders, lag):
     holder waits in a call for an update the other makes only after DeepSpeed's end-of-call loss
     broadcast."""
     from hippie_ds.schedules.continuous import sum_lag, update_times
+
     compiled = schedules.compile(name, stages, max(stages, 4))
     assert sum_lag(compiled, holders) == lag
     if name == "pipedream":
@@ -226,8 +265,7 @@ def test_sum_lag_waits_only_for_earlier_updates(name, stages, holders, lag):
         s = holders[0]
         assert [t for t, _ in update_times(compiled, s)] == [2 * m + 2 * K - 1 - s for m in range(M)]
         # the call a micro-batch's update runs in: the batch's own, or the next once past the window
-        assert [c for _, c in update_times(compiled, s)] == [int(2 * m + 2 * K - 1 - s >= s + 2 * M)
-                                                              for m in range(M)]
+        assert [c for _, c in update_times(compiled, s)] == [int(2 * m + 2 * K - 1 - s >= s + 2 * M) for m in range(M)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +309,20 @@ def _load_rank_files(out, name):
 @pytest.mark.distributed
 @pytest.mark.parametrize("stages,dp", [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_async_schedules_match_reference(tmp_path, stages, dp):
-    rc, log, _ = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES,
-                        "--steps", STEPS, "--engines", ENGINES, "--drain", timeout=300)
+    rc, log, _ = launch(
+        stages * dp,
+        tmp_path,
+        "--stages",
+        stages,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--engines",
+        ENGINES,
+        "--drain",
+        timeout=300,
+    )
     assert rc == 0, log[-4000:]
     for name in ENGINES.split(","):
         ours, losses, parts, params, replicas = collect(tmp_path, name)
@@ -305,18 +355,39 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     correction at (2,1), (2,2), (4,1), (4,2) with SGD.)"""
     results = {}
     c = 1.5
-    rules = {"2bw": StalenessConfig(method="extrapolate", coefficient=c), "2bw+nostale": StalenessConfig(method="none"),
-             "2bw+adam": StalenessConfig(method="adam", coefficient=c),
-             "2bw+made": StalenessConfig(method="extrapolate-made", coefficient=c),
-             "2bw+made+ef5": StalenessConfig(method="extrapolate-made", coefficient=c, error_feedback=0.5)}
-    rc, log, _ = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", 5,
-                        "--optimizer", optimizer, "--lr", lr, "--engines", ",".join(rules), "--drain",
-                        "--staleness", f"extrapolate:{c}", timeout=300)
+    rules = {
+        "2bw": StalenessConfig(method="extrapolate", coefficient=c),
+        "2bw+nostale": StalenessConfig(method="none"),
+        "2bw+adam": StalenessConfig(method="adam", coefficient=c),
+        "2bw+made": StalenessConfig(method="extrapolate-made", coefficient=c),
+        "2bw+made+ef5": StalenessConfig(method="extrapolate-made", coefficient=c, error_feedback=0.5),
+    }
+    rc, log, _ = launch(
+        stages * dp,
+        tmp_path,
+        "--stages",
+        stages,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        5,
+        "--optimizer",
+        optimizer,
+        "--lr",
+        lr,
+        "--engines",
+        ",".join(rules),
+        "--drain",
+        "--staleness",
+        f"extrapolate:{c}",
+        timeout=300,
+    )
     assert rc == 0, log[-4000:]
     for name, staleness in rules.items():
         ours, losses, parts, _, replicas = collect(tmp_path, name)
-        ref, ref_losses = reference_async.run_2bw(parts, dp, MICRO_BATCHES, 5, optimizer=optimizer, lr=lr,
-                                                  staleness=staleness)
+        ref, ref_losses = reference_async.run_2bw(
+            parts, dp, MICRO_BATCHES, 5, optimizer=optimizer, lr=lr, staleness=staleness
+        )
         diff = _max_diff(ours, ref)
         print(f"2bw {staleness}: max |ours - reference| = {diff:.3g}")
         assert diff <= 1e-6, f"2bw {staleness}: differs from its reference by {diff}"
@@ -332,8 +403,9 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
             assert f["between_calls"] is not None, "no batch in flight after the last train_batch"
             held, count = f["between_calls"]["layers"], f["between_calls"]["weight_versions"]["current"]
             if count not in truth:
-                truth[count] = reference_async.run_2bw(parts, dp, MICRO_BATCHES, count, optimizer=optimizer, lr=lr,
-                                                       staleness=staleness)[0]
+                truth[count] = reference_async.run_2bw(
+                    parts, dp, MICRO_BATCHES, count, optimizer=optimizer, lr=lr, staleness=staleness
+                )[0]
             diff = _max_diff(truth[count], held)
             assert diff <= 1e-6, f"2bw {staleness}: stage {f['stage']}'s module differs by {diff} from W({count})"
     assert _max_diff(results["extrapolate"], results["none"]) > 1e-4, "the correction changed nothing"
@@ -342,8 +414,9 @@ def test_2bw_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stag
     assert _max_diff(results["extrapolate-made"], results["extrapolate"]) > 1e-4, "the made weights changed nothing"
     assert _max_diff(results["extrapolate-made"], results["adam"]) > 1e-4, "extrapolate-made is adam's rule"
     # error feedback on the first stage (one update behind; the last computes on its made weights)
-    assert _max_diff(results["extrapolate-made+ef"],
-                     results["extrapolate-made"]) > 1e-4, "error feedback changed nothing"
+    assert _max_diff(results["extrapolate-made+ef"], results["extrapolate-made"]) > 1e-4, (
+        "error feedback changed nothing"
+    )
 
 
 @pytest.mark.distributed
@@ -351,30 +424,54 @@ def test_checkpoint_between_calls_resumes_exactly(tmp_path):
     # AdamW (optimizer state) with per-stage clipping; "+ckpt2" saves after 2 calls (with
     # batches in flight: save_checkpoint drains them and saves both/stashed weight versions),
     # then a fresh engine loads it and continues.
-    args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--optimizer", "AdamW", "--lr", 0.01,
-            "--clip", 0.05, "--drain", "--engines",
-            "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2,"
-            "2bw+made+ef5,2bw+made+ef5+ckpt2")
+    args = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--steps",
+        4,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--clip",
+        0.05,
+        "--drain",
+        "--engines",
+        "2bw,2bw+ckpt2,pipedream,pipedream+ckpt2,2bw+adam,2bw+adam+ckpt2,2bw+made,2bw+made+ckpt2,"
+        "2bw+made+ef5,2bw+made+ef5+ckpt2",
+    )
     rc, log, _ = launch(4, tmp_path, *args, timeout=300)
     assert rc == 0, log[-4000:]
     # hippie.staleness "adam": its predictions and the versions they are fixed for travel in the checkpoint
     adam, _, parts, _, _ = collect(tmp_path, "2bw+adam")
     adam_resumed, _, _, _, _ = collect(tmp_path, "2bw+adam+ckpt2")
     assert _max_diff(adam, adam_resumed) == 0, "2bw adam: resumed differs"
-    adam_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
-                                          staleness=StalenessConfig(method="adam"))
+    adam_ref, _ = reference_async.run_2bw(
+        parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05, staleness=StalenessConfig(method="adam")
+    )
     assert _max_diff(adam, adam_ref) <= 1e-6
     # "extrapolate-made": the versions whose prediction is fixed travel too
     made, made_resumed = collect(tmp_path, "2bw+made")[0], collect(tmp_path, "2bw+made+ckpt2")[0]
     assert _max_diff(made, made_resumed) == 0, "2bw extrapolate-made: resumed differs"
-    made_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
-                                          staleness=StalenessConfig(method="extrapolate-made"))
+    made_ref, _ = reference_async.run_2bw(
+        parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05, staleness=StalenessConfig(method="extrapolate-made")
+    )
     assert _max_diff(made, made_ref) <= 1e-6
     # error feedback: its last update lives in the optimizer's state, which the checkpoint carries
     ef, ef_resumed = collect(tmp_path, "2bw+made+ef5")[0], collect(tmp_path, "2bw+made+ef5+ckpt2")[0]
     assert _max_diff(ef, ef_resumed) == 0, "2bw error feedback: resumed differs"
-    ef_ref, _ = reference_async.run_2bw(parts, 2, 3, 4, optimizer="AdamW", lr=0.01, clip=0.05,
-                                        staleness=StalenessConfig(method="extrapolate-made", error_feedback=0.5))
+    ef_ref, _ = reference_async.run_2bw(
+        parts,
+        2,
+        3,
+        4,
+        optimizer="AdamW",
+        lr=0.01,
+        clip=0.05,
+        staleness=StalenessConfig(method="extrapolate-made", error_feedback=0.5),
+    )
     assert _max_diff(ef, ef_ref) <= 1e-6
     assert _max_diff(ef, made) > 1e-4, "error feedback changed nothing"
     for name in ("2bw", "pipedream"):

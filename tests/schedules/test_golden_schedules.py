@@ -4,6 +4,7 @@ zero-bubble schedules' at 4 stages x 2 micro-batches (fewer micro-batches than s
 1F1B runs them). A change to the compiler or a schedule file that moves an op shows up here as a
 readable diff; regenerate with ``UPDATE_GOLDEN=1 pytest tests/schedules/test_golden_schedules.py`` after
 checking the diff is intended."""
+
 import os
 from pathlib import Path
 

@@ -7,6 +7,7 @@ them fails here (single process). What each kind means (its cost terms, gradient
 from the table: no module outside ``ir.py`` and ``op_rules.py`` compares op kinds
 (``test_no_op_kind_comparisons_outside_the_op_table``). tests/docs/test_extending_example.py runs this
 file on a copy of the package with docs/extending.md's new op kind added."""
+
 import ast
 import dataclasses
 import inspect
@@ -24,13 +25,26 @@ from hippie_ds.schedules import continuous_checks, deadlock, sim_stages, stage_c
 from hippie_ds.schedules.compiler import inference_stream
 from hippie_ds.schedules.costs import StageCost
 from hippie_ds.schedules.op_rules import RULES, Communication
-from hippie_ds.schedules.ir import (COMPUTE_KINDS, DEEPSPEED_INSTRUCTIONS, HANDLER_ARG_FIELDS, OP_INFO,
-                                    PIPELINE_COLLECTIVE_KINDS, UPDATE_KINDS, Op, OpKind, handler_kwargs)
+from hippie_ds.schedules.ir import (
+    COMPUTE_KINDS,
+    DEEPSPEED_INSTRUCTIONS,
+    HANDLER_ARG_FIELDS,
+    OP_INFO,
+    PIPELINE_COLLECTIVE_KINDS,
+    UPDATE_KINDS,
+    Op,
+    OpKind,
+    handler_kwargs,
+)
 
 KINDS = list(OpKind)
 # each analysis's entry of a RULES row and the class whose functions it holds
-ANALYSES = {"simulate": sim_stages._Sim, "stage": stage_checks._StageChecker,
-            "continuous": continuous_checks.ContinuousStageChecker, "communicate": deadlock._Simulation}
+ANALYSES = {
+    "simulate": sim_stages._Sim,
+    "stage": stage_checks._StageChecker,
+    "continuous": continuous_checks.ContinuousStageChecker,
+    "communicate": deadlock._Simulation,
+}
 ANALYSIS_MODULES = ("sim_stages.py", "stage_checks.py", "continuous_checks.py", "deadlock.py")
 
 
@@ -56,10 +70,18 @@ def _handlers(kind):
 
 
 def _example(kind: OpKind, blocking: bool = True) -> Op:
-    return Op(kind, stage=0, step=0, micro_batch=2 if OP_INFO[kind].micro_batch else None,
-              buffer=1 if OP_INFO[kind].micro_batch else None, blocking=blocking,
-              target={OpKind.START_ALLREDUCE: "chunk", OpKind.WAIT_ALLREDUCE: "grads"}.get(kind),
-              batch=-1, version=0 if kind in (OpKind.STASH_WEIGHTS, OpKind.FREE_WEIGHTS) else None, chunk=1)
+    return Op(
+        kind,
+        stage=0,
+        step=0,
+        micro_batch=2 if OP_INFO[kind].micro_batch else None,
+        buffer=1 if OP_INFO[kind].micro_batch else None,
+        blocking=blocking,
+        target={OpKind.START_ALLREDUCE: "chunk", OpKind.WAIT_ALLREDUCE: "grads"}.get(kind),
+        batch=-1,
+        version=0 if kind in (OpKind.STASH_WEIGHTS, OpKind.FREE_WEIGHTS) else None,
+        chunk=1,
+    )
 
 
 def test_the_coverage_check_catches_a_missing_entry():
@@ -78,12 +100,15 @@ def test_engine_handler_exists_and_takes_exactly_the_table_arguments(kind):
     info = OP_INFO[kind]
     fields = {f.name for f in dataclasses.fields(Op)}
     for arg in info.args:
-        assert HANDLER_ARG_FIELDS.get(arg, arg) in fields, \
+        assert HANDLER_ARG_FIELDS.get(arg, arg) in fields, (
             f"OP_INFO[{kind}].args names {arg!r}: not an Op field (or HANDLER_ARG_FIELDS key); Op has {sorted(fields)}"
-    assert info.micro_batch == ("buffer_id" in info.args), \
+        )
+    assert info.micro_batch == ("buffer_id" in info.args), (
         f"OP_INFO[{kind}]: micro-batch ops, and only they, take DeepSpeed's buffer_id"
-    assert bool(info.nonblocking_instruction) == (kind in NONBLOCKING_HANDLERS), \
+    )
+    assert bool(info.nonblocking_instruction) == (kind in NONBLOCKING_HANDLERS), (
         f"OP_INFO[{kind}]: nonblocking_instruction and a NONBLOCKING_HANDLERS entry go together"
+    )
     for cls_name, handler in _handlers(kind):
         assert callable(handler), f"{kind} ({cls_name}): no handler in adapter/stage/handlers.py's HANDLERS"
         name = handler.__name__
@@ -91,9 +116,10 @@ def test_engine_handler_exists_and_takes_exactly_the_table_arguments(kind):
         assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params), f"{name}: keyword-callable parameters only"
         names = [p.name for p in params]
         required = [p.name for p in params if p.default is p.empty]
-        assert set(info.args) <= set(names) and set(required) <= set(info.args), \
-            (f"handlers.{name}{inspect.signature(handler)} for {cls_name}: must take exactly "
-             f"OP_INFO[{kind}].args = {info.args} (other parameters only with defaults)")
+        assert set(info.args) <= set(names) and set(required) <= set(info.args), (
+            f"handlers.{name}{inspect.signature(handler)} for {cls_name}: must take exactly "
+            f"OP_INFO[{kind}].args = {info.args} (other parameters only with defaults)"
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
@@ -117,9 +143,13 @@ def test_instruction_classes_and_arguments_come_from_the_table(kind):
 
 def test_deepspeed_instructions_are_deepspeeds_and_the_rest_are_new():
     used = {n for info in OP_INFO.values() for n in (info.instruction, info.nonblocking_instruction) if n}
-    assert DEEPSPEED_INSTRUCTIONS <= used, f"DEEPSPEED_INSTRUCTIONS names classes no op uses: {DEEPSPEED_INSTRUCTIONS - used}"
+    assert DEEPSPEED_INSTRUCTIONS <= used, (
+        f"DEEPSPEED_INSTRUCTIONS names classes no op uses: {DEEPSPEED_INSTRUCTIONS - used}"
+    )
     for name in DEEPSPEED_INSTRUCTIONS:
-        assert issubclass(getattr(ds, name, type), ds.PipeInstruction), f"{name}: not in deepspeed.runtime.pipe.schedule"
+        assert issubclass(getattr(ds, name, type), ds.PipeInstruction), (
+            f"{name}: not in deepspeed.runtime.pipe.schedule"
+        )
     assert set(hs.NEW_CLASSES) == used - DEEPSPEED_INSTRUCTIONS
     # DeepSpeed's own map is the engine's, untouched: instructions of DeepSpeed's own schedules (eval's
     # InferenceSchedule) run DeepSpeed's handlers
@@ -144,8 +174,9 @@ def test_the_loop_receives_each_op_explicitly():
 
 
 def test_every_kind_has_an_analysis_row():
-    assert _missing(RULES) == [], ("hippie_ds/schedules/op_rules.py: add the op kind's row (an empty entry where "
-                                   "an analysis has nothing to do)")
+    assert _missing(RULES) == [], (
+        "hippie_ds/schedules/op_rules.py: add the op kind's row (an empty entry where an analysis has nothing to do)"
+    )
 
 
 @pytest.mark.parametrize("analysis", list(ANALYSES))
@@ -160,8 +191,9 @@ def test_every_analysis_entry_is_a_function_of_its_analysis(analysis):
             assert isinstance(entry, tuple) == (analysis != "simulate"), f"op_rules.RULES[{kind}].{analysis}: {shape}"
         for function in _functions(entry):
             name = getattr(function, "__name__", None)
-            assert inspect.isfunction(function) and getattr(cls, name, None) is function, \
+            assert inspect.isfunction(function) and getattr(cls, name, None) is function, (
                 f"op_rules.RULES[{kind}].{analysis} holds {function!r}: not a function of {cls.__name__}"
+            )
 
 
 def test_the_analyses_call_their_rules_and_resolve_no_names():
@@ -169,9 +201,16 @@ def test_the_analyses_call_their_rules_and_resolve_no_names():
     (``getattr(self, ...)``), and none of them imports the table (their entry points hand it in)."""
     for name in ANALYSIS_MODULES:
         tree = ast.parse((ROOT / "hippie_ds/schedules" / name).read_text())
-        by_name = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-                   and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                   and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"]
+        by_name = [
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == "self"
+        ]
         assert not by_name, f"hippie_ds/schedules/{name}: getattr(self, ...) at lines {by_name}"
         imports = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
         imports |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
@@ -182,8 +221,9 @@ def test_pipeline_collectives_wait_for_every_stage_in_both_analyses():
     # the flag (OP_INFO pipeline_collective) and the rows say the same
     waits = {k for k, r in RULES.items() if "self._rendezvous(" in inspect.getsource(r.simulate)}
     assert waits == PIPELINE_COLLECTIVE_KINDS
-    assert {k for k, r in RULES.items() if r.communicate.advance is deadlock._Simulation._collective} == \
-        PIPELINE_COLLECTIVE_KINDS
+    assert {
+        k for k, r in RULES.items() if r.communicate.advance is deadlock._Simulation._collective
+    } == PIPELINE_COLLECTIVE_KINDS
     update = continuous_checks.ContinuousStageChecker._update
     assert {k for k, r in RULES.items() if update in r.continuous} == UPDATE_KINDS
 
@@ -196,15 +236,17 @@ def test_every_waiting_communication_rule_says_why_it_is_stuck():
         if rule.advance is deadlock._Simulation._local:
             assert rule.stuck is None and rule.waiting_on is None, f"RULES[{kind}]: a local op never waits"
         else:
-            assert callable(rule.stuck), \
+            assert callable(rule.stuck), (
                 f"RULES[{kind}].communicate runs {rule.advance.__name__}, which can wait: pair it with its stuck report"
+            )
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 def test_what_each_kind_means_is_consistent(kind):
     info = OP_INFO[kind]
-    assert all(isinstance(getattr(StageCost, term, None), property) or term in StageCost.model_fields
-               for term in info.cost), f"OP_INFO[{kind}].cost = {info.cost}: not all StageCost fields"
+    assert all(
+        isinstance(getattr(StageCost, term, None), property) or term in StageCost.model_fields for term in info.cost
+    ), f"OP_INFO[{kind}].cost = {info.cost}: not all StageCost fields"
     assert (kind in COMPUTE_KINDS) == bool(info.forward or info.input_grad or info.weight_grad)
     if kind in COMPUTE_KINDS:
         assert info.cost, f"OP_INFO[{kind}]: a compute op takes time (cost terms)"
@@ -248,9 +290,14 @@ def _is_member(node: ast.AST, names: set) -> bool:
     """``OpKind.X``, ``_K.X``, ``ir.OpKind.X``, or their ``.value``."""
     if isinstance(node, ast.Attribute) and node.attr == "value" and _is_member(node.value, names):
         return True
-    return (isinstance(node, ast.Attribute) and node.attr in OpKind.__members__
-            and ((isinstance(node.value, ast.Name) and node.value.id in names)
-                 or (isinstance(node.value, ast.Attribute) and node.value.attr == "OpKind")))
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in OpKind.__members__
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id in names)
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "OpKind")
+        )
+    )
 
 
 def _names_kinds(node: ast.AST, names: set) -> bool:
@@ -262,8 +309,12 @@ def _names_kinds(node: ast.AST, names: set) -> bool:
 
 def _kind_spelled(node: ast.AST) -> bool:
     """``x.kind.name`` or ``x.kind.value``: a kind compared by its spelling (``op.kind.name == "FORWARD"``)."""
-    return (isinstance(node, ast.Attribute) and node.attr in ("name", "value")
-            and isinstance(node.value, ast.Attribute) and node.value.attr == "kind")
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in ("name", "value")
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "kind"
+    )
 
 
 def kind_comparisons(source: str) -> list[int]:
@@ -317,7 +368,9 @@ def test_no_op_kind_comparisons_outside_the_op_table():
             if lines:
                 found[name] = lines
     over = {n: lines for n, lines in found.items() if len(lines) > ALLOWED.get(n, 0)}
-    assert over == {}, ("op kinds compared outside ir.py / op_rules.py (file: lines); read a flag or a kind set "
-                        "of OP_INFO, or name a function per kind in op_rules.RULES")
+    assert over == {}, (
+        "op kinds compared outside ir.py / op_rules.py (file: lines); read a flag or a kind set "
+        "of OP_INFO, or name a function per kind in op_rules.RULES"
+    )
     stale = {n: (len(found.get(n, [])), allowed) for n, allowed in ALLOWED.items() if len(found.get(n, [])) < allowed}
     assert stale == {}, "ALLOWED lists more comparisons than the module has (found, allowed): shrink or drop its entry"

@@ -1,6 +1,7 @@
 """The one resolution pass (hippie_ds/schedules/resolve.py): 'auto' parameters, one compile, the
 deferral, a second compile only when the decision changes the deferred stages, one validation;
 and that start-up, the CLI and the planner reach schedules through it alone. Pure: no processes."""
+
 import ast
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def compiles(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[kind] += 1
             return fn(*args, **kwargs)
+
         return wrapper
+
     monkeypatch.setattr(resolve_module, "compile_schedule", counted(resolve_module.compile_schedule, "compile"))
     monkeypatch.setattr(validator, "validate", counted(validator.validate, "validate"))
     return calls
@@ -72,18 +75,37 @@ def test_auto_parameters_and_layers_are_the_choosers_own():
 def test_auto_layers_without_per_layer_costs_take_the_models_sizes():
     costs = slow_link(per_layer=False)
     stage_layers = {s: StageLayers(8 * s, (True,) * 8) for s in range(4)}
-    r = resolve("hippie", Shape(4, 8), {"deferred_stages": [0, 1]}, "auto", costs, stage_layers,
-                staleness_price=0.0, layer_bytes=lambda s: [1e6] * 8)
+    r = resolve(
+        "hippie",
+        Shape(4, 8),
+        {"deferred_stages": [0, 1]},
+        "auto",
+        costs,
+        stage_layers,
+        staleness_price=0.0,
+        layer_bytes=lambda s: [1e6] * 8,
+    )
     assert set(r.choices) == {0, 1}
     from hippie_ds.schedules.costs import CostsError
+
     with pytest.raises(CostsError, match="stage 0 lists 8 layers, the model's stage 0 has 2"):
-        resolve("hippie", Shape(4, 8), {"deferred_stages": [0, 1]}, "auto", slow_link(),
-                {s: StageLayers(2 * s, (True, True)) for s in range(4)})
+        resolve(
+            "hippie",
+            Shape(4, 8),
+            {"deferred_stages": [0, 1]},
+            "auto",
+            slow_link(),
+            {s: StageLayers(2 * s, (True, True)) for s in range(4)},
+        )
 
 
 def test_the_tie_rule_applies_where_stages_update_apart():
-    layers = {0: StageLayers(0, (True, True), ("embed", None)), 1: StageLayers(2, (True,)),
-              2: StageLayers(3, (True,)), 3: StageLayers(4, (True, True), (None, "embed"))}
+    layers = {
+        0: StageLayers(0, (True, True), ("embed", None)),
+        1: StageLayers(2, (True,)),
+        2: StageLayers(3, (True,)),
+        3: StageLayers(4, (True, True), (None, "embed")),
+    }
     tied = resolve("hippie", Shape(4, 8), {"deferred_stages": [0]}, 1, None, layers, ties=True)
     assert tied.compiled.deferred_stages() == [0, 3] and tied.deferral.tied_delayed == {"embed"}
     untied = resolve("hippie", Shape(4, 8), {"deferred_stages": [0]}, 1, None, layers, ties=False)
@@ -92,22 +114,33 @@ def test_the_tie_rule_applies_where_stages_update_apart():
 
 def _calls(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
-    return {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+    return {
+        n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
+    }
 
 
 def test_start_up_the_cli_and_the_planner_resolve_through_one_pass():
     """They call ``resolve`` (start-up through the adapter's ``resolve_for_module``), and nothing
     outside the pass calls the choosers or recompiles for a decision."""
-    for user in ("hippie_ds/adapter/module/deferred_layers.py", "hippie_ds/cli/schedule.py",
-                 "hippie_ds/planner/evaluate.py",
-                 "tools/bench/studies/example_costs.py"):
+    for user in (
+        "hippie_ds/adapter/module/deferred_layers.py",
+        "hippie_ds/cli/schedule.py",
+        "hippie_ds/planner/evaluate.py",
+        "tools/bench/studies/example_costs.py",
+    ):
         assert "resolve" in _calls(ROOT / user), user
     assert "resolve_for_module" in _calls(ROOT / "hippie_ds/adapter/startup/checks.py")
     allowed = {ROOT / "hippie_ds/schedules/resolve.py", *(ROOT / "hippie_ds/schedules/deferral").glob("*.py")}
     for path in [*(ROOT / "hippie_ds").rglob("*.py"), *(ROOT / "tools").rglob("*.py")]:
         if path in allowed:
             continue
-        found = _calls(path) & {"choose_deferred_layers", "resolve_auto_params", "decide", "recompile",
-                                "final_schedule"}
+        found = _calls(path) & {
+            "choose_deferred_layers",
+            "resolve_auto_params",
+            "decide",
+            "recompile",
+            "final_schedule",
+        }
         assert not found, f"{path.relative_to(ROOT)} calls {sorted(found)}: go through schedules.resolve.resolve"

@@ -1,4 +1,5 @@
 """The cost model, the discrete-event simulator, 'auto' parameters and trace output. Pure Python."""
+
 import json
 import math
 
@@ -29,12 +30,21 @@ def realistic(stages=4):
     """4 balanced stages of a 13.7M-parameter GPT (fp32: 13.7 MB of parameters per stage), 2 replicas
     across a 1 Gbit/s link shared by all stages, fast pipeline links inside the node."""
     comm = CommCost(p2p_bandwidth=10e9, allreduce_bandwidth=1.25e8, data_parallel=2, shared_link=True)
-    return Costs.uniform(stages, forward=0.020, backward=0.040, activation_bytes=2.1e6, saved_bytes=30e6,
-                         param_bytes=13.7e6, optimizer_time=0.005, comm=comm)
+    return Costs.uniform(
+        stages,
+        forward=0.020,
+        backward=0.040,
+        activation_bytes=2.1e6,
+        saved_bytes=30e6,
+        param_bytes=13.7e6,
+        optimizer_time=0.005,
+        comm=comm,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Costs
+
 
 def test_allreduce_time_is_ring_formula():
     comm = CommCost(allreduce_bandwidth=1e9, allreduce_latency=1e-3, data_parallel=4)
@@ -61,13 +71,16 @@ def test_costs_from_file_single_mapping_and_list(tmp_path):
         Costs.from_file(jpath, num_stages=4)
 
 
-@pytest.mark.parametrize("text, field", [
-    ("stages: [{forward: 1}]", "stages.0.backward"),
-    ("stages: [{forward: 1, backward: 1, forwrd: 2}]", "stages.0.forwrd"),
-    ("stages: [{forward: -1, backward: 1}]", "stages.0.forward"),
-    ("stages: [{forward: 1, backward: 1}]\ncomm: {data_parallel: 0}", "comm.data_parallel"),
-    ("comm: {}", "stages"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("stages: [{forward: 1}]", "stages.0.backward"),
+        ("stages: [{forward: 1, backward: 1, forwrd: 2}]", "stages.0.forwrd"),
+        ("stages: [{forward: -1, backward: 1}]", "stages.0.forward"),
+        ("stages: [{forward: 1, backward: 1}]\ncomm: {data_parallel: 0}", "comm.data_parallel"),
+        ("comm: {}", "stages"),
+    ],
+)
 def test_costs_errors_name_the_field(tmp_path, text, field):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -80,8 +93,14 @@ def test_costs_from_layers():
     a = Costs.from_layers(layers, [0, 2, 5])
     b = Costs.from_layers(layers, [0, 2])  # start indices only
     assert a == b
-    assert a.stages[0] == StageCost(forward=2, backward=4, param_bytes=20, saved_bytes=10, activation_bytes=101,
-                                    layers=[{"param_bytes": 10, "backward": 2}] * 2)  # kept for partial deferral
+    assert a.stages[0] == StageCost(
+        forward=2,
+        backward=4,
+        param_bytes=20,
+        saved_bytes=10,
+        activation_bytes=101,
+        layers=[{"param_bytes": 10, "backward": 2}] * 2,
+    )  # kept for partial deferral
     assert a.stages[1].forward == 3 and a.stages[1].activation_bytes == 104
     with pytest.raises(CostsError, match="strictly increasing"):
         Costs.from_layers(layers, [0, 3, 3])
@@ -91,6 +110,7 @@ def test_costs_from_layers():
 
 # ---------------------------------------------------------------------------------------------
 # Identities with equal costs and free communication
+
 
 @pytest.mark.parametrize("forward, backward", [(1.0, 2.0), (1.0, 1.0)])
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -166,8 +186,13 @@ def test_an_allreduce_in_flight_takes_compute_from_its_stage():
     K, M, cpu = 2, 4, 0.25
 
     def charging(costs, stages):
-        return Costs(stages=[c.model_copy(update={"allreduce_cpu_time": cpu}) if s in stages else c
-                             for s, c in enumerate(costs.stages)], comm=costs.comm)
+        return Costs(
+            stages=[
+                c.model_copy(update={"allreduce_cpu_time": cpu}) if s in stages else c
+                for s, c in enumerate(costs.stages)
+            ],
+            comm=costs.comm,
+        )
 
     link = slow_link(K)  # 4 s all-reduces: longer than any stage's compute
     hidden = sim("hippie", K, M, link, deferred_stages=[0])
@@ -176,8 +201,9 @@ def test_an_allreduce_in_flight_takes_compute_from_its_stage():
     covered = sim("hippie", K, M, charging(link, {1}), deferred_stages=[0])  # stage 1 waits for its own
     assert covered.step_time == pytest.approx(hidden.step_time, **EXACT)
     alone = Costs.uniform(K, 1.0, 2.0, comm=FREE)
-    assert sim("hippie", K, M, charging(alone, {0, 1})).step_time == pytest.approx(sim("hippie", K, M, alone).step_time,
-                                                                               **EXACT)
+    assert sim("hippie", K, M, charging(alone, {0, 1})).step_time == pytest.approx(
+        sim("hippie", K, M, alone).step_time, **EXACT
+    )
 
 
 def test_split_costs_are_checked():
@@ -216,6 +242,7 @@ def test_brief_worked_example_builtin_hippie():
 
 # ---------------------------------------------------------------------------------------------
 # Communication costs
+
 
 def test_p2p_transfer_time_and_optimizer_step():
     comm = CommCost(p2p_bandwidth=1e6, p2p_latency=0.5)
@@ -307,8 +334,9 @@ def test_resolve_auto_params_defers_early_stages():
     # no data parallelism: nothing to hide, nothing deferred
     assert resolve_auto_params("hippie", 4, 8, Costs.uniform(4, comm=FREE)) == {"deferred_stages": []}
     # explicit values are kept; schedules without 'auto' parameters pass through
-    assert resolve_auto_params("hippie", 4, 8, slow_link(4), params={"deferred_stages": [2]}) == \
-        {"deferred_stages": [2]}
+    assert resolve_auto_params("hippie", 4, 8, slow_link(4), params={"deferred_stages": [2]}) == {
+        "deferred_stages": [2]
+    }
     assert resolve_auto_params("1f1b", 4, 8, slow_link(4)) == {}
 
 
@@ -324,14 +352,16 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------
 # Results and traces
 
+
 def test_result_dict_is_json():
     res = sim("hippie", 4, 4, realistic(), iterations=2)
     data = json.loads(json.dumps(res.to_dict()))
     assert data["schedule"] == "hippie" and len(data["per_stage"]) == 4 and len(data["events"]) == len(res.events)
     for p in data["per_stage"]:
         assert p["idle"] == pytest.approx(data["step_time"] - p["busy"], **EXACT)
-        assert p["exposed_comm"] == pytest.approx(p["exposed_allreduce"] + p["exposed_p2p"] + p["exposed_sync"],
-                                                  **EXACT)
+        assert p["exposed_comm"] == pytest.approx(
+            p["exposed_allreduce"] + p["exposed_p2p"] + p["exposed_sync"], **EXACT
+        )
 
 
 def test_events_cover_every_op():
@@ -362,8 +392,10 @@ def test_chrome_trace(tmp_path):
 
 
 def test_chrome_trace_measured_rank_dicts(tmp_path):
-    events = [{"rank": 2, "stage": 1, "name": "F0", "category": "forward", "start": 0.0, "end": 0.5, "micro_batch": 0},
-              {"rank": 2, "stage": 1, "name": "allreduce(grads)", "cat": "comm", "start": 0.5, "end": 0.9}]
+    events = [
+        {"rank": 2, "stage": 1, "name": "F0", "category": "forward", "start": 0.0, "end": 0.5, "micro_batch": 0},
+        {"rank": 2, "stage": 1, "name": "allreduce(grads)", "cat": "comm", "start": 0.5, "end": 0.9},
+    ]
     doc = chrome_trace(events, tmp_path / "t.json", process_names={2: "rank 2 / node 1"})
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert [(e["pid"], e["tid"]) for e in xs] == [(2, 0), (2, 1)]
@@ -392,7 +424,10 @@ def test_partial_deferral_moves_a_share_of_the_allreduce_into_the_step():
     eager = sim("hippie", 4, 8, costs, deferred_stages=[])
     assert whole.per_stage[0]["delayed_fraction"] == 1.0 and part.per_stage[0]["delayed_fraction"] == 0.25
     assert part.per_stage[0]["gradient_buffer_bytes"] == pytest.approx(0.25 * costs.stages[0].param_bytes)
-    assert whole.per_stage[0]["exposed_allreduce"] < part.per_stage[0]["exposed_allreduce"] \
+    assert (
+        whole.per_stage[0]["exposed_allreduce"]
+        < part.per_stage[0]["exposed_allreduce"]
         < eager.per_stage[0]["exposed_allreduce"]
+    )
     assert whole.step_time < part.step_time < eager.step_time
     assert part.per_stage[1]["delayed_fraction"] == 0.0  # not a deferred stage

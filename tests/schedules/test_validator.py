@@ -3,6 +3,7 @@ fewer micro-batches than stages too); broken streams between stages (deadlocks, 
 unmatched p2p, mismatched pipeline collectives) are caught with the right stage, step and reason;
 validate() raises them as a ScheduleError. What a stage does with its own micro-batches, buffers
 and gradients is test_validator_dataflow.py's. Pure Python, no torch."""
+
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ BUILTINS = ["1f1b", "gpipe", "hippie", "hippie-1f1b"]
 
 # ---------------------------------------------------------------------------------------------
 # The built-in schedules are valid
+
 
 def _variants(name, stages):
     yield {}
@@ -44,11 +46,14 @@ def test_compile_validates_by_default():
 
 # The zero-bubble schedules (split backward: backward_input, then backward_weight)
 
+
 def test_zb_h1_is_valid():
     for stages in range(1, 9):
         for micro_batches in range(1, 17):
-            assert check(schedules.compile("zb-h1", stages, micro_batches, validate=False)) == [], (stages,
-                                                                                                    micro_batches)
+            assert check(schedules.compile("zb-h1", stages, micro_batches, validate=False)) == [], (
+                stages,
+                micro_batches,
+            )
 
 
 def test_zero_bubble_schedules_run_fewer_micro_batches_than_stages():
@@ -56,11 +61,16 @@ def test_zero_bubble_schedules_run_fewer_micro_batches_than_stages():
     (every deferred set) compile, validate, keep W in micro-batch order (zb-h1 stays bit-identical
     to 1f1b) and hold at most the M micro-batches on every stage."""
     from hippie_ds.planner.traits import _compiled_traits
+
     for stages in range(2, 9):
         for micro_batches in range(1, stages):
             shape = (stages, micro_batches)
-            for name, deferred in (("zb-h1", None), ("hippie-zb", []), ("hippie-zb", "auto"),
-                                   ("hippie-zb", list(range(stages)))):
+            for name, deferred in (
+                ("zb-h1", None),
+                ("hippie-zb", []),
+                ("hippie-zb", "auto"),
+                ("hippie-zb", list(range(stages))),
+            ):
                 params = {} if deferred is None else {"deferred_stages": deferred}
                 compiled = schedules.compile(name, stages, micro_batches, validate=False, **params)
                 assert check(compiled) == [], (name, shape, deferred)
@@ -73,13 +83,17 @@ def test_zero_bubble_schedules_run_fewer_micro_batches_than_stages():
 # ---------------------------------------------------------------------------------------------
 # Deadlock and p2p matching
 
+
 def _blocking_last_stage_sends(c):
     """The issue's trap: hippie (GPipe order next to the fused last stage) with every send
     blocking, as DeepSpeed's p2p is."""
     for stream in c.streams:
         for step in stream:
-            step[:] = [replace(op, blocking=True) if op.kind in (OpKind.SEND_GRAD, OpKind.SEND_ACTIVATION) else op
-                       for op in step if op.kind != OpKind.WAIT_SENDS]
+            step[:] = [
+                replace(op, blocking=True) if op.kind in (OpKind.SEND_GRAD, OpKind.SEND_ACTIVATION) else op
+                for op in step
+                if op.kind != OpKind.WAIT_SENDS
+            ]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 2), (3, 4), (4, 4), (4, 8), (8, 2)])
@@ -92,8 +106,9 @@ def test_blocking_grad_sends_from_last_stage_deadlock(stages, micro_batches):
     stuck = problems_with(problems, K - 1, K - 1, "deadlock", "blocking send_grad(mb=0) to stage", str(K - 2))
     assert stuck and stuck[0].op == "send_grad(mb=0, buf=0)"
     assert f"stage {K - 2} is blocked at step" in stuck[0].reason and "send_activation(mb=1)" in stuck[0].reason
-    assert problems_with(problems, K - 2, K - 1, "deadlock", "send_activation(mb=1)",
-                         f"stage {K - 1} is blocked at step {K - 1}")
+    assert problems_with(
+        problems, K - 2, K - 1, "deadlock", "send_activation(mb=1)", f"stage {K - 1} is blocked at step {K - 1}"
+    )
     assert all(p.reason.startswith("deadlock") for p in problems)
 
 
@@ -105,8 +120,13 @@ def test_1f1b_needs_deepspeeds_send_recv_order():
     assert recv[0] == send[0] and recv[1] < send[1]
     swap(c, 0, recv, send)
     problems = check(c)
-    assert problems_with(problems, 0, recv[0], "deadlock: blocking send_activation(mb=2) to stage 1",
-                         "stage 1 is blocked at step 5 on send_grad(mb=0) to stage 0")
+    assert problems_with(
+        problems,
+        0,
+        recv[0],
+        "deadlock: blocking send_activation(mb=2) to stage 1",
+        "stage 1 is blocked at step 5 on send_grad(mb=0) to stage 0",
+    )
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
@@ -155,8 +175,9 @@ def test_send_never_received():
     problems = check(c, iterations=1)
     (p,) = problems_with(problems, 1, 2, "unmatched")
     assert p.reason == "unmatched: send_grad(mb=1) to stage 0 is never received"
-    assert problems_with(problems, 0, c.num_steps - 1,
-                         "backward of micro-batch 1 before its output gradient is received")
+    assert problems_with(
+        problems, 0, c.num_steps - 1, "backward of micro-batch 1 before its output gradient is received"
+    )
 
 
 def test_wait_sends_for_a_send_never_received():
@@ -188,6 +209,7 @@ def test_pipeline_collectives_must_match():
 # ---------------------------------------------------------------------------------------------
 # validate() and the error
 
+
 def test_validate_raises_naming_stage_and_step():
     c = editable("hippie", 4, 4)
     _blocking_last_stage_sends(c)
@@ -197,8 +219,9 @@ def test_validate_raises_naming_stage_and_step():
     assert isinstance(err, ScheduleError)
     assert len(err.problems) == 4
     msg = str(err)
-    assert msg.startswith("schedule hippie (4 stages x 4 micro-batches, params {'deferred_stages': [0, 1]}): "
-                          "4 problem(s):\n  ")
+    assert msg.startswith(
+        "schedule hippie (4 stages x 4 micro-batches, params {'deferred_stages': [0, 1]}): 4 problem(s):\n  "
+    )
     assert "stage 3 step 3 send_grad(mb=0, buf=0): deadlock: blocking send_grad(mb=0) to stage 2" in msg
 
 

@@ -3,6 +3,7 @@ forward or received input; forwarded twice; out of range), buffer slots overwrit
 gradients applied before they are reduced or never, the split backward's backward_weight before its
 backward_input or missing, and the gradient buffer state machine the validator, simulator and
 engine share, each caught with the right stage, step and reason. Pure Python, no torch."""
+
 from dataclasses import replace
 
 from hippie_ds.schedules import OpKind
@@ -13,6 +14,7 @@ from validator_cases import editable, locate, op_at, problems_with, put, remove,
 
 # ---------------------------------------------------------------------------------------------
 # Data flow and buffer slots
+
 
 def test_backward_before_forward():
     c = editable("gpipe", 2, 2)
@@ -76,6 +78,7 @@ def test_slot_out_of_range_and_inconsistent():
 # ---------------------------------------------------------------------------------------------
 # Gradients and updates
 
+
 def test_optimizer_step_before_reduce_grads():
     c = editable("1f1b", 2, 2)
     swap(c, 0, locate(c, 0, OpKind.REDUCE_GRADS), locate(c, 0, OpKind.OPTIMIZER_STEP))
@@ -136,8 +139,9 @@ def test_buffer_reduced_but_not_applied_at_iteration_end():
     start = locate(c, 0, OpKind.START_ALLREDUCE, target="buffer")
     start_op = c.streams[0][start[0]][start[1]]
     c.streams[0][wait.step] += [replace(start_op, step=wait.step), wait]  # copy, start, wait: reduced, left so
-    assert Problem(0, None, None, "gradient buffer all-reduced but never applied "
-                                  "(apply_buffered_update missing)") in check(c, iterations=1)
+    assert Problem(
+        0, None, None, "gradient buffer all-reduced but never applied (apply_buffered_update missing)"
+    ) in check(c, iterations=1)
 
 
 def test_backward_after_update():
@@ -155,16 +159,25 @@ def test_grads_all_reduce_never_waited():
     c = editable("hippie-1f1b", 2, 2)  # stage 1 is not deferred
     remove(c, 1, locate(c, 1, OpKind.WAIT_ALLREDUCE, target="grads"))
     problems = check(c)
-    assert problems_with(problems, 1, c.num_steps - 1,
-                         "stage_optimizer_step before the gradients it applies are reduced")
-    assert Problem(1, None, None, "all-reduce of the gradients still in flight at the end of the iteration "
-                                  "(no wait_allreduce(grads))") in problems
+    assert problems_with(
+        problems, 1, c.num_steps - 1, "stage_optimizer_step before the gradients it applies are reduced"
+    )
+    assert (
+        Problem(
+            1,
+            None,
+            None,
+            "all-reduce of the gradients still in flight at the end of the iteration (no wait_allreduce(grads))",
+        )
+        in problems
+    )
 
 
 def test_gradient_buffer_state_machine_is_shared():
     """The one state machine the validator, simulator and engine use: the first step's start /
     wait / apply do nothing, one replica goes straight to reduced, and the illegal orders say why."""
     from hippie_ds.schedules.grad_buffer import GradBuffer
+
     b = GradBuffer()
     assert b.start() == (False, None) and b.wait() == (False, None) and b.apply() == (False, None)
     assert b.copy() is None and b.pending
@@ -179,6 +192,7 @@ def test_gradient_buffer_state_machine_is_shared():
 
 # ---------------------------------------------------------------------------------------------
 # Split backward (zero-bubble): backward_input, then backward_weight, buffer alive until W
+
 
 def test_weight_pass_before_its_input_pass_is_caught():
     c = editable("zb-h1", 2, 2)
@@ -197,8 +211,13 @@ def test_buffer_reused_before_its_weight_pass_is_caught():
     # stage 1 of zb-h1 (K=2) runs F0 I0 F1 I1 W0 ...: micro-batch 0 holds its slot until W0
     c = editable("zb-h1", 2, 4)
     c.streams[1] = [[replace(op, buffer=0) if op.micro_batch == 1 else op for op in step] for step in c.streams[1]]
-    assert problems_with(check(c), 1, 3, "buffer overwritten while live: slot 0 still holds micro-batch 0",
-                         "used again at step 5 by backward_weight(mb=0)")
+    assert problems_with(
+        check(c),
+        1,
+        3,
+        "buffer overwritten while live: slot 0 still holds micro-batch 0",
+        "used again at step 5 by backward_weight(mb=0)",
+    )
 
 
 def test_update_between_input_and_weight_pass_is_caught():

@@ -4,6 +4,7 @@ simulated (pure), and run by the engine with real ranks: interleaved-1f1b bit-id
 embedding and the head on one stage, where a tied module is one parameter, so its two gradients
 sum in another order), hippie-interleaved against the reference of its rule, eval_batch, and
 checkpoints crossing between the layouts (DeepSpeed's per-layer files)."""
+
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from hippie_ds.schedules.validator import check
 
 # ---------------------------------------------------------------------------------------------
 # pure layers
+
 
 def test_layouts_place_every_part_once():
     for K in range(1, 6):
@@ -66,8 +68,9 @@ def test_zb_v_validates_and_halves_the_bubble():
             for s in range(K):  # W of each chunk in micro-batch order: 1f1b's accumulation order
                 ops = list(compiled.ops(s))
                 for c in range(2):
-                    assert [op.micro_batch for op in ops if op.kind == OpKind.BACKWARD_WEIGHT and op.chunk == c] \
-                        == list(range(M))
+                    assert [
+                        op.micro_batch for op in ops if op.kind == OpKind.BACKWARD_WEIGHT and op.chunk == c
+                    ] == list(range(M))
     costs = Costs.uniform(4, forward=1.0, backward=2.0)  # B = 2: input 1 + weight 1
     zbv, zbh1, one = (simulate(schedules.compile(n, 4, 8), costs) for n in ("zb-v", "zb-h1", "1f1b"))
     assert (zbv.step_time, zbh1.step_time, one.step_time) == (25.5, 27.0, 33.0)
@@ -129,8 +132,10 @@ def test_chunk_allreduce_rules(tmp_path):
     for s in range(2):
         ops = list(compiled.ops(s))
         i = next(i for i, op in enumerate(ops) if op.target == "chunk")
-        assert ops[i].chunk == 1 and (ops[i - 1].kind, ops[i - 1].chunk) in ((OpKind.SEND_GRAD, 1),
-                                                                             (OpKind.BACKWARD, 1))
+        assert ops[i].chunk == 1 and (ops[i - 1].kind, ops[i - 1].chunk) in (
+            (OpKind.SEND_GRAD, 1),
+            (OpKind.BACKWARD, 1),
+        )
         assert not any(op.kind == OpKind.BACKWARD and op.chunk == 1 for op in ops[i:])
     text = (Path(schedules.spec.builtin_dir()) / "hippie-interleaved.yaml").read_text()
     early = tmp_path / "early.yaml"
@@ -141,12 +146,15 @@ def test_chunk_allreduce_rules(tmp_path):
     wrong.write_text(text.replace("epilogue:\n", "epilogue:\n  - {op: start_allreduce, target: chunk}\n"))
     with pytest.raises(ScheduleError, match=r"start_allreduce\(chunk\) belongs in a compute rule's 'after'"):
         schedules.compile(str(wrong), 2, 4)
-    costs = Costs.uniform(4, forward=0.02, backward=0.04, param_bytes=13.7e6,
-                          comm={"data_parallel": 2, "allreduce_bandwidth": 1.25e8})
+    costs = Costs.uniform(
+        4, forward=0.02, backward=0.04, param_bytes=13.7e6, comm={"data_parallel": 2, "allreduce_bandwidth": 1.25e8}
+    )
     late = tmp_path / "late.yaml"  # the same schedule without the early chunk all-reduce
-    late.write_text(text[:text.index("    after:")] + text[text.index("prologue:"):])
-    step = {path: simulate(schedules.compile(path, 4, 8, deferred_stages=[]), costs).step_time
-            for path in ("hippie-interleaved", str(late))}
+    late.write_text(text[: text.index("    after:")] + text[text.index("prologue:") :])
+    step = {
+        path: simulate(schedules.compile(path, 4, 8, deferred_stages=[]), costs).step_time
+        for path in ("hippie-interleaved", str(late))
+    }
     assert step["hippie-interleaved"] < 0.95 * step[str(late)], step
 
 
@@ -155,6 +163,7 @@ def test_one_received_gradient_per_chunk():
     it, and a second gradient of the same chunk received early is refused."""
     from dataclasses import replace
     from hippie_ds.schedules.stage_checks import check_single_grad_slot
+
     for name in ("interleaved-1f1b", "hippie-interleaved", "zb-v"):
         for K in (2, 4):
             c = schedules.compile(name, K, 2 * K, validate=False)
@@ -162,8 +171,12 @@ def test_one_received_gradient_per_chunk():
                 check_single_grad_slot(c, s)
     c = schedules.compile("interleaved-1f1b", 2, 4, validate=False)
     steps = c.streams[0]
-    t, i = next((t, i) for t, step in enumerate(steps) for i, op in enumerate(step)
-                if op.kind == OpKind.RECV_GRAD and op.chunk == 1 and op.micro_batch == 1)
+    t, i = next(
+        (t, i)
+        for t, step in enumerate(steps)
+        for i, op in enumerate(step)
+        if op.kind == OpKind.RECV_GRAD and op.chunk == 1 and op.micro_batch == 1
+    )
     early = steps[t].pop(i)
     first = next(t for t, step in enumerate(steps) if any(op.kind == OpKind.RECV_GRAD and op.chunk == 1 for op in step))
     steps[first].insert(0, replace(early, step=first))  # chunk 1's mb 1 received before its mb 0
@@ -175,8 +188,9 @@ def test_inference_stream_runs_every_chunk_once():
     layout = Layout("interleaved", 2, 2)
     for s in range(2):
         ops = [op for step in inference_stream(layout, s, 3) for op in step]
-        assert sorted((op.chunk, op.micro_batch) for op in ops if op.kind == OpKind.FORWARD) == \
-            [(c, m) for c in range(2) for m in range(3)]
+        assert sorted((op.chunk, op.micro_batch) for op in ops if op.kind == OpKind.FORWARD) == [
+            (c, m) for c in range(2) for m in range(3)
+        ]
         assert ops[-1].kind == OpKind.WAIT_SENDS
 
 
@@ -199,10 +213,26 @@ def test_interleaved_engines_exact(tmp_path):
     1F1B (parameters, losses, eval loss) in every precision, zb-v within rounding (its tied
     module is one parameter on stage 0: test_zb_v_exact checks it bit for bit untied); hippie-interleaved matches the
     reference of its rule in fp32 and keeps its replicas and tied copies identical in bf16 + ZeRO-1."""
-    engines = [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b", "zb-v")] + \
-        [f"hippie-interleaved{p}" for p in PRECISIONS] + ["interleaved-1f1b+recompute", "zb-v+recompute"]
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
-                        "--eval", "--engines", ",".join(engines), timeout=1500)
+    engines = (
+        [f"{name}{p}" for p in PRECISIONS for name in ("stock", "interleaved-1f1b", "zb-v")]
+        + [f"hippie-interleaved{p}" for p in PRECISIONS]
+        + ["interleaved-1f1b+recompute", "zb-v+recompute"]
+    )
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--tied",
+        "--eval",
+        "--engines",
+        ",".join(engines),
+        timeout=1500,
+    )
     assert rc == 0, log[-4000:]
     for p in PRECISIONS:
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
@@ -210,17 +240,28 @@ def test_interleaved_engines_exact(tmp_path):
         assert len(parts) == 4  # 2 stages x 2 chunks
         assert _max_diff(stock, ours) == 0.0, f"interleaved-1f1b{p} differs from stock"
         assert losses == stock_losses
-        evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"interleaved-1f1b{p}")
-                 for f in (tmp_path / name).glob("rank*.pt")}
+        evals = {
+            torch.load(f)["eval"]
+            for name in (f"stock{p}", f"interleaved-1f1b{p}")
+            for f in (tmp_path / name).glob("rank*.pt")
+        }
         assert len(evals) == 1, f"eval_batch{p}: {evals}"
     for p in PRECISIONS:  # zb-v: the tied embedding and head are one parameter on stage 0
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
         ours, losses, parts, _, _ = collect(tmp_path, f"zb-v{p}")
-        assert len(parts) == 4 and _max_diff(stock, ours) <= (1e-6 if not p else 2 ** -8), f"zb-v{p}"
+        assert len(parts) == 4 and _max_diff(stock, ours) <= (1e-6 if not p else 2**-8), f"zb-v{p}"
     ours, losses, parts, params, replicas = collect(tmp_path, "hippie-interleaved")
     assert params["deferred_stages"] == [0, 1]  # stage 0, and stage 1's tied copy (one rule for the tie)
-    ref, ref_losses = reference.run(reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS,
-                                    deferred=[0, 1], delayed_layers={1: 0}, staleness=StalenessConfig(), tied=True)
+    ref, ref_losses = reference.run(
+        reference.interleaved_stages(parts, 2),
+        2,
+        MICRO_BATCHES,
+        STEPS,
+        deferred=[0, 1],
+        delayed_layers={1: 0},
+        staleness=StalenessConfig(),
+        tied=True,
+    )
     assert _max_diff(ours, ref) <= 1e-6
     assert _max_diff(ours, collect(tmp_path, "stock")[0]) > 1e-4  # the delayed rule is in effect
     for name in ("interleaved-1f1b+recompute", "zb-v+recompute"):  # per-layer re-computation, each chunk
@@ -256,17 +297,32 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
     (no deferred stage: the synchronous rule) and zb-v bit-identical to 1f1b in fp32 and bf16 +
     ZeRO-1 (their split backward's input gradient had the transposed strides, which the send of
     zb-h1's first ISendGrad refused: "input tensor has to be contiguous")."""
-    seqfirst = [f"{name}+seqfirst{p}" for p in ("", "+bf16+zero1") for name in SEQFIRST] + \
-        ["interleaved-1f1b+seqfirst"]
-    engines = [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")] + \
-        ["hippie-interleaved", "hippie-interleaved+bf16+zero1", "hippie-interleaved+zero1"] + seqfirst
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--eval",
-                        "--engines", ",".join(engines), timeout=1500)
+    seqfirst = [f"{name}+seqfirst{p}" for p in ("", "+bf16+zero1") for name in SEQFIRST] + ["interleaved-1f1b+seqfirst"]
+    engines = (
+        [f"{name}{p}" for p in PRECISIONS + ("+zero1",) for name in ("stock", "zb-v")]
+        + ["hippie-interleaved", "hippie-interleaved+bf16+zero1", "hippie-interleaved+zero1"]
+        + seqfirst
+    )
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--eval",
+        "--engines",
+        ",".join(engines),
+        timeout=1500,
+    )
     assert rc == 0, log[-4000:]
     ours, losses, parts, params, replicas = collect(tmp_path, "hippie-interleaved")
     assert params["deferred_stages"] == [0]
-    ref, _ = reference.run(reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS, deferred=[0],
-                           staleness=StalenessConfig())
+    ref, _ = reference.run(
+        reference.interleaved_stages(parts, 2), 2, MICRO_BATCHES, STEPS, deferred=[0], staleness=StalenessConfig()
+    )
     assert _max_diff(ours, ref) <= 1e-6
     # SGD: a flat partition's zero gradient (ZeRO-1) changes nothing, the fp32 reference holds
     assert _max_diff(collect(tmp_path, "hippie-interleaved+zero1")[0], ref) <= 1e-6
@@ -279,8 +335,9 @@ def test_zb_v_exact_and_chunk_allreduce(tmp_path):
         assert len(parts) == 4
         assert _max_diff(stock, ours) == 0.0, f"zb-v{p} differs from stock"
         assert losses == stock_losses
-        evals = {torch.load(f)["eval"] for name in (f"stock{p}", f"zb-v{p}")
-                 for f in (tmp_path / name).glob("rank*.pt")}
+        evals = {
+            torch.load(f)["eval"] for name in (f"stock{p}", f"zb-v{p}") for f in (tmp_path / name).glob("rank*.pt")
+        }
         assert len(evals) == 1, f"eval_batch{p}: {evals}"
     for p in ("", "+bf16+zero1"):
         base, base_losses, _, _, _ = collect(tmp_path, f"1f1b+seqfirst{p}")
@@ -315,8 +372,19 @@ def test_checkpoints_cross_layouts(tmp_path):
         out = tmp_path / f"{first}-to-{second}"
         rc, log, _ = launch(2, out, *common, "--steps", STEPS, "--checkpoint-at", 2, "--engines", first, timeout=300)
         assert rc == 0, log[-4000:]
-        rc, log, _ = launch(2, out, *common, "--steps", STEPS, "--resume", out / first / "ckpt",
-                            "--resume-weights-only", "--engines", second, timeout=300)
+        rc, log, _ = launch(
+            2,
+            out,
+            *common,
+            "--steps",
+            STEPS,
+            "--resume",
+            out / first / "ckpt",
+            "--resume-weights-only",
+            "--engines",
+            second,
+            timeout=300,
+        )
         assert rc == 0, log[-4000:]
         ours, losses, _, _, _ = collect(out, second)
         if "zb-v" in (first, second):
@@ -336,18 +404,31 @@ def test_megatron_shapes_under_virtual_stages(tmp_path):
     depending on the CPU's vector width), hippie-interleaved trains with identical replicas."""
     names = ("stock", "interleaved-1f1b", "zb-v", "hippie-interleaved")
     engines = [f"{n}{p}" for p in ("", "+bf16+zero1") for n in names]
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--megatron",
-                        "--engines", ",".join(engines), timeout=1500)
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--megatron",
+        "--engines",
+        ",".join(engines),
+        timeout=1500,
+    )
     assert rc == 0, log[-4000:]
     for p in ("", "+bf16+zero1"):
         stock, stock_losses, _, _, _ = collect(tmp_path, f"stock{p}")
         ours, losses, _, _, _ = collect(tmp_path, f"interleaved-1f1b{p}")
         assert _max_diff(stock, ours) == 0.0 and losses == stock_losses, f"interleaved-1f1b{p}"
         ours, losses, _, _, _ = collect(tmp_path, f"zb-v{p}")
-        tol = 1e-6 if not p else 2 ** -8
+        tol = 1e-6 if not p else 2**-8
         assert _max_diff(stock, ours) <= tol, f"zb-v{p}"
-        assert all(abs(x - y) <= tol * max(1.0, abs(y)) for r in stock_losses
-                   for x, y in zip(losses[r], stock_losses[r])), f"zb-v{p} losses"
+        assert all(
+            abs(x - y) <= tol * max(1.0, abs(y)) for r in stock_losses for x, y in zip(losses[r], stock_losses[r])
+        ), f"zb-v{p} losses"
         ours, losses, _, _, replicas = collect(tmp_path, f"hippie-interleaved{p}")
         assert _max_diff(replicas[0], replicas[1]) == 0.0
         assert all(loss == loss and abs(loss) < 100 for rank in losses.values() for loss in rank)
@@ -355,6 +436,7 @@ def test_megatron_shapes_under_virtual_stages(tmp_path):
 
 def test_cli_takes_virtual_stages(capsys):
     from hippie_ds.cli import main
+
     assert main(["schedule", "simulate", "interleaved-1f1b", "-K", "4", "-M", "8", "--virtual-stages", "4"]) == 0
     assert "bubble 8.6%" in capsys.readouterr().out  # (K-1)/(vM+K-1) = 3/35
     assert main(["schedule", "validate", "1f1b", "-K", "4", "-M", "8", "-v", "2"]) == 1

@@ -1,6 +1,7 @@
 """What the validator tests (test_validator.py, test_validator_dataflow.py) edit schedules with: a
 compiled schedule whose streams may be changed in place, and how they find, move and remove its ops
 and pick out the problems the validator reports at one stage and step."""
+
 from dataclasses import replace
 
 from hippie_ds import schedules
@@ -14,8 +15,12 @@ def editable(name, stages, micro_batches, **params):
 
 def locate(c, stage, kind, mb=None, target=None):
     """(step, index) of the stage's only op of that kind (and micro-batch / target)."""
-    hits = [(t, i) for t, step in enumerate(c.streams[stage]) for i, op in enumerate(step)
-            if op.kind == kind and (mb is None or op.micro_batch == mb) and (target is None or op.target == target)]
+    hits = [
+        (t, i)
+        for t, step in enumerate(c.streams[stage])
+        for i, op in enumerate(step)
+        if op.kind == kind and (mb is None or op.micro_batch == mb) and (target is None or op.target == target)
+    ]
     assert len(hits) == 1, hits
     return hits[0]
 

@@ -2,6 +2,7 @@
 project ("issue 52", "(issue 48 item 3)"), which a reader of the code cannot open and which tells the
 history instead of the reason. An upstream bug cited by its tracker stays ("DeepSpeed issue #4035",
 "torch issue 1234", a github.com link). Pure."""
+
 import ast
 import io
 import re
@@ -27,9 +28,12 @@ def _texts(path: Path):
 
 
 def own_issue_mentions(path: Path, root: Path = ROOT) -> list[str]:
-    return [f"{path.relative_to(root)}:{line}: {m.group(0)!r}" for line, text in _texts(path)
-            for m in OWN_ISSUE.finditer(" ".join(text.split()))
-            if "github.com" not in text]
+    return [
+        f"{path.relative_to(root)}:{line}: {m.group(0)!r}"
+        for line, text in _texts(path)
+        for m in OWN_ISSUE.finditer(" ".join(text.split()))
+        if "github.com" not in text
+    ]
 
 
 def test_no_docstring_or_comment_in_the_package_or_the_tools_names_an_issue():
@@ -41,7 +45,12 @@ def test_no_docstring_or_comment_in_the_package_or_the_tools_names_an_issue():
 
 def test_an_issue_number_is_found(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text('"""Robust times (issue 52)."""\n\n\ndef f():\n    """As in\n    Issue 48 item 3."""\n'
-                     "# see issue #7\n# DeepSpeed issue #4035 is upstream\nx = 'issue 9'  # not in a comment\n")
-    assert [m.split(": ", 1)[1] for m in own_issue_mentions(probe, root=tmp_path)] == \
-        ["'issue 52'", "'Issue 48'", "'issue #7'"]
+    probe.write_text(
+        '"""Robust times (issue 52)."""\n\n\ndef f():\n    """As in\n    Issue 48 item 3."""\n'
+        "# see issue #7\n# DeepSpeed issue #4035 is upstream\nx = 'issue 9'  # not in a comment\n"
+    )
+    assert [m.split(": ", 1)[1] for m in own_issue_mentions(probe, root=tmp_path)] == [
+        "'issue 52'",
+        "'Issue 48'",
+        "'issue #7'",
+    ]

@@ -1,12 +1,13 @@
 """The repository's shape beside docs/architecture.md's layer table (whose layer order ``tests/docs/test_docs.py``
 checks; both read the imports with tests/import_graph.py): the pure layers import neither torch
 nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is over
-400 lines; the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
+MAX_LINES lines (500 formatted, about 400 compact); the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
 from the tests. And the adapter's packages: each with a one-line purpose and under
 MAX_PACKAGE_LINES lines, a package importing only the packages below it in ``hippie_ds.adapter.PACKAGES``
 (``ds`` at the bottom, ``integration`` at the top), no module outside the ``engine`` package
 reading a private attribute of the engine, and no component taking the engine (a component is built
 with what it uses)."""
+
 import ast
 from pathlib import Path
 
@@ -14,9 +15,17 @@ from import_graph import circles, module_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 # the pure layers of docs/architecture.md's table: shared, config, IR, language, compiler, analysis, planner
-PURE = ["hippie_ds/formatting.py", "hippie_ds/data_files.py", "hippie_ds/config.py", "hippie_ds/schedules",
-        "hippie_ds/planner"]
-MAX_LINES = 400
+PURE = [
+    "hippie_ds/formatting.py",
+    "hippie_ds/data_files.py",
+    "hippie_ds/config.py",
+    "hippie_ds/schedules",
+    "hippie_ds/planner",
+]
+# A module does one thing: about 400 lines of the compact layout the code was written in. Under ruff's
+# format (`make test` checks it) the same code takes 21% more lines (45,703 -> 55,429 in the commit that
+# reformatted everything), so the limit counts 500 formatted lines.
+MAX_LINES = 500
 
 
 def _pure_modules() -> list[Path]:
@@ -41,7 +50,7 @@ def test_pure_layers_import_neither_torch_nor_deepspeed():
     assert {k: v for k, v in wrong.items() if v} == {}
 
 
-def test_no_module_over_400_lines():
+def test_no_module_over_the_line_limit():
     modules = [*ROOT.glob("hippie_ds/**/*.py"), *ROOT.glob("tools/**/*.py"), *ROOT.glob("tests/**/*.py")]
     assert len(modules) > 150
     long = {str(p.relative_to(ROOT)): n for p in modules if (n := len(p.read_text().splitlines())) > MAX_LINES}
@@ -54,28 +63,37 @@ def test_tools_import_in_no_circle_and_never_from_the_tests():
     modules = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("tools/**/*.py"))
     from_tests = sorted(m for m in modules if "tests" in _top_level_imports(ROOT / m))
     assert from_tests == []
-    graph = {m: {t for t in module_imports(m, "tools") if not t.endswith("__init__.py")}
-             for m in modules if not m.endswith("__init__.py")}
+    graph = {
+        m: {t for t in module_imports(m, "tools") if not t.endswith("__init__.py")}
+        for m in modules
+        if not m.endswith("__init__.py")
+    }
     assert sum(map(len, graph.values())) > 40  # the imports are found
     assert circles(graph) == []
 
 
 def test_a_circle_is_found():
-    assert circles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}) == \
-        [["a.py", "b.py", "c.py", "a.py"]]
+    assert circles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}) == [
+        ["a.py", "b.py", "c.py", "a.py"]
+    ]
     assert circles({"a.py": {"b.py"}, "b.py": set()}) == []
 
 
 # --- the adapter's packages (issue 59) ------------------------------------------------------------
 ADAPTER = ROOT / "hippie_ds" / "adapter"
-MAX_PACKAGE_LINES = 1250
+MAX_PACKAGE_LINES = 1500  # 1250 compact lines, formatted as MAX_LINES is (x 1.21)
 
 
 def _order() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """PACKAGES and ALIASES, read from the adapter's ``__init__`` without importing it."""
     tree = ast.parse((ADAPTER / "__init__.py").read_text())
-    found = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-             for t in node.targets if isinstance(t, ast.Name)}
+    found = {
+        t.id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     return tuple(found.get("PACKAGES", ())), tuple(found.get("ALIASES", ()))
 
 
@@ -92,8 +110,9 @@ def _modules() -> list[Path]:
 def test_every_module_is_in_a_package_of_the_order():
     packages, aliases = _order()
     assert packages[0] == "ds" and packages[-1] == "integration", packages
-    outside = sorted(str(p.relative_to(ROOT)) for p in _modules()
-                     if _package(p) not in packages and _package(p) not in aliases)
+    outside = sorted(
+        str(p.relative_to(ROOT)) for p in _modules() if _package(p) not in packages and _package(p) not in aliases
+    )
     assert outside == [], f"modules of hippie_ds/adapter/ in no package of hippie_ds.adapter.PACKAGES: {outside}"
     for package in packages[:-1]:
         init = ADAPTER / package / "__init__.py"
@@ -113,8 +132,11 @@ def test_aliases_only_re_export():
 
 def test_packages_are_small():
     packages, _ = _order()
-    sizes = {p: sum(len(m.read_text().splitlines()) for m in (ADAPTER / p).rglob("*.py"))
-             for p in packages if (ADAPTER / p).is_dir()}
+    sizes = {
+        p: sum(len(m.read_text().splitlines()) for m in (ADAPTER / p).rglob("*.py"))
+        for p in packages
+        if (ADAPTER / p).is_dir()
+    }
     assert {p: n for p, n in sizes.items() if n > MAX_PACKAGE_LINES} == {}
 
 
@@ -131,8 +153,10 @@ def test_packages_import_only_the_packages_below_them():
             theirs = _package(ROOT / target)
             if theirs != own and rank.get(theirs, len(packages) + 1) >= rank.get(own, -1):
                 wrong.append(f"{module} ({own}) imports {target} ({theirs})")
-    assert wrong == [], "imports against hippie_ds.adapter.PACKAGES (a package imports only those below it):\n" + \
-        "\n".join(sorted(wrong))
+    assert wrong == [], (
+        "imports against hippie_ds.adapter.PACKAGES (a package imports only those below it):\n"
+        + "\n".join(sorted(wrong))
+    )
 
 
 def _engine_privates() -> set[str]:
@@ -143,16 +167,23 @@ def _engine_privates() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 for item in ast.walk(node):
-                    if isinstance(item, ast.FunctionDef) and item.name.startswith("_") and \
-                            not item.name.startswith("__"):
+                    if (
+                        isinstance(item, ast.FunctionDef)
+                        and item.name.startswith("_")
+                        and not item.name.startswith("__")
+                    ):
                         names.add(item.name)
                     if isinstance(item, (ast.Assign, ast.AnnAssign)):
                         targets = item.targets if isinstance(item, ast.Assign) else [item.target]
                         for t in targets:
                             for sub in ast.walk(t):
-                                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and \
-                                        sub.value.id == "self" and sub.attr.startswith("_") and \
-                                        not sub.attr.startswith("__"):
+                                if (
+                                    isinstance(sub, ast.Attribute)
+                                    and isinstance(sub.value, ast.Name)
+                                    and sub.value.id == "self"
+                                    and sub.attr.startswith("_")
+                                    and not sub.attr.startswith("__")
+                                ):
                                     names.add(sub.attr)
     return names
 
@@ -161,12 +192,20 @@ def private_engine_reads(path: Path, privates: set[str], root: Path = ROOT) -> l
     """``x._name`` (x not ``self``) and ``getattr(x, "_name")`` where ``_name`` is the engine's."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in privates and \
-                not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in privates
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
             found.append(f"{path.relative_to(root)}:{node.lineno}: .{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2 and \
-                isinstance(node.args[1], ast.Constant) and node.args[1].value in privates:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in privates
+        ):
             found.append(f"{path.relative_to(root)}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
     return found
 
@@ -175,8 +214,9 @@ def test_no_module_outside_the_engine_package_reads_a_private_engine_attribute()
     privates = _engine_privates()
     assert {"_runtime", "_chunk_selector", "_chunks"} <= privates  # the scan finds the engine's state
     reads = [r for p in _modules() if _package(p) != "engine" for r in private_engine_reads(p, privates)]
-    assert reads == [], "components read the engine's private attributes (give them what they use when built):\n" + \
-        "\n".join(reads)
+    assert reads == [], (
+        "components read the engine's private attributes (give them what they use when built):\n" + "\n".join(reads)
+    )
 
 
 def test_the_engine_has_no_mixin_and_its_handlers_live_in_the_stage_runtime():
@@ -186,11 +226,17 @@ def test_the_engine_has_no_mixin_and_its_handlers_live_in_the_stage_runtime():
     tree = ast.parse((ADAPTER / "engine" / "engine.py").read_text())
     engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HippiePipelineEngine")
     assert [ast.unparse(b) for b in engine.bases] == ["ds_engine.PipelineEngine"]
-    classes = [n.name for pkg in ("engine", "stage") for p in (ADAPTER / pkg).glob("*.py")
-               for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)]
+    classes = [
+        n.name
+        for pkg in ("engine", "stage")
+        for p in (ADAPTER / pkg).glob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.ClassDef)
+    ]
     assert "StageRuntime" in classes and not [c for c in classes if c.endswith(("Mixin", "Handlers"))]
     import inspect
     from hippie_ds.adapter.stage.handlers import HANDLERS, NONBLOCKING_HANDLERS
+
     firsts = {next(iter(inspect.signature(h).parameters)) for h in [*HANDLERS.values(), *NONBLOCKING_HANDLERS.values()]}
     assert firsts == {"rt"}
 
@@ -209,13 +255,24 @@ def engine_private_reads(path: Path, root: Path = ROOT) -> list[str]:
     """``engine._name`` and ``getattr(engine, "_name")`` / ``setattr`` / ``hasattr``, any private name."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") and \
-                isinstance(node.value, ast.Name) and node.value.id == "engine":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "engine"
+        ):
             found.append(f"{path.relative_to(root)}:{node.lineno}: engine.{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2 and \
-                isinstance(node.args[0], ast.Name) and node.args[0].id == "engine" and \
-                isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_"):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == "engine"
+            and isinstance(node.args[1], ast.Constant)
+            and str(node.args[1].value).startswith("_")
+        ):
             found.append(f"{path.relative_to(root)}:{node.lineno}: {node.func.id}(engine, {node.args[1].value!r})")
     return found
 
@@ -232,8 +289,12 @@ def test_the_handlers_call_down_never_back_into_a_module_they_came_from():
     """The modules of the ``stage`` and ``engine`` packages (the runtime, the handlers, p2p, the
     overrides), an arrow where one imports another: no circle (an ``ISendGrad`` once went back and
     forth between two modules of the engine)."""
-    modules = sorted(p.relative_to(ROOT).as_posix() for pkg in ("stage", "engine") for p in (ADAPTER / pkg).glob("*.py")
-                     if p.name != "__init__.py")
+    modules = sorted(
+        p.relative_to(ROOT).as_posix()
+        for pkg in ("stage", "engine")
+        for p in (ADAPTER / pkg).glob("*.py")
+        if p.name != "__init__.py"
+    )
     graph = {m: {t for t in module_imports(m, "hippie_ds") if t in modules} for m in modules}
     assert sum(map(len, graph.values())) > 5  # the imports are found
     assert circles(graph) == []
@@ -244,15 +305,17 @@ def test_the_handlers_call_down_never_back_into_a_module_they_came_from():
 FACTORY = ADAPTER / "stage" / "build.py"
 ENGINE_CLASSES = {"HippiePipelineEngine", "PipelineEngine", "DeepSpeedEngine"}
 # functions of the scanned modules that are handed an engine and are no component, with why
-TAKES_AN_ENGINE = {"hippie_ds/adapter/profiling/timeline.py:time_stock_handlers":
-                   "times a stock PipelineEngine, which has no instruction hook, by rebinding that engine's map"}
+TAKES_AN_ENGINE = {
+    "hippie_ds/adapter/profiling/timeline.py:time_stock_handlers": (
+        "times a stock PipelineEngine, which has no instruction hook, by rebinding that engine's map"
+    )
+}
 
 
 def _component_modules() -> list[Path]:
     """The adapter's modules less the engine package (the class whose overrides DeepSpeed calls),
     ``ds`` (the seam), ``integration.py`` (it builds the engine) and the components' factory."""
-    return [p for p in _modules() if _package(p) not in ("ds", "integration", "engine", *_order()[1])
-            and p != FACTORY]
+    return [p for p in _modules() if _package(p) not in ("ds", "integration", "engine", *_order()[1]) and p != FACTORY]
 
 
 def engine_parameters(path: Path, root: Path = ROOT) -> list[str]:
@@ -266,10 +329,15 @@ def engine_parameters(path: Path, root: Path = ROOT) -> list[str]:
         for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
             if arg is None:
                 continue
-            annotated = arg.annotation is not None and \
-                any(isinstance(n, ast.Name) and n.id in ENGINE_CLASSES or isinstance(n, ast.Attribute) and
-                    n.attr in ENGINE_CLASSES or isinstance(n, ast.Constant) and str(n.value) in ENGINE_CLASSES
-                    for n in ast.walk(arg.annotation))
+            annotated = arg.annotation is not None and any(
+                isinstance(n, ast.Name)
+                and n.id in ENGINE_CLASSES
+                or isinstance(n, ast.Attribute)
+                and n.attr in ENGINE_CLASSES
+                or isinstance(n, ast.Constant)
+                and str(n.value) in ENGINE_CLASSES
+                for n in ast.walk(arg.annotation)
+            )
             if arg.arg == "engine" or annotated:
                 found.append(f"{path.relative_to(root).as_posix()}:{node.name}")
     return found
@@ -290,8 +358,10 @@ def test_no_component_constructor_takes_the_engine():
 
 def test_an_engine_parameter_is_found(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("class A:\n    def __init__(self, engine):\n        pass\n"
-                     "def f(x, e: 'HippiePipelineEngine'):\n    pass\n"
-                     "def g(x, *, e: ds.PipelineEngine = None):\n    pass\n"
-                     "def h(optimizer, checkpoint_engine):\n    pass\n")
+    probe.write_text(
+        "class A:\n    def __init__(self, engine):\n        pass\n"
+        "def f(x, e: 'HippiePipelineEngine'):\n    pass\n"
+        "def g(x, *, e: ds.PipelineEngine = None):\n    pass\n"
+        "def h(optimizer, checkpoint_engine):\n    pass\n"
+    )
     assert sorted(engine_parameters(probe, root=tmp_path)) == ["probe.py:__init__", "probe.py:f", "probe.py:g"]

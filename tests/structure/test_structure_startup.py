@@ -1,6 +1,7 @@
 """One start-up path, checked on the adapter's source: every check ``hippie_ds.initialize`` makes runs from
 ``hippie_ds/adapter/startup/`` (in one order, before any process group), and no module registers into
 another module's table at import (a table names what it holds)."""
+
 import ast
 from pathlib import Path
 
@@ -25,8 +26,11 @@ ALSO_ELSEWHERE = {("module/pipeline_module.py", "check_plan")}
 
 def _called(path: Path) -> set[str]:
     """The names of the functions ``path`` calls (``f(...)``, ``x.f(...)``)."""
-    return {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(ast.parse(path.read_text()))
-            if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+    return {
+        n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
+    }
 
 
 def test_start_up_checks_run_in_one_module():
@@ -35,16 +39,34 @@ def test_start_up_checks_run_in_one_module():
     engine package calls none of its own (``check_deepspeed``, the guard of the installed DeepSpeed
     at import, is not a check of the config)."""
     checks = {name for p in STARTUP.glob("*.py") for name in _called(p) if name.startswith("check")}
-    assert {"check_chunks", "check_single_grad_slot", "check_tied", "check_precision", "check_torch_version",
-            "check_config", "check_wrapper", "check_placement", "check_plan"} <= checks, sorted(checks)
-    elsewhere = sorted(f"{p.relative_to(ADAPTER)}: {name}" for p in _modules() if _package(p) != "startup"
-                       for name in _called(p) & checks if (p.relative_to(ADAPTER).as_posix(), name) not in
-                       ALSO_ELSEWHERE)
+    assert {
+        "check_chunks",
+        "check_single_grad_slot",
+        "check_tied",
+        "check_precision",
+        "check_torch_version",
+        "check_config",
+        "check_wrapper",
+        "check_placement",
+        "check_plan",
+    } <= checks, sorted(checks)
+    elsewhere = sorted(
+        f"{p.relative_to(ADAPTER)}: {name}"
+        for p in _modules()
+        if _package(p) != "startup"
+        for name in _called(p) & checks
+        if (p.relative_to(ADAPTER).as_posix(), name) not in ALSO_ELSEWHERE
+    )
     assert elsewhere == [], "start-up checks called outside hippie_ds/adapter/startup/:\n" + "\n".join(elsewhere)
-    in_engine = sorted(f"{p.relative_to(ADAPTER)}: {name}" for p in (ADAPTER / "engine").glob("*.py")
-                       for name in _called(p) if name.startswith("check") and name != "check_deepspeed")
-    assert in_engine == [], "the engine package makes start-up checks (they belong in adapter/startup/):\n" + \
-        "\n".join(in_engine)
+    in_engine = sorted(
+        f"{p.relative_to(ADAPTER)}: {name}"
+        for p in (ADAPTER / "engine").glob("*.py")
+        for name in _called(p)
+        if name.startswith("check") and name != "check_deepspeed"
+    )
+    assert in_engine == [], "the engine package makes start-up checks (they belong in adapter/startup/):\n" + "\n".join(
+        in_engine
+    )
 
 
 _MUTATORS = {"update", "append", "extend", "setdefault", "add", "insert", "__setitem__"}
@@ -89,18 +111,33 @@ def import_registrations(path: Path, root: Path = ROOT) -> list[str]:
     found = []
     where = lambda node: f"{path.relative_to(root)}:{node.lineno}"  # noqa: E731
     for node in statements:
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        found += [f"{where(node)}: {ast.unparse(t)} = ..." for t in targets
-                  if isinstance(t, (ast.Subscript, ast.Attribute)) and _root(t) in imported]
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and \
-                isinstance(node.value.func, ast.Attribute) and _root(node.value.func.value) in imported and \
-                (node.value.func.attr in _MUTATORS or node.value.func.attr.startswith("register")) and \
-                ast.unparse(node.value.func.value) not in SCRIPT_BOOTSTRAP:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
+        found += [
+            f"{where(node)}: {ast.unparse(t)} = ..."
+            for t in targets
+            if isinstance(t, (ast.Subscript, ast.Attribute)) and _root(t) in imported
+        ]
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+            and _root(node.value.func.value) in imported
+            and (node.value.func.attr in _MUTATORS or node.value.func.attr.startswith("register"))
+            and ast.unparse(node.value.func.value) not in SCRIPT_BOOTSTRAP
+        ):
             found.append(f"{where(node)}: {ast.unparse(node.value.func)}(...)")
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            found += [f"{where(node)}: @{ast.unparse(d)}" for d in node.decorator_list
-                      if _root(d.func if isinstance(d, ast.Call) else d) in own]
+            found += [
+                f"{where(node)}: @{ast.unparse(d)}"
+                for d in node.decorator_list
+                if _root(d.func if isinstance(d, ast.Call) else d) in own
+            ]
     return found
 
 
@@ -114,8 +151,10 @@ def test_no_module_registers_into_another_module_s_table_at_import():
 
 def test_an_import_registration_is_found(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("from .prediction import FACTORIES\nfrom .base import command\nimport dataclasses\n"
-                     "FACTORIES['adam'] = print\nif True:\n    FACTORIES.update(x=1)\n"
-                     "@command('costs')\ndef parser(): pass\n@dataclasses.dataclass\nclass A: pass\n"
-                     "TABLE = {}\nTABLE['own'] = 1\n")
+    probe.write_text(
+        "from .prediction import FACTORIES\nfrom .base import command\nimport dataclasses\n"
+        "FACTORIES['adam'] = print\nif True:\n    FACTORIES.update(x=1)\n"
+        "@command('costs')\ndef parser(): pass\n@dataclasses.dataclass\nclass A: pass\n"
+        "TABLE = {}\nTABLE['own'] = 1\n"
+    )
     assert len(import_registrations(probe, root=tmp_path)) == 3

@@ -1,6 +1,7 @@
 """tests/UNTESTED_MODULES.md names exactly the modules of hippie_ds/ and tools/ that no file under
 tests/ imports (read with tests/import_graph.py, at any depth of the test's code), each with the tests
 that cover it, so that a module's tests are found by path or by that list. Pure."""
+
 import re
 from pathlib import Path
 
@@ -31,8 +32,12 @@ def _imported_by_tests() -> set[str]:
 
 def _modules() -> list[str]:
     """The modules a test could import by name (a package's ``__init__`` and ``__main__`` come with it)."""
-    return sorted(p.relative_to(ROOT).as_posix() for top in ("hippie_ds", "tools") for p in (ROOT / top).rglob("*.py")
-                  if p.name not in ("__init__.py", "__main__.py"))
+    return sorted(
+        p.relative_to(ROOT).as_posix()
+        for top in ("hippie_ds", "tools")
+        for p in (ROOT / top).rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    )
 
 
 def test_the_list_names_exactly_the_modules_no_test_imports():
@@ -40,10 +45,14 @@ def test_the_list_names_exactly_the_modules_no_test_imports():
     assert len(imported) > 80  # the scan finds the tests' imports
     untested = {m for m in _modules() if m not in imported}
     listed = set(_listed())
-    assert not untested - listed, ("modules no test imports, missing from tests/UNTESTED_MODULES.md (add each with "
-                                   f"the tests that cover it): {sorted(untested - listed)}")
-    assert not listed - untested, ("tests/UNTESTED_MODULES.md lists modules a test now imports, or that no longer "
-                                   f"exist (remove them): {sorted(listed - untested)}")
+    assert not untested - listed, (
+        "modules no test imports, missing from tests/UNTESTED_MODULES.md (add each with "
+        f"the tests that cover it): {sorted(untested - listed)}"
+    )
+    assert not listed - untested, (
+        "tests/UNTESTED_MODULES.md lists modules a test now imports, or that no longer "
+        f"exist (remove them): {sorted(listed - untested)}"
+    )
 
 
 def test_every_row_says_where_the_module_is_covered():

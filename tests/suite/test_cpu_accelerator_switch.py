@@ -1,6 +1,7 @@
 """The tests' fp16 switch (tests/fp16_switch): on exactly when DeepSpeed's CPU accelerator would refuse
 fp16, whatever this machine's CPU answers; applied in the processes the suite starts; never reached
 from user code."""
+
 import os
 import subprocess
 import sys
@@ -17,13 +18,16 @@ def _raises():
     raise RuntimeError("no mkldnn")
 
 
-@pytest.mark.parametrize("mkldnn,deepspeed_accepts", [(lambda: True, True), (lambda: False, False),
-                                                       (lambda: None, False), (_raises, False)],
-                         ids=["mkldnn-yes", "mkldnn-no", "mkldnn-none", "mkldnn-raises"])
+@pytest.mark.parametrize(
+    "mkldnn,deepspeed_accepts",
+    [(lambda: True, True), (lambda: False, False), (lambda: None, False), (_raises, False)],
+    ids=["mkldnn-yes", "mkldnn-no", "mkldnn-none", "mkldnn-raises"],
+)
 def test_the_switch_is_on_exactly_when_deepspeed_refuses_fp16(mkldnn, deepspeed_accepts):
     """The mkldnn answer forced each way: DeepSpeed's own ``is_fp16_supported`` (unpatched) decides, and
     the switch is its negation where torch computes fp16 (every x86 CPU these machines have)."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
     assert fp16_switch.torch_computes_fp16() is None
     decision = fp16_switch.decide(mkldnn)
     assert decision.deepspeed_accepts is deepspeed_accepts
@@ -41,8 +45,10 @@ def test_fp16_tests_skip_where_torch_cannot_compute_fp16(monkeypatch):
 
 
 def _accelerator_in_a_fresh_process(env):
-    code = ("from deepspeed.accelerator import get_accelerator; import torch; a = get_accelerator(); "
-            "print(a.device_name(), bool(a.is_fp16_supported()), torch.float16 in a.supported_dtypes())")
+    code = (
+        "from deepspeed.accelerator import get_accelerator; import torch; a = get_accelerator(); "
+        "print(a.device_name(), bool(a.is_fp16_supported()), torch.float16 in a.supported_dtypes())"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return out.stdout.split()[-3:]
 

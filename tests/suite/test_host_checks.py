@@ -1,4 +1,5 @@
 """The suite's host checks (tests/host_checks.py), pure: what they refuse and what they remove."""
+
 import os
 import time
 
@@ -7,7 +8,7 @@ import host_checks
 
 def test_shm_room_is_refused_with_the_figures_when_short(tmp_path):
     assert host_checks.shm_problem(str(tmp_path), needed=1) is None
-    problem = host_checks.shm_problem(str(tmp_path), needed=2 ** 62)
+    problem = host_checks.shm_problem(str(tmp_path), needed=2**62)
     assert "MiB free" in problem and "66 MiB a local rank" in problem
     assert "is not there" in host_checks.shm_problem(str(tmp_path / "missing"))
 
@@ -24,6 +25,7 @@ def test_only_a_stale_build_lock_is_removed(tmp_path):
 
 def test_the_pytest_process_builds_where_the_ranks_build_with_the_venvs_ninja():
     from tools.bench.cluster.processes import local_env
+
     env = local_env()
     assert env["TORCH_EXTENSIONS_DIR"] == os.environ["TORCH_EXTENSIONS_DIR"]
     assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(__import__("sys").executable)

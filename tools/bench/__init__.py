@@ -17,6 +17,7 @@ subcommand of :mod:`tools.bench.commands`), run from the repository root.
 
 Nothing here imports from ``tests/``; the tests import from here.
 """
+
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]

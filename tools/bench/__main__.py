@@ -1,4 +1,5 @@
 """``python -m tools.bench [NAME] ...``: see :mod:`tools.bench.cli`."""
+
 import sys
 
 from tools.bench.cli import main

@@ -1,6 +1,7 @@
 """The benchmark's analysis of one run: the worker's per-rank files (tools/bench/workers/bench_worker.py) ->
 step times, throughput, memory, stage timings, and the simulator's prediction of the step from
 the run's own measured costs; one schedule's runs over rounds combined into one record."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def stage_timings(ranks: dict) -> dict:
     out = {}
     arrivals = _collective_arrivals(ranks)
     for r, (steps, tl) in ranks.items():
-        st = out.setdefault(steps["stage"], {"ranks": [], "params": steps["params"], "parts": steps.get("parts"),
-                                             "_d": {}, "_exposed": []})
+        st = out.setdefault(
+            steps["stage"],
+            {"ranks": [], "params": steps["params"], "parts": steps.get("parts"), "_d": {}, "_exposed": []},
+        )
         st["ranks"].append(r)
         per_step = [0.0] * sum(1 for s in steps["steps"] if not s["warmup"])
         for e, start, end, i in _timed_events(steps, tl):
@@ -93,44 +96,64 @@ def _timed_events(steps: dict, tl: dict):
 
 def _collective_arrivals(ranks: dict) -> dict:
     """{(kind, timed step index): the latest absolute start over all ranks} of PIPELINE_COLLECTIVES."""
-    return last_arrivals(((e["kind"], i), start) for steps, tl in ranks.values()
-                         if (steps.get("stages") or 1) > 1  # data parallelism has no pipeline to wait for
-                         for e, start, _, i in _timed_events(steps, tl) if e["kind"] in PIPELINE_COLLECTIVES)
+    return last_arrivals(
+        ((e["kind"], i), start)
+        for steps, tl in ranks.values()
+        if (steps.get("stages") or 1) > 1  # data parallelism has no pipeline to wait for
+        for e, start, _, i in _timed_events(steps, tl)
+        if e["kind"] in PIPELINE_COLLECTIVES
+    )
 
 
-def measured_costs(timings: dict, a, data_parallel: int, allreduce_bandwidth: float, p2p_bandwidth: float,
-                   p2p_latency: float) -> dict:
+def measured_costs(
+    timings: dict, a, data_parallel: int, allreduce_bandwidth: float, p2p_bandwidth: float, p2p_latency: float
+) -> dict:
     """A hippie-ds cost dict from measured stage timings (``Costs.from_dict`` format): the
     instructions' times as ``hippie_ds.schedules.measured_costs`` maps them (moving gradients into
     the deferred buffer counts as update time: the simulator's copy_grads_to_buffer is free, the
     engine's takes 10-20 ms a step on the bench model; issuing a send or starting an all-reduce
     costs the caller its measured median), plus the bench's sizes and the all-reduce's CPU share."""
     from tools.bench.model import stage_output_bytes  # torch: not for the rest of this module
+
     share = forward_share(st["median"] for st in timings.values())
     stages = []
     for s in sorted(timings):
-        stages.append({**stage_fields(timings[s]["median"], share),
-                       "allreduce_cpu_time": a.allreduce_cpu_per_mb * wire_bytes(a) * timings[s]["params"] / 1e6,
-                       "param_bytes": 4.0 * timings[s]["params"],
-                       "activation_bytes": stage_output_bytes(a, s, timings[s].get("parts")),
-                       "saved_bytes": 0.0})
-    return {"stages": stages, "comm": {"allreduce_bandwidth": allreduce_bandwidth, "data_parallel": data_parallel,
-                                       "wire_ratio": wire_bytes(a) / 4.0,
-                                       "p2p_bandwidth": p2p_bandwidth, "p2p_latency": p2p_latency,
-                                       "shared_link": True}}
+        stages.append(
+            {
+                **stage_fields(timings[s]["median"], share),
+                "allreduce_cpu_time": a.allreduce_cpu_per_mb * wire_bytes(a) * timings[s]["params"] / 1e6,
+                "param_bytes": 4.0 * timings[s]["params"],
+                "activation_bytes": stage_output_bytes(a, s, timings[s].get("parts")),
+                "saved_bytes": 0.0,
+            }
+        )
+    return {
+        "stages": stages,
+        "comm": {
+            "allreduce_bandwidth": allreduce_bandwidth,
+            "data_parallel": data_parallel,
+            "wire_ratio": wire_bytes(a) / 4.0,
+            "p2p_bandwidth": p2p_bandwidth,
+            "p2p_latency": p2p_latency,
+            "shared_link": True,
+        },
+    }
 
 
-def predict(schedule: str, params: dict, stages: int, micro_batches: int, costs: dict,
-            delayed_fraction: dict | None = None) -> dict:
+def predict(
+    schedule: str, params: dict, stages: int, micro_batches: int, costs: dict, delayed_fraction: dict | None = None
+) -> dict:
     """Simulated step time of a schedule under measured costs (hippie-ds simulator);
     ``delayed_fraction``: {stage: share of its gradient applied one step late} (partial deferral)."""
     from hippie_ds.schedules import compile as compile_schedule
     from hippie_ds.schedules.costs import Costs
     from hippie_ds.schedules.simulator import simulate
+
     try:
         compiled = compile_schedule(schedule, stages, micro_batches, validate=False, **(params or {}))
-        res = simulate(compiled, Costs.from_dict(costs), iterations=3, critical_path=False,
-                       delayed_fraction=delayed_fraction)
+        res = simulate(
+            compiled, Costs.from_dict(costs), iterations=3, critical_path=False, delayed_fraction=delayed_fraction
+        )
         return {"step_time": res.step_time, "bubble_fraction": res.bubble_fraction}
     except Exception as exc:  # a schedule the simulator does not know (yet): no prediction
         return {"step_time": None, "error": f"{type(exc).__name__}: {exc}"}
@@ -181,23 +204,41 @@ def analyse_job(run_dir: Path, job: dict, a, link_bw: float, only_round: int | N
     err = (pred["step_time"] - median) / median if pred.get("step_time") and median else None
     exposed = {str(s): st["exposed_allreduce"] for s, st in timings.items()}
     return {
-        "config": job["config"], "schedule": job["schedule"], "engine_schedule": meta["schedule"],
-        "schedule_params": meta.get("schedule_params") or {}, "world": world, "stages": meta["stages"],
-        "micro_batches": meta["micro_batches"], "micro_batch_size": meta["micro_batch_size"],
-        "parts": meta.get("parts"), "checkpointed_layers": meta.get("checkpointed_layers"), "plan": meta.get("plan"),
-        **cpu, "timed_steps": len(keys), "step_times_s": per_step, "median_step_s": median,
-        "samples_per_step": samples, "throughput_samples_s": samples / median if median else None,
+        "config": job["config"],
+        "schedule": job["schedule"],
+        "engine_schedule": meta["schedule"],
+        "schedule_params": meta.get("schedule_params") or {},
+        "world": world,
+        "stages": meta["stages"],
+        "micro_batches": meta["micro_batches"],
+        "micro_batch_size": meta["micro_batch_size"],
+        "parts": meta.get("parts"),
+        "checkpointed_layers": meta.get("checkpointed_layers"),
+        "plan": meta.get("plan"),
+        **cpu,
+        "timed_steps": len(keys),
+        "step_times_s": per_step,
+        "median_step_s": median,
+        "samples_per_step": samples,
+        "throughput_samples_s": samples / median if median else None,
         "loss_last": by_rank[0][keys[-1]]["loss"] if keys and 0 in by_rank else None,
         "memory_per_rank": {str(r): v for r, v in mem.items()},
         "mean_peak_saved_bytes": mean_or_none([v["peak_saved_bytes"] for v in mem.values()]),
         "max_peak_saved_bytes": max((v["peak_saved_bytes"] for v in mem.values()), default=None),
         "mean_peak_rss_bytes": mean_or_none([v["peak_rss_bytes"] for v in mem.values() if v["peak_rss_bytes"]]),
-        "mean_peak_training_rss_bytes": mean_or_none([v["peak_training_rss_bytes"] for v in mem.values()
-                                                      if v["peak_training_rss_bytes"]]),
+        "mean_peak_training_rss_bytes": mean_or_none(
+            [v["peak_training_rss_bytes"] for v in mem.values() if v["peak_training_rss_bytes"]]
+        ),
         "max_peak_training_rss_bytes": max((v["peak_training_rss_bytes"] or 0 for v in mem.values()), default=None),
         "mean_state_bytes": mean_or_none([v["state_bytes"] for v in mem.values() if v["state_bytes"]]),
-        "core_busy": median_or_none([s["core_busy"] for st, _ in ranks.values() for s in st["steps"]
-                                     if not s["warmup"] and s.get("core_busy") is not None]),
+        "core_busy": median_or_none(
+            [
+                s["core_busy"]
+                for st, _ in ranks.values()
+                for s in st["steps"]
+                if not s["warmup"] and s.get("core_busy") is not None
+            ]
+        ),
         "stage_timings_s": {str(s): st["median"] for s, st in timings.items()},
         "exposed_allreduce_s_per_step": exposed,
         "delayed_fraction": {str(s): f for s, f in delayed_fractions(ranks).items()},
@@ -225,10 +266,13 @@ def cpu_figures(ranks: dict) -> dict:
             share_wait.append(statistics.median(s["runqueue_wait_s"] / (s["end"] - s["start"]) for s in waits))
     if not cpu:
         return {}
-    return {"cpu_s_per_step": cpu, "cpu_s_per_step_all_ranks": sum(cpu.values()),
-            "cpu_share_median": statistics.median(share_cpu),
-            "runqueue_wait_s_per_step": wait or None,
-            "runqueue_wait_share_max": max(share_wait) if share_wait else None}
+    return {
+        "cpu_s_per_step": cpu,
+        "cpu_s_per_step_all_ranks": sum(cpu.values()),
+        "cpu_share_median": statistics.median(share_cpu),
+        "runqueue_wait_s_per_step": wait or None,
+        "runqueue_wait_share_max": max(share_wait) if share_wait else None,
+    }
 
 
 def memory_per_rank(ranks: dict) -> dict:
@@ -239,9 +283,14 @@ def memory_per_rank(ranks: dict) -> dict:
         m = st.get("memory") or {}
         saved = max((s.get("saved_peak_bytes", 0) for s in st["steps"]), default=0)
         base, hwm = m.get("rss_baseline_bytes"), m.get("peak_rss_bytes")
-        mem[r] = {"stage": st["stage"], "peak_saved_bytes": saved, "peak_rss_bytes": hwm,
-                  "rss_baseline_bytes": base, "peak_training_rss_bytes": (hwm - base) if hwm and base else None,
-                  "state_bytes": m.get("state_bytes")}
+        mem[r] = {
+            "stage": st["stage"],
+            "peak_saved_bytes": saved,
+            "peak_rss_bytes": hwm,
+            "rss_baseline_bytes": base,
+            "peak_training_rss_bytes": (hwm - base) if hwm and base else None,
+            "state_bytes": m.get("state_bytes"),
+        }
     return mem
 
 
@@ -255,8 +304,10 @@ def job_prediction(ranks: dict, job: dict, a, link_bw: float, timings: dict) -> 
         ar_bw = link_bw * a.link_efficiency
     else:
         ar_bw = a.intra_allreduce_bandwidth
-    costs = {**measured_costs(timings, a, dp_width, ar_bw, a.p2p_bandwidth, a.p2p_latency),
-             "tied_groups": tied_groups(ranks)}
+    costs = {
+        **measured_costs(timings, a, dp_width, ar_bw, a.p2p_bandwidth, a.p2p_latency),
+        "tied_groups": tied_groups(ranks),
+    }
     sched_name = {"dp": "1f1b", "1f1b": "1f1b"}.get(job["schedule"], meta["schedule"])
     if job["schedule"] == "dp":
         stages, params = 1, {}
@@ -311,19 +362,25 @@ def combine_rounds(per_round: list[dict | None]) -> dict | None:
     if pred.get("step_time"):
         pred["error"] = (pred["step_time"] - median) / median
     thr = [samples / m for m in meds]
-    out.update({
-        "median_step_s": median, "throughput_samples_s": samples / median,
-        "rounds": len(per_round), "detail_round": detail_i,
-        "round_median_step_s": [r.get("median_step_s") if r else None for r in per_round],
-        "round_throughput_samples_s": [r.get("throughput_samples_s") if r else None for r in per_round],
-        "round_runqueue_wait_share_max": [r.get("runqueue_wait_share_max") if r else None for r in per_round],
-        "round_cpu_s_per_step_all_ranks": [r.get("cpu_s_per_step_all_ranks") if r else None for r in per_round],
-        "median_step_s_min": min(meds), "median_step_s_max": max(meds),
-        "throughput_samples_s_min": min(thr), "throughput_samples_s_max": max(thr),
-        "step_times_s": [t for _, r in valid for t in r["step_times_s"]],
-        "timed_steps": sum(r["timed_steps"] for _, r in valid),
-        "prediction": pred,
-    })
+    out.update(
+        {
+            "median_step_s": median,
+            "throughput_samples_s": samples / median,
+            "rounds": len(per_round),
+            "detail_round": detail_i,
+            "round_median_step_s": [r.get("median_step_s") if r else None for r in per_round],
+            "round_throughput_samples_s": [r.get("throughput_samples_s") if r else None for r in per_round],
+            "round_runqueue_wait_share_max": [r.get("runqueue_wait_share_max") if r else None for r in per_round],
+            "round_cpu_s_per_step_all_ranks": [r.get("cpu_s_per_step_all_ranks") if r else None for r in per_round],
+            "median_step_s_min": min(meds),
+            "median_step_s_max": max(meds),
+            "throughput_samples_s_min": min(thr),
+            "throughput_samples_s_max": max(thr),
+            "step_times_s": [t for _, r in valid for t in r["step_times_s"]],
+            "timed_steps": sum(r["timed_steps"] for _, r in valid),
+            "prediction": pred,
+        }
+    )
     return out
 
 

@@ -73,6 +73,7 @@ jobs, ``--auto-plan``), analysis.py (a run's files -> its record, rounds combine
 (ratios, ME, scaling efficiency), projection.py, report.py (report.md) and plots.py; the rank
 worker is workers/bench_worker.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,9 +93,27 @@ from tools.bench.publish import publish as publish_files
 from tools.bench.report import projection_pivot, report_markdown, spread_cell
 from tools.bench.runs import auto_plan, measure, preflight, run_plan
 
-__all__ = ["main", "parse_args", "config_record", "run_plan", "round_orders", "analyse_all", "analyse_job",
-           "combine_rounds", "measured_costs", "predict", "summarize", "round_ratios", "spread_excludes",
-           "ranges_overlap", "projection", "projection_pivot", "report_markdown", "spread_cell", "write_outputs"]
+__all__ = [
+    "main",
+    "parse_args",
+    "config_record",
+    "run_plan",
+    "round_orders",
+    "analyse_all",
+    "analyse_job",
+    "combine_rounds",
+    "measured_costs",
+    "predict",
+    "summarize",
+    "round_ratios",
+    "spread_excludes",
+    "ranges_overlap",
+    "projection",
+    "projection_pivot",
+    "report_markdown",
+    "spread_cell",
+    "write_outputs",
+]
 
 
 def write_outputs(out: Path, results: dict, publish: str | None):
@@ -144,14 +163,20 @@ def main(argv=None) -> int:
         results["summary"] = summarize(results["runs"])
     if not a.no_projection and (not a.analyze_only or results.get("projection") is None):
         t = time.monotonic()
-        results["projection"] = projection(sizes=a.sizes, depth=a.projection_depth, objective=a.projection_objective,
-                                           batch_per_device=a.projection_batch,
-                                           progress=lambda m: print(m, flush=True))
+        results["projection"] = projection(
+            sizes=a.sizes,
+            depth=a.projection_depth,
+            objective=a.projection_objective,
+            batch_per_device=a.projection_batch,
+            progress=lambda m: print(m, flush=True),
+        )
         print(f"projection: {time.monotonic() - t:.1f} s", flush=True)
     md = write_outputs(out, results, a.publish)
     print("\n" + md)
-    print(f"results: {out}/results.json, {out}/report.md, plots {', '.join(results['plots']) or 'none'}"
-          + (f"; published to {a.publish}" if a.publish else ""))
+    print(
+        f"results: {out}/results.json, {out}/report.md, plots {', '.join(results['plots']) or 'none'}"
+        + (f"; published to {a.publish}" if a.publish else "")
+    )
     fix_owner(out)
     if a.publish:
         fix_owner(Path(a.publish))

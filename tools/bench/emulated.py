@@ -20,6 +20,7 @@ of a subclass named after the layer's kind (:func:`layer_class`: ``EmulatedConv2
 * the arithmetic is a few element-wise ops per element (a slice or repeat to the output size,
   a scale by ``1 + mean(weight)``), so gradients are real and every exactness test applies.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,13 +91,23 @@ class EmulatedLayer(nn.Module):
     """A profiled layer: ``params`` real parameters, an output of ``out_elems`` per sample, and
     the profiled times as CPU-free waits."""
 
-    def __init__(self, params: int, out_elems: int, forward_s: float, backward_s: float, name: str = "",
-                 backward_weight_s: float | None = None):
+    def __init__(
+        self,
+        params: int,
+        out_elems: int,
+        forward_s: float,
+        backward_s: float,
+        name: str = "",
+        backward_weight_s: float | None = None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(params) * 0.01) if params > 0 else None
         self.out_elems, self.forward_s, self.backward_s, self.name = max(1, out_elems), forward_s, backward_s, name
-        self.backward_weight_s = 0.0 if self.weight is None else \
-            (backward_s / 2 if backward_weight_s is None else min(backward_weight_s, backward_s))
+        self.backward_weight_s = (
+            0.0
+            if self.weight is None
+            else (backward_s / 2 if backward_weight_s is None else min(backward_weight_s, backward_s))
+        )
 
     def forward(self, x):
         x = _Wait.apply(x, self.forward_s, self.backward_s - self.backward_weight_s)
@@ -108,8 +119,10 @@ class EmulatedLayer(nn.Module):
         return out.contiguous()
 
     def extra_repr(self) -> str:
-        return (f"{self.name}: params={0 if self.weight is None else self.weight.numel()}, out={self.out_elems}, "
-                f"forward={self.forward_s * 1e3:.3f} ms, backward={self.backward_s * 1e3:.3f} ms")
+        return (
+            f"{self.name}: params={0 if self.weight is None else self.weight.numel()}, out={self.out_elems}, "
+            f"forward={self.forward_s * 1e3:.3f} ms, backward={self.backward_s * 1e3:.3f} ms"
+        )
 
 
 _KINDS: dict[str, type] = {}
@@ -131,6 +144,7 @@ def layer_class(name: str) -> type:
 def read_profile(model: str):
     """The :class:`hippie_ds.planner.profile.Profile` of ``model`` (vgg16, gnmt8, gnmt16, or a path)."""
     from hippie_ds.planner.pipedream_profile import read_pipedream
+
     path = Path(model) if model not in MODELS else PROFILES / MODELS[model]
     return read_pipedream(path, model=model if model in MODELS else None)
 
@@ -142,10 +156,17 @@ def emulated_specs(model: str, micro_batch: int, scale: float = 1e-3, speedup: f
     cuts = list(profile.cut_bytes) + [profile.layers[-1].output_bytes]
     specs = []
     for layer, cut in zip(profile.layers, cuts):
-        specs.append(LayerSpec(layer_class(layer.name), int(round(layer.param_bytes / 4 * scale)),
-                               int(round(cut / 4 / profile.batch_size * scale)), layer.forward * share,
-                               layer.backward * share, layer.name,
-                               None if layer.backward_weight is None else layer.backward_weight * share))
+        specs.append(
+            LayerSpec(
+                layer_class(layer.name),
+                int(round(layer.param_bytes / 4 * scale)),
+                int(round(cut / 4 / profile.batch_size * scale)),
+                layer.forward * share,
+                layer.backward * share,
+                layer.name,
+                None if layer.backward_weight is None else layer.backward_weight * share,
+            )
+        )
     return specs
 
 

@@ -3,6 +3,7 @@ label, the pipeline module (with a planner layout where given), stock DeepSpeed'
 timed, plain data parallelism with the same timeline, the measured per-stage costs for
 'deferred_stages: auto', and the memory figures (resident memory, parameter/gradient/optimizer
 state)."""
+
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ def peak_rss_bytes():
     if hwm is not None:
         return hwm
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -90,7 +92,7 @@ def ds_config(a, label, schedule, dp, out, hippie_section=None):
         "train_micro_batch_size_per_gpu": a.micro_batch_size,
         "train_batch_size": a.micro_batch_size * a.micro_batches * dp,
         "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "torch_adam": True}},
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "pipeline": {},
     }
     if getattr(a, "comm_dtype", None):
@@ -138,8 +140,16 @@ class StockTimeline:
         def record(cls, kwargs, start, end):
             for callback in self.on_instruction:
                 callback(cls.__name__)
-            self.events.append({"name": repr(cls(**kwargs)), "kind": cls.__name__, "start": start - self.t0,
-                                "end": end - self.t0, "step": engine.global_steps, "buffer": kwargs.get("buffer_id")})
+            self.events.append(
+                {
+                    "name": repr(cls(**kwargs)),
+                    "kind": cls.__name__,
+                    "start": start - self.t0,
+                    "end": end - self.t0,
+                    "step": engine.global_steps,
+                    "buffer": kwargs.get("buffer_id"),
+                }
+            )
 
         time_stock_handlers(engine, record)
 
@@ -176,13 +186,21 @@ def stage_costs(a, engine, steps_from):
         return sum(ds) / len(ds) if ds else 0.0
 
     params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-    return {"stage": engine.stage_id, "forward": mean({"ForwardPass"}), "backward": mean({"BackwardPass"}),
-            "optimizer_time": mean({"OptimizerStep"}), "param_bytes": 4.0 * params,
-            # absolute (step, start, end) of the pipeline-wide optimizer steps: write_auto_costs
-            # keeps only each one's work after the last stage arrived
-            "optimizer_spans": [(e["step"], e["start"] + t0, e["end"] + t0) for e in events
-                                if e["kind"] == "OptimizerStep" and e["step"] >= steps_from],
-            "activation_bytes": stage_output_bytes(a, engine.stage_id, getattr(engine.module, "parts", None))}
+    return {
+        "stage": engine.stage_id,
+        "forward": mean({"ForwardPass"}),
+        "backward": mean({"BackwardPass"}),
+        "optimizer_time": mean({"OptimizerStep"}),
+        "param_bytes": 4.0 * params,
+        # absolute (step, start, end) of the pipeline-wide optimizer steps: write_auto_costs
+        # keeps only each one's work after the last stage arrived
+        "optimizer_spans": [
+            (e["step"], e["start"] + t0, e["end"] + t0)
+            for e in events
+            if e["kind"] == "OptimizerStep" and e["step"] >= steps_from
+        ],
+        "activation_bytes": stage_output_bytes(a, engine.stage_id, getattr(engine.module, "parts", None)),
+    }
 
 
 class DPEngine:
@@ -207,8 +225,15 @@ class DPEngine:
         return self._t0, list(self._events)
 
     def _ev(self, kind, start, name=None):
-        self._events.append({"name": name or kind, "kind": kind, "start": start - self._t0,
-                             "end": self.now() - self._t0, "step": self.global_steps})
+        self._events.append(
+            {
+                "name": name or kind,
+                "kind": kind,
+                "start": start - self._t0,
+                "end": self.now() - self._t0,
+                "step": self.global_steps,
+            }
+        )
 
     def train_batch(self, it):
         e, gas = self.engine, self.engine.gradient_accumulation_steps()
@@ -249,6 +274,7 @@ def virtual_stages_of(schedule: str, stages: int) -> tuple[int, str] | None:
     labels that are not schedules: stock, dp)."""
     from hippie_ds.schedules import ScheduleError, load_spec
     from hippie_ds.schedules.compiler import resolve_virtual_stages
+
     try:
         spec = load_spec(schedule)
     except ScheduleError:
@@ -262,9 +288,15 @@ def build_pipeline_module(a, label, world):
     else DeepSpeed's; a plan file for this label needs the former."""
     plan = parse_plans(a.plan).get(label)
     cls = getattr(hippie_ds, "PipelineModule", None)
-    kwargs = dict(layers=layer_specs(a), num_stages=a.stages, loss_fn=loss_of(a),
-                  topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
-                  partition_method=a.partition_method, seed_layers=True, base_seed=BASE_SEED)
+    kwargs = dict(
+        layers=layer_specs(a),
+        num_stages=a.stages,
+        loss_fn=loss_of(a),
+        topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
+        partition_method=a.partition_method,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+    )
     chunks = virtual_stages_of(schedule_config(a, label)[0], a.stages)
     if chunks is not None:  # a schedule with virtual stages: the module builds its chunks
         kwargs.update(virtual_stages=chunks[0], layout=chunks[1])

@@ -1,6 +1,7 @@
 """The benchmark's figures from its runs' records: ratios to stock 1F1B and DP (per round, with
 their spread and whether a difference is real), scalability, memory efficiency (ME) and scaling
 efficiency. Pure functions of the records ``tools.bench.analysis`` makes."""
+
 from __future__ import annotations
 
 import statistics
@@ -21,9 +22,13 @@ def round_ratios(num: list | None, den: list | None) -> dict:
     with their median, min and max. Pure."""
     per = [a / b if a and b else None for a, b in zip(num or [], den or [])]
     vals = [x for x in per if x is not None]
-    return {"rounds": per, "median": median_or_none(vals), "min": min(vals, default=None),
-            "max": max(vals, default=None),
-            "n": len(vals)}
+    return {
+        "rounds": per,
+        "median": median_or_none(vals),
+        "min": min(vals, default=None),
+        "max": max(vals, default=None),
+        "n": len(vals),
+    }
 
 
 def spread_excludes(lo, hi, value: float = 1.0) -> bool | None:
@@ -66,12 +71,16 @@ def summarize(runs: dict, devices: dict | None = None) -> dict:
     thr1 = single.get("throughput_samples_s")
     out = {"single_device_throughput": thr1, "devices": devices, "schedules": {}}
     dp = two.get("dp") or {}
-    dp_figures = {"me": _me_of(dp, thr1, devices["two_nodes"])[1], "me_t": _me_tensor(dp, thr1, devices["two_nodes"]),
-                  "range": (dp.get("throughput_samples_s_min"), dp.get("throughput_samples_s_max")),
-                  "several": (dp.get("rounds") or 1) > 1}
+    dp_figures = {
+        "me": _me_of(dp, thr1, devices["two_nodes"])[1],
+        "me_t": _me_tensor(dp, thr1, devices["two_nodes"]),
+        "range": (dp.get("throughput_samples_s_min"), dp.get("throughput_samples_s_max")),
+        "several": (dp.get("rounds") or 1) > 1,
+    }
     for name, r in two.items():
-        out["schedules"][name] = _schedule_figures(name, r, two, one.get(name) or {}, thr1, devices["two_nodes"],
-                                                   dp_figures)
+        out["schedules"][name] = _schedule_figures(
+            name, r, two, one.get(name) or {}, thr1, devices["two_nodes"], dp_figures
+        )
     return out
 
 
@@ -90,13 +99,19 @@ def _schedule_figures(name: str, r: dict, two: dict, one: dict, thr1, devices: i
     overlap = ranges_overlap(own_range, dp["range"]) if several and dp["several"] else None
     return {
         "throughput_samples_s": thr,
-        "ratio_to_1f1b": v1["median"], "ratio_to_1f1b_rounds": v1["rounds"],
-        "ratio_to_1f1b_min": v1["min"], "ratio_to_1f1b_max": v1["max"],
+        "ratio_to_1f1b": v1["median"],
+        "ratio_to_1f1b_rounds": v1["rounds"],
+        "ratio_to_1f1b_min": v1["min"],
+        "ratio_to_1f1b_max": v1["max"],
         "real_vs_1f1b": spread_excludes(v1["min"], v1["max"]) if v1["n"] > 1 and name != "1f1b" else None,
-        "ratio_to_dp": vd["median"], "ratio_to_dp_rounds": vd["rounds"],
-        "ratio_to_dp_min": vd["min"], "ratio_to_dp_max": vd["max"],
+        "ratio_to_dp": vd["median"],
+        "ratio_to_dp_rounds": vd["rounds"],
+        "ratio_to_dp_min": vd["min"],
+        "ratio_to_dp_max": vd["max"],
         "real_vs_dp": (not overlap) if overlap is not None and name != "dp" else None,
-        "scalability": scal, "me": me, "me_vs_dp": me / dp["me"] if me and dp["me"] else None,
+        "scalability": scal,
+        "me": me,
+        "me_vs_dp": me / dp["me"] if me and dp["me"] else None,
         "me_tensors_vs_dp": me_t / dp["me_t"] if me_t and dp["me_t"] else None,
         "one_node_throughput_samples_s": one_thr,
         "scaling_efficiency": scaling["median"] / 2 if scaling["median"] else None,

@@ -15,6 +15,7 @@ bench's and tests/distributed/train_worker.py) take engine labels, where ``stock
 engine and every other name a schedule of ``hippie_ds.initialize``: :func:`engine_label` is the one
 mapping from the first to the second.
 """
+
 from __future__ import annotations
 
 DATA_PARALLEL = "dp"
@@ -60,4 +61,3 @@ def split_name(label: str) -> tuple[str, dict | None]:
             raise SystemExit(f"{label!r}: expected NAME:METHOD[=C][+ef=G][+dc=D], not {'+' + addition!r}")
         staleness[_ADDITIONS[key]] = float(number)
     return schedule, staleness
-

@@ -4,6 +4,7 @@ for data parallelism, seeded as the pipeline seeds its layers. ``--model vgg-exa
 convergence example's network, loss and digits instead (tools/examples/vgg.py, at
 tools/examples/train_vgg.py's default width); ``--model emulated:NAME``: a profiled model
 (tools/bench/emulated.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -74,6 +75,7 @@ def vgg_example_specs():
     """The layers python -m tools.bench convergence trains as its ``vgg`` example: train_vgg.py's
     network at its default --width and --hidden (read from its own command line, not repeated here)."""
     from tools.examples import train_vgg, vgg
+
     example = train_vgg.parse_args([])
     return vgg.layer_specs(example.width, example.hidden)
 
@@ -82,9 +84,11 @@ def loss_of(a):
     """The loss function of the bench's model."""
     if emulated(a):
         from tools.bench.emulated import loss_fn as emulated_loss
+
         return emulated_loss
     if is_vgg_example(a):
         from tools.examples import vgg
+
         return vgg.loss_fn
     return loss_fn
 
@@ -92,12 +96,15 @@ def loss_of(a):
 def layer_specs(a):
     if emulated(a):
         from tools.bench.emulated import emulated_specs
+
         return emulated_specs(emulated(a), a.micro_batch_size, a.emulate_scale, a.emulate_speedup)
     if is_vgg_example(a):
         return vgg_example_specs()
-    return ([LayerSpec(Embedding, a.vocab, a.seq, a.d_model)]
-            + [LayerSpec(Block, a.d_model, a.heads) for _ in range(a.layers)]
-            + [LayerSpec(Head, a.d_model, a.vocab)])
+    return (
+        [LayerSpec(Embedding, a.vocab, a.seq, a.d_model)]
+        + [LayerSpec(Block, a.d_model, a.heads) for _ in range(a.layers)]
+        + [LayerSpec(Head, a.d_model, a.vocab)]
+    )
 
 
 def data_iter(a, replica):
@@ -107,10 +114,12 @@ def data_iter(a, replica):
     digits (fp32 8x8 images, int64 labels), replica r drawing its own order (seed r)."""
     if emulated(a):
         from tools.bench.emulated import data_iter as emulated_data
+
         yield from emulated_data(emulated(a), a.micro_batch_size, a.micro_batches, replica, a.emulate_scale)
         return
     if is_vgg_example(a):
         from tools.examples.vgg import Digits
+
         yield from Digits().global_batches(a.micro_batch_size, seed=replica)
         return
     step = 0
@@ -132,11 +141,12 @@ def stage_output_bytes(a, stage: int, parts: list[int] | None = None) -> float:
     if not is_vgg_example(a):
         return 4.0 * a.micro_batch_size * a.seq * a.d_model
     from hippie_ds.adapter.ds.module import partition_uniform
+
     specs = layer_specs(a)
     parts = parts or partition_uniform(len(specs), a.stages)
     x = next(data_iter(a, 0))[0]
     with torch.no_grad():
-        for spec in specs[:parts[min(stage + 1, len(parts) - 1)]]:
+        for spec in specs[: parts[min(stage + 1, len(parts) - 1)]]:
             x = spec.build()(x)
     return float(x.numel() * x.element_size())
 

@@ -27,6 +27,7 @@ refused (not root, no ``ip netns``/``tc``; one line on stderr) or a bad option. 
 (default out/multinode): hostfile, commands.txt (the two command lines), logs/node{0,1}.log (each
 launcher's output), ranks/rank{R}.json, result.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,18 +61,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m tools.bench multinode",
         description="Run a 2-node x 2-rank hippie-ds job with DeepSpeed's launcher (deepspeed --hostfile H --no_ssh "
-                    "--node_rank N) on two emulated nodes (network namespaces joined by a shaped veth pair); check "
-                    "that both nodes finish and all ranks agree on the loss. Needs root.",
+        "--node_rank N) on two emulated nodes (network namespaces joined by a shaped veth pair); check "
+        "that both nodes finish and all ranks agree on the loss. Needs root.",
         epilog="example: sudo .venv/bin/python -m tools.bench multinode --steps 3",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--out", default="out/multinode", help="output directory")
     p.add_argument("--config", default="configs/hippie.json", help="DeepSpeed config (with the hippie-ds keys)")
     p.add_argument("--schedule", help="override the config's pipeline.schedule (e.g. 1f1b, gpipe, 2bw)")
     p.add_argument("--steps", type=int, default=3, help="train_batch calls")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of each veth end")
     p.add_argument("--no-shape", action="store_true", help="do not shape the link")
-    p.add_argument("--cores", default=None,
-                   help="pin node 0's ranks to one core and node 1's to another, e.g. 0,1 (default: no pinning)")
+    p.add_argument(
+        "--cores",
+        default=None,
+        help="pin node 0's ranks to one core and node 1's to another, e.g. 0,1 (default: no pinning)",
+    )
     p.add_argument("--prefix", default="hdsm", help="names: PREFIX-node0/1 (namespaces), PREFIX-veth0/1")
     p.add_argument("--subnet", default="10.79.0", help="the link's /24: node 0 is SUBNET.1, node 1 SUBNET.2")
     p.add_argument("--port", type=int, default=29500, help="master port (on node 0)")
@@ -94,8 +99,20 @@ def deepspeed_command(net: Network, n: int, hostfile: Path, a, ranks_dir: Path, 
     worker_args = ["--deepspeed_config", str(config), "--out", str(ranks_dir), "--steps", str(a.steps)]
     if a.schedule:
         worker_args += ["--schedule", a.schedule]
-    return [str(launcher), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(n),
-            "--master_addr", net.addrs[0], "--master_port", str(a.port), str(WORKER), *worker_args]
+    return [
+        str(launcher),
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh",
+        "--node_rank",
+        str(n),
+        "--master_addr",
+        net.addrs[0],
+        "--master_port",
+        str(a.port),
+        str(WORKER),
+        *worker_args,
+    ]
 
 
 def check_results(net: Network, ranks_dir: Path, steps: int, link: list[dict]) -> tuple[list[str], dict]:
@@ -114,14 +131,18 @@ def check_results(net: Network, ranks_dir: Path, steps: int, link: list[dict]) -
         nodes.setdefault(rec["node"], []).append(r)
         want_node = r // RANKS_PER_NODE
         if rec["node"] != want_node or rec["gloo_socket_ifname"] != net.veths[want_node]:
-            problems.append(f"rank {r} ran on node {rec['node']} with GLOO_SOCKET_IFNAME="
-                            f"{rec['gloo_socket_ifname']}; expected node {want_node} on {net.veths[want_node]}")
+            problems.append(
+                f"rank {r} ran on node {rec['node']} with GLOO_SOCKET_IFNAME="
+                f"{rec['gloo_socket_ifname']}; expected node {want_node} on {net.veths[want_node]}"
+            )
         if rec["world_size"] != world or len(rec["losses"]) != steps:
-            problems.append(f"rank {r}: world size {rec['world_size']}, {len(rec['losses'])} losses; "
-                            f"expected {world} and {steps}")
+            problems.append(
+                f"rank {r}: world size {rec['world_size']}, {len(rec['losses'])} losses; expected {world} and {steps}"
+            )
     namespaces = {n: {recs[r]["netns"] for r in rs} for n, rs in nodes.items()}
-    if len(namespaces) == len(net.nodes) and (any(len(v) != 1 for v in namespaces.values())
-                                              or len(set.union(*namespaces.values())) != len(net.nodes)):
+    if len(namespaces) == len(net.nodes) and (
+        any(len(v) != 1 for v in namespaces.values()) or len(set.union(*namespaces.values())) != len(net.nodes)
+    ):
         problems.append(f"the nodes' ranks did not run in one network namespace per node: {namespaces}")
     losses = [recs[r]["losses"] for r in sorted(recs)]
     spread = 0.0
@@ -130,18 +151,27 @@ def check_results(net: Network, ranks_dir: Path, steps: int, link: list[dict]) -
             values = [x[s] for x in losses]
             spread = max(spread, max(values) - min(values))
             if not all(math.isfinite(v) for v in values) or not all(
-                    math.isclose(v, values[0], rel_tol=1e-6, abs_tol=1e-9) for v in values):
-                problems.append(f"the ranks disagree on step {s + 1}'s loss: "
-                                + ", ".join(f"rank {r}: {x[s]!r}" for r, x in zip(sorted(recs), losses)))
+                math.isclose(v, values[0], rel_tol=1e-6, abs_tol=1e-9) for v in values
+            ):
+                problems.append(
+                    f"the ranks disagree on step {s + 1}'s loss: "
+                    + ", ".join(f"rank {r}: {x[s]!r}" for r, x in zip(sorted(recs), losses))
+                )
     for n, counts in enumerate(link):
         if min(counts["tx"], counts["rx"]) < 1024:
-            problems.append(f"node {n}'s veth sent {counts['tx']} and received {counts['rx']} bytes: "
-                            "the job did not use the link")
-    summary = {"ranks": {r: {k: rec[k] for k in ("node", "local_rank", "stage", "replica", "gloo_socket_ifname",
-                                                  "netns")} for r, rec in sorted(recs.items())},
-               "schedule": recs[0]["schedule"] if 0 in recs else None,
-               "losses": losses[0] if losses else [], "max_loss_spread": spread,
-               "link_bytes": {net.nodes[n]: c for n, c in enumerate(link)}}
+            problems.append(
+                f"node {n}'s veth sent {counts['tx']} and received {counts['rx']} bytes: the job did not use the link"
+            )
+    summary = {
+        "ranks": {
+            r: {k: rec[k] for k in ("node", "local_rank", "stage", "replica", "gloo_socket_ifname", "netns")}
+            for r, rec in sorted(recs.items())
+        },
+        "schedule": recs[0]["schedule"] if 0 in recs else None,
+        "losses": losses[0] if losses else [],
+        "max_loss_spread": spread,
+        "link_bytes": {net.nodes[n]: c for n, c in enumerate(link)},
+    }
     return problems, summary
 
 
@@ -150,8 +180,10 @@ def refusal(a) -> tuple[str | None, list[int] | None]:
     if not Path(a.config).resolve().is_file():
         return f"--config {a.config}: no such file", None
     try:
-        preflight("python -m tools.bench multinode", ("ip",) + (() if a.no_shape else ("tc",))
-                  + (("taskset",) if a.cores else ()))
+        preflight(
+            "python -m tools.bench multinode",
+            ("ip",) + (() if a.no_shape else ("tc",)) + (("taskset",) if a.cores else ()),
+        )
         cores = None if a.cores is None else check_cores(a.cores)
         if not a.no_shape:
             parse_rate(a.rate)
@@ -185,11 +217,16 @@ def report(net: Network, out: Path, a, link: list[dict], wall: float, commands: 
         return 1
     placement = "; ".join(
         f"{net.nodes[n]}: ranks {', '.join(str(r) for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE))}"
-        f" on {net.veths[n]}" for n in range(len(net.nodes)))
-    print(f"multinode: OK in {wall:.0f} s: schedule {summary['schedule']}, 2 nodes x {RANKS_PER_NODE} ranks "
-          f"({placement}); all {len(summary['ranks'])} ranks agree on the loss at every step: "
-          + " ".join(f"{x:.6f}" for x in summary["losses"])
-          + "; link bytes sent " + ", ".join(f"{k}: {v['tx']}" for k, v in summary["link_bytes"].items()))
+        f" on {net.veths[n]}"
+        for n in range(len(net.nodes))
+    )
+    print(
+        f"multinode: OK in {wall:.0f} s: schedule {summary['schedule']}, 2 nodes x {RANKS_PER_NODE} ranks "
+        f"({placement}); all {len(summary['ranks'])} ranks agree on the loss at every step: "
+        + " ".join(f"{x:.6f}" for x in summary["losses"])
+        + "; link bytes sent "
+        + ", ".join(f"{k}: {v['tx']}" for k, v in summary["link_bytes"].items())
+    )
     return 0
 
 
@@ -229,8 +266,10 @@ def run(a) -> int:
             print(f"multinode: {exc}", file=sys.stderr)
             rc = 1
         except SystemExit as exc:  # a signal (cleanup_on_signals)
-            print(f"multinode: interrupted (exit {exc.code}); stopping the launchers and removing the namespaces",
-                  file=sys.stderr)
+            print(
+                f"multinode: interrupted (exit {exc.code}); stopping the launchers and removing the namespaces",
+                file=sys.stderr,
+            )
             raise
     if rc == 0:
         rc = report(net, out, a, link, time.monotonic() - start, commands, hostfile)
@@ -240,4 +279,3 @@ def run(a) -> int:
 
 def main(argv=None) -> int:
     return run(parse_args(argv))
-

@@ -1,6 +1,7 @@
 """The benchmark report's plots (PNG, matplotlib): throughput with scaling efficiency, memory
 per rank, ME relative to DP, measured vs predicted step time (two-node runs), and the
 projection's scaling efficiency per model. No matplotlib: no plots."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,7 @@ def plots(results: dict, out: Path) -> list[str]:
     """Draw what the results hold into ``out``; returns the file names written."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -22,8 +24,12 @@ def plots(results: dict, out: Path) -> list[str]:
     names = list(two)
     if names:
         labels = [DISPLAY.get(n, n).replace(" (stock DeepSpeed)", "\n(stock DS)") for n in names]
-        for draw, name in ((_throughput, "throughput.png"), (_memory, "memory.png"), (_me, "me.png"),
-                           (_prediction, "prediction.png")):
+        for draw, name in (
+            (_throughput, "throughput.png"),
+            (_memory, "memory.png"),
+            (_me, "me.png"),
+            (_prediction, "prediction.png"),
+        ):
             fig = draw(plt, two, summ, names, labels)
             fig.tight_layout()
             fig.savefig(out / name, dpi=110)
@@ -48,8 +54,9 @@ def _throughput(plt, two, summ, names, labels):
     one_thr = [summ.get(n, {}).get("one_node_throughput_samples_s") or 0 for n in names]
     lo = [max(0.0, t - (two[n].get("throughput_samples_s_min") or t)) for n, t in zip(names, two_thr)]
     hi = [max(0.0, (two[n].get("throughput_samples_s_max") or t) - t) for n, t in zip(names, two_thr)]
-    ax.bar([x - 0.2 for x in xs], two_thr, 0.4, label="2 nodes",
-           yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=3)
+    ax.bar(
+        [x - 0.2 for x in xs], two_thr, 0.4, label="2 nodes", yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=3
+    )
     ax.bar([x + 0.2 for x in xs], one_thr, 0.4, label="1 node")
     for x, n in zip(xs, names):
         se = summ.get(n, {}).get("scaling_efficiency")
@@ -57,8 +64,10 @@ def _throughput(plt, two, summ, names, labels):
             ax.text(x - 0.2, two_thr[x], f"{se:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("samples/s")
-    ax.set_title("Throughput (numbers: scaling efficiency 1 -> 2 nodes"
-                 + ("; bars: min-max over rounds)" if any(lo) or any(hi) else ")"))
+    ax.set_title(
+        "Throughput (numbers: scaling efficiency 1 -> 2 nodes"
+        + ("; bars: min-max over rounds)" if any(lo) or any(hi) else ")")
+    )
     ax.legend()
     return fig
 

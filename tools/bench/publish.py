@@ -1,4 +1,5 @@
 """``--publish DIR``, once for every study: copy a run's report files into DIR (docs/bench/...)."""
+
 from __future__ import annotations
 
 import shutil

@@ -1,6 +1,7 @@
 """The benchmark's runs: which jobs, in which order (rounds, order rotated), with which worker
 arguments; running them one after another on the emulated two-node cluster (tools/bench/cluster/);
 and the planner layouts given to some schedules (``--auto-plan``)."""
+
 from __future__ import annotations
 
 import atexit
@@ -34,8 +35,11 @@ NETWORK = Network(("hdsb-node0", "hdsb-node1"), ("hdsb-veth0", "hdsb-veth1"), ("
 
 def preflight(args):
     """Raise Refuse unless the measured part can run here: the tools, root, ``ip netns``."""
-    cluster_preflight("this benchmark", ("ip", "taskset") + (() if args.no_shape else ("tc",)),
-                      hint="`--projection-only` runs the projection alone, without root.")
+    cluster_preflight(
+        "this benchmark",
+        ("ip", "taskset") + (() if args.no_shape else ("tc",)),
+        hint="`--projection-only` runs the projection alone, without root.",
+    )
     check_cores(args.cores)
     if not args.no_shape:
         parse_rate(args.rate)
@@ -70,10 +74,12 @@ def run_plan(args) -> list[dict]:
     for r, order in enumerate(round_orders(args.schedule_list, rounds)):
         per_round += [{"config": "two_nodes", "schedule": s, "nodes": 2, "rpn": args.stages, "round": r} for s in order]
         if not args.no_scaling:
-            per_round += [{"config": "one_node", "schedule": s, "nodes": 1, "rpn": args.stages, "round": r}
-                          for s in order]
-    jobs = [{**j, "dir": run_dir_name(j["config"], j["schedule"], j["round"] if rounds > 1 else None)}
-            for j in per_round]
+            per_round += [
+                {"config": "one_node", "schedule": s, "nodes": 1, "rpn": args.stages, "round": r} for s in order
+            ]
+    jobs = [
+        {**j, "dir": run_dir_name(j["config"], j["schedule"], j["round"] if rounds > 1 else None)} for j in per_round
+    ]
     if not args.no_single:
         jobs.append({"config": "one_device", "schedule": "dp", "nodes": 1, "rpn": 1})
     for j in jobs:
@@ -95,13 +101,44 @@ def worker_args(a, job: dict, out: Path, costs: Path | str | None) -> list[str]:
         global_batch = samples_per_replica(a) if job["config"] == "one_device" else samples_per_replica(a) * replicas
     else:
         global_batch = 0
-    args = ["--out", str(out), "--schedules", job["label"], "--stages", str(a.stages),
-            "--micro-batches", str(a.micro_batches), "--micro-batch-size", str(a.micro_batch_size),
-            "--global-batch", str(global_batch), "--seq", str(a.seq), "--d-model", str(a.d_model),
-            "--heads", str(a.heads), "--layers", str(a.layers), "--vocab", str(a.vocab),
-            "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", "1", "--timeout-s", str(a.timeout),
-            "--memory", "--schedule-configs", str(REPO / "configs"), "--partition-method", a.partition_method,
-            *model_choice_args(a)]
+    args = [
+        "--out",
+        str(out),
+        "--schedules",
+        job["label"],
+        "--stages",
+        str(a.stages),
+        "--micro-batches",
+        str(a.micro_batches),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--global-batch",
+        str(global_batch),
+        "--seq",
+        str(a.seq),
+        "--d-model",
+        str(a.d_model),
+        "--heads",
+        str(a.heads),
+        "--layers",
+        str(a.layers),
+        "--vocab",
+        str(a.vocab),
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+        "--rounds",
+        "1",
+        "--timeout-s",
+        str(a.timeout),
+        "--memory",
+        "--schedule-configs",
+        str(REPO / "configs"),
+        "--partition-method",
+        a.partition_method,
+        *model_choice_args(a),
+    ]
     if costs is not None:
         args += ["--costs", str(costs)]
     if a.comm_dtype:
@@ -144,19 +181,36 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
     with cleanup_on_signals(cleanup):
         qdiscs = NETWORK.setup(None if a.no_shape else a.rate, a.burst)
         print(f"emulated cluster: {NETWORK.describe(None if a.no_shape else qdiscs, with_veths=False)}", flush=True)
-        print(f"{len(jobs)} runs: " + ", ".join(job_name(j) for j in jobs)
-              + f"; {a.warmup} warm-up + {a.steps} timed steps each", flush=True)
+        print(
+            f"{len(jobs)} runs: "
+            + ", ".join(job_name(j) for j in jobs)
+            + f"; {a.warmup} warm-up + {a.steps} timed steps each",
+            flush=True,
+        )
         sampler.start()
         for i, job in enumerate(jobs):
             run_dir = out / "runs" / job["dir"]
             run_dir.mkdir(parents=True, exist_ok=True)
             costs = costs_files.get(job["config"]) if job["schedule"] not in ("dp", "1f1b") else None
             tag = f"[{i + 1}/{len(jobs)}] {job_name(job)}"
-            print(f"[{time.monotonic() - start:6.1f}s] {tag}: starting ({job['nodes']} node(s) x {job['rpn']} "
-                  f"rank(s))", flush=True)
-            j = WorkerJob(NETWORK, WORKER, worker_args(a, job, run_dir, costs), run_dir / "logs", job["nodes"],
-                          job["rpn"], cores, a.port + i, t0=start, tag=tag, accelerator=a.accelerator,
-                          device_count=a.device_count)
+            print(
+                f"[{time.monotonic() - start:6.1f}s] {tag}: starting ({job['nodes']} node(s) x {job['rpn']} rank(s))",
+                flush=True,
+            )
+            j = WorkerJob(
+                NETWORK,
+                WORKER,
+                worker_args(a, job, run_dir, costs),
+                run_dir / "logs",
+                job["nodes"],
+                job["rpn"],
+                cores,
+                a.port + i,
+                t0=start,
+                tag=tag,
+                accelerator=a.accelerator,
+                device_count=a.device_count,
+            )
             _active_jobs.append(j)
             t_begin = time.perf_counter()
             try:
@@ -166,17 +220,27 @@ def measure(a, out: Path) -> tuple[dict, float, dict]:
             spans.append((t_begin, time.perf_counter()))
             r = analyse_job(run_dir, job, a, link_bw)
             if r:
-                print(f"[{time.monotonic() - start:6.1f}s] {tag}: median step {r['median_step_s']:.3f} s, "
-                      f"{r['throughput_samples_s']:.2f} samples/s", flush=True)
+                print(
+                    f"[{time.monotonic() - start:6.1f}s] {tag}: median step {r['median_step_s']:.3f} s, "
+                    f"{r['throughput_samples_s']:.2f} samples/s",
+                    flush=True,
+                )
                 # the first (round 0) stock run's costs: 'auto' resolves the same in every round
-                if job["schedule"] == "1f1b" and job["config"] in ("two_nodes", "one_node") \
-                        and job["config"] not in costs_files:
+                if (
+                    job["schedule"] == "1f1b"
+                    and job["config"] in ("two_nodes", "one_node")
+                    and job["config"] not in costs_files
+                ):
                     dp_width = 2 if job["config"] == "two_nodes" else 1
                     costs_files[job["config"]] = out / "runs" / job["config"] / "costs.json"
                     write_costs(costs_files[job["config"]], r, dp_width)
     foreign = [foreign_cpu_between(sampler.samples, b, e) / (e - b) for b, e in spans if e > b]
-    noise = {"foreign_cpu_cores_per_run": foreign, "runs": [job["dir"] for job in jobs][:len(foreign)],
-             "foreign_cpu_cores_mean": mean_or_none(foreign), "qdiscs": qdiscs}
+    noise = {
+        "foreign_cpu_cores_per_run": foreign,
+        "runs": [job["dir"] for job in jobs][: len(foreign)],
+        "foreign_cpu_cores_mean": mean_or_none(foreign),
+        "qdiscs": qdiscs,
+    }
     return analyse_all(out, a, jobs), time.monotonic() - start, noise
 
 
@@ -211,20 +275,40 @@ def auto_plan(a, out: Path) -> dict:
         specs, sample, name = bench_model.layer_specs(a), next(bench_model.data_iter(a, 0))[0], "bench-vgg-example"
     else:  # the GPT at the run's shape (an emulated model is profiled as the GPT, as before)
         shape = types.SimpleNamespace(vocab=a.vocab, seq=a.seq, d_model=a.d_model, heads=a.heads, layers=a.layers)
-        specs, sample, name = bench_model.layer_specs(shape), torch.randint(0, a.vocab, (a.micro_batch_size, a.seq)), \
-            "bench-gpt"
+        specs, sample, name = (
+            bench_model.layer_specs(shape),
+            torch.randint(0, a.vocab, (a.micro_batch_size, a.seq)),
+            "bench-gpt",
+        )
     profile = profile_layers(specs, sample, model=name, repeats=5, warmup=2, progress=sys.stdout)
     save_profile(profile, d / "profile.yaml")
     link = (1.25e9 if a.no_shape else parse_rate(a.rate)) * a.link_efficiency
-    cluster = Cluster(nodes=2, devices_per_node=a.stages, device_memory=8e9, inter_node_bandwidth=link,
-                      intra_node_bandwidth=a.p2p_bandwidth, latency=a.p2p_latency)
+    cluster = Cluster(
+        nodes=2,
+        devices_per_node=a.stages,
+        device_memory=8e9,
+        inter_node_bandwidth=link,
+        intra_node_bandwidth=a.p2p_bandwidth,
+        latency=a.p2p_latency,
+    )
     plans = {}
     for s in wanted:
-        plan = make_plan(profile, cluster, samples_per_replica(a) * 2, schedules=[s], depths=[a.stages],
-                         micro_batch_sizes=[a.micro_batch_size], objective="me", baselines=False)
+        plan = make_plan(
+            profile,
+            cluster,
+            samples_per_replica(a) * 2,
+            schedules=[s],
+            depths=[a.stages],
+            micro_batch_sizes=[a.micro_batch_size],
+            objective="me",
+            baselines=False,
+        )
         path = d / f"{s}.json"
         save_plan(plan, path)
         plans[s] = str(path)
-        print(f"planned {s}: boundaries {plan.boundaries}, re-computed layers {plan.checkpointed_layers or 'none'}, "
-              f"{plan.micro_batches} micro-batches -> {path}", flush=True)
+        print(
+            f"planned {s}: boundaries {plan.boundaries}, re-computed layers {plan.checkpointed_layers or 'none'}, "
+            f"{plan.micro_batches} micro-batches -> {path}",
+            flush=True,
+        )
     return plans

@@ -9,6 +9,7 @@ exits 1 if a check fails.
 
     python -m tools.bench soak --steps 1000 --schedule hippie
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ WORKER = WORKERS / "soak_worker.py"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.bench soak", description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench soak",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="out/soak", help="output directory")
     p.add_argument("--schedule", default="hippie", help="pipeline.schedule of the run")
     p.add_argument("--steps", type=int, default=1000, help="train_batch calls")
@@ -35,14 +40,30 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=1800)
     args = p.parse_args(argv)
     if args.steps <= args.warmup or args.warmup % args.sample_every:
-        p.error(f"--warmup {args.warmup} must be a multiple of --sample-every {args.sample_every} and less "
-                f"than --steps {args.steps}")
+        p.error(
+            f"--warmup {args.warmup} must be a multiple of --sample-every {args.sample_every} and less "
+            f"than --steps {args.steps}"
+        )
     return args
 
 
 def run_job(args, out: Path) -> None:
-    job = LocalJob(WORKER, 4, ["--out", out, "--schedule", args.schedule, "--steps", args.steps,
-                               "--sample-every", args.sample_every, "--timeline-steps", args.timeline_steps])
+    job = LocalJob(
+        WORKER,
+        4,
+        [
+            "--out",
+            out,
+            "--schedule",
+            args.schedule,
+            "--steps",
+            args.steps,
+            "--sample-every",
+            args.sample_every,
+            "--timeline-steps",
+            args.timeline_steps,
+        ],
+    )
     log = out / "log.txt"
     run = job.run(args.timeout, log=log)  # the ranks' output, rank 0's progress bar included, goes to the log
     if run.timed_out:
@@ -59,18 +80,35 @@ def analyze(args, out: Path) -> dict:
     for r in ranks:
         by_step = {s["step"]: s for s in r["samples"]}
         base, last = by_step[args.warmup], r["samples"][-1]
-        row = {"rank": r["rank"], "stage": r["stage"], "rss_base_mb": base["rss"] / 2 ** 20,
-               "rss_last_mb": last["rss"] / 2 ** 20, "rss_growth": last["rss"] / base["rss"] - 1,
-               **{f"{k}_growth": max(s[k] for s in r["samples"] if s["step"] >= args.warmup) - base[k]
-                  for k in ("fds", "threads", "os_threads", "shm")},
-               "timeline_steps_kept": last["timeline_steps"], "timeline_events_kept": last["timeline_events"]}
-        row["ok"] = (row["rss_growth"] < args.max_rss_growth and all(
-            row[f"{k}_growth"] <= 0 for k in ("fds", "threads", "os_threads", "shm"))
-            and row["timeline_steps_kept"] <= args.timeline_steps)
+        row = {
+            "rank": r["rank"],
+            "stage": r["stage"],
+            "rss_base_mb": base["rss"] / 2**20,
+            "rss_last_mb": last["rss"] / 2**20,
+            "rss_growth": last["rss"] / base["rss"] - 1,
+            **{
+                f"{k}_growth": max(s[k] for s in r["samples"] if s["step"] >= args.warmup) - base[k]
+                for k in ("fds", "threads", "os_threads", "shm")
+            },
+            "timeline_steps_kept": last["timeline_steps"],
+            "timeline_events_kept": last["timeline_events"],
+        }
+        row["ok"] = (
+            row["rss_growth"] < args.max_rss_growth
+            and all(row[f"{k}_growth"] <= 0 for k in ("fds", "threads", "os_threads", "shm"))
+            and row["timeline_steps_kept"] <= args.timeline_steps
+        )
         ok &= row["ok"]
         rows.append(row)
-    return {"schedule": args.schedule, "steps": args.steps, "warmup": args.warmup,
-            "timeline_steps": args.timeline_steps, "max_rss_growth": args.max_rss_growth, "ok": ok, "ranks": rows}
+    return {
+        "schedule": args.schedule,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "timeline_steps": args.timeline_steps,
+        "max_rss_growth": args.max_rss_growth,
+        "ok": ok,
+        "ranks": rows,
+    }
 
 
 def main(argv=None) -> int:
@@ -85,13 +123,16 @@ def main(argv=None) -> int:
     report = analyze(args, out)
     report["seconds"] = time.monotonic() - start
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    print(f"| rank | stage | RSS at step {args.warmup} (MiB) | at step {args.steps} | growth | fds | threads | "
-          f"/dev/shm | timeline steps kept |")
+    print(
+        f"| rank | stage | RSS at step {args.warmup} (MiB) | at step {args.steps} | growth | fds | threads | "
+        f"/dev/shm | timeline steps kept |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in report["ranks"]:
-        print(f"| {r['rank']} | {r['stage']} | {r['rss_base_mb']:.1f} | {r['rss_last_mb']:.1f} | "
-              f"{100 * r['rss_growth']:+.2f}% | {r['fds_growth']:+d} | {r['threads_growth']:+d}/"
-              f"{r['os_threads_growth']:+d} | {r['shm_growth']:+d} | {r['timeline_steps_kept']} |")
+        print(
+            f"| {r['rank']} | {r['stage']} | {r['rss_base_mb']:.1f} | {r['rss_last_mb']:.1f} | "
+            f"{100 * r['rss_growth']:+.2f}% | {r['fds_growth']:+d} | {r['threads_growth']:+d}/"
+            f"{r['os_threads_growth']:+d} | {r['shm_growth']:+d} | {r['timeline_steps_kept']} |"
+        )
     print(f"soak: {'OK' if report['ok'] else 'FAILED'} ({report['seconds']:.0f} s); {out / 'report.json'}")
     return 0 if report["ok"] else 1
-

@@ -21,6 +21,7 @@ difference is **real** when the spread excludes 1.0, the benchmark's rule.
 Pure functions over the runs' metrics; python -m tools.bench convergence calls them. :func:`price`
 re-prices a committed comparison (a results.json's steps to target) with other step times.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ REFERENCE = "1f1b"  # what the time to target is compared with: stock DeepSpeed'
 class StepTimes:
     """Step times of one link speed: ``rounds[r][schedule]`` = the median step (s) of that
     schedule's two-node run in round r."""
+
     link: str
     rounds: list[dict[str, float]] = field(default_factory=list)
 
@@ -95,9 +97,13 @@ def bench_name(schedule: str) -> str:
 def _steps_row(runs: list[dict], targets: dict) -> dict:
     steps = [steps_to_target(m["eval"], targets[m.get("seed")]) for m in runs]
     reached = [s for s in steps if s is not None]
-    return {"steps_per_seed": steps, "reached": len(reached), "seeds": len(steps),
-            "steps_mean": statistics.fmean(reached) if len(reached) == len(steps) else None,
-            "steps_range": [min(reached), max(reached)] if reached else None}
+    return {
+        "steps_per_seed": steps,
+        "reached": len(reached),
+        "seeds": len(steps),
+        "steps_mean": statistics.fmean(reached) if len(reached) == len(steps) else None,
+        "steps_range": [min(reached), max(reached)] if reached else None,
+    }
 
 
 def _wall(row: dict, times: StepTimes, name: str, ref: dict | None) -> dict:
@@ -125,10 +131,21 @@ def summarize(metrics_by_name: dict[str, list[dict]], baseline: str, step_times:
     ratio to the baseline's and, when the reference (stock 1F1B) ran, to the reference's per
     round. Runs carry their data-order ``seed``; a run whose seed the baseline lacks is skipped."""
     targets = {m.get("seed"): target_loss([m["final"]["loss"]]) for m in metrics_by_name[baseline]}
-    rows = {name: _steps_row([m for m in runs if m.get("seed") in targets], targets)
-            for name, runs in metrics_by_name.items()}
-    return price({"target_loss": statistics.fmean(targets.values()), "targets_per_seed": targets,
-                  "margin_pct": TARGET_MARGIN_PCT, "reference": REFERENCE, "rows": rows}, baseline, step_times)
+    rows = {
+        name: _steps_row([m for m in runs if m.get("seed") in targets], targets)
+        for name, runs in metrics_by_name.items()
+    }
+    return price(
+        {
+            "target_loss": statistics.fmean(targets.values()),
+            "targets_per_seed": targets,
+            "margin_pct": TARGET_MARGIN_PCT,
+            "reference": REFERENCE,
+            "rows": rows,
+        },
+        baseline,
+        step_times,
+    )
 
 
 def price(summary: dict, baseline: str, step_times: list[StepTimes] | None) -> dict:
@@ -156,8 +173,11 @@ def _ratio_cell(w: dict, is_reference: bool) -> str:
 
 def markdown(example: str, tta: dict, baseline: str) -> list[str]:
     links, ref = tta.get("links", []), tta.get("reference", REFERENCE)
-    lines = [f"**{example}**: target held-out loss: `{baseline}`'s final + {tta['margin_pct']:g}% of the same "
-             f"seed (mean {tta['target_loss']:.4f})", ""]
+    lines = [
+        f"**{example}**: target held-out loss: `{baseline}`'s final + {tta['margin_pct']:g}% of the same "
+        f"seed (mean {tta['target_loss']:.4f})",
+        "",
+    ]
     head = "| schedule | reached | steps to target (mean, range) |"
     for link in links:
         head += f" {link}: median step (s) | {link}: wall time to target (s) | {link}: vs {ref} [rounds] |"
@@ -172,8 +192,11 @@ def markdown(example: str, tta: dict, baseline: str) -> list[str]:
         for link in links:
             w = r["links"][link]
             step_s = "" if w["median_step_s"] is None else f"{w['median_step_s']:.3f}"
-            wall = "" if w.get("wall_s_mean") is None else \
-                f"{w['wall_s_mean']:.1f} ({w['wall_s_range'][0]:.1f}-{w['wall_s_range'][1]:.1f})"
+            wall = (
+                ""
+                if w.get("wall_s_mean") is None
+                else f"{w['wall_s_mean']:.1f} ({w['wall_s_range'][0]:.1f}-{w['wall_s_range'][1]:.1f})"
+            )
             line += f" {step_s} | {wall} | {_ratio_cell(w, name == ref)} |"
         lines.append(line)
     return lines + [""]
@@ -185,8 +208,16 @@ def plot_wall(ax, curves: dict, times: StepTimes, target: float):
         step_s = times.median(times.timed_as(name))
         if step_s is None:
             continue
-        ax.plot([e["step"] * step_s for e in c["eval"]], [e["loss"] for e in c["eval"]], color=f"C{i}", lw=1.2,
-                marker="o", ms=3, mfc="none", label=name)
+        ax.plot(
+            [e["step"] * step_s for e in c["eval"]],
+            [e["loss"] for e in c["eval"]],
+            color=f"C{i}",
+            lw=1.2,
+            marker="o",
+            ms=3,
+            mfc="none",
+            label=name,
+        )
     ax.axhline(target, color="k", lw=0.8, ls=":", label="target")
     ax.set_xlabel(f"emulated wall time, 2 nodes at {times.link} (s): steps x median step")
     ax.set_ylabel("held-out loss")

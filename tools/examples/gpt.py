@@ -1,6 +1,7 @@
 """A small GPT-style language model as a DeepSpeed ``PipelineModule``, and its corpus: the
 documentation text that ships with Python (``pydoc_data/topics.py``), character-level, with a
 held-out split. Nothing is downloaded."""
+
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ import hippie_ds
 
 def corpus() -> str:
     from pydoc_data.topics import topics
+
     return "\n".join(topics[k] for k in sorted(topics))
 
 
@@ -33,9 +35,9 @@ class CharData:
         data = self.train if split == "train" else self.heldout
         g = torch.Generator().manual_seed(seed * 1000 + replica)
         while True:
-            starts = torch.randint(0, len(data) - self.seq_len - 1, (micro_batch, ), generator=g)
-            x = torch.stack([data[s:s + self.seq_len] for s in starts])
-            y = torch.stack([data[s + 1:s + 1 + self.seq_len] for s in starts])
+            starts = torch.randint(0, len(data) - self.seq_len - 1, (micro_batch,), generator=g)
+            x = torch.stack([data[s : s + self.seq_len] for s in starts])
+            y = torch.stack([data[s + 1 : s + 1 + self.seq_len] for s in starts])
             yield x, y
 
     def global_batches(self, split: str, batch: int, seed: int):
@@ -45,9 +47,9 @@ class CharData:
         data = self.train if split == "train" else self.heldout
         g = torch.Generator().manual_seed(seed)
         while True:
-            starts = torch.randint(0, len(data) - self.seq_len - 1, (batch, ), generator=g)
-            x = torch.stack([data[s:s + self.seq_len] for s in starts])
-            y = torch.stack([data[s + 1:s + 1 + self.seq_len] for s in starts])
+            starts = torch.randint(0, len(data) - self.seq_len - 1, (batch,), generator=g)
+            x = torch.stack([data[s : s + self.seq_len] for s in starts])
+            y = torch.stack([data[s + 1 : s + 1 + self.seq_len] for s in starts])
             yield x, y
 
 
@@ -60,7 +62,7 @@ class Embedding(nn.Module):
         nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, ids):
-        return self.embed(ids) + self.pos_embed[:ids.shape[1]]
+        return self.embed(ids) + self.pos_embed[: ids.shape[1]]
 
 
 class Block(nn.Module):
@@ -95,23 +97,40 @@ def lm_loss(logits, targets):
 
 
 def layer_specs(vocab: int, dim: int = 128, layers: int = 4, heads: int = 4, seq_len: int = 64):
-    return ([LayerSpec(Embedding, vocab, dim, seq_len)] + [LayerSpec(Block, dim, heads) for _ in range(layers)] +
-            [LayerSpec(Head, dim, vocab)])
+    return (
+        [LayerSpec(Embedding, vocab, dim, seq_len)]
+        + [LayerSpec(Block, dim, heads) for _ in range(layers)]
+        + [LayerSpec(Head, dim, vocab)]
+    )
 
 
-def pipeline(vocab, num_stages, topology, dim=128, layers=4, heads=4, seq_len=64, partition_method="uniform",
-             plan=None):
+def pipeline(
+    vocab, num_stages, topology, dim=128, layers=4, heads=4, seq_len=64, partition_method="uniform", plan=None
+):
     """The model as a ``PipelineModule``; ``plan`` (a planner plan file) needs
     ``hippie_ds.PipelineModule``, which is used whenever this hippie-ds has it."""
     if plan is not None or hasattr(hippie_ds, "PipelineModule"):
         from tools.examples.harness import pipeline_module
-        return pipeline_module(layer_specs(vocab, dim, layers, heads, seq_len), lm_loss, num_stages, topology,
-                               plan=plan, partition_method=partition_method)
+
+        return pipeline_module(
+            layer_specs(vocab, dim, layers, heads, seq_len),
+            lm_loss,
+            num_stages,
+            topology,
+            plan=plan,
+            partition_method=partition_method,
+        )
     # (DeepSpeed 0.19: partition_method="parameters" with seed_layers=True hands random.seed a
     # numpy integer, which Python 3.11 rejects.)
-    return PipelineModule(layers=layer_specs(vocab, dim, layers, heads, seq_len), num_stages=num_stages,
-                          topology=topology, loss_fn=lm_loss, partition_method=partition_method,
-                          seed_layers=True, base_seed=1234)
+    return PipelineModule(
+        layers=layer_specs(vocab, dim, layers, heads, seq_len),
+        num_stages=num_stages,
+        topology=topology,
+        loss_fn=lm_loss,
+        partition_method=partition_method,
+        seed_layers=True,
+        base_seed=1234,
+    )
 
 
 def perplexity(loss: float) -> float:
@@ -124,5 +143,10 @@ def profile_target(dim: int = 128, layers: int = 4, seq_len: int = 64, micro_bat
     its loss on that micro-batch's targets (the profile's ``loss`` entry)."""
     data = CharData(seq_len)
     sample, targets = next(data.global_batches("train", micro_batch, 0))
-    return {"layers": layer_specs(len(data.vocab), dim, layers, seq_len=seq_len), "sample": sample,
-            "name": f"gpt-d{dim}-l{layers}-s{seq_len}", "loss_fn": lm_loss, "labels": targets}
+    return {
+        "layers": layer_specs(len(data.vocab), dim, layers, seq_len=seq_len),
+        "sample": sample,
+        "name": f"gpt-d{dim}-l{layers}-s{seq_len}",
+        "loss_fn": lm_loss,
+        "labels": targets,
+    }

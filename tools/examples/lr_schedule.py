@@ -2,6 +2,7 @@
 tests/distributed/megatron_shaped.py and tests/distributed/gpt_fp16_worker.py): ``step(increment)``
 takes the samples consumed (no default; DeepSpeed's pipeline engine passes the batch size), linear
 warm-up then cosine decay to ``floor`` x the peak."""
+
 import math
 
 

@@ -13,6 +13,7 @@ trains the same model with plain DeepSpeed data parallelism on all ranks (the ba
 same global batch, initial weights and data order. --plan FILE partitions the layers as a planner
 plan file says (hippie_ds.PipelineModule).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,23 +24,34 @@ if not __package__:  # run by path (deepspeed tools/examples/train_gpt.py): the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.examples import gpt
-from tools.examples.harness import (Trainer, add_common_args, draw_timeline, load_config, progress_bar,  # noqa: F401
-                                    step_done)
+from tools.examples.harness import (
+    Trainer,
+    add_common_args,
+    draw_timeline,
+    load_config,
+    progress_bar,  # noqa: F401
+    step_done,
+)
 
 __all__ = ["main", "parse_args", "progress_bar", "step_done", "draw_timeline"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--eval-batches", type=int, default=4, help="held-out global batches per evaluation")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=None,
-                   help="the model's vocabulary (embedding rows, output-head width), at least the corpus's "
-                        "characters (about 100; the rest are never drawn); e.g. 32000 for a Megatron-sized head, "
-                        "where default partitions go wrong (default: the corpus's)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="the model's vocabulary (embedding rows, output-head width), at least the corpus's "
+        "characters (about 100; the rest are never drawn); e.g. 32000 for a Megatron-sized head, "
+        "where default partitions go wrong (default: the corpus's)",
+    )
     p.add_argument("--out", default="out/demo", help="timelines, trace, picture and metrics.json go here")
     add_common_args(p, steps=40)
     return p.parse_args(argv)
@@ -57,11 +69,15 @@ def main(argv=None):
     vocab = len(data.vocab) if args.vocab is None else args.vocab
     if vocab < len(data.vocab):
         raise SystemExit(f"--vocab {args.vocab}: allowed >= {len(data.vocab)}, the corpus's characters")
-    trainer = Trainer(args, config,
-                      lambda: gpt.layer_specs(vocab, dim=args.dim, layers=args.layers, seq_len=args.seq_len),
-                      gpt.lm_loss, "gpt", out)
-    trainer.metrics.update(model={"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len,
-                                  "vocab": vocab})
+    trainer = Trainer(
+        args,
+        config,
+        lambda: gpt.layer_specs(vocab, dim=args.dim, layers=args.layers, seq_len=args.seq_len),
+        gpt.lm_loss,
+        "gpt",
+        out,
+    )
+    trainer.metrics.update(model={"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len, "vocab": vocab})
     rank = trainer.rank
     train = trainer.share(data.global_batches("train", trainer.global_batch, args.seed))
 
@@ -72,11 +88,15 @@ def main(argv=None):
         print(trainer.describe(), flush=True)
     final, picture = trainer.run(train, lambda: trainer.evaluate(heldout, args.eval_batches, {"loss": lm_loss}))
     if rank == 0:
-        print(f"held-out loss {final['loss']:.4f} (perplexity {gpt.perplexity(final['loss']):.2f}); "
-              + (f"timeline picture: {picture}; " if picture else "") + f"metrics: {out / 'metrics.json'}")
+        print(
+            f"held-out loss {final['loss']:.4f} (perplexity {gpt.perplexity(final['loss']):.2f}); "
+            + (f"timeline picture: {picture}; " if picture else "")
+            + f"metrics: {out / 'metrics.json'}"
+        )
 
 
 if __name__ == "__main__":
     main()
     import hippie_ds
+
     hippie_ds.shutdown()  # gloo's workers idle, then the process groups torn down: no rank dies at exit (rc 250)

@@ -15,6 +15,7 @@ trains the same network with plain DeepSpeed data parallelism on all ranks (the 
 same global batch, initial weights and data order. --plan FILE partitions the layers as a planner
 plan file says (hippie_ds.PipelineModule).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ from tools.examples.harness import Trainer, add_common_args, load_config
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--width", type=int, default=32, help="channels of the first block (the second has twice)")
     p.add_argument("--hidden", type=int, default=128, help="width of the classifier's hidden layer")
     p.add_argument("--out", default="out/vgg", help="timelines, trace, picture and metrics.json go here")
@@ -44,8 +46,10 @@ def main(argv=None):
     out = Path(args.out)
     data = vgg.Digits()
     trainer = Trainer(args, config, lambda: vgg.layer_specs(args.width, args.hidden), vgg.loss_fn, "vgg", out)
-    trainer.metrics.update(model={"width": args.width, "hidden": args.hidden},
-                           data={"train": len(data.train[1]), "test": len(data.test[1])})
+    trainer.metrics.update(
+        model={"width": args.width, "hidden": args.hidden},
+        data={"train": len(data.train[1]), "test": len(data.test[1])},
+    )
     rank = trainer.rank
     batch = trainer.global_batch
     test_batches = data.num_test_batches(batch)
@@ -58,16 +62,22 @@ def main(argv=None):
         return data.test_batches(batch)
 
     if rank == 0:
-        print(f"{trainer.describe()}; digits: {len(data.train[1])} training images, "
-              f"{test_batches * batch} test images", flush=True)
+        print(
+            f"{trainer.describe()}; digits: {len(data.train[1])} training images, {test_batches * batch} test images",
+            flush=True,
+        )
     final, picture = trainer.run(train, lambda: trainer.evaluate(test, test_batches, metrics))
     if rank == 0:
-        print(f"test loss {final['loss']:.4f}, accuracy {100 * final['accuracy']:.2f}% "
-              f"({test_batches * batch} images); "
-              + (f"timeline picture: {picture}; " if picture else "") + f"metrics: {out / 'metrics.json'}")
+        print(
+            f"test loss {final['loss']:.4f}, accuracy {100 * final['accuracy']:.2f}% "
+            f"({test_batches * batch} images); "
+            + (f"timeline picture: {picture}; " if picture else "")
+            + f"metrics: {out / 'metrics.json'}"
+        )
 
 
 if __name__ == "__main__":
     main()
     import hippie_ds
+
     hippie_ds.shutdown()  # gloo's workers idle, then the process groups torn down: no rank dies at exit (rc 250)

@@ -12,6 +12,7 @@ Every convolution, pool and classifier layer is its own ``LayerSpec``, so a part
 can cut between any two of them. No batch norm or dropout: the result does not depend on how a
 global batch is cut into micro-batches or which rank draws which random numbers.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -31,11 +32,13 @@ class Digits:
     def __init__(self, test_size: int = TEST_SIZE):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
+
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         labels = torch.tensor(digits.target, dtype=torch.long)
-        train_idx, test_idx = train_test_split(torch.arange(len(labels)).numpy(), test_size=test_size,
-                                               random_state=SPLIT_SEED, stratify=labels.numpy())
+        train_idx, test_idx = train_test_split(
+            torch.arange(len(labels)).numpy(), test_size=test_size, random_state=SPLIT_SEED, stratify=labels.numpy()
+        )
         self.train = (images[train_idx], labels[train_idx])
         self.test = (images[test_idx], labels[test_idx])
         self.classes = 10
@@ -48,14 +51,14 @@ class Digits:
         while True:
             order = torch.randperm(len(y), generator=g)
             for lo in range(0, len(y) - batch + 1, batch):
-                idx = order[lo:lo + batch]
+                idx = order[lo : lo + batch]
                 yield x[idx], y[idx]
 
     def test_batches(self, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The test split in order, in batches of ``batch`` (an incomplete last one is left out)."""
         x, y = self.test
         for lo in range(0, len(y) - batch + 1, batch):
-            yield x[lo:lo + batch], y[lo:lo + batch]
+            yield x[lo : lo + batch], y[lo : lo + batch]
 
     def num_test_batches(self, batch: int) -> int:
         return len(self.test[1]) // batch
@@ -85,9 +88,14 @@ def layer_specs(width: int = 32, hidden: int = 128, classes: int = 10, image: in
     """conv(w), conv(w), pool, conv(2w), conv(2w), pool, flatten+linear+ReLU, linear: 8 layers."""
     w2 = 2 * width
     return [
-        LayerSpec(ConvReLU, 1, width), LayerSpec(ConvReLU, width, width), LayerSpec(nn.MaxPool2d, 2),
-        LayerSpec(ConvReLU, width, w2), LayerSpec(ConvReLU, w2, w2), LayerSpec(nn.MaxPool2d, 2),
-        LayerSpec(Hidden, w2 * (image // 4) ** 2, hidden), LayerSpec(nn.Linear, hidden, classes),
+        LayerSpec(ConvReLU, 1, width),
+        LayerSpec(ConvReLU, width, width),
+        LayerSpec(nn.MaxPool2d, 2),
+        LayerSpec(ConvReLU, width, w2),
+        LayerSpec(ConvReLU, w2, w2),
+        LayerSpec(nn.MaxPool2d, 2),
+        LayerSpec(Hidden, w2 * (image // 4) ** 2, hidden),
+        LayerSpec(nn.Linear, hidden, classes),
     ]
 
 
@@ -103,8 +111,10 @@ def pipeline(num_stages, topology, width=32, hidden=128, partition_method="unifo
     """The network as a ``PipelineModule`` (``hippie_ds.PipelineModule`` where this hippie-ds has
     it, which takes a planner ``plan`` file; DeepSpeed's otherwise)."""
     from tools.examples.harness import pipeline_module
-    return pipeline_module(layer_specs(width, hidden), loss_fn, num_stages, topology, plan=plan,
-                           partition_method=partition_method)
+
+    return pipeline_module(
+        layer_specs(width, hidden), loss_fn, num_stages, topology, plan=plan, partition_method=partition_method
+    )
 
 
 def profile_target(width: int = 32, hidden: int = 128, micro_batch: int = 4):
@@ -112,5 +122,10 @@ def profile_target(width: int = 32, hidden: int = 128, micro_batch: int = 4):
     tools/examples/train_vgg.py's default network, one micro-batch of digits (the shipped configs' 4) and its
     loss on their labels (the profile's ``loss`` entry)."""
     images, labels = (t[:micro_batch] for t in Digits().train)
-    return {"layers": layer_specs(width, hidden), "sample": images, "name": f"vgg-digits-w{width}-h{hidden}",
-            "loss_fn": loss_fn, "labels": labels}
+    return {
+        "layers": layer_specs(width, hidden),
+        "sample": images,
+        "name": f"vgg-digits-w{width}-h{hidden}",
+        "loss_fn": loss_fn,
+        "labels": labels,
+    }

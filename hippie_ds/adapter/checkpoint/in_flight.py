@@ -7,6 +7,7 @@ that stock DeepSpeed refuses it (:mod:`hippie_ds.adapter.checkpoint.state`); che
 DeepSpeed and of other stage layouts load (weights follow by layer). The engine's
 ``save_checkpoint`` / ``load_checkpoint`` overrides (adapter/engine/engine.py, through the stage runtime) call it.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,18 @@ class TrainingState:
     a load's layout check reads: the ``optimizer`` (its parameter groups) and the checkpoint ``files``
     DeepSpeed's load reads (:class:`~hippie_ds.adapter.ds.checkpoint.CheckpointFiles`)."""
 
-    def __init__(self, module, gradients, versions, cursor, continuous: bool, stage: int, device, optimizer,
-                 files: ds_checkpoint.CheckpointFiles):
+    def __init__(
+        self,
+        module,
+        gradients,
+        versions,
+        cursor,
+        continuous: bool,
+        stage: int,
+        device,
+        optimizer,
+        files: ds_checkpoint.CheckpointFiles,
+    ):
         self.module, self.gradients, self.versions, self.cursor = module, gradients, versions, cursor
         self.continuous, self.stage, self.device = continuous, stage, device
         self.optimizer, self.files = optimizer, files
@@ -41,9 +52,12 @@ class TrainingState:
         versions = {**self.cursor.state_dict(), **self.versions.state_dict()} if self.continuous else None
         prediction = self.prediction
         # tied copies: the schedules that never flush update them apart, the others keep them equal
-        state[ckpt.STATE_KEY] = ckpt.training_state(self.gradients.state_dict(), versions,
-                                                    None if prediction is None else prediction.state_dict(),
-                                                    self.tied_copies(clone=True) if self.continuous else None)
+        state[ckpt.STATE_KEY] = ckpt.training_state(
+            self.gradients.state_dict(),
+            versions,
+            None if prediction is None else prediction.state_dict(),
+            self.tied_copies(clone=True) if self.continuous else None,
+        )
         return state
 
     def restore(self, client_state: dict, load_dir, changed: bool) -> None:
@@ -56,19 +70,23 @@ class TrainingState:
             self.restore_tied_copies(saved["tied_copies"], load_dir)  # else DeepSpeed's: stage 0's copy
         if changed:
             if ckpt.holds_in_flight(buffer, versions):
-                raise ValueError(f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
-                                 "gradient, tied-gradient sums or weight versions) of another stage layout; save it "
-                                 "after engine.drain() to resume with new stage boundaries")
+                raise ValueError(
+                    f"load_checkpoint({str(load_dir)!r}): the checkpoint holds in-flight state (a deferred "
+                    "gradient, tied-gradient sums or weight versions) of another stage layout; save it "
+                    "after engine.drain() to resume with new stage boundaries"
+                )
             prediction = None  # the previous weights of other stages: the prediction restarts
         if buffer is not None and buffer["buffer"] is not None:
             delayed = sum(g.numel() for g in self.gradients.delayed_grads())  # bf16: the accumulator, padding included
             if buffer["buffer"].numel() != delayed:
-                raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage}'s buffered gradient has "
-                                 f"{buffer['buffer'].numel()} elements, this run delays {delayed} (config key "
-                                 '"hippie.deferred_layers" differs from the saved run\'s; '
-                                 'the default was 1 before "untied", the first layer not tied to another stage, '
-                                 'and "all" before that); resume with the same '
-                                 "value, or save after engine.drain()")
+                raise ValueError(
+                    f"load_checkpoint({str(load_dir)!r}): stage {self.stage}'s buffered gradient has "
+                    f"{buffer['buffer'].numel()} elements, this run delays {delayed} (config key "
+                    '"hippie.deferred_layers" differs from the saved run\'s; '
+                    'the default was 1 before "untied", the first layer not tied to another stage, '
+                    'and "all" before that); resume with the same '
+                    "value, or save after engine.drain()"
+                )
         if buffer is not None:
             self.gradients.load_state_dict(buffer, self.device)
         own = self.prediction
@@ -86,9 +104,12 @@ class TrainingState:
         ``pipedream`` the holders apply the same tie sums at other times of the pipeline (and so,
         under an LR schedule, at other learning rates): the copies differ, and DeepSpeed's load
         overwrites every copy with the first holder's (``_synchronize_tied_weights``)."""
-        copies = {f"{key}.{attr}": (torch.Tensor.clone(torch.Tensor.detach(w)) if clone else w)
-                  for key, comm in self.module.tied_comms.items() for attr in comm["weight_attr"]
-                  for w in (ds_module.recursive_getattr(self.module, self.module.tied_modules[key], attr), )}
+        copies = {
+            f"{key}.{attr}": (torch.Tensor.clone(torch.Tensor.detach(w)) if clone else w)
+            for key, comm in self.module.tied_comms.items()
+            for attr in comm["weight_attr"]
+            for w in (ds_module.recursive_getattr(self.module, self.module.tied_modules[key], attr),)
+        }
         return copies or None
 
     @torch.no_grad()
@@ -97,8 +118,10 @@ class TrainingState:
         bf16 copy; the fp32 master weights come with the stage's own optimizer state)."""
         own = self.tied_copies() or {}
         if set(saved) != set(own):
-            raise ValueError(f"load_checkpoint({str(load_dir)!r}): stage {self.stage} saved tied weights "
-                             f"{sorted(saved)}, this model ties {sorted(own)} here")
+            raise ValueError(
+                f"load_checkpoint({str(load_dir)!r}): stage {self.stage} saved tied weights "
+                f"{sorted(saved)}, this model ties {sorted(own)} here"
+            )
         for name, weight in own.items():
             torch.Tensor.copy_(weight, saved[name].to(weight.device, weight.dtype))
 
@@ -108,6 +131,7 @@ class TrainingState:
         included: :func:`~hippie_ds.adapter.checkpoint.state.checkpoint_stages`) and whether
         this rank's optimizer state fits its parameters tell."""
         import glob
+
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
@@ -125,9 +149,15 @@ class TrainingState:
         stages = ckpt.checkpoint_stages(saved, files, glob.glob(os.path.join(load_dir, str(tag), "layer_*")))
         shapes_match = True
         optimizer = saved.get("optimizer")
-        if saved_layout is None and os.path.exists(own) and isinstance(optimizer, dict) and \
-                {"state", "param_groups"} <= set(optimizer) and hasattr(self.optimizer, "param_groups"):
-            shapes_match = ckpt.optimizer_state_fits(optimizer["state"], optimizer["param_groups"],
-                                                     [g["params"] for g in self.optimizer.param_groups])
+        if (
+            saved_layout is None
+            and os.path.exists(own)
+            and isinstance(optimizer, dict)
+            and {"state", "param_groups"} <= set(optimizer)
+            and hasattr(self.optimizer, "param_groups")
+        ):
+            shapes_match = ckpt.optimizer_state_fits(
+                optimizer["state"], optimizer["param_groups"], [g["params"] for g in self.optimizer.param_groups]
+            )
         changed = ckpt.layout_changed(saved_layout, current, stages, shapes_match)
         return changed, ckpt.layout_change_message(saved_layout, current, stages) if changed else ""

@@ -25,6 +25,7 @@ Stock checkpoints carry no layout: their stage count is DeepSpeed's (:func:`chec
 and their optimizer state is matched to this stage's parameters as torch matches it
 (:func:`optimizer_state_fits`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,15 +38,20 @@ STATE_KEY = "hippie_ds_state"
 STATE_FORMAT = 3
 READS_FORMATS = (2, 3)  # and format 1's keys; format 2 had no tied copies
 # format 1: one client-state key per part
-_FORMAT1_KEYS = {"grad_buffer": "hippie_ds_grad_buffer", "weight_versions": "hippie_ds_weight_versions",
-                 "prediction": "hippie_ds_weight_prediction"}
+_FORMAT1_KEYS = {
+    "grad_buffer": "hippie_ds_grad_buffer",
+    "weight_versions": "hippie_ds_weight_versions",
+    "prediction": "hippie_ds_weight_prediction",
+}
 _PARTS = (*_FORMAT1_KEYS, "tied_copies")
 # in DeepSpeed's model states: {pp_degree, tp_degree} (deepspeed.checkpoint.constants.CHECKPOINT_PARALLEL_DIMS)
 PARALLEL_DIMS = "checkpoint_parallel_dimensions"
-STOCK_MESSAGE = ("this checkpoint holds hippie-ds in-flight training state that stock DeepSpeed would drop: resume it "
-                 "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b, "
-                 "hippie-zb), call engine.drain() on every rank before save_checkpoint; 2bw/pipedream always keep the "
-                 "stashed weight version their next batch uses")
+STOCK_MESSAGE = (
+    "this checkpoint holds hippie-ds in-flight training state that stock DeepSpeed would drop: resume it "
+    "with hippie_ds.initialize(...) (one import), or, for a deferred gradient (hippie, hippie-1f1b, "
+    "hippie-zb), call engine.drain() on every rank before save_checkpoint; 2bw/pipedream always keep the "
+    "stashed weight version their next batch uses"
+)
 
 _state = threading.local()
 
@@ -67,7 +73,7 @@ class InFlightState:
         self.payload = payload
 
     def __reduce__(self):
-        return _unwrap, (self.payload, )
+        return _unwrap, (self.payload,)
 
 
 @contextlib.contextmanager
@@ -86,22 +92,32 @@ def unwrap(value):
     return value.payload if isinstance(value, InFlightState) else value
 
 
-def training_state(grad_buffer: dict, weight_versions: dict | None, prediction: dict | None,
-                   tied_copies: dict | None = None):
+def training_state(
+    grad_buffer: dict, weight_versions: dict | None, prediction: dict | None, tied_copies: dict | None = None
+):
     """The client-state value of :data:`STATE_KEY`: {format, grad_buffer, weight_versions,
     prediction, tied_copies}, wrapped in :class:`InFlightState` when a gradient or a weight version
     is in flight (the staleness correction's deltas alone are not: stock DeepSpeed may drop them).
     ``tied_copies``: {"key.attr": this stage's copy of a tied weight} (schedules that never flush)."""
-    state = {"format": STATE_FORMAT, "grad_buffer": grad_buffer, "weight_versions": weight_versions,
-             "prediction": prediction, "tied_copies": tied_copies}
+    state = {
+        "format": STATE_FORMAT,
+        "grad_buffer": grad_buffer,
+        "weight_versions": weight_versions,
+        "prediction": prediction,
+        "tied_copies": tied_copies,
+    }
     return InFlightState(state) if holds_in_flight(grad_buffer, weight_versions) else state
 
 
 def holds_in_flight(grad_buffer: dict | None, weight_versions: dict | None) -> bool:
     """True when the saved gradient state or weight versions hold something the next step needs:
     a deferred gradient, lagged tied-gradient sums, stashed weight versions."""
-    return bool(grad_buffer and (grad_buffer["state"] != "empty" or grad_buffer.get("tie_sums") is not None)
-                or weight_versions and weight_versions["stashed"])
+    return bool(
+        grad_buffer
+        and (grad_buffer["state"] != "empty" or grad_buffer.get("tie_sums") is not None)
+        or weight_versions
+        and weight_versions["stashed"]
+    )
 
 
 def read_training_state(client_state: dict) -> dict:
@@ -112,8 +128,10 @@ def read_training_state(client_state: dict) -> dict:
     if state is None:
         return {**old, "tied_copies": None}
     if state.get("format") not in READS_FORMATS:
-        raise ValueError(f"hippie-ds checkpoint state of format {state.get('format')!r}; this version reads "
-                         f"formats 1 to {STATE_FORMAT}")
+        raise ValueError(
+            f"hippie-ds checkpoint state of format {state.get('format')!r}; this version reads "
+            f"formats 1 to {STATE_FORMAT}"
+        )
     return {part: state.get(part) for part in _PARTS}
 
 
@@ -145,9 +163,11 @@ def optimizer_state_fits(state: dict, saved_groups: list[dict], groups: list[lis
     if len(saved_groups) != len(groups) or any(len(g["params"]) != len(p) for g, p in zip(saved_groups, groups)):
         return False
     params = {i: p for g, ps in zip(saved_groups, groups) for i, p in zip(g["params"], ps)}
-    return all(not hasattr(t, "shape") or len(t.shape) == 0 or
-               (i in params and tuple(t.shape) == tuple(params[i].shape))
-               for i, st in state.items() for t in st.values())
+    return all(
+        not hasattr(t, "shape") or len(t.shape) == 0 or (i in params and tuple(t.shape) == tuple(params[i].shape))
+        for i, st in state.items()
+        for t in st.values()
+    )
 
 
 def layout_changed(saved: dict | None, current: dict, checkpoint_stages: int, shapes_match: bool = True) -> bool:
@@ -161,7 +181,9 @@ def layout_changed(saved: dict | None, current: dict, checkpoint_stages: int, sh
 
 def layout_change_message(saved: dict | None, current: dict, checkpoint_stages: int) -> str:
     was = f"stage boundaries {saved['parts']}" if saved else f"{checkpoint_stages} stage(s)"
-    return (f"the checkpoint was saved with {was}, this model has stage boundaries {current['parts']}: weights "
-            "follow by layer, but optimizer state (e.g. Adam's moments) belongs to the old stages; pass "
-            "load_optimizer_states=False to load_checkpoint to keep weights, step counters and the LR schedule and "
-            "restart the optimizer state")
+    return (
+        f"the checkpoint was saved with {was}, this model has stage boundaries {current['parts']}: weights "
+        "follow by layer, but optimizer state (e.g. Adam's moments) belongs to the old stages; pass "
+        "load_optimizer_states=False to load_checkpoint to keep weights, step counters and the LR schedule and "
+        "restart the optimizer state"
+    )

@@ -1,5 +1,6 @@
 """DeepSpeed's checkpoint files reached by name: which model-state files a load reads, as named
 operations (roughly: what each does in DeepSpeed's own terms)."""
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ forward and backward handlers, ...): those are :data:`hippie_ds._compat.OVERRIDE
 exist like the names here; ``tests/compat/test_seams.py`` allows them outside this package as overrides
 only (``def _name`` and its ``super()._name(...)``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,15 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.pipe.engine import PIPE_RECV_GRAD_TIMER, PIPE_SEND_GRAD_TIMER, PipelineEngine
 
-__all__ = ["PipelineEngine", "PIPE_RECV_GRAD_TIMER", "PIPE_SEND_GRAD_TIMER", "P2P_STATE", "Boundary", "Backward",
-           "ModelStep"]
+__all__ = [
+    "PipelineEngine",
+    "PIPE_RECV_GRAD_TIMER",
+    "PIPE_SEND_GRAD_TIMER",
+    "P2P_STATE",
+    "Boundary",
+    "Backward",
+    "ModelStep",
+]
 
 # ---------------------------------------------------------------- the instruction map
 
@@ -46,9 +54,16 @@ def wrap_handlers(engine, wrap) -> None:
 
 # PipelineEngine attributes describing one p2p boundary (reset_activation_shape's list), with their
 # values before any transfer: virtual stages keep one set per model chunk (chunk_selector)
-P2P_STATE = {"first_output_send": True, "pipe_recv_buf": None, "grad_layer": None, "meta_buffer": None,
-             "pipe_partition_input_meta_cache": None, "pipe_partition_output_meta_cache": None,
-             "pipe_partition_grad_meta_cache": None, "grad_partition_grad_layer_meta_cache": None}
+P2P_STATE = {
+    "first_output_send": True,
+    "pipe_recv_buf": None,
+    "grad_layer": None,
+    "meta_buffer": None,
+    "pipe_partition_input_meta_cache": None,
+    "pipe_partition_output_meta_cache": None,
+    "pipe_partition_grad_meta_cache": None,
+    "grad_partition_grad_layer_meta_cache": None,
+}
 
 
 def p2p_state(engine) -> dict:
@@ -95,8 +110,10 @@ def receive_buffers(engine, outputs):
             engine.grad_layer = engine._allocate_or_extend_buffers(0, list(torch.Tensor.size(outputs)), outputs.dtype)
         else:
             floating = [t for t in outputs if torch.Tensor.is_floating_point(t)]
-            engine.grad_layer = [engine._allocate_or_extend_buffers(i, list(torch.Tensor.size(t)), t.dtype)
-                                 for i, t in enumerate(floating)]
+            engine.grad_layer = [
+                engine._allocate_or_extend_buffers(i, list(torch.Tensor.size(t)), t.dtype)
+                for i, t in enumerate(floating)
+            ]
     return engine.grad_layer
 
 

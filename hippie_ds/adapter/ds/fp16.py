@@ -2,6 +2,7 @@
 optimizer) and ``FP16_Optimizer`` (DeepSpeed's fused Adam, ``"optimizer": {"type": "Adam"}``); the
 internals fp16 per-stage steps (:mod:`hippie_ds.adapter.precision.fp16_stage`) read or swap, each as a named
 operation (roughly: what it does in DeepSpeed's own terms)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,19 @@ import deepspeed.runtime.fp16.unfused_optimizer as unfused
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-__all__ = ["FP16_UnfusedOptimizer", "FP16_Optimizer", "is_unfused", "is_fused", "decided", "update_scale",
-           "scale_moves", "unscaled", "masters", "FusedUnmoved", "set_step_applied"]
+__all__ = [
+    "FP16_UnfusedOptimizer",
+    "FP16_Optimizer",
+    "is_unfused",
+    "is_fused",
+    "decided",
+    "update_scale",
+    "scale_moves",
+    "unscaled",
+    "masters",
+    "FusedUnmoved",
+    "set_step_applied",
+]
 
 
 def is_unfused(optimizer) -> bool:
@@ -87,8 +99,11 @@ def scale_moves(optimizer, moved: bool | None):
     Roughly: ``optimizer._update_scale`` (FP16_UnfusedOptimizer, FP16_Optimizer, ZeRO's) replaced
     on the instance by a call with ``moved`` or by nothing; put back after."""
     original = optimizer._update_scale
-    with _replaced(optimizer, "_update_scale", (lambda *args, **kwargs: None) if moved is None else
-                   (lambda *args, **kwargs: original(moved))):
+    with _replaced(
+        optimizer,
+        "_update_scale",
+        (lambda *args, **kwargs: None) if moved is None else (lambda *args, **kwargs: original(moved)),
+    ):
         yield
 
 
@@ -138,10 +153,16 @@ class FusedUnmoved:
             master = optimizer.fp32_groups_flat[i]
             state = optimizer.optimizer.state.get(master, {})
             tensors = [master] + [v for v in state.values() if torch.is_tensor(v) and v.numel() == master.numel()]
-            self.saved.append((p, torch.Tensor.clone(torch.Tensor.detach(p)),
-                               [(t, torch.Tensor.clone(torch.Tensor.narrow(torch.Tensor.detach(t), 0, offset, n)),
-                                 offset, n)
-                                for t in tensors]))
+            self.saved.append(
+                (
+                    p,
+                    torch.Tensor.clone(torch.Tensor.detach(p)),
+                    [
+                        (t, torch.Tensor.clone(torch.Tensor.narrow(torch.Tensor.detach(t), 0, offset, n)), offset, n)
+                        for t in tensors
+                    ],
+                )
+            )
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -5,6 +5,7 @@ sets, each as a named operation (roughly: what it does in DeepSpeed's own terms)
 The subclass also overrides ``_build`` and ``_partition_layers`` by name
 (:data:`hippie_ds._compat.OVERRIDES`).
 """
+
 from __future__ import annotations
 
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
@@ -17,6 +18,7 @@ def dualpipev_module() -> type:
     """Roughly: ``deepspeed.runtime.pipe.dualpipev.DualPipeVModule`` (imported when asked: DeepSpeed's V-shaped
     module)."""
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
     return DualPipeVModule
 
 
@@ -85,10 +87,12 @@ def set_random_seed(seed: int) -> None:
     """Roughly: ``deepspeed.runtime.utils.set_random_seed(seed)`` (what ``PipelineModule.forward`` seeds layers
     with)."""
     from deepspeed.runtime import utils
+
     utils.set_random_seed(seed)
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
     """Roughly: ``deepspeed.runtime.utils.partition_uniform`` (``partition_method="uniform"``'s boundaries)."""
     from deepspeed.runtime.utils import partition_uniform as uniform
+
     return uniform(num_items=num_items, num_parts=num_parts)

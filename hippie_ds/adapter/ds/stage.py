@@ -3,6 +3,7 @@
 p2p boundary, the loss and its own instruction handlers, so the runtime reaches them here, each as a
 named operation that says roughly what it does in DeepSpeed's terms. The engine itself stays behind
 this object: nothing else the runtime holds is given it."""
+
 from __future__ import annotations
 
 import contextlib

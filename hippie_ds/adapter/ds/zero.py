@@ -22,6 +22,7 @@ Also DeepSpeed's other optimizer wrappers' internals the gradient store reaches 
 accumulator, ``DeepSpeedOptimizer``), each a named operation. Part of :mod:`hippie_ds.adapter.ds`:
 the one package that reaches DeepSpeed's internals.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,13 +62,18 @@ def _hand_gradients(optimizer) -> None:
     device = get_accelerator().current_device_name()
     for i in range(len(optimizer.bit16_groups)):
         params = optimizer.params_in_partition[i]
-        optimizer.all_grad_tensors[i] = optimizer.get_all_grad_tensors(params,
-                                                                       dtype=optimizer.gradient_accumulation_dtype)
-        optimizer.averaged_gradients[i] = optimizer.get_flat_partition(params, optimizer.first_offset[i],
-                                                                       optimizer.partition_size[i],
-                                                                       dtype=optimizer.gradient_accumulation_dtype,
-                                                                       device=device, param_group_idx=i,
-                                                                       return_tensor_list=True)
+        optimizer.all_grad_tensors[i] = optimizer.get_all_grad_tensors(
+            params, dtype=optimizer.gradient_accumulation_dtype
+        )
+        optimizer.averaged_gradients[i] = optimizer.get_flat_partition(
+            params,
+            optimizer.first_offset[i],
+            optimizer.partition_size[i],
+            dtype=optimizer.gradient_accumulation_dtype,
+            device=device,
+            param_group_idx=i,
+            return_tensor_list=True,
+        )
         optimizer.all_grad_tensors[i] = None
     # as the reduce epilogue ends: the reduce bucket its backward hooks allocated (reduce_bucket_size
     # elements, 2 GB in fp32 by default) is let go; kept, every rank would hold it between steps
@@ -98,6 +104,7 @@ class ZeroUnmoved:
 
     def __init__(self, params: list[torch.Tensor], optimizer):
         from deepspeed import comm as dist
+
         ids = {id(p) for p in params}
         self.params, self.weights = params, [torch.Tensor.clone(torch.Tensor.detach(p)) for p in params]
         self.optimizer = optimizer
@@ -108,17 +115,20 @@ class ZeroUnmoved:
                 continue
             flat = optimizer.bit16_groups_flat[i]
             part = optimizer.parallel_partitioned_bit16_groups[i][
-                dist.get_rank(group=optimizer.real_dp_process_group[i])]
+                dist.get_rank(group=optimizer.real_dp_process_group[i])
+            ]
             lo, n = part.storage_offset() - flat.storage_offset(), part.numel()
             mask = torch.zeros(n, dtype=torch.bool, device=flat.device)
             for p in chosen:
                 if p.data.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
-                    raise RuntimeError("hippie-ds: a ZeRO-1 parameter is not a view of its group's flat buffer "
-                                       "(DeepSpeedZeroOptimizer changed: see hippie_ds/_compat.py)")
+                    raise RuntimeError(
+                        "hippie-ds: a ZeRO-1 parameter is not a view of its group's flat buffer "
+                        "(DeepSpeedZeroOptimizer changed: see hippie_ds/_compat.py)"
+                    )
                 start = p.data.storage_offset() - flat.storage_offset()
                 a, b = max(start, lo), min(start + torch.Tensor.numel(p), lo + n)
                 if a < b:
-                    mask[a - lo:b - lo] = True
+                    mask[a - lo : b - lo] = True
             if mask.any():
                 fp32 = optimizer.single_partition_of_fp32_groups[i]
                 self.saved.append((fp32, mask, {key: t[mask].clone() for key, t in self._tensors(fp32).items()}))

@@ -1,1 +1,2 @@
-"""``HippiePipelineEngine``: DeepSpeed's overrides and the public methods, each delegating to the stage runtime (adapter/stage)."""
+"""``HippiePipelineEngine``: DeepSpeed's overrides and the public methods, each delegating to the stage
+runtime (adapter/stage)."""

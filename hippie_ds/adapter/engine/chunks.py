@@ -23,6 +23,7 @@ engine selects that chunk, so DeepSpeed's own handlers run on it unchanged:
 ``eval_batch`` runs :func:`hippie_ds.schedules.compiler.inference_stream` instead of DeepSpeed's
 ``InferenceSchedule``, which knows one part per stage.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -73,12 +74,15 @@ def inference_schedule(chunks: ChunkSelector | None, micro_batches: int, stages:
     if not _chunked(chunks):
         return stock(micro_batches)
     from ..stage.instructions import OpSchedule
-    return OpSchedule(inference_stream(chunks.layout, chunks.stage, micro_batches), micro_batches, stages,
-                      chunks.stage, num_buffers=2)
+
+    return OpSchedule(
+        inference_stream(chunks.layout, chunks.stage, micro_batches), micro_batches, stages, chunks.stage, num_buffers=2
+    )
 
 
-def clip_fp32_gradients(chunks: ChunkSelector | None, module, grid, mpu, device, max_norm: float,
-                        stock: Callable[[], object]):
+def clip_fp32_gradients(
+    chunks: ChunkSelector | None, module, grid, mpu, device, max_norm: float, stock: Callable[[], object]
+):
     """``clip_fp32_gradients``, called by DeepSpeed's ``OptimizerStep`` (the pipeline-wide norm; a
     per-stage step swaps in its own mpu): a virtual layout clips by 1F1B's clip coefficient, whatever
     the layout (layout_clip.py)."""

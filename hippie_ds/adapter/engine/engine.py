@@ -11,7 +11,8 @@ the components), and each override delegates to it. What the overrides change, a
   DeepSpeed's single slot: the compiler puts every recv_grad in its backward's step, and start-up
   refuses a schedule that would receive another gradient before using the one it holds;
 - deferred stages, and 2bw's stages, correct for their one-step delay (``hippie.staleness``,
-  :mod:`hippie_ds.adapter.staleness.prediction`): compute runs on predicted weights, the update applies to the true ones;
+  :mod:`hippie_ds.adapter.staleness.prediction`): compute runs on predicted weights, the update applies to the
+  true ones;
 - continuous schedules (2bw, pipedream: the pipeline stays full across ``train_batch`` calls): ops of
   batches in flight run in the next call, ``drain()`` completes them; weight versions (adapter/staleness/versions.py);
 - virtual stages: the chunk overrides ask the runtime's ``ChunkSelector`` (:mod:`~hippie_ds.adapter.engine.chunks`);
@@ -24,6 +25,7 @@ stage's tensor-slice group only, not over the pipeline: a stage that updates ear
 for the others, and a deferred stage applies last step's gradient. DeepSpeed's ``OptimizerStep``
 (1f1b, gpipe) keeps the stock pipeline-wide norm.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -59,29 +61,59 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
     _runtime: StageRuntime | None = None  # DeepSpeed's __init__ runs before it is built
     _chunk_selector: ChunkSelector | None = None  # ... and before the chunks (it asks is_first_stage, DeepSpeed's)
 
-    def __init__(self, *args, compiled_schedule: CompiledSchedule, timeline_dir: str | None = None,
-                 timeline_steps: int = 100, staleness=None, deferral: Deferral | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        compiled_schedule: CompiledSchedule,
+        timeline_dir: str | None = None,
+        timeline_steps: int = 100,
+        staleness=None,
+        deferral: Deferral | None = None,
+        **kwargs,
+    ):
         """Overrides ``PipelineEngine.__init__`` (calls it), then builds the stage runtime."""
         self.compiled_schedule = compiled_schedule
         super().__init__(*args, **kwargs)
         if compiled_schedule.stages != self.num_stages or compiled_schedule.micro_batches != self.micro_batches:
-            raise ValueError(f"schedule compiled for {compiled_schedule.stages} stages x "
-                             f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
-                             f"{self.micro_batches}")
+            raise ValueError(
+                f"schedule compiled for {compiled_schedule.stages} stages x "
+                f"{compiled_schedule.micro_batches} micro-batches, engine has {self.num_stages} x "
+                f"{self.micro_batches}"
+            )
         # virtual stages: the per-chunk state, before the components (they read the stage's neighbours)
         self._chunk_selector = chunks = ChunkSelector(
-            compiled_schedule.layout, compiled_schedule.virtual_stages, self.stage_id, ds_engine.Boundary(self),
+            compiled_schedule.layout,
+            compiled_schedule.virtual_stages,
+            self.stage_id,
+            ds_engine.Boundary(self),
             getattr(self.module, "set_chunk", None),  # one chunk: DeepSpeed's own module has none
-            self.is_pipe_partitioned or self.is_grad_partitioned)
+            self.is_pipe_partitioned or self.is_grad_partitioned,
+        )
         cursor = CallCursor()  # continuous schedules: where the calls stand
         parts = build(self, compiled_schedule, staleness, deferral, lambda: self._runtime.early_allreduce_started())
         module = self.module
-        in_flight = TrainingState(module, parts.gradients, parts.versions, cursor, compiled_schedule.continuous,
-                                  self.stage_id, self.device, self.optimizer,
-                                  ds_checkpoint.CheckpointFiles(self))  # what a checkpoint saves and restores
-        self._runtime = StageRuntime(DeepSpeedStage(self), compiled_schedule, parts, chunks, cursor, in_flight,
-                                    lambda chunk: module.chunk_parameters(chunk),
-                                    Timeline(timeline_steps, compute_clock(self.device)), timeline_dir)
+        in_flight = TrainingState(
+            module,
+            parts.gradients,
+            parts.versions,
+            cursor,
+            compiled_schedule.continuous,
+            self.stage_id,
+            self.device,
+            self.optimizer,
+            ds_checkpoint.CheckpointFiles(self),
+        )  # what a checkpoint saves and restores
+        self._runtime = StageRuntime(
+            DeepSpeedStage(self),
+            compiled_schedule,
+            parts,
+            chunks,
+            cursor,
+            in_flight,
+            lambda chunk: module.chunk_parameters(chunk),
+            Timeline(timeline_steps, compute_clock(self.device)),
+            timeline_dir,
+        )
         atexit.register(warn_in_flight_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ the schedule
@@ -98,7 +130,8 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         return self._runtime.train_batch(lambda: super(HippiePipelineEngine, self).train_batch(data_iter))
 
     def eval_batch(self, *args, **kwargs):
-        """Overrides ``PipelineEngine.eval_batch``: delegates to ``StageRuntime.eval_batch`` (drains first), which calls it."""
+        """Overrides ``PipelineEngine.eval_batch``: delegates to ``StageRuntime.eval_batch`` (drains first), which
+        calls it."""
         return self._runtime.eval_batch(lambda: super(HippiePipelineEngine, self).eval_batch(*args, **kwargs))
 
     # ------------------------------------------------------------------ virtual stages (chunks.py)
@@ -111,7 +144,8 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         return chunk_overrides.is_last(self._chunks(), super().is_last_stage)
 
     def _loss_stage_global_rank(self):
-        """Overrides ``PipelineEngine._loss_stage_global_rank``: delegates to the chunks (the stage of the last part)."""
+        """Overrides ``PipelineEngine._loss_stage_global_rank``: delegates to the chunks (the stage of the last
+        part)."""
         return chunk_overrides.loss_stage_global_rank(self._chunks(), self.grid, super()._loss_stage_global_rank)
 
     def _next_batch(self):
@@ -124,14 +158,22 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
 
     def _inference_schedule(self, micro_batches):
         """Overrides ``PipelineEngine._inference_schedule``: delegates to the chunks (chunk by chunk)."""
-        return chunk_overrides.inference_schedule(self._chunks(), micro_batches, self.num_stages,
-                                                  super()._inference_schedule)
+        return chunk_overrides.inference_schedule(
+            self._chunks(), micro_batches, self.num_stages, super()._inference_schedule
+        )
 
     def clip_fp32_gradients(self):
         """Overrides ``DeepSpeedEngine.clip_fp32_gradients`` (DeepSpeed's step calls it back): delegates to the
         chunks (a virtual layout clips by 1F1B's coefficient; DeepSpeed's clipping without chunks)."""
-        return chunk_overrides.clip_fp32_gradients(self._chunks(), self.module, self.grid, self.mpu, self.device,
-                                                   self.gradient_clipping(), super().clip_fp32_gradients)
+        return chunk_overrides.clip_fp32_gradients(
+            self._chunks(),
+            self.module,
+            self.grid,
+            self.mpu,
+            self.device,
+            self.gradient_clipping(),
+            super().clip_fp32_gradients,
+        )
 
     def _chunks(self) -> ChunkSelector | None:
         return self._chunk_selector
@@ -144,13 +186,19 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         return stock(grad) if self._runtime is None else self._runtime.backward_prologue(grad, stock)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """Overrides ``DeepSpeedEngine.save_checkpoint``: delegates to ``StageRuntime.save_checkpoint``
-        (the in-flight state), which calls it."""
+        (the in-flight state), which calls it. ``client_state`` None: none (DeepSpeed's default, ``{}``)."""
         return self._runtime.save_checkpoint(
             lambda state: super(HippiePipelineEngine, self).save_checkpoint(
-                save_dir, tag=tag, client_state=state, save_latest=save_latest,
-                exclude_frozen_parameters=exclude_frozen_parameters), client_state)
+                save_dir,
+                tag=tag,
+                client_state=state,
+                save_latest=save_latest,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            ),
+            {} if client_state is None else client_state,
+        )
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, **kwargs):
         """Overrides ``DeepSpeedEngine.load_checkpoint`` (calls it), plus hippie-ds's state. Loads
@@ -160,8 +208,12 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         ``StageRuntime.load_checkpoint``, which calls it."""
         return self._runtime.load_checkpoint(
             lambda: super(HippiePipelineEngine, self).load_checkpoint(
-                load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kwargs),
-            load_dir, tag, load_optimizer_states)
+                load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kwargs
+            ),
+            load_dir,
+            tag,
+            load_optimizer_states,
+        )
 
     # ------------------------------------------------------------------ public
     def add_instruction_hook(self, hook):
@@ -222,10 +274,14 @@ class HippiePipelineEngine(ds_engine.PipelineEngine):
         rt = self._runtime
         if rt.timeline_dir is None and path is None:
             return None
-        return rt.timeline.write(path or os.path.join(rt.timeline_dir, f"rank{self.global_rank}.json"),
-                                 rank=self.global_rank, stage=self.stage_id,
-                                 data_parallel_id=self.grid.data_parallel_id, schedule=self.compiled_schedule.name,
-                                 param_bytes=tensor_bytes(rt.params))
+        return rt.timeline.write(
+            path or os.path.join(rt.timeline_dir, f"rank{self.global_rank}.json"),
+            rank=self.global_rank,
+            stage=self.stage_id,
+            data_parallel_id=self.grid.data_parallel_id,
+            schedule=self.compiled_schedule.name,
+            param_bytes=tensor_bytes(rt.params),
+        )
 
     def count_split_state_in(self, meter) -> None:
         """Also count in ``meter`` (a :class:`hippie_ds.adapter.profiling.memory.ActivationMeter`) what
@@ -245,6 +301,9 @@ def warn_in_flight_at_exit(ref) -> None:
     what = engine._runtime.in_flight_at_exit()
     if what is not None:
         from deepspeed.utils import logger
-        logger.warning(f"hippie-ds: schedule {engine.compiled_schedule.name!r} stage {engine.stage_id} exits with "
-                       f"{what} not applied to the weights in memory; engine.drain() on every rank applies them, "
-                       "save_checkpoint keeps them")
+
+        logger.warning(
+            f"hippie-ds: schedule {engine.compiled_schedule.name!r} stage {engine.stage_id} exits with "
+            f"{what} not applied to the weights in memory; engine.drain() on every rank applies them, "
+            "save_checkpoint keeps them"
+        )

@@ -18,6 +18,7 @@ else fp16 / bf16 under those precisions, else fp32), as in its own ``allreduce_b
 gradient of another dtype (bf16's fp32 accumulators) is cast for the collective and copied back
 when it is waited for. So a bf16 run sends half the bytes, as stock DeepSpeed's does.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -3,6 +3,7 @@ and ``BackwardWeightPass`` do, and what the first keeps per pipeline buffer for 
 torch part is :mod:`hippie_ds.adapter.gradients.split_backward`; this is the DeepSpeed side: pipe
 buffers, the received gradient (``grad_layer``), the loss and DeepSpeed's backward hooks, reached
 through :class:`hippie_ds.adapter.ds.engine.Backward`. The stage's handlers (adapter/stage/handlers.py) call it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,19 @@ class SplitBackward:
     public methods of those names; ``partitioned``: DeepSpeed partitions pipeline activations or
     gradients (tensor-slice parallelism); ``logs``: this rank says what it does (global rank 0)."""
 
-    def __init__(self, compiled: CompiledSchedule, module, params, store, buffers: dict, backward: Backward,
-                 is_last_stage: Callable[[], bool], accumulation_steps: Callable[[], int], partitioned: bool = False,
-                 logs: bool = False):
+    def __init__(
+        self,
+        compiled: CompiledSchedule,
+        module,
+        params,
+        store,
+        buffers: dict,
+        backward: Backward,
+        is_last_stage: Callable[[], bool],
+        accumulation_steps: Callable[[], int],
+        partitioned: bool = False,
+        logs: bool = False,
+    ):
         self._stage_module, self._params, self._store = module, params, store
         self._buffers, self._backward = buffers, backward
         self._is_last_stage, self._accumulation_steps = is_last_stage, accumulation_steps
@@ -40,12 +51,16 @@ class SplitBackward:
         self.whole_backward_in_input = getattr(module, "activation_checkpoint_interval", 0) > 0
         if compiled.splits_backward:  # its torch version refused at start-up (adapter/startup/checks.py)
             if self.whole_backward_in_input and logs:
-                logger.info(f"hippie-ds: schedule {compiled.name!r} with activation_checkpoint_interval = "
-                            f"{module.activation_checkpoint_interval}: backward_input runs the whole backward "
-                            "(DeepSpeed's checkpoint needs it), backward_weight has nothing left to do")
+                logger.info(
+                    f"hippie-ds: schedule {compiled.name!r} with activation_checkpoint_interval = "
+                    f"{module.activation_checkpoint_interval}: backward_input runs the whole backward "
+                    "(DeepSpeed's checkpoint needs it), backward_weight has nothing left to do"
+                )
             if partitioned:
-                raise ValueError(f"schedule {compiled.name!r} splits the backward, which does not support "
-                                 "partitioned pipeline activations or gradients (tensor-slice parallelism)")
+                raise ValueError(
+                    f"schedule {compiled.name!r} splits the backward, which does not support "
+                    "partitioned pipeline activations or gradients (tensor-slice parallelism)"
+                )
 
     @contextlib.contextmanager
     def _engine_backward(self):
@@ -70,8 +85,9 @@ class SplitBackward:
             outputs, grads = buffers["outputs"][buffer_id], self._backward.received_gradient()
         inputs = buffers["inputs"][buffer_id]
         if chunk not in self._coverage_checked:
-            check_coverage(outputs, inputs, self._params,
-                           [n for n, p in self._stage_module.named_parameters() if p.requires_grad])
+            check_coverage(
+                outputs, inputs, self._params, [n for n, p in self._stage_module.named_parameters() if p.requires_grad]
+            )
             self._coverage_checked.add(chunk)
         with self._engine_backward():
             self._pending[buffer_id] = backward_input(outputs, grads, inputs, self._params)

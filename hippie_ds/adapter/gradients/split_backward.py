@@ -35,6 +35,7 @@ them at once. Values and accumulation order are unchanged; only W has less to do
 The module is private in torch; hippie-ds checks the tested torch range (:data:`TESTED_TORCH`)
 when a schedule splits its backward.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -57,10 +58,12 @@ def check_torch_version(version: str | None = None) -> None:
         raise ImportError(f"hippie-ds cannot parse the torch version {version!r}") from None
     lo, hi = TESTED_TORCH
     if not lo <= (major, minor) < hi:
-        raise ImportError(f"schedules that split the backward (backward_input / backward_weight) use torch's "
-                          f"private torch.distributed.pipelining._backward, tested with torch >= {lo[0]}.{lo[1]}, "
-                          f"< {hi[0]}.{hi[1]}; found torch {version}. Use a schedule without a split backward "
-                          f"(e.g. 1f1b) or install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}'.")
+        raise ImportError(
+            f"schedules that split the backward (backward_input / backward_weight) use torch's "
+            f"private torch.distributed.pipelining._backward, tested with torch >= {lo[0]}.{lo[1]}, "
+            f"< {hi[0]}.{hi[1]}; found torch {version}. Use a schedule without a split backward "
+            f"(e.g. 1f1b) or install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}'."
+        )
 
 
 class PendingWeightGrad:
@@ -79,12 +82,17 @@ class PendingWeightGrad:
         gradients."""
         if self.param_groups is None:
             return [g for g in self.output_grads or () if torch.is_tensor(g)]
-        return [g for group in self.param_groups for grads in group.get("grads") or () for g in grads or ()
-                if torch.is_tensor(g)]
+        return [
+            g
+            for group in self.param_groups
+            for grads in group.get("grads") or ()
+            for g in grads or ()
+            if torch.is_tensor(g)
+        ]
 
 
 def _float_tensors(values) -> list[torch.Tensor]:
-    values = values if isinstance(values, (tuple, list)) else (values, )
+    values = values if isinstance(values, (tuple, list)) else (values,)
     return [t for t in values if torch.is_tensor(t) and torch.Tensor.is_floating_point(t)]
 
 
@@ -98,8 +106,9 @@ def backward_input(outputs, output_grads, inputs, params: Sequence[torch.nn.Para
     needs = [t for t in _float_tensors(inputs) if t.requires_grad]
     if not needs:
         # W runs later from these: a copy, since the caller may receive the next gradient into them
-        return PendingWeightGrad(outputs=outs, output_grads=None if grads is None
-                                 else [torch.Tensor.clone(g) for g in grads])
+        return PendingWeightGrad(
+            outputs=outs, output_grads=None if grads is None else [torch.Tensor.clone(g) for g in grads]
+        )
     groups = _input_pass(outs, grads, needs, params)
     _own_gradients(groups, needs, grads)
     return PendingWeightGrad(param_groups=groups)
@@ -119,8 +128,10 @@ def obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     """torch's gradient layout contract (``obeys_layout_contract``): ``grad`` has ``leaf``'s strides
     (dimensions of size 1 aside) when ``leaf`` is dense and non-overlapping, else is contiguous."""
     if _dense(leaf):
-        return all(gs == ls if n != 1 else gs != 0
-                   for n, gs, ls in zip(grad.shape, torch.Tensor.stride(grad), torch.Tensor.stride(leaf)))
+        return all(
+            gs == ls if n != 1 else gs != 0
+            for n, gs, ls in zip(grad.shape, torch.Tensor.stride(grad), torch.Tensor.stride(leaf))
+        )
     return torch.Tensor.is_contiguous(grad)
 
 
@@ -129,12 +140,17 @@ def as_accumulated(grad, leaf: torch.Tensor):
     """``grad`` laid out as AccumulateGrad stores the gradient of ``leaf`` in ``leaf.grad`` (torch's
     ``clone_obey_contract`` where :func:`obeys_layout` fails): ``grad`` itself when it obeys the
     contract, else a copy with ``leaf``'s strides (dense ``leaf``) or a contiguous one."""
-    if not torch.is_tensor(grad) or grad.layout != torch.strided or leaf.layout != torch.strided or \
-            obeys_layout(grad, leaf):
+    if (
+        not torch.is_tensor(grad)
+        or grad.layout != torch.strided
+        or leaf.layout != torch.strided
+        or obeys_layout(grad, leaf)
+    ):
         return grad
     if _dense(leaf):
-        return torch.empty_strided(leaf.shape, torch.Tensor.stride(leaf), dtype=grad.dtype,
-                                   device=grad.device).copy_(grad)
+        return torch.empty_strided(leaf.shape, torch.Tensor.stride(leaf), dtype=grad.dtype, device=grad.device).copy_(
+            grad
+        )
     return torch.Tensor.clone(grad, memory_format=torch.contiguous_format)
 
 
@@ -163,6 +179,7 @@ def _own_gradients(groups: list[dict], inputs: list[torch.Tensor], given: list[t
 
     def own(g):
         return copy_if_shared(g, storages)
+
     for group in groups:
         if group.get("grads") is not None:
             group["grads"] = [None if grads is None else tuple(map(own, grads)) for grads in group["grads"]]
@@ -171,8 +188,12 @@ def _own_gradients(groups: list[dict], inputs: list[torch.Tensor], given: list[t
             t.grad = own(t.grad)
 
 
-def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, needs: list[torch.Tensor],
-                params: Sequence[torch.nn.Parameter]) -> list[dict]:
+def _input_pass(
+    outs: list[torch.Tensor],
+    grads: list[torch.Tensor] | None,
+    needs: list[torch.Tensor],
+    params: Sequence[torch.nn.Parameter],
+) -> list[dict]:
     """torch's ``stage_backward_input`` (torch.distributed.pipelining._backward, torch 2.13), but
     for an output that is a view: torch ends by detaching every output in place, to release the
     graph from it, and a view (``nn.Linear`` on a 3-D input, ``x.view(...)``) cannot be detached
@@ -181,13 +202,23 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
     all the same. Everything else is torch's: its graph helpers, its parameter groups (what W
     consumes), the same ``autograd.grad`` call, the input gradients set (added to a ``.grad``
     already there), laid out as AccumulateGrad would (:func:`as_accumulated`)."""
-    from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                        get_param_groups)
-    live = [(o, torch.ones_like(o) if grads is None else g) for o, g in zip(outs, grads or [None] * len(outs))
-            if o.requires_grad or o.grad_fn is not None]
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+    )
+
+    live = [
+        (o, torch.ones_like(o) if grads is None else g)
+        for o, g in zip(outs, grads or [None] * len(outs))
+        if o.requires_grad or o.grad_fn is not None
+    ]
     reverse = construct_reverse_graph([n for n in (_get_grad_fn_or_grad_acc(o) for o, _ in live) if n is not None])
-    groups = get_param_groups([_get_grad_fn_or_grad_acc(t) for t in needs],
-                              [n for n in map(_get_grad_fn_or_grad_acc, params) if n is not None], reverse)
+    groups = get_param_groups(
+        [_get_grad_fn_or_grad_acc(t) for t in needs],
+        [n for n in map(_get_grad_fn_or_grad_acc, params) if n is not None],
+        reverse,
+    )
     handles = []
 
     def keep(group, i):  # the gradient flowing into the group's i-th intermediate node, for W
@@ -195,6 +226,7 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
             if group.get("grads") is None:
                 group["grads"] = [None] * len(group["intermediates"])
             group["grads"][i] = grad_inputs
+
         return hook
 
     try:
@@ -202,8 +234,9 @@ def _input_pass(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, need
             group["intermediates"] = list(group["intermediates"])
             handles += [node.register_prehook(keep(group, i)) for i, node in enumerate(group["intermediates"])]
         if live:
-            dinputs = torch.autograd.grad([o for o, _ in live], needs, [g for _, g in live], retain_graph=True,
-                                          allow_unused=True)
+            dinputs = torch.autograd.grad(
+                [o for o, _ in live], needs, [g for _, g in live], retain_graph=True, allow_unused=True
+            )
             for t, d in zip(needs, dinputs):
                 if d is not None:
                     t.grad = as_accumulated(d if t.grad is None else t.grad + d, t)
@@ -225,6 +258,7 @@ def backward_weight(pending: PendingWeightGrad, params: Sequence[torch.nn.Parame
         torch.autograd.backward(pending.outputs, pending.output_grads)
         return
     from torch.distributed.pipelining._backward import stage_backward_weight
+
     params = list(params)
     fresh = [p.grad is None for p in params]
     stage_backward_weight(iter(params), pending.param_groups)
@@ -242,8 +276,12 @@ def check_coverage(outputs, inputs, params: Sequence[torch.nn.Parameter], names:
     stage, e.g. a tied embedding's position table on the head's stage) are fine: no gradient
     reaches them, and they keep ``.grad`` None as autograd and stock DeepSpeed leave them. Run
     once, on the first micro-batch, before its I."""
-    from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                        reverse_closure)
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        reverse_closure,
+    )
+
     needs = [t for t in _float_tensors(inputs) if t.requires_grad]
     if not needs:
         return  # W runs the whole backward
@@ -262,7 +300,9 @@ def check_coverage(outputs, inputs, params: Sequence[torch.nn.Parameter], names:
         if branch & roots:
             missing.append(name)
     if missing:
-        raise SplitBackwardError(f"parameter(s) {', '.join(missing)} reach the stage's output on a path that does not "
-                                 "meet the path from its input: a split backward (backward_input / backward_weight) "
-                                 "would lose that part of their gradients; use a schedule without a split backward "
-                                 "(e.g. 1f1b)")
+        raise SplitBackwardError(
+            f"parameter(s) {', '.join(missing)} reach the stage's output on a path that does not "
+            "meet the path from its input: a split backward (backward_input / backward_weight) "
+            "would lose that part of their gradients; use a schedule without a split backward "
+            "(e.g. 1f1b)"
+        )

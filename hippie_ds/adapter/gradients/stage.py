@@ -18,6 +18,7 @@ From the config to the wire: ``hippie.deferred_layers`` -> ``schedules.resolve.r
 -> :class:`StageGradients`: the synced part's hooks start the ``grads`` all-reduce inside the last backward,
 the delayed part goes through ``copy_to_buffer`` and the ``buffer`` all-reduce across the next step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,9 @@ def _checked(transition: tuple[bool, str | None]) -> bool:
     return does
 
 
-def split_deferred(params: list[torch.Tensor], layers: list, first: int, delays: StageDeferral | None,
-                   also: list[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def split_deferred(
+    params: list[torch.Tensor], layers: list, first: int, delays: StageDeferral | None, also: list[torch.Tensor] = ()
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(delayed, synchronous) parameters of a deferred stage whose layers (``forward_funcs``, the
     first at global index ``first``) are ``layers``: those of the layers ``delays`` lists (global
     indices, :class:`~hippie_ds.schedules.deferral.StageDeferral`), and ``also`` (tied weights
@@ -53,8 +55,12 @@ def split_deferred(params: list[torch.Tensor], layers: list, first: int, delays:
     if delays is None or delays.whole:
         return params, []
     picked = {g - first for g in delays.layers}
-    delayed = {id(p) for i, layer in enumerate(layers) if i in picked and isinstance(layer, torch.nn.Module)
-               for p in layer.parameters()} | {id(p) for p in also}
+    delayed = {
+        id(p)
+        for i, layer in enumerate(layers)
+        if i in picked and isinstance(layer, torch.nn.Module)
+        for p in layer.parameters()
+    } | {id(p) for p in also}
     return [p for p in params if id(p) in delayed], [p for p in params if id(p) not in delayed]
 
 
@@ -67,10 +73,22 @@ class StageGradients:
     (:class:`~hippie_ds.adapter.precision.step.StageStep`). ``on_early_start()`` is called when the
     synced part's all-reduce starts inside a backward (the timeline marks it)."""
 
-    def __init__(self, store: GradStore, stream: AllReduceStream, *, reduce: bool, deferred: bool,
-                 delayed: list[torch.Tensor], synced: list[torch.Tensor], backwards_per_call: int,
-                 ties: list[tuple[torch.Tensor, object]] = (), lagged_ties=None, tie_clip: float = 0.0,
-                 prediction=None, on_early_start: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        store: GradStore,
+        stream: AllReduceStream,
+        *,
+        reduce: bool,
+        deferred: bool,
+        delayed: list[torch.Tensor],
+        synced: list[torch.Tensor],
+        backwards_per_call: int,
+        ties: list[tuple[torch.Tensor, object]] = (),
+        lagged_ties=None,
+        tie_clip: float = 0.0,
+        prediction=None,
+        on_early_start: Callable[[], None] | None = None,
+    ):
         # prediction: the deferred stage's staleness.prediction.InPlacePrediction, or None (the staleness
         # package is above this one: not imported here)
         self.store = store  # where gradients live (fp32 / bf16)
@@ -103,8 +121,10 @@ class StageGradients:
 
     def log_delayed_share(self, stage: int) -> None:
         delayed = numel(self.delayed)
-        logger.info(f"hippie-ds: stage {stage} applies {self.delayed_fraction():.1%} of its gradient one step late "
-                    f"({delayed} of {numel(self.store.params)} elements)")
+        logger.info(
+            f"hippie-ds: stage {stage} applies {self.delayed_fraction():.1%} of its gradient one step late "
+            f"({delayed} of {numel(self.store.params)} elements)"
+        )
 
     def count_backwards_from_zero(self) -> None:
         """At the start of a train_batch call (the early all-reduce arms in its last backward)."""
@@ -187,8 +207,11 @@ class StageGradients:
             self._sum_ties(self.synced)
             if self._lagged_ties is not None:
                 self._skip_ties = not self._lagged_ties.exchange()
-            grads = self._synced_grads() if not self._chunk_started else \
-                self.store.of([p for p in self.synced if id(p) not in self._chunk_started])
+            grads = (
+                self._synced_grads()
+                if not self._chunk_started
+                else self.store.of([p for p in self.synced if id(p) not in self._chunk_started])
+            )
             if not grads:  # a wholly deferred stage: everything waits for the buffer
                 self._allreduce["grads"] = (None, None, grads)
                 return
@@ -314,9 +337,11 @@ class StageGradients:
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the stage keeps between calls beside its parameters' gradients, by kind, uncopied and
         with no collective (a memory probe's view; :meth:`state_dict` reduces and copies)."""
-        return {"gradient_buffer": [] if self.buffer is None else [self.buffer],
-                "tie_sums": [] if self._lagged_ties is None else self._lagged_ties.held_tensors(),
-                "prediction": [] if self.prediction is None else self.prediction.held_tensors()}
+        return {
+            "gradient_buffer": [] if self.buffer is None else [self.buffer],
+            "tie_sums": [] if self._lagged_ties is None else self._lagged_ties.held_tensors(),
+            "prediction": [] if self.prediction is None else self.prediction.held_tensors(),
+        }
 
     def state_dict(self) -> dict:
         """The buffer, reduced first (each replica holds its own part until then; identical on
@@ -325,9 +350,12 @@ class StageGradients:
             self.start_allreduce("buffer")
         self.wait_buffer()
         empty = self.buffer_sm.state == "empty" or self.buffer is None  # a spare buffer is not state
-        return {"state": self.buffer_sm.state, "buffer": None if empty else self.buffer.clone(),
-                "scale": self._buffer_scale,
-                "tie_sums": None if self._lagged_ties is None else self._lagged_ties.state_dict()}
+        return {
+            "state": self.buffer_sm.state,
+            "buffer": None if empty else self.buffer.clone(),
+            "scale": self._buffer_scale,
+            "tie_sums": None if self._lagged_ties is None else self._lagged_ties.state_dict(),
+        }
 
     def load_state_dict(self, state: dict, device) -> None:
         self.buffer_sm.state = state["state"]

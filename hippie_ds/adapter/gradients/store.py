@@ -18,6 +18,7 @@ on the gradients DeepSpeed's own step reads, never on both copies. DeepSpeed's o
 optimizer) reduce or scale gradients inside their own machinery; schedules that need this store
 refuse them at ``initialize`` (:func:`hippie_ds.adapter.integration.check_precision`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,12 @@ from ..precision.fp16_stage import fp16_unfused, fp16_unmoved
 def supports(optimizer) -> bool:
     """True when :class:`GradStore` knows where ``optimizer`` keeps gradients."""
     # every DeepSpeed wrapper (ZeRO, fp16) derives from DeepSpeedOptimizer; fp32 gets the bare one
-    return (isinstance(optimizer, BF16_Optimizer) or is_zero(optimizer) or fp16_unfused(optimizer)
-            or not isinstance(optimizer, DeepSpeedOptimizer))
+    return (
+        isinstance(optimizer, BF16_Optimizer)
+        or is_zero(optimizer)
+        or fp16_unfused(optimizer)
+        or not isinstance(optimizer, DeepSpeedOptimizer)
+    )
 
 
 class GradStore:
@@ -48,8 +53,11 @@ class GradStore:
         self.flat = self.bf16 or is_zero(optimizer) or self.fp16
         self._optimizer = optimizer
         # BF16_Optimizer: parameter -> (group, index) of its view into the flat accumulator
-        self._slot = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)
-                      for j, p in enumerate(group)} if self.bf16 else {}
+        self._slot = (
+            {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, p in enumerate(group)}
+            if self.bf16
+            else {}
+        )
 
     @property
     def moves_after_backward(self) -> bool:
@@ -195,6 +203,7 @@ class Unmoved:
 
     def __init__(self, params: list[torch.Tensor], optimizer=None):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
         ds_zero.link_optimizer_state(optimizer)  # the moments' fragments are linked after the optimizer's first step
         self.params = params
         self.weights = [torch.Tensor.clone(torch.Tensor.detach(p)) for p in params]
@@ -203,6 +212,7 @@ class Unmoved:
 
     def restore(self) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
         with torch.no_grad():
             for p, w, m in zip(self.params, self.weights, self.masters):
                 torch.Tensor.copy_(p, w)

@@ -47,6 +47,7 @@ same on every holder) and its other parameters by theirs (:meth:`LaggedTieSums.c
 Which stages hold a tied module comes from the layer specs every rank has; what each delays is
 decided once at start-up (:func:`hippie_ds.schedules.deferral.decide`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -83,11 +84,13 @@ def check_tied(model: PipelineModule, compiled: CompiledSchedule) -> None:
             groups.setdefault(stage, set()).add(tuple(sorted(stages)))
     several = {s: sorted(g) for s, g in groups.items() if len(g) > 1}
     if several:
-        raise ConfigError(f'config key "pipeline.schedule" = {compiled.name!r}: stage(s) {sorted(several)} hold '
-                          f"modules tied to different sets of stages ({several}); a per-stage update clips by the norm "
-                          "of one tie group; use " + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape,
-                                                                         held_chunks(model))) +
-                          ", or tie them to the same stages")
+        raise ConfigError(
+            f'config key "pipeline.schedule" = {compiled.name!r}: stage(s) {sorted(several)} hold '
+            f"modules tied to different sets of stages ({several}); a per-stage update clips by the norm "
+            "of one tie group; use "
+            + ", ".join(builtins_where(lambda c: c.uses_tied_reduction, *shape, held_chunks(model)))
+            + ", or tie them to the same stages"
+        )
 
 
 def tie_sum_lag(model: PipelineModule, compiled: CompiledSchedule) -> int:
@@ -134,8 +137,12 @@ class LaggedTieSums:
         tied gradients and put the sums of ``lag`` updates ago in their place. False while there
         is none (the first ``lag`` updates: the caller leaves the tied weights out of the step)."""
         grads = self._store.of(self._weights)
-        self._pending.append([(dist.all_reduce(t, group=group, async_op=True), t)
-                              for t, group in zip((g.clone() for g in grads), self._tie_groups)])
+        self._pending.append(
+            [
+                (dist.all_reduce(t, group=group, async_op=True), t)
+                for t, group in zip((g.clone() for g in grads), self._tie_groups)
+            ]
+        )
         if len(self._pending) <= self.lag:
             for g in grads:
                 g.zero_()
@@ -157,7 +164,7 @@ class LaggedTieSums:
             if grads:
                 squares += float(clip_tensors_by_global_norm(grads, max_norm=clip * scale, eps=1e-6 * scale)) ** 2
         # what the engine reports as its gradient norm (a client logs it): the stage's, before clipping
-        self.norm_before_clip = squares ** 0.5 / scale
+        self.norm_before_clip = squares**0.5 / scale
 
     @torch.no_grad()
     def rescale_pending(self, factors: list[float]) -> None:
@@ -190,8 +197,10 @@ class LaggedTieSums:
             for out, t in zip(gathered, sums):
                 dist.all_gather(out, t, group=self._dp_group)
             entries.append(gathered)  # [weight][replica]
-        return {"lag": self.lag,
-                "replicas": [[[out[r].clone() for out in gathered] for gathered in entries] for r in range(replicas)]}
+        return {
+            "lag": self.lag,
+            "replicas": [[[out[r].clone() for out in gathered] for gathered in entries] for r in range(replicas)],
+        }
 
     def load_state_dict(self, state: dict | None, device) -> None:
         """``state``: None (a checkpoint without it: the lag restarts, nothing applied first)."""
@@ -200,8 +209,10 @@ class LaggedTieSums:
             return
         replicas = dist.get_world_size(group=self._dp_group)
         if state["lag"] != self.lag or len(state["replicas"]) != replicas:
-            raise ValueError(f"the checkpoint holds the tied-gradient sums of a {state['lag']}-update lag over "
-                             f"{len(state['replicas'])} data-parallel replicas, this run lags {self.lag} over "
-                             f"{replicas}; resume with the same schedule, stages and replicas")
+            raise ValueError(
+                f"the checkpoint holds the tied-gradient sums of a {state['lag']}-update lag over "
+                f"{len(state['replicas'])} data-parallel replicas, this run lags {self.lag} over "
+                f"{replicas}; resume with the same schedule, stages and replicas"
+            )
         for sums in state["replicas"][self._replica]:
             self._pending.append([(None, torch.Tensor.to(t, device)) for t in sums])

@@ -7,6 +7,7 @@ its ``forward``, activation checkpointing and per-layer checkpoint files all rea
 them in (:meth:`ChunkedLayers.set_chunk`), so DeepSpeed's code runs unchanged on one chunk; layer
 indices stay global, so checkpoint files are DeepSpeed's per-layer files whatever the layout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,10 @@ class ChunkedLayers:
             finally:
                 self.num_stages = stages
         if len(self.parts) != layout.parts + 1:
-            raise ValueError(f"{len(self.parts) - 1} model parts for {self.num_stages} stages x {self.virtual_stages} "
-                             f"virtual stages: expected {layout.parts}")
+            raise ValueError(
+                f"{len(self.parts) - 1} model parts for {self.num_stages} stages x {self.virtual_stages} "
+                f"virtual stages: expected {layout.parts}"
+            )
         stage = ds_module.stage_of_rank(self, self.global_rank)
         self._chunk_bounds = [(self.parts[p], self.parts[p + 1]) for p in layout.chunks(stage)]
         ds_module.set_bounds(self, *self._chunk_bounds[0])
@@ -75,8 +78,9 @@ class ChunkedLayers:
             ds_module.set_bounds(self, start, stop)
             self.forward_funcs = []
             build_one()
-            self._chunk_views.append({"forward_funcs": self.forward_funcs, "local_range": (start, stop),
-                                      **self._chunk_extra(start, stop)})
+            self._chunk_views.append(
+                {"forward_funcs": self.forward_funcs, "local_range": (start, stop), **self._chunk_extra(start, stop)}
+            )
             funcs += self.forward_funcs
         # The whole stage: every chunk's layers (parameters, compile, state); forward needs a chunk.
         first = self._chunk_bounds[0]
@@ -107,16 +111,24 @@ class ChunkedLayers:
 
     def local_layers(self) -> list[tuple[int, object]]:
         """(global layer index, layer) of every layer this stage holds, all chunks."""
-        views = self._chunk_views if self.chunked else [{"forward_funcs": self.forward_funcs,
-                                                          "local_range": (ds_module.local_start(self), None)}]
+        views = (
+            self._chunk_views
+            if self.chunked
+            else [{"forward_funcs": self.forward_funcs, "local_range": (ds_module.local_start(self), None)}]
+        )
         return [(view["local_range"][0] + i, f) for view in views for i, f in enumerate(view["forward_funcs"])]
 
     def chunk_parameters(self, chunk: int) -> list:
         """The trainable parameters of chunk ``chunk``'s own layers (tied modules, which chunks and
         stages share, left out)."""
         tied = {id(p) for m in self.tied_modules.values() for p in m.parameters()}
-        return [p for f in self._chunk_views[chunk]["forward_funcs"] if hasattr(f, "parameters")
-                for p in f.parameters() if p.requires_grad and id(p) not in tied]
+        return [
+            p
+            for f in self._chunk_views[chunk]["forward_funcs"]
+            if hasattr(f, "parameters")
+            for p in f.parameters()
+            if p.requires_grad and id(p) not in tied
+        ]
 
     def chunk_owner(self, layer_idx: int) -> int:
         """The stage holding global layer ``layer_idx``."""

@@ -18,6 +18,7 @@ DeepSpeed's launcher (``deepspeed/launcher``) passes the script's own arguments 
 no config of its own to the ranks, so there is no third place. Nothing found: the module is
 DeepSpeed's ``PipelineModule`` unchanged.
 """
+
 from __future__ import annotations
 
 import base64
@@ -38,6 +39,7 @@ _override: dict | str | None = None
 class FoundConfig:
     """A DeepSpeed config and where it came from (``source``: a phrase for messages; ``path``: the
     file, which plan paths are relative to; None for a dict or base64)."""
+
     config: dict
     source: str
     path: str | None = None
@@ -74,12 +76,15 @@ def decode(value: str | os.PathLike) -> tuple[dict, str | None]:
         return read_config(value), str(value)
     try:
         import hjson  # DeepSpeed's own parser of the decoded string
+
         data = hjson.loads(base64.urlsafe_b64decode(str(value)).decode("utf-8"))
     except (binascii.Error, UnicodeDecodeError, ValueError, AttributeError):
         data = None
     if not isinstance(data, dict):
-        raise ConfigError(f"DeepSpeed config {_short(str(value))!r}: no such file, and not the urlsafe-base64 JSON "
-                          "DeepSpeed also accepts")
+        raise ConfigError(
+            f"DeepSpeed config {_short(str(value))!r}: no such file, and not the urlsafe-base64 JSON "
+            "DeepSpeed also accepts"
+        )
     return dict(data), None
 
 

@@ -16,6 +16,7 @@ output head on the last stage; delaying it (``1``) delays the head's weights as 
 per tied module, adapter/gradients/tied.py), which cost 0.3-1.2% of loss against stock on the two GPT
 codebases tried; "untied" delays the first transformer layer instead (docs/results.md).
 """
+
 from __future__ import annotations
 
 
@@ -42,8 +43,9 @@ def layers_with_parameters(model: PipelineModule) -> list[bool] | None:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    flags = torch.zeros(len(ds_module.layer_specs(model)), dtype=torch.int32,
-                        device=get_accelerator().current_device_name())
+    flags = torch.zeros(
+        len(ds_module.layer_specs(model)), dtype=torch.int32, device=get_accelerator().current_device_name()
+    )
     for i, f in enumerate(funcs):
         if isinstance(f, torch.nn.Module) and any(p.requires_grad for p in f.parameters()):
             flags[ds_module.local_start(model) + i] = 1
@@ -88,8 +90,12 @@ def stage_layers(model: PipelineModule, flags: list[bool] | None = None) -> dict
     for s in range(model.num_stages if hasattr(model, "num_stages") else len(model.parts) - 1):
         a, e = model.parts[s], model.parts[s + 1]
         tied = tuple(at.get(i) for i in range(a, e))
-        out[s] = StageLayers(a, tuple(flags[a:e]) if flags is not None else (True,) * (e - a),
-                             tied if any(tied) else (), frozenset(held.get(s, set()) - set(tied)))
+        out[s] = StageLayers(
+            a,
+            tuple(flags[a:e]) if flags is not None else (True,) * (e - a),
+            tied if any(tied) else (),
+            frozenset(held.get(s, set()) - set(tied)),
+        )
     return out
 
 
@@ -99,16 +105,21 @@ def _check(options, spec) -> None:
     if "deferred_stages" not in spec.params:
         if "deferred_layers" not in options.model_fields_set or value == WHOLE_STAGE:
             return  # the default, and "all", mean nothing to a schedule without deferred stages
-        raise ConfigError(f'config key "hippie.deferred_layers" = {value!r}: schedule {spec.name!r} has no deferred '
-                          f"stages (partial deferral applies to the deferred stages of "
-                          f"{', '.join(schedules_with_param('deferred_stages'))})")
+        raise ConfigError(
+            f'config key "hippie.deferred_layers" = {value!r}: schedule {spec.name!r} has no deferred '
+            f"stages (partial deferral applies to the deferred stages of "
+            f"{', '.join(schedules_with_param('deferred_stages'))})"
+        )
     if options.staleness_price is not None and value != AUTO_LAYERS:
-        raise ConfigError(f'config key "hippie.staleness_price" = {options.staleness_price!r}: it prices only '
-                          f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them')
+        raise ConfigError(
+            f'config key "hippie.staleness_price" = {options.staleness_price!r}: it prices only '
+            f'"hippie.deferred_layers": "auto", and that key is {value!r} here; remove one of them'
+        )
 
 
-def resolve_for_module(model: PipelineModule, options, spec, shape: Shape, params: dict,
-                       costs: Costs | None = None) -> Resolved:
+def resolve_for_module(
+    model: PipelineModule, options, spec, shape: Shape, params: dict, costs: Costs | None = None
+) -> Resolved:
     """The schedule ``model`` runs, by :func:`hippie_ds.schedules.resolve.resolve` with what the
     module tells it: every stage's layers (:func:`stage_layers`, gathered with one all-reduce
     only when the value needs them), whether it ties modules across stages, and for "auto" on a
@@ -116,19 +127,33 @@ def resolve_for_module(model: PipelineModule, options, spec, shape: Shape, param
     (:func:`layer_sizes`). ``costs``: ``hippie.costs`` as read once at start-up. Errors name the
     config keys."""
     from ...schedules.deferral.auto_layers import NeedsCosts
+
     _check(options, spec)
     shown = f'config key "hippie.deferred_layers" = {AUTO_LAYERS!r}'
     try:
-        return resolve(spec, shape, params, options.deferred_layers, costs,
-                       lambda need: stage_layers(model, layers_with_parameters(model) if need else None),
-                       ties=bool(getattr(model, "tied_comms", None)), staleness_price=options.staleness_price,
-                       layer_bytes=layer_sizes(model), validate=False)
+        return resolve(
+            spec,
+            shape,
+            params,
+            options.deferred_layers,
+            costs,
+            lambda need: stage_layers(model, layers_with_parameters(model) if need else None),
+            ties=bool(getattr(model, "tied_comms", None)),
+            staleness_price=options.staleness_price,
+            layer_bytes=layer_sizes(model),
+            validate=False,
+        )
     except NeedsCosts:
-        made = (f'; the plan {options.plan!r} ("hippie.plan") states no choice (made before "auto" existed): make it '
-                "again with `hippie-ds plan`" if options.plan is not None else
-                '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)')
-        raise ConfigError(f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
-                          f"(per-layer ones optional, see docs/reference.md){made}") from None
+        made = (
+            f'; the plan {options.plan!r} ("hippie.plan") states no choice (made before "auto" existed): make it '
+            "again with `hippie-ds plan`"
+            if options.plan is not None
+            else '; or "hippie.plan", a plan from `hippie-ds plan` (it carries the choice)'
+        )
+        raise ConfigError(
+            f'{shown}: needs costs to choose from: "hippie.costs", a cost file with per-stage costs '
+            f"(per-layer ones optional, see docs/reference.md){made}"
+        ) from None
     except CostsError as exc:
         raise ConfigError(f'{shown}: config key "hippie.costs" = {options.costs!r}: {exc}') from None
 
@@ -148,14 +173,21 @@ def layer_sizes(model: PipelineModule):
     (``model.forward_funcs``) and another stage is taken as equal layers (a stage's choice depends
     on the others' only through the link they share); every replica of a stage still chooses alike."""
     from .pipeline_module import layer_param_bytes
+
     every = []
 
     def sizes(s: int) -> list[float]:
         if not every:
             every.append(layer_param_bytes(ds_module.layer_specs(model)))
         count = model.parts[s + 1] - model.parts[s]
-        return (every[0][model.parts[s]:model.parts[s + 1]] if every[0] is not None else
-                _layer_sizes(model, s) if s == model.stage_id else [1.0] * count)
+        return (
+            every[0][model.parts[s] : model.parts[s + 1]]
+            if every[0] is not None
+            else _layer_sizes(model, s)
+            if s == model.stage_id
+            else [1.0] * count
+        )
+
     return sizes
 
 
@@ -164,6 +196,7 @@ def log_choice(model: PipelineModule, choices: dict) -> None:
     mine = choices.get(model.stage_id)
     if mine is not None and ds_module.data_parallel_index(model, model.global_rank) == 0:
         from deepspeed.utils import logger
+
         logger.info(f"hippie-ds: deferred_layers auto, {mine.describe()}")
 
 
@@ -171,12 +204,14 @@ def _layer_sizes(model: PipelineModule, stage: int) -> list[float]:
     """Parameter count of each of ``stage``'s layers as this rank built them (0 for functions
     and tied modules reached through a function, which the engine never delays either)."""
     import torch
+
     start = model.parts[stage] - ds_module.local_start(model, model.parts[stage])
-    funcs = model.forward_funcs[start:start + model.parts[stage + 1] - model.parts[stage]]
+    funcs = model.forward_funcs[start : start + model.parts[stage + 1] - model.parts[stage]]
     return [float(numel(f.parameters())) if isinstance(f, torch.nn.Module) else 0.0 for f in funcs]
 
 
 def schedules_with_param(param: str) -> list[str]:
     """The built-in schedules that declare ``param`` (asked of their specs)."""
     from ...schedules.spec import available
+
     return [name for name in available() if param in load_spec(name).params]

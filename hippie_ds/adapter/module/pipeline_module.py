@@ -25,6 +25,7 @@ Without a plan and virtual stages it is DeepSpeed's ``PipelineModule`` unchanged
 fingerprint are shared with the profiler (:func:`layer_names`, :func:`model_fingerprint`), so
 a profile, the plan made from it and the model it came from agree.
 """
+
 from __future__ import annotations
 
 import os
@@ -96,8 +97,11 @@ def model_fingerprint(layers: Sequence[Any]) -> str | None:
     return None if sizes is None else fingerprint_of(layer_names(layers), sizes)
 
 
-def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.PathLike | dict | None = None,
-                 config_path: str | os.PathLike | None = None) -> Plan | None:
+def resolve_plan(
+    plan: str | os.PathLike | Plan | None = None,
+    config: str | os.PathLike | dict | None = None,
+    config_path: str | os.PathLike | None = None,
+) -> Plan | None:
     """The plan given, or the one the DeepSpeed config names under ``hippie.plan`` (a path
     relative to the config file's directory when the config is a file; ``config_path``: that file,
     for a config already read)."""
@@ -112,10 +116,14 @@ def resolve_plan(plan: str | os.PathLike | Plan | None = None, config: str | os.
     if path is None:
         return None
     if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f'config key "hippie.plan" = {path!r}: must be the path of a plan file '
-                          "(written by `hippie-ds plan --out`)")
-    return load_plan(locate_plan(path, config_path if config_path is not None else
-                                 config if isinstance(config, (str, os.PathLike)) else None))
+        raise ConfigError(
+            f'config key "hippie.plan" = {path!r}: must be the path of a plan file (written by `hippie-ds plan --out`)'
+        )
+    return load_plan(
+        locate_plan(
+            path, config_path if config_path is not None else config if isinstance(config, (str, os.PathLike)) else None
+        )
+    )
 
 
 def locate_plan(path: str | os.PathLike, config_path: str | os.PathLike | None) -> Path:
@@ -155,8 +163,16 @@ def module_stages_source(module) -> str | None:
     return stages_source(None, topo, type(module).__name__)
 
 
-def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num_stages: int | None,
-               virtual_stages: int | None = None, layout: str | None = None, stages_from: str | None = None) -> None:
+def check_plan(
+    plan: Plan,
+    layers: Sequence[Any],
+    *,
+    world_size: int | None,
+    num_stages: int | None,
+    virtual_stages: int | None = None,
+    layout: str | None = None,
+    stages_from: str | None = None,
+) -> None:
     """Raise :class:`PlanMismatchError` when ``plan`` does not fit this model or job: ``num_stages``
     (pipeline ranks; ``stages_from``: where the module got that count, :func:`stages_source`) and
     ``world_size`` against the plan's, naming the changes that run the plan
@@ -169,8 +185,13 @@ def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num
         where = stages_from or (f"num_stages={num_stages}" if num_stages is not None else None)
         has = [f"{num_stages} pipeline stages" + (f" (from {where})" if where else "")] if num_stages else []
         has += [f"{world_size} ranks"] if world_size is not None else []
-        kind = ("topology=" if where and where.startswith("topology=") else
-                "num_stages=" if where and where.startswith("num_stages=") else None)
+        kind = (
+            "topology="
+            if where and where.startswith("topology=")
+            else "num_stages="
+            if where and where.startswith("num_stages=")
+            else None
+        )
         changes = shape_changes(plan, stages=num_stages, world_size=world_size, stages_from=kind)
         again = f" --stages {num_stages}" if num_stages else ""
         raise PlanMismatchError(
@@ -179,22 +200,31 @@ def check_plan(plan: Plan, layers: Sequence[Any], *, world_size: int | None, num
             f"x {plan.data_parallel} data-parallel replicas on {plan.world_size} ranks (boundaries {plan.boundaries}). "
             + format_changes(changes, "To run this plan, change:")
             + f"\nOr plan for this job's shape: hippie-ds plan --profile ...{again} (a profile measured in place "
-              "keeps the job's shape)")
+            "keeps the job's shape)"
+        )
     parts = plan.pipeline_depth * plan.virtual_stages
     if len(plan.boundaries) != parts + 1:
-        raise PlanMismatchError(f"the plan's boundaries {plan.boundaries} cut {len(plan.boundaries) - 1} model parts; "
-                                f"its {plan.pipeline_depth} stages x {plan.virtual_stages} virtual stages need {parts}")
-    if virtual_stages is not None and (virtual_stages, layout if virtual_stages > 1 else None) != \
-            (plan.virtual_stages, plan.layout if plan.virtual_stages > 1 else None):
-        raise PlanMismatchError(f"the module holds {chunks_phrase(virtual_stages, layout)}, but the plan for "
-                                f"schedule {plan.schedule!r} has {chunks_phrase(plan.virtual_stages, plan.layout)} "
-                                f"(boundaries {plan.boundaries})")
+        raise PlanMismatchError(
+            f"the plan's boundaries {plan.boundaries} cut {len(plan.boundaries) - 1} model parts; "
+            f"its {plan.pipeline_depth} stages x {plan.virtual_stages} virtual stages need {parts}"
+        )
+    if virtual_stages is not None and (virtual_stages, layout if virtual_stages > 1 else None) != (
+        plan.virtual_stages,
+        plan.layout if plan.virtual_stages > 1 else None,
+    ):
+        raise PlanMismatchError(
+            f"the module holds {chunks_phrase(virtual_stages, layout)}, but the plan for "
+            f"schedule {plan.schedule!r} has {chunks_phrase(plan.virtual_stages, plan.layout)} "
+            f"(boundaries {plan.boundaries})"
+        )
     fp = model_fingerprint(layers)
     if fp is not None and fp != plan.fingerprint:
-        raise PlanMismatchError(f"the plan is for {plan.model!r} (fingerprint {plan.fingerprint}); this model's "
-                                f"layer names or parameter sizes differ (fingerprint {fp}; layers "
-                                f"{_short(layer_names(layers))}): the plan was made for another model. Profile this "
-                                "model (`hippie-ds profile`) and plan again")
+        raise PlanMismatchError(
+            f"the plan is for {plan.model!r} (fingerprint {plan.fingerprint}); this model's "
+            f"layer names or parameter sizes differ (fingerprint {fp}; layers "
+            f"{_short(layer_names(layers))}): the plan was made for another model. Profile this "
+            "model (`hippie-ds profile`) and plan again"
+        )
 
 
 def _short(names: list[str], limit: int = 6) -> str:
@@ -206,13 +236,17 @@ def chunks_of_plan(plan: Plan, virtual_stages: int | None, layout: str | None) -
     arguments that say otherwise are refused, naming both values."""
     wanted = (plan.virtual_stages, plan.layout)
     if virtual_stages is not None and virtual_stages != plan.virtual_stages:
-        raise PlanMismatchError(f"virtual_stages={virtual_stages!r}, but the plan for schedule {plan.schedule!r} has "
-                                f"virtual_stages {plan.virtual_stages} (boundaries {plan.boundaries}); leave "
-                                "virtual_stages out to take the plan's")
+        raise PlanMismatchError(
+            f"virtual_stages={virtual_stages!r}, but the plan for schedule {plan.schedule!r} has "
+            f"virtual_stages {plan.virtual_stages} (boundaries {plan.boundaries}); leave "
+            "virtual_stages out to take the plan's"
+        )
     if layout is not None and layout != plan.layout and plan.virtual_stages > 1:
-        raise PlanMismatchError(f"layout={layout!r}, but the plan for schedule {plan.schedule!r} places its "
-                                f"{plan.virtual_stages} model chunks per stage in the {plan.layout!r} layout; leave "
-                                "layout out to take the plan's")
+        raise PlanMismatchError(
+            f"layout={layout!r}, but the plan for schedule {plan.schedule!r} places its "
+            f"{plan.virtual_stages} model chunks per stage in the {plan.layout!r} layout; leave "
+            "layout out to take the plan's"
+        )
     return wanted
 
 
@@ -223,6 +257,7 @@ def virtual_stages_of(config: str | os.PathLike | dict | None, num_stages: int |
         return 1, "interleaved"
     from ...schedules.compiler import resolve_virtual_stages
     from ...schedules.spec import load_spec
+
     _, schedule, options = split_config(read_config(config))
     spec = load_spec(schedule)
     return resolve_virtual_stages(spec, num_stages or 1, 1, options.virtual_stages), spec.layout
@@ -236,10 +271,14 @@ def announce(found: FoundConfig, virtual_stages: int, layout: str, plan: Plan | 
     if plan is None:
         what = [f"schedule {split_config(found.config)[1]!r}: {chunks_phrase(virtual_stages, layout)}"]
     else:  # the plan's schedule and chunks (initialize merges its schedule into the config)
-        what = [f"the plan for {plan.model!r} (schedule {plan.schedule!r}: {chunks_phrase(virtual_stages, layout)}; "
-                f"boundaries {plan.boundaries})"]
-    line = f"hippie-ds: PipelineModule built without config=, from the DeepSpeed config {found.source}: " + \
-        " and ".join(what)
+        what = [
+            f"the plan for {plan.model!r} (schedule {plan.schedule!r}: {chunks_phrase(virtual_stages, layout)}; "
+            f"boundaries {plan.boundaries})"
+        ]
+    line = (
+        f"hippie-ds: PipelineModule built without config=, from the DeepSpeed config {found.source}: "
+        + " and ".join(what)
+    )
     if line not in _ANNOUNCED:
         _ANNOUNCED.add(line)
         print(line, flush=True)
@@ -263,9 +302,19 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
     ``virtual_stages`` (default: the plan's, else what ``config``'s schedule runs, else 1) builds that many model
     chunks per stage, placed by ``layout`` (:mod:`hippie_ds.adapter.module.chunks`)."""
 
-    def __init__(self, layers, num_stages=None, topology=None, *, plan: str | os.PathLike | Plan | None = None,
-                 config: str | os.PathLike | dict | None = None, checkpointed_layers: Sequence[int] | None = None,
-                 virtual_stages: int | None = None, layout: str | None = None, **kwargs):
+    def __init__(
+        self,
+        layers,
+        num_stages=None,
+        topology=None,
+        *,
+        plan: str | os.PathLike | Plan | None = None,
+        config: str | os.PathLike | dict | None = None,
+        checkpointed_layers: Sequence[int] | None = None,
+        virtual_stages: int | None = None,
+        layout: str | None = None,
+        **kwargs,
+    ):
         layers = list(layers)
         found = discover() if config is None else None  # the script's config: set_config, sys.argv
         source = found.source if found is not None else ("config=" if config is not None else None)
@@ -283,25 +332,37 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         self._init_chunks(virtual_stages, layout or "interleaved")
         if resolved is not None:
             world = dist.get_world_size() if dist.is_initialized() else None
-            check_plan(resolved, layers, world_size=world, num_stages=stages, virtual_stages=virtual_stages,
-                       layout=layout, stages_from=stages_source(stages, topology, self._owner()))
+            check_plan(
+                resolved,
+                layers,
+                world_size=world,
+                num_stages=stages,
+                virtual_stages=virtual_stages,
+                layout=layout,
+                stages_from=stages_source(stages, topology, self._owner()),
+            )
             if topology is None and num_stages is None:
                 num_stages = resolved.pipeline_depth
             if checkpointed_layers is not None and sorted(checkpointed_layers) != resolved.checkpointed_layers:
-                raise PlanMismatchError(f"checkpointed_layers={sorted(checkpointed_layers)} differs from the plan's "
-                                        f"{resolved.checkpointed_layers}; give one or the other")
+                raise PlanMismatchError(
+                    f"checkpointed_layers={sorted(checkpointed_layers)} differs from the plan's "
+                    f"{resolved.checkpointed_layers}; give one or the other"
+                )
             checkpointed_layers = resolved.checkpointed_layers
             if kwargs.get("activation_checkpoint_interval", 0):
-                raise PlanMismatchError("activation_checkpoint_interval with a plan: the plan chooses the "
-                                        "checkpointed layers; leave the interval at 0")
+                raise PlanMismatchError(
+                    "activation_checkpoint_interval with a plan: the plan chooses the "
+                    "checkpointed layers; leave the interval at 0"
+                )
         bad = [i for i in (checkpointed_layers or ()) if not 0 <= int(i) < len(layers)]
         if bad:
             raise ValueError(f"checkpointed_layers {bad}: outside 0..{len(layers) - 1}")
         # Set before DeepSpeed's __init__, which calls _partition_layers.
         object.__setattr__(self, "hippie_plan", resolved)
         object.__setattr__(self, "hippie_config_source", source)  # where config came from (initialize's refusals)
-        object.__setattr__(self, "hippie_stages_from", stages_source(stages, topology, self._owner())
-                           if stages is not None else None)  # None: the plan's (num_stages left out)
+        object.__setattr__(
+            self, "hippie_stages_from", stages_source(stages, topology, self._owner()) if stages is not None else None
+        )  # None: the plan's (num_stages left out)
         object.__setattr__(self, "hippie_plan_source", source if plan is None and resolved is not None else None)
         object.__setattr__(self, "hippie_config", config)  # as read: initialize takes it, given the same config
         object.__setattr__(self, "hippie_config_path", path)
@@ -331,8 +392,9 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
         if not self.chunked:
             return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
-        self._each_chunk(lambda: super(PipelineModule, self).save_state_dict(save_dir, checkpoint_engine,
-                                                                             exclude_frozen_params))
+        self._each_chunk(
+            lambda: super(PipelineModule, self).save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+        )
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         if not self.chunked:
@@ -345,9 +407,12 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
 
     def _partition_layers(self, method="uniform"):
         if self.hippie_plan is not None and self.global_rank == 0:
-            print(f"hippie-ds: {'model-part' if self.chunked else 'stage'} boundaries {self.hippie_plan.boundaries} "
-                  f"and checkpointed layers {self.hippie_plan.checkpointed_layers} from the plan for "
-                  f"{self.hippie_plan.model!r}", flush=True)
+            print(
+                f"hippie-ds: {'model-part' if self.chunked else 'stage'} boundaries {self.hippie_plan.boundaries} "
+                f"and checkpointed layers {self.hippie_plan.checkpointed_layers} from the plan for "
+                f"{self.hippie_plan.model!r}",
+                flush=True,
+            )
         if self.chunked:
             return self._partition_chunks(method, None if self.hippie_plan is None else self.hippie_plan.boundaries)
         if self.hippie_plan is None:
@@ -358,8 +423,10 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
 
     def forward(self, forward_input):
         if self.chunked and self.current_chunk is None:
-            raise RuntimeError(f"this stage holds {self.virtual_stages} model chunks: the engine selects one "
-                               "(set_chunk) before running it")
+            raise RuntimeError(
+                f"this stage holds {self.virtual_stages} model chunks: the engine selects one "
+                "(set_chunk) before running it"
+            )
         if not self._local_runs:
             return super().forward(forward_input)
         if self.activation_checkpoint_interval:
@@ -371,7 +438,7 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
                 x = self._run(i, start, x)
             if stop is None:
                 break
-            args = x if isinstance(x, tuple) else (x, )
+            args = x if isinstance(x, tuple) else (x,)
             x = recompute_run(lambda *a, _s=start, _e=stop: self._run(_s, _e, a[0] if len(a) == 1 else a), *args)
             i = stop
         return x
@@ -389,5 +456,14 @@ class PipelineModule(ChunkedLayers, _DSPipelineModule):
         return x
 
 
-__all__ = ["PipelineModule", "layer_names", "model_fingerprint", "resolve_plan", "locate_plan", "check_plan",
-           "stages_source", "module_stages_source", "PlannerError"]
+__all__ = [
+    "PipelineModule",
+    "layer_names",
+    "model_fingerprint",
+    "resolve_plan",
+    "locate_plan",
+    "check_plan",
+    "stages_source",
+    "module_stages_source",
+    "PlannerError",
+]

@@ -15,6 +15,7 @@ Megatron's), with two differences that matter here:
 The RNG state (CPU and the current accelerator device) is restored for the re-run, so dropout
 draws the same masks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,6 @@ def _device_rng_state():
 
 
 class _RecomputeRun(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, run, _requires_grad, *inputs):
         ctx.run = run
@@ -57,7 +57,7 @@ class _RecomputeRun(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.dev_rng)
             with torch.enable_grad():
                 out = ctx.run(*inputs)
-        outs = (out, ) if ctx.single else tuple(out)
+        outs = (out,) if ctx.single else tuple(out)
         pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

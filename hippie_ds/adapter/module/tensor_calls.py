@@ -7,6 +7,7 @@ so ``bias.stride()`` raises ``TypeError: 'int' object is not callable``. Every c
 on a tensor it did not create goes through ``torch.Tensor`` (``torch.Tensor.stride(t)``), which no
 instance attribute hides; ``tests/adapter/module/test_user_tensor_attributes.py`` checks the sweep over the package.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

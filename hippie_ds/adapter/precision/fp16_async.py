@@ -76,6 +76,7 @@ carried scale is kept until its sum is applied; a drain brings the sums still in
 it leaves, which a checkpoint saved then holds), and the tied part and the rest are then clipped
 apart as their unscaled values would be (``max_norm`` clip x S(u)).
 """
+
 from __future__ import annotations
 
 import collections
@@ -85,8 +86,14 @@ import torch
 from deepspeed import comm as dist
 from torch._utils import _unflatten_dense_tensors
 
-from ...schedules.ir import (COMPUTE_KINDS, UPDATE_KINDS, WEIGHT_GRAD_KINDS, WEIGHT_KINDS, CompiledSchedule,
-                             weight_version)
+from ...schedules.ir import (
+    COMPUTE_KINDS,
+    UPDATE_KINDS,
+    WEIGHT_GRAD_KINDS,
+    WEIGHT_KINDS,
+    CompiledSchedule,
+    weight_version,
+)
 from ..ds import fp16 as ds_fp16
 from ..module.tensor_calls import flat_copy
 
@@ -124,8 +131,10 @@ def vote_points(compiled: CompiledSchedule, calls: int = 6) -> dict[int, dict[in
         for i, (at, call, kind, u) in enumerate(events):
             if kind != "update":
                 continue
-            need = next(((a, c) for a, c, k, x in events[i + 1:]
-                         if (k == "use" and x > u) or (k == "update" and x == u + 1)), None)
+            need = next(
+                ((a, c) for a, c, k, x in events[i + 1 :] if (k == "use" and x > u) or (k == "update" and x == u + 1)),
+                None,
+            )
             per[u] = ((at, call), need)
         points[s] = per
     return points
@@ -158,8 +167,10 @@ def vote_problem(compiled: CompiledSchedule) -> str | None:
                 made = points[o][u][0]
                 if not _not_after(made, need):
                     when = "in a later train_batch call" if made[1] > need[1] else "later on the timeline"
-                    return (f"stage {s} needs the overflow decision of update {u} (its next weights) at timeline "
-                            f"step {need[0]}, but stage {o} flags that update at step {made[0]}, {when}")
+                    return (
+                        f"stage {s} needs the overflow decision of update {u} (its next weights) at timeline "
+                        f"step {need[0]}, but stage {o} flags that update at step {made[0]}, {when}"
+                    )
     return None
 
 
@@ -189,8 +200,10 @@ def loss_scale_updates(compiled: CompiledSchedule, calls: int = 6) -> tuple[list
             counts.setdefault(u, set()).add(sum(1 for at in resolved_at.values() if at < i))
     for u, seen in counts.items():
         if len(seen) > 1:
-            return (f"the last stage would run the backwards of update {u} under {len(seen)} loss scales (after "
-                    f"{sorted(seen)} decisions)")
+            return (
+                f"the last stage would run the backwards of update {u} under {len(seen)} loss scales (after "
+                f"{sorted(seen)} decisions)"
+            )
     table = [counts[u].pop() for u in sorted(counts)]
     lag = len(table) - 1 - table[-1]
     return table, lag
@@ -202,8 +215,19 @@ class AsyncVotes:
     ``device``: where the vote's flag lives; ``optimizer``: the fp16 wrapper whose scale moves;
     ``on_skip()``: an update was skipped (the engine counts it as DeepSpeed's ``skipped_steps``)."""
 
-    def __init__(self, device, optimizer, on_skip, store, apply, immediate: bool, current, carried=None,
-                 per_batch: int = 1, ties=None):
+    def __init__(
+        self,
+        device,
+        optimizer,
+        on_skip,
+        store,
+        apply,
+        immediate: bool,
+        current,
+        carried=None,
+        per_batch: int = 1,
+        ties=None,
+    ):
         self._device, self._optimizer, self._on_skip = device, optimizer, on_skip
         # micro-batch updates without ZeRO: the loss is not scaled, so the step unscales by 1 (module docstring)
         self._by_one = carried is None and per_batch > 1
@@ -264,8 +288,9 @@ class AsyncVotes:
         if self._ties is not None and self._scales is not None:
             sums, now = self._ties[0], self._store.loss_scale
             first = self._current() - sums.in_flight
-            sums.rescale_pending([now / self._carries.get(v, self._scales[self._fill])
-                                  for v in range(first, self._current())])
+            sums.rescale_pending(
+                [now / self._carries.get(v, self._scales[self._fill]) for v in range(first, self._current())]
+            )
         self._scales, self._carries = None, {}
 
     def _to_update_scale(self, params, grads) -> None:
@@ -315,8 +340,10 @@ class AsyncVotes:
         else:  # the batch's last update moves the scale once, by whether any of its updates overflowed
             self._batch_overflow = self._batch_overflow or overflow
             last = (self._current() + 1) % self._per_batch == 0
-            with ds_fp16.scale_moves(self._optimizer, self._batch_overflow if last else None), \
-                    ds_fp16.unscaled(self._optimizer) if self._by_one else contextlib.nullcontext():
+            with (
+                ds_fp16.scale_moves(self._optimizer, self._batch_overflow if last else None),
+                ds_fp16.unscaled(self._optimizer) if self._by_one else contextlib.nullcontext(),
+            ):
                 self._apply(overflow, lrs)
             if last:
                 self._batch_overflow = False
@@ -343,15 +370,18 @@ class InPlaceUpdates:
         pass
 
 
-def continuous_updates(compiled: CompiledSchedule, stage: int, versions, stage_step, gradients, device, optimizer,
-                       on_skip):
+def continuous_updates(
+    compiled: CompiledSchedule, stage: int, versions, stage_step, gradients, device, optimizer, on_skip
+):
     """The engine's per-stage updates of a continuous schedule: :class:`AsyncVotes` in fp16 (the
     refusals the engine makes as it is built included), else :class:`InPlaceUpdates`. Each update
     steps on the current weight version (``versions``: WeightVersions) by ``stage_step`` (StageStep),
     the counters kept still, at its batch's learning rates. ``gradients``: the stage's
     StageGradients; ``device``, ``optimizer``, ``on_skip``: :class:`AsyncVotes`'."""
+
     def apply(overflow, lrs):
         versions.update(lambda: stage_step.step(counters=False, lrs=lrs, overflow=overflow))
+
     if not (compiled.continuous and stage_step.fp16 is not None):
         return InPlaceUpdates(apply)
     store = gradients.store
@@ -360,5 +390,15 @@ def continuous_updates(compiled: CompiledSchedule, stage: int, versions, stage_s
         raise ValueError(f"schedule {compiled.name!r} in fp16 + ZeRO-1: {carried}; use fp16 without ZeRO")
     ties = gradients.lagged_ties if carried is not None else None
     gradients.clip_at_update = ties is not None  # clipped apart at S(u) by AsyncVotes
-    return AsyncVotes(device, optimizer, on_skip, store, apply, waits_at_update(compiled, stage),
-                      lambda: versions.count, carried, compiled.updates_per_batch[stage], ties)
+    return AsyncVotes(
+        device,
+        optimizer,
+        on_skip,
+        store,
+        apply,
+        waits_at_update(compiled, stage),
+        lambda: versions.count,
+        carried,
+        compiled.updates_per_batch[stage],
+        ties,
+    )

@@ -33,6 +33,7 @@ answers the vote, its flattened norm the joint norm (ds/fp16.py); it keeps flat 
 parameter group, so a step with nothing to apply to some parameters puts back their slices
 (``ds.fp16.FusedUnmoved``). ZeRO's other configurations are refused at start-up (precision/paths.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,6 +57,7 @@ def fp16_per_stage(fp16: bool, optimizer) -> bool:
     :class:`Fp16Votes` decides: FP16_UnfusedOptimizer, FP16_Optimizer (DeepSpeed's fused Adam), or
     ZeRO-1's DeepSpeedZeroOptimizer (which scales the loss)."""
     from ..ds.zero import is_zero
+
     return bool(fp16) and (fp16_unfused(optimizer) or is_zero(optimizer))
 
 
@@ -64,9 +66,11 @@ def check_fp16_wrapper(fp16: bool, optimizer, schedule: str) -> None:
     :class:`Fp16Votes` cannot decide for under a schedule with per-stage updates (none of
     DeepSpeed 0.19's fp16 pipeline paths: a safeguard for another wrapper)."""
     if fp16 and not fp16_per_stage(fp16, optimizer):
-        raise ValueError(f"schedule {schedule!r} in fp16 needs DeepSpeed's FP16_UnfusedOptimizer (a torch "
-                         "optimizer), FP16_Optimizer (its fused Adam) or ZeRO-1's DeepSpeedZeroOptimizer, not "
-                         f"{type(optimizer).__name__}, whose step hippie-ds cannot split by stage")
+        raise ValueError(
+            f"schedule {schedule!r} in fp16 needs DeepSpeed's FP16_UnfusedOptimizer (a torch "
+            "optimizer), FP16_Optimizer (its fused Adam) or ZeRO-1's DeepSpeedZeroOptimizer, not "
+            f"{type(optimizer).__name__}, whose step hippie-ds cannot split by stage"
+        )
 
 
 class Fp16Votes:

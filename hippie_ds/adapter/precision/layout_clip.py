@@ -19,6 +19,7 @@ differ in which parameters have a gradient), which is 1F1B's where the layout pu
 partition methods: a plan's model parts have no one-chunk counterpart (``one_chunk_parts`` None),
 nor has a per-stage step (its own norm).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,10 @@ def _local_norms(module) -> dict:
     """{("layer", index) | ("tied", key): [(per-parameter gradient norm, counted everywhere)]} of this
     rank's layers."""
     tied = {id(m) for m in module.tied_modules.values()}
-    norms = {("tied", key): [_norm(p) for p in m.parameters() if p.grad is not None]
-             for key, m in module.tied_modules.items()}
+    norms = {
+        ("tied", key): [_norm(p) for p in m.parameters() if p.grad is not None]
+        for key, m in module.tied_modules.items()
+    }
     for index, layer in module.local_layers():
         if isinstance(layer, torch.nn.Module) and id(layer) not in tied:
             norms[("layer", index)] = [_norm(p) for p in layer.parameters() if p.grad is not None]
@@ -52,8 +55,9 @@ def _one_chunk_order(specs, start: int, stop: int) -> list[tuple[str, object]]:
     """The order DeepSpeed's module of layers [start, stop) lists its parameters in: the tied
     modules (registered before the layers) in first-use order, then each module layer by index."""
     keys = list(dict.fromkeys(s.key for s in specs[start:stop] if isinstance(s, TiedLayerSpec)))
-    return [("tied", k) for k in keys] + [("layer", i) for i in range(start, stop)
-                                           if not isinstance(specs[i], TiedLayerSpec)]
+    return [("tied", k) for k in keys] + [
+        ("layer", i) for i in range(start, stop) if not isinstance(specs[i], TiedLayerSpec)
+    ]
 
 
 def clip_like_one_chunk(module, grid, mpu, device, max_norm: float) -> torch.Tensor:
@@ -70,8 +74,12 @@ def clip_like_one_chunk(module, grid, mpu, device, max_norm: float) -> torch.Ten
     norms.update({key: value for key, value in gathered[grid.get_stage_id()].items() if key[0] == "tied"})
     parts = module.one_chunk_parts
     stage, first = grid.get_stage_id(), mpu.get_model_parallel_rank() == 0
-    mine = [n for key in _one_chunk_order(ds_module.layer_specs(module), parts[stage], parts[stage + 1])
-            for n, everywhere in norms.get(key, []) if first or everywhere]
+    mine = [
+        n
+        for key in _one_chunk_order(ds_module.layer_specs(module), parts[stage], parts[stage + 1])
+        for n, everywhere in norms.get(key, [])
+        if first or everywhere
+    ]
     total = torch.stack(mine).pow(2.0).sum().float() if mine else torch.FloatTensor([0.0])
     total = total.to(device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
@@ -81,8 +89,9 @@ def clip_like_one_chunk(module, grid, mpu, device, max_norm: float) -> torch.Ten
     dist.all_reduce(total, group=dp)
     params = [p for p in module.parameters() if p.grad is not None]
     total = total.to(params[0].device)
-    coef = torch.min(torch.tensor([1.0], device=total.device),
-                     torch.tensor([float(max_norm)], device=total.device) / (total + 1e-6))
+    coef = torch.min(
+        torch.tensor([1.0], device=total.device), torch.tensor([float(max_norm)], device=total.device) / (total + 1e-6)
+    )
     for p in params:
         p.grad.data.mul_(coef)
     return total

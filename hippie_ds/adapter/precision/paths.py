@@ -52,6 +52,7 @@ with their reasons:
   :func:`~hippie_ds.adapter.precision.fp16_async.vote_problem` finds every wait after the votes it waits for:
   2bw at every shape, pipedream at 2 stages). The rest is refused (docs/precision.md).
 """
+
 from __future__ import annotations
 
 from ...config import ConfigError
@@ -67,6 +68,7 @@ PATHS = ("fp32", "bf16", "zero", "fp16")
 def _fp32_accumulation(config_class) -> bool:
     from ..ds.runtime import DtypeEnum
     import torch
+
     dtype = config_class.grad_accum_dtype
     return dtype is not None and DtypeEnum(dtype).value == torch.float32
 
@@ -82,8 +84,14 @@ def _grads_on_params(config_class) -> bool:
     backward, no separate accumulation dtype): a split backward's weight pass may add to them."""
     import torch
     from ..ds.runtime import DtypeEnum
-    model = torch.bfloat16 if config_class.bfloat16_config.enabled else \
-        torch.float16 if config_class.float16_config.enabled else torch.float32
+
+    model = (
+        torch.bfloat16
+        if config_class.bfloat16_config.enabled
+        else torch.float16
+        if config_class.float16_config.enabled
+        else torch.float32
+    )
     accumulation = config_class.grad_accum_dtype
     separate = accumulation is not None and DtypeEnum(accumulation).value != model
     return config_class.zero_optimization_stage == 1 and not config_class.zero_config.overlap_comm and not separate
@@ -110,17 +118,22 @@ def _config_key(config_class, path: str) -> str:
     if path == "fp16":
         return '"fp16.enabled" = true'
     if config_class.bfloat16_config.enabled:
-        return (f'"zero_optimization.stage" = {config_class.zero_optimization_stage} with '
-                f'"data_types.grad_accum_dtype" = {config_class.grad_accum_dtype!r}'
-                f'{" and optimizer offload" if _offloads_optimizer(config_class) else ""}')
+        return (
+            f'"zero_optimization.stage" = {config_class.zero_optimization_stage} with '
+            f'"data_types.grad_accum_dtype" = {config_class.grad_accum_dtype!r}'
+            f'{" and optimizer offload" if _offloads_optimizer(config_class) else ""}'
+        )
     return f'"zero_optimization.stage" = {config_class.zero_optimization_stage} without bf16'
 
 
 def _on_model(chunks: tuple[int, str] | None) -> str:
     if chunks is None:
         return ""
-    return " and this module" + (f" ({chunks[0]} model chunks per stage, {chunks[1]} layout)" if chunks[0] > 1 else
-                                 " (one model chunk per stage)")
+    return " and this module" + (
+        f" ({chunks[0]} model chunks per stage, {chunks[1]} layout)"
+        if chunks[0] > 1
+        else " (one model chunk per stage)"
+    )
 
 
 def _listed(names: list[str]) -> str:
@@ -132,57 +145,96 @@ def check_precision(compiled: CompiledSchedule, config_class, chunks: tuple[int,
     ``compiled`` cannot run on the optimizer path the config selects. ``chunks``: (model chunks per
     stage, layout) the module holds; the schedules named as allowed are those that run on it."""
     from .fp16_async import vote_problem
+
     path = optimizer_path(config_class)
     own = own_gradient_ops(compiled)
     if path in ("fp32", "bf16") or not own:
         return
-    if path == "zero" and _grads_on_params(config_class) and (own <= SPLIT_BACKWARD_KINDS or
-                                                               not _offloads_optimizer(config_class)):
+    if (
+        path == "zero"
+        and _grads_on_params(config_class)
+        and (own <= SPLIT_BACKWARD_KINDS or not _offloads_optimizer(config_class))
+    ):
         return  # ZeRO-1 with gradients on .grad: hippie-ds reduces them, hands ZeRO its partition (ds/zero.py)
-    if path == "fp16" and own <= SPLIT_BACKWARD_KINDS and (config_class.zero_optimization_stage == 0 or
-                                                          _grads_on_params(config_class)):
+    if (
+        path == "fp16"
+        and own <= SPLIT_BACKWARD_KINDS
+        and (config_class.zero_optimization_stage == 0 or _grads_on_params(config_class))
+    ):
         return  # a split backward: gradients on .grad, the loss scaled as DeepSpeed's backward scales it
-    if path == "fp16" and not compiled.continuous and (config_class.zero_optimization_stage == 0 or
-                                                       _grads_on_params(config_class)):
+    if (
+        path == "fp16"
+        and not compiled.continuous
+        and (config_class.zero_optimization_stage == 0 or _grads_on_params(config_class))
+    ):
         return  # per-stage updates with one pipeline-wide overflow decision per update (fp16_stage.py)
-    if path == "fp16" and compiled.continuous and (config_class.zero_optimization_stage == 0 or
-                                                   _grads_on_params(config_class)) and vote_problem(compiled) is None:
+    if (
+        path == "fp16"
+        and compiled.continuous
+        and (config_class.zero_optimization_stage == 0 or _grads_on_params(config_class))
+        and vote_problem(compiled) is None
+    ):
         return  # never flushing: one decision per update, voted asynchronously (fp16_async.py)
     ops = ", ".join(sorted(k.value for k in own))
-    allowed = _listed(builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches,
-                                     chunks))
+    allowed = _listed(
+        builtins_where(lambda c: not own_gradient_ops(c), compiled.stages, compiled.micro_batches, chunks)
+    )
     key = _config_key(config_class, path)
     if path == "zero":
         splits = _grads_on_params(config_class)
-        allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= (SPLIT_BACKWARD_KINDS if splits else
-                                                                           frozenset()),
-                                         compiled.stages, compiled.micro_batches, chunks))
-        raise ConfigError(f"config key {key}: schedule {compiled.name!r} handles gradients itself ({ops}); "
-                          "DeepSpeedZeroOptimizer, which DeepSpeed picks here, reduces gradients and their norm over "
-                          "the whole pipeline inside its own step (ZeRO stage 2 or 3, overlap_comm, an offloaded "
-                          "optimizer or a separate accumulation dtype), so a stage cannot all-reduce, defer or update "
-                          "apart from the others. hippie-ds does that with ZeRO stage 1 without those, or through "
-                          "DeepSpeed's BF16_Optimizer: set "
-                          '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
-                          "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
-                          f"schedules that run on this configuration{_on_model(chunks)}: {allowed}")
+        allowed = _listed(
+            builtins_where(
+                lambda c: own_gradient_ops(c) <= (SPLIT_BACKWARD_KINDS if splits else frozenset()),
+                compiled.stages,
+                compiled.micro_batches,
+                chunks,
+            )
+        )
+        raise ConfigError(
+            f"config key {key}: schedule {compiled.name!r} handles gradients itself ({ops}); "
+            "DeepSpeedZeroOptimizer, which DeepSpeed picks here, reduces gradients and their norm over "
+            "the whole pipeline inside its own step (ZeRO stage 2 or 3, overlap_comm, an offloaded "
+            "optimizer or a separate accumulation dtype), so a stage cannot all-reduce, defer or update "
+            "apart from the others. hippie-ds does that with ZeRO stage 1 without those, or through "
+            "DeepSpeed's BF16_Optimizer: set "
+            '"bf16": {"enabled": true} and "data_types": {"grad_accum_dtype": "fp32"} (fp32 master '
+            "weights and optimizer state partitioned over the data-parallel group), or use ZeRO stage 0; "
+            f"schedules that run on this configuration{_on_model(chunks)}: {allowed}"
+        )
     zero = config_class.zero_optimization_stage
-    allowed = _listed(builtins_where(lambda c: own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS or
-                                     ((zero == 0 or _grads_on_params(config_class)) and not c.continuous) or
-                                     ((zero == 0 or _grads_on_params(config_class)) and c.continuous and
-                                      vote_problem(c) is None),
-                                     compiled.stages, compiled.micro_batches, chunks))
+    allowed = _listed(
+        builtins_where(
+            lambda c: (
+                own_gradient_ops(c) <= SPLIT_BACKWARD_KINDS
+                or ((zero == 0 or _grads_on_params(config_class)) and not c.continuous)
+                or ((zero == 0 or _grads_on_params(config_class)) and c.continuous and vote_problem(c) is None)
+            ),
+            compiled.stages,
+            compiled.micro_batches,
+            chunks,
+        )
+    )
     if own <= SPLIT_BACKWARD_KINDS:
-        reason = ("ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
-                  "offloaded optimizer or a separate accumulation dtype)")
+        reason = (
+            "ZeRO reduces the gradients inside its own machinery here (stage 2 or 3, overlap_comm, an "
+            "offloaded optimizer or a separate accumulation dtype)"
+        )
     elif compiled.continuous and zero != 0 and not _grads_on_params(config_class):
-        reason = ("the asynchronous overflow vote of the schedules that never flush is built on ZeRO stage 0 and "
-                  "on ZeRO stage 1 without overlap_comm, an offload or a separate accumulation dtype")
+        reason = (
+            "the asynchronous overflow vote of the schedules that never flush is built on ZeRO stage 0 and "
+            "on ZeRO stage 1 without overlap_comm, an offload or a separate accumulation dtype"
+        )
     elif compiled.continuous:
-        reason = (f"the asynchronous overflow vote cannot be waited for in time: {vote_problem(compiled)} "
-                  "(hippie_ds/adapter/precision/fp16_async.py)")
+        reason = (
+            f"the asynchronous overflow vote cannot be waited for in time: {vote_problem(compiled)} "
+            "(hippie_ds/adapter/precision/fp16_async.py)"
+        )
     else:
-        reason = ("the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 and on ZeRO stage 1 "
-                  "without overlap_comm, an offload or a separate accumulation dtype")
-    raise ConfigError(f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
-                      f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}")
+        reason = (
+            "the pipeline-wide overflow vote of per-stage updates is built on ZeRO stage 0 and on ZeRO stage 1 "
+            "without overlap_comm, an offload or a separate accumulation dtype"
+        )
+    raise ConfigError(
+        f"config key {key}: schedule {compiled.name!r} ({ops}) is not supported with fp16: {reason}; "
+        f"use bf16, or a schedule that runs with fp16{_on_model(chunks)}: {allowed}"
+    )

@@ -5,6 +5,7 @@ pipeline; the step counters and the LR schedule advanced as stock DeepSpeed adva
 still (a continuous schedule's updates, the flush); a continuous schedule's update at its batch's
 learning rates. Every engine setting a per-stage step changes for the duration of the step is
 swapped and put back in one place, :meth:`StageStep.swapped` (exception-safe)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -67,8 +68,21 @@ class StageStep:
     before clipping the engine reports as its gradient norm, as DeepSpeed reports the norm its
     optimizer clipped by."""
 
-    def __init__(self, optimizer, mpu, grid, model_step: ModelStep, store, device=None, fp16: bool = False,
-                 bf16: bool = False, clip_group=None, clips_itself: bool = False, schedule=None, tie_sums=None):
+    def __init__(
+        self,
+        optimizer,
+        mpu,
+        grid,
+        model_step: ModelStep,
+        store,
+        device=None,
+        fp16: bool = False,
+        bf16: bool = False,
+        clip_group=None,
+        clips_itself: bool = False,
+        schedule=None,
+        tie_sums=None,
+    ):
         self._optimizer, self._mpu, self._stage_grid, self._model = optimizer, mpu, grid, model_step
         self._device, self._bf16 = device, bf16
         self._store = store
@@ -76,8 +90,7 @@ class StageStep:
         self.clips_itself = clips_itself
         self._tie_sums = tie_sums
         # fp16: every update's overflow decision is the whole pipeline's (fp16_stage.py)
-        self.fp16 = Fp16Votes(optimizer, device, model_step.count_skipped) if fp16_per_stage(fp16, optimizer) \
-            else None
+        self.fp16 = Fp16Votes(optimizer, device, model_step.count_skipped) if fp16_per_stage(fp16, optimizer) else None
         # drain() applies a buffered update only where some stage defers (else it votes on nothing)
         self._defers = schedule is None or bool(schedule.deferred_stages())
         if schedule is not None and own_gradient_ops(schedule) - SPLIT_BACKWARD_KINDS:  # it steps per stage
@@ -122,8 +135,9 @@ class StageStep:
                 for g, lr in zip(groups, now):
                     g["lr"] = lr
 
-    def step(self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True,
-             overflow: bool | None = None) -> None:
+    def step(
+        self, counters: bool = True, lrs: list[float] | None = None, tie_norm: bool = True, overflow: bool | None = None
+    ) -> None:
         """DeepSpeed's ``_take_model_step`` with the gradient norm reduced over this stage only
         (arguments: :meth:`swapped`'s). fp16: the update's pipeline-wide overflow decision, voted
         here unless ``overflow`` gives it."""
@@ -131,13 +145,22 @@ class StageStep:
             overflow = self.fp16.vote(self._store.params)
         with self.swapped(counters, lrs, tie_norm) as local:
             self._store.count_for_norm()
-            joint = self.fp16.joint_norm(self._store.params, local.get_model_parallel_group()) \
-                if self.fp16 is not None and not overflow and tie_norm and self.clip_group is not None else None
-            with stage_step(self._optimizer, local), \
-                    self.fp16.decided(overflow, joint) if self.fp16 is not None else contextlib.nullcontext():
+            joint = (
+                self.fp16.joint_norm(self._store.params, local.get_model_parallel_group())
+                if self.fp16 is not None and not overflow and tie_norm and self.clip_group is not None
+                else None
+            )
+            with (
+                stage_step(self._optimizer, local),
+                self.fp16.decided(overflow, joint) if self.fp16 is not None else contextlib.nullcontext(),
+            ):
                 self._model.take()  # ZeRO-1: its partition of .grad, its norm over the stage
-        if self.clips_itself and self._tie_sums is not None and not overflow \
-                and self._tie_sums.norm_before_clip is not None:  # the optimizer saw clipped gradients
+        if (
+            self.clips_itself
+            and self._tie_sums is not None
+            and not overflow
+            and self._tie_sums.norm_before_clip is not None
+        ):  # the optimizer saw clipped gradients
             self._model.set_global_grad_norm(self._tie_sums.norm_before_clip)
 
     def drain_step(self, due: bool, tie_norm: bool) -> None:

@@ -23,6 +23,7 @@ one), so that no worker holds a work any more. ``hippie_ds.initialize`` register
 (:func:`wait_at_exit`); scripts that train with ``deepspeed.initialize`` call
 :func:`hippie_ds.shutdown` at the end (docs/reference.md, "Clean exit").
 """
+
 from __future__ import annotations
 
 import atexit
@@ -94,6 +95,7 @@ def shutdown(timeout: float = 10.0) -> bool:
     :func:`wait_for_collectives` returned."""
     settled = wait_for_collectives(timeout)
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return settled

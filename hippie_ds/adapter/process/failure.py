@@ -24,6 +24,7 @@ interpreter's teardown: from ``sys.excepthook`` when the exception is not caught
 failure. Not for ``StopIteration`` (a data iterator running out, which a script may catch) nor
 single-rank jobs (no peers to wait).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -42,14 +43,23 @@ def end_job_on_failure(exc: BaseException, rank: int, where: str) -> None:
     docstring). ``where``: the stage and instruction, for the log line."""
     global _failed
     import torch.distributed as dist
-    if _failed or isinstance(exc, StopIteration) or not dist.is_available() or not dist.is_initialized() or \
-            dist.get_world_size() < 2:
+
+    if (
+        _failed
+        or isinstance(exc, StopIteration)
+        or not dist.is_available()
+        or not dist.is_initialized()
+        or dist.get_world_size() < 2
+    ):
         return
     _failed = True
-    print(f"hippie-ds: rank {rank} failed in {where}: {type(exc).__name__}: {exc}; its pipeline peers cannot go on: "
-          f"aborting its process groups so that they fail now instead of at the process group's timeout; this "
-          f"process exits (status 1) when the exception leaves the script, at exit, or in {EXIT_GRACE_S:.0f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"hippie-ds: rank {rank} failed in {where}: {type(exc).__name__}: {exc}; its pipeline peers cannot go on: "
+        f"aborting its process groups so that they fail now instead of at the process group's timeout; this "
+        f"process exits (status 1) when the exception leaves the script, at exit, or in {EXIT_GRACE_S:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     timer = threading.Timer(EXIT_GRACE_S, _grace_exit)  # apart from the abort, which may block
     timer.daemon = True
     timer.start()
@@ -60,20 +70,25 @@ def end_job_on_failure(exc: BaseException, rank: int, where: str) -> None:
     def excepthook(*info):
         previous(*info)
         _exit_now()
+
     sys.excepthook = excepthook
 
 
 def _abort() -> None:
     try:
         from torch.distributed.distributed_c10d import _abort_process_group
+
         _abort_process_group()
     except Exception:  # noqa: BLE001 (best effort: the exit closes the connections anyway)
         pass
 
 
 def _grace_exit() -> None:
-    print(f"hippie-ds: still running {EXIT_GRACE_S:.0f} s after a failed instruction; exiting", file=sys.stderr,
-          flush=True)
+    print(
+        f"hippie-ds: still running {EXIT_GRACE_S:.0f} s after a failed instruction; exiting",
+        file=sys.stderr,
+        flush=True,
+    )
     _hard_exit()
 
 

@@ -18,6 +18,7 @@ Times come from a clock: :data:`WALL_CLOCK` (``time.perf_counter``, CPU layers) 
 :class:`CudaClock` (``torch.cuda.Event`` pairs recorded around each timed run on the current
 stream; one synchronisation after a layer's runs of one kind, none inside a timed run).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ from ..module.tensor_calls import tensor_bytes
 
 class WallClock:
     """Host seconds (``time.perf_counter``): what a CPU layer takes."""
+
     name = "wall clock"
 
     def start(self):
@@ -49,6 +51,7 @@ class WallClock:
 class CudaClock:
     """Device seconds between two ``torch.cuda.Event`` records on the current stream: the layer's
     kernels, not the host's launch loop. ``seconds`` synchronises on the last event only."""
+
     name = "CUDA events"
 
     def start(self):
@@ -159,19 +162,23 @@ def weight_time(fn, inp: Any, backward: float, repeats: int, warmup: int, clock=
         def run(targets):
             outs, ins, params = targets
             grad_towards(outs, params if towards_params else ins)
+
         _timed(clock, warmup, run, prepare)
         return statistics.median(_timed(clock, repeats, run, prepare))
+
     return min(max(0.0, backward - median_pass(False)), median_pass(True))
 
 
-def split_times(fn, inp: Any, backward: float, repeats: int, warmup: int,
-                clock=WALL_CLOCK) -> tuple[float, float] | None:
+def split_times(
+    fn, inp: Any, backward: float, repeats: int, warmup: int, clock=WALL_CLOCK
+) -> tuple[float, float] | None:
     """(I, W), medians, of the layer's backward split as a zero-bubble stage runs it
     (:mod:`hippie_ds.adapter.gradients.split_backward`: I one ``autograd.grad`` towards the input, keeping the
     gradients at the parameter ops; W one ``autograd.grad`` per parameter group). None: no input
     gradient (the engine runs the whole backward as W); no parameters: (backward, 0). The
     parameters' ``.grad`` and the inputs' are restored afterwards (measuring inside a running job)."""
     from ..gradients.split_backward import backward_input, backward_weight
+
     outs, ins, params = grad_targets(fn(inp), inp)
     if not outs or not ins:
         return None
@@ -191,6 +198,7 @@ def split_times(fn, inp: Any, backward: float, repeats: int, warmup: int,
 
     def weight_pass(pending):
         backward_weight(*pending)
+
     try:
         _timed(clock, warmup, lambda t: weight_pass(input_pass(t)), forward)
         i = statistics.median(_timed(clock, repeats, input_pass, forward))
@@ -246,12 +254,23 @@ class LayerMeasure:
     """One layer on one input: ``fields`` (``LayerProfile`` fields but ``name`` and the saved
     bytes), ``record`` (picklable: ``fields`` plus the saved-tensor accounting that
     :func:`attribute_saved` needs) and ``output`` (the layer's output without a graph)."""
+
     record: dict
     output: Any
 
 
-def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: float, *, repeats: int, warmup: int,
-                  clock=WALL_CLOCK, accumulate: bool = True, guard=_no_guard) -> LayerMeasure:
+def measure_layer(
+    fn,
+    inp: Any,
+    params: Sequence[torch.Tensor],
+    param_bytes: float,
+    *,
+    repeats: int,
+    warmup: int,
+    clock=WALL_CLOCK,
+    accumulate: bool = True,
+    guard=_no_guard,
+) -> LayerMeasure:
     """Measure ``fn`` on ``inp`` (a stage input, :func:`as_stage_input`): medians over ``repeats``
     timed runs after ``warmup`` runs, then one forward+backward for the working memory on CUDA
     (module docstring; None elsewhere). ``params``: the tensors the layer uses as parameters (their
@@ -265,9 +284,11 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     if accumulate:
         backward_fn = guard(backward_ones, "backward")
     else:
+
         def all_grads(out):
             outs, ins, leaves = grad_targets(out, inp)
             grad_towards(outs, ins + leaves)
+
         backward_fn = guard(all_grads, "backward")
     for _ in range(warmup):
         backward_fn(forward_fn(inp))
@@ -288,21 +309,37 @@ def measure_layer(fn, inp: Any, params: Sequence[torch.Tensor], param_bytes: flo
     own = {k: v for k, v in packed.items() if k not in ins and k not in excluded}
     output = {k: k[2] for k in outs - ins}
     kept = sum({**own, **output}.values())  # held until the backward: the planner counts it as activations
-    record = dict(forward=forward, backward=backward, backward_weight=weight, split_extra=extra, recompute=forward,
-                  weight_is_backward=all_weight,
-                  forward_runs=list(forward_runs), backward_runs=list(backward_runs),
-                  working_bytes=None if peak is None else max(0.0, peak - kept),
-                  output_bytes=float(nbytes(out)), param_bytes=float(param_bytes),
-                  own_saved=float(sum(own.values())),
-                  output_extra=float(sum(v for k, v in output.items() if k not in own)),
-                  saves_output=bool(output.keys() & own.keys()), saves_input=bool(ins & packed.keys()))
+    record = dict(
+        forward=forward,
+        backward=backward,
+        backward_weight=weight,
+        split_extra=extra,
+        recompute=forward,
+        weight_is_backward=all_weight,
+        forward_runs=list(forward_runs),
+        backward_runs=list(backward_runs),
+        working_bytes=None if peak is None else max(0.0, peak - kept),
+        output_bytes=float(nbytes(out)),
+        param_bytes=float(param_bytes),
+        own_saved=float(sum(own.values())),
+        output_extra=float(sum(v for k, v in output.items() if k not in own)),
+        saves_output=bool(output.keys() & own.keys()),
+        saves_input=bool(ins & packed.keys()),
+    )
     with torch.no_grad():
         result = forward_fn(inp)
     return LayerMeasure(record=record, output=detach(result))
 
 
-ACCOUNTING = ("own_saved", "output_extra", "saves_output", "saves_input", "forward_runs", "backward_runs",
-              "weight_is_backward")  # noise.pool reads it; never a LayerProfile field
+ACCOUNTING = (
+    "own_saved",
+    "output_extra",
+    "saves_output",
+    "saves_input",
+    "forward_runs",
+    "backward_runs",
+    "weight_is_backward",
+)  # noise.pool reads it; never a LayerProfile field
 
 
 def work_key(name: str, params: Sequence[torch.Tensor], inp: Any, tied: bool = False) -> str | None:
@@ -311,8 +348,10 @@ def work_key(name: str, params: Sequence[torch.Tensor], inp: Any, tied: bool = F
     or a lambda (one name, any work)."""
     if tied or name == "<lambda>":
         return None
+
     def shapes(ts):
         return ";".join(f"{tuple(torch.Tensor.size(t))}:{t.dtype}" for t in ts)
+
     return f"{name}|{shapes(params)}|{shapes(_tensors(inp))}"
 
 

@@ -11,6 +11,7 @@ registered with :meth:`ignore` (``ActivationMeter(module)`` ignores the module's
 are skipped. Works on any device; it does not see memory that is not a saved or held tensor
 (gradients, optimizer state, temporaries).
 """
+
 from __future__ import annotations
 
 import weakref

@@ -46,6 +46,7 @@ own devices, inputs and shapes (:func:`profile_in_place` runs each ``train_batch
   count (fp32-sized for a model built in fp32). Rank 0 prints a line per measured step and
   what it wrote.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,17 @@ from ...planner.profile import LayerProfile, Profile, save_profile
 from ...planner.profile_fields import JobShape, MeasuredLoad
 from ..ds import module as ds_module
 from ..process.failure import end_job_on_failure
-from .layer_timing import (as_stage_input, attribute_saved, bytes_dtype, clock_for, loadavg, measure_layer, nbytes,
-                           param_dtype, work_key)
+from .layer_timing import (
+    as_stage_input,
+    attribute_saved,
+    bytes_dtype,
+    clock_for,
+    loadavg,
+    measure_layer,
+    nbytes,
+    param_dtype,
+    work_key,
+)
 from ..module.pipeline_module import layer_name, layer_names, layer_param_bytes, tie_keys
 from ..module.tensor_calls import tensor_bytes
 
@@ -94,8 +104,19 @@ class InPlaceProfiler:
     engine's ``device``, its ``stage`` and global ``rank``, its data-parallel index (``replica``) and the
     job's ``data_parallel`` size, ``micro_batch_size`` and ``global_batch`` (``train_batch_size``)."""
 
-    def __init__(self, module, options, *, device, stage: int, rank: int, replica: int, data_parallel: int,
-                 micro_batch_size: int, global_batch: int):
+    def __init__(
+        self,
+        module,
+        options,
+        *,
+        device,
+        stage: int,
+        rank: int,
+        replica: int,
+        data_parallel: int,
+        micro_batch_size: int,
+        global_batch: int,
+    ):
         self.options, self.module, self.device, self.stage, self.rank = options, module, device, stage, rank
         self.replica, self.data_parallel = replica, data_parallel
         self.micro_batch_size, self.global_batch = micro_batch_size, global_batch
@@ -149,8 +170,10 @@ class InPlaceProfiler:
         try:
             started = time.perf_counter()
             count = self._measure()
-            self._say(f"hippie-ds: profile step {step}/{self.options.steps}: measured {count} layers of stage "
-                      f"{self.stage} in {time.perf_counter() - started:.2f} s")
+            self._say(
+                f"hippie-ds: profile step {step}/{self.options.steps}: measured {count} layers of stage "
+                f"{self.stage} in {time.perf_counter() - started:.2f} s"
+            )
             if step == self.options.steps:
                 self._gather_and_write()
         except BaseException as exc:  # the other ranks would wait in the gather
@@ -172,25 +195,35 @@ class InPlaceProfiler:
         def keep(labels):
             if self.labels is None:
                 self.labels = _clone(labels)
+
         if isinstance(loss_fn, torch.nn.Module):  # a registered submodule: no attribute swap
             return loss_fn.register_forward_pre_hook(lambda m, args: keep(args[1])).remove
 
         def capture(outputs, labels):
             keep(labels)
             return loss_fn(outputs, labels)
+
         self.module.loss_fn = capture
 
         def restore():
             self.module.loss_fn = loss_fn
+
         return restore
 
     def _measure_loss(self, output) -> None:
         """The loss on the last layer's ``output`` and the kept labels, measured like a layer."""
         loss_fn = self.module.loss_fn
         params = list(loss_fn.parameters()) if isinstance(loss_fn, torch.nn.Module) else []
-        measured = measure_layer(lambda pair: loss_fn(pair[0], pair[1]), (as_stage_input(output), self.labels),
-                                 params, float(tensor_bytes(params)),
-                                 repeats=self.options.repeats, warmup=1, clock=self.clock, accumulate=False)
+        measured = measure_layer(
+            lambda pair: loss_fn(pair[0], pair[1]),
+            (as_stage_input(output), self.labels),
+            params,
+            float(tensor_bytes(params)),
+            repeats=self.options.repeats,
+            warmup=1,
+            clock=self.clock,
+            accumulate=False,
+        )
         self.loss_records.append(dict(measured.record, input_bytes=float(nbytes((output, self.labels)))))
         self.labels = None
 
@@ -208,18 +241,32 @@ class InPlaceProfiler:
             with torch.enable_grad():
                 for chunk, (start, funcs) in enumerate(self.chunks()):
                     if chunk not in self.captured:
-                        raise RuntimeError(f"hippie.profile: stage {self.stage}'s model chunk {chunk} ran no "
-                                           "forward in this train_batch call")
+                        raise RuntimeError(
+                            f"hippie.profile: stage {self.stage}'s model chunk {chunk} ran no "
+                            "forward in this train_batch call"
+                        )
                     x = self.captured.pop(chunk)
                     if start == 0:
                         self.input_bytes = float(nbytes(x))
                     for offset, layer in enumerate(funcs):
                         params, size = self.layer_params(start + offset, layer)
                         inp = as_stage_input(x)
-                        self.keys[start + offset] = work_key(layer_name(self.specs[start + offset]), params, inp,
-                                                             tied=isinstance(self.specs[start + offset], TiedLayerSpec))
-                        measured = measure_layer(layer, inp, params, size, repeats=self.options.repeats,
-                                                 warmup=1, clock=self.clock, accumulate=False)
+                        self.keys[start + offset] = work_key(
+                            layer_name(self.specs[start + offset]),
+                            params,
+                            inp,
+                            tied=isinstance(self.specs[start + offset], TiedLayerSpec),
+                        )
+                        measured = measure_layer(
+                            layer,
+                            inp,
+                            params,
+                            size,
+                            repeats=self.options.repeats,
+                            warmup=1,
+                            clock=self.clock,
+                            accumulate=False,
+                        )
                         self.records.setdefault(start + offset, []).append(measured.record)
                         x = measured.output
                         count += 1
@@ -237,9 +284,15 @@ class InPlaceProfiler:
 
     # -- the profile ---------------------------------------------------------------------------
     def _gather_and_write(self) -> None:
-        mine = {"replica": int(self.replica), "layers": self.records,
-                "input_bytes": self.input_bytes, "loss": self.loss_records,
-                "dtype": param_dtype(list(self.module.parameters())), "keys": self.keys, "busy": self.busy}
+        mine = {
+            "replica": int(self.replica),
+            "layers": self.records,
+            "input_bytes": self.input_bytes,
+            "loss": self.loss_records,
+            "dtype": param_dtype(list(self.module.parameters())),
+            "keys": self.keys,
+            "busy": self.busy,
+        }
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() != 0:
@@ -247,10 +300,12 @@ class InPlaceProfiler:
         self.profile = self.assemble(gathered)
         out = Path(self.options.out)
         save_profile(self.profile, out)
-        self._say(f"hippie-ds: profile of {self.profile.num_layers} layers, micro-batch {self.profile.batch_size}, "
-                  f"measured in place over {self.options.steps} train_batch calls after {WARMUP_CALLS} warm-up "
-                  f"({self.options.repeats} timed runs per layer per call) on {self.device} with "
-                  f"{self.clock.name}: wrote {out}")
+        self._say(
+            f"hippie-ds: profile of {self.profile.num_layers} layers, micro-batch {self.profile.batch_size}, "
+            f"measured in place over {self.options.steps} train_batch calls after {WARMUP_CALLS} warm-up "
+            f"({self.options.repeats} timed runs per layer per call) on {self.device} with "
+            f"{self.clock.name}: wrote {out}"
+        )
         warning = noise_warning(self.profile)
         if warning:
             self._say("hippie-ds: " + warning)
@@ -273,11 +328,16 @@ class InPlaceProfiler:
         if missing:
             raise RuntimeError(f"hippie.profile: no stage measured layers {missing} of {len(self.specs)}")
         keys = {int(i): k for rank in gathered for i, k in rank.get("keys", {}).items()}
-        records, groups = pool([dict(_combine(held[index]), name=names[index],
-                                     input_bytes=input_bytes if index == 0 else None)
-                                for index in range(len(self.specs))], [keys.get(i) for i in range(len(self.specs))])
-        layers = [LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(records),
-                                                                              tie_keys(self.specs))]
+        records, groups = pool(
+            [
+                dict(_combine(held[index]), name=names[index], input_bytes=input_bytes if index == 0 else None)
+                for index in range(len(self.specs))
+            ],
+            [keys.get(i) for i in range(len(self.specs))],
+        )
+        layers = [
+            LayerProfile(**fields, tied_key=key) for fields, key in zip(attribute_saved(records), tie_keys(self.specs))
+        ]
         measured = sum(x.param_bytes for x in layers)
         sizes = layer_param_bytes(self.specs)  # as model_fingerprint counts them (the dtype they are built in)
         if sizes is not None:
@@ -289,27 +349,41 @@ class InPlaceProfiler:
         module = self.module
         busy = [rank["busy"] for rank in gathered if rank.get("busy")]
         wall = sum(b["wall"] for b in busy)
-        load = MeasuredLoad(cpus=os.cpu_count(), load_before=next((b["load_before"] for b in busy
-                                                                   if b["load_before"] is not None), None),
-                            load_after=loadavg(), wall_seconds=max((b["wall"] for b in busy), default=None),
-                            cpu_share=sum(b["cpu"] for b in busy) / wall if wall > 0 else None)
-        return Profile(model=self.options.name or type(module).__name__, job=self.job_shape(), load=load,
-                       groups=groups or None, steps=int(self.options.steps),
-                       batch_size=int(self.micro_batch_size), layers=layers, loss=loss,
-                       param_dtype=dtype, param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers),
-                                                                        measured),
-                       source=f"hippie.profile: in place, {module.num_stages} stages x "
-                              f"{dist.get_world_size() // module.num_stages} replicas"
-                              f"{f' x {module.virtual_stages} chunks' if getattr(module, 'chunked', False) else ''}, "
-                              f"{self.options.steps} steps on {self.device}, {self.clock.name}")
+        load = MeasuredLoad(
+            cpus=os.cpu_count(),
+            load_before=next((b["load_before"] for b in busy if b["load_before"] is not None), None),
+            load_after=loadavg(),
+            wall_seconds=max((b["wall"] for b in busy), default=None),
+            cpu_share=sum(b["cpu"] for b in busy) / wall if wall > 0 else None,
+        )
+        return Profile(
+            model=self.options.name or type(module).__name__,
+            job=self.job_shape(),
+            load=load,
+            groups=groups or None,
+            steps=int(self.options.steps),
+            batch_size=int(self.micro_batch_size),
+            layers=layers,
+            loss=loss,
+            param_dtype=dtype,
+            param_bytes_dtype=bytes_dtype(dtype, sum(x.param_bytes for x in layers), measured),
+            source=f"hippie.profile: in place, {module.num_stages} stages x "
+            f"{dist.get_world_size() // module.num_stages} replicas"
+            f"{f' x {module.virtual_stages} chunks' if getattr(module, 'chunked', False) else ''}, "
+            f"{self.options.steps} steps on {self.device}, {self.clock.name}",
+        )
 
     def job_shape(self) -> JobShape:
         """The job's shape: its stages (the module's, from ``num_stages=`` or ``topology=``), data-parallel
         replicas, micro-batch size, global batch (``train_batch_size``) and model chunks per stage."""
         module = self.module
-        return JobShape(stages=int(module.num_stages), data_parallel=int(self.data_parallel),
-                        micro_batch_size=int(self.micro_batch_size), global_batch=int(self.global_batch),
-                        virtual_stages=int(module.virtual_stages) if getattr(module, "chunked", False) else 1)
+        return JobShape(
+            stages=int(module.num_stages),
+            data_parallel=int(self.data_parallel),
+            micro_batch_size=int(self.micro_batch_size),
+            global_batch=int(self.global_batch),
+            virtual_stages=int(module.virtual_stages) if getattr(module, "chunked", False) else 1,
+        )
 
     def _say(self, line: str) -> None:
         if dist.get_rank() == 0:
@@ -325,10 +399,14 @@ def _combine(replicas: list[tuple[int, list[dict]]]) -> dict:
     record = dict(replicas[0][1][0])
     for key in RUNS:
         record[key] = [t for _, steps in replicas for s in steps for t in s[key]]
-    record["backward_weight"] = statistics.median(statistics.median(s["backward_weight"] for s in steps)
-                                                  for _, steps in replicas)
-    extras = [statistics.median(e) for _, steps in replicas
-              if (e := [s["split_extra"] for s in steps if s.get("split_extra") is not None])]
+    record["backward_weight"] = statistics.median(
+        statistics.median(s["backward_weight"] for s in steps) for _, steps in replicas
+    )
+    extras = [
+        statistics.median(e)
+        for _, steps in replicas
+        if (e := [s["split_extra"] for s in steps if s.get("split_extra") is not None])
+    ]
     record["split_extra"] = statistics.median(extras) if extras else None
     peaks = [s["working_bytes"] for _, steps in replicas for s in steps if s["working_bytes"] is not None]
     record["working_bytes"] = max(peaks) if peaks else None

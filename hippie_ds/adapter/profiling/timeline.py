@@ -7,6 +7,7 @@ Events of the last ``steps`` train_batch calls only, so a long run's memory stay
 all-reduce is drawn in flight from its start (inside a backward when it started early) until
 its wait returned: gloo reports no completion time.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,6 +26,7 @@ class InstructionEvent:
     (``ForwardPass``, ``ISendGrad``, ...), ``op`` the schedule's op it ran (None for an instruction
     of DeepSpeed's own schedules), ``start``/``end`` on the engine's compute clock
     (:func:`compute_clock`, seconds), ``step`` the index of its ``train_batch`` call."""
+
     kind: str
     op: Optional[Op]
     start: float
@@ -48,6 +50,7 @@ def compute_clock(device) -> Callable[[], float]:
     def clock() -> float:
         torch.cuda.current_stream(device).synchronize()
         return time.perf_counter()
+
     return clock
 
 
@@ -63,8 +66,11 @@ def time_stock_handlers(engine, record: Callable[[type, dict, float, float], Non
             start = now()
             handler(self, **kwargs)
             record(cls, kwargs, start, now())
+
         return run
+
     from ..ds.engine import wrap_handlers
+
     wrap_handlers(engine, timed)
 
 
@@ -92,16 +98,32 @@ class Timeline:
     def __call__(self, event: InstructionEvent) -> None:
         """Record ``event`` (the engine's instruction hook)."""
         op, start, end, step = event.op, event.start, event.end, event.step
-        self.events.append({"name": event.name, "kind": event.kind,
-                            "category": CATEGORY.get(op.kind, "other") if op else "other", "start": start - self.t0,
-                            "end": end - self.t0, "step": step, "micro_batch": op.micro_batch if op else None})
+        self.events.append(
+            {
+                "name": event.name,
+                "kind": event.kind,
+                "category": CATEGORY.get(op.kind, "other") if op else "other",
+                "start": start - self.t0,
+                "end": end - self.t0,
+                "step": step,
+                "micro_batch": op.micro_batch if op else None,
+            }
+        )
         phase = OP_INFO[op.kind].allreduce if op is not None else ""
         if phase == "start":
             self._inflight.setdefault(op.target, start)  # set earlier when the all-reduce started early
         elif phase == "wait" and op.target in self._inflight:
-            self.events.append({"name": f"allreduce({op.target})", "kind": "AllReduceInFlight", "category": "comm",
-                                "start": self._inflight.pop(op.target) - self.t0, "end": end - self.t0,
-                                "step": step, "micro_batch": None})
+            self.events.append(
+                {
+                    "name": f"allreduce({op.target})",
+                    "kind": "AllReduceInFlight",
+                    "category": "comm",
+                    "start": self._inflight.pop(op.target) - self.t0,
+                    "end": end - self.t0,
+                    "step": step,
+                    "micro_batch": None,
+                }
+            )
 
     def keep_after(self, step: int) -> None:
         """Drop the events of calls before the last ``steps`` ending with ``step``."""

@@ -7,6 +7,7 @@ An op of a continuous schedule names its batch relative to the call that runs it
 batch and says which ops to skip: those of batches that do not exist (the pipeline filling up)
 or were completed by ``drain()``.
 """
+
 from __future__ import annotations
 
 

@@ -12,6 +12,7 @@ what ``p2p.send`` / ``p2p.recv`` do on torch >= 1.8 (the only torch hippie-ds ru
 neighbour check, the peer's global rank from the grid, the default (world) group, on every backend
 (gloo included). DeepSpeed's p2p module itself is left untouched.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -29,8 +30,10 @@ def _check_link(grid, src_stage: int, dest_stage: int) -> None:
     """DeepSpeed p2p's check (``_is_valid_send_recv``): neighbours, or the first and last stage (wrap-around)."""
     last = grid.pipe_parallel_size - 1
     if abs(src_stage - dest_stage) != 1 and {src_stage, dest_stage} != {0, last}:
-        raise RuntimeError(f"p2p between stages {src_stage} and {dest_stage}: only neighbouring stages (or the "
-                           f"first and the last, 0 and {last}) exchange tensors")
+        raise RuntimeError(
+            f"p2p between stages {src_stage} and {dest_stage}: only neighbouring stages (or the "
+            f"first and the last, 0 and {last}) exchange tensors"
+        )
 
 
 def send(grid, tensor, dest_stage: int, tag: int):
@@ -68,8 +71,15 @@ class ChunkSelector:
     stage's batch reuse (:meth:`read` / :meth:`reread`), :meth:`forget_shapes`.
     """
 
-    def __init__(self, layout, virtual_stages: int, stage: int, boundary: Boundary,
-                 set_chunk: Callable[[int | None], None] | None, partitioned: bool = False):
+    def __init__(
+        self,
+        layout,
+        virtual_stages: int,
+        stage: int,
+        boundary: Boundary,
+        set_chunk: Callable[[int | None], None] | None,
+        partitioned: bool = False,
+    ):
         """``stage``: this stage; ``boundary`` (:class:`~hippie_ds.adapter.ds.engine.Boundary`): the
         engine's neighbours and p2p state, which DeepSpeed's handlers read; ``set_chunk``: the module's
         (``PipelineModule.set_chunk``; None: a module of one chunk); ``partitioned``: DeepSpeed
@@ -85,8 +95,10 @@ class ChunkSelector:
         self.both_ends = self.chunked and layout.holds_first(self.stage) and layout.holds_last(self.stage)
         self._read_batches = deque()  # the V's first stage: batches read for inputs, awaiting labels
         if self.chunked and partitioned:
-            raise ValueError(f"{virtual_stages} virtual stages do not support partitioned pipeline activations or "
-                             "gradients (tensor-slice parallelism: DeepSpeed's pipe_partitioned / grad_partitioned)")
+            raise ValueError(
+                f"{virtual_stages} virtual stages do not support partitioned pipeline activations or "
+                "gradients (tensor-slice parallelism: DeepSpeed's pipe_partitioned / grad_partitioned)"
+            )
 
     @property
     def gradient_tag(self) -> int:
@@ -148,7 +160,8 @@ class ChunkSelector:
         else:
             boundary.set_state(self._p2p.get(chunk, P2P_STATE))
             nxt, prv = self.layout.next(self.stage, chunk), self.layout.prev(self.stage, chunk)
-            boundary.set_neighbours(prv[0] if prv else self._stock_neighbours[0],
-                                    nxt[0] if nxt else self._stock_neighbours[1])
+            boundary.set_neighbours(
+                prv[0] if prv else self._stock_neighbours[0], nxt[0] if nxt else self._stock_neighbours[1]
+            )
         self.chunk = chunk
         self._set_chunk(chunk)

@@ -8,6 +8,7 @@ reductions and step), ``StageGradients`` (all-reduces and the gradient buffer), 
 updates), the continuous schedules' updates, ``WeightVersions`` and ``SplitBackward``. The p2p handlers
 are in :mod:`~hippie_ds.adapter.stage.p2p`. ``tests/schedules/test_op_table.py`` checks that every kind has one
 whose signature takes its arguments."""
+
 from __future__ import annotations
 
 from typing import Callable

@@ -4,6 +4,7 @@ the table names one, :data:`~hippie_ds.schedules.ir.DEEPSPEED_INSTRUCTIONS`; the
 here and importable by name: ``ForwardBackwardPass``, ``StartAllReduce``, ...) and its arguments
 (:func:`~hippie_ds.schedules.ir.handler_kwargs`). Which handler runs an op is its kind's entry in
 :data:`~hippie_ds.adapter.stage.handlers.HANDLERS`. Imports DeepSpeed (:mod:`hippie_ds.adapter.ds.schedule`)."""
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -16,8 +17,10 @@ def _docstring(kind: OpKind, info: OpInfo, nonblocking: bool) -> str:
     """DeepSpeed's instruction docstring style, from the table entry."""
     how = "; non-blocking, completed by ``WaitSends``" if nonblocking else ""
     table = "NONBLOCKING_HANDLERS" if nonblocking else "HANDLERS"
-    return (f"Runs ``{kind.value}`` ops{how} (``handlers.{table}[OpKind.{kind.name}]``).\n\n    Roughly:\n\n"
-            f"    .. code-block:: python\n\n        {info.doc}\n    ")
+    return (
+        f"Runs ``{kind.value}`` ops{how} (``handlers.{table}[OpKind.{kind.name}]``).\n\n    Roughly:\n\n"
+        f"    .. code-block:: python\n\n        {info.doc}\n    "
+    )
 
 
 def _generate() -> dict[str, type]:
@@ -28,8 +31,11 @@ def _generate() -> dict[str, type]:
         base = ds.BufferOpInstruction if info.micro_batch else ds.PipeInstruction
         for name, nonblocking in ((info.instruction, False), (info.nonblocking_instruction, True)):
             if name and name not in DEEPSPEED_INSTRUCTIONS:
-                classes[name] = type(name, (base,), {"__doc__": _docstring(kind, info, nonblocking),
-                                                     "__module__": __name__, "__qualname__": name})
+                classes[name] = type(
+                    name,
+                    (base,),
+                    {"__doc__": _docstring(kind, info, nonblocking), "__module__": __name__, "__qualname__": name},
+                )
     return classes
 
 
@@ -46,8 +52,9 @@ def instruction_class(op: Op) -> type:
     """The instruction class that runs ``op``: DeepSpeed's own or a generated one, by the name in
     the op's table entry (non-blocking sends: ``nonblocking_instruction``)."""
     info = OP_INFO[op.kind]
-    return _class(info.nonblocking_instruction if not op.blocking and info.nonblocking_instruction
-                  else info.instruction)
+    return _class(
+        info.nonblocking_instruction if not op.blocking and info.nonblocking_instruction else info.instruction
+    )
 
 
 def to_instruction(op: Op) -> ds.PipeInstruction:
@@ -55,10 +62,12 @@ def to_instruction(op: Op) -> ds.PipeInstruction:
     return instruction_class(op)(**handler_kwargs(op))
 
 
-def build(name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True,
-          **params) -> "DeclaredSchedule":
+def build(
+    name_or_path, micro_batches: int, stages: int, stage_id: int, validate: bool = True, **params
+) -> "DeclaredSchedule":
     """A DeepSpeed ``PipeSchedule`` for one stage of the named (or file) schedule."""
     from ...schedules import compile as compile_schedule
+
     compiled = compile_schedule(name_or_path, stages, micro_batches, validate=validate, **params)
     return DeclaredSchedule(compiled, stage_id)
 
@@ -99,13 +108,25 @@ class DeclaredSchedule(OpSchedule):
     def __init__(self, compiled: CompiledSchedule, stage_id: int):
         if not 0 <= stage_id < compiled.stages:
             raise ValueError(f"stage_id = {stage_id}: allowed 0..{compiled.stages - 1}")
-        super().__init__(compiled.streams[stage_id], compiled.micro_batches, compiled.stages, stage_id,
-                         compiled.num_buffers[stage_id])
+        super().__init__(
+            compiled.streams[stage_id],
+            compiled.micro_batches,
+            compiled.stages,
+            stage_id,
+            compiled.num_buffers[stage_id],
+        )
         self.compiled = compiled
         # continuous schedules: engine.drain() runs these (the batches still in flight)
-        self.drain = OpSchedule(compiled.drain[stage_id] if compiled.drain else [], compiled.micro_batches,
-                                compiled.stages, stage_id, compiled.num_buffers[stage_id])
+        self.drain = OpSchedule(
+            compiled.drain[stage_id] if compiled.drain else [],
+            compiled.micro_batches,
+            compiled.stages,
+            stage_id,
+            compiled.num_buffers[stage_id],
+        )
 
     def __repr__(self) -> str:
-        return f"DeclaredSchedule({self.compiled.name!r}, stages={self.stages}, micro_batches={self.micro_batches}, " \
-               f"stage_id={self.stage_id})"
+        return (
+            f"DeclaredSchedule({self.compiled.name!r}, stages={self.stages}, micro_batches={self.micro_batches}, "
+            f"stage_id={self.stage_id})"
+        )

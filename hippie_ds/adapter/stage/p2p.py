@@ -7,6 +7,7 @@ queues), to :mod:`~hippie_ds.adapter.gradients.split_backward` (a gradient that 
 buffer, copied) and to DeepSpeed's side of the stage (:class:`~hippie_ds.adapter.ds.stage.DeepSpeedStage`).
 An ``ISendGrad``: :func:`isend_grads_chunked` -> :func:`isend_grads` -> :func:`input_grads`,
 :func:`not_receive_buffer` -> :func:`_isend` -> ``chunk_selector.isend``."""
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,9 @@ def isend_activations(rt, buffer_id):
     """Roughly: ``isend(buffers['outputs'][buf])`` to the next stage, after DeepSpeed's shape handshake."""
     outputs = rt.ds.pipe_buffers["outputs"][buffer_id]
     if rt.ds.masked_inputs:
-        outputs = tuple(outputs[:-1]) + (torch.Tensor.half(outputs[-1]), )
+        outputs = tuple(outputs[:-1]) + (torch.Tensor.half(outputs[-1]),)
     rt.ds.send_meta_once(outputs)  # DeepSpeed's shape handshake, before the first send
-    for tensor in (outputs, ) if torch.is_tensor(outputs) else outputs:
+    for tensor in (outputs,) if torch.is_tensor(outputs) else outputs:
         _isend(rt, tensor, rt.ds.next_stage)
 
 
@@ -101,9 +102,11 @@ def recv_activations_chunked(rt, buffer_id):
         out = torch.Tensor.clone(torch.Tensor.detach(t), memory_format=torch.contiguous_format)
         out.requires_grad_(out.is_floating_point())
         return out
+
     sent = rt.chunks.take("activation")
-    rt.ds.pipe_buffers["inputs"][buffer_id] = received(sent) if torch.is_tensor(sent) else \
-        tuple(received(t) for t in sent)
+    rt.ds.pipe_buffers["inputs"][buffer_id] = (
+        received(sent) if torch.is_tensor(sent) else tuple(received(t) for t in sent)
+    )
 
 
 # ------------------------------------------------------------------ gradients, chunk by chunk
@@ -112,8 +115,12 @@ def _local_input_grads(rt, buffer_id):
 
     def received(grad):  # as DeepSpeed receives into grad_layer: contiguous
         return not_receive_buffer(rt, grad).contiguous()
-    grads = received(inputs.grad) if torch.is_tensor(inputs) else \
-        [received(t.grad) for t in inputs if torch.Tensor.is_floating_point(t)]
+
+    grads = (
+        received(inputs.grad)
+        if torch.is_tensor(inputs)
+        else [received(t.grad) for t in inputs if torch.Tensor.is_floating_point(t)]
+    )
     rt.chunks.hand_over("gradient", grads)
     rt.ds.pipe_buffers["inputs"][buffer_id] = None
 
@@ -146,5 +153,5 @@ def recv_grads_chunked(rt, buffer_id):
         return rt.ds.recv_grads(buffer_id)
     with rt.ds.timed_p2p("recv_grad"):  # DeepSpeed's _exec_recv_grads (not partitioned), tagged
         grad_layer = rt.ds.receive_buffers(rt.ds.pipe_buffers["outputs"][buffer_id])
-        for buffer in (grad_layer, ) if torch.is_tensor(grad_layer) else grad_layer:
+        for buffer in (grad_layer,) if torch.is_tensor(grad_layer) else grad_layer:
             chunk_p2p.recv(rt.ds.grid, buffer, rt.ds.next_stage, rt.chunks.gradient_tag)

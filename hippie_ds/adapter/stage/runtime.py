@@ -5,6 +5,7 @@ correction, the per-stage step, the split backward, the chunks, the call cursor,
 in-flight checkpoint state), runs each op with its kind's handler (:mod:`~hippie_ds.adapter.stage.handlers`)
 and reaches DeepSpeed's buffers and handlers only through :class:`~hippie_ds.adapter.ds.stage.DeepSpeedStage`.
 ``HippiePipelineEngine`` builds one after DeepSpeed's ``__init__`` and delegates to it."""
+
 from __future__ import annotations
 
 import functools
@@ -30,9 +31,18 @@ class StageRuntime:
     by :func:`~hippie_ds.adapter.stage.build.build`), the chunk selector, the module's chunk
     parameters and the timeline (``timeline_dir`` None: recorded for ``timeline()`` only, no hook)."""
 
-    def __init__(self, ds: DeepSpeedStage, compiled: CompiledSchedule, parts: Components, chunks: ChunkSelector,
-                 cursor: CallCursor, in_flight: TrainingState, chunk_parameters: Callable[[int], list],
-                 timeline: Timeline, timeline_dir: str | None):
+    def __init__(
+        self,
+        ds: DeepSpeedStage,
+        compiled: CompiledSchedule,
+        parts: Components,
+        chunks: ChunkSelector,
+        cursor: CallCursor,
+        in_flight: TrainingState,
+        chunk_parameters: Callable[[int], list],
+        timeline: Timeline,
+        timeline_dir: str | None,
+    ):
         self.ds, self.compiled, self.chunks, self.cursor, self.in_flight = ds, compiled, chunks, cursor, in_flight
         self.declared = hs.DeclaredSchedule(compiled, ds.stage_id)
         self.continuous = compiled.continuous
@@ -201,8 +211,13 @@ class StageRuntime:
         """What is in flight and neither applied nor saved (the exit warning's subject), or None."""
         if self.saved_since_training():
             return None
-        return ("batches in flight" if self.cursor.in_flight else
-                "the last step's delayed gradient" if self.gradients.has_pending_update() else None)
+        return (
+            "batches in flight"
+            if self.cursor.in_flight
+            else "the last step's delayed gradient"
+            if self.gradients.has_pending_update()
+            else None
+        )
 
     # ------------------------------------------------------------------ what a stage reports
     def held_tensors(self) -> dict[str, list]:

@@ -41,6 +41,7 @@ under ``BF16_Optimizer`` a bf16 copy of the whole stage's predicted weights (2 b
 of the stage) and, during the all-gather, its send and receive buffers (2 x 2 bytes per parameter
 of the partition, and of the stage).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,9 +56,11 @@ ALLOWED = "torch.optim.AdamW or torch.optim.Adam (DeepSpeed's \"AdamW\"/\"Adam\"
 
 
 def _refuse(what: str) -> ConfigError:
-    return ConfigError(f'config key "hippie.staleness.method" = "{METHOD}": {what}; allowed with the optimizers '
-                       f'{ALLOWED} (fp32, or bf16 / bf16 + ZeRO-1 on BF16_Optimizer); other optimizers take '
-                       f'"extrapolate-made" (the default), "extrapolate" or "none"')
+    return ConfigError(
+        f'config key "hippie.staleness.method" = "{METHOD}": {what}; allowed with the optimizers '
+        f'{ALLOWED} (fp32, or bf16 / bf16 + ZeRO-1 on BF16_Optimizer); other optimizers take '
+        f'"extrapolate-made" (the default), "extrapolate" or "none"'
+    )
 
 
 def _adam_kind(optimizer) -> str:
@@ -76,8 +79,9 @@ def _adam_kind(optimizer) -> str:
 
 
 @torch.no_grad()
-def predicted_update(optimizer, kind: str, param: torch.Tensor, weights: torch.Tensor,
-                     group: dict) -> torch.Tensor | None:
+def predicted_update(
+    optimizer, kind: str, param: torch.Tensor, weights: torch.Tensor, group: dict
+) -> torch.Tensor | None:
     """u_hat for ``param`` (a tensor the optimizer steps) at ``weights`` (its fp32 values), or
     None when the optimizer has no state for it yet (module docstring)."""
     state = optimizer.state.get(param)
@@ -86,8 +90,8 @@ def predicted_update(optimizer, kind: str, param: torch.Tensor, weights: torch.T
     k = float(state["step"]) + 1.0
     lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     lr, eps = float(lr), float(eps)
-    denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(1.0 - b2 ** k)).add_(eps)
-    update = torch.div(state["exp_avg"], denom).mul_(-lr / (1.0 - b1 ** k))
+    denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(1.0 - b2**k)).add_(eps)
+    update = torch.div(state["exp_avg"], denom).mul_(-lr / (1.0 - b1**k))
     if kind == "adamw" and wd != 0:
         update.add_(weights, alpha=-lr * wd)
     return update
@@ -125,8 +129,10 @@ class _Bf16Source:
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, offset in the flat)
         for i, (group, flat) in enumerate(zip(bf16_optimizer.bf16_groups, bf16_optimizer.bf16_groups_flat)):
             for param in group:
-                self.where[id(param)] = (i, (torch.Tensor.data_ptr(param) - flat.data_ptr())
-                                         // torch.Tensor.element_size(param))
+                self.where[id(param)] = (
+                    i,
+                    (torch.Tensor.data_ptr(param) - flat.data_ptr()) // torch.Tensor.element_size(param),
+                )
 
     def install(self) -> None:
         """Only on a stage that predicts (the others keep DeepSpeed's all-gather as it is)."""
@@ -145,6 +151,7 @@ class _Bf16Source:
         predicted partition in the same all-gather."""
         from deepspeed import comm as dist
         from ..ds.zero import dp_group_of
+
         opt = self.outer
         for i, (parts, master) in enumerate(zip(opt.bf16_partitioned_groups, opt.fp32_groups_flat_partition)):
             group = dp_group_of(opt, i)
@@ -173,8 +180,11 @@ class _Bf16Source:
         for param in params:
             i, offset = self.where[id(param)]
             flat, weights = self.flats[i], torch.Tensor.detach(param)
-            out.append(torch.clone(weights) if flat is None else
-                       torch.clone(flat.narrow(0, offset, torch.Tensor.numel(weights)).view(weights.shape)))
+            out.append(
+                torch.clone(weights)
+                if flat is None
+                else torch.clone(flat.narrow(0, offset, torch.Tensor.numel(weights)).view(weights.shape))
+            )
         return out
 
 
@@ -183,8 +193,7 @@ def source_of(optimizer, coefficient: float):
     name = type(optimizer).__name__
     if name == "BF16_Optimizer":
         return _Bf16Source(optimizer, _adam_kind(optimizer.optimizer), coefficient)
-    if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_Optimizer",
-                "FP16_UnfusedOptimizer"):
+    if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_Optimizer", "FP16_UnfusedOptimizer"):
         raise _refuse_wrapper(name)
     return _Fp32Source(optimizer, _adam_kind(optimizer), coefficient)
 
@@ -201,6 +210,7 @@ class AdamVersionPrediction(MadeWeightsPrediction):
     compiled schedule, not from the order ops happen to run in (a ``drain()`` before a checkpoint
     runs a stage's update early; the rule must not change with it); a version compute has already
     used when the next is made (version 0: batch 0 computes on it) keeps its prediction."""
+
     method = METHOD
 
     def __init__(self, coefficient: float):
@@ -223,10 +233,12 @@ class AdamVersionPrediction(MadeWeightsPrediction):
         if self.source is None:
             raise RuntimeError('hippie.staleness.method "adam": the prediction was not bound to the optimizer')
         from torch._utils import _flatten_dense_tensors
+
         if self._may_make(version - 1):
             made = _flatten_dense_tensors([torch.Tensor.detach(param) for param in self.params])
-            self.deltas[version - 1] = [made if self.coefficient == 1 else
-                                        torch.add(made, delta[0], alpha=self.coefficient - 1)]
+            self.deltas[version - 1] = [
+                made if self.coefficient == 1 else torch.add(made, delta[0], alpha=self.coefficient - 1)
+            ]
         self.deltas[version] = [_flatten_dense_tensors(self.source.predicted(self.params))]
         self._forget_used_before(version - 1)
 
@@ -234,6 +246,7 @@ class AdamVersionPrediction(MadeWeightsPrediction):
 class AdamInPlacePrediction(InPlacePrediction):
     """hippie's delayed layers (in place): the buffer holds W_hat between steps (computed at
     :meth:`end_update`, right after the deferred update) and the true W during a step."""
+
     method = METHOD
 
     def __init__(self, params: list[torch.Tensor], coefficient: float):
@@ -294,8 +307,10 @@ def _check_named(ds_config: dict) -> None:
     if kind.lower() not in ("adam", "adamw"):
         raise _refuse(f'the config\'s "optimizer.type" is {kind!r}')
     if not params.get("torch_adam"):
-        raise _refuse(f'the config\'s "optimizer.type" {kind!r} without "torch_adam": true builds DeepSpeed\'s own '
-                      'Adam (FusedAdam / DeepSpeedCPUAdam); set "optimizer.params.torch_adam": true')
+        raise _refuse(
+            f'the config\'s "optimizer.type" {kind!r} without "torch_adam": true builds DeepSpeed\'s own '
+            'Adam (FusedAdam / DeepSpeedCPUAdam); set "optimizer.params.torch_adam": true'
+        )
     if params.get("amsgrad"):
         raise _refuse('the config\'s optimizer runs with "amsgrad": true')
     for key in ("maximize", "capturable", "differentiable"):
@@ -309,6 +324,7 @@ def wrapper_of(config_class) -> str | None:
     DeepSpeed picks it from the config alone); None for no wrapper and for BF16_Optimizer. ZeRO stages 2
     and 3 are left to DeepSpeed, whose pipeline engine refuses them first."""
     from ..precision.paths import optimizer_path
+
     path, stage = optimizer_path(config_class), config_class.zero_optimization_stage
     if path in ("fp32", "bf16") or stage > 1:
         return None
@@ -316,22 +332,29 @@ def wrapper_of(config_class) -> str | None:
 
 
 def _refuse_wrapper(name: str) -> ConfigError:
-    return _refuse(f"DeepSpeed wraps the optimizer in {name} (ZeRO as written, or fp16), whose moments "
-                   'the correction does not read; for ZeRO-1 use bf16 with "data_types": '
-                   '{"grad_accum_dtype": "fp32"} (BF16_Optimizer)')
+    return _refuse(
+        f"DeepSpeed wraps the optimizer in {name} (ZeRO as written, or fp16), whose moments "
+        'the correction does not read; for ZeRO-1 use bf16 with "data_types": '
+        '{"grad_accum_dtype": "fp32"} (BF16_Optimizer)'
+    )
 
 
 def checked_when_built(staleness, optimizer):
     """``optimizer`` as DeepSpeed takes it; a callable building it (DeepSpeed calls it with the
     parameters, on every rank alike) checked as it builds (:func:`check_config`)."""
-    if staleness is None or staleness.method != METHOD or optimizer is None or \
-            isinstance(optimizer, torch.optim.Optimizer):
+    if (
+        staleness is None
+        or staleness.method != METHOD
+        or optimizer is None
+        or isinstance(optimizer, torch.optim.Optimizer)
+    ):
         return optimizer
 
     def build(*args, **kwargs):
         built = optimizer(*args, **kwargs)
         _adam_kind(built)
         return built
+
     return build
 
 

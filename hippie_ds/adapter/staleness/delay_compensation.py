@@ -38,6 +38,7 @@ Applied on every ``2bw`` stage that computes one update behind (with ``method: "
 them): :func:`bind` as the engine is built. Not built for the hippie family's delayed layers (part
 of a stage's masters) or ``pipedream`` (more than one update behind): refused at start-up.
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,8 +74,10 @@ class DelayCompensation:
     @torch.no_grad()
     def _before(self, optimizer, args, kwargs) -> None:
         if kwargs.get("grads") is not None:  # DeepSpeed's legacy fusion: still scaled, and not in .grad
-            raise RuntimeError(f"{KEY}: the optimizer is stepped with gradients passed to step() (DeepSpeed's "
-                               '"legacy_fusion"), which the correction does not see; turn legacy_fusion off')
+            raise RuntimeError(
+                f"{KEY}: the optimizer is stepped with gradients passed to step() (DeepSpeed's "
+                '"legacy_fusion"), which the correction does not see; turn legacy_fusion off'
+            )
         self._stepping = []
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -88,8 +91,14 @@ class DelayCompensation:
                     # the state is written after the step only: an optimizer sets its own up on an empty one
                     start = torch.Tensor.clone(torch.Tensor.detach(p))
                 else:
-                    stepped = corrected(grad, torch.Tensor.detach(p), computed_on, state[SECOND_MOMENT_KEY],
-                                        state[COUNT_KEY], self.strength)
+                    stepped = corrected(
+                        grad,
+                        torch.Tensor.detach(p),
+                        computed_on,
+                        state[SECOND_MOMENT_KEY],
+                        state[COUNT_KEY],
+                        self.strength,
+                    )
                     p.grad = stepped  # p: a user's parameter in fp32 without ZeRO, a master otherwise
                     computed_on.copy_(p)  # W(t): the next update's W_g
                 self._stepping.append((p, grad, stepped, start))
@@ -111,7 +120,7 @@ class DelayCompensation:
 
 def corrected(grad, weights, computed_on, second_moment, count: int, strength: float) -> torch.Tensor:
     """g + L * g * g * (W(t) - W_g) / (sqrt(v_hat) + eps), v_hat = v / (1 - 0.999^n): a new tensor."""
-    denominator = torch.div(second_moment, 1 - DECAY ** count).sqrt_().add_(EPS)
+    denominator = torch.div(second_moment, 1 - DECAY**count).sqrt_().add_(EPS)
     return torch.sub(weights, computed_on).mul_(grad).mul_(grad).mul_(strength).div_(denominator).add_(grad)
 
 
@@ -123,10 +132,12 @@ def check(staleness, compiled) -> None:
         return
     require_stage_one_behind(KEY, strength, compiled)
     if staleness.method != "none":
-        raise ConfigError(f'config key "{KEY}" = {strength!r} with "hippie.staleness.method" = '
-                          f'"{staleness.method}": delay compensation corrects the gradient of weights one update '
-                          'old, not predicted ones; allowed with "none" only (or "delay_compensation": 0 with '
-                          '"extrapolate-made", "extrapolate" or "adam")')
+        raise ConfigError(
+            f'config key "{KEY}" = {strength!r} with "hippie.staleness.method" = '
+            f'"{staleness.method}": delay compensation corrects the gradient of weights one update '
+            'old, not predicted ones; allowed with "none" only (or "delay_compensation": 0 with '
+            '"extrapolate-made", "extrapolate" or "adam")'
+        )
 
 
 def attach(optimizer, strength: float) -> DelayCompensation:

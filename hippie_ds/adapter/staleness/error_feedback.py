@@ -27,6 +27,7 @@ computes on the weights it has made, ``extrapolate-made``): :func:`attach` as th
 for the hippie family's delayed layers (part of a stage's masters) or ``pipedream`` (more than one
 update behind): refused at start-up (:func:`check`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,12 @@ class ErrorFeedback:
 
     @torch.no_grad()
     def _before(self, optimizer, args, kwargs) -> None:
-        self._start = [(p, torch.Tensor.clone(torch.Tensor.detach(p)))
-                       for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._start = [
+            (p, torch.Tensor.clone(torch.Tensor.detach(p)))
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
 
     @torch.no_grad()
     def _after(self, optimizer, args, kwargs) -> None:
@@ -81,9 +86,11 @@ def check(staleness, compiled) -> None:
         return
     require_stage_one_behind(KEY, gain, compiled)
     if staleness.method == "none":
-        raise ConfigError(f'config key "{KEY}" = {gain!r} with "hippie.staleness.method" = '
-                          '"none": error feedback corrects the update of a stage whose compute weights are predicted; '
-                          'allowed with "extrapolate-made" (the default), "extrapolate" or "adam"')
+        raise ConfigError(
+            f'config key "{KEY}" = {gain!r} with "hippie.staleness.method" = '
+            '"none": error feedback corrects the update of a stage whose compute weights are predicted; '
+            'allowed with "extrapolate-made" (the default), "extrapolate" or "adam"'
+        )
 
 
 def attach(optimizer, gain: float) -> ErrorFeedback:

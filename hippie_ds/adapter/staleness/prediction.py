@@ -23,6 +23,7 @@ Two ways a stage holds its versions, one :class:`WeightPrediction` state (``delt
 
 Schedules whose stages are more than one update behind (``pipedream``) are not corrected.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ STATE_FORMAT = 2
 
 class WeightPrediction:
     """delta(v) of the versions still computed on, and the prediction W(v) + c * delta(v)."""
+
     method = "extrapolate"  # hippie.staleness.method; staleness/adam.py's classes keep W_hat(v) instead
 
     def __init__(self, coefficient: float):
@@ -69,8 +71,12 @@ class WeightPrediction:
         return [d for ds in self.deltas.values() for d in ds]
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "method": self.method, "coefficient": self.coefficient,
-                "deltas": {v: [d.clone() for d in ds] for v, ds in self.deltas.items()}}
+        return {
+            "format": STATE_FORMAT,
+            "method": self.method,
+            "coefficient": self.coefficient,
+            "deltas": {v: [d.clone() for d in ds] for v, ds in self.deltas.items()},
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, device, params: list[torch.Tensor] | None = None) -> None:
@@ -82,12 +88,16 @@ class WeightPrediction:
             self.deltas = {}
             return
         if state.get("format") == STATE_FORMAT or ("deltas" in state and "format" not in state):
-            deltas = {int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds])
-                      for v, ds in state["deltas"].items()}
+            deltas = {
+                int(v): (list(ds) if isinstance(ds, (list, tuple)) else [ds]) for v, ds in state["deltas"].items()
+            }
         elif "previous" in state:
             previous = state["previous"]
-            deltas = {} if previous is None else {0: [torch.Tensor.detach(p) - q.to(device)
-                                                      for p, q in zip(params, previous)]}
+            deltas = (
+                {}
+                if previous is None
+                else {0: [torch.Tensor.detach(p) - q.to(device) for p, q in zip(params, previous)]}
+            )
         else:
             raise ValueError(f"staleness correction state of unknown format: keys {sorted(state)}")
         self.deltas = {v: [d.to(device) for d in ds] for v, ds in deltas.items()}
@@ -156,8 +166,9 @@ class InPlacePrediction(WeightPrediction):
 
     def state_dict(self) -> dict:
         if self._true is not None:
-            raise RuntimeError("weight prediction: cannot save during a step (the parameters may hold predicted "
-                               "weights)")
+            raise RuntimeError(
+                "weight prediction: cannot save during a step (the parameters may hold predicted weights)"
+            )
         return super().state_dict()
 
     def load_state_dict(self, state: dict, device, params: list[torch.Tensor] | None = None) -> None:
@@ -174,6 +185,7 @@ class MadeWeightsPrediction(WeightPrediction):
     (adapter/staleness/adam.py), with any optimizer. A version compute has already used when the
     next is made (version 0: batch 0 computes on it; a ``drain()`` that ran the update early) keeps
     its prediction: the rule is the schedule's, not the order ops happen to run in."""
+
     method = "extrapolate-made"
 
     def __init__(self, coefficient: float):
@@ -214,6 +226,7 @@ def made_before_use(compiled, stage: int) -> bool:
     flushes, so that the version a batch computes on is one update behind weights already made
     (2bw's last stage)."""
     from ...schedules.ir import OP_INFO
+
     steps = [op for op in compiled.ops(stage) if OP_INFO[op.kind].new_version]
     return compiled.continuous and bool(steps) and all(op.batch == 0 for op in steps)
 
@@ -226,6 +239,7 @@ class PredictionInputs:
     stage makes its next weights before it computes on the version before (:func:`made_before_use`;
     False where fp16 holds the update until the pipeline's overflow vote is in,
     adapter/precision/fp16_async.py: every stage of 2bw but the first)."""
+
     optimizer: object = None
     params: list | None = None
     made: bool = False

@@ -14,6 +14,7 @@ A prediction (or a stashed version) is in the module only while the ops that use
 end of every ``train_batch`` and ``drain`` the module holds the true current version again
 (:meth:`WeightVersions.hold_current`), which is what a user reads, exports, evaluates or saves.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -29,8 +30,14 @@ from .prediction import WeightPrediction
 class WeightVersions:
     """One stage's weight versions: which the module holds, which are stored, the count."""
 
-    def __init__(self, params: list[torch.Tensor], stage: int, updates_per_batch: int, versioned: bool,
-                 prediction: WeightPrediction | None = None):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        stage: int,
+        updates_per_batch: int,
+        versioned: bool,
+        prediction: WeightPrediction | None = None,
+    ):
         self.params = params
         self.stage = stage
         self.versioned = versioned
@@ -59,12 +66,13 @@ class WeightVersions:
         if not self._predicted and (loaded == self.count or loaded in self.stashed) and loaded not in self.store:
             self.store[loaded] = flat_copy(data)
         if version not in self.store:
-            raise RuntimeError(f"stage {self.stage}: weight version {version} is not available (current "
-                               f"{self.count}, stashed {sorted(self.stashed)}); the validator should "
-                               "have rejected this schedule")
+            raise RuntimeError(
+                f"stage {self.stage}: weight version {version} is not available (current "
+                f"{self.count}, stashed {sorted(self.stashed)}); the validator should "
+                "have rejected this schedule"
+            )
         # a prediction leaves the true values in the store; the true version moves into the module
-        values = (self.prediction.predicted(version, [self.store[version]])[0] if predicted
-                  else self.store.pop(version))
+        values = self.prediction.predicted(version, [self.store[version]])[0] if predicted else self.store.pop(version)
         for dst, src in zip(data, _unflatten_dense_tensors(values, data)):
             dst.copy_(src)
         self.loaded, self._predicted = version, predicted
@@ -104,8 +112,10 @@ class WeightVersions:
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The stored versions and the prediction's state, uncopied (a memory probe's view)."""
-        return {"weight_versions": list(self.store.values()),
-                "prediction": [] if self.prediction is None else self.prediction.held_tensors()}
+        return {
+            "weight_versions": list(self.store.values()),
+            "prediction": [] if self.prediction is None else self.prediction.held_tensors(),
+        }
 
     def summary(self) -> dict:
         """current (updates applied), stashed, the most held at once."""

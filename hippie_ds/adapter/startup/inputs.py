@@ -3,6 +3,7 @@ names. A ``hippie_ds.PipelineModule`` has read them already when it was built (i
 :mod:`hippie_ds.adapter.module.config_discovery`; ``hippie_config``, ``hippie_config_path`` and
 ``hippie_plan`` record them): given the same config, start-up takes the module's instead of reading
 the files again."""
+
 from __future__ import annotations
 
 import os
@@ -60,18 +61,29 @@ def apply_plan(model, config: dict, options, path: str | None) -> dict:
     plan = module_plan(model, config, path)
     if plan is None:
         plan = resolve_plan(locate_plan(options.plan, path))
-        check_plan(plan, ds_module.layer_specs(model), world_size=model.world_size, num_stages=model.num_stages,
-                   stages_from=module_stages_source(model))
+        check_plan(
+            plan,
+            ds_module.layer_specs(model),
+            world_size=model.world_size,
+            num_stages=model.num_stages,
+            stages_from=module_stages_source(model),
+        )
         # a chunked module's parts are its K·v+1 model-part boundaries (adapter/module/chunks.py), placed by its layout
         held, planned = held_chunks(model), (plan.virtual_stages, plan.layout)
         ckpt = list(getattr(model, "checkpointed_layers", []))
         interval = " and an activation_checkpoint_interval" if model.activation_checkpoint_interval else ""
-        if chunks_phrase(*held) != chunks_phrase(*planned) or list(model.parts) != plan.boundaries or \
-                ckpt != plan.checkpointed_layers or model.activation_checkpoint_interval:
-            raise ConfigError(f'config key "hippie.plan" = {options.plan!r}: the plan has {chunks_phrase(*planned)}, '
-                              f"boundaries {plan.boundaries} and checkpointed layers {plan.checkpointed_layers}, but "
-                              f"the model was built with {chunks_phrase(*held)}, boundaries {list(model.parts)} and "
-                              f"checkpointed layers {ckpt}{interval}; " + module_fix(model, "the plan's model parts"))
+        if (
+            chunks_phrase(*held) != chunks_phrase(*planned)
+            or list(model.parts) != plan.boundaries
+            or ckpt != plan.checkpointed_layers
+            or model.activation_checkpoint_interval
+        ):
+            raise ConfigError(
+                f'config key "hippie.plan" = {options.plan!r}: the plan has {chunks_phrase(*planned)}, '
+                f"boundaries {plan.boundaries} and checkpointed layers {plan.checkpointed_layers}, but "
+                f"the model was built with {chunks_phrase(*held)}, boundaries {list(model.parts)} and "
+                f"checkpointed layers {ckpt}{interval}; " + module_fix(model, "the plan's model parts")
+            )
     return merge_plan(config, plan.deepspeed_config(), options.plan)
 
 
@@ -79,17 +91,23 @@ def module_fix(model, what: str) -> str:
     """How to build ``model`` so that it holds ``what`` this config asks for: it names where the
     module took its config from (:mod:`hippie_ds.adapter.module.config_discovery`)."""
     if not hasattr(model, "hippie_config_source"):
-        return (f"the model is DeepSpeed's PipelineModule ({type(model).__name__}), which cannot hold {what}: build it "
-                "with hippie_ds.PipelineModule, which takes DeepSpeed's arguments (`from hippie_ds import "
-                "PipelineModule` in place of DeepSpeed's, also as a base class) and reads this config from "
-                "--deepspeed_config in sys.argv, hippie_ds.set_config(<config>) or config=<config>")
+        return (
+            f"the model is DeepSpeed's PipelineModule ({type(model).__name__}), which cannot hold {what}: build it "
+            "with hippie_ds.PipelineModule, which takes DeepSpeed's arguments (`from hippie_ds import "
+            "PipelineModule` in place of DeepSpeed's, also as a base class) and reads this config from "
+            "--deepspeed_config in sys.argv, hippie_ds.set_config(<config>) or config=<config>"
+        )
     source = model.hippie_config_source
     if source is None:
-        return ("the hippie_ds.PipelineModule was built without a DeepSpeed config (no config=, no "
-                "hippie_ds.set_config(), no --deepspeed_config in sys.argv): give it this config with config=<config>, "
-                "hippie_ds.set_config(<config>) before building it, or --deepspeed_config")
+        return (
+            "the hippie_ds.PipelineModule was built without a DeepSpeed config (no config=, no "
+            "hippie_ds.set_config(), no --deepspeed_config in sys.argv): give it this config with config=<config>, "
+            "hippie_ds.set_config(<config>) before building it, or --deepspeed_config"
+        )
     if source == "config=":
         return "the hippie_ds.PipelineModule was built with another config=: give it and hippie_ds.initialize the same"
-    return (f"the hippie_ds.PipelineModule took its layout from the DeepSpeed config {source}, which differs: give the "
-            "module and hippie_ds.initialize the same config (hippie_ds.set_config(<config>) before building the "
-            "module sets the module's, ahead of sys.argv)")
+    return (
+        f"the hippie_ds.PipelineModule took its layout from the DeepSpeed config {source}, which differs: give the "
+        "module and hippie_ds.initialize the same config (hippie_ds.set_config(<config>) before building the "
+        "module sets the module's, ahead of sys.argv)"
+    )

@@ -11,11 +11,41 @@ each of them delays.
 :func:`hippie_ds.schedules.resolve.resolve` runs them in order; the engine, ``hippie-ds schedule
 simulate`` and the planner read its result and decide nothing.
 """
+
 from .auto_layers import STALENESS_PRICE, LayersChoice, choose_deferred_layers, stale_share
 from .auto_stages import resolve_auto_params, stage_slack
-from .decide import (AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, NOT_DEFERRED, UNTIED_LAYERS, WHOLE_STAGE, Deferral,
-                     StageDeferral, StageLayers, decide, delayed_layers, with_parameters, with_ties)
+from .decide import (
+    AUTO_LAYERS,
+    DEFAULT_DEFERRED_LAYERS,
+    NOT_DEFERRED,
+    UNTIED_LAYERS,
+    WHOLE_STAGE,
+    Deferral,
+    StageDeferral,
+    StageLayers,
+    decide,
+    delayed_layers,
+    with_parameters,
+    with_ties,
+)
 
-__all__ = ["AUTO_LAYERS", "DEFAULT_DEFERRED_LAYERS", "NOT_DEFERRED", "STALENESS_PRICE", "UNTIED_LAYERS", "WHOLE_STAGE",
-           "Deferral", "LayersChoice", "StageDeferral", "StageLayers", "choose_deferred_layers", "decide",
-           "delayed_layers", "resolve_auto_params", "stage_slack", "stale_share", "with_parameters", "with_ties"]
+__all__ = [
+    "AUTO_LAYERS",
+    "DEFAULT_DEFERRED_LAYERS",
+    "NOT_DEFERRED",
+    "STALENESS_PRICE",
+    "UNTIED_LAYERS",
+    "WHOLE_STAGE",
+    "Deferral",
+    "LayersChoice",
+    "StageDeferral",
+    "StageLayers",
+    "choose_deferred_layers",
+    "decide",
+    "delayed_layers",
+    "resolve_auto_params",
+    "stage_slack",
+    "stale_share",
+    "with_parameters",
+    "with_ties",
+]

@@ -18,6 +18,7 @@ step time alone (hide every all-reduce the layers can hide, whatever the stalene
 the planner and ``hippie-ds schedule simulate --deferred-layers auto`` all call
 :func:`choose_deferred_layers`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,14 +47,14 @@ class LayersChoice:
     stage's choice)."""
 
     stage: int
-    layers: int                 # leading layers (the cost file's) applied one step late; deferral.with_parameters
-                                #   counts them as hippie.deferred_layers does (layers with parameters)
-    total_layers: int           # the stage's layers (layers == total_layers: the whole stage)
-    delayed_share: float        # fraction of the stage's gradient bytes that is delayed
-    exposed_allreduce: float    # s the stage waits for its all-reduces after its last backward
-    step_time: float            # s, the pipeline's step
-    stale_share: float          # fraction of the whole model's gradient bytes delayed (all stages)
-    staleness_price: float      # the price the choice was made with
+    layers: int  # leading layers (the cost file's) applied one step late; deferral.with_parameters
+    #   counts them as hippie.deferred_layers does (layers with parameters)
+    total_layers: int  # the stage's layers (layers == total_layers: the whole stage)
+    delayed_share: float  # fraction of the stage's gradient bytes that is delayed
+    exposed_allreduce: float  # s the stage waits for its all-reduces after its last backward
+    step_time: float  # s, the pipeline's step
+    stale_share: float  # fraction of the whole model's gradient bytes delayed (all stages)
+    staleness_price: float  # the price the choice was made with
     nothing_delayed_step_time: float  # s, the step with no layer delayed, for comparison
 
     @property
@@ -67,23 +68,31 @@ class LayersChoice:
 
     def describe(self) -> str:
         what = "every layer (the whole stage)" if self.whole else f"{self.layers} of {self.total_layers} layers"
-        return (f"stage {self.stage}: delays {what}, {self.delayed_share:.1%} of its gradient; predicted exposed "
-                f"all-reduce {self.exposed_allreduce:.4g} s, step {self.step_time:.4g} s (nothing delayed: "
-                f"{self.nothing_delayed_step_time:.4g} s); {self.stale_share:.1%} of the model's gradient stale, "
-                f"priced at {self.steps_factor:.3f}x the steps (staleness_price {self.staleness_price:g})")
+        return (
+            f"stage {self.stage}: delays {what}, {self.delayed_share:.1%} of its gradient; predicted exposed "
+            f"all-reduce {self.exposed_allreduce:.4g} s, step {self.step_time:.4g} s (nothing delayed: "
+            f"{self.nothing_delayed_step_time:.4g} s); {self.stale_share:.1%} of the model's gradient stale, "
+            f"priced at {self.steps_factor:.3f}x the steps (staleness_price {self.staleness_price:g})"
+        )
 
 
 def stale_share(costs: Costs, layers: dict[int, int], model_bytes: float | None = None) -> float:
     """The share of the model's gradient bytes applied one step late when each stage ``s`` of
     ``layers`` delays its first ``layers[s]`` layers (``model_bytes``: the model's, when known)."""
     model_bytes = model_bytes if model_bytes is not None else sum(st.param_bytes for st in costs.stages) or 1.0
-    return sum(costs.stages[s].delayed_part(n).fraction * costs.stages[s].param_bytes
-               for s, n in layers.items()) / model_bytes
+    return (
+        sum(costs.stages[s].delayed_part(n).fraction * costs.stages[s].param_bytes for s, n in layers.items())
+        / model_bytes
+    )
 
 
-def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations: int = 3,
-                           staleness_price: float | None = None,
-                           most_with_parameters: int | None = None) -> dict[int, LayersChoice]:
+def choose_deferred_layers(
+    compiled: CompiledSchedule,
+    costs: Costs,
+    iterations: int = 3,
+    staleness_price: float | None = None,
+    most_with_parameters: int | None = None,
+) -> dict[int, LayersChoice]:
     """Per deferred stage of ``compiled``, the leading layers to delay (needs the stage's
     per-layer costs, ``StageCost.layers``; :class:`CostsError` names the stages without them).
 
@@ -104,8 +113,10 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
     deferred = [] if compiled.continuous else compiled.deferred_stages()
     missing = [s for s in deferred if not costs.stages[s].layers]
     if missing:
-        raise CostsError(f"stage(s) {missing}: no per-layer costs (field layers: each layer's param_bytes, "
-                         "optionally backward); the delayed layers cannot be chosen without them")
+        raise CostsError(
+            f"stage(s) {missing}: no per-layer costs (field layers: each layer's param_bytes, "
+            "optionally backward); the delayed layers cannot be chosen without them"
+        )
     if not deferred:
         return {}
     model_bytes = sum(st.param_bytes for st in costs.stages) or 1.0
@@ -145,11 +156,20 @@ def choose_deferred_layers(compiled: CompiledSchedule, costs: Costs, iterations:
         layers = ends[0] if obj_a < obj_b else ends[1]
     _, stale, res = evaluate(layers)
     base = evaluate({s: 0 for s in deferred})[2].step_time
-    return {s: LayersChoice(stage=s, layers=layers[s], total_layers=len(costs.stages[s].layers),
-                            delayed_share=costs.stages[s].delayed_part(layers[s]).fraction,
-                            exposed_allreduce=res.per_stage[s]["exposed_allreduce"], step_time=res.step_time,
-                            stale_share=stale, staleness_price=staleness_price, nothing_delayed_step_time=base)
-            for s in deferred}
+    return {
+        s: LayersChoice(
+            stage=s,
+            layers=layers[s],
+            total_layers=len(costs.stages[s].layers),
+            delayed_share=costs.stages[s].delayed_part(layers[s]).fraction,
+            exposed_allreduce=res.per_stage[s]["exposed_allreduce"],
+            step_time=res.step_time,
+            stale_share=stale,
+            staleness_price=staleness_price,
+            nothing_delayed_step_time=base,
+        )
+        for s in deferred
+    }
 
 
 def _most_layers(layers, most_with_parameters: int | None) -> int:

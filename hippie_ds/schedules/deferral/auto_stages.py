@@ -1,5 +1,6 @@
 """Cost-based ``'auto'`` schedule parameters: hippie's deferred stages chosen by simulating the
 schedule under measured costs. Pure Python."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -8,8 +9,14 @@ from ..costs import Costs
 from ..simulator import SimResult, SimulationError, simulate
 
 
-def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Costs,
-                        params: Mapping[str, Any] | None = None, iterations: int = 3) -> dict:
+def resolve_auto_params(
+    spec_or_name,
+    stages: int,
+    micro_batches: int,
+    costs: Costs,
+    params: Mapping[str, Any] | None = None,
+    iterations: int = 3,
+) -> dict:
     """Resolve a schedule's ``'auto'`` stage-list parameters (hippie's ``deferred_stages``)
     from costs; other parameters as given or declared. Returns the full params dict.
 
@@ -31,8 +38,11 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
 
     spec = spec_or_name if isinstance(spec_or_name, ScheduleSpec) else load_spec(spec_or_name)
     given = dict(params or {})
-    auto = [n for n, p in spec.params.items()
-            if p.kind == "stage_list" and (given.get(n) if given.get(n) is not None else p.default) == "auto"]
+    auto = [
+        n
+        for n, p in spec.params.items()
+        if p.kind == "stage_list" and (given.get(n) if given.get(n) is not None else p.default) == "auto"
+    ]
     if not auto:
         return resolve_params(spec, stages, micro_batches, given)
     if costs.num_stages != stages:
@@ -42,8 +52,9 @@ def resolve_auto_params(spec_or_name, stages: int, micro_batches: int, costs: Co
         compiled = compile_schedule(spec, stages, micro_batches, {**given, **{n: deferred for n in auto}})
         return simulate(compiled, c, iterations, critical_path=False)
 
-    slack = stage_slack(compile_schedule(spec, stages, micro_batches, {**given, **{n: [] for n in auto}}), costs,
-                        iterations)
+    slack = stage_slack(
+        compile_schedule(spec, stages, micro_batches, {**given, **{n: [] for n in auto}}), costs, iterations
+    )
 
     deferred: list[int] = []
     while True:

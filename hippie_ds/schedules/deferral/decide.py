@@ -26,6 +26,7 @@ stages, every holder delays it; a holder that delays nothing else becomes a defe
 delays only its tied weights (``layers`` empty, ``tied_keys`` set) - the one way a stage with no
 delayed layer is deferred.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,9 +34,20 @@ from typing import Any, Mapping, Sequence
 
 from ...config import AUTO_LAYERS, DEFAULT_DEFERRED_LAYERS, NOT_DEFERRED, UNTIED_LAYERS, WHOLE_STAGE, ConfigError
 
-__all__ = ["AUTO_LAYERS", "DEFAULT_DEFERRED_LAYERS", "NOT_DEFERRED", "UNTIED_LAYERS", "WHOLE_STAGE", "Deferral",
-           "StageDeferral",
-           "StageLayers", "decide", "delayed_layers", "with_ties", "with_parameters"]
+__all__ = [
+    "AUTO_LAYERS",
+    "DEFAULT_DEFERRED_LAYERS",
+    "NOT_DEFERRED",
+    "UNTIED_LAYERS",
+    "WHOLE_STAGE",
+    "Deferral",
+    "StageDeferral",
+    "StageLayers",
+    "decide",
+    "delayed_layers",
+    "with_ties",
+    "with_parameters",
+]
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,11 @@ class StageLayers:
 
     def keys(self, upto: int | None = None) -> set[str]:
         """Tie keys of the modules tied to another stage held here (``upto``: at global indices <= it)."""
-        return {self.tie_at(i) for i in range(len(self.params)) if self.tie_at(i) is not None
-                and (upto is None or self.first + i <= upto)} | (set(self.elsewhere) if upto is None else set())
+        return {
+            self.tie_at(i)
+            for i in range(len(self.params))
+            if self.tie_at(i) is not None and (upto is None or self.first + i <= upto)
+        } | (set(self.elsewhere) if upto is None else set())
 
 
 @dataclass(frozen=True)
@@ -122,8 +137,9 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def delayed_layers(deferred_stages: Sequence[int], value: Any,
-                   layers: Mapping[int, StageLayers]) -> dict[int, StageDeferral]:
+def delayed_layers(
+    deferred_stages: Sequence[int], value: Any, layers: Mapping[int, StageLayers]
+) -> dict[int, StageDeferral]:
     """Per deferred stage, the layers ``value`` delays there, before the tie rule; a stage that
     delays nothing is kept with empty ``layers`` (:func:`with_ties` drops it)."""
     shown = f'config key "hippie.deferred_layers" = {value!r}'
@@ -147,8 +163,12 @@ def delayed_layers(deferred_stages: Sequence[int], value: Any,
         if value == UNTIED_LAYERS:
             pick = [st.first + i for i, has in enumerate(st.params) if has and st.tie_at(i) is None][:1]
             whole = bool(pick) and pick == ours and not st.keys()
-            out[s] = StageDeferral(s, tuple(ours if whole else pick), whole,
-                                   kept_keys=frozenset() if whole or not pick else frozenset(st.keys(pick[0])))
+            out[s] = StageDeferral(
+                s,
+                tuple(ours if whole else pick),
+                whole,
+                kept_keys=frozenset() if whole or not pick else frozenset(st.keys(pick[0])),
+            )
         elif n is None or n and n >= len(ours):  # "all", a stage the mapping leaves out, every layer
             out[s] = StageDeferral(s, tuple(ours), True)
         else:
@@ -156,8 +176,9 @@ def delayed_layers(deferred_stages: Sequence[int], value: Any,
     return out
 
 
-def with_ties(stages: Mapping[int, StageDeferral], layers: Mapping[int, StageLayers],
-              tie_rule: bool = True) -> Deferral:
+def with_ties(
+    stages: Mapping[int, StageDeferral], layers: Mapping[int, StageLayers], tie_rule: bool = True
+) -> Deferral:
     """The deferred stages that delay something, under one rule per tied module (``tie_rule``:
     the schedule's stages update apart; False where DeepSpeed's tied reduction keeps the copies
     equal): a tied module some stage delays (among its delayed leading layers, or its whole
@@ -178,8 +199,9 @@ def with_ties(stages: Mapping[int, StageDeferral], layers: Mapping[int, StageLay
     return Deferral(out)
 
 
-def decide(deferred_stages: Sequence[int], value: Any, layers: Mapping[int, StageLayers],
-           tie_rule: bool = True) -> Deferral:
+def decide(
+    deferred_stages: Sequence[int], value: Any, layers: Mapping[int, StageLayers], tie_rule: bool = True
+) -> Deferral:
     """What every stage delays: :func:`delayed_layers` then :func:`with_ties`. ``deferred_stages``:
     the compiled schedule's; ``value``: ``hippie.deferred_layers`` ("auto" resolved);
     ``layers``: every stage's (at least the deferred ones and the holders of tied modules)."""

@@ -1,6 +1,7 @@
 """Checkpoints that must resume exactly, beyond the ones ``tests/real_clients/test_dropin.py`` crosses with stock
 DeepSpeed: how hippie-ds reads a stock checkpoint's layout (pure), and modules tied across stages
 under the schedules that never flush, resumed under an LR schedule (real ranks)."""
+
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hippie_ds.adapter.checkpoint import state as ckpt
 
 # ---------------------------------------------------------------------------------------------
 # A stock checkpoint's layout (pure)
+
 
 def test_checkpoint_stages_of_tensor_parallel_files():
     """DeepSpeed names one ``mp_rank_XX`` file per stage and tensor-parallel rank (stage x TP degree
@@ -39,8 +41,12 @@ def test_optimizer_state_pairs_by_parameter_group():
 
 def test_training_state_of_format_2_still_loads():
     client = {ckpt.STATE_KEY: {"format": 2, "grad_buffer": None, "weight_versions": None, "prediction": None}}
-    assert ckpt.read_training_state(client) == {"grad_buffer": None, "weight_versions": None, "prediction": None,
-                                                "tied_copies": None}
+    assert ckpt.read_training_state(client) == {
+        "grad_buffer": None,
+        "weight_versions": None,
+        "prediction": None,
+        "tied_copies": None,
+    }
     copies = {"tied.weight": torch.ones(2)}
     state = ckpt.training_state({"state": "empty", "buffer": None}, None, None, copies)
     assert state["format"] == 3 and ckpt.read_training_state({ckpt.STATE_KEY: state})["tied_copies"] is copies
@@ -49,10 +55,14 @@ def test_training_state_of_format_2_still_loads():
 # ---------------------------------------------------------------------------------------------
 # Tied modules under an LR schedule (real ranks)
 
-LR_SCHEDULE = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
-                                                            "warmup_num_steps": 10, "warmup_type": "linear"}}}
+LR_SCHEDULE = {
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "linear"},
+    }
+}
 TIED_ENGINES = ("2bw", "pipedream", "hippie")
-RESUMED = {"2bw": ("ckpt1", "ckpt2"), "pipedream": ("ckpt2", ), "hippie": ("ckpt2", )}
+RESUMED = {"2bw": ("ckpt1", "ckpt2"), "pipedream": ("ckpt2",), "hippie": ("ckpt2",)}
 
 
 @pytest.mark.distributed
@@ -66,11 +76,33 @@ def test_tied_module_resumes_exactly_under_lr_schedule(tmp_path, precision):
     saved, and DeepSpeed's load overwrites the last stage's with stage 0's: the checkpoint
     carries each copy. ``hippie`` updates both copies in the same call."""
     from launch import collect, launch
+
     extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
     engines = [n for n in TIED_ENGINES] + [f"{n}+{c}" for n in TIED_ENGINES for c in RESUMED[n]]
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", 4, "--steps", 4, "--tied",
-                        "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", 0.01, "--clip", 0.05,
-                        "--drain", "--schedule-override", json.dumps({"deepspeed": LR_SCHEDULE}), *extra, timeout=420)
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--micro-batches",
+        4,
+        "--steps",
+        4,
+        "--tied",
+        "--engines",
+        ",".join(engines),
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--clip",
+        0.05,
+        "--drain",
+        "--schedule-override",
+        json.dumps({"deepspeed": LR_SCHEDULE}),
+        *extra,
+        timeout=420,
+    )
     assert rc == 0, log[-4000:]
 
     def tied_copies(name):
@@ -155,8 +187,22 @@ def test_a_checkpoint_saved_before_the_move_resumes_exactly(tmp_path, name):
     import shutil
 
     from launch import collect, launch
-    common = ("--stages", 2, "--micro-batches", 3, "--optimizer", "AdamW", "--lr", 0.01, "--engines", name,
-              *(("--deferred", "0") if name == "hippie" else ()), "--steps", 5)
+
+    common = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--engines",
+        name,
+        *(("--deferred", "0") if name == "hippie" else ()),
+        "--steps",
+        5,
+    )
     saved = shutil.copytree(BEFORE_THE_MOVE / name, tmp_path / "saved")
     today = tmp_path / "today"
     rc, log, _ = launch(2, tmp_path / "from_old", *common, "--resume", saved, "--resave", today)

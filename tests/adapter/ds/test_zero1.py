@@ -8,6 +8,7 @@ on a Megatron-shaped client in tests/real_clients/test_real_clients.py, beside t
 identity to stock DeepSpeed on both. A checkpoint saved mid-run on each precision resumes
 bit-identically (``RESUMED``).
 """
+
 import pytest
 import torch
 
@@ -24,12 +25,14 @@ NAMES = ("hippie", "hippie-zb", "2bw", "pipedream")
 # each precision runs hippie and 2bw, and one of the others (CI time): the split backward in bf16
 SKIP = {"+zero1": ("hippie-zb",), "+bf16+zero1+plain": ("pipedream",)}
 # engine options of train_worker: fp32 + ZeRO-1, and bf16 + ZeRO-1 without data_types ("plain")
-PRECISIONS = {"+zero1": reference.Precision(flat=True),
-              "+bf16+zero1+plain": reference.Precision(bf16=True, accumulate=torch.bfloat16)}
+PRECISIONS = {
+    "+zero1": reference.Precision(flat=True),
+    "+bf16+zero1+plain": reference.Precision(bf16=True, accumulate=torch.bfloat16),
+}
 # Measured: fp32 up to 9e-8 (the order of a few fp32 sums: the norm over flat partitions); bf16 0,
 # as the bf16 path's BF16_TOLERANCE allows (tests/adapter/precision/test_precision.py). The rules differ from one
 # another by 0.014 and more.
-TOLERANCE = {"+zero1": 1e-6, "+bf16+zero1+plain": 2 ** -8}
+TOLERANCE = {"+zero1": 1e-6, "+bf16+zero1+plain": 2**-8}
 
 
 def _max_diff(a, b):
@@ -43,9 +46,29 @@ RESUMED = ("hippie+bf16+zero1+plain+ckpt2", "2bw+zero1+ckpt2")
 
 def test_zero1_schedules_match_their_rules(tmp_path):
     engines = ",".join([name + p for p in PRECISIONS for name in NAMES if name not in SKIP[p]] + list(RESUMED))
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
-                        "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
-                        "--deferred-layers", "default", "--drain", "--largest-tensor", timeout=900)
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--engines",
+        engines,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--deferred-layers",
+        "default",
+        "--drain",
+        "--largest-tensor",
+        timeout=900,
+    )
     assert rc == 0, log[-4000:]
     staleness = StalenessConfig()
     for p, precision in PRECISIONS.items():
@@ -58,15 +81,24 @@ def test_zero1_schedules_match_their_rules(tmp_path):
             assert saved["optimizer"] == "DeepSpeedZeroOptimizer" and saved["partitions"] == [2], saved["partitions"]
             # ZeRO's reduce bucket (reduce_bucket_size: 5e8 elements, 2 GB in fp32), which its backward hooks
             # allocate, is let go at the stage's step as ZeRO's own reduce lets it go: nothing near it lives
-            assert saved["largest_tensor"] < 10 ** 7, (name + p, saved["largest_tensor"])
+            assert saved["largest_tensor"] < 10**7, (name + p, saved["largest_tensor"])
             if name.startswith("hippie"):
                 deferred = params["deferred_stages"]
-                ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, staleness=staleness,
-                                       delayed_layers={s: 1 for s in deferred}, **common)
+                ref, _ = reference.run(
+                    parts,
+                    2,
+                    MICRO_BATCHES,
+                    STEPS,
+                    deferred=deferred,
+                    staleness=staleness,
+                    delayed_layers={s: 1 for s in deferred},
+                    **common,
+                )
             else:
                 rule = reference_async.run_2bw if name == "2bw" else reference_async.run_pipedream
-                ref, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **common,
-                              **({"staleness": staleness} if name == "2bw" else {}))
+                ref, _ = rule(
+                    parts, 2, MICRO_BATCHES, STEPS, **common, **({"staleness": staleness} if name == "2bw" else {})
+                )
             diff, apart = _max_diff(ours, ref), _max_diff(sync, ref)
             print(f"{name}{p}: |ours - reference| = {diff:.3g}, synchronous rule {apart:.3g}")
             assert diff <= TOLERANCE[p], f"{name}{p}: differs from the reference of its rule by {diff}"

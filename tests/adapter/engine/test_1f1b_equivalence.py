@@ -1,4 +1,5 @@
 """The declared 1f1b is DeepSpeed's TrainSchedule, instruction for instruction."""
+
 import pytest
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 

@@ -8,6 +8,7 @@ starts them; the failed-rank tests under the `deepspeed` launcher itself).
 - checkpoint / resume with a pending gradient is exact; crashes end the job; bad configs fail
   on every rank before any collective.
 """
+
 import json
 import os
 
@@ -53,8 +54,18 @@ def _replicas_identical(replicas):
 # covered, and test_precision's 4x2 bf16 launch runs every schedule on that shape against its references
 @pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (2, 2), (4, 1)])
 def test_schedules_exact(tmp_path, stages, dp):
-    rc, log, secs = launch(stages * dp, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES,
-                           "--steps", STEPS, "--engines", ENGINES)
+    rc, log, secs = launch(
+        stages * dp,
+        tmp_path,
+        "--stages",
+        stages,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--engines",
+        ENGINES,
+    )
     assert rc == 0, log[-4000:]
     stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
     for name in ("1f1b", "gpipe", "zb-h1"):
@@ -65,8 +76,9 @@ def test_schedules_exact(tmp_path, stages, dp):
     for name in ("hippie", "hippie-1f1b", "hippie-zb"):
         ours, losses, parts, params, replicas = collect(tmp_path, name)
         assert params["deferred_stages"] == list(range(stages // 2))
-        ref, ref_losses = reference.run(parts, dp, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"],
-                                        staleness=DEFAULT_STALENESS)
+        ref, ref_losses = reference.run(
+            parts, dp, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], staleness=DEFAULT_STALENESS
+        )
         _assert_close(ours, ref, f"{name} vs reference")
         for rank_losses in losses.values():
             if rank_losses:
@@ -77,20 +89,39 @@ def test_schedules_exact(tmp_path, stages, dp):
 
 
 def test_hippie_adamw_clipping_all_deferred(tmp_path):
-    args = ("--stages", 2, "--micro-batches", 3, "--steps", 4, "--engines", "hippie,hippie-1f1b,hippie-zb",
-            "--optimizer", "AdamW", "--lr", 0.01, "--clip", 0.05, "--deferred", "0,1")
+    args = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--steps",
+        4,
+        "--engines",
+        "hippie,hippie-1f1b,hippie-zb",
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--clip",
+        0.05,
+        "--deferred",
+        "0,1",
+    )
     rc, log, _ = launch(4, tmp_path, *args)
     assert rc == 0, log[-4000:]
     for name in ("hippie", "hippie-1f1b", "hippie-zb"):
         ours, _, parts, params, replicas = collect(tmp_path, name)
         assert params["deferred_stages"] == [0, 1]
-        ref, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, clip=0.05,
-                               staleness=DEFAULT_STALENESS)
+        ref, _ = reference.run(
+            parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, clip=0.05, staleness=DEFAULT_STALENESS
+        )
         _assert_close(ours, ref, f"{name} AdamW+clip vs reference")
-        noclip, _ = reference.run(parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01,
-                                  staleness=DEFAULT_STALENESS)
-        assert any((ours[i][k] - noclip[i][k]).abs().max() > 1e-4 for i in ours for k in ours[i]), \
+        noclip, _ = reference.run(
+            parts, 2, 3, 4, deferred=[0, 1], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS
+        )
+        assert any((ours[i][k] - noclip[i][k]).abs().max() > 1e-4 for i in ours for k in ours[i]), (
             "clipping had no effect: the test would not catch a wrong clipping rule"
+        )
         _replicas_identical(replicas)
 
 
@@ -100,8 +131,20 @@ def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
     no correction and (AdamW) Adam's predicted update ("adam", same coefficient) each match the
     reference of their rule, and differ from each other."""
     deferred = list(range(stages))
-    args = ("--stages", stages, "--micro-batches", 3, "--steps", 5, "--optimizer", optimizer, "--lr", lr,
-            "--deferred", ",".join(map(str, deferred)))
+    args = (
+        "--stages",
+        stages,
+        "--micro-batches",
+        3,
+        "--steps",
+        5,
+        "--optimizer",
+        optimizer,
+        "--lr",
+        lr,
+        "--deferred",
+        ",".join(map(str, deferred)),
+    )
     results = {}
     # one launch (CI time): "+nostale" engines run without the correction, "+adam" with Adam's
     # prediction (AdamW only), the others extrapolate
@@ -111,14 +154,22 @@ def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
     if optimizer == "AdamW":
         rules.append((adam, "+adam", ("hippie",)))
     engines = ",".join(name + suffix for _, suffix, names in rules for name in names)
-    rc, log, _ = launch(stages * 2, tmp_path, *args, "--engines", engines,
-                        "--staleness", f"{extrapolate.method}:{extrapolate.coefficient}")
+    rc, log, _ = launch(
+        stages * 2,
+        tmp_path,
+        *args,
+        "--engines",
+        engines,
+        "--staleness",
+        f"{extrapolate.method}:{extrapolate.coefficient}",
+    )
     assert rc == 0, log[-4000:]
     for staleness, suffix, names in rules:
         for name in names:
             ours, losses, parts, _, replicas = collect(tmp_path, name + suffix)
-            ref, ref_losses = reference.run(parts, 2, 3, 5, deferred=deferred, optimizer=optimizer, lr=lr,
-                                            staleness=staleness)
+            ref, ref_losses = reference.run(
+                parts, 2, 3, 5, deferred=deferred, optimizer=optimizer, lr=lr, staleness=staleness
+            )
             _assert_close(ours, ref, f"{name} {staleness} vs reference")
             for rank_losses in losses.values():
                 assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
@@ -126,9 +177,11 @@ def test_staleness_correction_matches_its_rule(tmp_path, optimizer, lr, stages):
         results[staleness.method] = ours
     for method in results:
         for other in results:
-            assert method == other or any((results[method][i][k] - results[other][i][k]).abs().max() > 1e-4
-                                          for i in results[other] for k in results[other][i]), \
-                f"{method} and {other}: the same weights"
+            assert method == other or any(
+                (results[method][i][k] - results[other][i][k]).abs().max() > 1e-4
+                for i in results[other]
+                for k in results[other][i]
+            ), f"{method} and {other}: the same weights"
 
 
 def test_partial_deferral_matches_its_rule(tmp_path):
@@ -136,8 +189,23 @@ def test_partial_deferral_matches_its_rule(tmp_path):
     (``hippie.deferred_layers: 2``: Linear, Tanh, Linear, the reference's first 3 layers), the rest
     of it all-reduced and applied in-step: matches the reference of that rule (AdamW, default
     correction), which differs from delaying all of stage 0."""
-    args = ("--stages", 2, "--micro-batches", 3, "--steps", 5, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
-            "--schedule-override", json.dumps({"deferred_layers": 2}), "--timeline")
+    args = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--steps",
+        5,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--deferred",
+        "0",
+        "--schedule-override",
+        json.dumps({"deferred_layers": 2}),
+        "--timeline",
+    )
     rc, log, _ = launch(4, tmp_path, *args, "--engines", "hippie,hippie-1f1b")
     assert rc == 0, log[-4000:]
     # stage 0's synchronous part is all-reduced from inside its last backward, not after it
@@ -157,8 +225,23 @@ def test_partial_deferral_matches_its_rule(tmp_path):
         assert rank["hook_counts"] == {k: kinds.count(k) for k in set(kinds)} and len(kinds) > 20
     # ... and the timelines make a cost file (hippie-ds costs --timeline)
     from hippie_ds.cli import main as cli
-    assert cli(["costs", "--timeline", str(tmp_path / "hippie" / "timeline"), "--data-parallel", "2",
-                "--allreduce-bandwidth", "125MB/s", "--out", str(tmp_path / "costs.yaml")]) == 0
+
+    assert (
+        cli(
+            [
+                "costs",
+                "--timeline",
+                str(tmp_path / "hippie" / "timeline"),
+                "--data-parallel",
+                "2",
+                "--allreduce-bandwidth",
+                "125MB/s",
+                "--out",
+                str(tmp_path / "costs.yaml"),
+            ]
+        )
+        == 0
+    )
     costs = Costs.from_file(tmp_path / "costs.yaml")
     assert len(costs.stages) == 2 and costs.comm.data_parallel == 2 and costs.comm.allreduce_bandwidth == 125e6
     sizes = {t["stage"]: t["param_bytes"] for t in timelines}
@@ -167,15 +250,17 @@ def test_partial_deferral_matches_its_rule(tmp_path):
     assert costs.stages[0].optimizer_time > 0  # the deferred stage's buffered update and in-step part
     for name in ("hippie", "hippie-1f1b"):
         ours, losses, parts, _, replicas = collect(tmp_path, name)
-        ref, ref_losses = reference.run(parts, 2, 3, 5, deferred=[0], optimizer="AdamW", lr=0.01,
-                                        staleness=DEFAULT_STALENESS, delayed_layers={0: 3})
+        ref, ref_losses = reference.run(
+            parts, 2, 3, 5, deferred=[0], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS, delayed_layers={0: 3}
+        )
         _assert_close(ours, ref, f"{name} partial deferral vs reference")
         for rank_losses in losses.values():
             assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
         _replicas_identical(replicas)
     whole, _ = reference.run(parts, 2, 3, 5, deferred=[0], optimizer="AdamW", lr=0.01, staleness=DEFAULT_STALENESS)
-    assert any((whole[i][k] - ours[i][k]).abs().max() > 1e-4 for i in whole for k in whole[i]), \
+    assert any((whole[i][k] - ours[i][k]).abs().max() > 1e-4 for i in whole for k in whole[i]), (
         "partial deferral changed nothing"
+    )
 
 
 def test_communication_data_type_is_the_wire(tmp_path):
@@ -183,8 +268,24 @@ def test_communication_data_type_is_the_wire(tmp_path):
     all-reduces too, as of stock DeepSpeed's: 1f1b stays bit-identical to stock, and hippie with
     partial deferral (its in-step part and its buffer both cross the wire) matches the reference
     of its rule with each replica's gradient rounded to bf16 on the wire, not the fp32 one."""
-    args = ("--stages", 2, "--micro-batches", 3, "--steps", 5, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
-            "--deferred-layers", 2, "--comm-dtype", "bf16")  # 2 layers with parameters: the first 3 layers
+    args = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--steps",
+        5,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--deferred",
+        "0",
+        "--deferred-layers",
+        2,
+        "--comm-dtype",
+        "bf16",
+    )  # 2 layers with parameters: the first 3 layers
     rc, log, _ = launch(4, tmp_path, *args, "--engines", "stock,1f1b,hippie")
     assert rc == 0, log[-4000:]
     stock, stock_losses, *_ = collect(tmp_path, "stock")
@@ -199,8 +300,9 @@ def test_communication_data_type_is_the_wire(tmp_path):
         assert rank_losses == pytest.approx(ref_losses, abs=1e-6)
     _replicas_identical(replicas)
     wide, _ = reference.run(parts, 2, 3, 5, **rule)  # the fp32 wire: farther than the tolerance
-    assert any((wide[i][k] - ours[i][k]).abs().max() > 10 * COMM_TOLERANCE for i in wide for k in wide[i]), \
+    assert any((wide[i][k] - ours[i][k]).abs().max() > 10 * COMM_TOLERANCE for i in wide for k in wide[i]), (
         "bf16 on the wire changed nothing"
+    )
 
 
 def test_auto_deferred_layers_on_a_fast_link_delays_nothing(tmp_path):
@@ -209,11 +311,26 @@ def test_auto_deferred_layers_on_a_fast_link_delays_nothing(tmp_path):
     layers, so stage 0 runs as an ordinary stage (no gradient buffer): synchronous training,
     equal to the reference without deferral. The first replica of stage 0 logs the choice."""
     costs = tmp_path / "costs.yaml"
-    costs.write_text("stages: {forward: 0.01, backward: 0.02, param_bytes: 1.0e4}\n"
-                     "comm: {allreduce_bandwidth: 1.0e15, data_parallel: 2}\n")
-    args = ("--stages", 2, "--micro-batches", 3, "--steps", 3, "--optimizer", "AdamW", "--lr", 0.01, "--deferred", "0",
-            "--schedule-override", json.dumps({"deferred_layers": "auto", "costs": str(costs),
-                                               "deepspeed": {"log_level": "info"}}))
+    costs.write_text(
+        "stages: {forward: 0.01, backward: 0.02, param_bytes: 1.0e4}\n"
+        "comm: {allreduce_bandwidth: 1.0e15, data_parallel: 2}\n"
+    )
+    args = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--steps",
+        3,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--deferred",
+        "0",
+        "--schedule-override",
+        json.dumps({"deferred_layers": "auto", "costs": str(costs), "deepspeed": {"log_level": "info"}}),
+    )
     rc, log, _ = launch(4, tmp_path, *args, "--engines", "hippie")
     assert rc == 0, log[-4000:]
     assert "deferred_layers auto, stage 0: delays 0 of" in log, log[-4000:]
@@ -232,15 +349,29 @@ def test_flush_applies_pending_gradient(tmp_path):
     ref, _ = reference.run(parts, 1, MICRO_BATCHES, 3, deferred=[0], staleness=DEFAULT_STALENESS)
     layers0 = range(*parts[0])
     assert any(not torch.equal(ours[i][k], ref[i][k]) for i in ref if i in layers0 for k in ref[i])
-    _assert_close({i: v for i, v in ours.items() if i not in layers0},
-                  {i: v for i, v in ref.items() if i not in layers0},
-                  "stage 1 unaffected by the flush")
+    _assert_close(
+        {i: v for i, v in ours.items() if i not in layers0},
+        {i: v for i, v in ref.items() if i not in layers0},
+        "stage 1 unaffected by the flush",
+    )
 
 
 @pytest.mark.parametrize("name", ["hippie", "hippie-zb"])
 def test_checkpoint_resume_with_pending_gradient(tmp_path, name):
-    common = ("--stages", 2, "--micro-batches", 3, "--engines", name, "--deferred", "0", "--optimizer", "AdamW",
-              "--lr", 0.01)
+    common = (
+        "--stages",
+        2,
+        "--micro-batches",
+        3,
+        "--engines",
+        name,
+        "--deferred",
+        "0",
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+    )
     rc, log, _ = launch(4, tmp_path / "full", *common, "--steps", 5)
     assert rc == 0, log[-4000:]
     unapplied = "the last step's delayed gradient not applied to the weights in memory"
@@ -260,30 +391,46 @@ def test_checkpoint_resume_with_pending_gradient(tmp_path, name):
 
 @pytest.mark.parametrize("failure", ["--crash-rank", "--kill-rank"])
 def test_failed_rank_ends_the_job(tmp_path, failure):
-    rc, log, secs = launch(4, tmp_path, "--stages", 2, "--steps", 50, "--engines", "hippie", failure, 1, timeout=120,
-                           launcher="deepspeed")  # as a user's job ends: under DeepSpeed's launcher
+    rc, log, secs = launch(
+        4, tmp_path, "--stages", 2, "--steps", 50, "--engines", "hippie", failure, 1, timeout=120, launcher="deepspeed"
+    )  # as a user's job ends: under DeepSpeed's launcher
     assert rc != 0
     assert secs < 90, f"job took {secs:.0f}s to exit after a rank failed"
 
 
-@pytest.mark.parametrize("override,message", [
-    ({"pipeline": {"schedule": "no-such-schedule"}}, "unknown schedule 'no-such-schedule'"),
-    ({"deferred_stages": [5]}, "stage(s) [5] out of range"),
-    ({"unknown_key": 1}, '"hippie.unknown_key"'),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ({"pipeline": {"schedule": "no-such-schedule"}}, "unknown schedule 'no-such-schedule'"),
+        ({"deferred_stages": [5]}, "stage(s) [5] out of range"),
+        ({"unknown_key": 1}, '"hippie.unknown_key"'),
+    ],
+)
 def test_bad_config_fails_on_every_rank(tmp_path, override, message):
     import json
+
     # as test_precision's
-    rc, log, secs = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--refusal-barrier",
-                           "--schedule-override", json.dumps(override), timeout=120)
+    rc, log, secs = launch(
+        2,
+        tmp_path,
+        "--stages",
+        2,
+        "--engines",
+        "hippie",
+        "--refusal-barrier",
+        "--schedule-override",
+        json.dumps(override),
+        timeout=120,
+    )
     assert rc != 0
     refused = {r for r in range(2) for line in log.splitlines() if f"rank {r} refused: " in line and message in line}
     assert refused == {0, 1}, log[-3000:]  # each rank's own refusal (--refusal-barrier prints it before any exits)
 
 
 def test_bf16(tmp_path):
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--steps", STEPS, "--engines", "stock,1f1b,hippie", "--bf16",
-                        "--clip", 0.5)
+    rc, log, _ = launch(
+        4, tmp_path, "--stages", 2, "--steps", STEPS, "--engines", "stock,1f1b,hippie", "--bf16", "--clip", 0.5
+    )
     assert rc == 0, log[-4000:]
     stock, stock_losses, parts, _, _ = collect(tmp_path, "stock")
     ours, losses, _, _, replicas = collect(tmp_path, "1f1b")
@@ -292,8 +439,9 @@ def test_bf16(tmp_path):
     hippie, _, parts, params, replicas = collect(tmp_path, "hippie")
     _replicas_identical(replicas)
     # bf16 weights: compare with the fp32 reference of the deferred rule at bf16 resolution
-    ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], clip=0.5,
-                           staleness=DEFAULT_STALENESS)
+    ref, _ = reference.run(
+        parts, 2, MICRO_BATCHES, STEPS, deferred=params["deferred_stages"], clip=0.5, staleness=DEFAULT_STALENESS
+    )
     _assert_close(hippie, ref, "bf16 hippie vs fp32 reference", atol=2e-2)
 
 
@@ -302,14 +450,16 @@ def test_job_leaves_no_shared_memory(tmp_path):
     # 64 MB each: a few hundred jobs fill the machine); hippie_ds.initialize removes its own.
     from launch import free_port
     from hippie_ds.adapter.integration import deepspeed_shm_segments
+
     port = free_port()
     rc, log, _ = launch(2, tmp_path, "--stages", 2, "--steps", 1, "--engines", "hippie", port=port, clean_shm=False)
     assert rc == 0, log[-3000:]
     assert deepspeed_shm_segments(port) == []
     # control: stock DeepSpeed alone leaves one segment per rank (the launcher helper removes them)
     port = free_port()
-    rc, log, _ = launch(2, tmp_path / "stock", "--stages", 2, "--steps", 1, "--engines", "stock", port=port,
-                        clean_shm=False)
+    rc, log, _ = launch(
+        2, tmp_path / "stock", "--stages", 2, "--steps", 1, "--engines", "stock", port=port, clean_shm=False
+    )
     leaked = deepspeed_shm_segments(port)
     for path in leaked:
         os.unlink(path)

@@ -1,4 +1,5 @@
 """Engine helpers that need DeepSpeed importable but no processes."""
+
 import pickle
 from dataclasses import replace
 
@@ -12,8 +13,12 @@ BUILTINS = ("1f1b", "gpipe", "hippie", "hippie-1f1b")
 
 
 def _find(c, stage, kind, mb):
-    [(t, i)] = [(t, i) for t, step in enumerate(c.streams[stage]) for i, op in enumerate(step)
-                if op.kind == kind and op.micro_batch == mb]
+    [(t, i)] = [
+        (t, i)
+        for t, step in enumerate(c.streams[stage])
+        for i, op in enumerate(step)
+        if op.kind == kind and op.micro_batch == mb
+    ]
     return t, i
 
 
@@ -23,6 +28,7 @@ def _remove(c, stage, pos):
 
 def test_deepspeed_version_pin():
     from hippie_ds._compat import check_deepspeed_version
+
     check_deepspeed_version("0.19.8")
     check_deepspeed_version("0.19.10rc1")
     for bad in ("0.18.9", "0.19.0", "0.19.7", "0.20.0", "1.0.0"):
@@ -33,6 +39,7 @@ def test_deepspeed_version_pin():
 def test_builtins_receive_each_gradient_in_its_backward_step():
     # The engine keeps DeepSpeed's single received-gradient slot; every compiled built-in fits it.
     from hippie_ds.schedules.stage_checks import check_single_grad_slot
+
     for name in BUILTINS:
         for stages in range(1, 6):
             for micro_batches in (1, 3, 8):
@@ -50,6 +57,7 @@ def test_in_flight_state_pickled_under_the_old_module_path_still_loads():
     # pickle.dumps(InFlightState({"step": 3}), protocol=2) (torch.save's protocol) as saved when the
     # module was hippie_ds.checkpoint_state, before the move to hippie_ds.adapter.
     from hippie_ds.adapter.checkpoint import state as ckpt
+
     old = b"\x80\x02chippie_ds.checkpoint_state\n_unwrap\nq\x00}q\x01X\x04\x00\x00\x00stepq\x02K\x03s\x85q\x03Rq\x04."
     with pytest.raises(ckpt.InFlightCheckpointError):
         pickle.loads(old)  # outside hippie-ds's load_checkpoint: refused, as before the move
@@ -65,6 +73,7 @@ def test_a_gradient_aliasing_the_receive_buffer_is_copied_before_it_leaves():
     from types import SimpleNamespace
     from hippie_ds.adapter.ds.stage import DeepSpeedStage
     from hippie_ds.adapter.stage.p2p import not_receive_buffer
+
     buf = torch.arange(12.0)
     received = buf[:6].view(2, 3)  # what _allocate_or_extend_buffers hands out
     engine = SimpleNamespace(_grad_layer_buf=[buf], grad_layer=received, grid=None, stage_id=0, global_rank=0)
@@ -78,9 +87,17 @@ def test_a_gradient_aliasing_the_receive_buffer_is_copied_before_it_leaves():
 def _fake_engine():
     from types import SimpleNamespace
     from hippie_ds.adapter.stage.chunk_selector import P2P_STATE
+
     chosen = []
-    engine = SimpleNamespace(stage_id=0, prev_stage=-1, next_stage=1, is_pipe_partitioned=False,
-                             is_grad_partitioned=False, module=SimpleNamespace(set_chunk=chosen.append), **P2P_STATE)
+    engine = SimpleNamespace(
+        stage_id=0,
+        prev_stage=-1,
+        next_stage=1,
+        is_pipe_partitioned=False,
+        is_grad_partitioned=False,
+        module=SimpleNamespace(set_chunk=chosen.append),
+        **P2P_STATE,
+    )
     return engine, chosen
 
 
@@ -88,13 +105,21 @@ def _selector(engine, layout, virtual_stages):
     """A ChunkSelector given what the engine's ``_init_chunks`` gives it."""
     from hippie_ds.adapter.ds.engine import Boundary
     from hippie_ds.adapter.stage.chunk_selector import ChunkSelector
-    return ChunkSelector(layout, virtual_stages, engine.stage_id, Boundary(engine), engine.module.set_chunk,
-                         engine.is_pipe_partitioned or engine.is_grad_partitioned)
+
+    return ChunkSelector(
+        layout,
+        virtual_stages,
+        engine.stage_id,
+        Boundary(engine),
+        engine.module.set_chunk,
+        engine.is_pipe_partitioned or engine.is_grad_partitioned,
+    )
 
 
 def test_the_chunk_selector_keeps_each_chunks_p2p_state_and_neighbours():
     from hippie_ds.adapter.stage.chunk_selector import GRADIENT_TAG
     from hippie_ds.schedules.layout import Layout
+
     engine, chosen = _fake_engine()
     chunks = _selector(engine, Layout("v", 2, 2), 2)  # stage 0 holds parts 0 and 3
     assert chunks.both_ends and chunks.gradient_tag == GRADIENT_TAG and chunks.local(0) and not chunks.local(1)
@@ -129,11 +154,17 @@ def test_chunked_gradients_go_with_an_explicit_tag(monkeypatch):
     from types import SimpleNamespace
     from deepspeed.runtime.pipe import p2p
     from hippie_ds.adapter.stage import chunk_selector
+
     calls = []
-    monkeypatch.setattr(chunk_selector, "dist", SimpleNamespace(
-        send=lambda t, dst, tag: calls.append(("send", dst, tag)),
-        recv=lambda t, src, tag: calls.append(("recv", src, tag)),
-        isend=lambda t, dst, tag: calls.append(("isend", dst, tag))))
+    monkeypatch.setattr(
+        chunk_selector,
+        "dist",
+        SimpleNamespace(
+            send=lambda t, dst, tag: calls.append(("send", dst, tag)),
+            recv=lambda t, src, tag: calls.append(("recv", src, tag)),
+            isend=lambda t, dst, tag: calls.append(("isend", dst, tag)),
+        ),
+    )
     stock = p2p.dist
     grid = SimpleNamespace(pipe_parallel_size=4, get_stage_id=lambda: 0, stage_to_global=lambda stage_id: 10 + stage_id)
     t = torch.zeros(1)
@@ -149,22 +180,45 @@ def _stage_step(engine, **kwargs):
     """A StageStep given what build.py gives it from ``engine`` (no gradient store)."""
     from hippie_ds.adapter.ds.engine import ModelStep
     from hippie_ds.adapter.precision.step import StageStep
-    return StageStep(engine.optimizer, getattr(engine, "mpu", None), getattr(engine, "grid", None), ModelStep(engine),
-                     store=None, fp16=engine.fp16_enabled(), **kwargs)
+
+    return StageStep(
+        engine.optimizer,
+        getattr(engine, "mpu", None),
+        getattr(engine, "grid", None),
+        ModelStep(engine),
+        store=None,
+        fp16=engine.fp16_enabled(),
+        **kwargs,
+    )
 
 
 def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure():
     from types import SimpleNamespace
+
     optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}, {"lr": 0.2}], mpu="stock mpu", clip_grad=1.0)
-    engine = SimpleNamespace(optimizer=optimizer, mpu="stock mpu", grid=SimpleNamespace(), lr_scheduler="schedule",
-                             global_steps=7, global_samples=70, skipped_steps=1, fp16_enabled=lambda: False,
-                             _config=SimpleNamespace(gradient_clipping=1.0),
-                             _force_grad_boundary=False)
+    engine = SimpleNamespace(
+        optimizer=optimizer,
+        mpu="stock mpu",
+        grid=SimpleNamespace(),
+        lr_scheduler="schedule",
+        global_steps=7,
+        global_samples=70,
+        skipped_steps=1,
+        fp16_enabled=lambda: False,
+        _config=SimpleNamespace(gradient_clipping=1.0),
+        _force_grad_boundary=False,
+    )
     before = {**vars(engine), "lrs": [0.1, 0.2], "optimizer_mpu": "stock mpu", "clip_grad": 1.0, "config": 1.0}
 
     def state():
-        return {**vars(engine), "lrs": [g["lr"] for g in optimizer.param_groups], "optimizer_mpu": optimizer.mpu,
-                "clip_grad": optimizer.clip_grad, "config": engine._config.gradient_clipping}
+        return {
+            **vars(engine),
+            "lrs": [g["lr"] for g in optimizer.param_groups],
+            "optimizer_mpu": optimizer.mpu,
+            "clip_grad": optimizer.clip_grad,
+            "config": engine._config.gradient_clipping,
+        }
+
     stage = _stage_step(engine, clip_group="tie group", clips_itself=True)
     with pytest.raises(RuntimeError, match="the step failed"):
         with stage.swapped(counters=False, lrs=[0.5, 0.6]) as local:
@@ -184,6 +238,7 @@ def test_a_stage_step_swaps_everything_in_one_place_and_puts_it_back_on_failure(
 
 def test_the_call_cursor_skips_fill_and_drained_batches_and_restores_from_a_checkpoint():
     from hippie_ds.adapter.stage.call_cursor import CallCursor
+
     cursor = CallCursor()
     cursor.start()
     cursor.keep_lrs([0.1])
@@ -215,8 +270,11 @@ def test_an_fp16_wrapper_that_cannot_step_per_stage_is_refused_when_the_engine_i
 
     class OnebitWrapper:  # a wrapper hippie-ds does not know
         param_groups = []
+
     engine = SimpleNamespace(optimizer=OnebitWrapper(), fp16_enabled=lambda: True)
-    with pytest.raises(ValueError, match="schedule 'hippie' in fp16 needs DeepSpeed's FP16_UnfusedOptimizer.*"
-                                         "FP16_Optimizer.*not OnebitWrapper"):
+    with pytest.raises(
+        ValueError,
+        match="schedule 'hippie' in fp16 needs DeepSpeed's FP16_UnfusedOptimizer.*FP16_Optimizer.*not OnebitWrapper",
+    ):
         _stage_step(engine, schedule=schedules.compile("hippie", 2, 4))
     _stage_step(engine, schedule=schedules.compile("zb-h1", 2, 4))  # DeepSpeed's own step: stock's path

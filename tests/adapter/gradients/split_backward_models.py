@@ -2,6 +2,7 @@
 small transformer-like block, a pipeline stage of two of them (the first stage with a token
 embedding) and its micro-batches' inputs, and the parameter and input gradients of several
 micro-batches' backwards, full or split."""
+
 import torch
 
 from hippie_ds.adapter.gradients.split_backward import backward_input, backward_weight

@@ -1,5 +1,6 @@
 """hippie_ds.adapter.gradients.allreduce_stream: the asynchronous averaging all-reduce, over real process
 groups (gloo on the CPU here; NCCL on a CUDA side stream wherever CUDA is available)."""
+
 import os
 import socket
 
@@ -16,8 +17,10 @@ def _free_port() -> int:
 
 def _init(rank: int, world: int, port: int, backend: str):
     import deepspeed
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
@@ -25,6 +28,7 @@ def _cpu_worker(rank: int, port: int):
     from deepspeed import comm as dist
 
     from hippie_ds.adapter.gradients.allreduce_stream import AllReduceStream
+
     _init(rank, 2, port, "gloo")
     stream = AllReduceStream("cpu", None, 2)
     assert stream.stream is None  # gloo's threads carry it; no stream on the CPU
@@ -35,7 +39,7 @@ def _cpu_worker(rank: int, port: int):
     # DeepSpeed's communication_data_type: an fp32 gradient crosses the wire in bf16, in its
     # rounding, and comes back into the same fp32 tensor
     wire = AllReduceStream("cpu", None, 2, torch.bfloat16)
-    value = 1 + 2 ** -12 * (rank + 1)  # below bf16's resolution at 1: rounds to 1 on the wire
+    value = 1 + 2**-12 * (rank + 1)  # below bf16's resolution at 1: rounds to 1 on the wire
     flat = torch.full((1000,), value)
     started = wire.start(flat)
     assert started.wire.dtype == torch.bfloat16 and started.wire.element_size() * 2 == flat.element_size()
@@ -43,7 +47,7 @@ def _cpu_worker(rank: int, port: int):
     assert flat.dtype == torch.float32 and torch.equal(flat, torch.full((1000,), 1.0))
     flat = torch.full((1000,), value)
     stream.wait(stream.start(flat))  # the same in fp32 keeps the bits bf16 drops
-    assert torch.equal(flat, torch.full((1000,), 1 + 1.5 * 2 ** -12))
+    assert torch.equal(flat, torch.full((1000,), 1 + 1.5 * 2**-12))
     dist.destroy_process_group()
 
 
@@ -55,6 +59,7 @@ def _cuda_worker(rank: int, port: int):
     from deepspeed import comm as dist
 
     from hippie_ds.adapter.gradients.allreduce_stream import AllReduceStream
+
     _init(rank, 1, port, "nccl")
     torch.cuda.set_device(0)
     stream = AllReduceStream("cuda:0", None, 4)  # divides by 4: shows whether the side stream saw the value

@@ -4,12 +4,17 @@ for W, the coverage check and the torch version check, the activation meter and 
 re-computation inside a split stage, and the layout (strides) of the gradients I and W set. Real
 clients' model shapes and failures in a handler (with the distributed launches) are
 test_split_backward_clients.py's."""
+
 import pytest
 import torch
 
-from hippie_ds.adapter.gradients.split_backward import (SplitBackwardError, backward_input, backward_weight,
-                                                        check_coverage,
-                                      check_torch_version)
+from hippie_ds.adapter.gradients.split_backward import (
+    SplitBackwardError,
+    backward_input,
+    backward_weight,
+    check_coverage,
+    check_torch_version,
+)
 
 from split_backward_models import Block, make_inputs, make_stage, run_backwards
 
@@ -128,13 +133,15 @@ def test_plan_recomputation_inside_a_split_stage_is_exact():
         def forward(self, x):
             return self.b(recompute_run(self.a, x))
 
-    for a, b in zip(run_backwards(False, split=False, stage=Stage)[0],
-                    run_backwards(False, split=True, stage=Stage)[0]):
+    for a, b in zip(
+        run_backwards(False, split=False, stage=Stage)[0], run_backwards(False, split=True, stage=Stage)[0]
+    ):
         assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
 # Layouts: what I and W set as ``.grad`` is laid out as a full backward's AccumulateGrad lays it out
+
 
 class SeqFirst(torch.nn.Module):
     """A Megatron-style stage on sequence-first activations: its input (SEQ, B, H) transposed back
@@ -168,6 +175,7 @@ def test_gradients_are_laid_out_as_a_full_backward_lays_them_out(kind):
     contiguous stage input (every input DeepSpeed receives) gets a contiguous gradient, which a
     send accepts (it had the transposed strides autograd.grad returns: "input tensor has to be
     contiguous" at zb-h1's first ISendGrad)."""
+
     def run(split):
         model = SeqFirst()
         params = list(model.parameters())
@@ -191,6 +199,7 @@ def test_gradients_are_laid_out_as_a_full_backward_lays_them_out(kind):
 
 def test_as_accumulated_follows_torch_layout_contract():
     from hippie_ds.adapter.gradients.split_backward import as_accumulated, obeys_layout
+
     leaf = torch.zeros(3, 5, 8).transpose(0, 1)
     grad = torch.randn(5, 3, 8)  # contiguous: not the leaf's strides
     laid = as_accumulated(grad, leaf)

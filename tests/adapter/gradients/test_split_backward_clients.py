@@ -5,11 +5,16 @@ micro-batches than stages; and what a rank failing in a handler must do (end wit
 hang). Three tests are ``distributed`` (they launch real ranks): a rank failing in a handler on
 two gloo processes, the Megatron-shaped model bit-identical to stock DeepSpeed, and a zb-h1 job
 with a failing rank ending in seconds; the rest run in one process."""
+
 import pytest
 import torch
 
-from hippie_ds.adapter.gradients.split_backward import (SplitBackwardError, backward_input, backward_weight,
-                                                        check_coverage)
+from hippie_ds.adapter.gradients.split_backward import (
+    SplitBackwardError,
+    backward_input,
+    backward_weight,
+    check_coverage,
+)
 
 from split_backward_models import Block, make_inputs, run_backwards
 
@@ -17,6 +22,7 @@ from split_backward_models import Block, make_inputs, run_backwards
 # ---------------------------------------------------------------------------------------------
 # What real clients' models do (Megatron-DeepSpeed's GPTModelPipe): views as stage outputs,
 # parameters unused on a stage, fewer micro-batches than stages; and what a failure must do.
+
 
 class Linear3d(torch.nn.Module):
     """nn.Linear on a 3-D input: its output is a view (of the 2-D matmul)."""
@@ -47,6 +53,7 @@ def test_view_outputs_and_a_reused_gradient_buffer_split_exactly(stage):
     views in-place"), with every micro-batch's output gradient received into the same tensor, as
     DeepSpeed's ``grad_layer`` (through a view, the parameter op's kept gradient would alias it):
     input and parameter gradients bit-identical to the full backward, W after later I's."""
+
     def run(split):
         torch.manual_seed(0)
         model = stage()
@@ -75,6 +82,7 @@ def test_a_view_output_is_released_after_its_weight_pass():
     """The view output cannot be detached: once the caller drops it (the engine does after I; its
     pending sends keep a detached alias), W still frees everything the micro-batch held."""
     from hippie_ds.adapter.profiling.memory import ActivationMeter
+
     torch.manual_seed(0)
     model = ViewOut()
     params = list(model.parameters())
@@ -200,9 +208,18 @@ def test_a_rank_failing_in_a_handler_ends_with_its_peers(tmp_path, mode):
     import sys
     import time
     from launch import free_port
+
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
-    procs = [subprocess.Popen([sys.executable, "-c", _FAILING_RANK, mode], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FAILING_RANK, mode],
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     start, outputs = time.monotonic(), []
     try:
         for r, p in enumerate(procs):
@@ -228,11 +245,29 @@ def test_megatron_shapes_run_bit_identical_to_stock(tmp_path):
     equal; hippie-zb runs the same shapes (its first loss is stock's: same weights; its tied copies
     are equal in every precision)."""
     from launch import collect, launch
+
     precisions = ("", "+bf16", "+bf16+zero1")
     engines = [s + p for p in precisions for s in ("stock", "zb-h1", "hippie-zb")]
-    rc, log, _ = launch(4, tmp_path, "--stages", 4, "--micro-batches", 2, "--steps", 3, "--megatron",
-                        "--optimizer", "AdamW", "--lr", 0.01, "--clip", 0.5, "--engines", ",".join(engines),
-                        timeout=420)
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        4,
+        "--micro-batches",
+        2,
+        "--steps",
+        3,
+        "--megatron",
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        0.01,
+        "--clip",
+        0.5,
+        "--engines",
+        ",".join(engines),
+        timeout=420,
+    )
     assert rc == 0, log[-4000:]
     for p in precisions:
         stock, stock_losses, *_ = collect(tmp_path, "stock" + p)
@@ -264,8 +299,21 @@ def test_a_rank_failing_inside_a_handler_ends_the_job(tmp_path):
     failing rank aborts its process groups: the job ends in seconds, the log names the rank and
     the instruction."""
     from launch import launch
-    rc, log, secs = launch(4, tmp_path, "--stages", 2, "--steps", 50, "--engines", "zb-h1", "--crash-rank", 1,
-                           "--crash-in-handler", timeout=150)
+
+    rc, log, secs = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--steps",
+        50,
+        "--engines",
+        "zb-h1",
+        "--crash-rank",
+        1,
+        "--crash-in-handler",
+        timeout=150,
+    )
     assert rc != 0
     assert secs < 90, f"job took {secs:.0f}s to exit after a rank failed in a handler"
     assert "hippie-ds: rank 1 failed in stage 1's BackwardInputPass" in log, log[-3000:]

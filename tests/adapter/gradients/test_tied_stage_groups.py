@@ -1,5 +1,6 @@
 """What the engine tells the simulator of a model's tied modules (``Costs.tied_groups``, for the
 'auto' choices): the stages that hold each, in DeepSpeed's key order. No processes."""
+
 from types import SimpleNamespace
 
 import torch

@@ -4,6 +4,7 @@ method of the same name (Megatron's ``ColumnParallelLinear``: ``bias.stride = st
 call hippie-ds makes on a user's parameter or activation goes through ``torch.Tensor``
 (hippie_ds/adapter/module/tensor_calls.py says why). The sweep is checked here over the source; the model
 that carries Megatron's attributes trains under every schedule in tests/real_clients/test_user_model_code.py."""
+
 import ast
 from pathlib import Path
 
@@ -30,9 +31,13 @@ def test_no_tensor_method_is_called_on_a_user_tensor_by_attribute():
     found = []
     for f in _torch_modules():
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in TENSOR_METHODS and isinstance(node.func.value, ast.Name) and \
-                    node.func.value.id in USER_TENSOR_NAMES:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in TENSOR_METHODS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in USER_TENSOR_NAMES
+            ):
                 found.append(f"{f.relative_to(PACKAGE.parent)}:{node.lineno}: {node.func.value.id}.{node.func.attr}()")
     assert not found, "call these through torch.Tensor (hippie_ds/adapter/module/tensor_calls.py):\n" + "\n".join(found)
 
@@ -47,8 +52,7 @@ def test_the_sweep_covers_the_modules_that_touch_tensors():
 
 
 def _megatron_param(shape, strides=None):
-    p = torch.nn.Parameter(torch.randn(shape) if strides is None else
-                           torch.empty_strided(shape, strides).normal_())
+    p = torch.nn.Parameter(torch.randn(shape) if strides is None else torch.empty_strided(shape, strides).normal_())
     p.stride, p.partition_dim, p.partition_stride = 1, 0, 1  # ColumnParallelLinear's bias
     p.tensor_model_parallel, p.sequence_parallel, p.shared, p.main_grad = False, False, False, None
     return p

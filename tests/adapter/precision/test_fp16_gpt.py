@@ -14,6 +14,7 @@ loss fell from 3.466 to 3.441 by step 9, then rose to 3.445 at step 20 (stock fp
 once per batch, at its last update, by whether any of the batch's updates overflowed
 (hippie_ds/adapter/precision/fp16_async.py), and the fp16 reference follows (reference_fp16.Fp16Async).
 """
+
 import math
 from pathlib import Path
 
@@ -32,16 +33,38 @@ FUSED_SYNC = ["1f1b+fp16+fused", "zb-h1+fp16+fused"]
 FUSED_OTHERS = ["hippie+fp16+fused", "2bw+fp16+fused", "pipedream+fp16+fused"]
 # fp16 + ZeRO-1 (DeepSpeedZeroOptimizer, which scales the loss) with the tied embedding; "+ovfS.T": stage S's first
 # gradient (the word embedding's on stage 0) infinite in call T
-ZERO = ["stock+fp16+zero1", "1f1b+fp16+zero1", "2bw+fp16+zero1", "pipedream+fp16+zero1", "2bw+fp16+zero1+ovf0.5",
-        "pipedream+fp16+zero1+ovf1.5"]
+ZERO = [
+    "stock+fp16+zero1",
+    "1f1b+fp16+zero1",
+    "2bw+fp16+zero1",
+    "pipedream+fp16+zero1",
+    "2bw+fp16+zero1+ovf0.5",
+    "pipedream+fp16+zero1+ovf1.5",
+]
 ENGINES = TRAINS + ["stock+fp16+fused"] + FUSED_SYNC + FUSED_OTHERS + ZERO
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-gpt")
-    rc, log, _ = launch(4, out, "--stages", 2, "--steps", STEPS, "--power", POWER, "--window", WINDOW,
-                        "--micro-batches", MICRO_BATCHES, "--engines", ",".join(ENGINES), worker=WORKER, timeout=600)
+    rc, log, _ = launch(
+        4,
+        out,
+        "--stages",
+        2,
+        "--steps",
+        STEPS,
+        "--power",
+        POWER,
+        "--window",
+        WINDOW,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--engines",
+        ",".join(ENGINES),
+        worker=WORKER,
+        timeout=600,
+    )
     assert rc == 0, log[-5000:]
     return out
 
@@ -68,8 +91,11 @@ def test_pipedream_in_fp16_trains_the_right_way(trained):
     assert stock16[-1] < stock16[0] - 0.3  # stock fp16 falls
     assert pipe16[-1] <= stock16[-1]
     assert sum(pipe16[-5:]) / 5 < 0.5 * sum(pipe16[5:10]) / 5  # still falling in the second half
-    scales = {(r["skipped_steps"], r["loss_scale"]) for name in ("stock+fp16", "pipedream+fp16")
-              for r in _ranks(trained, name)}
+    scales = {
+        (r["skipped_steps"], r["loss_scale"])
+        for name in ("stock+fp16", "pipedream+fp16")
+        for r in _ranks(trained, name)
+    }
     assert scales == {(0, 2.0 ** (POWER + (STEPS - 1) // WINDOW))}, scales  # nothing overflows: it only grows
 
 
@@ -123,8 +149,9 @@ def test_zero1_with_the_tied_embedding(trained):
         assert all(torch.equal(c, copies[0]) for c in copies), name
         assert len({(r["skipped_steps"], r["loss_scale"]) for r in ranks}) == 1, name
         losses = _losses(trained, name)
-        print(name, [round(x, 3) for x in losses], "skipped", ranks[0]["skipped_steps"], "scale",
-              ranks[0]["loss_scale"])
+        print(
+            name, [round(x, 3) for x in losses], "skipped", ranks[0]["skipped_steps"], "scale", ranks[0]["loss_scale"]
+        )
         assert all(math.isfinite(x) for x in losses) and losses[-1] < first - 0.3, name
         if "+ovf" in name:
             assert ranks[0]["skipped_steps"] > _ranks(trained, name.split("+ovf")[0])[0]["skipped_steps"], name

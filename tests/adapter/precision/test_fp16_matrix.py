@@ -16,6 +16,7 @@ Wrappers: ``+fp16`` a torch optimizer (FP16_UnfusedOptimizer), ``+fp16+fused`` `
   FusedAdam step on a flat master; Fp16Zero), overflows injected. 2bw and pipedream: every cell in
   tests/adapter/precision/test_fp16_async.py.
 """
+
 import pytest
 import torch
 
@@ -33,14 +34,23 @@ WRAPPERS = {"unfused": "+fp16", "fused": "+fp16+fused", "zero1": "+fp16+zero1"}
 # (wrapper, model) cells of the synchronous schedules held here; the model suffix: "+tied+attrs" or "+attrs"
 SYNC_CELLS = [("unfused", "+tied+attrs"), ("fused", "+tied+attrs"), ("zero1", "+tied+attrs"), ("fused", "+attrs")]
 # the hippie family's cells not in test_fp16_per_stage.py: engine -> injected overflows {(batch, stage)}
-DELAYED = {"hippie-1f1b+attrs+fp16+fused": (), "hippie-interleaved+attrs+fp16+ovf1.1": {(1, 1)},
-           "hippie-interleaved+attrs+fp16+fused": (), "hippie-interleaved+attrs+fp16+zero1+p12": (),
-           "hippie-1f1b+tied+attrs+fp16": (), "hippie-1f1b+tied+attrs+fp16+fused": (),
-           "hippie+tied+attrs+fp16+zero1+p12+ovf1.1": {(1, 1)}, "hippie-zb+tied+attrs+fp16+zero1+p12": (),
-           "hippie-interleaved+tied+attrs+fp16": (), "hippie-interleaved+tied+attrs+fp16+fused+ovf0.2": {(2, 0)},
-           "hippie-interleaved+tied+attrs+fp16+zero1+p12": (), "hippie-zb+tied+attrs+fp16+fused": (),
-           "hippie-1f1b+attrs+fp16+zero1+p12": (), "hippie-1f1b+tied+attrs+fp16+zero1+p12+ovf0.2": {(2, 0)}}
-ZB_V_TIED = 2 ** -10  # zb-v's one tied parameter: another sum order (measured 1.2e-4 unfused and fused, 0 with ZeRO-1)
+DELAYED = {
+    "hippie-1f1b+attrs+fp16+fused": (),
+    "hippie-interleaved+attrs+fp16+ovf1.1": {(1, 1)},
+    "hippie-interleaved+attrs+fp16+fused": (),
+    "hippie-interleaved+attrs+fp16+zero1+p12": (),
+    "hippie-1f1b+tied+attrs+fp16": (),
+    "hippie-1f1b+tied+attrs+fp16+fused": (),
+    "hippie+tied+attrs+fp16+zero1+p12+ovf1.1": {(1, 1)},
+    "hippie-zb+tied+attrs+fp16+zero1+p12": (),
+    "hippie-interleaved+tied+attrs+fp16": (),
+    "hippie-interleaved+tied+attrs+fp16+fused+ovf0.2": {(2, 0)},
+    "hippie-interleaved+tied+attrs+fp16+zero1+p12": (),
+    "hippie-zb+tied+attrs+fp16+fused": (),
+    "hippie-1f1b+attrs+fp16+zero1+p12": (),
+    "hippie-1f1b+tied+attrs+fp16+zero1+p12+ovf0.2": {(2, 0)},
+}
+ZB_V_TIED = 2**-10  # zb-v's one tied parameter: another sum order (measured 1.2e-4 unfused and fused, 0 with ZeRO-1)
 
 
 def _sync_names(wrapper, model):
@@ -51,9 +61,27 @@ def _sync_names(wrapper, model):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-matrix")
     engines = [n for cell in SYNC_CELLS for n in _sync_names(*cell)] + list(DELAYED)
-    rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "AdamW", "--lr", LR, "--clip", CLIP, "--deferred-layers", "default", "--engines",
-                        ",".join(engines), timeout=1500)
+    rc, log, _ = launch(
+        4,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--deferred-layers",
+        "default",
+        "--engines",
+        ",".join(engines),
+        timeout=1500,
+    )
     assert rc == 0, log[-5000:]
     return out
 
@@ -107,16 +135,36 @@ def test_delayed_schedules_equal_their_fp16_rule(trained, name):
     stages = reference.interleaved_stages(parts, 2) if name.startswith("hippie-interleaved") else parts
     # hippie.deferred_layers' default ("untied"): stage 0's first layer with parameters not tied to another stage
     layers = {0: 3} if tied else {0: 1}
-    ref, ref_losses = reference.run(stages, 2, MICRO_BATCHES, STEPS, deferred=[0], delayed_layers=layers, tied=tied,
-                                    untied=tied, staleness=StalenessConfig(), optimizer="AdamW", lr=LR, clip=CLIP,
-                                    precision=precision)
+    ref, ref_losses = reference.run(
+        stages,
+        2,
+        MICRO_BATCHES,
+        STEPS,
+        deferred=[0],
+        delayed_layers=layers,
+        tied=tied,
+        untied=tied,
+        staleness=StalenessConfig(),
+        optimizer="AdamW",
+        lr=LR,
+        clip=CLIP,
+        precision=precision,
+    )
     diff = _max_diff(ours, ref)
     print(f"{name}: |ours - reference| = {diff:.3g}, history {precision.loss_scale.history}")
     assert diff == 0.0, f"{name}: differs from its fp16 reference by {diff}"
-    sync, _ = reference.run(stages, 2, MICRO_BATCHES, STEPS, tied=tied, optimizer="AdamW", lr=LR, clip=CLIP,
-                            precision=kind(reference_fp16.LossScale(12 if zero else POWER, WINDOW),
-                                           overflow_at=DELAYED[name]))
-    assert _max_diff(sync, ref) > 2 ** -10  # the delayed rule is told apart from the synchronous one
+    sync, _ = reference.run(
+        stages,
+        2,
+        MICRO_BATCHES,
+        STEPS,
+        tied=tied,
+        optimizer="AdamW",
+        lr=LR,
+        clip=CLIP,
+        precision=kind(reference_fp16.LossScale(12 if zero else POWER, WINDOW), overflow_at=DELAYED[name]),
+    )
+    assert _max_diff(sync, ref) > 2**-10  # the delayed rule is told apart from the synchronous one
     skipped = sum(skip for _, skip in precision.loss_scale.history)
     assert skipped == len(DELAYED[name])
     ranks = _ranks(trained, name)
@@ -134,9 +182,22 @@ def test_pipedream_at_three_stages_is_refused_on_every_rank(tmp_path, wrapper):
     """The one refusal left (docs/precision.md: the vote order): pipedream in fp16 at 3
     stages, on the tied model with Megatron's attributes, under each wrapper, on every rank before any
     collective, naming the stage that would wait for a later decision."""
-    rc, log, _ = launch(3, tmp_path, "--stages", 3, "--micro-batches", MICRO_BATCHES, "--optimizer", "AdamW",
-                        "--engines", f"pipedream+tied+attrs{WRAPPERS[wrapper]}", "--refusal-barrier", timeout=300)
+    rc, log, _ = launch(
+        3,
+        tmp_path,
+        "--stages",
+        3,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--optimizer",
+        "AdamW",
+        "--engines",
+        f"pipedream+tied+attrs{WRAPPERS[wrapper]}",
+        "--refusal-barrier",
+        timeout=300,
+    )
     assert rc != 0
     message = "cannot be waited for in time: stage 2 needs the overflow decision"
-    assert sum(f"rank {r} refused: " in line and message in line for r in range(3) for line in log.splitlines()) == 3, \
+    assert sum(f"rank {r} refused: " in line and message in line for r in range(3) for line in log.splitlines()) == 3, (
         log[-3000:]
+    )

@@ -11,6 +11,7 @@ same updates and ends at the same loss scale on every rank; a run resumed from a
 mid-way (the loss scaler's state and the buffered gradient in it) too, and ``drain()``'s update
 (``+flush``: every rank votes; the deferred stage applies its last buffer, its in-step layers unmoved).
 """
+
 import pytest
 import torch
 
@@ -25,30 +26,44 @@ pytestmark = pytest.mark.distributed
 STEPS, MICRO_BATCHES, LR, CLIP = 4, 4, 0.01, 0.5
 POWER, WINDOW = 20, 2  # train_worker's "+fp16": initial_scale_power 20, loss_scale_window 2
 # (engine, {(batch, stage)} overflowed); ckpt2: saved after 2 steps, resumed in a fresh engine
-ENGINES = {"hippie+fp16": (), "hippie+fp16+ovf1.1": {(1, 1)}, "hippie+fp16+ovf0.1": {(1, 0)},
-           "hippie-1f1b+fp16+ovf1.2": {(2, 1)}, "hippie-zb+fp16+ovf0.2": {(2, 0)},
-           "hippie+fp16+ckpt2+ovf1.2": {(2, 1)}, "hippie+fp16+flush": (), "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)},
-           # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer
-           "hippie+fp16+fused+ovf1.1": {(1, 1)}, "hippie-zb+fp16+fused+flush+ovf0.2": {(2, 0)},
-           "hippie+fp16+fused+ckpt2": ()}
+ENGINES = {
+    "hippie+fp16": (),
+    "hippie+fp16+ovf1.1": {(1, 1)},
+    "hippie+fp16+ovf0.1": {(1, 0)},
+    "hippie-1f1b+fp16+ovf1.2": {(2, 1)},
+    "hippie-zb+fp16+ovf0.2": {(2, 0)},
+    "hippie+fp16+ckpt2+ovf1.2": {(2, 1)},
+    "hippie+fp16+flush": (),
+    "hippie-1f1b+fp16+flush+ovf0.3": {(3, 0)},
+    # "optimizer": {"type": "Adam"}: DeepSpeed's fused Adam in FP16_Optimizer
+    "hippie+fp16+fused+ovf1.1": {(1, 1)},
+    "hippie-zb+fp16+fused+flush+ovf0.2": {(2, 0)},
+    "hippie+fp16+fused+ckpt2": (),
+}
 INTERLEAVED = "hippie-interleaved+fp16+ovf1.1"
 # ZeRO-1 as written (DeepSpeedZeroOptimizer), which scales the loss: from 2**12 (no overflow of the scaled
 # loss, the scale doubles every 2 updates) a deferred stage's buffer is applied after the scale changed,
 # multiplied by S(now)/S(then) (GradStore.rescale); engine -> overflows
-ZERO = {"hippie+fp16+zero1+p12": (), "hippie+fp16+zero1+p12+ovf1.1": {(1, 1)},
-        "hippie-zb+fp16+zero1+p12+ovf0.2": {(2, 0)}, "hippie+fp16+zero1+p12+ckpt2": ()}
+ZERO = {
+    "hippie+fp16+zero1+p12": (),
+    "hippie+fp16+zero1+p12+ovf1.1": {(1, 1)},
+    "hippie-zb+fp16+zero1+p12+ovf0.2": {(2, 0)},
+    "hippie+fp16+zero1+p12+ckpt2": (),
+}
 # the tied model (an embedding on stage 0 tied to the head on stage 1): engine -> (deferred stages, their
 # delayed layers, "untied" rule, overflows). "+dl1" delays the tied weight (stage 1 then delays its copy
 # only); the default ("untied") delays stage 0's first untied layer. The holders clip by their joint norm,
 # reduced once (fp16_stage.Fp16Votes.joint_norm).
-TIED = {"hippie+fp16+tied+attrs+dl1": ([0, 1], {0: 1, 1: 0}, False, ()),
-        "hippie+fp16+tied+attrs": ([0], {0: 3}, True, ()),
-        "hippie-zb+fp16+tied+attrs+dl1+ovf1.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 1)}),
-        "hippie+fp16+fused+tied+attrs+dl1+ovf0.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 0)}),
-        # fp16 + ZeRO-1 (from 2**12) with the tied module, both holders deferring it: the buffers rescaled
-        "hippie+fp16+zero1+p12+tied+attrs+dl1+ovf0.2": ([0, 1], {0: 1, 1: 0}, False, {(2, 0)})}
+TIED = {
+    "hippie+fp16+tied+attrs+dl1": ([0, 1], {0: 1, 1: 0}, False, ()),
+    "hippie+fp16+tied+attrs": ([0], {0: 3}, True, ()),
+    "hippie-zb+fp16+tied+attrs+dl1+ovf1.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 1)}),
+    "hippie+fp16+fused+tied+attrs+dl1+ovf0.1": ([0, 1], {0: 1, 1: 0}, False, {(1, 0)}),
+    # fp16 + ZeRO-1 (from 2**12) with the tied module, both holders deferring it: the buffers rescaled
+    "hippie+fp16+zero1+p12+tied+attrs+dl1+ovf0.2": ([0, 1], {0: 1, 1: 0}, False, {(2, 0)}),
+}
 # how far the rules are told apart (one fp16 unit at |w| < 1 is 2**-11); each run equals its own rule to 0
-FP16_TOLERANCE = 2 ** -10
+FP16_TOLERANCE = 2**-10
 
 
 def _fp16(name, power=POWER, overflows=()):
@@ -67,9 +82,27 @@ def _max_diff(a, b):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-per-stage")
-    rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "AdamW", "--lr", LR, "--clip", CLIP, "--deferred-layers", "default", "--engines",
-                        ",".join([*ENGINES, INTERLEAVED, *TIED, *ZERO]), timeout=900)
+    rc, log, _ = launch(
+        4,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--deferred-layers",
+        "default",
+        "--engines",
+        ",".join([*ENGINES, INTERLEAVED, *TIED, *ZERO]),
+        timeout=900,
+    )
     assert rc == 0, log[-4000:]
     return out
 
@@ -86,17 +119,29 @@ def test_one_overflow_decision_per_update_matches_the_rule(trained, name):
 
     def rule(deferred_stages):
         precision = _fp16(name, overflows=ENGINES[name])
-        layers, ref_losses = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred_stages,
-                                           delayed_layers={s: 1 for s in deferred_stages},
-                                           staleness=StalenessConfig(), optimizer="AdamW", lr=LR, clip=CLIP,
-                                           precision=precision, flush="flush" in name)
+        layers, ref_losses = reference.run(
+            parts,
+            2,
+            MICRO_BATCHES,
+            STEPS,
+            deferred=deferred_stages,
+            delayed_layers={s: 1 for s in deferred_stages},
+            staleness=StalenessConfig(),
+            optimizer="AdamW",
+            lr=LR,
+            clip=CLIP,
+            precision=precision,
+            flush="flush" in name,
+        )
         return layers, ref_losses, precision.loss_scale
 
     ref, ref_losses, scale = rule(deferred)
     sync, _, _ = rule(())
     diff = _max_diff(ours, ref)
-    print(f"{name}: |ours - reference| = {diff:.3g}, synchronous rule {_max_diff(sync, ref):.3g}, "
-          f"skipped {[u for u, skip in scale.history if skip]}, scale {scale.scale}")
+    print(
+        f"{name}: |ours - reference| = {diff:.3g}, synchronous rule {_max_diff(sync, ref):.3g}, "
+        f"skipped {[u for u, skip in scale.history if skip]}, scale {scale.scale}"
+    )
     assert diff == 0, f"{name}: differs from its fp16 reference by {diff}"
     assert _max_diff(sync, ref) > FP16_TOLERANCE  # the rule is told apart (after a drain: 1.5x)
     assert sum(skip for _, skip in scale.history) == len(ENGINES[name])  # an overflow skips one update
@@ -104,7 +149,7 @@ def test_one_overflow_decision_per_update_matches_the_rule(trained, name):
     for r in _ranks(trained, name):  # every rank: the same decisions, the same scale
         assert (r["skipped_steps"], r["loss_scale"]) == (skipped, scale.scale), (r["stage"], r["replica"])
         if r["losses"]:
-            assert r["losses"] == pytest.approx(ref_losses, rel=2 ** -9)  # the loss is an fp16 value
+            assert r["losses"] == pytest.approx(ref_losses, rel=2**-9)  # the loss is an fp16 value
     for i in replicas[0]:
         for k, v in replicas[0][i].items():
             assert torch.equal(replicas[1][i][k], v), (name, i, k)
@@ -113,7 +158,7 @@ def test_one_overflow_decision_per_update_matches_the_rule(trained, name):
 def test_virtual_stages_take_the_same_decision_on_every_rank(trained):
     """hippie-interleaved: an overflow in stage 1's chunk skips the update on every rank."""
     ranks = _ranks(trained, INTERLEAVED)
-    assert {(r["skipped_steps"], r["loss_scale"]) for r in ranks} == {(1, 2.0 ** POWER / 2)}
+    assert {(r["skipped_steps"], r["loss_scale"]) for r in ranks} == {(1, 2.0**POWER / 2)}
     assert all(all(torch.isfinite(torch.tensor(r["losses"]))) for r in ranks if r["losses"])
 
 
@@ -130,11 +175,26 @@ def test_tied_module_under_one_overflow_decision(trained, name):
     copies = [r["tied"]["tied"]["weight"] for r in ranks]
     assert all(torch.equal(c, copies[0]) for c in copies)
     zero = "+zero1" in name
-    precision = reference_fp16.Fp16Zero(reference_fp16.LossScale(12, WINDOW), overflow_at=overflows) if zero else \
-        _fp16(name, overflows=overflows)
-    ref, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, delayed_layers=layers, tied=True,
-                           untied=untied, staleness=StalenessConfig(), optimizer="AdamW", lr=LR, clip=CLIP,
-                           precision=precision)
+    precision = (
+        reference_fp16.Fp16Zero(reference_fp16.LossScale(12, WINDOW), overflow_at=overflows)
+        if zero
+        else _fp16(name, overflows=overflows)
+    )
+    ref, _ = reference.run(
+        parts,
+        2,
+        MICRO_BATCHES,
+        STEPS,
+        deferred=deferred,
+        delayed_layers=layers,
+        tied=True,
+        untied=untied,
+        staleness=StalenessConfig(),
+        optimizer="AdamW",
+        lr=LR,
+        clip=CLIP,
+        precision=precision,
+    )
     diff = _max_diff(ours, ref)
     assert diff == 0, f"{name}: differs from its fp16 reference by {diff}"
     assert torch.equal(copies[0], ref[0]["weight"].float())
@@ -153,9 +213,19 @@ def test_zero1_scales_the_loss_and_the_buffer(trained, name):
 
     def rule(zero_class, deferred_stages):
         precision = zero_class(reference_fp16.LossScale(12, WINDOW), overflow_at=ZERO[name])
-        layers, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred_stages,
-                                  delayed_layers={s: 1 for s in deferred_stages}, staleness=StalenessConfig(),
-                                  optimizer="AdamW", lr=LR, clip=CLIP, precision=precision)
+        layers, _ = reference.run(
+            parts,
+            2,
+            MICRO_BATCHES,
+            STEPS,
+            deferred=deferred_stages,
+            delayed_layers={s: 1 for s in deferred_stages},
+            staleness=StalenessConfig(),
+            optimizer="AdamW",
+            lr=LR,
+            clip=CLIP,
+            precision=precision,
+        )
         return layers, precision.loss_scale
 
     class NoRescale(reference_fp16.Fp16Zero):
@@ -164,9 +234,11 @@ def test_zero1_scales_the_loss_and_the_buffer(trained, name):
 
     ref, scale = rule(reference_fp16.Fp16Zero, deferred)
     diff = _max_diff(ours, ref)
-    print(f"{name}: |ours - reference| = {diff:.3g}, without the rescale "
-          f"{_max_diff(rule(NoRescale, deferred)[0], ref):.3g}, synchronous "
-          f"{_max_diff(rule(reference_fp16.Fp16Zero, ())[0], ref):.3g}, history {scale.history}")
+    print(
+        f"{name}: |ours - reference| = {diff:.3g}, without the rescale "
+        f"{_max_diff(rule(NoRescale, deferred)[0], ref):.3g}, synchronous "
+        f"{_max_diff(rule(reference_fp16.Fp16Zero, ())[0], ref):.3g}, history {scale.history}"
+    )
     assert diff == 0, f"{name}: differs from its fp16 + ZeRO-1 reference by {diff}"
     if name != "hippie-zb+fp16+zero1+p12+ovf0.2":  # there the rescaled buffer is the skipped update's
         assert _max_diff(rule(NoRescale, deferred)[0], ref) > FP16_TOLERANCE

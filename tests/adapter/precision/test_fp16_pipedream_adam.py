@@ -11,6 +11,7 @@ the gradient on Megatron-DeepSpeed's GPT, the weights shrank and the loss rose t
 iteration 20, fp32 3.46). Its micro-batch updates now unscale by 1 (fp16_async.py): the fp32 rule's
 gradient in fp16.
 """
+
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,35 @@ def _losses(out, name):
 
 
 def test_pipedream_fp16_under_torch_adam_falls_as_fp32_does(tmp_path):
-    rc, log, _ = launch(4, tmp_path, "--stages", 2, "--steps", STEPS, "--micro-batches", MICRO_BATCHES, "--lr", LR,
-                        "--window", 1000, "--engines", ",".join(ENGINES), worker=WORKER, timeout=300)
+    rc, log, _ = launch(
+        4,
+        tmp_path,
+        "--stages",
+        2,
+        "--steps",
+        STEPS,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--lr",
+        LR,
+        "--window",
+        1000,
+        "--engines",
+        ",".join(ENGINES),
+        worker=WORKER,
+        timeout=300,
+    )
     assert rc == 0, log[-5000:]
     pipe32, _ = _losses(tmp_path, "pipedream+adam")
     pipe16, ranks = _losses(tmp_path, "pipedream+fp16+adam")
     stock16, _ = _losses(tmp_path, "stock+fp16+adam")
-    print({"pipedream fp32": [round(x, 3) for x in pipe32], "pipedream fp16": [round(x, 3) for x in pipe16],
-           "stock fp16": [round(x, 3) for x in stock16]})
+    print(
+        {
+            "pipedream fp32": [round(x, 3) for x in pipe32],
+            "pipedream fp16": [round(x, 3) for x in pipe16],
+            "stock fp16": [round(x, 3) for x in stock16],
+        }
+    )
     assert pipe32[-1] < pipe32[0] - 0.5  # the premise: fp32 learns
     assert pipe16[-1] < pipe16[0] - 0.5, "pipedream fp16 does not fall"
     assert abs(pipe16[-1] - pipe32[-1]) < 0.1 * (pipe32[0] - pipe32[-1]), "pipedream fp16 does not follow fp32"

@@ -11,6 +11,7 @@ ranks: 2 stages x 2 replicas, the ``deepspeed`` launcher, gloo.
 What the configurations that cannot run say is in tests/config/test_config.py (pure) and
 ``test_refused_on_every_rank`` below (real ranks).
 """
+
 import json
 
 import pytest
@@ -37,7 +38,7 @@ ENGINES = ",".join(("stock",) + SYNCHRONOUS + DEFERRED + tuple(CONTINUOUS))
 # difference can flip the bf16 rounding of a weight by one unit: 2**-8 is one bf16 unit in the
 # last place at |w| in [0.5, 1) and two below (the tiny model's weights are under 1). Measured:
 # 0 to 2**-9. The rules differ from one another by 4x to 15x more (asserted below).
-BF16_TOLERANCE = 2 ** -8
+BF16_TOLERANCE = 2**-8
 
 
 def _max_diff(a, b):
@@ -53,8 +54,11 @@ def _assert_equal(a, b, what):
 # the 2-stage variants train in one launch (CI time), each engine name with its variant's options:
 # id -> (engine suffix, ZeRO stage); "immediate": DeepSpeed's immediate_grad_update (its hooks move each
 # gradient into the accumulator during the backward, where hippie-ds's early all-reduce hook runs too)
-VARIANTS = {"2x2-bf16": ("+bf16", 0), "2x2-bf16+zero1": ("+bf16+zero1", 1),
-            "2x2-bf16+zero1-immediate": ("+bf16+zero1+immediate", 1)}
+VARIANTS = {
+    "2x2-bf16": ("+bf16", 0),
+    "2x2-bf16+zero1": ("+bf16+zero1", 1),
+    "2x2-bf16+zero1-immediate": ("+bf16+zero1+immediate", 1),
+}
 
 
 # saved after 2 steps and resumed in a fresh engine, in the 2-stage launch (test_checkpoint_resume_in_bf16_zero1)
@@ -63,9 +67,29 @@ RESUMED = tuple(f"{n}+bf16+zero1+ckpt2" for n in ("hippie", "hippie-zb", "2bw", 
 
 def _bf16_launch(out, stages, suffixes, extra=(), more=()):
     engines = ",".join([name + suffix for suffix in suffixes for name in ENGINES.split(",")] + list(more))
-    rc, log, _ = launch(2 * stages, out, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
-                        "--engines", engines, *extra, "--optimizer", "AdamW", "--lr", LR,
-                        "--clip", CLIP, "--deferred-layers", "default", "--drain", timeout=900)
+    rc, log, _ = launch(
+        2 * stages,
+        out,
+        "--stages",
+        stages,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--engines",
+        engines,
+        *extra,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--deferred-layers",
+        "default",
+        "--drain",
+        timeout=900,
+    )
     assert rc == 0, log[-4000:]
     return out
 
@@ -76,8 +100,9 @@ ADAM = ("2bw+bf16+adam", "2bw+bf16+zero1+adam", "hippie+bf16+zero1+adam")
 
 @pytest.fixture(scope="module")
 def bf16_2x2(tmp_path_factory):
-    return _bf16_launch(tmp_path_factory.mktemp("bf16-2x2"), 2, [suffix for suffix, _ in VARIANTS.values()],
-                        more=RESUMED + ADAM)
+    return _bf16_launch(
+        tmp_path_factory.mktemp("bf16-2x2"), 2, [suffix for suffix, _ in VARIANTS.values()], more=RESUMED + ADAM
+    )
 
 
 @pytest.mark.parametrize("variant", [*VARIANTS, "4x2-bf16+zero1"])
@@ -89,8 +114,10 @@ def test_every_schedule_in_bf16(request, tmp_path, variant):
     # DeepSpeed's bf16 (+ ZeRO-1) path, not its ZeRO optimizer
     for f in sorted((out / ("hippie" + suffix)).glob("rank*.pt")):
         saved = torch.load(f)
-        assert saved["optimizer"] == "BF16_Optimizer" and saved["partitions"] == [2], (saved["optimizer"],
-                                                                                       saved["partitions"])
+        assert saved["optimizer"] == "BF16_Optimizer" and saved["partitions"] == [2], (
+            saved["optimizer"],
+            saved["partitions"],
+        )
     precision = reference.Precision(bf16=True, accumulate=torch.float32 if zero else torch.bfloat16)
     collect_run = lambda name: collect(out, name + suffix)  # noqa: E731
     stock, stock_losses, parts, _, _ = collect_run("stock")
@@ -106,22 +133,31 @@ def test_every_schedule_in_bf16(request, tmp_path, variant):
         deferred = params["deferred_stages"]
         assert deferred == list(range(stages // 2))
         # the default rule: a deferred stage delays its first layer's gradient, the rest is applied in-step
-        ref, ref_losses = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, staleness=staleness,
-                                        delayed_layers={s: 1 for s in deferred}, **common)
+        ref, ref_losses = reference.run(
+            parts,
+            2,
+            MICRO_BATCHES,
+            STEPS,
+            deferred=deferred,
+            staleness=staleness,
+            delayed_layers={s: 1 for s in deferred},
+            **common,
+        )
         whole, _ = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, staleness=staleness, **common)
         diff = _max_diff(ours, ref)
-        print(f"{name} {stages}x2 bf16 zero={zero}: |ours - reference| = {diff:.3g}, sync {_max_diff(sync, ref):.3g}, "
-              f"whole stage {_max_diff(whole, ref):.3g}")
+        print(
+            f"{name} {stages}x2 bf16 zero={zero}: |ours - reference| = {diff:.3g}, sync {_max_diff(sync, ref):.3g}, "
+            f"whole stage {_max_diff(whole, ref):.3g}"
+        )
         assert diff <= BF16_TOLERANCE, f"{name}: differs from its bf16 reference by {diff}"
         assert _max_diff(sync, ref) > 2 * BF16_TOLERANCE and _max_diff(whole, ref) > 2 * BF16_TOLERANCE
         for rank_losses in losses.values():
             if rank_losses:
-                assert rank_losses == pytest.approx(ref_losses, rel=2 ** -6)  # the loss is a bf16 value
+                assert rank_losses == pytest.approx(ref_losses, rel=2**-6)  # the loss is a bf16 value
         _assert_equal(replicas[0], replicas[1], f"{name} replicas")
     for name, rule in CONTINUOUS.items():
         ours, _, _, _, replicas = collect_run(name)
-        ref, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **common,
-                      **({"staleness": staleness} if name == "2bw" else {}))
+        ref, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **common, **({"staleness": staleness} if name == "2bw" else {}))
         diff = _max_diff(ours, ref)
         print(f"{name} {stages}x2 bf16 zero={zero}: |ours - reference| = {diff:.3g}, sync {_max_diff(sync, ref):.3g}")
         assert diff <= BF16_TOLERANCE, f"{name}: differs from its bf16 reference by {diff}"
@@ -141,13 +177,24 @@ def test_adam_correction_in_bf16(bf16_2x2):
         ours, _, parts, params, replicas = collect(bf16_2x2, name)
         common = dict(optimizer="AdamW", lr=LR, clip=CLIP, precision=precision)
         if name.startswith("2bw"):
-            rule = lambda staleness: reference_async.run_2bw(parts, 2, MICRO_BATCHES, STEPS,  # noqa: E731
-                                                             staleness=staleness, **common)[0]
+
+            def rule(staleness):
+                return reference_async.run_2bw(parts, 2, MICRO_BATCHES, STEPS, staleness=staleness, **common)[0]
         else:
             deferred = params["deferred_stages"]
-            rule = lambda staleness: reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred,  # noqa: E731
-                                                   delayed_layers={s: 1 for s in deferred}, staleness=staleness,
-                                                   **common)[0]
+
+            def rule(staleness, deferred=deferred):
+                return reference.run(
+                    parts,
+                    2,
+                    MICRO_BATCHES,
+                    STEPS,
+                    deferred=deferred,
+                    delayed_layers={s: 1 for s in deferred},
+                    staleness=staleness,
+                    **common,
+                )[0]
+
         ref, extrapolate = rule(StalenessConfig(method="adam")), rule(StalenessConfig(method="extrapolate"))
         diff = _max_diff(ours, ref)
         print(f"{name}: |ours - reference| = {diff:.3g}, extrapolate's rule {_max_diff(extrapolate, ref):.3g}")
@@ -170,16 +217,36 @@ def test_checkpoint_resume_in_bf16_zero1(bf16_2x2):
         assert any((bf16_2x2 / resumed_name / "ckpt").iterdir())
 
 
-@pytest.mark.parametrize("override,message", [
-    # fp16 runs the hippie family (tests/adapter/precision/test_fp16_per_stage.py), not on ZeRO-1 with overlap_comm
-    ({"deepspeed": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 1, "overlap_comm": True},
-                    "zero_allow_untested_optimizer": True}}, 'config key "fp16.enabled" = true: schedule \'hippie\''),
-    ({"deepspeed": {"zero_optimization": {"stage": 1, "overlap_comm": True}, "zero_allow_untested_optimizer": True}},
-     'config key "zero_optimization.stage" = 1 without bf16: schedule \'hippie\''),
-    # the adam staleness correction reads Adam's moments: SGD (the worker's default) is refused
-    ({"staleness": {"method": "adam"}}, 'config key "hippie.staleness.method" = "adam": the config\'s '
-                                        '"optimizer.type" is \'SGD\''),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        # fp16 runs the hippie family (tests/adapter/precision/test_fp16_per_stage.py), not on ZeRO-1 with overlap_comm
+        (
+            {
+                "deepspeed": {
+                    "fp16": {"enabled": True},
+                    "zero_optimization": {"stage": 1, "overlap_comm": True},
+                    "zero_allow_untested_optimizer": True,
+                }
+            },
+            'config key "fp16.enabled" = true: schedule \'hippie\'',
+        ),
+        (
+            {
+                "deepspeed": {
+                    "zero_optimization": {"stage": 1, "overlap_comm": True},
+                    "zero_allow_untested_optimizer": True,
+                }
+            },
+            'config key "zero_optimization.stage" = 1 without bf16: schedule \'hippie\'',
+        ),
+        # the adam staleness correction reads Adam's moments: SGD (the worker's default) is refused
+        (
+            {"staleness": {"method": "adam"}},
+            'config key "hippie.staleness.method" = "adam": the config\'s "optimizer.type" is \'SGD\'',
+        ),
+    ],
+)
 def test_refused_on_every_rank(tmp_path, override, message):
     """A configuration hippie-ds cannot run fails on every rank before any collective, in one line. Each
     rank prints its refusal, then waits for the others before it exits (``--refusal-barrier``), and each
@@ -187,8 +254,18 @@ def test_refused_on_every_rank(tmp_path, override, message):
     the message in the output (which also a single rank could reach twice) depended on which rank
     exited first (once seen with one count, under load; not reproduced in 11 runs nor with rank 1
     slowed by 3 s)."""
-    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--engines", "hippie", "--refusal-barrier", "--schedule-override",
-                        json.dumps(override), timeout=400)
+    rc, log, _ = launch(
+        2,
+        tmp_path,
+        "--stages",
+        2,
+        "--engines",
+        "hippie",
+        "--refusal-barrier",
+        "--schedule-override",
+        json.dumps(override),
+        timeout=400,
+    )
     assert rc != 0
     refused = {r for r in range(2) for line in log.splitlines() if f"rank {r} refused: " in line and message in line}
     assert refused == {0, 1}, log[-3000:]
@@ -209,14 +286,36 @@ def tied_launch(tmp_path_factory):
         if precision not in done:
             out = tmp_path_factory.mktemp(f"tied-{precision}")
             extra = ("--bf16", "--zero", 1) if precision == "bf16+zero1" else ()
-            engines = ("stock",) + SYNCHRONOUS + tuple(n + suffix for n in DEFERRED
-                                                       for *_, suffix in TIED_RULES.values())
-            rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--tied",
-                                "--engines", ",".join(engines), "--optimizer", "AdamW", "--lr", LR, "--clip", CLIP,
-                                "--deferred-layers", "default", *extra, timeout=900)
+            engines = (
+                ("stock",) + SYNCHRONOUS + tuple(n + suffix for n in DEFERRED for *_, suffix in TIED_RULES.values())
+            )
+            rc, log, _ = launch(
+                4,
+                out,
+                "--stages",
+                2,
+                "--micro-batches",
+                MICRO_BATCHES,
+                "--steps",
+                STEPS,
+                "--tied",
+                "--engines",
+                ",".join(engines),
+                "--optimizer",
+                "AdamW",
+                "--lr",
+                LR,
+                "--clip",
+                CLIP,
+                "--deferred-layers",
+                "default",
+                *extra,
+                timeout=900,
+            )
             assert rc == 0, log[-4000:]
             done[precision] = out
         return done[precision]
+
     return run
 
 
@@ -271,9 +370,20 @@ def test_tied_weights_under_per_stage_updates(tied_launch, precision):
             if bf16:
                 continue
             ours, losses, parts, _, _ = collect(out, name)
-            refs[rule] = reference.run(parts, 2, MICRO_BATCHES, STEPS, deferred=deferred, optimizer="AdamW", lr=LR,
-                                       clip=CLIP, staleness=StalenessConfig(), delayed_layers=layers, tied=True,
-                                       untied=rule == "untied")
+            refs[rule] = reference.run(
+                parts,
+                2,
+                MICRO_BATCHES,
+                STEPS,
+                deferred=deferred,
+                optimizer="AdamW",
+                lr=LR,
+                clip=CLIP,
+                staleness=StalenessConfig(),
+                delayed_layers=layers,
+                tied=True,
+                untied=rule == "untied",
+            )
             diff = _max_diff(ours, refs[rule][0])
             assert diff <= TIED_TOLERANCE, f"{name} {rule}: differs from the reference of its rule by {diff}"
             assert (copies[0] - refs[rule][0][0]["weight"]).abs().max() <= TIED_TOLERANCE
@@ -289,8 +399,11 @@ CONTINUOUS_TIED_TOLERANCE = 1e-6
 CONTINUOUS_TIED_CLIP = 0.05  # low enough that pipedream's per-micro-batch gradients are clipped too
 
 
-@pytest.mark.parametrize("stages,precision", [(2, "fp32"), (2, "bf16+zero1"), (4, "bf16+zero1")],
-                         ids=["2x2-fp32", "2x2-bf16+zero1", "4x2-bf16+zero1"])
+@pytest.mark.parametrize(
+    "stages,precision",
+    [(2, "fp32"), (2, "bf16+zero1"), (4, "bf16+zero1")],
+    ids=["2x2-fp32", "2x2-bf16+zero1", "4x2-bf16+zero1"],
+)
 def test_tied_weights_under_continuous_schedules(tmp_path, stages, precision):
     """2bw and pipedream with a module tied across the first and the last stage: the tie sum lags
     (one update; three for pipedream on 4 stages) and each holder clips its tied weights apart from the rest
@@ -301,11 +414,28 @@ def test_tied_weights_under_continuous_schedules(tmp_path, stages, precision):
     bf16 = precision == "bf16+zero1"
     extra = ("--bf16", "--zero", 1) if bf16 else ()
     engines = ",".join(n + suffix for n in CONTINUOUS for suffix in ("", "+ckpt2"))
-    rc, log, _ = launch(2 * stages, tmp_path, "--stages", stages, "--micro-batches", MICRO_BATCHES, "--steps", STEPS,
-                        "--tied", "--engines", engines, "--optimizer", "AdamW", "--lr", LR, "--clip",
-                        CONTINUOUS_TIED_CLIP,
-                        "--drain", *extra,
-                        timeout=420)
+    rc, log, _ = launch(
+        2 * stages,
+        tmp_path,
+        "--stages",
+        stages,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--tied",
+        "--engines",
+        engines,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CONTINUOUS_TIED_CLIP,
+        "--drain",
+        *extra,
+        timeout=420,
+    )
     assert rc == 0, log[-4000:]
     ref_precision = reference.Precision(bf16=True) if bf16 else reference.FP32
     tolerance = BF16_TOLERANCE if bf16 else CONTINUOUS_TIED_TOLERANCE
@@ -316,16 +446,24 @@ def test_tied_weights_under_continuous_schedules(tmp_path, stages, precision):
         for copy in copies[1:]:
             assert torch.equal(copy, copies[0]), f"{name} {stages}x2 {precision}: the tied copies differ"
         ours, losses, parts, _, _ = collect(tmp_path, name)
-        common = dict(optimizer="AdamW", lr=LR, clip=CONTINUOUS_TIED_CLIP, precision=ref_precision, tied=True,
-                      **({"staleness": StalenessConfig()} if name == "2bw" else {}))
+        common = dict(
+            optimizer="AdamW",
+            lr=LR,
+            clip=CONTINUOUS_TIED_CLIP,
+            precision=ref_precision,
+            tied=True,
+            **({"staleness": StalenessConfig()} if name == "2bw" else {}),
+        )
         lag = sum_lag(schedules.compile(name, stages, MICRO_BATCHES), [0, stages - 1])
         assert lag == (3 if (name, stages) == ("pipedream", 4) else 1)
         ref, ref_losses = rule(parts, 2, MICRO_BATCHES, STEPS, tie_lag=lag, **common)
         in_step, _ = rule(parts, 2, MICRO_BATCHES, STEPS, tie_lag=0, **common)
         unclipped, _ = rule(parts, 2, MICRO_BATCHES, STEPS, **{**common, "clip": 0.0})
         diff, gap, clipped = _max_diff(ours, ref), _max_diff(in_step, ref), _max_diff(unclipped, ref)
-        print(f"tied {name} {stages}x2 {precision}: |ours - reference| = {diff:.3g}, the in-step tie sum's rule "
-              f"{gap:.3g}, unclipped {clipped:.3g}")
+        print(
+            f"tied {name} {stages}x2 {precision}: |ours - reference| = {diff:.3g}, the in-step tie sum's rule "
+            f"{gap:.3g}, unclipped {clipped:.3g}"
+        )
         assert diff <= tolerance, f"tied {name} {precision}: differs from the reference of its rule by {diff}"
         assert (copies[0] - ref[0]["weight"]).abs().max() <= tolerance
         assert gap > 2 * tolerance, f"tied {name}: the lagged and the in-step tie sum differ by only {gap}"

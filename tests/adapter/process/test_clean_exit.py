@@ -1,6 +1,7 @@
 """The teardown abort ("terminate called without an active exception" at interpreter exit) and its
 workaround, hippie_ds/adapter/process/clean_exit.py: a gloo worker thread that takes the GIL after the
 interpreter began to finalize aborts the process; waiting for the workers at exit prevents it."""
+
 import ctypes
 import sys
 import threading
@@ -11,8 +12,10 @@ import pytest
 
 from hippie_ds.adapter.process import clean_exit
 
-linux_proc = pytest.mark.skipif(clean_exit._FUTEX is None or not Path("/proc/self/task").is_dir(),
-                                reason="reads /proc/self/task (Linux, x86-64 or aarch64)")
+linux_proc = pytest.mark.skipif(
+    clean_exit._FUTEX is None or not Path("/proc/self/task").is_dir(),
+    reason="reads /proc/self/task (Linux, x86-64 or aarch64)",
+)
 
 
 def _named_thread(target, name=clean_exit.WORKER_THREAD):
@@ -23,6 +26,7 @@ def _named_thread(target, name=clean_exit.WORKER_THREAD):
         ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
         ready.set()
         target()
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     ready.wait()
@@ -41,6 +45,7 @@ def test_a_worker_is_busy_until_it_parks_without_a_timeout():
     def work():
         gate.acquire(timeout=30)  # busy: a timed wait
         park.acquire()  # parked: an untimed wait
+
     t = _named_thread(work)
     assert not clean_exit.wait_for_collectives(timeout=0.3)
     assert clean_exit.busy_workers() == [str(t.native_id)]
@@ -67,11 +72,15 @@ def test_exit_waits_for_the_gloo_workers(tmp_path):
     interpreter's finalization and the rank aborts (250 from the launcher, as the CI's rare teardown
     aborts); with the wait hippie_ds.initialize registers, both ranks exit 0."""
     from launch import launch
+
     worker = Path(__file__).resolve().parents[2] / "distributed" / "exit_worker.py"
     with ThreadPoolExecutor(2) as pool:  # the two jobs side by side
-        plain, waited = pool.map(lambda args: launch(2, tmp_path / args[0], *args[1:], worker=worker, timeout=120,
-                                                     launcher="deepspeed"),  # processes as users start them: a
-                                 [("plain",), ("wait", "--wait")])  # forked rank's shorter exit may miss the race
+        plain, waited = pool.map(
+            lambda args: launch(
+                2, tmp_path / args[0], *args[1:], worker=worker, timeout=120, launcher="deepspeed"
+            ),  # processes as users start them: a
+            [("plain",), ("wait", "--wait")],
+        )  # forked rank's shorter exit may miss the race
     abort = "terminate called without an active exception"
     assert plain[0] != 0 and abort in plain[1], plain[1][-3000:]
     assert waited[0] == 0 and abort not in waited[1], waited[1][-3000:]
@@ -80,5 +89,6 @@ def test_exit_waits_for_the_gloo_workers(tmp_path):
 
 def test_shutdown_is_exported():
     import hippie_ds
+
     assert hippie_ds.shutdown.__module__ == "hippie_ds" and "shutdown" in hippie_ds.__all__
     assert sys.modules["hippie_ds.adapter.process.clean_exit"].shutdown is clean_exit.shutdown

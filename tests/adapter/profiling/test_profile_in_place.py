@@ -2,11 +2,18 @@
 and what is allowed) and the shared per-layer measurement in the mode the job uses (no ``.grad``
 written). The job itself profiling in place: ``tests/real_clients/test_real_clients.py``
 (``test_the_job_profiles_itself_in_place_for_the_planner``)."""
+
 import pytest
 import torch
 
-from hippie_ds.adapter.profiling.layer_timing import (WALL_CLOCK, CudaClock, as_stage_input, attribute_saved, clock_for,
-                                            measure_layer)
+from hippie_ds.adapter.profiling.layer_timing import (
+    WALL_CLOCK,
+    CudaClock,
+    as_stage_input,
+    attribute_saved,
+    clock_for,
+    measure_layer,
+)
 from hippie_ds.config import ConfigError, ProfileConfig, split_config
 
 
@@ -22,18 +29,23 @@ def test_profile_key_defaults_and_values():
     assert (got.out, got.steps, got.repeats, got.name) == ("p.json", 1, 5, "gpt")
 
 
-@pytest.mark.parametrize("value,message", [
-    ("p.yaml", 'config key "hippie.profile" = \'p.yaml\': .*allowed: null or a mapping {"out": FILE'),
-    ({"steps": 2}, r'config key "hippie.profile.out" is required \(in {\'steps\': 2}\)'),
-    ({"out": ""}, 'config key "hippie.profile.out" = \'\': String should have at least 1 character'),
-    ({"out": 3}, 'config key "hippie.profile.out" = 3: Input should be a valid string'),
-    ({"out": "p", "steps": 0}, 'config key "hippie.profile.steps" = 0: Input should be greater than or equal to 1'),
-    ({"out": "p", "steps": "2"}, 'config key "hippie.profile.steps" = \'2\': Input should be a valid integer'),
-    ({"out": "p", "steps": True}, 'config key "hippie.profile.steps" = True: Input should be a valid integer'),
-    ({"out": "p", "repeats": 0}, 'config key "hippie.profile.repeats" = 0: Input should be greater than or equal'),
-    ({"out": "p", "warmup": 1}, 'config key "hippie.profile.warmup" \\(value 1\\) is not known; allowed keys: '
-                                "out, steps, repeats, name"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("p.yaml", 'config key "hippie.profile" = \'p.yaml\': .*allowed: null or a mapping {"out": FILE'),
+        ({"steps": 2}, r'config key "hippie.profile.out" is required \(in {\'steps\': 2}\)'),
+        ({"out": ""}, 'config key "hippie.profile.out" = \'\': String should have at least 1 character'),
+        ({"out": 3}, 'config key "hippie.profile.out" = 3: Input should be a valid string'),
+        ({"out": "p", "steps": 0}, 'config key "hippie.profile.steps" = 0: Input should be greater than or equal to 1'),
+        ({"out": "p", "steps": "2"}, 'config key "hippie.profile.steps" = \'2\': Input should be a valid integer'),
+        ({"out": "p", "steps": True}, 'config key "hippie.profile.steps" = True: Input should be a valid integer'),
+        ({"out": "p", "repeats": 0}, 'config key "hippie.profile.repeats" = 0: Input should be greater than or equal'),
+        (
+            {"out": "p", "warmup": 1},
+            'config key "hippie.profile.warmup" \\(value 1\\) is not known; allowed keys: out, steps, repeats, name',
+        ),
+    ],
+)
 def test_profile_key_errors_name_the_key_the_value_and_what_is_allowed(value, message):
     with pytest.raises(ConfigError, match=message):
         _profile_options(value)
@@ -55,6 +67,7 @@ def test_in_place_measurement_writes_no_grad_and_counts_what_a_layer_holds():
 
     def double(t):
         return t * 2
+
     f = measure_layer(double, as_stage_input(torch.randn(4, 8)), [], 0.0, repeats=1, warmup=0, accumulate=False)
     assert f.record["backward_weight"] == 0 and f.record["param_bytes"] == 0
     ids = as_stage_input(torch.randint(0, 10, (4, 3)))
@@ -81,6 +94,7 @@ def _loss_stage(loss_fn):
     from types import SimpleNamespace
 
     from hippie_ds.adapter.profiling.profile_in_place import InPlaceProfiler
+
     head = torch.nn.Linear(8, 10)
     module = torch.nn.Module()
     module.loss_fn, module._local_start, module.forward_funcs = loss_fn, 0, [head]
@@ -94,6 +108,7 @@ def _loss_stage(loss_fn):
 def test_in_place_loss_keeps_the_first_labels_and_is_measured_like_a_layer(loss_fn):
     from hippie_ds.adapter.profiling.profile_in_place import _combine
     from hippie_ds.planner.profile import LayerProfile
+
     torch.manual_seed(0)
     profiler, head = _loss_stage(loss_fn)
     first, second = torch.randint(0, 10, (6,)), torch.randint(0, 10, (6,))
@@ -117,14 +132,22 @@ def test_working_bytes_is_the_peak_less_what_the_layer_keeps(monkeypatch):
     """The allocator's figure (CUDA) less the layer's saved tensors and output; faked here, so
     that the arithmetic is checked on any machine (the real allocator: the CUDA test below)."""
     from hippie_ds.adapter.profiling import layer_timing
+
     linear = torch.nn.Linear(8, 8)
     monkeypatch.setattr(layer_timing, "_cuda_device", lambda obj: "fake")
     monkeypatch.setattr(layer_timing, "peak_above", lambda run, device: (run(), 10_000.0)[1])
     m = measure_layer(torch.tanh, as_stage_input(torch.randn(4, 8)), [], 0.0, repeats=1, warmup=0, accumulate=False)
     assert m.record["working_bytes"] == 10_000 - 4 * 8 * 4  # tanh keeps its output (saved) only
     monkeypatch.setattr(layer_timing, "peak_above", lambda run, device: 1.0)
-    m = measure_layer(linear, as_stage_input(torch.randn(4, 8)), list(linear.parameters()), 288.0, repeats=1,
-                      warmup=0, accumulate=False)
+    m = measure_layer(
+        linear,
+        as_stage_input(torch.randn(4, 8)),
+        list(linear.parameters()),
+        288.0,
+        repeats=1,
+        warmup=0,
+        accumulate=False,
+    )
     assert m.record["working_bytes"] == 0  # never negative
 
 

@@ -4,6 +4,7 @@ by the config's optimizer. The rule alone (pure; against AdamW's own second mome
 rule), the start-up refusals, then real ranks in every precision and ZeRO setting 2bw runs, each against
 reference_async.run_2bw with the rule written separately (reference_async.delay_compensation), and
 checkpoints taken with batches in flight."""
+
 import io
 from pathlib import Path
 
@@ -16,8 +17,13 @@ from rule_check import assert_matches_rule, assert_replicas_equal, max_diff, ref
 
 from hippie_ds import schedules
 from hippie_ds.adapter.staleness import error_feedback
-from hippie_ds.adapter.staleness.delay_compensation import (COMPUTED_ON_KEY, COUNT_KEY, SECOND_MOMENT_KEY,
-                                                             DelayCompensation, check)
+from hippie_ds.adapter.staleness.delay_compensation import (
+    COMPUTED_ON_KEY,
+    COUNT_KEY,
+    SECOND_MOMENT_KEY,
+    DelayCompensation,
+    check,
+)
 from hippie_ds.config import ConfigError, StalenessConfig, split_config
 
 STEPS, MICRO_BATCHES, LR, CLIP, STRENGTH = 4, 4, 0.01, 0.5, 30
@@ -80,18 +86,27 @@ def test_refused_where_it_is_not_built():
     check(on, schedules.compile("2bw", 2, 4))
     check(StalenessConfig(), schedules.compile("1f1b", 2, 4))  # off: nothing to check
     for name in ("hippie", "pipedream", "1f1b"):
-        with pytest.raises(ConfigError,
-                           match=r'"hippie.staleness.delay_compensation" = 30.0: schedule .* built for 2bw'):
+        with pytest.raises(
+            ConfigError, match=r'"hippie.staleness.delay_compensation" = 30.0: schedule .* built for 2bw'
+        ):
             check(on, schedules.compile(name, 2, 4))
     for method in ("extrapolate-made", "extrapolate", "adam"):  # the default included: predicted compute weights
-        with pytest.raises(ConfigError, match=rf'"hippie.staleness.delay_compensation" = 30.0 with "hippie.staleness.'
-                                              rf'method" = "{method}".*allowed with "none" only'):
+        with pytest.raises(
+            ConfigError,
+            match=rf'"hippie.staleness.delay_compensation" = 30.0 with "hippie.staleness.'
+            rf'method" = "{method}".*allowed with "none" only',
+        ):
             check(StalenessConfig(method=method, delay_compensation=STRENGTH), schedules.compile("2bw", 2, 4))
     # not with error feedback, which corrects the updates of predicted compute weights only
-    with pytest.raises(ConfigError, match=r'"hippie.staleness.error_feedback" = 0.5 with "hippie.staleness.method" = '
-                                          r'"none"'):
-        error_feedback.check(StalenessConfig(method="none", delay_compensation=STRENGTH, error_feedback=0.5),
-                             schedules.compile("2bw", 2, 4))
+    with pytest.raises(
+        ConfigError,
+        match=r'"hippie.staleness.error_feedback" = 0.5 with "hippie.staleness.method" = '
+        r'"none"',
+    ):
+        error_feedback.check(
+            StalenessConfig(method="none", delay_compensation=STRENGTH, error_feedback=0.5),
+            schedules.compile("2bw", 2, 4),
+        )
     for bad in (-1, float("inf")):
         with pytest.raises(ConfigError, match=r'config key "hippie.staleness.delay_compensation"'):
             split_config({"hippie": {"staleness": {"method": "none", "delay_compensation": bad}}})
@@ -102,14 +117,37 @@ def test_refused_where_it_is_not_built():
 # partitioned over 2 replicas), fp16 (FP16_UnfusedOptimizer, with an overflow that skips an update), fp16 with
 # DeepSpeed's fused Adam (FP16_Optimizer), fp16 + ZeRO-1 resumed
 FP32 = {"2bw+nostale+dc30": ("fp32", ()), "2bw+nostale+dc30+ckpt2": ("fp32", ())}
-ENGINES = {**FP32, "2bw+bf16+nostale+dc30": ("bf16", ()), "2bw+bf16+zero1+nostale+dc30": ("bf16+zero1", ()),
-           "2bw+fp16+nostale+dc30+ovf1.1": ("fp16", {(1, 1)}), "2bw+fp16+fused+p12+nostale+dc30": ("fp16+fused", ()),
-           "2bw+fp16+zero1+p12+nostale+dc30+ckpt2": ("fp16+zero1", ())}
+ENGINES = {
+    **FP32,
+    "2bw+bf16+nostale+dc30": ("bf16", ()),
+    "2bw+bf16+zero1+nostale+dc30": ("bf16+zero1", ()),
+    "2bw+fp16+nostale+dc30+ovf1.1": ("fp16", {(1, 1)}),
+    "2bw+fp16+fused+p12+nostale+dc30": ("fp16+fused", ()),
+    "2bw+fp16+zero1+p12+nostale+dc30+ckpt2": ("fp16+zero1", ()),
+}
 
 
 def _launch(out, dp, engines):
-    rc, log, _ = launch(2 * dp, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "AdamW", "--lr", LR, "--clip", CLIP, "--drain", "--engines", ",".join(engines), timeout=900)
+    rc, log, _ = launch(
+        2 * dp,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--drain",
+        "--engines",
+        ",".join(engines),
+        timeout=900,
+    )
     assert rc == 0, log[-4000:]
     return out
 
@@ -127,8 +165,9 @@ def _rule(name, parts, strength=STRENGTH, overflows=None):
     precision = reference_precision(kind, name, MICRO_BATCHES, injected if overflows is None else overflows)
     staleness = StalenessConfig(method="none", delay_compensation=strength)
     dp = 1 if name in FP32 else 2
-    return reference_async.run_2bw(parts, dp, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP,
-                                   precision=precision, staleness=staleness)[0], precision
+    return reference_async.run_2bw(
+        parts, dp, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP, precision=precision, staleness=staleness
+    )[0], precision
 
 
 @pytest.mark.fp16  # its launch builds fp16 engines too
@@ -137,11 +176,10 @@ def _rule(name, parts, strength=STRENGTH, overflows=None):
 def test_delay_compensation_matches_its_rule(trained, name):
     ours, _, parts, _, replicas = collect(trained[name], name)
     ref, precision = _rule(name, parts)
-    assert_matches_rule("delay compensation", name, ENGINES[name][0], ours, ref,
-                        _rule(name, parts, strength=0.0)[0])
+    assert_matches_rule("delay compensation", name, ENGINES[name][0], ours, ref, _rule(name, parts, strength=0.0)[0])
     if ENGINES[name][1]:  # the overflow skipped an update, on every stage alike
         assert any(precision.skipped)
-        assert max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
+        assert max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2**-10
     if name not in FP32:  # fp32 runs one replica
         assert_replicas_equal(replicas, name)
 

@@ -3,6 +3,7 @@ behind, the update u(t) + g (u(t) - u(t-1)) of the optimizer's own step u, appli
 optimizer steps. The rule alone (pure), then real ranks in every precision and ZeRO setting 2bw runs, each
 against reference_async.run_2bw with the rule written separately (reference_async.error_feedback), and
 a checkpoint taken with batches in flight. fp32 (torch AdamW, with a checkpoint): test_async_schedules."""
+
 import io
 from pathlib import Path
 
@@ -11,8 +12,14 @@ import torch
 
 import reference_async
 from launch import collect, launch
-from rule_check import (BF16_TOLERANCE, ZERO_SCALE_GROWS, assert_matches_rule, assert_replicas_equal, max_diff,
-                        reference_precision)
+from rule_check import (
+    BF16_TOLERANCE,
+    ZERO_SCALE_GROWS,
+    assert_matches_rule,
+    assert_replicas_equal,
+    max_diff,
+    reference_precision,
+)
 
 from hippie_ds import schedules
 from hippie_ds.adapter.staleness.error_feedback import STATE_KEY, ErrorFeedback, check
@@ -74,17 +81,41 @@ def test_refused_where_it_is_not_built():
 # engine -> (precision, {(call, stage)} overflowed): bf16 (BF16_Optimizer), bf16 + ZeRO-1 (its fp32 masters
 # partitioned; resumed from a checkpoint saved after 2 calls, batches in flight), fp16 (FP16_UnfusedOptimizer,
 # with an overflow that skips an update), fp16 with DeepSpeed's fused Adam (FP16_Optimizer), fp16 + ZeRO-1
-ENGINES = {"2bw+bf16+ef5": ("bf16", ()), "2bw+bf16+zero1+ef5": ("bf16+zero1", ()),
-           "2bw+bf16+zero1+ef5+ckpt2": ("bf16+zero1", ()), "2bw+bf16+zero1": ("bf16+zero1", ()),
-           "2bw+fp16+ef5+ovf1.1": ("fp16", {(1, 1)}), "2bw+fp16+ef5": ("fp16", ()),
-           "2bw+fp16+fused+ef5": ("fp16+fused", ()), "2bw+fp16+zero1+p12+ef5+ckpt2": ("fp16+zero1", ())}
+ENGINES = {
+    "2bw+bf16+ef5": ("bf16", ()),
+    "2bw+bf16+zero1+ef5": ("bf16+zero1", ()),
+    "2bw+bf16+zero1+ef5+ckpt2": ("bf16+zero1", ()),
+    "2bw+bf16+zero1": ("bf16+zero1", ()),
+    "2bw+fp16+ef5+ovf1.1": ("fp16", {(1, 1)}),
+    "2bw+fp16+ef5": ("fp16", ()),
+    "2bw+fp16+fused+ef5": ("fp16+fused", ()),
+    "2bw+fp16+zero1+p12+ef5+ckpt2": ("fp16+zero1", ()),
+}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("error-feedback")
-    rc, log, _ = launch(4, out, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "AdamW", "--lr", LR, "--clip", CLIP, "--drain", "--engines", ",".join(ENGINES), timeout=900)
+    rc, log, _ = launch(
+        4,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--drain",
+        "--engines",
+        ",".join(ENGINES),
+        timeout=900,
+    )
     assert rc == 0, log[-4000:]
     return out
 
@@ -93,8 +124,9 @@ def _rule(name, parts, gain=GAIN, overflows=None):
     kind, injected = ENGINES[name]
     precision = reference_precision(kind, name, MICRO_BATCHES, injected if overflows is None else overflows)
     staleness = StalenessConfig(error_feedback=gain)
-    return reference_async.run_2bw(parts, 2, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP,
-                                   precision=precision, staleness=staleness)[0], precision
+    return reference_async.run_2bw(
+        parts, 2, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, clip=CLIP, precision=precision, staleness=staleness
+    )[0], precision
 
 
 @pytest.mark.fp16  # its launch builds fp16 engines too
@@ -106,7 +138,7 @@ def test_error_feedback_matches_its_rule(trained, name):
     assert_matches_rule("error feedback", name, ENGINES[name][0], ours, ref, _rule(name, parts, gain=0.0)[0])
     if ENGINES[name][1]:  # the overflow skipped an update, on every stage alike
         assert any(precision.skipped)
-        assert max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2 ** -10
+        assert max_diff(ours, _rule(name, parts, overflows=set())[0]) > 2**-10
     assert_replicas_equal(replicas, name)
 
 
@@ -135,8 +167,24 @@ def test_nesterov_as_the_configs_optimizer(tmp_path):
     2bw's default correction, alone and with error feedback, in fp32, bf16, bf16 + ZeRO-1 and fp16
     (FP16_UnfusedOptimizer around torch's NAdam); each equals its rule."""
     engines = {"2bw": 0.0, "2bw+ef5": GAIN, "2bw+bf16+ef5": GAIN, "2bw+bf16+zero1+ef5": GAIN, "2bw+fp16+ef5": GAIN}
-    rc, log, _ = launch(2, tmp_path, "--stages", 2, "--micro-batches", MICRO_BATCHES, "--steps", STEPS, "--optimizer",
-                        "NAdam", "--lr", LR, "--drain", "--engines", ",".join(engines), timeout=300)
+    rc, log, _ = launch(
+        2,
+        tmp_path,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "NAdam",
+        "--lr",
+        LR,
+        "--drain",
+        "--engines",
+        ",".join(engines),
+        timeout=300,
+    )
     assert rc == 0, log[-4000:]
     runs = {}
     for name, gain in engines.items():
@@ -145,13 +193,22 @@ def test_nesterov_as_the_configs_optimizer(tmp_path):
         kind = ("bf16+zero1" if "+zero1" in name else "bf16") if bf16 else "fp16" if "+fp16" in name else "fp32"
 
         def nadam_rule(gain):
-            return reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="NAdam", lr=LR,
-                                           precision=reference_precision(kind, name, MICRO_BATCHES),
-                                           staleness=StalenessConfig(error_feedback=gain))[0]
+            return reference_async.run_2bw(
+                parts,
+                1,
+                MICRO_BATCHES,
+                STEPS,
+                optimizer="NAdam",
+                lr=LR,
+                precision=reference_precision(kind, name, MICRO_BATCHES),
+                staleness=StalenessConfig(error_feedback=gain),
+            )[0]
+
         assert max_diff(ours, nadam_rule(gain)) <= (BF16_TOLERANCE if bf16 else 1e-6), name
         if kind == "fp16":  # its rule without error feedback is another run
             assert max_diff(ours, nadam_rule(0.0)) > 1e-4, name
         runs[name] = ours
-    adam, _ = reference_async.run_2bw(parts, 1, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR,
-                                      staleness=StalenessConfig())
+    adam, _ = reference_async.run_2bw(
+        parts, 1, MICRO_BATCHES, STEPS, optimizer="AdamW", lr=LR, staleness=StalenessConfig()
+    )
     assert max_diff(runs["2bw"], adam) > 1e-4 and max_diff(runs["2bw+ef5"], runs["2bw"]) > 1e-4

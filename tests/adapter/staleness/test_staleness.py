@@ -2,6 +2,7 @@
 format, without processes: the in-place form on a deferred stage's parameters and the per-version
 form of 2bw follow the same rule, W_hat(v) = W(v) + c * (W(v) - W(v-1)); checkpoints of both
 earlier shapes (format 1) load into it."""
+
 import torch
 
 from hippie_ds.adapter.checkpoint import state as ckpt
@@ -118,9 +119,11 @@ def test_checkpoint_state_format_and_format1_keys():
     read = ckpt.read_training_state(client)
     assert read["grad_buffer"]["state"] == "reduced" and client == {"user": 1}
     # format 1: three keys, the in-flight ones wrapped
-    client = {"hippie_ds_grad_buffer": ckpt.InFlightState({"state": "reduced", "buffer": None}),
-              "hippie_ds_weight_versions": {"call": 0, "count": 0, "stashed": {}},
-              "hippie_ds_weight_prediction": {"coefficient": 1.0, "previous": None}}
+    client = {
+        "hippie_ds_grad_buffer": ckpt.InFlightState({"state": "reduced", "buffer": None}),
+        "hippie_ds_weight_versions": {"call": 0, "count": 0, "stashed": {}},
+        "hippie_ds_weight_prediction": {"coefficient": 1.0, "previous": None},
+    }
     read = ckpt.read_training_state(client)
     assert read["grad_buffer"]["state"] == "reduced" and read["weight_versions"]["count"] == 0
     assert read["prediction"]["previous"] is None and client == {}
@@ -129,17 +132,19 @@ def test_checkpoint_state_format_and_format1_keys():
 # ---------------------------------------------------------------------------------------------
 # "adam": Adam's own predicted next update (hippie_ds/adapter/staleness/adam.py)
 
+
 def _adam_hat(opt, p, c):
     """The rule written out: W + c * (-lr) (m / (1 - b1^(k+1)) / (sqrt(s / (1 - b2^(k+1))) + eps) + wd W)."""
     group, state = opt.param_groups[0], opt.state[p]
     (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
     k = float(state["step"]) + 1
-    m_hat, s_hat = state["exp_avg"] / (1 - b1 ** k), state["exp_avg_sq"] / (1 - b2 ** k)
+    m_hat, s_hat = state["exp_avg"] / (1 - b1**k), state["exp_avg_sq"] / (1 - b2**k)
     return p.detach() - c * lr * (m_hat / (s_hat.sqrt() + eps) + wd * p.detach())
 
 
 def test_adam_in_place_prediction_is_the_rule_and_restores_exactly():
     from hippie_ds.adapter.staleness.adam import AdamInPlacePrediction, source_of
+
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
     opt = torch.optim.AdamW(params, lr=0.01)
@@ -173,6 +178,7 @@ def test_adam_in_place_prediction_is_the_rule_and_restores_exactly():
 
 def test_adam_per_version_prediction_reads_the_optimizer():
     from hippie_ds.adapter.staleness.adam import AdamVersionPrediction, source_of
+
     params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
     opt = torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
     prediction = make_prediction(StalenessConfig(method="adam"))
@@ -191,6 +197,7 @@ def test_adam_correction_refuses_optimizers_it_cannot_read():
 
     from hippie_ds.adapter.staleness.adam import source_of
     from hippie_ds.config import ConfigError
+
     params = [torch.nn.Parameter(torch.randn(2))]
     for opt in (torch.optim.SGD(params, lr=0.1), torch.optim.AdamW(params, lr=0.1, amsgrad=True)):
         with pytest.raises(ConfigError, match=r'"hippie.staleness.method" = "adam".*torch.optim.AdamW.*"extrapolate"'):
@@ -202,6 +209,7 @@ def test_adam_per_version_uses_the_made_weights_when_no_compute_has_used_the_ver
     """A version no compute has swapped in when the next update is made computes on W(v) + c
     (W(v+1) - W(v)) (2bw's last stage); one already used keeps Adam's prediction."""
     from hippie_ds.adapter.staleness.adam import source_of
+
     for used, c in ((False, 1.0), (False, C), (True, 1.0)):
         params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
         opt = torch.optim.AdamW(params, lr=0.02)

@@ -1,6 +1,7 @@
 """Start-up (hippie_ds/adapter/startup/): the config a module has read is not read again, and the
 ``adam`` correction's optimizer and wrapper are refused before any process group, with the message
 the correction gives once built."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -22,8 +23,14 @@ def _config_class(**extra):
 def test_the_wrapper_adam_cannot_read_is_refused_at_start_up_as_once_built():
     zero1 = _config_class(zero_optimization={"stage": 1})
     assert adam.wrapper_of(_config_class()) is None  # fp32: the torch optimizer itself
-    assert adam.wrapper_of(_config_class(bf16={"enabled": True}, zero_optimization={"stage": 1},
-                                         data_types={"grad_accum_dtype": "fp32"})) is None  # BF16_Optimizer
+    assert (
+        adam.wrapper_of(
+            _config_class(
+                bf16={"enabled": True}, zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"}
+            )
+        )
+        is None
+    )  # BF16_Optimizer
     assert adam.wrapper_of(zero1) == "DeepSpeedZeroOptimizer"
     assert adam.wrapper_of(_config_class(fp16={"enabled": True})) == "FP16_UnfusedOptimizer"
     with pytest.raises(ConfigError) as at_start:
@@ -51,8 +58,9 @@ def test_initialize_takes_the_config_and_plan_the_module_read(tmp_path):
     path.write_text('{"train_micro_batch_size_per_gpu": 2}')
     read = {"train_micro_batch_size_per_gpu": 2, "hippie": {"plan": "plan.json"}}
     plan = SimpleNamespace(model="gpt")
-    model = SimpleNamespace(hippie_config=read, hippie_config_path=str(path), hippie_plan=plan,
-                            hippie_plan_source=f"{path} (config=)")
+    model = SimpleNamespace(
+        hippie_config=read, hippie_config_path=str(path), hippie_plan=plan, hippie_plan_source=f"{path} (config=)"
+    )
     assert inputs.load_config(None, str(path), None, model) is read  # not read again
     assert inputs.load_config(None, str(path), None) == {"train_micro_batch_size_per_gpu": 2}  # no module: read
     assert inputs.module_plan(model, dict(read), str(path)) is plan

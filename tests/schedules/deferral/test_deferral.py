@@ -2,6 +2,7 @@
 in global layer indices, from the deferred stages, ``hippie.deferred_layers`` and a plain
 description of the layers; and start-up (startup.checks.prepare) compiling and validating the
 schedule once and reading the cost file once. One process, no process group."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -11,16 +12,23 @@ from hippie_ds.schedules.deferral import Deferral, StageLayers, decide, with_par
 
 # Megatron-DeepSpeed's shape on 2 stages: [to_float, embedding (tied to the head), block, block |
 # block, block, LayerNorm, head (the embedding's copy reached through a function: no parameters)]
-MEGATRON = {0: StageLayers(0, (False, True, True, True), (None, "embed", None, None)),
-            1: StageLayers(4, (True, True, True, False), (None, None, None, "embed"))}
+MEGATRON = {
+    0: StageLayers(0, (False, True, True, True), (None, "embed", None, None)),
+    1: StageLayers(4, (True, True, True, False), (None, None, None, "embed")),
+}
 # 4 stages of 3, 3, 2 and 2 layers with parameters, no ties
-PLAIN = {0: StageLayers(0, (True,) * 3), 1: StageLayers(3, (True,) * 3), 2: StageLayers(6, (True,) * 2),
-         3: StageLayers(8, (True,) * 2)}
+PLAIN = {
+    0: StageLayers(0, (True,) * 3),
+    1: StageLayers(3, (True,) * 3),
+    2: StageLayers(6, (True,) * 2),
+    3: StageLayers(8, (True,) * 2),
+}
 
 
 def _what(deferral: Deferral) -> dict:
-    return {s: ("whole" if d.whole else d.layers, set(d.tied_keys), set(d.kept_keys))
-            for s, d in deferral.stages.items()}
+    return {
+        s: ("whole" if d.whole else d.layers, set(d.tied_keys), set(d.kept_keys)) for s, d in deferral.stages.items()
+    }
 
 
 def test_default_untied_passes_over_a_tied_first_layer():
@@ -68,8 +76,11 @@ def test_no_deferred_stage_delays_nothing():
 
 
 def test_a_stage_with_only_tied_layers_is_not_deferred_under_untied():
-    layers = {0: StageLayers(0, (False, True), (None, "embed")), 1: StageLayers(2, (True, True)),
-              2: StageLayers(4, (True, False), (None, "embed"))}
+    layers = {
+        0: StageLayers(0, (False, True), (None, "embed")),
+        1: StageLayers(2, (True, True)),
+        2: StageLayers(4, (True, False), (None, "embed")),
+    }
     assert _what(decide([0, 1], "untied", layers)) == {1: ((2,), set(), set())}
 
 
@@ -84,34 +95,59 @@ def test_tie_rule_off_and_auto_unresolved():
 # ---------------------------------------------------------------------------------------------
 # start-up: compiled and validated once, the cost file read once
 
+
 def _model(parts=(0, 4, 8), built=False):
     import torch
     from deepspeed.pipe import LayerSpec
     from deepspeed.runtime.pipe.topology import ProcessTopology
+
     stages = len(parts) - 1
-    extra = dict(forward_funcs=[torch.nn.Linear(4, 4) for _ in range(parts[-1])], _local_start=0,
-                 _layer_specs=[LayerSpec(torch.nn.Linear, 4, 4)] * parts[-1], stage_id=0, global_rank=0,
-                 stage_owner=lambda i: next(s for s in range(stages) if parts[s] <= i < parts[s + 1])) if built else {}
-    return SimpleNamespace(num_stages=stages, _topo=ProcessTopology(axes=["data", "pipe"], dims=[1, stages]),
-                           mpu=lambda: None, tied_comms={}, parts=list(parts), **extra)
+    extra = (
+        dict(
+            forward_funcs=[torch.nn.Linear(4, 4) for _ in range(parts[-1])],
+            _local_start=0,
+            _layer_specs=[LayerSpec(torch.nn.Linear, 4, 4)] * parts[-1],
+            stage_id=0,
+            global_rank=0,
+            stage_owner=lambda i: next(s for s in range(stages) if parts[s] <= i < parts[s + 1]),
+        )
+        if built
+        else {}
+    )
+    return SimpleNamespace(
+        num_stages=stages,
+        _topo=ProcessTopology(axes=["data", "pipe"], dims=[1, stages]),
+        mpu=lambda: None,
+        tied_comms={},
+        parts=list(parts),
+        **extra,
+    )
 
 
 def _config(**hippie):
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "train_batch_size": 4,
-            "pipeline": {"schedule": "hippie"}, "hippie": hippie}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 4,
+        "train_batch_size": 4,
+        "pipeline": {"schedule": "hippie"},
+        "hippie": hippie,
+    }
 
 
 @pytest.fixture
 def counted(monkeypatch):
     from hippie_ds.schedules import resolve as schedules, validator
     from hippie_ds.schedules.costs import Costs
+
     calls = {"compile": 0, "validate": 0, "costs": 0}
 
     def counting(name, fn, kind):
         def wrapper(*args, **kwargs):
             calls[kind] += 1
             return fn(*args, **kwargs)
+
         return wrapper
+
     monkeypatch.setattr(schedules, "compile_schedule", counting("compile", schedules.compile_schedule, "compile"))
     monkeypatch.setattr(validator, "validate", counting("validate", validator.validate, "validate"))
     monkeypatch.setattr(Costs, "from_file", staticmethod(counting("costs", Costs.from_file, "costs")))
@@ -120,6 +156,7 @@ def counted(monkeypatch):
 
 def test_start_up_compiles_and_validates_the_schedule_once(counted):
     from hippie_ds.adapter.startup.checks import prepare
+
     *_, compiled, options, deferral = prepare(_model(), _config())
     assert counted == {"compile": 1, "validate": 1, "costs": 0}
     assert compiled.deferred_stages() == deferral.deferred_stages() == [0] and deferral.stages[0].layers == (0,)
@@ -132,15 +169,21 @@ def test_start_up_compiles_and_validates_the_schedule_once(counted):
 def test_start_up_reads_the_cost_file_once(counted, tmp_path):
     from hippie_ds.adapter.startup.checks import prepare
     from hippie_ds.schedules.costs import Costs
+
     stage = {"forward": 0.01, "backward": 0.02, "param_bytes": 4e6, "layers": [{"param_bytes": 1e6}] * 4}
     path = tmp_path / "costs.json"
-    path.write_text(Costs.from_dict({"stages": [stage] * 2, "comm": {"allreduce_bandwidth": 1e8,
-                                                                     "data_parallel": 2}}).model_dump_json())
+    path.write_text(
+        Costs.from_dict(
+            {"stages": [stage] * 2, "comm": {"allreduce_bandwidth": 1e8, "data_parallel": 2}}
+        ).model_dump_json()
+    )
     choices = {}
-    *_, compiled, _, deferral = prepare(_model(built=True), _config(deferred_stages="auto", deferred_layers="auto",
-                                                                          costs=str(path)), choices=choices)
+    *_, compiled, _, deferral = prepare(
+        _model(built=True), _config(deferred_stages="auto", deferred_layers="auto", costs=str(path)), choices=choices
+    )
     assert counted["costs"] == 1 and counted["validate"] == 1
     # both stages defer on this slow link; "auto" chose leading layers, the decision holds their indices
     assert compiled.deferred_stages() == deferral.deferred_stages() == [0, 1]
     assert {s: d.layers for s, d in deferral.stages.items()} == {
-        s: tuple(range(4 * s, 4 * s + c.layers)) for s, c in choices.items()}
+        s: tuple(range(4 * s, 4 * s + c.layers)) for s, c in choices.items()
+    }

@@ -2,6 +2,7 @@
 all-reduce, the chooser (schedules/deferral/auto_layers.py) and its wiring (config, the one
 resolution pass, integration).
 Pure: no process group."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -22,20 +23,24 @@ def costs(bandwidth, data_parallel=2, per_layer=True, stages=K):
     stage = dict(forward=0.01, backward=0.02, param_bytes=8e6)
     if per_layer:
         stage["layers"] = [{"param_bytes": 1e6}] * LAYERS
-    return Costs.from_dict({"stages": [stage] * stages,
-                            "comm": {"allreduce_bandwidth": bandwidth, "data_parallel": data_parallel}})
+    return Costs.from_dict(
+        {"stages": [stage] * stages, "comm": {"allreduce_bandwidth": bandwidth, "data_parallel": data_parallel}}
+    )
 
 
 HIPPIE = compile("hippie", K, M, validate=False, deferred_stages=[0, 1])
 
 
 def chosen(bandwidth, staleness_price=None, **kw):
-    return {s: c.layers for s, c in
-            choose_deferred_layers(HIPPIE, costs(bandwidth, **kw), staleness_price=staleness_price).items()}
+    return {
+        s: c.layers
+        for s, c in choose_deferred_layers(HIPPIE, costs(bandwidth, **kw), staleness_price=staleness_price).items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Costs
+
 
 def test_delayed_part_from_per_layer_costs():
     """The share is by gradient bytes; the lead is the delayed layers' backward, their own when
@@ -60,14 +65,17 @@ def test_old_cost_files_stay_valid():
 # ---------------------------------------------------------------------------------------------
 # Simulator: the in-step part starts inside the last backward
 
+
 def test_early_allreduce_exposure_falls_with_more_delayed_layers():
     """The in-step part is all-reduced from the moment its gradients are final, the delayed
     layers' backward before the last backward ends: the more layers delayed, the earlier it
     starts and the smaller it is, so the stage waits less for it."""
     c = costs(2e8)  # only stage 0 all-reduces: nobody else's traffic on the link
     c = c.model_copy(update={"stages": [c.stages[0]] + [x.model_copy(update={"param_bytes": 0}) for x in c.stages[1:]]})
-    exposed = [simulate(HIPPIE, c, deferred_layers={0: L, 1: LAYERS}).per_stage[0]["exposed_allreduce"]
-               for L in range(LAYERS + 1)]
+    exposed = [
+        simulate(HIPPIE, c, deferred_layers={0: L, 1: LAYERS}).per_stage[0]["exposed_allreduce"]
+        for L in range(LAYERS + 1)
+    ]
     assert all(a >= b for a, b in zip(exposed, exposed[1:])) and exposed[0] > exposed[3] > exposed[-1] == 0
     # by share alone (no per-layer costs) the same part starts after the last backward: more exposed
     share = c.stages[0].delayed_part(3).fraction
@@ -95,6 +103,7 @@ def test_simulator_partial_deferral_errors():
 
 # ---------------------------------------------------------------------------------------------
 # The chooser
+
 
 def test_nothing_to_hide_delays_nothing():
     """One replica (no all-reduce) or a link fast enough to hide it: 0 layers, at any price."""
@@ -158,14 +167,16 @@ def test_chooser_needs_per_layer_costs_and_deferred_stages():
 # ---------------------------------------------------------------------------------------------
 # Config and integration
 
+
 def test_config_accepts_auto_and_names_it_in_errors():
     assert split_config({"hippie": {"deferred_layers": "auto"}})[2].deferred_layers == "auto"
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'some\': .*allowed: .*"auto"'):
         split_config({"hippie": {"deferred_layers": "some"}})
     # a plan's choice replaces "auto", a different explicit value is a conflict
     planned = {"hippie": {"deferred_layers": {"0": 3}}}
-    assert merge_plan({"hippie": {"deferred_layers": "auto"}}, planned, "p.json")["hippie"]["deferred_layers"] == \
-        {"0": 3}
+    assert merge_plan({"hippie": {"deferred_layers": "auto"}}, planned, "p.json")["hippie"]["deferred_layers"] == {
+        "0": 3
+    }
     with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = 1, but the plan p.json'):
         merge_plan({"hippie": {"deferred_layers": 1}}, planned, "p.json")
 
@@ -175,11 +186,20 @@ def _model(stage_id=0, parts=(0, 8, 16, 24, 32), specs=True):
     stage's (as ``layers_with_parameters`` gathers them over the world); equal Linear layers, so
     the same shares as the per-layer cost files."""
     from deepspeed.pipe import LayerSpec
+
     layers = [torch.nn.Linear(4, 4) for _ in range(parts[-1])]
     specs = [LayerSpec(torch.nn.Linear, 4, 4) if specs else LayerSpec(_NeedsData) for _ in range(parts[-1])]
-    return SimpleNamespace(parts=list(parts), num_stages=len(parts) - 1, stage_id=stage_id, forward_funcs=layers,
-                           _local_start=0, _layer_specs=specs, global_rank=0, tied_comms={},
-                           _topo=SimpleNamespace(get_coord=lambda rank: SimpleNamespace(data=0)))
+    return SimpleNamespace(
+        parts=list(parts),
+        num_stages=len(parts) - 1,
+        stage_id=stage_id,
+        forward_funcs=layers,
+        _local_start=0,
+        _layer_specs=specs,
+        global_rank=0,
+        tied_comms={},
+        _topo=SimpleNamespace(get_coord=lambda rank: SimpleNamespace(data=0)),
+    )
 
 
 class _NeedsData(torch.nn.Module):
@@ -204,9 +224,16 @@ def _resolved(model, options, compiled=HIPPIE):
     from hippie_ds.adapter.module.deferred_layers import read_costs, resolve_for_module
     from hippie_ds.schedules import load_spec
     from hippie_ds.schedules.resolve import Shape
+
     c = None if options.costs is None else read_costs(options, compiled.stages)  # start-up reads it once
-    return resolve_for_module(model, options, load_spec(compiled.name), Shape(compiled.stages, compiled.micro_batches),
-                              dict(compiled.params), c)
+    return resolve_for_module(
+        model,
+        options,
+        load_spec(compiled.name),
+        Shape(compiled.stages, compiled.micro_batches),
+        dict(compiled.params),
+        c,
+    )
 
 
 def _decided(model, options, compiled=HIPPIE):
@@ -219,14 +246,20 @@ def test_staleness_price_is_checked_before_any_process_group(tmp_path):
     with pytest.raises(ConfigError, match=r'"hippie.staleness_price" = -0.5: .*greater than or equal to 0'):
         split_config({"hippie": {"deferred_layers": "auto", "staleness_price": -0.5}})
     options = split_config({"hippie": {"staleness_price": 0.2}})[2]
-    with pytest.raises(ConfigError, match=r'"hippie.staleness_price" = 0.2: it prices only "hippie.deferred_layers": '
-                                          r'"auto", and that key is \'untied\' here'):  # the default
+    with pytest.raises(
+        ConfigError,
+        match=r'"hippie.staleness_price" = 0.2: it prices only "hippie.deferred_layers": '
+        r'"auto", and that key is \'untied\' here',
+    ):  # the default
         _decided(_model(), options)
 
 
 def test_integration_auto_needs_costs(tmp_path):
-    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'auto\': needs costs to choose from: '
-                                          r'"hippie.costs".*or "hippie.plan"'):
+    with pytest.raises(
+        ConfigError,
+        match=r'"hippie.deferred_layers" = \'auto\': needs costs to choose from: '
+        r'"hippie.costs".*or "hippie.plan"',
+    ):
         _decided(_model(), _options(tmp_path))
     with pytest.raises(ConfigError, match=r'the plan \'p.json\' \("hippie.plan"\) states no choice'):
         _decided(_model(), _options(tmp_path, plan="p.json"))
@@ -263,12 +296,25 @@ def test_integration_auto_from_per_stage_costs_and_the_models_layers(tmp_path, c
 # ---------------------------------------------------------------------------------------------
 # CLI
 
+
 def test_cli_simulate_deferred_layers(tmp_path, capsys):
     from hippie_ds.cli import main
+
     path = tmp_path / "costs.json"
     path.write_text(costs(5e8).model_dump_json(exclude_none=True))
-    common = ["schedule", "simulate", "hippie", "-K", "4", "-M", "8", "--costs", str(path),
-              "--param", "deferred_stages=0,1"]
+    common = [
+        "schedule",
+        "simulate",
+        "hippie",
+        "-K",
+        "4",
+        "-M",
+        "8",
+        "--costs",
+        str(path),
+        "--param",
+        "deferred_stages=0,1",
+    ]
     assert main(common + ["--deferred-layers", "auto", "--staleness-price", "0"]) == 0
     out = capsys.readouterr().out
     picks = chosen(5e8, staleness_price=0.0)
@@ -291,10 +337,23 @@ def test_cli_simulate_default_is_the_configs(tmp_path, capsys):
 
     from hippie_ds.cli import main
     from hippie_ds.config import DEFAULT_DEFERRED_LAYERS
+
     path = tmp_path / "costs.json"
     path.write_text(costs(5e8).model_dump_json(exclude_none=True))
-    common = ["schedule", "simulate", "hippie", "-K", "4", "-M", "8", "--costs", str(path),
-              "--param", "deferred_stages=0,1", "--json"]
+    common = [
+        "schedule",
+        "simulate",
+        "hippie",
+        "-K",
+        "4",
+        "-M",
+        "8",
+        "--costs",
+        str(path),
+        "--param",
+        "deferred_stages=0,1",
+        "--json",
+    ]
 
     def step(*extra):
         assert main(common + list(extra)) == 0

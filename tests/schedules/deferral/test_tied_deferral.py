@@ -7,6 +7,7 @@ too. Read through what start-up uses: ``deferred_layers.resolve_for_module`` (th
 the module's layers read) -> the one pass (hippie_ds/schedules/resolve.py, the pure decision in
 global layer indices) -> the schedule that runs and the engine's ``split_deferred``. No processes: the stand-in has
 every stage's layers built, as ``layers_with_parameters`` gathers them over the world."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -40,15 +41,30 @@ def megatron(parts=(0, 4, 8)):
     """[_to_float, embed (tied), Block, Block | Block, Block, LayerNorm, embed (tied, the head)]
     on 2 stages; built as every rank's stage builds it (the head's copy reached through a function)."""
     tied = dict(tied_weight_attr="word_embeddings.weight")
-    specs = ([_to_float, TiedLayerSpec("embed", Embedding, **tied)] + [LayerSpec(torch.nn.Linear, 4, 4)] * 4 +
-             [LayerSpec(torch.nn.LayerNorm, 4), TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied)])
+    specs = (
+        [_to_float, TiedLayerSpec("embed", Embedding, **tied)]
+        + [LayerSpec(torch.nn.Linear, 4, 4)] * 4
+        + [LayerSpec(torch.nn.LayerNorm, 4), TiedLayerSpec("embed", Embedding, forward_fn=_logits, **tied)]
+    )
     embed = [Embedding(), Embedding()]  # stage 0's copy, the last stage's
-    built = ([_to_float, embed[0]] + [torch.nn.Linear(4, 4) for _ in range(4)] + [torch.nn.LayerNorm(4)] +
-             [lambda x: _logits(embed[1], x)])
+    built = (
+        [_to_float, embed[0]]
+        + [torch.nn.Linear(4, 4) for _ in range(4)]
+        + [torch.nn.LayerNorm(4)]
+        + [lambda x: _logits(embed[1], x)]
+    )
     owner = lambda idx: next(s for s in range(len(parts) - 1) if parts[s] <= idx < parts[s + 1])  # noqa: E731
-    return SimpleNamespace(parts=list(parts), num_stages=len(parts) - 1, stage_id=0, _layer_specs=specs,
-                           forward_funcs=built, _local_start=0, stage_owner=owner, tied_comms={"embed": {}},
-                           tied_modules={"embed": embed[0]})
+    return SimpleNamespace(
+        parts=list(parts),
+        num_stages=len(parts) - 1,
+        stage_id=0,
+        _layer_specs=specs,
+        forward_funcs=built,
+        _local_start=0,
+        stage_owner=owner,
+        tied_comms={"embed": {}},
+        tied_modules={"embed": embed[0]},
+    )
 
 
 HIPPIE = compile_schedule("hippie", 2, 4)  # stage 0 deferred ('auto': the first half)
@@ -58,8 +74,13 @@ def _decided(value=None, model=None, compiled=HIPPIE):
     """(schedule run, Deferral) as start-up decides them for ``hippie.deferred_layers: value``
     (``compiled``: the schedule and shape asked for, its parameters as given)."""
     options = split_config({} if value is None else {"hippie": {"deferred_layers": value}})[2]
-    resolved = resolve_for_module(megatron() if model is None else model, options, load_spec(compiled.name),
-                                  Shape(compiled.stages, compiled.micro_batches), dict(compiled.params))
+    resolved = resolve_for_module(
+        megatron() if model is None else model,
+        options,
+        load_spec(compiled.name),
+        Shape(compiled.stages, compiled.micro_batches),
+        dict(compiled.params),
+    )
     return resolved.compiled, resolved.deferral
 
 
@@ -72,8 +93,11 @@ def _untied(flags, tied):
 def test_default_is_untied_and_users_can_write_it():
     assert DEFAULT_DEFERRED_LAYERS == UNTIED_LAYERS == "untied"
     assert split_config({"hippie": {"deferred_layers": "untied"}})[2].deferred_layers == "untied"
-    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'tied\': .*allowed: "untied" \(the first layer '
-                                          r"with parameters not tied to another stage, the default\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r'"hippie.deferred_layers" = \'tied\': .*allowed: "untied" \(the first layer '
+        r"with parameters not tied to another stage, the default\)",
+    ):
         split_config({"hippie": {"deferred_layers": "tied"}})
 
 
@@ -116,8 +140,11 @@ def test_explicit_one_still_delays_the_tied_embedding_and_its_head():
 def test_untied_applies_only_to_schedules_with_deferred_stages():
     compiled, deferral = _decided(compiled=compile_schedule("1f1b", 2, 4))
     assert deferral.stages == {} and deferral.tied_delayed == deferral.tied_kept == set()
-    with pytest.raises(ConfigError, match=r'"hippie.deferred_layers" = \'untied\': schedule \'1f1b\' has no '
-                                          r"deferred stages"):
+    with pytest.raises(
+        ConfigError,
+        match=r'"hippie.deferred_layers" = \'untied\': schedule \'1f1b\' has no '
+        r"deferred stages",
+    ):
         _decided("untied", compiled=compile_schedule("1f1b", 2, 4))
 
 

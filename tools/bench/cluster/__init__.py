@@ -23,26 +23,47 @@ python -m tools.bench soak and tests/distributed/launch.py (local jobs).
 * :mod:`tools.bench.cluster.noise`: :class:`ForeignCpu`, CPU used by processes outside the job, sampled while
   it runs; :func:`core_ticks`, the busy and total clock ticks of some cores or the machine.
 """
+
 from tools.bench.cluster.network import Network, Refuse, burst_for, check_cores, parse_rate, preflight, sh
 from tools.bench.cluster.noise import ForeignCpu, core_ticks, foreign_cpu_between
 from tools.bench.cluster.processes import (
-                        REPO,
-                        LocalJob,
-                        LocalRun,
-                        NodeProcesses,
-                        WorkerJob,
-                        cleanup_on_signals,
-                        fix_owner,
-                        free_port,
-                        gpu_slices,
-                        local_env,
-                        node_env,
-                        remove_shm_segments,
+    REPO,
+    LocalJob,
+    LocalRun,
+    NodeProcesses,
+    WorkerJob,
+    cleanup_on_signals,
+    fix_owner,
+    free_port,
+    gpu_slices,
+    local_env,
+    node_env,
+    remove_shm_segments,
 )
 from tools.bench.cluster.star import StarNetwork
 
-__all__ = ["REPO", "ForeignCpu", "LocalJob", "LocalRun", "Network", "NodeProcesses", "Refuse", "StarNetwork",
-           "WorkerJob",
-           "burst_for", "check_cores", "cleanup_on_signals", "core_ticks", "fix_owner", "foreign_cpu_between",
-           "free_port",
-           "gpu_slices", "local_env", "node_env", "parse_rate", "preflight", "remove_shm_segments", "sh"]
+__all__ = [
+    "REPO",
+    "ForeignCpu",
+    "LocalJob",
+    "LocalRun",
+    "Network",
+    "NodeProcesses",
+    "Refuse",
+    "StarNetwork",
+    "WorkerJob",
+    "burst_for",
+    "check_cores",
+    "cleanup_on_signals",
+    "core_ticks",
+    "fix_owner",
+    "foreign_cpu_between",
+    "free_port",
+    "gpu_slices",
+    "local_env",
+    "node_env",
+    "parse_rate",
+    "preflight",
+    "remove_shm_segments",
+    "sh",
+]

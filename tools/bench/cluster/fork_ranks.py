@@ -14,6 +14,7 @@ The imports start no thread (checked: a fork with threads running would copy the
 each rank draws fresh seeds for Python's and NumPy's global generators, as a new process does, and
 exits as a process does (atexit handlers, then the interpreter's finalization, where gloo's teardown
 abort would show: tests/adapter/process/test_clean_exit.py). This process itself leaves with ``os._exit``."""
+
 import os
 import random
 import runpy
@@ -25,9 +26,18 @@ import time
 def _run_rank(rank: int, num_ranks: int, port: str, worker: str, args: list[str]):
     """In the forked child: become rank ``rank`` and run the worker; never returns (SystemExit,
     or the worker's exception propagates and the interpreter exits 1 with its traceback)."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(num_ranks),
-                       "LOCAL_SIZE": str(num_ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
-                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WORLD_SIZE": str(num_ranks),
+            "LOCAL_SIZE": str(num_ranks),
+            "CROSS_RANK": "0",
+            "CROSS_SIZE": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+        }
+    )
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -76,12 +86,16 @@ def main(argv: list[str]) -> int:
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer or manual_seed: ~1.3 s)
     import deepspeed  # noqa: F401
     import hippie_ds.adapter.integration  # noqa: F401
+
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:
-        print(f"cluster.fork_ranks: the imports started {len(threads) - 1} thread(s); forking now is unsafe",
-              file=sys.stderr)
+        print(
+            f"cluster.fork_ranks: the imports started {len(threads) - 1} thread(s); forking now is unsafe",
+            file=sys.stderr,
+        )
         return 2
     import gc
+
     gc.freeze()  # the imports' objects outlive every rank: no collection walks them (0.7 s less at each rank's exit)
     sys.stdout.flush()
     sys.stderr.flush()

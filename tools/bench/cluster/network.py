@@ -1,5 +1,6 @@
 """Two emulated nodes on one machine: network namespaces joined by a (shaped) veth pair, and the
 checks that refuse politely where they cannot be made (not root, no ``ip netns``, bad cores)."""
+
 from __future__ import annotations
 
 import base64
@@ -54,11 +55,15 @@ def preflight(what: str, tools: Iterable[str] = ("ip", "tc"), hint: str = ""):
     hint = f" {hint}" if hint else ""
     for tool in tools:
         if shutil.which(tool) is None:
-            raise Refuse(f"`{tool}` is not installed or not on PATH (iproute2 / util-linux); it is needed to "
-                         f"emulate two nodes.{hint}")
+            raise Refuse(
+                f"`{tool}` is not installed or not on PATH (iproute2 / util-linux); it is needed to "
+                f"emulate two nodes.{hint}"
+            )
     if os.geteuid() != 0:
-        raise Refuse(f"{what} creates network namespaces and a veth pair, which needs root: "
-                     f"sudo {sys.executable} {' '.join(sys.argv)}{hint}")
+        raise Refuse(
+            f"{what} creates network namespaces and a veth pair, which needs root: "
+            f"sudo {sys.executable} {' '.join(sys.argv)}{hint}"
+        )
     res = sh("ip", "netns", "list", check=False)
     if res.returncode == 0:  # listing works where adding does not (a container without CAP_SYS_ADMIN)
         probe = f"hds-probe-{os.getpid()}"
@@ -66,8 +71,10 @@ def preflight(what: str, tools: Iterable[str] = ("ip", "tc"), hint: str = ""):
         if res.returncode == 0:
             sh("ip", "netns", "del", probe, check=False)
     if res.returncode != 0:
-        raise Refuse(f"`ip netns` is not available here ({res.stderr.strip() or 'exit ' + str(res.returncode)}); "
-                     f"network namespaces are needed to emulate two nodes.{hint}")
+        raise Refuse(
+            f"`ip netns` is not available here ({res.stderr.strip() or 'exit ' + str(res.returncode)}); "
+            f"network namespaces are needed to emulate two nodes.{hint}"
+        )
 
 
 def check_cores(spec: str) -> list[int]:
@@ -78,8 +85,10 @@ def check_cores(spec: str) -> list[int]:
     except ValueError:
         cores = []
     if len(cores) != 2 or cores[0] == cores[1] or not set(cores) <= os.sched_getaffinity(0):
-        raise Refuse(f"--cores {spec!r}: need two distinct cores this process may use "
-                     f"(allowed: {sorted(os.sched_getaffinity(0))})")
+        raise Refuse(
+            f"--cores {spec!r}: need two distinct cores this process may use "
+            f"(allowed: {sorted(os.sched_getaffinity(0))})"
+        )
     return cores
 
 
@@ -107,8 +116,23 @@ class Namespaces:
     def _shape(ns: str, dev: str, rate: str | None, burst: str):
         """tbf at ``rate`` (its bucket :func:`burst_for` ``burst``) on ``dev`` in ``ns``; nothing for None."""
         if rate is not None:
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst",
-               burst_for(parse_rate(rate), burst), "latency", "100ms")
+            sh(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst_for(parse_rate(rate), burst),
+                "latency",
+                "100ms",
+            )
 
     def _bring_up(self, n: int, rate: str | None, burst: str):
         """Move node ``n``'s veth end into its namespace, address it, bring it and ``lo`` up, shape it."""
@@ -121,8 +145,10 @@ class Namespaces:
 
     def qdiscs(self) -> dict:
         """``{node namespace: the qdisc of its veth end}``."""
-        return {ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip()
-                for ns, veth in zip(self.nodes, self.veths)}
+        return {
+            ns: sh("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip()
+            for ns, veth in zip(self.nodes, self.veths)
+        }
 
     def exec_prefix(self, n: int, core: str | int | None = None) -> list[str]:
         """``ip netns exec NODE`` (and ``taskset -c CORE``) for a command of node ``n``."""
@@ -154,8 +180,11 @@ class Network(Namespaces):
     @classmethod
     def named(cls, prefix: str, subnet: str) -> "Network":
         """``PREFIX-node{0,1}``, ``PREFIX-veth{0,1}``, ``SUBNET.1`` and ``SUBNET.2``."""
-        return cls((f"{prefix}-node0", f"{prefix}-node1"), (f"{prefix}-veth0", f"{prefix}-veth1"),
-                   (f"{subnet}.1", f"{subnet}.2"))
+        return cls(
+            (f"{prefix}-node0", f"{prefix}-node1"),
+            (f"{prefix}-veth0", f"{prefix}-veth1"),
+            (f"{subnet}.1", f"{subnet}.2"),
+        )
 
     def teardown(self):
         """Remove our namespaces (their veth ends go with them) and any stray veth of ours here."""
@@ -175,7 +204,7 @@ class Network(Namespaces):
 
     def describe(self, qdiscs: dict | None, with_veths: bool = True) -> str:
         """One line: each node's namespace (and veth) and address, and the shaping (None: unshaped)."""
-        ends = [" ".join([self.nodes[n]] + ([self.veths[n]] if with_veths else []) + [self.addrs[n]])
-                for n in range(2)]
-        return f"{ends[0]} <-> {ends[1]}; " + ("unshaped" if qdiscs is None else
-                                              "; ".join(f"{k}: {v}" for k, v in qdiscs.items()))
+        ends = [" ".join([self.nodes[n]] + ([self.veths[n]] if with_veths else []) + [self.addrs[n]]) for n in range(2)]
+        return f"{ends[0]} <-> {ends[1]}; " + (
+            "unshaped" if qdiscs is None else "; ".join(f"{k}: {v}" for k, v in qdiscs.items())
+        )

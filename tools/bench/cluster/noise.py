@@ -1,5 +1,6 @@
 """Noise: CPU used by processes outside a job while it runs (with 4 busy ranks on 2 cores,
 anything else running slows the steps), and how busy the machine's cores are."""
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ class ForeignCpu:
 
 def foreign_cpu_between(samples, start, end):
     """Foreign CPU seconds in [start, end], linearly interpolated between samples."""
+
     def at(t):
         if not samples or t <= samples[0][0]:
             return samples[0][1] if samples else 0.0
@@ -62,6 +64,7 @@ def foreign_cpu_between(samples, start, end):
             if t <= t1:
                 return c0 + (c1 - c0) * (t - t0) / ((t1 - t0) or 1)
         return samples[-1][1]
+
     return at(end) - at(start)
 
 

@@ -1,6 +1,7 @@
 """Jobs: rank workers under DeepSpeed's launchers, on emulated nodes (one launcher per node, in
 its namespace) or on local ranks, always ended together with their ranks, their /dev/shm
 segments removed; and the clean-up on signals and for files written under sudo."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,15 +36,20 @@ def local_env(base: dict | None = None) -> dict:
     folder first on PATH (torch's JIT build of DeepSpeed's CPU ops runs a bare ``ninja``: the venv's,
     even when the venv is not activated), the venv's torch_extensions unless set."""
     env = dict(os.environ if base is None else base)
-    env.update({"OMP_NUM_THREADS": "1",
-                "PATH": os.pathsep.join(filter(None, [os.path.dirname(sys.executable), env.get("PATH")])),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PATH": os.pathsep.join(filter(None, [os.path.dirname(sys.executable), env.get("PATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        }
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
     return env
 
 
-def node_env(veth: str, base: dict | None = None, accelerator: str = "cpu", host: str | None = None,
-             gpus: str | None = None) -> dict:
+def node_env(
+    veth: str, base: dict | None = None, accelerator: str = "cpu", host: str | None = None, gpus: str | None = None
+) -> dict:
     """A rank's environment on an emulated node: :func:`local_env` plus gloo on the node's veth
     (without GLOO_SOCKET_IFNAME gloo binds 127.0.0.1), one MKL thread, unbuffered output, and the
     accelerator: ``cpu`` (DeepSpeed's CPU accelerator), or ``cuda`` with NCCL held to the veth
@@ -58,8 +64,15 @@ def node_env(veth: str, base: dict | None = None, accelerator: str = "cpu", host
     elif accelerator == "cuda":
         if host is None or gpus is None:
             raise ValueError("node_env(accelerator='cuda') needs the node's host id and its GPUs")
-        env.update({"DS_ACCELERATOR": "cuda", "NCCL_SOCKET_IFNAME": veth, "NCCL_HOSTID": host,
-                    "NCCL_IB_DISABLE": "1", "CUDA_VISIBLE_DEVICES": gpus})
+        env.update(
+            {
+                "DS_ACCELERATOR": "cuda",
+                "NCCL_SOCKET_IFNAME": veth,
+                "NCCL_HOSTID": host,
+                "NCCL_IB_DISABLE": "1",
+                "CUDA_VISIBLE_DEVICES": gpus,
+            }
+        )
     else:
         raise ValueError(f"accelerator {accelerator!r}: allowed cpu, cuda")
     return env
@@ -71,8 +84,10 @@ def gpu_slices(device_count: int, nodes: int, ranks_per_node: int) -> list[str]:
     few. Pure."""
     need = nodes * ranks_per_node
     if device_count < need:
-        raise Refuse(f"--accelerator cuda: {nodes} node(s) x {ranks_per_node} ranks need {need} GPUs, one per rank "
-                     f"(NCCL puts no two ranks of a group on one GPU); this machine has {device_count}")
+        raise Refuse(
+            f"--accelerator cuda: {nodes} node(s) x {ranks_per_node} ranks need {need} GPUs, one per rank "
+            f"(NCCL puts no two ranks of a group on one GPU); this machine has {device_count}"
+        )
     return [",".join(str(n * ranks_per_node + i) for i in range(ranks_per_node)) for n in range(nodes)]
 
 
@@ -134,6 +149,7 @@ def cleanup_on_signals(cleanup: Callable[[], None]):
 class LocalRun:
     """How a :class:`LocalJob` ended: the launcher's exit code (negative: killed), whether it was
     killed at the timeout, its and its ranks' output ('' when it went to a log file), seconds."""
+
     returncode: int
     timed_out: bool
     output: str
@@ -152,8 +168,14 @@ class LocalJob:
     which is what the tests use it for (tests/real_clients/test_dropin.py and the failed-rank tests keep
     DeepSpeed's launcher)."""
 
-    def __init__(self, worker: str | Path, num_ranks: int, worker_args: Sequence = (), port: int | None = None,
-                 launcher: str = "deepspeed"):
+    def __init__(
+        self,
+        worker: str | Path,
+        num_ranks: int,
+        worker_args: Sequence = (),
+        port: int | None = None,
+        launcher: str = "deepspeed",
+    ):
         self.port = port or free_port()
         if launcher == "deepspeed":
             start = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks), "--master_port", str(self.port)]
@@ -170,8 +192,15 @@ class LocalJob:
         or returned."""
         start = time.monotonic()
         with open(log, "w") if log is not None else contextlib.nullcontext() as sink:
-            proc = subprocess.Popen(self.command, env=local_env(), cwd=REPO, text=True, start_new_session=True,
-                                    stdout=sink if sink is not None else subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                self.command,
+                env=local_env(),
+                cwd=REPO,
+                text=True,
+                start_new_session=True,
+                stdout=sink if sink is not None else subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             timed_out = False
             try:
                 output, _ = proc.communicate(timeout=timeout)
@@ -194,8 +223,14 @@ class NodeProcesses:
     to ``logs/node{n}.log``; a line containing ``marker`` is echoed (what follows the marker) with
     the seconds since ``t0``, prefixed by ``tag`` when given."""
 
-    def __init__(self, logs: Path, t0: float | None = None, marker: str = "[bench]", tag: str | None = None,
-                 port: int | None = None):
+    def __init__(
+        self,
+        logs: Path,
+        t0: float | None = None,
+        marker: str = "[bench]",
+        tag: str | None = None,
+        port: int | None = None,
+    ):
         self.logs, self.marker, self.tag, self.port = Path(logs), marker, tag, port
         self.t0 = time.monotonic() if t0 is None else t0
         self.procs: list[subprocess.Popen] = []
@@ -206,8 +241,16 @@ class NodeProcesses:
 
     def start_node(self, n: int, cmd: list[str], env: dict, cwd: Path = REPO) -> subprocess.Popen:
         self.logs.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         t = threading.Thread(target=self._pump, args=(n, proc), daemon=True)
         t.start()
@@ -234,8 +277,9 @@ class NodeProcesses:
             failed = [(n, c) for n, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 n, c = failed[0]
-                raise RuntimeError(f"{self._prefix()}node {n}'s launcher exited with {c}; see "
-                                   f"{self.logs}/node{n}.log" + self.tails())
+                raise RuntimeError(
+                    f"{self._prefix()}node {n}'s launcher exited with {c}; see {self.logs}/node{n}.log" + self.tails()
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self._prefix()}the job ran past --timeout {timeout} s" + self.tails())
             time.sleep(0.3)
@@ -276,9 +320,21 @@ class WorkerJob(NodeProcesses):
     (``deepspeed.launcher.launch --world_info ... --node_rank N``) once per node in use, in that
     node's namespace, pinned to its core; node 0's command line saved to ``LOGS/command.txt``."""
 
-    def __init__(self, network: Network, worker: str | Path, worker_args: Sequence[str], logs: Path, nodes: int,
-                 ranks_per_node: int, cores: Sequence, port: int, t0: float | None = None, tag: str | None = None,
-                 accelerator: str = "cpu", device_count: int = 0):
+    def __init__(
+        self,
+        network: Network,
+        worker: str | Path,
+        worker_args: Sequence[str],
+        logs: Path,
+        nodes: int,
+        ranks_per_node: int,
+        cores: Sequence,
+        port: int,
+        t0: float | None = None,
+        tag: str | None = None,
+        accelerator: str = "cpu",
+        device_count: int = 0,
+    ):
         super().__init__(logs, t0=t0, tag=tag, port=port)
         self.network, self.worker, self.worker_args = network, worker, list(worker_args)
         self.nodes, self.rpn, self.cores = nodes, ranks_per_node, list(cores)
@@ -290,13 +346,26 @@ class WorkerJob(NodeProcesses):
         self.logs.mkdir(parents=True, exist_ok=True)
         for n in range(self.nodes):
             cmd = self.network.exec_prefix(n, self.cores[n]) + [
-                sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-                f"--node_rank={n}", f"--master_addr={self.network.addrs[0]}", f"--master_port={self.port}",
-                str(self.worker), *self.worker_args]
+                sys.executable,
+                "-u",
+                "-m",
+                "deepspeed.launcher.launch",
+                f"--world_info={world_info}",
+                f"--node_rank={n}",
+                f"--master_addr={self.network.addrs[0]}",
+                f"--master_port={self.port}",
+                str(self.worker),
+                *self.worker_args,
+            ]
             if n == 0:
                 (self.logs / "command.txt").write_text(" ".join(cmd) + "\n")
-            self.start_node(n, cmd, node_env(self.network.veths[n], accelerator=self.accelerator,
-                                             host=self.network.nodes[n], gpus=self.gpus[n]))
+            self.start_node(
+                n,
+                cmd,
+                node_env(
+                    self.network.veths[n], accelerator=self.accelerator, host=self.network.nodes[n], gpus=self.gpus[n]
+                ),
+            )
 
     def run(self, timeout: float):
         """:meth:`start`, :meth:`wait` up to ``timeout`` seconds, and :meth:`stop` in any case."""

@@ -9,6 +9,7 @@ Same interface as :class:`~cluster.network.Network` (both are :class:`~cluster.n
 ``exec_prefix``, ``link_bytes``, ``world_info``, ``qdiscs`` are shared), so
 :class:`~cluster.processes.WorkerJob` runs jobs on either.
 """
+
 from __future__ import annotations
 
 from tools.bench.cluster.network import Namespaces, sh
@@ -54,7 +55,8 @@ class StarNetwork(Namespaces):
 
     def describe(self, qdiscs: dict | None, with_veths: bool = True) -> str:
         """One line: the nodes, their addresses, the switch and the shaping (None: unshaped)."""
-        ends = ", ".join(" ".join([n] + ([v] if with_veths else []) + [a])
-                         for n, v, a in zip(self.nodes, self.veths, self.addrs))
+        ends = ", ".join(
+            " ".join([n] + ([v] if with_veths else []) + [a]) for n, v, a in zip(self.nodes, self.veths, self.addrs)
+        )
         shaping = "unshaped" if qdiscs is None else "each link both ways: " + next(iter(qdiscs.values()), "")
         return f"{len(self.nodes)} nodes ({ends}) on switch {self.switch}; {shaping}"

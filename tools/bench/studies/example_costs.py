@@ -14,6 +14,7 @@ the times: on the emulated cluster two ranks share a node's one core, so a stage
 twice as slowly as the profile, which measures a rank alone. Prints what "auto" chooses per
 deferred stage of `hippie` at that cost (the rule the engine runs, schedules.deferral.auto_layers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,18 +28,30 @@ EXAMPLES = ("gpt", "vgg")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.bench example-costs", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench example-costs",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--example", choices=EXAMPLES, required=True)
     p.add_argument("--rate", default="1gbit", help="shaped link rate between the nodes (tc syntax: 1gbit, 250mbit)")
-    p.add_argument("--link-efficiency", type=float, default=0.97,
-                   help="all-reduce bandwidth / shaped rate (python -m tools.bench allreduce measured 0.96-0.97)")
+    p.add_argument(
+        "--link-efficiency",
+        type=float,
+        default=0.97,
+        help="all-reduce bandwidth / shaped rate (python -m tools.bench allreduce measured 0.96-0.97)",
+    )
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--replicas", type=int, default=2, help="data-parallel replicas, one per node")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch (the shipped configs' 4)")
-    p.add_argument("--micro-batches", type=int, default=4,
-                   help="micro-batches per step and replica, for the printed choice (configs/hippie.json's "
-                        "32 samples / (4 per micro-batch x 2 replicas) = 4)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="micro-batches per step and replica, for the printed choice (configs/hippie.json's "
+        "32 samples / (4 per micro-batch x 2 replicas) = 4)",
+    )
     p.add_argument("--compute-scale", type=float, default=1.0, help="multiply the profiled times by this")
     p.add_argument("--repeats", type=int, default=10, help="timed repetitions per layer")
     p.add_argument("--out", required=True, help="the cost file to write (JSON)")
@@ -57,11 +70,19 @@ def example_costs(example: str, rate_bytes: float, a) -> dict:
     target = (gpt if example == "gpt" else vgg).profile_target(micro_batch=a.micro_batch)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    profile = profile_layers(target["layers"], target["sample"], model=target["name"], repeats=a.repeats,
-                             warmup=3, progress=sys.stderr)
+    profile = profile_layers(
+        target["layers"], target["sample"], model=target["name"], repeats=a.repeats, warmup=3, progress=sys.stderr
+    )
     k = a.compute_scale
-    layers = [{"forward": k * x.forward, "backward": k * x.backward, "param_bytes": x.param_bytes,
-               "output_bytes": x.output_bytes} for x in profile.layers]
+    layers = [
+        {
+            "forward": k * x.forward,
+            "backward": k * x.backward,
+            "param_bytes": x.param_bytes,
+            "output_bytes": x.output_bytes,
+        }
+        for x in profile.layers
+    ]
     parts = partition_uniform(num_items=len(layers), num_parts=a.stages)
     comm = CommCost(allreduce_bandwidth=rate_bytes * a.link_efficiency, data_parallel=a.replicas, shared_link=True)
     return Costs.from_layers(layers, parts, comm).model_dump(mode="json")
@@ -72,8 +93,9 @@ def auto_choice(costs: dict, stages: int, micro_batches: int) -> list[str]:
     from hippie_ds.schedules.costs import Costs
     from hippie_ds.schedules.resolve import Shape, resolve
 
-    resolved = resolve("hippie", Shape(stages, micro_batches), {"deferred_stages": "auto"}, "auto",
-                       Costs.from_dict(costs))
+    resolved = resolve(
+        "hippie", Shape(stages, micro_batches), {"deferred_stages": "auto"}, "auto", Costs.from_dict(costs)
+    )
     return [f"deferred_stages {sorted(resolved.choices)}"] + [ch.describe() for ch in resolved.choices.values()]
 
 

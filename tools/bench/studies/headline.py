@@ -8,6 +8,7 @@ block tests/docs/test_doc_figures.py checks it with, between README's ``<!-- HEA
 from one node per column, beside the paper's figures. Nothing is typed by hand: rerun it after the
 study.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,14 +32,17 @@ def _range(row: dict, key: str, fmt: str) -> tuple[str, list[str]]:
         return "-", []
     if lo is None or hi is None or fmt.format(lo) == fmt.format(hi):
         return fmt.format(v), [f"{{{{path}}.{key}}}"]
-    return (f"{fmt.format(v)} ({fmt.format(lo).rstrip('x')}-{fmt.format(hi).rstrip('x')})",
-            [f"{{{{path}}.{key}}}", f"{{{{path}}.{key}_min}}", f"{{{{path}}.{key}_max}}"])
+    return (
+        f"{fmt.format(v)} ({fmt.format(lo).rstrip('x')}-{fmt.format(hi).rstrip('x')})",
+        [f"{{{{path}}.{key}}}", f"{{{{path}}.{key}_min}}", f"{{{{path}}.{key}_max}}"],
+    )
 
 
 def link_equivalent(cfg: dict) -> str:
     """The real link the shaped one stands for: its rate / the emulated model's scale (10mbit x 1e-3:
     10 Gbit/s). Pure."""
     from tools.bench.cluster import parse_rate
+
     rate = next((t for t in str(cfg.get("link", "")).split() if t[:1].isdigit()), None)
     if rate is None or not cfg.get("emulate_scale"):
         return str(cfg.get("link"))
@@ -54,10 +58,13 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
     d_job = cfg.get("dilation", 1)
     ds = {rows[s].get("dilation", d_job) for s in COLUMNS if s in rows}
     what = f"time dilation D = {d_job:g}" if ds <= {d_job} else "each column at its time dilation D"
-    lines = [f"**{model}, {n} nodes x {cfg['stages']} V100s (emulated, {what}), "
-             f"{link_equivalent(cfg)} between nodes**", "",
-             "| schedule | kind | D | vs stock 1F1B | scaling 1 -> " + n + " nodes | memory/device (GB) | ME vs DP | "
-             "waited for a core |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{model}, {n} nodes x {cfg['stages']} V100s (emulated, {what}), {link_equivalent(cfg)} between nodes**",
+        "",
+        "| schedule | kind | D | vs stock 1F1B | scaling 1 -> " + n + " nodes | memory/device (GB) | ME vs DP | "
+        "waited for a core |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     block = [f"<!-- figures {source}"]
     for s in COLUMNS:
         row = rows.get(s)
@@ -77,7 +84,9 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
         sc, e_sc = _range(row, "scaling", "{:.2f}")
         mem = f"{row['memory_bytes'] / 1e9:.2f}" if row.get("memory_bytes") else "-"
         me = f"{row['me_vs_dp']:.2f}x" if row.get("me_vs_dp") else "-"
-        waited = "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core") else f"no ({wait:.1%})")
+        waited = (
+            "-" if wait is None else (f"**yes** ({wait:.1%})" if row.get("waited_for_core") else f"no ({wait:.1%})")
+        )
         lines.append(f"| {label} | emulated | {d_cell} | {vs} | {sc} | {mem} | {me} | {waited} |")
         for column, exprs in (("vs stock 1F1B", e_vs), ("scaling", e_sc)):
             if exprs:
@@ -94,8 +103,10 @@ def model_table(results: dict, source: str, model: str) -> list[str]:
 def picture(models: dict, path: Path) -> None:
     """ME against DP and the scaling from one node per column, per model, beside the paper's figures."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / max(1, len(models))
     for k, (model, results) in enumerate(models.items()):
@@ -109,14 +120,19 @@ def picture(models: dict, path: Path) -> None:
                 if rows[s].get("waited_for_core"):
                     bar.set_hatch("//")
                     bar.set_alpha(0.35)
-    for ax, ref, title in ((axes[0], PAPER_ME, "memory efficiency vs DP (4 nodes)"),
-                           (axes[1], PAPER_SCALING, "scaling efficiency 1 -> 4 nodes")):
+    for ax, ref, title in (
+        (axes[0], PAPER_ME, "memory efficiency vs DP (4 nodes)"),
+        (axes[1], PAPER_SCALING, "scaling efficiency 1 -> 4 nodes"),
+    ):
         ax.axhline(ref, color="k", ls="--", lw=1, label=f"Hippie paper: {ref:g}")
         ax.set_xticks(range(len(COLUMNS)), [name_of(s).replace(" (", "\n(") for s in COLUMNS], fontsize=7)
         ax.set_title(title)
         ax.legend(fontsize=7)
-    fig.suptitle("emulated cluster (PipeDream's V100 profiles, time-dilated on a 2-core CPU): no GPU run; "
-                 "hatched: a rank waited for a core (not a figure)", fontsize=9)
+    fig.suptitle(
+        "emulated cluster (PipeDream's V100 profiles, time-dilated on a 2-core CPU): no GPU run; "
+        "hatched: a rank waited for a core (not a figure)",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -133,14 +149,26 @@ def splice(text: str, section: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench headline", description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", action="append", default=None, metavar="MODEL=FILE",
-                   help="a scaling study's results.json per model (default: VGG-16 and GNMT-16's published ones)")
-    p.add_argument("--readme", action="append", default=None, metavar="FILE",
-                   help="a markdown file with the markers to write into (default: README.md and docs/results.md)")
+    p.add_argument(
+        "--results",
+        action="append",
+        default=None,
+        metavar="MODEL=FILE",
+        help="a scaling study's results.json per model (default: VGG-16 and GNMT-16's published ones)",
+    )
+    p.add_argument(
+        "--readme",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a markdown file with the markers to write into (default: README.md and docs/results.md)",
+    )
     p.add_argument("--picture", default=str(REPO / "docs" / "images" / "headline.png"))
     a = p.parse_args(argv)
-    given = a.results or [f"VGG-16={REPO / 'docs/bench/scaling/vgg16/results.json'}",
-                          f"GNMT-16={REPO / 'docs/bench/scaling/gnmt16/results.json'}"]
+    given = a.results or [
+        f"VGG-16={REPO / 'docs/bench/scaling/vgg16/results.json'}",
+        f"GNMT-16={REPO / 'docs/bench/scaling/gnmt16/results.json'}",
+    ]
     models, section = {}, []
     for item in given:
         model, _, file = item.partition("=")

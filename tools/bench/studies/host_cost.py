@@ -9,6 +9,7 @@ shows it (the machine is shared). ``--profile`` adds one untimed pass per engine
 rank 0: its 40 costliest functions, and its Python function calls per instruction (host work that
 no machine noise moves). Writes OUT/host_cost.json (raw), OUT/report.md; ``--publish DIR`` copies both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,33 +55,44 @@ def _spread(xs: list[float]) -> str:
 
 
 def report(summary: dict, raw: dict, command: str) -> str:
-    lines = ["# Engine host cost per instruction: hippie-ds against stock PipelineEngine", "",
-             f"Command: `{command}`. Model: {raw['args']['layers']} x Linear({raw['args']['width']}), micro-batch 1, "
-             f"{raw['args']['micro_batches']} micro-batches, 2 stages x 1, gloo, {raw['args']['steps']} timed steps "
-             f"per engine and round after {raw['args']['warmup']} untimed; load average at the end "
-             f"{summary.get('load', 'n/a')}.", "",
-             "| engine | wall per instruction (us), median over rounds | CPU per instruction (us) | wall / stock, "
-             "median (min-max) | CPU / stock |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "# Engine host cost per instruction: hippie-ds against stock PipelineEngine",
+        "",
+        f"Command: `{command}`. Model: {raw['args']['layers']} x Linear({raw['args']['width']}), micro-batch 1, "
+        f"{raw['args']['micro_batches']} micro-batches, 2 stages x 1, gloo, {raw['args']['steps']} timed steps "
+        f"per engine and round after {raw['args']['warmup']} untimed; load average at the end "
+        f"{summary.get('load', 'n/a')}.",
+        "",
+        "| engine | wall per instruction (us), median over rounds | CPU per instruction (us) | wall / stock, "
+        "median (min-max) | CPU / stock |",
+        "|---|---|---|---|---|",
+    ]
     for name, rounds in summary["per_round"].items():
         wall = statistics.median(v["wall_us"] for v in rounds.values())
         cpu = statistics.median(v["cpu_us"] for v in rounds.values())
         r = summary["ratios"].get(name)
-        lines.append(f"| `{name}` | {wall:.0f} | {cpu:.0f} | {_spread(r['wall_us']) if r else ''} | "
-                     f"{_spread(r['cpu_us']) if r else ''} |")
+        lines.append(
+            f"| `{name}` | {wall:.0f} | {cpu:.0f} | {_spread(r['wall_us']) if r else ''} | "
+            f"{_spread(r['cpu_us']) if r else ''} |"
+        )
     calls = raw.get("calls_per_instruction") or {}
     if calls:
-        lines += ["", "Python function calls per instruction on rank 0 (cProfile of the last round; deterministic, "
-                  "not timed): " + ", ".join(f"`{n}` {c:.1f}" for n, c in calls.items()) + "."]
+        lines += [
+            "",
+            "Python function calls per instruction on rank 0 (cProfile of the last round; deterministic, "
+            "not timed): " + ", ".join(f"`{n}` {c:.1f}" for n, c in calls.items()) + ".",
+        ]
     lines += ["", "A ratio counts as a difference only when its range excludes 1 (every round agrees)."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench host-cost", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 epilog="example: .venv/bin/python -m tools.bench host-cost --rounds 5 --publish "
-                                        "docs/bench/host_cost")
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.bench host-cost",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: .venv/bin/python -m tools.bench host-cost --rounds 5 --publish docs/bench/host_cost",
+    )
     ap.add_argument("--out", default="out/bench/host_cost")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
@@ -91,8 +103,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    worker_args = ["--out", out, "--rounds", args.rounds, "--steps", args.steps, "--micro-batches",
-                   args.micro_batches, "--layers", args.layers] + (["--profile"] if args.profile else [])
+    worker_args = [
+        "--out",
+        out,
+        "--rounds",
+        args.rounds,
+        "--steps",
+        args.steps,
+        "--micro-batches",
+        args.micro_batches,
+        "--layers",
+        args.layers,
+    ] + (["--profile"] if args.profile else [])
     run = LocalJob(WORKER, 2, worker_args, launcher="fork").run(timeout=3600, log=out / "launch.log")
     if run.returncode != 0:
         print(f"host-cost: the job failed (exit {run.returncode}); see {out / 'launch.log'}")

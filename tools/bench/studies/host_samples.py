@@ -3,6 +3,7 @@ CPU its main thread spent in each instruction class (tools/bench/workers/instruc
 each (rank, kind) becomes one :class:`hippie_ds.planner.host.Sample` with the layers its stage runs
 and re-computes (the steps file's ``parts`` and ``checkpointed_layers``), and
 :func:`hippie_ds.planner.host.fit_host_cost` fits the kinds' fixed and per-layer terms over them."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ def rank_samples(record: dict) -> list[Sample]:
             t[0] += count
             t[1] += cpu
     # a forward or the optimizer step re-computes nothing; only a backward carries the re-computed layers
-    return [Sample(kind, end - first, recomputed if kind == "backward" else 0, n, cpu)
-            for kind, (n, cpu) in sorted(totals.items()) if kind != "other" and n]
+    return [
+        Sample(kind, end - first, recomputed if kind == "backward" else 0, n, cpu)
+        for kind, (n, cpu) in sorted(totals.items())
+        if kind != "other" and n
+    ]
 
 
 def fit_runs(runs_dir: Path, source: str = "") -> HostCost | None:

@@ -12,6 +12,7 @@ bench times (tools/bench/workers/link_worker.py), alone on the link:
 
 and the analysis gives the simulator the pipeline runs' efficiency from ``stage``, DP's from ``all``
 (``--link-efficiency`` given: that value everywhere instead). Writes OUT/link.json."""
+
 from __future__ import annotations
 
 import json
@@ -60,6 +61,7 @@ def ring_seconds(nbytes: float, ranks: int, rate_bytes: float) -> float:
     """The simulator's ring all-reduce at the full shaped rate (``Costs.allreduce_time``:
     2(r-1)/r x bytes / rate). Pure."""
     from hippie_ds.schedules.costs import Costs
+
     comm = {"allreduce_bandwidth": rate_bytes, "data_parallel": ranks}
     return Costs.uniform(1, param_bytes=nbytes, comm=comm).allreduce_time(0)
 
@@ -76,24 +78,57 @@ def summarize(records: list[dict], rate_bytes: float) -> dict:
         nbytes = records[0][f"{shape}_bytes"]
         median = statistics.median(repeats)
         ideal = ring_seconds(nbytes, len(times), rate_bytes)
-        out[shape] = {"ranks": len(times), "bytes": nbytes, "repeats_s": repeats, "median_s": median,
-                      "efficiency": ideal / median if median > 0 else None}
+        out[shape] = {
+            "ranks": len(times),
+            "bytes": nbytes,
+            "repeats_s": repeats,
+            "median_s": median,
+            "efficiency": ideal / median if median > 0 else None,
+        }
     return out
 
 
 def measure(a, out: Path, net, jobs: list[dict], port: int, t0: float) -> dict:
     """Time both shapes per node count on ``net`` (up); writes and returns OUT/link.json's content."""
-    result = {"rate": a.rate, "burst": a.burst, "repeats": REPEATS, "measured_by": getattr(a, "command", None),
-              "by_nodes": {}}
+    result = {
+        "rate": a.rate,
+        "burst": a.burst,
+        "repeats": REPEATS,
+        "measured_by": getattr(a, "command", None),
+        "by_nodes": {},
+    }
     for i, entry in enumerate(plan(out, jobs, a)):
         n, rpn = entry["nodes"], entry["rpn"]
         run_dir = out / "runs" / "link" / entry["config"]
-        args = ["--out", str(run_dir), "--rpn", str(rpn), "--stage", str(entry.get("stage", 0)),
-                "--stage-bytes", str(entry.get("stage_bytes", 4)), "--all-bytes", str(entry.get("all_bytes", 4)),
-                "--repeats", str(REPEATS)]
+        args = [
+            "--out",
+            str(run_dir),
+            "--rpn",
+            str(rpn),
+            "--stage",
+            str(entry.get("stage", 0)),
+            "--stage-bytes",
+            str(entry.get("stage_bytes", 4)),
+            "--all-bytes",
+            str(entry.get("all_bytes", 4)),
+            "--repeats",
+            str(REPEATS),
+        ]
         cores = [a.core_list[k % len(a.core_list)] for k in range(n)]
-        WorkerJob(net, WORKER, args, run_dir / "logs", n, rpn, cores, port + i, t0=t0, tag=f"link {n}",
-                  accelerator=a.accelerator, device_count=a.device_count).run(a.timeout)
+        WorkerJob(
+            net,
+            WORKER,
+            args,
+            run_dir / "logs",
+            n,
+            rpn,
+            cores,
+            port + i,
+            t0=t0,
+            tag=f"link {n}",
+            accelerator=a.accelerator,
+            device_count=a.device_count,
+        ).run(a.timeout)
         records = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
         shapes = summarize(records, parse_rate(a.rate))
         if "stage_bytes" not in entry:

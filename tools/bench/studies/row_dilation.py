@@ -16,6 +16,7 @@ directory, ``_SCHEDULE`` appended where the job ran several), its plans in OUT/r
 Which D a row took is read back from those records (:func:`chosen_run`), so ``--analyze-only`` and
 ``--resume`` (a rerun that finished is not run again) come to the same D as the run did.
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,8 +82,10 @@ def row_wait(run_dir: Path, label: str) -> float | None:
     rounds = sorted({s.get("round", 0) for st, _ in ranks.values() for s in st.get("steps", []) if not s["warmup"]})
     waits = []
     for r in rounds:
-        one = {k: ({**st, "steps": [s for s in st["steps"] if not s["warmup"] and s.get("round", 0) == r]}, tl)
-               for k, (st, tl) in ranks.items()}
+        one = {
+            k: ({**st, "steps": [s for s in st["steps"] if not s["warmup"] and s.get("round", 0) == r]}, tl)
+            for k, (st, tl) in ranks.items()
+        }
         waits.append(cpu_figures(one).get("runqueue_wait_share_max"))
     waits = [w for w in waits if w is not None]
     return max(waits) if waits else None
@@ -98,8 +101,7 @@ def plan_at(a, out: Path, d: float, nodes: int, name: str, make: bool, log=print
     command made it, ``--resume``), else read back (None where none was made)."""
     b = at_dilation(a, d)
     b.node_counts, b.schedule_list = [nodes], [name]
-    plans = (make_plans(b, rerun_base(out, d), log=log, reuse=a.resume) if make
-             else load_plans(b, rerun_base(out, d)))
+    plans = make_plans(b, rerun_base(out, d), log=log, reuse=a.resume) if make else load_plans(b, rerun_base(out, d))
     return plans.get((nodes, name))
 
 
@@ -119,8 +121,11 @@ def rerun_rows(a, out: Path, job: dict, run, plan=None, log=print) -> dict:
         for d in steps[1:]:
             if host_free(tried[s][-1][1]):
                 break
-            log(f"{job['dir']} {s}: a rank waited for a core {tried[s][-1][1]:.1%} of a step at D = "
-                f"{tried[s][-1][0]:g} (> {WAITED_FOR_CORE:.0%}): rerun alone at D = {d:g}", flush=True)
+            log(
+                f"{job['dir']} {s}: a rank waited for a core {tried[s][-1][1]:.1%} of a step at D = "
+                f"{tried[s][-1][0]:g} (> {WAITED_FOR_CORE:.0%}): rerun alone at D = {d:g}",
+                flush=True,
+            )
             one = row_job(job, s, plan(d, job["nodes"], s) if s in PLANNED else None)
             run_dir = row_dir(out, job, s, d, a.dilate)
             if a.resume and done(run_dir):
@@ -129,8 +134,11 @@ def rerun_rows(a, out: Path, job: dict, run, plan=None, log=print) -> dict:
                 run(at_dilation(a, d), one, run_dir)
             tried[s].append((d, row_wait(run_dir, row_label(one, s))))
         if not host_free(tried[s][-1][1]):
-            log(f"{job['dir']} {s}: still waited {tried[s][-1][1]:.1%} at D = {tried[s][-1][0]:g}, the largest "
-                f"allowed: kept, flagged", flush=True)
+            log(
+                f"{job['dir']} {s}: still waited {tried[s][-1][1]:.1%} at D = {tried[s][-1][0]:g}, the largest "
+                f"allowed: kept, flagged",
+                flush=True,
+            )
     return tried
 
 

@@ -34,6 +34,7 @@ waited at every D is flagged.
 Writes OUT/results.json, OUT/report.md (tools/bench/studies/scaling_report.py); ``--publish DIR`` copies them
 (and OUT/plans to DIR/plans).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,6 +52,7 @@ from tools.bench.cluster import preflight as cluster_preflight
 from tools.bench.labels import engine_label
 from tools.bench.publish import publish
 from tools.bench.runs import WORKER, worker_args
+from tools.bench.studies.provenance import machine, source_state
 from tools.bench.studies import link_calibration, row_dilation
 from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names
 from tools.bench.studies.scaling_summary import WAITED_FOR_CORE, config_name, host_cores, summarize
@@ -66,45 +68,102 @@ _jobs: list[WorkerJob] = []
 def parse_args(argv=None):
     """The study's options, plus the cluster bench's (tools/bench/config.py) for the worker and the analysis."""
     from tools.bench.config import parse_args as bench_args
-    p = argparse.ArgumentParser(prog="python -m tools.bench scaling", description=__doc__.split("\n\n")[0] + (
-                                    " Defaults (any can be given): --model emulated:vgg16 --stages 4 "
-                                    "--micro-batch-size 32 --micro-batches 8 --rate 10mbit --burst min --steps 4 "
-                                    f"--warmup 2 --rounds 3 --schedules {DEFAULT_SCHEDULES} "
-                                    "--out out/bench/scaling."),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog="example: sudo .venv/bin/python -m tools.bench scaling --model emulated:vgg16 "
-                                       "--nodes 1,2,4 --rate 10mbit --publish docs/bench/scaling/vgg16. Any other "
-                                       "option of the cluster bench (python -m tools.bench --help: --comm-dtype, "
-                                       "--link-efficiency, --partition-method, ...) is passed on.")
+
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench scaling",
+        description=__doc__.split("\n\n")[0]
+        + (
+            " Defaults (any can be given): --model emulated:vgg16 --stages 4 "
+            "--micro-batch-size 32 --micro-batches 8 --rate 10mbit --burst min --steps 4 "
+            f"--warmup 2 --rounds 3 --schedules {DEFAULT_SCHEDULES} "
+            "--out out/bench/scaling."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sudo .venv/bin/python -m tools.bench scaling --model emulated:vgg16 "
+        "--nodes 1,2,4 --rate 10mbit --publish docs/bench/scaling/vgg16. Any other "
+        "option of the cluster bench (python -m tools.bench --help: --comm-dtype, "
+        "--link-efficiency, --partition-method, ...) is passed on.",
+    )
     p.add_argument("--nodes", default="1,2,4", help="node counts; 1 must be among them (scaling is from one node)")
     p.add_argument("--no-single", action="store_true", help="skip the single-device run (no scalability, ME)")
     p.add_argument("--analyze-only", action="store_true", help="re-analyse OUT/runs of an earlier run (no root)")
-    p.add_argument("--calibrate-only", action="store_true", help="time only the link calibration on OUT/runs of an "
-                   "earlier run (root), then re-analyse")
-    p.add_argument("--network", default="hdss,10.82.0", metavar="PREFIX,SUBNET",
-                   help="the namespaces' name prefix and /24 subnet: another pair runs beside a study that uses "
-                        "the default (setting a network up first removes one of the same names)")
-    p.add_argument("--resume", action="store_true", help="keep OUT/runs and OUT/plans of an earlier run of the "
-                   "same command: jobs that finished (raw/done.json) and plans made are not run again")
-    p.add_argument("--dilate", type=float, default=DEFAULT_DILATION, metavar="D",
-                   help="time dilation: every device time x D and every transfer D x longer (the tensors' bytes "
-                        "x D at --rate), so each rank has D x cores / ranks cores of host; reports divide every "
-                        "time by its row's D (tools/bench/studies/dilation.py measures the choice)")
-    p.add_argument("--max-dilate", type=float, default=row_dilation.D_MAX, metavar="D",
-                   help="a row whose rank waited for a core more than 5%% of a step at D is rerun alone at 2D, "
-                        "4D, ... up to this D until it is host-free (--dilate's value: no reruns); each row "
-                        "reports its D, its times / its own D")
-    p.add_argument("--host-cost", default=None, metavar="FILE",
-                   help="the host's CPU per instruction kind (a host_cost.json this study wrote: fitted from every "
-                        "instruction's CPU on its ranks); the planned columns' planner charges it, scaled to this "
-                        "cluster's host (ranks a core / D). Default: none (the planner prices no host)")
-    p.add_argument("--plan-memory", type=float, default=16e9, help="bytes of one device for the planned columns "
-                   "(planned: hippie-ds plan's ME objective; planned-throughput: its throughput objective), x "
-                   "--emulate-scale for the emulated cluster (tools/bench/studies/scaling_plan.py)")
+    p.add_argument(
+        "--calibrate-only",
+        action="store_true",
+        help="time only the link calibration on OUT/runs of an earlier run (root), then re-analyse",
+    )
+    p.add_argument(
+        "--network",
+        default="hdss,10.82.0",
+        metavar="PREFIX,SUBNET",
+        help="the namespaces' name prefix and /24 subnet: another pair runs beside a study that uses "
+        "the default (setting a network up first removes one of the same names)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep OUT/runs and OUT/plans of an earlier run of the "
+        "same command: jobs that finished (raw/done.json) and plans made are not run again",
+    )
+    p.add_argument(
+        "--dilate",
+        type=float,
+        default=DEFAULT_DILATION,
+        metavar="D",
+        help="time dilation: every device time x D and every transfer D x longer (the tensors' bytes "
+        "x D at --rate), so each rank has D x cores / ranks cores of host; reports divide every "
+        "time by its row's D (tools/bench/studies/dilation.py measures the choice)",
+    )
+    p.add_argument(
+        "--max-dilate",
+        type=float,
+        default=row_dilation.D_MAX,
+        metavar="D",
+        help="a row whose rank waited for a core more than 5%% of a step at D is rerun alone at 2D, "
+        "4D, ... up to this D until it is host-free (--dilate's value: no reruns); each row "
+        "reports its D, its times / its own D",
+    )
+    p.add_argument(
+        "--host-cost",
+        default=None,
+        metavar="FILE",
+        help="the host's CPU per instruction kind (a host_cost.json this study wrote: fitted from every "
+        "instruction's CPU on its ranks); the planned columns' planner charges it, scaled to this "
+        "cluster's host (ranks a core / D). Default: none (the planner prices no host)",
+    )
+    p.add_argument(
+        "--plan-memory",
+        type=float,
+        default=16e9,
+        help="bytes of one device for the planned columns "
+        "(planned: hippie-ds plan's ME objective; planned-throughput: its throughput objective), x "
+        "--emulate-scale for the emulated cluster (tools/bench/studies/scaling_plan.py)",
+    )
     own, rest = p.parse_known_args(argv)
-    defaults = ["--model", "emulated:vgg16", "--stages", "4", "--micro-batch-size", "32", "--micro-batches", "8",
-                "--rate", "10mbit", "--burst", "min", "--steps", "4", "--warmup", "2", "--schedules",
-                DEFAULT_SCHEDULES, "--out", "out/bench/scaling", "--allreduce-cpu-per-mb", "0"]
+    defaults = [
+        "--model",
+        "emulated:vgg16",
+        "--stages",
+        "4",
+        "--micro-batch-size",
+        "32",
+        "--micro-batches",
+        "8",
+        "--rate",
+        "10mbit",
+        "--burst",
+        "min",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--schedules",
+        DEFAULT_SCHEDULES,
+        "--out",
+        "out/bench/scaling",
+        "--allreduce-cpu-per-mb",
+        "0",
+    ]
     a = bench_args(defaults + rest)
     a.no_single, a.analyze_only, a.calibrate_only = own.no_single, own.analyze_only, own.calibrate_only
     a.plan_memory, a.planned, a.network, a.resume = own.plan_memory, {}, own.network, own.resume
@@ -112,8 +171,9 @@ def parse_args(argv=None):
         p.error(f"--dilate {own.dilate}: D must be at least 1 (1: no dilation)")
     a.dilate, a.host_cost, a.max_dilate = own.dilate, own.host_cost, max(own.max_dilate, own.dilate)
     if own.host_cost and not Path(own.host_cost).is_file():
-        p.error(f"--host-cost {own.host_cost!r}: no such file "
-                "(python -m tools.bench scaling writes OUT/host_cost.json)")
+        p.error(
+            f"--host-cost {own.host_cost!r}: no such file (python -m tools.bench scaling writes OUT/host_cost.json)"
+        )
     if len(own.network.split(",")) != 2 or len(own.network.split(",")[1].split(".")) != 3:
         p.error(f"--network {own.network!r}: expected PREFIX,A.B.C, e.g. hdss,10.82.0")
     # an explicit --link-efficiency replaces the measured ones (link_calibration)
@@ -140,18 +200,44 @@ def run_plan(a) -> list[dict]:
     jobs = []
     for n in a.node_counts:
         if pipelines:
-            jobs.append({"config": config_name(n), "nodes": n, "rpn": a.stages, "dir": config_name(n),
-                         "schedules": pipelines, "labels": ",".join(engine_label(s) for s in pipelines)})
+            jobs.append(
+                {
+                    "config": config_name(n),
+                    "nodes": n,
+                    "rpn": a.stages,
+                    "dir": config_name(n),
+                    "schedules": pipelines,
+                    "labels": ",".join(engine_label(s) for s in pipelines),
+                }
+            )
         if "dp" in a.schedule_list:
-            jobs.append({"config": config_name(n), "nodes": n, "rpn": a.stages, "dir": f"{config_name(n)}_dp",
-                         "schedules": ["dp"], "labels": "dp"})
+            jobs.append(
+                {
+                    "config": config_name(n),
+                    "nodes": n,
+                    "rpn": a.stages,
+                    "dir": f"{config_name(n)}_dp",
+                    "schedules": ["dp"],
+                    "labels": "dp",
+                }
+            )
         for name in planned_names(a.schedule_list):
             plan = getattr(a, "planned", {}).get((n, name))
-            jobs.append({"config": config_name(n), "nodes": n, "rpn": a.stages, "dir": f"{config_name(n)}_{name}",
-                         "schedules": [name], "labels": plan["schedule"] if plan else name, "plan": plan})
+            jobs.append(
+                {
+                    "config": config_name(n),
+                    "nodes": n,
+                    "rpn": a.stages,
+                    "dir": f"{config_name(n)}_{name}",
+                    "schedules": [name],
+                    "labels": plan["schedule"] if plan else name,
+                    "plan": plan,
+                }
+            )
     if not a.no_single:
-        jobs.append({"config": "one_device", "nodes": 1, "rpn": 1, "labels": "dp", "dir": "one_device",
-                     "schedules": ["dp"]})
+        jobs.append(
+            {"config": "one_device", "nodes": 1, "rpn": 1, "labels": "dp", "dir": "one_device", "schedules": ["dp"]}
+        )
     return jobs
 
 
@@ -162,12 +248,20 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
     pipelines = job["labels"] != "dp"
     planned = job.get("plan")
     a = dilated(a)
-    args = worker_args(a, {**job, "schedule": "" if pipelines else "dp", "label": job["labels"]},
-                       run_dir, "measured" if pipelines and not planned else None)
+    args = worker_args(
+        a,
+        {**job, "schedule": "" if pipelines else "dp", "label": job["labels"]},
+        run_dir,
+        "measured" if pipelines and not planned else None,
+    )
     args[args.index("--rounds") + 1] = str(a.rounds)
     if planned:  # the worker runs the plan through hippie.plan, its stages and batch the plan's
-        for key, value in (("--stages", planned["pipeline_depth"]), ("--micro-batch-size", planned["micro_batch_size"]),
-                           ("--micro-batches", planned["micro_batches"]), ("--global-batch", 0)):
+        for key, value in (
+            ("--stages", planned["pipeline_depth"]),
+            ("--micro-batch-size", planned["micro_batch_size"]),
+            ("--micro-batches", planned["micro_batches"]),
+            ("--global-batch", 0),
+        ):
             args[args.index(key) + 1] = str(value)
         return args + ["--plan-config", planned["file"]]
     replicas = job["nodes"] * job["rpn"] // a.stages or 1  # DP: the pipelines' global batch, every rank
@@ -230,18 +324,32 @@ def measure(a, out: Path) -> float:
 def run_job(a, net, job: dict, run_dir: Path, port: int, start: float) -> None:
     """One worker job on the cluster, the load average before and after it in RUN/job.json."""
     import os
+
     run_dir.mkdir(parents=True, exist_ok=True)
     cores = [a.core_list[k % len(a.core_list)] for k in range(job["nodes"])]
-    j = WorkerJob(net, WORKER, job_args(a, job, run_dir), run_dir / "logs", job["nodes"], job["rpn"], cores,
-                  port, t0=start, tag=job["dir"], accelerator=a.accelerator, device_count=a.device_count)
+    j = WorkerJob(
+        net,
+        WORKER,
+        job_args(a, job, run_dir),
+        run_dir / "logs",
+        job["nodes"],
+        job["rpn"],
+        cores,
+        port,
+        t0=start,
+        tag=job["dir"],
+        accelerator=a.accelerator,
+        device_count=a.device_count,
+    )
     load_before = list(os.getloadavg())
     _jobs.append(j)
     try:
         j.run(dilated(a).timeout)
     finally:
         _jobs.remove(j)
-    (run_dir / "job.json").write_text(json.dumps({"load_before": load_before, "load_after": list(os.getloadavg()),
-                                                  "dilation": a.dilate}))
+    (run_dir / "job.json").write_text(
+        json.dumps({"load_before": load_before, "load_after": list(os.getloadavg()), "dilation": a.dilate})
+    )
 
 
 def analyse(a, out: Path, link: dict | None) -> dict:
@@ -259,8 +367,10 @@ def analyse(a, out: Path, link: dict | None) -> dict:
             a_run = dilated(row_dilation.at_dilation(a, d))
             if measured is not None:
                 a_run.link_efficiency = measured
-            per_round = [analyse_job(run_dir, one, a_run, parse_rate(a.rate), only_round=r)
-                         for r in range(a.rounds if job["config"] != "one_device" else 1)]
+            per_round = [
+                analyse_job(run_dir, one, a_run, parse_rate(a.rate), only_round=r)
+                for r in range(a.rounds if job["config"] != "one_device" else 1)
+            ]
             r = combine_rounds(per_round)
             if r is not None:
                 r.update(dilation=d, dilation_tried=[{"dilation": x, "wait": w} for x, w in tried])
@@ -272,37 +382,12 @@ def write_host_cost(a, out: Path) -> dict | None:
     """Fit the host's CPU per instruction kind over every pipeline run of this study (each rank's
     instructions, tools/bench/studies/host_samples.py) into OUT/host_cost.json; its record."""
     from tools.bench.studies.host_samples import fit_runs
+
     host = fit_runs(out / "runs", source=f"fitted from {out / 'runs'} ({a.command})")
     if host is None:
         return None
     (out / "host_cost.json").write_text(host.model_dump_json(indent=1))
     return host.model_dump()
-
-
-def source_state() -> dict:
-    """The commit the run measured and the files of the code it ran that differ from it (a tree
-    shared with other work: the planner's uncommitted changes plan too)."""
-    import subprocess
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[3], capture_output=True,
-                                  text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-    dirty = git("status", "--porcelain", "--", "hippie_ds", "tools/bench", "schedules")
-    return {"commit": (git("rev-parse", "HEAD") or "").strip() or None,
-            "uncommitted": [line[3:] for line in (dirty or "").splitlines() if line.strip()]}
-
-
-def machine() -> dict:
-    """The machine that gave the figures: host, CPU model, cores, load when the run ended."""
-    import os
-    import platform
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else None
-    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)), "load_average": list(os.getloadavg())}
 
 
 def main(argv=None) -> int:
@@ -323,13 +408,21 @@ def main(argv=None) -> int:
             return 1
     from tools.bench.config import config_record
     from tools.bench.studies.scaling_report import report
-    config = {**config_record(a), "nodes": a.node_counts, "command": a.command,
-              "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts),
-              "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
-              "source": getattr(a, "source", None) or source_state(),
-              "plan_memory": a.plan_memory, "waited_for_core_share": WAITED_FOR_CORE,
-              "dilation": a.dilate, "max_dilation": a.max_dilate, "host_cost_file": a.host_cost,
-              "host_per_rank_cores": {str(n): host_cores(a, n) for n in a.node_counts}}
+
+    config = {
+        **config_record(a),
+        "nodes": a.node_counts,
+        "command": a.command,
+        "global_batch": a.micro_batch_size * a.micro_batches * max(a.node_counts),
+        "machine": {**machine(), "load_average_at_start": getattr(a, "load_at_start", None)},
+        "source": getattr(a, "source", None) or source_state(),
+        "plan_memory": a.plan_memory,
+        "waited_for_core_share": WAITED_FOR_CORE,
+        "dilation": a.dilate,
+        "max_dilation": a.max_dilate,
+        "host_cost_file": a.host_cost,
+        "host_per_rank_cores": {str(n): host_cores(a, n) for n in a.node_counts},
+    }
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
         wall = old.get("wall_s")
@@ -339,10 +432,16 @@ def main(argv=None) -> int:
         a.planned = load_plans(a, out)
     runs = analyse(a, out, link)
     a.planned = row_dilation.row_plans(a, out, run_plan(a))  # each planned column's plan at its row's D
-    results = {"config": config, "runs": runs, "wall_s": wall, "link": link,
-               "plans": {f"{n}/{name}": rec for (n, name), rec in a.planned.items()}}
-    results["summary"] = summarize(results["runs"], a.node_counts, a.emulate_scale * a.dilate, a.planned,
-                                   len(a.core_list), a.dilate)
+    results = {
+        "config": config,
+        "runs": runs,
+        "wall_s": wall,
+        "link": link,
+        "plans": {f"{n}/{name}": rec for (n, name), rec in a.planned.items()},
+    }
+    results["summary"] = summarize(
+        results["runs"], a.node_counts, a.emulate_scale * a.dilate, a.planned, len(a.core_list), a.dilate
+    )
     results["host_cost"] = write_host_cost(a, out)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     md = report(results)

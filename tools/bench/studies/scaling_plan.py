@@ -16,6 +16,7 @@ between nodes, ``--p2p-bandwidth``/``--p2p-latency`` inside. Every decision the 
 one it makes for the real-sized cluster, but for the latency. Its predicted memory and ME are given
 unscaled (memory / scale, ME x scale), as the bench gives the measured ones.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +40,7 @@ def emulated_profile(model: str, scale: float, speedup: float = 1.0):
     tools/bench/emulated.py builds it (the module docstring says how)."""
     from hippie_ds.planner import LayerProfile, read_pipedream
     from tools.bench.emulated import MODELS, PROFILES, layer_class
+
     profile = read_pipedream(PROFILES / MODELS[model], model=model)
     layers = []
     for layer in profile.layers:
@@ -52,10 +54,14 @@ def emulated_profile(model: str, scale: float, speedup: float = 1.0):
             if d[key] is not None:
                 d[key] /= speedup
         layers.append(LayerProfile(**d))
-    return profile.model_copy(update=dict(model=f"emulated:{model}", layers=layers,
-                                          cut_bytes=[c * scale for c in profile.cuts()],
-                                          source=f"{profile.source}: bytes x {scale}, times / {speedup} "
-                                                 "(tools/bench/studies/scaling_plan.py)"))
+    return profile.model_copy(
+        update=dict(
+            model=f"emulated:{model}",
+            layers=layers,
+            cut_bytes=[c * scale for c in profile.cuts()],
+            source=f"{profile.source}: bytes x {scale}, times / {speedup} (tools/bench/studies/scaling_plan.py)",
+        )
+    )
 
 
 def tensor_scale(a) -> float:
@@ -71,15 +77,22 @@ def cluster_record(a, nodes: int) -> dict:
     from hippie_ds.planner.host import HostCost
     from tools.bench.cluster import parse_rate
     from tools.bench.studies.scaling_summary import host_cores
+
     d = getattr(a, "dilate", 1.0)
-    rec = {"nodes": nodes, "devices_per_node": a.stages, "device_memory": a.plan_memory * tensor_scale(a),
-           "inter_node_bandwidth": parse_rate(a.rate) * a.link_efficiency * d,
-           "intra_node_bandwidth": a.p2p_bandwidth * d, "latency": a.p2p_latency / d}
+    rec = {
+        "nodes": nodes,
+        "devices_per_node": a.stages,
+        "device_memory": a.plan_memory * tensor_scale(a),
+        "inter_node_bandwidth": parse_rate(a.rate) * a.link_efficiency * d,
+        "intra_node_bandwidth": a.p2p_bandwidth * d,
+        "latency": a.p2p_latency / d,
+    }
     if getattr(a, "host_cost", None):
         cores = host_cores(a, nodes)
         host = HostCost.model_validate_json(Path(a.host_cost).read_text())
-        rec["host"] = host.scaled(1 / cores, f"each rank has {cores:.3g} cores of host: D = {d:g} x cores / "
-                                              f"ranks on a core").model_dump()
+        rec["host"] = host.scaled(
+            1 / cores, f"each rank has {cores:.3g} cores of host: D = {d:g} x cores / ranks on a core"
+        ).model_dump()
     return rec
 
 
@@ -103,6 +116,7 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
     node count, the plans and each command's output."""
     from hippie_ds.cli import main as hippie_ds_main
     from hippie_ds.planner import save_profile
+
     names = planned_names(a.schedule_list)
     if not names:
         return {}
@@ -117,8 +131,21 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
         cluster_file.write_text(json.dumps(cluster_record(a, n), indent=1))
         for name in names:
             path = plan_path(out, n, name)
-            argv = ["plan", "--profile", str(profile_file), "--cluster", str(cluster_file), "--global-batch",
-                    str(global_batch(a, n)), "--objective", PLANNED[name], "--job", job_arg(a), "--out", str(path)]
+            argv = [
+                "plan",
+                "--profile",
+                str(profile_file),
+                "--cluster",
+                str(cluster_file),
+                "--global-batch",
+                str(global_batch(a, n)),
+                "--objective",
+                PLANNED[name],
+                "--job",
+                job_arg(a),
+                "--out",
+                str(path),
+            ]
             if reuse and path.exists():  # --resume: the plan an earlier run of the command made and ran
                 found[(n, name)] = plan_record(path, tensor_scale(a), "hippie-ds " + shlex.join(argv))
                 continue
@@ -130,9 +157,12 @@ def make_plans(a, out: Path, log=print, reuse: bool = False) -> dict:
                 raise RuntimeError(f"hippie-ds {shlex.join(argv)} failed ({rc}):\n{text.getvalue()[-2000:]}")
             found[(n, name)] = plan_record(path, tensor_scale(a), "hippie-ds " + shlex.join(argv))
             r = found[(n, name)]
-            log(f"planned {name} on {n} node(s): {r['pipeline_depth']} stages x {r['data_parallel']}, {r['schedule']}"
+            log(
+                f"planned {name} on {n} node(s): {r['pipeline_depth']} stages x {r['data_parallel']}, {r['schedule']}"
                 f", {r['micro_batches']} x {r['micro_batch_size']}, boundaries {r['boundaries']}, re-computed "
-                f"{len(r['checkpointed_layers'])} layers; predicted step {r['predicted']['step_s']:.3f} s", flush=True)
+                f"{len(r['checkpointed_layers'])} layers; predicted step {r['predicted']['step_s']:.3f} s",
+                flush=True,
+            )
     return found
 
 
@@ -151,23 +181,39 @@ def plan_record(path: Path, scale: float, command: str | None) -> dict:
     """What the bench keeps of a plan: its choices and its prediction, unscaled to the profile's
     sizes (memory / scale, ME x scale); the planner's DP baseline's ME beside it."""
     from hippie_ds.planner import load_plan
+
     plan = load_plan(path)
     pred = plan.prediction
     dp = next((b.prediction for b in plan.baselines if b.name == "dp" and b.prediction is not None), None)
     return {
-        "file": str(path), "command": command, "objective": plan.objective, "objective_figure": plan.objective_figure,
-        "chosen_from": plan.chosen_from, "schedule": plan.schedule,
-        "pipeline_depth": plan.pipeline_depth, "data_parallel": plan.data_parallel,
-        "micro_batch_size": plan.micro_batch_size, "micro_batches": plan.micro_batches,
-        "global_batch": plan.global_batch, "boundaries": list(plan.boundaries),
-        "checkpointed_layers": list(plan.checkpointed_layers), "schedule_params": dict(plan.schedule_params),
+        "file": str(path),
+        "command": command,
+        "objective": plan.objective,
+        "objective_figure": plan.objective_figure,
+        "chosen_from": plan.chosen_from,
+        "schedule": plan.schedule,
+        "pipeline_depth": plan.pipeline_depth,
+        "data_parallel": plan.data_parallel,
+        "micro_batch_size": plan.micro_batch_size,
+        "micro_batches": plan.micro_batches,
+        "global_batch": plan.global_batch,
+        "boundaries": list(plan.boundaries),
+        "checkpointed_layers": list(plan.checkpointed_layers),
+        "schedule_params": dict(plan.schedule_params),
         "deferred_layers": {str(st.stage): st.deferred_layers for st in plan.stages if st.deferred_layers is not None},
-        "predicted": {"step_s": pred.step_time, "throughput": pred.throughput, "scalability": pred.scalability,
-                      # the figure the objective ranked, as the plan file records it (ME unscaled as below)
-                      "objective_value": (pred.objective_value * scale if plan.objective == "me"
-                                          else pred.objective_value),
-                      "memory_bytes": pred.memory / scale, "memory_max_bytes": pred.memory_max / scale,
-                      "me": pred.me * scale, "me_vs_dp": pred.me / dp.me if dp and dp.me else None,
-                      "dp_step_s": dp.step_time if dp else None, "predicted_by": pred.predicted_by,
-                      "single_device_throughput": plan.single_device_throughput, "fits": pred.fits},
+        "predicted": {
+            "step_s": pred.step_time,
+            "throughput": pred.throughput,
+            "scalability": pred.scalability,
+            # the figure the objective ranked, as the plan file records it (ME unscaled as below)
+            "objective_value": (pred.objective_value * scale if plan.objective == "me" else pred.objective_value),
+            "memory_bytes": pred.memory / scale,
+            "memory_max_bytes": pred.memory_max / scale,
+            "me": pred.me * scale,
+            "me_vs_dp": pred.me / dp.me if dp and dp.me else None,
+            "dp_step_s": dp.step_time if dp else None,
+            "predicted_by": pred.predicted_by,
+            "single_device_throughput": plan.single_device_throughput,
+            "fits": pred.fits,
+        },
     }

@@ -1,6 +1,7 @@
 """The report's planned-column sections of ``python -m tools.bench scaling`` (scaling_report.py calls them):
 the plans against what their runs measured, each run's CPU per step (the runs that waited for a core
 named), the issue's targets met or missed. Pure functions of results.json's content."""
+
 from __future__ import annotations
 
 from tools.bench.report import DISPLAY, _f, table
@@ -38,11 +39,13 @@ def _ranges(layers: list[int]) -> str:
 def plan_cell(plan: dict) -> str:
     deferred = (plan.get("schedule_params") or {}).get("deferred_stages")
     layers = plan.get("deferred_layers") or {}
-    return (f"{plan['schedule']}, {plan['pipeline_depth']} stages x {plan['data_parallel']}, "
-            f"{plan['micro_batches']} x {plan['micro_batch_size']}, boundaries {plan['boundaries']}, re-computed "
-            f"{_ranges(plan['checkpointed_layers'])}"
-            + (f", deferred stages {deferred}" if deferred not in (None, [], "-") else "")
-            + (f", deferred layers {layers}" if layers else ""))
+    return (
+        f"{plan['schedule']}, {plan['pipeline_depth']} stages x {plan['data_parallel']}, "
+        f"{plan['micro_batches']} x {plan['micro_batch_size']}, boundaries {plan['boundaries']}, re-computed "
+        f"{_ranges(plan['checkpointed_layers'])}"
+        + (f", deferred stages {deferred}" if deferred not in (None, [], "-") else "")
+        + (f", deferred layers {layers}" if layers else "")
+    )
 
 
 def planned_rows(summary: dict):
@@ -58,29 +61,62 @@ def planned_section(summary: dict) -> list[str]:
     found = list(planned_rows(summary))
     if not found:
         return []
-    lines = ["## Planned columns: the planner's plans trained on the emulated cluster", "",
-             "Each plan is `hippie-ds plan` for that emulated cluster (command in results.json, `plans`), run "
-             "through the DeepSpeed config key `hippie.plan`. *used*: the run's stage boundaries and re-computed "
-             "layers, as every rank recorded them, are the plan's. Error = (predicted - measured) / measured.", ""]
-    body = [[n, name_of(s), plan_cell(r["plan"]), "yes" if r.get("used_plan") else "**no**"]
-            for n, s, r in found]
+    lines = [
+        "## Planned columns: the planner's plans trained on the emulated cluster",
+        "",
+        "Each plan is `hippie-ds plan` for that emulated cluster (command in results.json, `plans`), run "
+        "through the DeepSpeed config key `hippie.plan`. *used*: the run's stage boundaries and re-computed "
+        "layers, as every rank recorded them, are the plan's. Error = (predicted - measured) / measured.",
+        "",
+    ]
+    body = [[n, name_of(s), plan_cell(r["plan"]), "yes" if r.get("used_plan") else "**no**"] for n, s, r in found]
     lines += table(["nodes", "column", "plan", "used"], body) + [""]
     body = []
     for n, s, r in found:
-        body.append([n, name_of(s), _f(r.get("step_s")), _f(r.get("plan_predicted_step_s")),
-                     _pct(r.get("plan_step_error")),
-                     _f(r["memory_bytes"] / 1e9 if r.get("memory_bytes") else None, "{:.2f}"),
-                     _f(r["plan_predicted_memory_bytes"] / 1e9 if r.get("plan_predicted_memory_bytes") else None,
-                        "{:.2f}"), _pct(r.get("plan_memory_error")),
-                     _f(r.get("me"), "{:.3g}"), _f(r.get("plan_predicted_me"), "{:.3g}"), _pct(r.get("plan_me_error")),
-                     _f(r.get("me_vs_dp"), "{:.2f}x"), _f(r.get("plan_predicted_me_vs_dp"), "{:.2f}x"),
-                     _pct(r.get("plan_me_vs_dp_error"))])
-    lines += table(["nodes", "column", "step (s)", "predicted", "error", "memory/device (GB)", "predicted", "error",
-                    "ME", "predicted", "error", "ME vs DP", "predicted", "error"], body)
+        body.append(
+            [
+                n,
+                name_of(s),
+                _f(r.get("step_s")),
+                _f(r.get("plan_predicted_step_s")),
+                _pct(r.get("plan_step_error")),
+                _f(r["memory_bytes"] / 1e9 if r.get("memory_bytes") else None, "{:.2f}"),
+                _f(r["plan_predicted_memory_bytes"] / 1e9 if r.get("plan_predicted_memory_bytes") else None, "{:.2f}"),
+                _pct(r.get("plan_memory_error")),
+                _f(r.get("me"), "{:.3g}"),
+                _f(r.get("plan_predicted_me"), "{:.3g}"),
+                _pct(r.get("plan_me_error")),
+                _f(r.get("me_vs_dp"), "{:.2f}x"),
+                _f(r.get("plan_predicted_me_vs_dp"), "{:.2f}x"),
+                _pct(r.get("plan_me_vs_dp_error")),
+            ]
+        )
+    lines += table(
+        [
+            "nodes",
+            "column",
+            "step (s)",
+            "predicted",
+            "error",
+            "memory/device (GB)",
+            "predicted",
+            "error",
+            "ME",
+            "predicted",
+            "error",
+            "ME vs DP",
+            "predicted",
+            "error",
+        ],
+        body,
+    )
     errs = [abs(r[k]) for _, _, r in found for k in ("plan_step_error", "plan_me_error") if r.get(k) is not None]
     if errs:
-        lines += ["", f"The planner's step and ME: {sum(e <= 0.10 for e in errs)} of {len(errs)} within 10% "
-                      f"(worst {max(errs):.1%})."]
+        lines += [
+            "",
+            f"The planner's step and ME: {sum(e <= 0.10 for e in errs)} of {len(errs)} within 10% "
+            f"(worst {max(errs):.1%}).",
+        ]
     return lines + [""]
 
 
@@ -93,25 +129,53 @@ def cpu_section(summary: dict, waited_share: float) -> list[str]:
                 continue
             if r.get("waited_for_core"):
                 flagged.append(f"{name_of(s)} on {n} node(s)")
-            body.append([n, name_of(s), _f(r.get("step_s")), _f(r["cpu_s_per_step_all_ranks"]),
-                         _f(r.get("cores"), "{}"),
-                         _f(r.get("cpu_load_vs_cores"), "{:.2f}"), _f(r.get("cpu_share_median"), "{:.0%}"),
-                         _f(r.get("runqueue_wait_share_max"), "{:.1%}"),
-                         "**waited for a core**" if r.get("waited_for_core") else "no"])
+            body.append(
+                [
+                    n,
+                    name_of(s),
+                    _f(r.get("step_s")),
+                    _f(r["cpu_s_per_step_all_ranks"]),
+                    _f(r.get("cores"), "{}"),
+                    _f(r.get("cpu_load_vs_cores"), "{:.2f}"),
+                    _f(r.get("cpu_share_median"), "{:.0%}"),
+                    _f(r.get("runqueue_wait_share_max"), "{:.1%}"),
+                    "**waited for a core**" if r.get("waited_for_core") else "no",
+                ]
+            )
     if not body:
         return []
-    lines = ["## CPU per step: which runs waited for a core", "",
-             "Per run: the CPU time every rank spent in a timed step (process CPU, all threads; median over steps, "
-             "summed over ranks), over what its cores give in a step (*load vs cores*: above 1 the ranks asked for "
-             "more CPU than the cores had); a rank's CPU over its step's wall (median rank); and the largest share of "
-             "the step a rank's main thread (the one running its instructions) sat runnable on a run queue, "
-             "waiting for a core (the kernel's schedstat; "
-             f"worst round). A run whose rank waited more than {waited_share:.0%} of its step is flagged: its "
-             "figures measure the machine's contention as much as the schedule.", ""]
-    lines += table(["nodes", "schedule", "step (s)", "CPU s/step, all ranks", "cores", "load vs cores",
-                    "CPU/wall (median rank)", "run-queue wait (worst rank)", "flag"], body)
-    lines += ["", ("Waited for a core: " + ", ".join(flagged) + ".") if flagged else
-              "No run's ranks waited for a core beyond the threshold."]
+    lines = [
+        "## CPU per step: which runs waited for a core",
+        "",
+        "Per run: the CPU time every rank spent in a timed step (process CPU, all threads; median over steps, "
+        "summed over ranks), over what its cores give in a step (*load vs cores*: above 1 the ranks asked for "
+        "more CPU than the cores had); a rank's CPU over its step's wall (median rank); and the largest share of "
+        "the step a rank's main thread (the one running its instructions) sat runnable on a run queue, "
+        "waiting for a core (the kernel's schedstat; "
+        f"worst round). A run whose rank waited more than {waited_share:.0%} of its step is flagged: its "
+        "figures measure the machine's contention as much as the schedule.",
+        "",
+    ]
+    lines += table(
+        [
+            "nodes",
+            "schedule",
+            "step (s)",
+            "CPU s/step, all ranks",
+            "cores",
+            "load vs cores",
+            "CPU/wall (median rank)",
+            "run-queue wait (worst rank)",
+            "flag",
+        ],
+        body,
+    )
+    lines += [
+        "",
+        ("Waited for a core: " + ", ".join(flagged) + ".")
+        if flagged
+        else "No run's ranks waited for a core beyond the threshold.",
+    ]
     return lines + [""]
 
 
@@ -127,9 +191,18 @@ def targets(summary: dict, model: str) -> list[dict]:
         figures = {s: r.get(key) for s, r in rows.items() if r.get(key) is not None}
         best = max(figures, key=figures.get) if figures else None
         waited = [s for s in rows if rows[s].get("waited_for_core")]
-        out.append({"target": what, "nodes": int(top), "field": key, "least": least,
-                    "figures": figures, "best": best,
-                    "met": None if best is None else figures[best] >= least, "waited_for_core": waited})
+        out.append(
+            {
+                "target": what,
+                "nodes": int(top),
+                "field": key,
+                "least": least,
+                "figures": figures,
+                "best": best,
+                "met": None if best is None else figures[best] >= least,
+                "waited_for_core": waited,
+            }
+        )
     return out
 
 
@@ -144,16 +217,21 @@ def targets_section(summary: dict, model: str) -> list[str]:
         verdict = "-" if t["met"] is None else "met" if t["met"] else "**missed**"
         cpu = ", ".join(name_of(s) for s in t["waited_for_core"]) or "none"
         body.append([t["target"], f"{t['least']:.2f}", f"{t['nodes']} nodes: {figures}", verdict, cpu])
-    return lines + table(["target", "at least", "measured", "verdict", "planned runs that waited for a core"],
-                         body) + [""]
+    return (
+        lines + table(["target", "at least", "measured", "verdict", "planned runs that waited for a core"], body) + [""]
+    )
 
 
 def machine_line(cfg: dict) -> str:
     m = cfg.get("machine") or {}
     if not m:
         return ""
+
     def load(key):
         return "/".join(f"{x:.1f}" for x in m.get(key) or []) or "-"
-    return (f"Machine: {m.get('host')} ({m.get('cpu')}, {m.get('cores')} cores, {m.get('cores_usable')} usable); "
-            f"load average (1/5/15 min) {load('load_average_at_start')} when the runs began, {load('load_average')} "
-            "when the analysis ran.")
+
+    return (
+        f"Machine: {m.get('host')} ({m.get('cpu')}, {m.get('cores')} cores, {m.get('cores_usable')} usable); "
+        f"load average (1/5/15 min) {load('load_average_at_start')} when the runs began, {load('load_average')} "
+        "when the analysis ran."
+    )

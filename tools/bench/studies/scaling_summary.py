@@ -2,6 +2,7 @@
 schedule: ratios per round, scaling from one node, scalability, memory and ME against DP, the planned
 columns' predictions beside them, the CPU verdict; every time divided back by its row's dilation D
 (tools/bench/studies/row_dilation.py: a row that waited for a core ran again at a larger D). Pure."""
+
 from __future__ import annotations
 
 from tools.bench.figures import round_ratios, spread_excludes
@@ -32,8 +33,14 @@ def emulated_memory(r: dict, scale: float) -> float | None:
     return (state + saved) / scale
 
 
-def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | None = None,
-              cores: int | None = None, dilation: float = 1.0) -> dict:
+def summarize(
+    runs: dict,
+    node_counts: list[int],
+    scale: float,
+    plans: dict | None = None,
+    cores: int | None = None,
+    dilation: float = 1.0,
+) -> dict:
     """Per node count and schedule: ratios to 1F1B and DP per round, scaling from one node per
     round, scalability, memory and ME against DP (the paper's definitions); the planned columns'
     predictions beside their measured figures (``plans``: {(nodes, name): scaling_plan.plan_record});
@@ -52,8 +59,17 @@ def summarize(runs: dict, node_counts: list[int], scale: float, plans: dict | No
         rows = {}
         for s, r in here.items():
             d = r.get("dilation") or dilation
-            rows[s] = _row(s, undilated(r, dilation), {k: undilated(v, dilation) for k, v in here.items()},
-                           undilated(one.get(s) or {}, dilation), n, devices, single, scale * d / dilation, d)
+            rows[s] = _row(
+                s,
+                undilated(r, dilation),
+                {k: undilated(v, dilation) for k, v in here.items()},
+                undilated(one.get(s) or {}, dilation),
+                n,
+                devices,
+                single,
+                scale * d / dilation,
+                d,
+            )
             rows[s]["dilation_tried"] = r.get("dilation_tried")
             rows[s].update(cpu_fields(r, min(n, cores) if cores else None))
         dp_me = (rows.get("dp") or {}).get("me")
@@ -87,17 +103,36 @@ def planned_fields(row: dict, run: dict, plan: dict) -> dict:
     ME and ME against DP, each with its error ((predicted - measured) / measured); ``used_plan``: the
     run's stage boundaries and re-computed layers are the plan's (as its ranks recorded them). Pure."""
     p = plan["predicted"]
-    return {"plan": {k: plan[k] for k in ("objective", "schedule", "pipeline_depth", "data_parallel",
-                                          "micro_batch_size", "micro_batches", "boundaries", "checkpointed_layers",
-                                          "schedule_params", "deferred_layers", "command", "file")},
-            "used_plan": run.get("parts") == plan["boundaries"] and run.get("checkpointed_layers") == plan[
-                "checkpointed_layers"],
-            "plan_predicted_step_s": p["step_s"], "plan_step_error": _error(p["step_s"], row.get("step_s")),
-            "plan_predicted_memory_bytes": p["memory_bytes"],
-            "plan_memory_error": _error(p["memory_bytes"], row.get("memory_bytes")),
-            "plan_predicted_me": p["me"], "plan_me_error": _error(p["me"], row.get("me")),
-            "plan_predicted_me_vs_dp": p["me_vs_dp"], "plan_me_vs_dp_error": _error(p["me_vs_dp"], row.get("me_vs_dp")),
-            "plan_predicted_by": p["predicted_by"]}
+    return {
+        "plan": {
+            k: plan[k]
+            for k in (
+                "objective",
+                "schedule",
+                "pipeline_depth",
+                "data_parallel",
+                "micro_batch_size",
+                "micro_batches",
+                "boundaries",
+                "checkpointed_layers",
+                "schedule_params",
+                "deferred_layers",
+                "command",
+                "file",
+            )
+        },
+        "used_plan": run.get("parts") == plan["boundaries"]
+        and run.get("checkpointed_layers") == plan["checkpointed_layers"],
+        "plan_predicted_step_s": p["step_s"],
+        "plan_step_error": _error(p["step_s"], row.get("step_s")),
+        "plan_predicted_memory_bytes": p["memory_bytes"],
+        "plan_memory_error": _error(p["memory_bytes"], row.get("memory_bytes")),
+        "plan_predicted_me": p["me"],
+        "plan_me_error": _error(p["me"], row.get("me")),
+        "plan_predicted_me_vs_dp": p["me_vs_dp"],
+        "plan_me_vs_dp_error": _error(p["me_vs_dp"], row.get("me_vs_dp")),
+        "plan_predicted_by": p["predicted_by"],
+    }
 
 
 def cpu_fields(r: dict, cores: int | None) -> dict:
@@ -105,23 +140,28 @@ def cpu_fields(r: dict, cores: int | None) -> dict:
     round a rank waited for a core more than WAITED_FOR_CORE of the step (the run then measures the
     machine's contention: reported, not averaged in); ``cpu_load_vs_cores``: the CPU every rank asked
     per step over what ``cores`` give in a step. Pure."""
-    waits = [w for w in (r.get("round_runqueue_wait_share_max") or [r.get("runqueue_wait_share_max")])
-             if w is not None]
+    waits = [w for w in (r.get("round_runqueue_wait_share_max") or [r.get("runqueue_wait_share_max")]) if w is not None]
     total, step = r.get("cpu_s_per_step_all_ranks"), r.get("median_step_s")
-    return {"cpu_s_per_step_all_ranks": total, "cpu_share_median": r.get("cpu_share_median"),
-            "runqueue_wait_share_max": max(waits) if waits else None,
-            "waited_for_core": max(waits) > WAITED_FOR_CORE if waits else None, "cores": cores,
-            "cpu_load_vs_cores": total / (step * cores) if total is not None and step and cores else None}
+    return {
+        "cpu_s_per_step_all_ranks": total,
+        "cpu_share_median": r.get("cpu_share_median"),
+        "runqueue_wait_share_max": max(waits) if waits else None,
+        "waited_for_core": max(waits) > WAITED_FOR_CORE if waits else None,
+        "cores": cores,
+        "cpu_load_vs_cores": total / (step * cores) if total is not None and step and cores else None,
+    }
 
 
-def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single, scale: float,
-         dilation: float = 1.0) -> dict:
+def _row(
+    name: str, r: dict, here: dict, one: dict, n: int, devices: int, single, scale: float, dilation: float = 1.0
+) -> dict:
     """One row; ``r``, ``here`` and ``one`` with undilated throughputs (``undilated``), the times still
     the run's own at ``dilation``, its D."""
     thr = r.get("throughput_samples_s")
 
     def t(x):  # a dilated time, back to the emulated cluster's
         return x / dilation if x is not None else None
+
     v1 = round_ratios(r.get("round_throughput_samples_s"), (here.get("1f1b") or {}).get("round_throughput_samples_s"))
     vd = round_ratios(r.get("round_throughput_samples_s"), (here.get("dp") or {}).get("round_throughput_samples_s"))
     sc = round_ratios(r.get("round_throughput_samples_s"), one.get("round_throughput_samples_s"))
@@ -129,21 +169,34 @@ def _row(name: str, r: dict, here: dict, one: dict, n: int, devices: int, single
     scal = thr / (devices * single) if thr and single else None
     pred = r.get("prediction") or {}
     return {
-        "dilation": dilation, "step_s": t(r.get("median_step_s")), "step_min": t(r.get("median_step_s_min")),
+        "dilation": dilation,
+        "step_s": t(r.get("median_step_s")),
+        "step_min": t(r.get("median_step_s_min")),
         "step_max": t(r.get("median_step_s_max")),
-        "throughput": thr, "devices": devices,
-        "vs_1f1b": v1["median"], "vs_1f1b_min": v1["min"], "vs_1f1b_max": v1["max"],
+        "throughput": thr,
+        "devices": devices,
+        "vs_1f1b": v1["median"],
+        "vs_1f1b_min": v1["min"],
+        "vs_1f1b_max": v1["max"],
         "real_vs_1f1b": spread_excludes(v1["min"], v1["max"]) if v1["n"] > 1 and name != "1f1b" else None,
-        "vs_dp": vd["median"], "vs_dp_min": vd["min"], "vs_dp_max": vd["max"],
+        "vs_dp": vd["median"],
+        "vs_dp_min": vd["min"],
+        "vs_dp_max": vd["max"],
         "scaling": sc["median"] / n if sc["median"] else None,
-        "scaling_min": sc["min"] / n if sc["min"] else None, "scaling_max": sc["max"] / n if sc["max"] else None,
+        "scaling_min": sc["min"] / n if sc["min"] else None,
+        "scaling_max": sc["max"] / n if sc["max"] else None,
         "scaling_rounds": [x / n if x else None for x in sc["rounds"]],
-        "memory_bytes": mem, "scalability": scal, "me": scal * thr / (mem / 1e9) if scal and mem else None,
+        "memory_bytes": mem,
+        "scalability": scal,
+        "me": scal * thr / (mem / 1e9) if scal and mem else None,
         "exposed_allreduce_s": {k: t(v) for k, v in (r.get("exposed_allreduce_s_per_step") or {}).items()},
-        "predicted_step_s": t(pred.get("step_time")), "prediction_error": pred.get("error"),
+        "predicted_step_s": t(pred.get("step_time")),
+        "prediction_error": pred.get("error"),
         "layout": (f"DP x{r['world']}" if name == "dp" else f"{r['stages']} stages x {r['world'] // r['stages']}"),
-        "micro_batches": r.get("micro_batches"), "micro_batch_size": r.get("micro_batch_size"),
-        "parts": r.get("parts"), "checkpointed_layers": r.get("checkpointed_layers"),
+        "micro_batches": r.get("micro_batches"),
+        "micro_batch_size": r.get("micro_batch_size"),
+        "parts": r.get("parts"),
+        "checkpointed_layers": r.get("checkpointed_layers"),
         "deferred_stages": (r.get("schedule_params") or {}).get("deferred_stages"),
         "delayed_fraction": r.get("delayed_fraction"),
     }

@@ -20,6 +20,7 @@ rounds inside one job (the order rotated each round). Then, per schedule:
 
 Writes ``results.json`` and ``report.md`` to ``--out`` (and ``--publish`` DIR). Not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,39 @@ SENDS = ("SendActivation", "SendGrad", "ISendActivation", "ISendGrad")
 
 
 def run_worker(a) -> None:
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.stages), "--master_port",
-           str(a.port), str(WORKERS / "bench_worker.py"), "--out", a.out, "--schedules", a.schedules,
-           "--stages", str(a.stages), "--micro-batches", str(a.micro_batches), "--warmup", str(a.warmup),
-           "--steps", str(a.steps), "--rounds", str(a.rounds), "--layers", str(a.layers), "--d-model",
-           str(a.d_model), "--memory", "--core-per-rank", "--micro-batch-size", str(a.micro_batch_size),
-           *model_choice_args(a)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(a.stages),
+        "--master_port",
+        str(a.port),
+        str(WORKERS / "bench_worker.py"),
+        "--out",
+        a.out,
+        "--schedules",
+        a.schedules,
+        "--stages",
+        str(a.stages),
+        "--micro-batches",
+        str(a.micro_batches),
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+        "--rounds",
+        str(a.rounds),
+        "--layers",
+        str(a.layers),
+        "--d-model",
+        str(a.d_model),
+        "--memory",
+        "--core-per-rank",
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        *model_choice_args(a),
+    ]
     env = local_env()
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
@@ -78,11 +106,18 @@ def analyse_label(ranks: dict, micro_batches: int) -> dict:
         busy.append(statistics.median(per_step[i] for i in calls))
         # a stage's time per micro-batch of each pass, all its chunks together (the simulator's stage cost)
         per_mb.append({k: statistics.median(v.get(i, 0.0) for i in calls) / micro_batches for k, v in kinds.items()})
-    peaks = [statistics.median(s["saved_peak_bytes"] for s in steps["steps"] if not s["warmup"])
-             for steps, _ in by_stage]
-    return {"step_time": step, "per_round": per_round, "ops": [timings[s]["median"] for s in sorted(timings)],
-            "per_micro_batch": per_mb, "busy": busy, "bubble": 1 - statistics.mean(busy) / step,
-            "peak_saved_bytes": peaks}
+    peaks = [
+        statistics.median(s["saved_peak_bytes"] for s in steps["steps"] if not s["warmup"]) for steps, _ in by_stage
+    ]
+    return {
+        "step_time": step,
+        "per_round": per_round,
+        "ops": [timings[s]["median"] for s in sorted(timings)],
+        "per_micro_batch": per_mb,
+        "busy": busy,
+        "bubble": 1 - statistics.mean(busy) / step,
+        "peak_saved_bytes": peaks,
+    }
 
 
 def costs_of(per_mb: list[dict], saved: list[float], step_end: list[float], p2p: float) -> Costs:
@@ -103,8 +138,10 @@ def costs_of(per_mb: list[dict], saved: list[float], step_end: list[float], p2p:
 def _end_of_step(got: dict, stages: int) -> list[float]:
     """Per stage, the smaller of the schedules' ReduceGrads + OptimizerStep medians: the other
     includes waiting for the pipeline-wide gradient-norm reduction (the simulator adds that)."""
-    return [min(r["ops"][s].get("ReduceGrads", 0.0) + r["ops"][s].get("OptimizerStep", 0.0) for r in got.values())
-            for s in range(stages)]
+    return [
+        min(r["ops"][s].get("ReduceGrads", 0.0) + r["ops"][s].get("OptimizerStep", 0.0) for r in got.values())
+        for s in range(stages)
+    ]
 
 
 def _p2p(got: dict) -> float:
@@ -119,25 +156,41 @@ def analyse(a) -> dict:
     got = {label: analyse_label(load_run(Path(a.out), label), M) for label in labels}
     base = labels[0]
     # bytes per micro-batch in flight, calibrated on the first schedule's simulated peak
-    in_flight = [p["peak_activation_microbatches"] for p in
-                 simulate(compile_schedule(base, K, M), Costs.uniform(K), iterations=3).per_stage]
+    in_flight = [
+        p["peak_activation_microbatches"]
+        for p in simulate(compile_schedule(base, K, M), Costs.uniform(K), iterations=3).per_stage
+    ]
     per_mb = [p / n for p, n in zip(got[base]["peak_saved_bytes"], in_flight)]
     step_end, p2p = _end_of_step(got, K), _p2p(got)
     for label, r in got.items():
-        sim = simulate(compile_schedule(label, K, M), costs_of(r["per_micro_batch"], per_mb, step_end, p2p),
-                       iterations=3)
-        r["simulated"] = {"step_time": sim.step_time, "bubble": sim.bubble_fraction,
-                          "peak_saved_bytes": [p["peak_activation_bytes"] for p in sim.per_stage],
-                          "peak_micro_batches": [p["peak_activation_microbatches"] for p in sim.per_stage]}
+        sim = simulate(
+            compile_schedule(label, K, M), costs_of(r["per_micro_batch"], per_mb, step_end, p2p), iterations=3
+        )
+        r["simulated"] = {
+            "step_time": sim.step_time,
+            "bubble": sim.bubble_fraction,
+            "peak_saved_bytes": [p["peak_activation_bytes"] for p in sim.per_stage],
+            "peak_micro_batches": [p["peak_activation_microbatches"] for p in sim.per_stage],
+        }
         r["simulated"]["step_error"] = sim.step_time / r["step_time"] - 1
     ratios = {}
     for label in labels[1:]:
         per = [got[label]["per_round"][k] / got[base]["per_round"][k] for k in got[base]["per_round"]]
         ratios[label] = {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per}
-    return {"stages": K, "micro_batches": M, "layers": a.layers, "d_model": a.d_model, "base": base,
-            "cores": len(os.sched_getaffinity(0)), "model": a.model, "micro_batch_size": a.micro_batch_size,
-            "emulate_scale": a.emulate_scale, "emulate_speedup": a.emulate_speedup,
-            "results": got, "ratio_to_base": ratios}
+    return {
+        "stages": K,
+        "micro_batches": M,
+        "layers": a.layers,
+        "d_model": a.d_model,
+        "base": base,
+        "cores": len(os.sched_getaffinity(0)),
+        "model": a.model,
+        "micro_batch_size": a.micro_batch_size,
+        "emulate_scale": a.emulate_scale,
+        "emulate_speedup": a.emulate_speedup,
+        "results": got,
+        "ratio_to_base": ratios,
+    }
 
 
 def report(res: dict) -> str:
@@ -146,30 +199,49 @@ def report(res: dict) -> str:
     rounds = len(g[base]["per_round"])
     model = res.get("model", "gpt")
     emulated = model.startswith("emulated:")
-    per_core = "one rank per core" if res["stages"] <= res["cores"] else \
-        f"{res['stages']} ranks on {res['cores']} cores" + (" (compute is a CPU-free wait)" if emulated else
-                                                            " (time-shared: a bubble is not all idle time)")
-    what = (f"{model} (PipeDream's V100 profile, compute emulated; micro-batch {res['micro_batch_size']}, "
-            f"scale {res['emulate_scale']:g}, speedup {res['emulate_speedup']:g})" if emulated else
-            f"GPT example, {res['layers']} blocks, d_model {res['d_model']}")
-    extra = (f" --model {model} --micro-batch-size {res['micro_batch_size']} --emulate-scale {res['emulate_scale']:g} "
-             f"--emulate-speedup {res['emulate_speedup']:g}" if emulated else "")
-    lines = [f"# {', '.join(others)} against {base}: {res['stages']} stages x {res['micro_batches']} micro-batches, "
-             f"{per_core}", "", f"{what}; "
-             f"`python -m tools.bench schedules --schedules {','.join(g)} --stages {res['stages']} "
-             f"--micro-batches {res['micro_batches']}{extra}` (rounds: {rounds}).", "",
-             "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",
-             "|---|---|---|---|---|---|---|---|"]
+    per_core = (
+        "one rank per core"
+        if res["stages"] <= res["cores"]
+        else f"{res['stages']} ranks on {res['cores']} cores"
+        + (" (compute is a CPU-free wait)" if emulated else " (time-shared: a bubble is not all idle time)")
+    )
+    what = (
+        f"{model} (PipeDream's V100 profile, compute emulated; micro-batch {res['micro_batch_size']}, "
+        f"scale {res['emulate_scale']:g}, speedup {res['emulate_speedup']:g})"
+        if emulated
+        else f"GPT example, {res['layers']} blocks, d_model {res['d_model']}"
+    )
+    extra = (
+        f" --model {model} --micro-batch-size {res['micro_batch_size']} --emulate-scale {res['emulate_scale']:g} "
+        f"--emulate-speedup {res['emulate_speedup']:g}"
+        if emulated
+        else ""
+    )
+    lines = [
+        f"# {', '.join(others)} against {base}: {res['stages']} stages x {res['micro_batches']} micro-batches, "
+        f"{per_core}",
+        "",
+        f"{what}; "
+        f"`python -m tools.bench schedules --schedules {','.join(g)} --stages {res['stages']} "
+        f"--micro-batches {res['micro_batches']}{extra}` (rounds: {rounds}).",
+        "",
+        "| schedule | step (s) | sim step (s) | error | bubble | sim bubble | peak held / stage (MB) | sim (MB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label, x in g.items():
         s = x["simulated"]
-        lines.append(f"| {label} | {x['step_time']:.3f} | {s['step_time']:.3f} | {s['step_error']:+.1%} | "
-                     f"{x['bubble']:.1%} | {s['bubble']:.1%} | "
-                     f"{' / '.join(f'{b / 1e6:.1f}' for b in x['peak_saved_bytes'])} | "
-                     f"{' / '.join(f'{b / 1e6:.1f}' for b in s['peak_saved_bytes'])} |")
+        lines.append(
+            f"| {label} | {x['step_time']:.3f} | {s['step_time']:.3f} | {s['step_error']:+.1%} | "
+            f"{x['bubble']:.1%} | {s['bubble']:.1%} | "
+            f"{' / '.join(f'{b / 1e6:.1f}' for b in x['peak_saved_bytes'])} | "
+            f"{' / '.join(f'{b / 1e6:.1f}' for b in s['peak_saved_bytes'])} |"
+        )
     lines.append("")
     for label, r in res["ratio_to_base"].items():
-        lines.append(f"{label} / {base} step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; "
-                     f"per round {', '.join(f'{x:.3f}' for x in r['per_round'])})")
+        lines.append(
+            f"{label} / {base} step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; "
+            f"per round {', '.join(f'{x:.3f}' for x in r['per_round'])})"
+        )
     lines += ["", "Per-op medians (ms), per stage:", ""]
     for label, x in g.items():
         for s, o in enumerate(x["ops"]):
@@ -178,10 +250,13 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench schedules", description=__doc__.split("\n\n")[0],
-                                epilog="example: .venv/bin/python -m tools.bench schedules --schedules "
-                                       "1f1b,zb-h1,interleaved-1f1b,zb-v --stages 4 --micro-batches 8",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench schedules",
+        description=__doc__.split("\n\n")[0],
+        epilog="example: .venv/bin/python -m tools.bench schedules --schedules "
+        "1f1b,zb-h1,interleaved-1f1b,zb-v --stages 4 --micro-batches 8",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--schedules", default="1f1b,zb-h1", help="comma list of flush schedules; ratios are to the first")
     p.add_argument("--out", default="out/bench_schedules")
     p.add_argument("--publish", default=None, help="also copy report.md and results.json to this directory")

@@ -8,6 +8,7 @@ the old charge I = B - W and the engine's I = B - W + split_extra. Pure: reads t
     python -m tools.bench split-backward --zb OUT_ZB/timeline --whole OUT_1F1B/timeline \\
         --profile profile.yaml [--boundaries 0,5,10] [--skip 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,16 +62,21 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     from hippie_ds.planner import load_profile
     from hippie_ds.planner.partition import uniform
+
     profile = load_profile(a.profile)
     zb, whole = instruction_times(a.zb, a.skip), instruction_times(a.whole, a.skip)
     parts = [int(x) for x in a.boundaries.split(",")] if a.boundaries else uniform(profile.num_layers, len(zb))
     print(f"boundaries {parts}; profile load {profile.load}")
-    print("stage | zb-h1 I | zb-h1 W | I + W | 1f1b whole B | (I + W) / B | profile B | W | I = B - W | "
-          "I = B - W + split_extra  (ms: median / lower quartile of the timelines)")
+    print(
+        "stage | zb-h1 I | zb-h1 W | I + W | 1f1b whole B | (I + W) / B | profile B | W | I = B - W | "
+        "I = B - W + split_extra  (ms: median / lower quartile of the timelines)"
+    )
     for s, charge in enumerate(profile_charges(profile, parts)):
         i, w = summary(zb[s].get("BackwardInputPass", [])), summary(zb[s].get("BackwardWeightPass", []))
         b = summary(whole[s].get("BackwardPass", []))
         ratio = [(x + y) / z if z else float("nan") for x, y, z in zip(i, w, b)]
-        print(f"{s} | {i[0]:.1f} / {i[1]:.1f} | {w[0]:.1f} / {w[1]:.1f} | {i[0] + w[0]:.1f} / {i[1] + w[1]:.1f} | "
-              f"{b[0]:.1f} / {b[1]:.1f} | {ratio[0]:.2f} / {ratio[1]:.2f} | {charge['B']:.1f} | {charge['W']:.1f} | "
-              f"{charge['I_old']:.1f} | {charge['I']:.1f}")
+        print(
+            f"{s} | {i[0]:.1f} / {i[1]:.1f} | {w[0]:.1f} / {w[1]:.1f} | {i[0] + w[0]:.1f} / {i[1] + w[1]:.1f} | "
+            f"{b[0]:.1f} / {b[1]:.1f} | {ratio[0]:.2f} / {ratio[1]:.2f} | {charge['B']:.1f} | {charge['W']:.1f} | "
+            f"{charge['I_old']:.1f} | {charge['I']:.1f}"
+        )

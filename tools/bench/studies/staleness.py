@@ -56,6 +56,7 @@ the tables of all saved runs (held-out loss at the budget, mean and min-max over
 sync of the same seeds, VGG accuracy, seconds) go to OUT/tables.md, and each run's final figures
 (no curves) to OUT/summary.json, the file a results page cites.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,16 +80,23 @@ METHODS = ("none", "extrapolate", "pipeoptim", "ef", "dcasgd", "beta1", "lrscale
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.bench staleness", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bench staleness",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--examples", default="gpt,vgg", help="comma-separated: gpt, vgg")
-    p.add_argument("--rules", default="sync,hippie:none,hippie:extrapolate=1",
-                   help="comma-separated rules (see below)")
+    p.add_argument("--rules", default="sync,hippie:none,hippie:extrapolate=1", help="comma-separated rules (see below)")
     p.add_argument("--seeds", default="0", help="comma-separated data-order seeds (the examples' --seed)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="muon: DeepSpeed's Muon (MuonWithAuxAdam) on the matrices DeepSpeed gives it (every "
-                        "parameter of 2 or more dims not named embed or lm_head), AdamW (--lr) on the rest")
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: DeepSpeed's Muon (MuonWithAuxAdam) on the matrices DeepSpeed gives it (every "
+        "parameter of 2 or more dims not named embed or lm_head), AdamW (--lr) on the rest",
+    )
     p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate of Muon's matrices")
     p.add_argument("--steps", default=None, help="override the budgets, e.g. gpt=800,vgg=500 (default)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages the layers are cut into")
@@ -107,12 +115,17 @@ def parse_rule(text: str, stages: int) -> dict:
         return {"name": text, "layout": "sync", "delayed": [], "methods": {}}
     rest, leading = split_layers(text)
     layout, _, spec = rest.partition(":")
-    only = layout[len("stage="):] if layout.startswith("stage=") else None
-    if (only is not None and not (only.isdigit() and int(only) < stages)) or \
-            (only is None and layout not in ("hippie", "2bw", "2bw-made")) or not spec or \
-            (leading is not None and (layout != "hippie" or leading == "all")):
-        raise SystemExit(f"rule {text!r}: expected sync, hippie[@L]:METHOD, 2bw:METHOD, 2bw-made:METHOD or "
-                         f"stage=K:METHOD (K < {stages})")
+    only = layout[len("stage=") :] if layout.startswith("stage=") else None
+    if (
+        (only is not None and not (only.isdigit() and int(only) < stages))
+        or (only is None and layout not in ("hippie", "2bw", "2bw-made"))
+        or not spec
+        or (leading is not None and (layout != "hippie" or leading == "all"))
+    ):
+        raise SystemExit(
+            f"rule {text!r}: expected sync, hippie[@L]:METHOD, 2bw:METHOD, 2bw-made:METHOD or "
+            f"stage=K:METHOD (K < {stages})"
+        )
     methods = {}
     for item in spec.split("+"):
         name, _, value = item.partition("=")
@@ -122,10 +135,16 @@ def parse_rule(text: str, stages: int) -> dict:
             if not value:
                 raise SystemExit(f"rule {text!r}: {name} needs a value ({name}=X)")
             methods[name] = float(value)
-    delayed = ([0] if layout == "hippie" else [int(only)] if only is not None
-               else list(range(stages - 1)) if layout == "2bw-made" else list(range(stages)))
-    return {"name": text, "layout": layout, "delayed": delayed, "methods": methods,
-            "delayed_layers": leading}
+    delayed = (
+        [0]
+        if layout == "hippie"
+        else [int(only)]
+        if only is not None
+        else list(range(stages - 1))
+        if layout == "2bw-made"
+        else list(range(stages))
+    )
+    return {"name": text, "layout": layout, "delayed": delayed, "methods": methods, "delayed_layers": leading}
 
 
 # ----------------------------------------------------------------------------------------- examples
@@ -133,18 +152,28 @@ def load_example(name: str):
     """(layer specs, loss_fn, metrics, train batches fn(seed), eval batches fn(seed) -> (iterable, n))."""
     if name == "gpt":
         from tools.examples import gpt
+
         data = gpt.CharData(64)  # tools/examples/train_gpt.py defaults: dim 128, 4 layers, 4 heads, seq_len 64
         specs = gpt.layer_specs(len(data.vocab), dim=128, layers=4, seq_len=64)
         n = EXAMPLES["gpt"]["eval_batches"]
-        return (specs, gpt.lm_loss, {"loss": gpt.lm_loss},
-                lambda seed: data.global_batches("train", GLOBAL_BATCH, seed),
-                lambda seed: (data.global_batches("heldout", GLOBAL_BATCH, 10_000 + seed), n))
+        return (
+            specs,
+            gpt.lm_loss,
+            {"loss": gpt.lm_loss},
+            lambda seed: data.global_batches("train", GLOBAL_BATCH, seed),
+            lambda seed: (data.global_batches("heldout", GLOBAL_BATCH, 10_000 + seed), n),
+        )
     if name == "vgg":
         from tools.examples import vgg
+
         data = vgg.Digits()
-        return (vgg.layer_specs(32, 128), vgg.loss_fn, {"loss": vgg.loss_fn, "accuracy": vgg.accuracy},
-                lambda seed: data.global_batches(GLOBAL_BATCH, seed),
-                lambda seed: (data.test_batches(GLOBAL_BATCH), data.num_test_batches(GLOBAL_BATCH)))
+        return (
+            vgg.layer_specs(32, 128),
+            vgg.loss_fn,
+            {"loss": vgg.loss_fn, "accuracy": vgg.accuracy},
+            lambda seed: data.global_batches(GLOBAL_BATCH, seed),
+            lambda seed: (data.test_batches(GLOBAL_BATCH), data.num_test_batches(GLOBAL_BATCH)),
+        )
     raise SystemExit(f"unknown example {name!r}")
 
 
@@ -152,6 +181,7 @@ def build_layers(specs, device):
     """The layers as DeepSpeed's PipelineModule builds them with seed_layers=True: layer i under
     ds_utils.set_random_seed(base_seed + i), whatever stage holds it."""
     from hippie_ds.adapter.ds.module import set_random_seed
+
     layers = []
     for i, spec in enumerate(specs):
         set_random_seed(BASE_SEED + i)
@@ -162,12 +192,14 @@ def build_layers(specs, device):
 def stage_bounds(num_layers: int, stages: int) -> list[int]:
     """PipelineModule(partition_method='uniform')'s cut (the examples' default)."""
     from hippie_ds.adapter.ds.module import partition_uniform
+
     return [int(b) for b in partition_uniform(num_layers, stages)]
 
 
 # -------------------------------------------------------------------------------------------- runs
 def evaluate(layers, batches, n, metrics, device):
     import torch
+
     sums = {k: 0.0 for k in metrics}
     with torch.no_grad():
         for i, (x, y) in enumerate(batches):
@@ -189,6 +221,7 @@ def muon_parameters(layers) -> set[int]:
 
     import deepspeed
     import torch
+
     model = torch.nn.Sequential(*layers)
     deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
     return {id(p) for p in model.parameters() if p.requires_grad and p.use_muon}
@@ -198,16 +231,27 @@ def build_stages(layers, rule: dict, args, steps: int) -> tuple[list[Stage], lis
     """The rule's stages (a partially deferred stage as two parts) and the stage boundaries."""
     bounds = stage_bounds(len(layers), args.stages)
     stages = []
+
     def params_of(lo, hi):
         return [p for layer in layers[lo:hi] for p in layer.parameters() if p.requires_grad]
+
     muon = None if args.optimizer == "adamw" else muon_parameters(layers)
     for s in range(args.stages):
         lo, hi = bounds[s], bounds[s + 1]
         cut = lo + rule["delayed_layers"] if s in rule["delayed"] and rule.get("delayed_layers") is not None else hi
         # AdamW and Muon act per parameter (no clipping): one optimizer per part equals one per stage
         if cut > lo:
-            stages.append(Stage(params_of(lo, min(cut, hi)), s in rule["delayed"], rule["methods"], args.lr, steps,
-                                muon, args.muon_lr))
+            stages.append(
+                Stage(
+                    params_of(lo, min(cut, hi)),
+                    s in rule["delayed"],
+                    rule["methods"],
+                    args.lr,
+                    steps,
+                    muon,
+                    args.muon_lr,
+                )
+            )
         if cut < hi:
             stages.append(Stage(params_of(cut, hi), False, rule["methods"], args.lr, steps, muon, args.muon_lr))
     return stages, bounds
@@ -215,6 +259,7 @@ def build_stages(layers, rule: dict, args, steps: int) -> tuple[list[Stage], lis
 
 def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
     import torch
+
     specs, loss_fn, metrics, train_fn, eval_fn = load_example(example)
     device = torch.device(args.device)
     torch.manual_seed(seed)  # as the examples' Trainer (nothing random is drawn after the build)
@@ -222,13 +267,27 @@ def run_one(example: str, rule: dict, seed: int, args, steps: int, bar) -> dict:
     stages, bounds = build_stages(layers, rule, args, steps)
     eval_every = EXAMPLES[example]["eval_every"]
     train = train_fn(seed)
-    record = {"example": example, "rule": rule["name"], "layout": rule["layout"], "delayed_stages": rule["delayed"],
-              "methods": rule["methods"], "seed": seed, "steps": steps, "lr": args.lr, "stage_bounds": bounds,
-              "optimizer": args.optimizer, "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
-              "stage_params": [sum(p.numel() for p in st.params) for st in stages],
-              "delayed_layers": rule.get("delayed_layers"),
-              "delayed_params": sum(p.numel() for st in stages if st.delayed for p in st.params), "device": args.device,
-              "threads": args.threads, "torch": torch.__version__, "train_loss": [], "eval": []}
+    record = {
+        "example": example,
+        "rule": rule["name"],
+        "layout": rule["layout"],
+        "delayed_stages": rule["delayed"],
+        "methods": rule["methods"],
+        "seed": seed,
+        "steps": steps,
+        "lr": args.lr,
+        "stage_bounds": bounds,
+        "optimizer": args.optimizer,
+        "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
+        "stage_params": [sum(p.numel() for p in st.params) for st in stages],
+        "delayed_layers": rule.get("delayed_layers"),
+        "delayed_params": sum(p.numel() for st in stages if st.delayed for p in st.params),
+        "device": args.device,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "train_loss": [],
+        "eval": [],
+    }
     start = time.perf_counter()
     for step in range(1, steps + 1):
         x, y = next(train)
@@ -290,25 +349,35 @@ def tables(runs: list[dict]) -> str:
             if not all(s in sync for s in seeds):
                 continue
             base = sum(sync[s]["final"]["loss"] for s in seeds) / len(seeds)
-            base_acc = None if "accuracy" not in sync[seeds[0]]["final"] else \
-                sum(sync[s]["final"]["accuracy"] for s in seeds) / len(seeds)
+            base_acc = (
+                None
+                if "accuracy" not in sync[seeds[0]]["final"]
+                else sum(sync[s]["final"]["accuracy"] for s in seeds) / len(seeds)
+            )
             names = [n for n in rules if all(s in rules[n] for s in seeds)]
             names.sort(key=lambda n: (n != "sync", n.split(":")[0] != "hippie", n))
             targets = {s: tta.target_loss([sync[s]["final"]["loss"]]) for s in seeds}
-            lines += [f"**{example}**, seeds {','.join(map(str, seeds))} (held-out loss at step "
-                      f"{sync[seeds[0]]['steps']}; % vs `sync` over the same seeds; steps to target per seed: first "
-                      f"evaluation at or below that seed's sync final + {tta.TARGET_MARGIN_PCT:g}%)", "",
-                      "| rule | held-out loss | min-max | vs sync (per-seed range) | accuracy | vs sync | steps to "
-                      "target | s/run |",
-                      "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"**{example}**, seeds {','.join(map(str, seeds))} (held-out loss at step "
+                f"{sync[seeds[0]]['steps']}; % vs `sync` over the same seeds; steps to target per seed: first "
+                f"evaluation at or below that seed's sync final + {tta.TARGET_MARGIN_PCT:g}%)",
+                "",
+                "| rule | held-out loss | min-max | vs sync (per-seed range) | accuracy | vs sync | steps to "
+                "target | s/run |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for n in names:
                 rs = [rules[n][s] for s in seeds]
                 losses = [r["final"]["loss"] for r in rs]
                 mean = sum(losses) / len(losses)
                 spread = f"{min(losses):.4f}-{max(losses):.4f}" if len(losses) > 1 else ""
                 paired = [100 * (r["final"]["loss"] / sync[r["seed"]]["final"]["loss"] - 1) for r in rs]
-                diff = "" if n == "sync" else f"{100 * (mean - base) / base:+.2f}%" + (
-                    f" ({min(paired):+.1f} to {max(paired):+.1f})" if len(paired) > 1 else "")
+                diff = (
+                    ""
+                    if n == "sync"
+                    else f"{100 * (mean - base) / base:+.2f}%"
+                    + (f" ({min(paired):+.1f} to {max(paired):+.1f})" if len(paired) > 1 else "")
+                )
                 acc = dacc = ""
                 if base_acc is not None:
                     a = sum(r["final"]["accuracy"] for r in rs) / len(rs)
@@ -327,9 +396,13 @@ def summary(runs: list[dict]) -> dict:
     out: dict = {}
     for r in runs:
         out.setdefault(r["example"], {}).setdefault(r["rule"], {})[str(r["seed"])] = {
-            **r["final"], "seconds": r["seconds"], "steps": r["steps"], "stages": len(r["stage_bounds"]) - 1,
+            **r["final"],
+            "seconds": r["seconds"],
+            "steps": r["steps"],
+            "stages": len(r["stage_bounds"]) - 1,
             "correction_seconds_per_step": r.get("correction_seconds", 0.0) / r["steps"],
-            "delayed_params": r["delayed_params"]}
+            "delayed_params": r["delayed_params"],
+        }
     return out
 
 
@@ -350,6 +423,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
     from tqdm import tqdm
+
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -366,8 +440,13 @@ def main(argv=None) -> int:
                 steps[name] = int(v)
     rules = [parse_rule(r, args.stages) for r in args.rules.split(",") if r]
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    todo = [(e, r, s) for s in seeds for e in examples for r in rules
-            if not (args.reuse and run_path(out, e, r["name"], s).exists())]
+    todo = [
+        (e, r, s)
+        for s in seeds
+        for e in examples
+        for r in rules
+        if not (args.reuse and run_path(out, e, r["name"], s).exists())
+    ]
     total = sum(steps[e] for e, _, _ in todo)
     print(f"[staleness] {len(todo)} runs, {total} steps; threads {args.threads}, device {args.device}", flush=True)
     with tqdm(total=total, unit="step", dynamic_ncols=True) as bar:

@@ -2,6 +2,7 @@
 its parameters, AdamW and LR schedule, applying its gradient synchronously or one step late, with
 the rule's correction (weight extrapolation, PipeOptim's predicted step, error feedback, DC-ASGD,
 beta1 or learning-rate changes). The corrections are explained in the study's docstring."""
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,19 @@ class Stage:
     rule's correction. Per step: ``before_compute`` (weights the forward/backward uses),
     ``after_backward`` (restore, update), ``end_step`` (LR schedule); ``flush`` at the end."""
 
-    def __init__(self, params, delayed: bool, methods: dict, lr: float, steps: int, muon: set | None = None,
-                 muon_lr: float = 0.02):
+    def __init__(
+        self,
+        params,
+        delayed: bool,
+        methods: dict,
+        lr: float,
+        steps: int,
+        muon: set | None = None,
+        muon_lr: float = 0.02,
+    ):
         import torch
         from hippie_ds.adapter.ds.runtime import warmup_decay_lr
+
         self.torch = torch
         self.params = params
         self.delayed = delayed
@@ -27,8 +37,9 @@ class Stage:
         if muon is None and "nadam" in self.methods:
             # the Nesterov method's recipe (Ajanthan et al. 2025; PluralisResearch/AsyncPP run.bash:
             # --optimizer nadamw --momentum 0.99): NAdam with decoupled weight decay, beta1 = B
-            self.opt = torch.optim.NAdam(params, lr=peak, weight_decay=0.01, betas=(self.methods["nadam"], 0.999),
-                                         decoupled_weight_decay=True)
+            self.opt = torch.optim.NAdam(
+                params, lr=peak, weight_decay=0.01, betas=(self.methods["nadam"], 0.999), decoupled_weight_decay=True
+            )
             peaks = peak
         elif muon is None:
             # DeepSpeed "AdamW" with torch_adam: torch.optim.AdamW(lr, weight_decay=0.01), default betas/eps
@@ -36,8 +47,14 @@ class Stage:
             peaks = peak
         else:
             self.opt, peaks = self._muon(params, muon, muon_lr * scale, peak, beta1)
-        self.sched = warmup_decay_lr(self.opt, total_num_steps=steps, warmup_min_lr=0.0, warmup_max_lr=peaks,
-                                   warmup_num_steps=max(1, steps // 20), warmup_type="linear")
+        self.sched = warmup_decay_lr(
+            self.opt,
+            total_num_steps=steps,
+            warmup_min_lr=0.0,
+            warmup_max_lr=peaks,
+            warmup_num_steps=max(1, steps // 20),
+            warmup_type="linear",
+        )
         self.pending = None  # the delayed gradient
         self.saved = None  # the true weights while the parameters hold the predicted ones
         self.previous = None  # extrapolate: W(t-1); dcasgd: the weights the pending gradient was computed on
@@ -51,11 +68,26 @@ class Stage:
         0.95, Newton-Schulz) on the parameters whose ids are in ``muon``, AdamW on the others; weight
         decay 0.01 on both. Returns it and the per-group peak learning rates."""
         from hippie_ds.adapter.ds.runtime import muon_with_aux_adam
+
         torch = self.torch
-        groups = [dict(params=[p for p in params if id(p) in muon], use_muon=True, lr=muon_lr, momentum=0.95,
-                       weight_decay=0.01, ns_method="gram"),
-                  dict(params=[p for p in params if id(p) not in muon], use_muon=False, lr=adam_lr,
-                       betas=(beta1, 0.999), eps=1e-8, weight_decay=0.01)]
+        groups = [
+            dict(
+                params=[p for p in params if id(p) in muon],
+                use_muon=True,
+                lr=muon_lr,
+                momentum=0.95,
+                weight_decay=0.01,
+                ns_method="gram",
+            ),
+            dict(
+                params=[p for p in params if id(p) not in muon],
+                use_muon=False,
+                lr=adam_lr,
+                betas=(beta1, 0.999),
+                eps=1e-8,
+                weight_decay=0.01,
+            ),
+        ]
         groups = [g for g in groups if g["params"]]
         opt = muon_with_aux_adam(groups, adam_optimizer=torch.optim.AdamW, adam_optimizer_kwargs={"lr": adam_lr})
         return opt, [g["lr"] for g in groups]
@@ -88,8 +120,8 @@ class Stage:
                     if not state or float(state["step"]) == 0:
                         continue
                     k = float(state["step"])
-                    m_hat = state["exp_avg"] / (1 - b1 ** k)
-                    denom = (state["exp_avg_sq"] / (1 - b2 ** k)).sqrt_().add_(eps)
+                    m_hat = state["exp_avg"] / (1 - b1**k)
+                    denom = (state["exp_avg_sq"] / (1 - b2**k)).sqrt_().add_(eps)
                     p.sub_(s * lr * (m_hat / denom + wd * p))
             if "dcasgd" in self.methods:
                 self.computed_on = [p.detach().clone() for p in self.params]

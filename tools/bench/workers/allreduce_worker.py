@@ -5,6 +5,7 @@ Times a gloo all-reduce of ``--megabytes`` MB in one pair alone, then in both pa
 seconds of its own all-reduces, the CPU seconds its process spent in them (all threads: gloo's
 included) and, on rank 0, the machine's busy core-seconds over each repeat (/proc/stat: what the
 all-reduces take from compute on a shared machine, the kernel's network work included)."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,15 @@ def main():
     timed(pairs[mine], tensor, True)  # warm-up: connections made
     one = [timed(pairs[mine], tensor, mine == 0, a.idle_s) for _ in range(a.repeats)]
     two = [timed(pairs[mine], tensor, True, a.idle_s) for _ in range(a.repeats)]
-    record = {"rank": rank, "pair": mine, "bytes": tensor.numel() * 4,
-              "one": [r["s"] for r in one], "two": [r["s"] for r in two],
-              "one_cpu": [r["cpu_s"] for r in one], "two_cpu": [r["cpu_s"] for r in two]}
+    record = {
+        "rank": rank,
+        "pair": mine,
+        "bytes": tensor.numel() * 4,
+        "one": [r["s"] for r in one],
+        "two": [r["s"] for r in two],
+        "one_cpu": [r["cpu_s"] for r in one],
+        "two_cpu": [r["cpu_s"] for r in two],
+    }
     if rank == 0:  # the same machine for every rank: one reading is enough
         record["one_machine_busy"] = [r["machine_busy_s"] for r in one]
         record["two_machine_busy"] = [r["machine_busy_s"] for r in two]

@@ -40,6 +40,7 @@ Per schedule and rank it writes, under ``--out``/raw/<label>/:
 The model and its data are in tools/bench/model.py, the engines and the memory figures in
 tools/bench/engines.py; this module runs them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +93,10 @@ def order_labels(schedules: str, measured_costs: bool = False) -> list[str]:
     link). Pure."""
     labels = [s for s in schedules.split(",") if s]
     if DATA_PARALLEL in labels and len(labels) > 1:
-        raise SystemExit(f"bench_worker: --schedules {schedules!r}: dp must run alone (a pipeline engine in the "
-                         "same process changes DeepSpeed's data-parallel group for it); give it a job of its own")
+        raise SystemExit(
+            f"bench_worker: --schedules {schedules!r}: dp must run alone (a pipeline engine in the "
+            "same process changes DeepSpeed's data-parallel group for it); give it a job of its own"
+        )
     if measured_costs:
         labels = [STOCK] + [label for label in labels if label != STOCK]
     return labels
@@ -108,13 +111,20 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--out", required=True)
-    p.add_argument("--schedules", required=True, help="comma list of engine labels (labels.py): stock, dp, "
-                                                       "or a hippie-ds schedule (1f1b, gpipe, hippie, ...)")
+    p.add_argument(
+        "--schedules",
+        required=True,
+        help="comma list of engine labels (labels.py): stock, dp, or a hippie-ds schedule (1f1b, gpipe, hippie, ...)",
+    )
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=0,
-                   help="samples a step for 'dp' (default: micro-batch size x micro-batches x pipeline replicas)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=0,
+        help="samples a step for 'dp' (default: micro-batch size x micro-batches x pipeline replicas)",
+    )
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--d-model", type=int, default=320)
     p.add_argument("--heads", type=int, default=5)
@@ -129,19 +139,31 @@ def parse_args():
     p.add_argument("--allreduce-bandwidth", type=float, default=1.25e8, help="bytes/s, for the 'auto' cost file")
     p.add_argument("--timeout-s", type=int, default=600)
     p.add_argument("--memory", action="store_true", help="record bytes saved for backward and resident memory")
-    p.add_argument("--schedule-configs", default=None,
-                   help="directory of NAME.json configs (pipeline.schedule, hippie)")
-    p.add_argument("--costs", default=None, help="cost file for 'deferred_stages: auto' in those configs; "
-                   "'measured': measured on the stock engine's warm-up in this job")
+    p.add_argument(
+        "--schedule-configs", default=None, help="directory of NAME.json configs (pipeline.schedule, hippie)"
+    )
+    p.add_argument(
+        "--costs",
+        default=None,
+        help="cost file for 'deferred_stages: auto' in those configs; "
+        "'measured': measured on the stock engine's warm-up in this job",
+    )
     p.add_argument("--plan", action="append", default=[], help="LABEL=PLAN_FILE (needs hippie_ds.PipelineModule)")
-    p.add_argument("--plan-config", default=None, metavar="PLAN_FILE",
-                   help="every hippie-ds label runs this plan as a user does: its DeepSpeed config sets only the "
-                        "optimizer and hippie.plan (the plan's schedule, boundaries, re-computed layers, deferral and "
-                        "batch keys), the module built from that config; --stages and the micro-batch size and count "
-                        "are the plan's (the label should be the plan's schedule)")
+    p.add_argument(
+        "--plan-config",
+        default=None,
+        metavar="PLAN_FILE",
+        help="every hippie-ds label runs this plan as a user does: its DeepSpeed config sets only the "
+        "optimizer and hippie.plan (the plan's schedule, boundaries, re-computed layers, deferral and "
+        "batch keys), the module built from that config; --stages and the micro-batch size and count "
+        "are the plan's (the label should be the plan's schedule)",
+    )
     p.add_argument("--partition-method", default="uniform", help="PipelineModule partition_method")
-    p.add_argument("--core-per-rank", action="store_true",
-                   help="pin each local rank to its own core (a bubble is then idle time, not another rank's)")
+    p.add_argument(
+        "--core-per-rank",
+        action="store_true",
+        help="pin each local rank to its own core (a bubble is then idle time, not another rank's)",
+    )
     return p.parse_args()
 
 
@@ -161,11 +183,22 @@ def write_auto_costs(a, stock, world: int, rank: int, dp: int) -> str:
             own = [work_after_arrivals(b, e, latest[k]) for k, b, e in c.pop("optimizer_spans")]
             c["optimizer_time"] = sum(own) / len(own) if own else c["optimizer_time"]
             per_stage.setdefault(c["stage"], []).append(c)
-        stages = [{k: sum(c[k] for c in cs) / len(cs) for k in cs[0] if k != "stage"}
-                  for _, cs in sorted(per_stage.items())]
+        stages = [
+            {k: sum(c[k] for c in cs) / len(cs) for k in cs[0] if k != "stage"} for _, cs in sorted(per_stage.items())
+        ]
         with open(costs_path, "w") as f:
-            json.dump({"stages": stages, "comm": {"allreduce_bandwidth": a.allreduce_bandwidth,
-                                                  "data_parallel": dp, "wire_ratio": wire_bytes(a) / 4.0}}, f, indent=1)
+            json.dump(
+                {
+                    "stages": stages,
+                    "comm": {
+                        "allreduce_bandwidth": a.allreduce_bandwidth,
+                        "data_parallel": dp,
+                        "wire_ratio": wire_bytes(a) / 4.0,
+                    },
+                },
+                f,
+                indent=1,
+            )
     torch.distributed.barrier()  # setup only, before any timed step
     return costs_path
 
@@ -183,8 +216,11 @@ def build_engine(a, label: str, world: int, rank: int):
     hippie_section = {}
     if schedule != STOCK:
         schedule, hippie_section = schedule_config(a, schedule)
-    log(rank, f"building {label} ({'deepspeed.initialize' if schedule == STOCK else 'hippie_ds.initialize'}"
-              f"{', schedule ' + schedule if schedule != label else ''})")
+    log(
+        rank,
+        f"building {label} ({'deepspeed.initialize' if schedule == STOCK else 'hippie_ds.initialize'}"
+        f"{', schedule ' + schedule if schedule != label else ''})",
+    )
     module = build_pipeline_module(a, label, world)
     cfg = ds_config(a, label, schedule, dp, a.out, hippie_section)
     init = deepspeed.initialize if schedule == STOCK else hippie_ds.initialize
@@ -198,6 +234,7 @@ def take_plan_shape(a) -> None:
     """--plan-config: the run's stages, micro-batch size and count are the plan's (the data and
     the records follow them)."""
     from hippie_ds.planner import load_plan
+
     plan = load_plan(a.plan_config)
     a.stages, a.micro_batch_size, a.micro_batches = plan.pipeline_depth, plan.micro_batch_size, plan.micro_batches
 
@@ -207,38 +244,61 @@ def build_planned_engine(a, label: str, world: int, rank: int):
     and sets nothing the plan sets (schedule, batch keys, deferral: the plan fills them in), the
     module is hippie_ds.PipelineModule built from that config (boundaries and re-computed layers)."""
     from tools.bench.model import BASE_SEED, layer_specs, loss_of
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": a.lr, "torch_adam": True}}, "steps_per_print": 10 ** 9,
-           "hippie": {"plan": os.path.abspath(a.plan_config),
-                      "timeline_dir": os.path.join(a.out, "raw", label, "timeline")}}
+
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "hippie": {
+            "plan": os.path.abspath(a.plan_config),
+            "timeline_dir": os.path.join(a.out, "raw", label, "timeline"),
+        },
+    }
     if a.comm_dtype:
         cfg["communication_data_type"] = a.comm_dtype
     log(rank, f"building {label} (hippie_ds.initialize, config hippie.plan = {a.plan_config})")
-    module = hippie_ds.PipelineModule(layers=layer_specs(a), loss_fn=loss_of(a), config=cfg,
-                                      topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
-                                      seed_layers=True, base_seed=BASE_SEED)
-    engine, *_ = hippie_ds.initialize(model=module, model_parameters=[q for q in module.parameters()
-                                                                      if q.requires_grad], config=cfg)
+    module = hippie_ds.PipelineModule(
+        layers=layer_specs(a),
+        loss_fn=loss_of(a),
+        config=cfg,
+        topology=hippie_ds.make_topology(a.stages, world, "pipeline_in_node"),
+        seed_layers=True,
+        base_seed=BASE_SEED,
+    )
+    engine, *_ = hippie_ds.initialize(
+        model=module, model_parameters=[q for q in module.parameters() if q.requires_grad], config=cfg
+    )
     schedule = engine.compiled_schedule.name  # the plan's
     return engine, module, engine.stage_id, engine.grid.data_parallel_id, list(module.parts), schedule
 
 
 def engine_meta(a, engine, module, label, schedule, stage, replica, parts, world, rank) -> dict:
     """What the steps file says of a label's engine on this rank."""
-    return {"rank": rank, "stage": stage, "data_parallel_id": replica, "world": world,
-            "stages": 1 if schedule == DATA_PARALLEL else a.stages, "schedule": schedule, "label": label,
-            "params": sum(q.numel() for q in module.parameters() if q.requires_grad),
-            "schedule_params": getattr(getattr(engine, "compiled_schedule", None), "params", {}),
-            # share of this stage's gradient applied one step late (hippie.deferred_layers)
-            "delayed_fraction": engine.delayed_fraction() if hasattr(engine, "delayed_fraction") else None,
-            "parts": parts, "checkpointed_layers": list(getattr(module, "checkpointed_layers", None) or []),
-            "plan": a.plan_config,
-            # the stages holding each tied module (TiedLayerSpec) this rank holds: what its
-            # ReduceTiedGrads waits for (the simulator's Costs.tied_groups)
-            "tied_stages": {key: sorted({stage_of_rank(module, r) for r in comm["ranks"]})
-                            for key, comm in sorted(getattr(module, "tied_comms", {}).items())},
-            "micro_batches": (engine.engine.gradient_accumulation_steps() if schedule == DATA_PARALLEL
-                              else a.micro_batches),
-            "micro_batch_size": a.micro_batch_size}
+    return {
+        "rank": rank,
+        "stage": stage,
+        "data_parallel_id": replica,
+        "world": world,
+        "stages": 1 if schedule == DATA_PARALLEL else a.stages,
+        "schedule": schedule,
+        "label": label,
+        "params": sum(q.numel() for q in module.parameters() if q.requires_grad),
+        "schedule_params": getattr(getattr(engine, "compiled_schedule", None), "params", {}),
+        # share of this stage's gradient applied one step late (hippie.deferred_layers)
+        "delayed_fraction": engine.delayed_fraction() if hasattr(engine, "delayed_fraction") else None,
+        "parts": parts,
+        "checkpointed_layers": list(getattr(module, "checkpointed_layers", None) or []),
+        "plan": a.plan_config,
+        # the stages holding each tied module (TiedLayerSpec) this rank holds: what its
+        # ReduceTiedGrads waits for (the simulator's Costs.tied_groups)
+        "tied_stages": {
+            key: sorted({stage_of_rank(module, r) for r in comm["ranks"]})
+            for key, comm in sorted(getattr(module, "tied_comms", {}).items())
+        },
+        "micro_batches": (
+            engine.engine.gradient_accumulation_steps() if schedule == DATA_PARALLEL else a.micro_batches
+        ),
+        "micro_batch_size": a.micro_batch_size,
+    }
 
 
 def runqueue_wait_s() -> dict[int, float] | None:
@@ -300,13 +360,22 @@ class Steps:
         end = time.perf_counter()
         cpu, waited = time.process_time() - cpu0, runqueue_wait_s()
         busy, total = (b - a for a, b in zip(ticks0, core_ticks(cores)))
-        rec = {"round": rnd, "index": index, "warmup": warmup, "start": start, "end": end, "loss": float(loss),
-               "core_busy": busy / total if total else None,
-               # this rank's CPU time in the step (all its threads) and the time its threads sat runnable
-               # on a run queue, waiting for a core (the kernel's schedstat; the main thread's, and all
-               # threads' summed): a rank that waited for a core measures the machine's contention
-               "cpu_s": cpu, "runqueue_wait_s": wait_between(waited0, waited, os.getpid()),
-               "runqueue_wait_threads_s": wait_between(waited0, waited), "cpu_by_instruction": self.cpu.take()}
+        rec = {
+            "round": rnd,
+            "index": index,
+            "warmup": warmup,
+            "start": start,
+            "end": end,
+            "loss": float(loss),
+            "core_busy": busy / total if total else None,
+            # this rank's CPU time in the step (all its threads) and the time its threads sat runnable
+            # on a run queue, waiting for a core (the kernel's schedstat; the main thread's, and all
+            # threads' summed): a rank that waited for a core measures the machine's contention
+            "cpu_s": cpu,
+            "runqueue_wait_s": wait_between(waited0, waited, os.getpid()),
+            "runqueue_wait_threads_s": wait_between(waited0, waited),
+            "cpu_by_instruction": self.cpu.take(),
+        }
         if tracker is not None:
             rec["saved_peak_bytes"], rec["saved_after_bytes"] = tracker.peak, tracker.current
         self.records[label].append(rec)
@@ -323,10 +392,13 @@ def write_records(a, steps: Steps, rank: int, rss_baseline):
         d = os.path.join(a.out, "raw", label)
         os.makedirs(os.path.join(d, "timeline"), exist_ok=True)
         if a.memory:
-            meta["memory"] = {"rss_baseline_bytes": rss_baseline, "peak_rss_bytes": peak_rss_bytes(),
-                              "rss_end_bytes": proc_status_bytes("VmRSS"),
-                              "state_bytes": state_bytes(engine),
-                              "labels_in_process": len(steps.engines)}
+            meta["memory"] = {
+                "rss_baseline_bytes": rss_baseline,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "rss_end_bytes": proc_status_bytes("VmRSS"),
+                "state_bytes": state_bytes(engine),
+                "labels_in_process": len(steps.engines),
+            }
             if get_accelerator().device_name() == "cuda":  # what the GPU held at its peak (every label's)
                 meta["memory"]["device_peak_bytes"] = torch.cuda.max_memory_allocated()
         with open(os.path.join(d, f"rank{rank}.steps.json"), "w") as f:
@@ -335,8 +407,16 @@ def write_records(a, steps: Steps, rank: int, rss_baseline):
             engine.write_timeline()  # -> raw/<label>/timeline/rank{R}.json (config "hippie.timeline_dir")
         else:
             with open(os.path.join(d, "timeline", f"rank{rank}.json"), "w") as f:
-                json.dump({"rank": rank, "stage": meta["stage"], "data_parallel_id": meta["data_parallel_id"],
-                           "schedule": meta["schedule"], "events": events}, f)
+                json.dump(
+                    {
+                        "rank": rank,
+                        "stage": meta["stage"],
+                        "data_parallel_id": meta["data_parallel_id"],
+                        "schedule": meta["schedule"],
+                        "events": events,
+                    },
+                    f,
+                )
 
 
 def main():
@@ -369,7 +449,7 @@ def main():
             log(rank, f"{label}: warm-up step {w + 1}/{a.warmup}: {dt:.3f} s (rank 0)")
 
     for rnd in range(a.rounds):
-        order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]  # rotate: no fixed position
+        order = labels[rnd % len(labels) :] + labels[: rnd % len(labels)]  # rotate: no fixed position
         for label in order:
             if len(labels) > 1:  # untimed: the previous label's last step ends on each rank at its own time
                 torch.distributed.barrier()

@@ -7,6 +7,7 @@ DeepSpeed's TrainSchedule) and ``1f1b`` (``hippie_ds.initialize``, the same orde
 schedules/1f1b.yaml); then ``--rounds`` rounds, each running every engine for ``--steps`` steps,
 the order rotated per round. Per step and rank: wall and CPU time (``time.process_time``) and the
 instructions executed. Rank 0 writes OUT/host_cost.json (every rank's records)."""
+
 import argparse
 import cProfile
 import io
@@ -24,8 +25,9 @@ from hippie_ds.adapter.ds.module import LayerSpec, PipelineModule
 
 
 def count_stock_instructions(engine) -> int:
-    sched = ds_schedule.TrainSchedule(micro_batches=engine.micro_batches, stages=engine.num_stages,
-                                      stage_id=engine.stage_id)
+    sched = ds_schedule.TrainSchedule(
+        micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id
+    )
     return sum(len(cmds) for cmds in sched)
 
 
@@ -40,24 +42,40 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--engines", default="stock,1f1b")
-    p.add_argument("--profile", action="store_true", help="one more, untimed pass per engine under cProfile on rank 0 "
-                   "(OUT/profile-ENGINE.txt: the 40 functions with the most own time; Python calls per instruction)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more, untimed pass per engine under cProfile on rank 0 "
+        "(OUT/profile-ENGINE.txt: the 40 functions with the most own time; Python calls per instruction)",
+    )
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": args.micro_batches,
-           "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": args.micro_batches,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+    }
     engines = {}
     for name in args.engines.split(","):
         torch.manual_seed(0)
-        module = PipelineModule([LayerSpec(torch.nn.Linear, args.width, args.width) for _ in range(args.layers)],
-                                num_stages=2, loss_fn=lambda y, t: ((y - t) ** 2).mean(), partition_method="uniform")
+        module = PipelineModule(
+            [LayerSpec(torch.nn.Linear, args.width, args.width) for _ in range(args.layers)],
+            num_stages=2,
+            loss_fn=lambda y, t: ((y - t) ** 2).mean(),
+            partition_method="uniform",
+        )
         own = dict(cfg, pipeline={"schedule": name}) if name != "stock" else cfg
         init = deepspeed.initialize if name == "stock" else hippie_ds.initialize
         engine, *_ = init(model=module, model_parameters=module.parameters(), config=own)
-        count = count_stock_instructions(engine) if name == "stock" else \
-            sum(1 for _ in engine.compiled_schedule.ops(engine.stage_id))
+        count = (
+            count_stock_instructions(engine)
+            if name == "stock"
+            else sum(1 for _ in engine.compiled_schedule.ops(engine.stage_id))
+        )
         engines[name] = (engine, count)
     x = torch.randn(1, args.width)
 
@@ -70,7 +88,7 @@ def main():
     calls = {}
     names = list(engines)
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             engine, count = engines[name]
             for _ in range(args.warmup):
@@ -79,8 +97,14 @@ def main():
                 torch.distributed.barrier()
                 w0, c0 = time.perf_counter(), time.process_time()
                 engine.train_batch(it)
-                records[name].append({"round": r, "wall": time.perf_counter() - w0, "cpu": time.process_time() - c0,
-                                      "instructions": count})
+                records[name].append(
+                    {
+                        "round": r,
+                        "wall": time.perf_counter() - w0,
+                        "cpu": time.process_time() - c0,
+                        "instructions": count,
+                    }
+                )
     for name in names if args.profile else []:  # untimed: the profiler's own cost stays out of the rounds
         engine, count = engines[name]
         prof = cProfile.Profile() if rank == 0 else None

@@ -2,6 +2,7 @@
 planner: tools/bench/studies/host_samples.py). Each instruction is charged the main thread's CPU since
 the previous one ended (its handler, and the engine's loop between them); a step's first instruction
 counts from the step's start."""
+
 from __future__ import annotations
 
 import time
@@ -33,6 +34,7 @@ class InstructionCpu:
         """Count ``engine``'s instructions: a hippie-ds engine's instruction hook, or the stock engine's
         timed handlers (tools/bench/engines.time_stock_instructions)."""
         from tools.bench.engines import stock_timeline
+
         stock = stock_timeline(engine)
         if hasattr(engine, "add_instruction_hook"):
             engine.add_instruction_hook(lambda event: self.mark(event.kind))

@@ -6,6 +6,7 @@ rank ``--stage`` of every node: what a pipeline stage all-reduces) and one of ``
 bytes over every rank (what DP all-reduces), a world barrier around every repeat. Writes
 OUT/rank{R}.json with the seconds of the all-reduces it took part in. gloo on CPU tensors; NCCL on
 the rank's GPU where cluster.node_env set DS_ACCELERATOR=cuda."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,17 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     stage_ranks = list(range(a.stage, world, a.rpn))
     stage_group = dist.new_group(stage_ranks)
-    record = {"rank": rank, "world": world, "stage_ranks": stage_ranks,
-              "stage_bytes": a.stage_bytes, "all_bytes": a.all_bytes}
-    for name, group, member, nbytes in (("stage", stage_group, rank in stage_ranks, a.stage_bytes),
-                                        ("all", dist.group.WORLD, True, a.all_bytes)):
+    record = {
+        "rank": rank,
+        "world": world,
+        "stage_ranks": stage_ranks,
+        "stage_bytes": a.stage_bytes,
+        "all_bytes": a.all_bytes,
+    }
+    for name, group, member, nbytes in (
+        ("stage", stage_group, rank in stage_ranks, a.stage_bytes),
+        ("all", dist.group.WORLD, True, a.all_bytes),
+    ):
         tensor = torch.ones(max(1, nbytes // 4), device=device)
         timed(group, tensor, member)  # warm-up: connections made
         times = [timed(group, tensor, member)["s"] for _ in range(a.repeats)]

@@ -11,6 +11,7 @@ step, replica and micro-batch). Every rank writes ``DIR/rank{R}.json``: where it
 rank, stage, replica, gloo's interface, network namespace) and the loss ``train_batch`` returned
 at every step; the driver checks that all ranks agree. Rank 0 prints one line per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ IN, WIDTH, OUT = 8, 16, 4
 
 
 def layer_specs():
-    return [LayerSpec(torch.nn.Linear, IN, WIDTH), LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
-            LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, WIDTH, OUT)]
+    return [
+        LayerSpec(torch.nn.Linear, IN, WIDTH),
+        LayerSpec(torch.nn.Tanh),
+        LayerSpec(torch.nn.Linear, WIDTH, WIDTH),
+        LayerSpec(torch.nn.Tanh),
+        LayerSpec(torch.nn.Linear, WIDTH, OUT),
+    ]
 
 
 def batches(replica: int, micro_batch: int, micro_batches: int):
@@ -58,41 +64,59 @@ def main(argv=None):
     with open(args.deepspeed_config) as f:
         config = json.load(f)
     args.deepspeed_config = None  # passed as a dict below
-    config["steps_per_print"] = 10 ** 9  # this script prints its own lines
+    config["steps_per_print"] = 10**9  # this script prints its own lines
     if args.schedule:
         config.setdefault("pipeline", {})["schedule"] = args.schedule
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = PipelineModule(layers=layer_specs(), num_stages=args.stages, loss_fn=torch.nn.functional.mse_loss,
-                           topology=hippie_ds.make_topology(args.stages, world), partition_method="uniform",
-                           seed_layers=True, base_seed=1234)
-    engine, _, _, _ = hippie_ds.initialize(args=args, model=model, config=config,
-                                           model_parameters=[q for q in model.parameters() if q.requires_grad])
+    model = PipelineModule(
+        layers=layer_specs(),
+        num_stages=args.stages,
+        loss_fn=torch.nn.functional.mse_loss,
+        topology=hippie_ds.make_topology(args.stages, world),
+        partition_method="uniform",
+        seed_layers=True,
+        base_seed=1234,
+    )
+    engine, _, _, _ = hippie_ds.initialize(
+        args=args, model=model, config=config, model_parameters=[q for q in model.parameters() if q.requires_grad]
+    )
     data = batches(engine.grid.data_parallel_id, engine.train_micro_batch_size_per_gpu(), engine.micro_batches)
     losses = []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         losses.append(float(engine.train_batch(data)))
         if rank == 0:
-            print(f"[multinode] step {step}/{args.steps}: loss {losses[-1]:.6f} "
-                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+            print(
+                f"[multinode] step {step}/{args.steps}: loss {losses[-1]:.6f} ({time.perf_counter() - start:.1f} s)",
+                flush=True,
+            )
     finish = getattr(engine, "drain", None)
     if finish is not None:
         finish()  # a deferred stage's last buffered gradient is applied, not lost
 
     record = {
-        "rank": rank, "world_size": world, "node": int(os.environ.get("CROSS_RANK", -1)),
-        "local_rank": int(os.environ.get("LOCAL_RANK", -1)), "stage": engine.stage_id,
-        "replica": engine.grid.data_parallel_id, "schedule": engine.compiled_schedule.name,
-        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "master_addr": os.environ.get("MASTER_ADDR"),
-        "netns": os.readlink("/proc/self/ns/net"), "losses": losses,
+        "rank": rank,
+        "world_size": world,
+        "node": int(os.environ.get("CROSS_RANK", -1)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", -1)),
+        "stage": engine.stage_id,
+        "replica": engine.grid.data_parallel_id,
+        "schedule": engine.compiled_schedule.name,
+        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "master_addr": os.environ.get("MASTER_ADDR"),
+        "netns": os.readlink("/proc/self/ns/net"),
+        "losses": losses,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    print(f"[multinode] rank {rank}: node {record['node']}, stage {record['stage']}, replica {record['replica']}, "
-          f"gloo on {record['gloo_socket_ifname']}: done", flush=True)
+    print(
+        f"[multinode] rank {rank}: node {record['node']}, stage {record['stage']}, replica {record['replica']}, "
+        f"gloo on {record['gloo_socket_ifname']}: done",
+        flush=True,
+    )
     dist.barrier()
 
 
