@@ -14,7 +14,7 @@ from .traits import schedule_traits
 
 def _with_parameters(model: _Model, layers: Sequence[int], count: int) -> int:
     """The layers with parameters among a stage's ``count`` leading ``layers`` (model order):
-    what ``hippie.deferred_layers`` counts (schedules/deferral.py)."""
+    what ``hippie.deferred_layers`` counts (hippie_ds/schedules/deferral/)."""
     from ..schedules.deferral import with_parameters
 
     return with_parameters([model.params[i] > 0 for i in layers], count) or count

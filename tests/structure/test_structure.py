@@ -1,12 +1,12 @@
-"""The repository's shape beside docs/architecture.md's layer table (whose layer order ``tests/docs/test_docs.py``
-checks; both read the imports with tests/import_graph.py): the pure layers import neither torch
-nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is over
-MAX_LINES lines (500 formatted, about 400 compact); the tools (``tools.examples``, ``tools.bench``) import each other in no circle and never
-from the tests. And the adapter's packages: each with a one-line purpose and under
-MAX_PACKAGE_LINES lines, a package importing only the packages below it in ``hippie_ds.adapter.PACKAGES``
-(``ds`` at the bottom, ``integration`` at the top), no module outside the ``engine`` package
-reading a private attribute of the engine, and no component taking the engine (a component is built
-with what it uses)."""
+"""The repository's shape beside docs/architecture.md's layer table (whose layer order
+``tests/docs/test_docs.py`` checks; both read the imports with tests/import_graph.py): the pure layers import
+neither torch nor DeepSpeed, at any depth of their code; no module of the package, the tools or the tests is
+over MAX_LINES lines (500 formatted, about 400 compact); the tools (``tools.examples``, ``tools.bench``)
+import each other in no circle and never from the tests. And the adapter's packages: each with a one-line
+purpose and under MAX_PACKAGE_LINES lines, a package importing only the packages below it in
+``hippie_ds.adapter.PACKAGES`` (``ds`` at the bottom, ``integration`` at the top), no module outside the
+``engine`` package reading a private attribute of the engine, and no component taking the engine (a component
+is built with what it uses)."""
 
 import ast
 from pathlib import Path
