@@ -34,6 +34,8 @@ TINY = [
     "40",
     "--dilate",
     "2",
+    "--max-dilate",  # the plan -> bench path at the job's D: no row reruns at a larger D (test_bench_row_dilation's)
+    "2",
     "--rate",
     "100mbit",
     "--link-efficiency",
