@@ -34,16 +34,6 @@ def stock_instruction_map() -> dict:
     return PipelineEngine._INSTRUCTION_MAP
 
 
-def set_instruction_map(engine_cls: type, table: dict) -> None:
-    """Roughly: ``engine_cls._INSTRUCTION_MAP = table`` (the map ``_exec_schedule`` dispatches by)."""
-    engine_cls._INSTRUCTION_MAP = table
-
-
-def handler_of(engine, instruction):
-    """Roughly: ``engine._INSTRUCTION_MAP.get(type(instruction))`` (the instance's map, else the class's)."""
-    return engine._INSTRUCTION_MAP.get(type(instruction))
-
-
 def wrap_handlers(engine, wrap) -> None:
     """Roughly: ``engine._INSTRUCTION_MAP = {cls: wrap(cls, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}``:
     this instance's map, looked up before the class's (the bench times a stock engine so)."""
@@ -146,29 +136,6 @@ class Boundary:
     def set_state(self, state: dict) -> None:
         """Roughly: :func:`set_p2p_state` of the engine."""
         set_p2p_state(self._engine, state)
-
-
-# ---------------------------------------------------------------- stock handlers
-
-
-def stock_send_activations(engine, buffer_id) -> None:
-    """Roughly: ``PipelineEngine._exec_send_activations(engine, buffer_id)`` (DeepSpeed's, not the subclass's)."""
-    PipelineEngine._exec_send_activations(engine, buffer_id)
-
-
-def stock_recv_activations(engine, buffer_id):
-    """Roughly: ``PipelineEngine._exec_recv_activations(engine, buffer_id)``."""
-    return PipelineEngine._exec_recv_activations(engine, buffer_id)
-
-
-def stock_send_grads(engine, buffer_id):
-    """Roughly: ``PipelineEngine._exec_send_grads(engine, buffer_id)``."""
-    return PipelineEngine._exec_send_grads(engine, buffer_id)
-
-
-def stock_recv_grads(engine, buffer_id):
-    """Roughly: ``PipelineEngine._exec_recv_grads(engine, buffer_id)``."""
-    return PipelineEngine._exec_recv_grads(engine, buffer_id)
 
 
 # ---------------------------------------------------------------- backward and step

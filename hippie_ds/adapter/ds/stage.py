@@ -118,19 +118,19 @@ class DeepSpeedStage:
 
     def send_activations(self, buffer_id: int) -> None:
         """Roughly: ``PipelineEngine._exec_send_activations(engine, buffer_id)``."""
-        ds_engine.stock_send_activations(self._engine, buffer_id)
+        PipelineEngine._exec_send_activations(self._engine, buffer_id)
 
     def recv_activations(self, buffer_id: int) -> None:
         """Roughly: ``PipelineEngine._exec_recv_activations(engine, buffer_id)``."""
-        ds_engine.stock_recv_activations(self._engine, buffer_id)
+        PipelineEngine._exec_recv_activations(self._engine, buffer_id)
 
     def send_grads(self, buffer_id: int) -> None:
         """Roughly: ``PipelineEngine._exec_send_grads(engine, buffer_id)``."""
-        ds_engine.stock_send_grads(self._engine, buffer_id)
+        PipelineEngine._exec_send_grads(self._engine, buffer_id)
 
     def recv_grads(self, buffer_id: int) -> None:
         """Roughly: ``PipelineEngine._exec_recv_grads(engine, buffer_id)``."""
-        ds_engine.stock_recv_grads(self._engine, buffer_id)
+        PipelineEngine._exec_recv_grads(self._engine, buffer_id)
 
     @contextlib.contextmanager
     def timed_p2p(self, what: str):
