@@ -7,6 +7,8 @@ schedule), and other **cuts** of the chosen configuration: each stage boundary m
 the analytically fastest few are then simulated and priced like the plan when that is cheap
 (at most :data:`CHEAP` simulated micro-batch-stages), else predicted as the plan's step scaled by
 their analytic step over the plan configuration's (``predicted_by`` analytic).
+Before that, :func:`climb_cuts` moves the chosen cut itself to a neighbour the simulator ranks higher
+(the search balances analytic costs), so no simulated neighbour listed beats the plan.
 The plan lists the best few by the step its objective compares (the raw step; a priced
 objective's: ``step_time x steps_factor``) with the profile's spread (:func:`hippie_ds.planner.noise.time_spread`); its
 summary says which candidates are within that spread of the plan, i.e. which the profile cannot tell
@@ -25,6 +27,7 @@ from .plan_file import Candidate
 REACH = 2  # a boundary moves by up to this many layers
 MAX_CUTS = 24  # neighbouring cuts evaluated at most (the nearest first)
 CHEAP = 256  # simulated micro-batch-stages up to which a cut is simulated and priced as the plan was
+CLIMB_ROUNDS = 4  # boundary moves the plan's cut makes at most (climb_cuts)
 
 
 def evaluate(
@@ -67,6 +70,63 @@ def neighbour_cuts(parts: Sequence[int], reach: int = REACH, limit: int = MAX_CU
                 if moved[i - 1] < moved[i] < moved[i + 1]:
                     out.append(moved)
     return out[:limit]
+
+
+def analytic_cuts(model: _Model, chosen: _Candidate, objective: str, seen: set) -> list[tuple]:
+    """The chosen configuration's neighbouring cuts not in ``seen`` (each added to it), re-computation
+    chosen again, by analytic step: [(step, parts, layout)], the fastest first."""
+    out = []
+    for parts in neighbour_cuts(chosen.lay.parts):
+        key = (chosen.lay.K, chosen.b, chosen.schedule, tuple(parts))
+        if key in seen:
+            continue
+        seen.add(key)
+        lay = model.layout(chosen.lay.K, parts)
+        got = choose_recompute(model, lay, chosen.schedule, chosen.b, chosen.M, objective)
+        if got is not None:
+            out.append((got[2].step, parts, lay))
+    out.sort(key=lambda x: (x[0], x[1]))
+    return out
+
+
+def climb_cuts(
+    model: _Model,
+    chosen: _Candidate,
+    est: _Estimate,
+    delayed: dict,
+    objective: str,
+    simulate_budget: int,
+    cap: float,
+    price: float,
+    count: int = 5,
+    rounds: int = CLIMB_ROUNDS,
+) -> tuple[_Candidate, _Estimate, dict, int]:
+    """Hill-climb the chosen cut: evaluate its ``count`` analytically best neighbouring cuts as the
+    plan was (simulated, deferral chosen) and move to the best that the objective ranks higher;
+    repeat from there, at most ``rounds`` moves. The search's partition balances analytic costs;
+    this is where the simulator's step (bubbles, link sharing, the deferred all-reduces) moves a
+    boundary, so a neighbour the plan lists as a runner-up never beats it. Only where a cut is
+    cheap to simulate (:data:`CHEAP`) and for one model chunk per stage. (chosen, est, delayed,
+    moves made)."""
+    from .evaluate import objective_value
+
+    if chosen.lay.v != 1 or sim_cost(chosen.lay, chosen.M, chosen.schedule) > CHEAP:
+        return chosen, est, delayed, 0
+    value = objective_value(model, est, objective)
+    seen = {(chosen.lay.K, chosen.b, chosen.schedule, tuple(chosen.lay.parts))}
+    for moves in range(rounds):
+        best = None
+        for _, _, lay in analytic_cuts(model, chosen, objective, seen)[:count]:
+            got = evaluate(model, lay, chosen.b, chosen.M, chosen.schedule, objective, simulate_budget, cap, price)
+            if got is None:
+                continue
+            v = objective_value(model, got[1], objective)
+            if v > value * (1 + 1e-9) and (best is None or v > best[0]):
+                best = (v, *got)
+        if best is None:
+            return chosen, est, delayed, moves
+        value, chosen, est, delayed = best
+    return chosen, est, delayed, rounds
 
 
 def checkpointed(lay: _Layout, ks: Sequence[int]) -> list[int]:
@@ -122,19 +182,8 @@ def runner_ups(
             seen.add(key)
             out.append(describe("configuration", cand, est, model, value))
     if chosen.lay.v == 1:  # the neighbouring cuts: analytic first, the best ``count`` evaluated as the plan was
-        analytic = []
-        for parts in neighbour_cuts(chosen.lay.parts):
-            key = (chosen.lay.K, chosen.b, chosen.schedule, tuple(parts))
-            if key in seen:
-                continue
-            seen.add(key)
-            lay = model.layout(chosen.lay.K, parts)
-            got = choose_recompute(model, lay, chosen.schedule, chosen.b, chosen.M, objective)
-            if got is not None:
-                analytic.append((got[2].step, parts, lay))
-        analytic.sort(key=lambda x: (x[0], x[1]))
         cheap = sim_cost(chosen.lay, chosen.M, chosen.schedule) <= CHEAP
-        for step, parts, lay in analytic[:count]:
+        for step, parts, lay in analytic_cuts(model, chosen, objective, seen)[:count]:
             if cheap:
                 got = evaluate(model, lay, chosen.b, chosen.M, chosen.schedule, objective, simulate_budget, cap, price)
             else:  # the plan's step scaled by the analytic ratio (its deferral and price kept)

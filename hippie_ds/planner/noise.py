@@ -208,14 +208,19 @@ def weighted_median(pairs: Sequence[tuple[float, float]]) -> float | None:
     return ordered[-1][0]
 
 
+# Predicted steps closer than this are equal: below the planner's own error on measured rows
+# (0.2-4% on the headline's), so no profiling length decides between them; a measurement does.
+MIN_MARGIN = 0.005
+
+
 def steps_to_separate(spread: float | None, margin: float, steps: int | None) -> int | None:
     """Profiling steps (``hippie.profile``'s ``steps``) after which a relative ``margin`` between two
     predicted steps is outside the profile's uncertainty: the uncertainty of a median falls as one
     over the square root of the runs it is taken over, and a profile of ``steps`` steps (None: one
     pass) cannot tell apart what is within its ``spread``, so ``steps x (spread / margin)^2``,
-    rounded up. None: no spread recorded, or no margin (predicted equal: no step count separates
-    them)."""
-    if spread is None or margin <= 0:
+    rounded up. None: no spread recorded, or a margin under :data:`MIN_MARGIN` (predicted equal: no
+    step count separates them)."""
+    if spread is None or margin < MIN_MARGIN:
         return None
     return max(1, math.ceil((steps or 1) * (spread / margin) ** 2 - 1e-9))
 

@@ -82,7 +82,7 @@ from .evaluate import choose_recompute, deferred_layers, objective_value, predic
 from .job_candidates import JobCandidate, job_candidates
 from .job_shape import Job
 from .model import _Candidate, _divisors, _Estimate, _Layout, _Model
-from .candidates import runner_ups
+from .candidates import climb_cuts, runner_ups
 from .plan_file import GB, Baseline, Plan
 from .plan_file import SCHEDULES
 from .profile import PlannerError, Profile
@@ -315,6 +315,11 @@ def make_plan(
     chosen, est, delayed, simulated, ranked = _refine(
         model, found, objective, simulate_top, simulate_budget, cap, price
     )
+    cut_moves = 0
+    if ranked and boundaries is None:  # the simulated best's cut, moved while the simulator says it gains
+        chosen, est, delayed, cut_moves = climb_cuts(
+            model, chosen, est, delayed, objective, simulate_budget, cap, price
+        )
     jobs = (
         job_candidates(model, job, list(schedules), objective, simulate_budget, price, baseline_budget) if job else []
     )
@@ -352,6 +357,7 @@ def make_plan(
             "configurations_bounded": found.bounded,
             "configurations_evaluated": found.evaluated,
             "simulated": simulated,
+            "cut_moves": cut_moves,
             "schedules": list(schedules),
             "depths": list(depths) if depths else "divisors of the device count",
             "micro_batch_sizes": list(micro_batch_sizes) if micro_batch_sizes else f">= {min_micro_batch}",

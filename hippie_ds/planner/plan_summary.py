@@ -250,9 +250,14 @@ def format_candidates(plan: Plan) -> list[str]:
             "profile cannot tell which is fastest; measure them on the job (python -m tools.bench cut-sweep "
             "--plan PLAN --profile PROFILE)"
         )
-    from .noise import separating_steps
+    from .noise import MIN_MARGIN, separating_steps
 
     steps, margin = separating_steps(plan)
+    if steps is None and plan.profile_spread is not None and margin < MIN_MARGIN:
+        lines.append(
+            f"the nearest candidate is predicted within {MIN_MARGIN:.1%} of the plan: no profiling length "
+            "separates them; only measuring them does (cut-sweep)"
+        )
     if steps is not None:
         lines.append(
             f"profiling steps that would separate the plan from its nearest candidate ({margin:.1%} apart): "

@@ -145,6 +145,12 @@ class StageCost(_Strict):
         )
         return DelayedPart(fraction, min(lead, self.backward))
 
+    def delayed_share(self, fraction: float) -> DelayedPart:
+        """What delaying ``fraction`` of the gradient bytes means in costs when the layers are not
+        known (a run reports only its share): the delayed layers' backward time taken as that share
+        of the stage's backward, :meth:`delayed_part`'s rule for layers without their own time."""
+        return DelayedPart(fraction, min(fraction * self.backward, self.backward))
+
     @property
     def weight_time(self) -> float:
         """W of a split backward: the parameter gradients."""

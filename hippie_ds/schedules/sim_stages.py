@@ -47,8 +47,10 @@ class _Sim:
             for t in ALLREDUCE_TARGETS
         }
         # partial deferral: how long before its last whole backward of a call ends a stage starts
-        # its 'grads' all-reduce (only when part of the gradient is delayed, as the engine does)
-        self.lead = {s: p.lead for s, p in delayed.items() if s in deferred and 0 < p.fraction < 1 and p.lead > 0}
+        # its 'grads' all-reduce (only when part of the gradient is delayed, as the engine does:
+        # its hooks start it inside that backward, ahead of any WAIT_SENDS the stream declares
+        # after it)
+        self.lead = {s: p.lead for s, p in delayed.items() if s in deferred and 0 < p.fraction < 1}
         self.K = compiled.stages
         self.k = _Kernel()
         self.link = _Link(self.k, costs.comm.shared_link)
@@ -188,9 +190,10 @@ class _Sim:
             if acc.first_forward is None:
                 acc.first_forward = t0
         duration = self._cost(s, op.kind)
-        lead = min(self.lead[s], duration) if self.last_whole_backward.get((s, it)) is op else 0.0
+        early = self.last_whole_backward.get((s, it)) is op
+        lead = min(self.lead[s], duration) if early else 0.0
         yield duration - lead
-        if lead:  # partial deferral: the synchronous part is final, the delayed layers' backward still runs
+        if early:  # partial deferral: the synchronous part is final, the delayed layers' backward still runs
             yield from self._issue_allreduce(s, "grads", st)
             st.started_early = True
             yield lead

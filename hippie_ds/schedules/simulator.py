@@ -27,7 +27,8 @@ all-reduce, the p2p channels) carries over. Semantics are the validator's, with 
   whole backward of the call, once the later layers' gradients are final, i.e. the delayed
   layers' backward time (``StageCost.delayed_part``) before that backward ends, as one bucket;
   the declared START_ALLREDUCE(grads) then finds it in flight. Given only shares
-  (``delayed_fraction``), it starts at the declared op, after the last backward.
+  (``delayed_fraction``), the delayed layers' backward time is taken as that share of the
+  stage's backward (``StageCost.delayed_share``).
 * updates: OPTIMIZER_STEP, STAGE_OPTIMIZER_STEP and APPLY_BUFFERED_UPDATE take
   ``optimizer_time`` (APPLY nothing while the buffer is empty). OPTIMIZER_STEP is a
   pipeline-wide collective: a stage's k-th one waits until every stage has reached its k-th one.
@@ -70,7 +71,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .costs import Costs, CostsError, DelayedPart
+from .costs import Costs, CostsError
 from .op_rules import RULES
 from .sim_results import SimResult, call_timeline, per_stage_figures
 from .sim_resources import SimulationError
@@ -95,8 +96,8 @@ def simulate(
     ``deferred_layers``: {stage: leading layers delayed}, from the stage's per-layer costs
     (``StageCost.layers``): the delayed share and the in-step part's early start, as the engine
     runs it; ``delayed_fraction``: {stage: share of its gradient delayed}, when only that is
-    known (the in-step part then starts after the last backward, which over-states what stays
-    exposed). The rest is all-reduced by the in-step ``grads`` all-reduce, the buffer holds the
+    known (the delayed layers' backward time is then taken as that share of the stage's
+    backward). The rest is all-reduced by the in-step ``grads`` all-reduce, the buffer holds the
     delayed share."""
     if costs.num_stages != compiled.stages:
         raise SimulationError(
@@ -107,7 +108,7 @@ def simulate(
     both = sorted(set(delayed_fraction or {}) & set(deferred_layers or {}))
     if both:
         raise SimulationError(f"stage(s) {both}: given both delayed_fraction and deferred_layers; give one")
-    delayed = {s: DelayedPart(f) for s, f in (delayed_fraction or {}).items()}
+    delayed = {s: costs.stages[s].delayed_share(f) for s, f in (delayed_fraction or {}).items()}
     for s, layers in (deferred_layers or {}).items():
         try:
             delayed[s] = costs.stages[s].delayed_part(layers)

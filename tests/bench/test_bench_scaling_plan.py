@@ -154,8 +154,9 @@ def test_plans_beside_the_measured_rows_and_the_cpu_flag():
     assert row["cpu_load_vs_cores"] == pytest.approx(2.0 / (1.0 * 2))
     assert not s["by_nodes"]["2"]["dp"]["waited_for_core"]
     assert "used_plan" not in s["by_nodes"]["1"]["planned"]  # no plan given for one node
-    vgg = {t["field"]: t for t in targets(s, "vgg16")}
-    assert vgg["vs_1f1b"]["met"] is True and vgg["vs_1f1b"]["waited_for_core"] == ["planned"]
+    vgg = {t["key"]: t for t in targets(s, "vgg16")}
+    assert vgg["me_vs_dp"]["waited_for_core"] == ["planned"] and vgg["me_vs_dp"]["best"] == "planned"
+    assert vgg["throughput_vs_1f1b"]["met"] is None  # no planned (throughput) column here: not judged
     assert "scaling" not in vgg  # GNMT-16's target
     md = "\n".join(planned_section(s) + cpu_section(s, 0.05))
     assert "re-computed 0-1,3" in md and "**waited for a core**" in md and "+10.0%" in md
@@ -222,3 +223,56 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
     assert row["by_nodes"]["2"]["planned"]["used_plan"]
     assert row["by_nodes"]["2"]["planned"]["step_s"] == pytest.approx(run["median_step_s"] / 2)
     assert "hdsp-" not in __import__("subprocess").run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_never_below_the_job_as_it_is_counts_only_spreads_apart():
+    """planned (throughput) misses 'never below the job as it is' only when its best round is below
+    the job's worst (the spreads apart); overlapping spreads are no difference."""
+
+    def summary(high):
+        top = {
+            "hippie-1f1b": {"vs_1f1b": 1.70, "vs_1f1b_min": 1.68, "vs_1f1b_max": 1.72},
+            "planned-throughput": {"vs_1f1b": 1.65, "vs_1f1b_min": 1.60, "vs_1f1b_max": high},
+        }
+        return {"by_nodes": {"1": {}, "4": top}}
+
+    judged = {t["key"]: t for t in targets(summary(1.69), "gnmt16")}
+    assert judged["never_below_job"]["met"] is True and judged["never_below_job"]["least"] == 1.68
+    assert {t["key"]: t for t in targets(summary(1.66), "gnmt16")}["never_below_job"]["met"] is False
+    assert "throughput_vs_1f1b" not in judged  # VGG-16's target
+
+
+def test_the_planners_baseline_of_the_runs_shape_beside_it():
+    """A measured baseline column gets the planner's baseline of its own name, schedule and shape (DP:
+    1 stage x the devices; a pipeline: its cut too), with both errors; none of another shape."""
+    from tools.bench.studies.scaling_summary import planner_baseline_fields
+
+    def base(name, schedule, K, r, b, M, parts, step):
+        return dict(
+            name=name,
+            schedule=schedule,
+            pipeline_depth=K,
+            data_parallel=r,
+            micro_batch_size=b,
+            micro_batches=M,
+            boundaries=parts,
+            step_s=step,
+            memory_bytes=1.1e9,
+            fits=True,
+        )
+
+    baselines = [
+        base("job:uniform", "1f1b", 4, 4, 32, 16, [0, 2, 4, 6, 8], 9.0),  # another micro-batch count
+        base("job:uniform", "1f1b", 4, 4, 32, 8, [0, 1, 4, 6, 8], 9.0),  # another cut
+        base("job:uniform:searched", "1f1b", 4, 4, 32, 8, [0, 2, 4, 6, 8], 9.0),
+        base("job:uniform", "1f1b", 4, 4, 32, 8, [0, 2, 4, 6, 8], 1.1),
+        base("dp", "1f1b", 1, 16, 32, 2, [0, 8], 0.9),
+    ]
+    row = {"devices": 16, "parts": [0, 2, 4, 6, 8], "micro_batch_size": 32, "micro_batches": 8, "step_s": 1.0}
+    got = planner_baseline_fields("1f1b", {**row, "memory_bytes": 1e9}, baselines)
+    assert got["planner_predicted_step_s"] == 1.1 and got["planner_step_error"] == pytest.approx(0.1)
+    assert got["planner_memory_error"] == pytest.approx(0.1)
+    dp = {"devices": 16, "parts": None, "micro_batch_size": 32, "micro_batches": 2, "step_s": 1.0}
+    assert planner_baseline_fields("dp", dp, baselines)["planner_step_error"] == pytest.approx(-0.1)
+    assert planner_baseline_fields("gpipe", row, baselines) == {}
+    assert planner_baseline_fields("planned", row, baselines) == {}

@@ -143,3 +143,40 @@ def test_a_tiny_sweep_writes_its_report_and_the_measured_best_plan(tmp_path, cap
         assert load_plan(best).boundaries == rows[sweep["best"]]["boundaries"]
         assert sweep["measured_best_plan"] == str(best)
     assert "Measured best:" in (out / "report.md").read_text()
+
+
+@pytest.mark.distributed
+def test_the_plan_against_the_job_as_it_is(tmp_path):
+    """--only job trains the plan and the profiled job's own config (no plan: its stages, micro-batch,
+    schedule and the example's uniform cut), with the plan's prediction of that job beside it."""
+    out = tmp_path / "job"
+    code = cut_sweep.main(
+        [
+            "--out",
+            str(out),
+            "--rounds",
+            "2",
+            "--steps",
+            "2",
+            "--skip",
+            "1",
+            "--only",
+            "job",
+            "--profile-steps",
+            "1",
+            "--model-args",
+            "--dim 16 --layers 3 --seq-len 8",
+            "--launcher",
+            os.environ.get("HIPPIE_TEST_LAUNCHER", "fork"),
+        ]
+    )
+    assert code == 0
+    plan = load_plan(out / "plan.json")
+    rows = json.loads((out / "sweep.json").read_text())["candidates"]
+    assert [r["label"] for r in rows] == ["plan", "job as it is"]
+    job = next(b for b in plan.baselines if (b.name, b.schedule) == ("job:uniform", "1f1b"))
+    assert rows[1]["predicted_step"] == job.prediction.step_time and rows[1]["boundaries"] == job.boundaries
+    assert all(len(r["measured_steps"]) == 2 and r["measured_step"] > 0 for r in rows)
+    config = json.loads((out / "job_config.json").read_text())
+    assert config["pipeline"] == {"schedule": "1f1b"} and config["train_micro_batch_size_per_gpu"] == 4
+    assert "hippie" not in config

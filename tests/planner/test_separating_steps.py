@@ -21,6 +21,16 @@ def test_steps_grow_with_the_square_of_spread_over_margin():
     assert steps_to_separate(None, 0.05, 3) is None and steps_to_separate(0.1, 0.0, 3) is None
 
 
+def test_predictions_closer_than_the_planners_error_are_equal():
+    """A margin of float noise (two cuts the simulator puts 1e-12 apart) asks for no absurd step
+    count: under MIN_MARGIN no profiling length separates them."""
+    from hippie_ds.planner.noise import MIN_MARGIN
+
+    assert steps_to_separate(0.04, 1e-12, None) is None
+    assert steps_to_separate(0.04, MIN_MARGIN * 0.99, None) is None
+    assert steps_to_separate(0.04, MIN_MARGIN, None) == 64
+
+
 def _profile(spread: float, steps: int | None) -> Profile:
     layers = [
         LayerProfile(

@@ -10,7 +10,8 @@ itself in place (``hippie.profile``, ``--stages`` x ranks/stages, ``--micro-batc
 ``--global-batch``) into DIR/profile.yaml and ``hippie-ds plan`` plans it for ``--cluster`` (keeping the
 job's shape) into DIR/plan.json. The candidates are the plan (candidate 0) and its first ``--top``
 - 1 runner-ups (``Plan.candidates``: other cuts, other configurations; ``--only cut``: the other
-cuts of the plan's configuration, each boundary moved by up to 2 layers, by predicted step), each
+cuts of the plan's configuration, each boundary moved by up to 2 layers, by predicted step; ``--only
+job``: the plan and the job as it is, the profiled job's own config without a plan), each
 written as a plan file of its own (DIR/candidates/cN.json: ``make_plan`` with the candidate's depth, micro-batch size,
 schedule and boundaries). Then ``--rounds`` rounds train every candidate once, ``--steps`` steps from
 the same seed, the order rotated from round to round (round r starts at candidate r), so the
@@ -36,6 +37,7 @@ from pathlib import Path
 from tools.bench.studies.cut_sweep_report import report, summarize
 
 WORKER = "tools/examples/train_gpt.py"
+JOB_SCHEDULE = "1f1b"  # the schedule the job profiles itself with (profile_and_plan), the job as it is
 BASE_CONFIG = {
     "steps_per_print": 10**6,
     "gradient_clipping": 1.0,
@@ -64,12 +66,13 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--only",
-        choices=["all", "cut", "every-cut"],
+        choices=["all", "cut", "every-cut", "job"],
         default="all",
         help="the candidates: the plan's runner-ups as it lists them (all), or only other cuts of its "
         "configuration: every boundary moved by up to 2 layers, planned and ranked by predicted step "
         "(cut), or every position of each boundary, the others kept (every-cut: at 2 stages every "
-        "single-boundary cut; --top does not cap it)",
+        "single-boundary cut; --top does not cap it), or the job as it is: the profiled job's own "
+        "config, no plan (job: the plan against what it would replace)",
     )
     p.add_argument(
         "--schedules", default=None, help="hippie-ds plan's --schedules (e.g. zb-h1 or 1f1b; default: its own)"
@@ -124,7 +127,7 @@ def profile_and_plan(args, out: Path) -> tuple[Path, Path]:
         BASE_CONFIG,
         train_batch_size=args.global_batch,
         train_micro_batch_size_per_gpu=args.micro_batch,
-        pipeline={"schedule": "1f1b"},
+        pipeline={"schedule": JOB_SCHEDULE},
         hippie={"profile": {"out": str(out / "profile.yaml"), "steps": args.profile_steps, "name": "gpt-example"}},
     )
     (out / "profile_config.json").write_text(json.dumps(config, indent=1))
@@ -183,15 +186,20 @@ def every_cut(parts: list[int]) -> list[list[int]]:
     return out
 
 
-def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, only: str = "all") -> list[dict]:
+def candidate_plans(
+    plan_path: Path, profile_path: Path, top: int, out: Path, only: str = "all", job: tuple[int, int] | None = None
+) -> list[dict]:
     """The plan and its first ``top`` - 1 runner-ups (``only='cut'``: its configuration's neighbouring
-    cuts by predicted step), each as a plan file: [{label, kind, ..., path}]."""
+    cuts by predicted step), each as a plan file: [{label, kind, ..., path}]; ``only='job'``: the plan
+    and the job as it is (``job``: its stages and micro-batch size; no plan file, path None)."""
     from hippie_ds.planner import load_plan, load_profile, make_plan, save_plan
     from hippie_ds.planner.candidates import neighbour_cuts
 
     plan, profile = load_plan(plan_path), load_profile(profile_path)
     plan.check_matches(profile)
     (out / "candidates").mkdir(parents=True, exist_ok=True)
+    if only == "job":
+        return [plan_row(plan, plan_path), job_row(plan, out, *job)]
 
     def planned(schedule, depth, micro_batch_size, boundaries):
         return make_plan(
@@ -227,18 +235,7 @@ def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, on
             (c.kind, planned(c.schedule, c.pipeline_depth, c.micro_batch_size, c.boundaries))
             for c in plan.candidates[: top - 1]
         ]
-    rows = [
-        dict(
-            label="plan",
-            kind="plan",
-            schedule=plan.schedule,
-            boundaries=plan.boundaries,
-            micro_batch_size=plan.micro_batch_size,
-            pipeline_depth=plan.pipeline_depth,
-            predicted_step=step(plan),
-            path=str(plan_path),
-        )
-    ]
+    rows = [plan_row(plan, plan_path)]
     for i, (kind, p) in enumerate(made[: top - 1], 1):
         path = out / "candidates" / f"c{i}.json"
         save_plan(p, path)
@@ -257,6 +254,58 @@ def candidate_plans(plan_path: Path, profile_path: Path, top: int, out: Path, on
     return rows
 
 
+def plan_row(plan, path: Path) -> dict:
+    """The plan as candidate 0."""
+    return dict(
+        label="plan",
+        kind="plan",
+        schedule=plan.schedule,
+        boundaries=plan.boundaries,
+        micro_batch_size=plan.micro_batch_size,
+        pipeline_depth=plan.pipeline_depth,
+        predicted_step=plan.ranked_step(plan.prediction.step_time, plan.prediction.steps_factor),
+        path=str(path),
+    )
+
+
+def job_row(plan, out: Path, stages: int, micro: int, schedule: str = JOB_SCHEDULE) -> dict:
+    """The job as it is: the profiled job's own config (``--stages``, ``--micro-batch``, the profile
+    run's schedule, the example's uniform partition, no plan), written as OUT/job_config.json, with
+    the plan's prediction of it (its ``job:uniform`` row under that schedule)."""
+    row = next(
+        (
+            b
+            for b in plan.baselines
+            if (b.name, b.schedule, b.pipeline_depth, b.micro_batch_size) == ("job:uniform", schedule, stages, micro)
+            and b.prediction is not None
+        ),
+        None,
+    )
+    if row is None:
+        raise SystemExit(
+            f"cut-sweep --only job: the plan has no job:uniform row under {schedule!r} at {stages} stages, "
+            f"micro-batch {micro} (plan it from the job's in-place profile)"
+        )
+    config = dict(
+        BASE_CONFIG,
+        train_batch_size=plan.global_batch,
+        train_micro_batch_size_per_gpu=micro,
+        pipeline={"schedule": schedule},
+    )
+    (out / "job_config.json").write_text(json.dumps(config, indent=1))
+    return dict(
+        label="job as it is",
+        kind="job",
+        schedule=schedule,
+        boundaries=list(row.boundaries),
+        micro_batch_size=micro,
+        pipeline_depth=stages,
+        predicted_step=row.prediction.step_time,
+        path=None,
+        config=str(out / "job_config.json"),
+    )
+
+
 def measure(args, candidates: list[dict], out: Path) -> tuple[list[list[float]], list[list[float]]]:
     """``--rounds`` rounds of every candidate, order rotated: per candidate its measured step per round,
     and every timed step of its runs."""
@@ -269,13 +318,16 @@ def measure(args, candidates: list[dict], out: Path) -> tuple[list[list[float]],
     for r in range(args.rounds):
         for c in [(r + k) % n for k in range(n)]:
             run_dir = out / "runs" / f"round{r}" / f"c{c}"
+            cand = candidates[c]
+            how = (
+                ["--deepspeed_config", out / "config.json", "--plan", cand["path"]]
+                if cand["path"]
+                else ["--deepspeed_config", cand["config"], "--stages", cand["pipeline_depth"]]
+            )
             _job(
                 args,
                 [
-                    "--deepspeed_config",
-                    out / "config.json",
-                    "--plan",
-                    candidates[c]["path"],
+                    *how,
                     "--steps",
                     args.steps,
                     "--out",
@@ -315,7 +367,7 @@ def main(argv=None) -> int:
         plan_path, profile_path = profile_and_plan(args, out)
     else:
         plan_path, profile_path = Path(args.plan).resolve(), Path(args.profile).resolve()
-    candidates = candidate_plans(plan_path, profile_path, args.top, out, args.only)
+    candidates = candidate_plans(plan_path, profile_path, args.top, out, args.only, job=(args.stages, args.micro_batch))
     start_machine = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     measured, timed = measure(args, candidates, out)
@@ -331,7 +383,7 @@ def main(argv=None) -> int:
         model_args=args.model_args,
     )
     best = summary["best"]
-    if best != 0:
+    if best != 0 and candidates[best]["path"]:
         from hippie_ds.planner import load_plan, save_plan
 
         save_plan(load_plan(candidates[best]["path"]), out / "measured_best_plan.json")
@@ -346,8 +398,10 @@ def main(argv=None) -> int:
             f"{args.steps} steps a run, the median of steps {args.skip + 1}-{args.steps}",
         ],
     )
-    if best != 0:
+    if best != 0 and candidates[best]["path"]:
         text += f"\nThe measured best differs from the plan: wrote {out / 'measured_best_plan.json'}.\n"
+    elif best != 0:
+        text += "\nThe measured best is the job as it is: keep it (no plan file).\n"
     (out / "report.md").write_text(text)
     print(text, flush=True)
     return 0

@@ -216,4 +216,23 @@ def plan_record(path: Path, scale: float, command: str | None) -> dict:
             "single_device_throughput": plan.single_device_throughput,
             "fits": pred.fits,
         },
+        "baselines": [baseline_record(b, scale) for b in plan.baselines if b.prediction is not None],
+    }
+
+
+def baseline_record(b, scale: float) -> dict:
+    """A baseline the plan printed (DP, GPipe+DP, the job as it is under each schedule, ...), its
+    shape and its predicted step and memory per device (memory / scale, as the plan's): what the
+    summary holds against the bench's measured row of the same shape. Pure."""
+    return {
+        "name": b.name,
+        "schedule": b.schedule,
+        "pipeline_depth": b.pipeline_depth,
+        "data_parallel": b.data_parallel,
+        "micro_batch_size": b.micro_batch_size,
+        "micro_batches": b.micro_batches,
+        "boundaries": list(b.boundaries),
+        "step_s": b.prediction.step_time,
+        "memory_bytes": b.prediction.memory / scale,
+        "fits": b.prediction.fits,
     }

@@ -5,7 +5,14 @@ row. Pure functions of results.json's content."""
 from __future__ import annotations
 
 from tools.bench.report import _f, spread_cell, table
-from tools.bench.studies.scaling_plan_report import cpu_section, machine_line, name_of, planned_section, targets_section
+from tools.bench.studies.scaling_plan_report import (
+    baselines_section,
+    cpu_section,
+    machine_line,
+    name_of,
+    planned_section,
+    targets_section,
+)
 
 # What the papers report (seeds 000 and 003 in ../shared/seeds), quoted, not measured here.
 PAPER = [
@@ -228,7 +235,12 @@ def report(results: dict) -> str:
     lines += ["", "## Against the papers", ""] + paper_table(summ)
     for n, rows in summ["by_nodes"].items():
         lines += ["", f"## {n} node{'s' if n != '1' else ''}", ""] + nodes_table(rows, int(n))
-    lines += [""] + planned_section(summ) + cpu_section(summ, cfg.get("waited_for_core_share", 0.05))
+    lines += (
+        [""]
+        + planned_section(summ)
+        + baselines_section(summ)
+        + cpu_section(summ, cfg.get("waited_for_core_share", 0.05))
+    )
     errs = [
         abs(r["prediction_error"])
         for rows in summ["by_nodes"].values()

@@ -78,6 +78,10 @@ def summarize(
         for s, row in rows.items():
             if (n, s) in (plans or {}):
                 row.update(planned_fields(row, here[s], plans[(n, s)]))
+        baselines = [b for (m, _), p in sorted((plans or {}).items()) if m == n for b in p.get("baselines") or []]
+        for s, row in rows.items():
+            if s not in PLANNED_COLUMNS:
+                row.update(planner_baseline_fields(s, row, baselines))
         out["by_nodes"][str(n)] = rows
     return out
 
@@ -92,6 +96,42 @@ def undilated(r: dict, dilation: float) -> dict:
     if r.get("round_throughput_samples_s"):
         out["round_throughput_samples_s"] = [x * d if x else x for x in r["round_throughput_samples_s"]]
     return out
+
+
+PLANNED_COLUMNS = ("planned", "planned-throughput")
+# the planner's baseline that predicts a bench column: (its name, its schedule); the pipelines are the
+# job as it is on DeepSpeed's uniform cut with the deferral a job without a plan runs (not searched)
+BASELINE_OF = {"dp": ("dp", "1f1b"), "1f1b": ("job:uniform", "1f1b"), "gpipe": ("job:uniform", "gpipe")}
+BASELINE_OF["hippie-1f1b"] = ("job:uniform", "hippie-1f1b")
+
+
+def planner_baseline_fields(column: str, row: dict, baselines: list[dict]) -> dict:
+    """The planner's prediction of a measured baseline column (DP, stock 1F1B, GPipe+DP, the job as it
+    is): the first baseline any plan of the node count printed under that column's name and schedule
+    with the run's shape (stages x data-parallel, micro-batch size and count, cut), its predicted step
+    and memory per device and their errors against the row. {} where no plan printed one. Pure."""
+    want = BASELINE_OF.get(column)
+    if want is None:
+        return {}
+    stages = 1 if column == "dp" else len(row.get("parts") or []) - 1
+    if stages < 1 or not row.get("devices"):
+        return {}
+    shape = (stages, row["devices"] // stages, row.get("micro_batch_size"), row.get("micro_batches"))
+    for b in baselines:
+        if (b["name"], b["schedule"]) != want:
+            continue
+        if (b["pipeline_depth"], b["data_parallel"], b["micro_batch_size"], b["micro_batches"]) != shape:
+            continue
+        if column != "dp" and b["boundaries"] != row.get("parts"):
+            continue
+        return {
+            "planner_baseline": b["name"],
+            "planner_predicted_step_s": b["step_s"],
+            "planner_step_error": _error(b["step_s"], row.get("step_s")),
+            "planner_predicted_memory_bytes": b["memory_bytes"],
+            "planner_memory_error": _error(b["memory_bytes"], row.get("memory_bytes")),
+        }
+    return {}
 
 
 def _error(predicted, measured):
