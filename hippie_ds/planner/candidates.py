@@ -81,6 +81,8 @@ def analytic_cuts(model: _Model, chosen: _Candidate, objective: str, seen: set) 
         if key in seen:
             continue
         seen.add(key)
+        if any(sum(model.params[a:e]) <= 0 for a, e in zip(parts, parts[1:])) and sum(model.params) > 0:
+            continue  # a stage without parameters: DeepSpeed's optimizer refuses an empty parameter list
         lay = model.layout(chosen.lay.K, parts)
         got = choose_recompute(model, lay, chosen.schedule, chosen.b, chosen.M, objective)
         if got is not None:

@@ -109,3 +109,20 @@ def test_cli_prints_at_least_three_candidates_beside_the_plan(capsys, tmp_path):
         table[2].split()[0] == "plan"
         and sum(line.split()[0] in ("cut", "configuration") for line in table[3:] if line.strip()) >= 3
     )
+
+
+def test_no_cut_leaves_a_stage_without_parameters():
+    """DeepSpeed's optimizer refuses a stage with an empty parameter list (the emulated VGG's pools
+    and ReLUs): neither the climbing cut nor a listed runner-up puts only parameter-free layers on a
+    stage. Four heavy parameter-free layers up front would draw a balanced cut into them."""
+    layers = [LayerProfile(name="Pool", forward=4e-3, backward=8e-3, output_bytes=1e4, param_bytes=0) for _ in range(4)]
+    layers += [
+        LayerProfile(name="Block", forward=1e-3, backward=2e-3, output_bytes=1e4, param_bytes=1e5) for _ in range(6)
+    ]
+    profile = Profile(model="pools", batch_size=4, layers=layers)
+    plan = make_plan(profile, CLUSTER, 16, objective="throughput", depths=[2], candidates=8)
+    params = [x.param_bytes for x in layers]
+    cuts = [plan.boundaries] + [c.boundaries for c in plan.candidates if c.kind == "cut"]
+    assert len(cuts) > 1
+    for parts in cuts[1:]:
+        assert all(sum(params[a:e]) > 0 for a, e in zip(parts, parts[1:])), parts

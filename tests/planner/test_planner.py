@@ -36,11 +36,30 @@ def test_vgg_plan_on_16_v100s(vgg_plan, vgg):
     assert names == ["dp", "gpipe+dp", "uniform", "parameters", "pipedream"] or plan.pipeline_depth == 1
     dp = plan.baselines[0].prediction
     assert plan.prediction.me > dp.me  # the point of the exercise
-    # The plan's stages use the optimal bottleneck partition.
+    # The search's stages use the optimal bottleneck partition; the cut then climbs only where the
+    # simulator ranks a neighbour higher, so the balanced cut, planned as it is, is never ahead.
     work = [x.forward + x.backward for x in vgg.layers]
-    assert max(part.stage_sums(work, plan.boundaries)) == pytest.approx(
-        part.min_bottleneck(work, plan.pipeline_depth)[1]
-    )
+    balanced = part.min_bottleneck(work, plan.pipeline_depth)[0]
+    if plan.search["cut_moves"] == 0:
+        assert max(part.stage_sums(work, plan.boundaries)) == pytest.approx(
+            part.min_bottleneck(work, plan.pipeline_depth)[1]
+        )
+    else:
+        from hippie_ds.planner import make_plan, parse_cluster
+        from planner_fixtures import V100_CLUSTER
+
+        fixed = make_plan(
+            vgg,
+            parse_cluster(V100_CLUSTER),
+            2048,
+            schedules=[plan.schedule],
+            depths=[plan.pipeline_depth],
+            micro_batch_sizes=[plan.micro_batch_size],
+            boundaries=balanced,
+            baselines=False,
+            candidates=0,
+        )
+        assert fixed.prediction.objective_value <= plan.prediction.objective_value * (1 + 1e-9)
     summary = plan.summary()
     assert "plan for vgg16" in summary and "gpipe+dp" in summary and "ME =" in summary
 

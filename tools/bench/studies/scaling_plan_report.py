@@ -8,7 +8,7 @@ from tools.bench.report import DISPLAY, _f, table
 
 DISPLAY_PLANNED = {"planned": "planned (ME)", "planned-throughput": "planned (throughput)"}
 
-# Issue 66's targets at the most nodes: (key, what, model it is judged on (None: any), the columns
+# The targets at the most nodes: (key, what, model it is judged on (None: any), the columns
 # judged (the best of them counts), the row's field, at least this: a number, or a column whose figure
 # the best must not fall below with the spreads apart (its _min against the best's _max))
 TARGETS = [
