@@ -102,14 +102,16 @@ def climb_cuts(
     price: float,
     count: int = 5,
     rounds: int = CLIMB_ROUNDS,
+    evaluated: dict | None = None,
 ) -> tuple[_Candidate, _Estimate, dict, int]:
     """Hill-climb the chosen cut: evaluate its ``count`` analytically best neighbouring cuts as the
     plan was (simulated, deferral chosen) and move to the best that the objective ranks higher;
     repeat from there, at most ``rounds`` moves. The search's partition balances analytic costs;
     this is where the simulator's step (bubbles, link sharing, the deferred all-reduces) moves a
     boundary, so a neighbour the plan lists as a runner-up never beats it. Only where a cut is
-    cheap to simulate (:data:`CHEAP`) and for one model chunk per stage. (chosen, est, delayed,
-    moves made)."""
+    cheap to simulate (:data:`CHEAP`) and for one model chunk per stage. ``evaluated``: {parts:
+    :func:`evaluate`'s result}, filled here so that :func:`runner_ups` does not simulate a cut again.
+    (chosen, est, delayed, moves made)."""
     from .evaluate import objective_value
 
     if chosen.lay.v != 1 or sim_cost(chosen.lay, chosen.M, chosen.schedule) > CHEAP:
@@ -118,8 +120,8 @@ def climb_cuts(
     seen = {(chosen.lay.K, chosen.b, chosen.schedule, tuple(chosen.lay.parts))}
     for moves in range(rounds):
         best = None
-        for _, _, lay in analytic_cuts(model, chosen, objective, seen)[:count]:
-            got = evaluate(model, lay, chosen.b, chosen.M, chosen.schedule, objective, simulate_budget, cap, price)
+        for _, parts, lay in analytic_cuts(model, chosen, objective, seen)[:count]:
+            got = _evaluate_cut(model, chosen, lay, parts, objective, simulate_budget, cap, price, evaluated)
             if got is None:
                 continue
             v = objective_value(model, got[1], objective)
@@ -129,6 +131,17 @@ def climb_cuts(
             return chosen, est, delayed, moves
         value, chosen, est, delayed = best
     return chosen, est, delayed, rounds
+
+
+def _evaluate_cut(model, chosen, lay, parts, objective, simulate_budget, cap, price, evaluated: dict | None):
+    """:func:`evaluate` of the chosen configuration at another cut, once per cut (``evaluated``)."""
+    key = (chosen.lay.K, chosen.b, chosen.M, chosen.schedule, tuple(parts))
+    if evaluated is not None and key in evaluated:
+        return evaluated[key]
+    got = evaluate(model, lay, chosen.b, chosen.M, chosen.schedule, objective, simulate_budget, cap, price)
+    if evaluated is not None:
+        evaluated[key] = got
+    return got
 
 
 def checkpointed(lay: _Layout, ks: Sequence[int]) -> list[int]:
@@ -169,6 +182,7 @@ def runner_ups(
     cap: float,
     price: float,
     count: int,
+    evaluated: dict | None = None,
 ) -> list[Candidate]:
     """The best ``count`` candidates beside ``chosen`` by the step the objective compares: the other simulated
     configurations (``ranked``: (score, candidate, estimate, delayed) from the search) and the
@@ -187,7 +201,7 @@ def runner_ups(
         cheap = sim_cost(chosen.lay, chosen.M, chosen.schedule) <= CHEAP
         for step, parts, lay in analytic_cuts(model, chosen, objective, seen)[:count]:
             if cheap:
-                got = evaluate(model, lay, chosen.b, chosen.M, chosen.schedule, objective, simulate_budget, cap, price)
+                got = _evaluate_cut(model, chosen, lay, parts, objective, simulate_budget, cap, price, evaluated)
             else:  # the plan's step scaled by the analytic ratio (its deferral and price kept)
                 got = choose_recompute(model, lay, chosen.schedule, chosen.b, chosen.M, objective)
                 if got is not None:

@@ -315,10 +315,10 @@ def make_plan(
     chosen, est, delayed, simulated, ranked = _refine(
         model, found, objective, simulate_top, simulate_budget, cap, price
     )
-    cut_moves = 0
+    cut_moves, evaluated_cuts = 0, {}  # the cuts the climb simulated, which the runner-ups reuse
     if ranked and boundaries is None:  # the simulated best's cut, moved while the simulator says it gains
         chosen, est, delayed, cut_moves = climb_cuts(
-            model, chosen, est, delayed, objective, simulate_budget, cap, price
+            model, chosen, est, delayed, objective, simulate_budget, cap, price, evaluated=evaluated_cuts
         )
     jobs = (
         job_candidates(model, job, list(schedules), objective, simulate_budget, price, baseline_budget) if job else []
@@ -339,7 +339,9 @@ def make_plan(
             staleness_price=price,
         )
     others = (
-        runner_ups(model, chosen, est, ranked, objective, simulate_budget, cap, price, candidates) if candidates else []
+        runner_ups(model, chosen, est, ranked, objective, simulate_budget, cap, price, candidates, evaluated_cuts)
+        if candidates
+        else []
     )
     note = (job.describe() if best_job else f"{job.describe()}; none of its configurations fits") if job else job_note
     return to_plan(

@@ -101,8 +101,12 @@ def undilated(r: dict, dilation: float) -> dict:
 PLANNED_COLUMNS = ("planned", "planned-throughput")
 # the planner's baseline that predicts a bench column: (its name, its schedule); the pipelines are the
 # job as it is on DeepSpeed's uniform cut with the deferral a job without a plan runs (not searched)
-BASELINE_OF = {"dp": ("dp", "1f1b"), "1f1b": ("job:uniform", "1f1b"), "gpipe": ("job:uniform", "gpipe")}
-BASELINE_OF["hippie-1f1b"] = ("job:uniform", "hippie-1f1b")
+BASELINE_OF = {
+    "dp": ("dp", "1f1b"),
+    "1f1b": ("job:uniform", "1f1b"),
+    "gpipe": ("job:uniform", "gpipe"),
+    "hippie-1f1b": ("job:uniform", "hippie-1f1b"),
+}
 
 
 def planner_baseline_fields(column: str, row: dict, baselines: list[dict]) -> dict:
