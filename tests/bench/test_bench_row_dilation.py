@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tools.bench.cluster import parse_rate
 from tools.bench.studies import row_dilation, scaling
 from tools.bench.studies.scaling_report import dilation_cell, nodes_table
 
@@ -22,8 +23,8 @@ def _args(out, *extra):
 
 def write_row(run_dir, label, d, wait, step=1.0, nodes=2, state=1e3, rounds=2, steps=2):
     """One label's records at dilation ``d``: every timed step ``step`` x ``d`` long (``step``: the
-    undilated step), every rank's main thread waiting ``wait`` of it, the state bytes x ``d`` (the
-    tensors' bytes grow with D); raw/done.json as a finished worker leaves it."""
+    undilated step), every rank's main thread waiting ``wait`` of it, the tensors' bytes the same at
+    every D (scaling.dilated slows the link instead); raw/done.json as a finished worker leaves it."""
     world = nodes * STAGES if label != "dp" else nodes * STAGES
     raw = run_dir / "raw" / label
     raw.mkdir(parents=True, exist_ok=True)
@@ -41,7 +42,7 @@ def write_row(run_dir, label, d, wait, step=1.0, nodes=2, state=1e3, rounds=2, s
                         "loss": 1.0,
                         "cpu_s": 0.1 * step * d,
                         "runqueue_wait_s": wait * step * d,
-                        "saved_peak_bytes": 500.0 * d,
+                        "saved_peak_bytes": 500.0,
                     }
                 )
                 t += step * d
@@ -58,7 +59,7 @@ def write_row(run_dir, label, d, wait, step=1.0, nodes=2, state=1e3, rounds=2, s
                     "micro_batch_size": MICRO_BATCH_SIZE,
                     "micro_batches": MICRO_BATCHES,
                     "parts": None,
-                    "memory": {"state_bytes": state * d},
+                    "memory": {"state_bytes": state},
                     "steps": records,
                 }
             )
@@ -113,11 +114,16 @@ def test_only_rows_that_waited_rerun_alone_at_2d_until_host_free_stopping_at_64(
         got_d, got_dir, one, got_tried = row_dilation.chosen_run(a, tmp_path, job, s)
         assert (got_d, got_dir) == (d, where) and got_tried == tried[s]
         assert one["schedules"] == [s] if d != 16 else one is job
-    # the rerun's job runs that one schedule at its D: its bytes and times x D (scaling.job_args)
+    # the rerun's job runs that one schedule at its D: its times x D, its tensors' size kept, the link's
+    # bandwidth the rate / D (scaling.job_args)
     one = row_dilation.row_job(job, "hippie-1f1b", None)
     args = scaling.job_args(row_dilation.at_dilation(a, 32), one, runs / "D32" / "two_nodes_hippie-1f1b")
     assert args[args.index("--schedules") + 1] == "hippie-1f1b"
-    assert float(args[args.index("--emulate-scale") + 1]) == pytest.approx(a.emulate_scale * 32)
+    assert float(args[args.index("--emulate-scale") + 1]) == pytest.approx(a.emulate_scale)
+    assert float(args[args.index("--emulate-speedup") + 1]) == pytest.approx(a.emulate_speedup / 32)
+    assert float(args[args.index("--allreduce-bandwidth") + 1]) == pytest.approx(
+        parse_rate(a.rate) * a.link_efficiency / 32
+    )
     assert args[args.index("--rounds") + 1] == "2" and args[args.index("--steps") + 1] == str(a.steps)
 
 
@@ -199,7 +205,7 @@ def test_a_row_at_d_32_beside_rows_at_16_reports_its_times_over_its_own_d(tmp_pa
     two = runs["two_nodes"]
     assert two["hippie-1f1b"]["dilation"] == 32 and two["1f1b"]["dilation"] == 16
     assert two["hippie-1f1b"]["median_step_s"] == pytest.approx(0.5 * 32)  # the run's own, dilated
-    s = scaling.summarize(runs, a.node_counts, a.emulate_scale * a.dilate, {}, 2, a.dilate)
+    s = scaling.summarize(runs, a.node_counts, a.emulate_scale, {}, 2, a.dilate)
     rows = s["by_nodes"]["2"]
     assert rows["hippie-1f1b"]["dilation"] == 32 and rows["gpipe"]["dilation"] == 16
     assert rows["hippie-1f1b"]["step_s"] == pytest.approx(0.5) and rows["1f1b"]["step_s"] == pytest.approx(1.0)
@@ -207,7 +213,7 @@ def test_a_row_at_d_32_beside_rows_at_16_reports_its_times_over_its_own_d(tmp_pa
     assert rows["hippie-1f1b"]["vs_1f1b"] == pytest.approx(2.0) and rows["gpipe"]["vs_1f1b"] == pytest.approx(1.25)
     # scaling 1 -> 2 nodes: hippie-1f1b at 32 on two nodes against its one-node run at 16
     assert rows["hippie-1f1b"]["scaling"] == pytest.approx(1.0) and rows["1f1b"]["scaling"] == pytest.approx(1.0)
-    # memory: the tensors' bytes at D = 32 are twice those at 16; each unscaled by its own D
+    # memory: the tensors' bytes are the same at D = 32 and 16
     assert rows["hippie-1f1b"]["memory_bytes"] == pytest.approx(rows["1f1b"]["memory_bytes"])
     assert rows["hippie-1f1b"]["waited_for_core"] is False  # its figure: the host-free run
     assert [t["dilation"] for t in rows["hippie-1f1b"]["dilation_tried"]] == [16, 32]

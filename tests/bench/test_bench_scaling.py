@@ -43,10 +43,12 @@ def test_dilated_options_and_host_cores():
         "--nodes", "1,2,4", "--dilate", "8", "--timeout", "100", "--emulate-scale", "0.002", "--emulate-speedup", "2"
     )
     d = scaling.dilated(a)
-    assert (d.emulate_scale, d.emulate_speedup, d.timeout) == (0.016, 0.25, 800)  # bytes x 8, times x 8
+    # times x 8, the link at the rate / 8 with 8 x the queue, the tensors' size kept
+    assert (d.emulate_scale, d.emulate_speedup, d.timeout) == (0.002, 0.25, 800)
+    assert d.rate == "1250000bit" and a.rate == "10mbit" and d.queue_s == pytest.approx(0.8)
     assert (a.emulate_scale, a.emulate_speedup) == (0.002, 2)  # the undilated cluster, what the planner sees
     args = scaling.job_args(a, scaling.run_plan(a)[0], scaling.Path("/tmp/x"))
-    assert args[args.index("--emulate-scale") + 1] == "0.016" and args[args.index("--emulate-speedup") + 1] == "0.25"
+    assert args[args.index("--emulate-scale") + 1] == "0.002" and args[args.index("--emulate-speedup") + 1] == "0.25"
     # 4 ranks a node, nodes round-robin on 2 cores: 4, 4 and 8 ranks on the busiest core
     assert [scaling.host_cores(a, n) for n in (1, 2, 4)] == [2.0, 2.0, 1.0]
     with pytest.raises(SystemExit):
@@ -312,9 +314,10 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     for shape, schedule in (("stage", "1f1b"), ("all", "dp")):  # the simulator ran at the measured efficiency
         assert 0 < link[shape]["efficiency"] < 1.5 and len(link[shape]["repeats_s"]) == link_calibration.REPEATS
         comm = results["runs"]["two_nodes"][schedule]["prediction"]["costs"]["comm"]
-        assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 * link[shape]["efficiency"])
+        # the ranks' link: 100mbit / D = 2, the run's own (dilated) time
+        assert comm["allreduce_bandwidth"] == pytest.approx(12.5e6 / 2 * link[shape]["efficiency"])
     assert results["runs"]["two_nodes"]["1f1b"]["prediction"]["costs"]["tied_groups"] == []  # the model is untied
-    # --dilate 2: the ranks ran the model's bytes x 2 and its times x 2; the report divides them back
+    # --dilate 2: the ranks ran the model's times x 2 on the link at 100mbit / 2; the report divides them back
     assert results["config"]["dilation"] == 2.0 and results["config"]["host_per_rank_cores"] == {
         "1": 1.0,
         "2": 1.0,
@@ -328,7 +331,9 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     }
     from tools.bench.config import parameter_count
 
-    assert params == {parameter_count(scaling.dilated(scaling.parse_args(["--out", "/tmp/x", "--dilate", "2"])))}
+    assert params == {parameter_count(scaling.parse_args(["--out", "/tmp/x", "--dilate", "2"]))}  # the size kept
+    shaped = [line for line in res.stdout.splitlines() if line.startswith("links shaped for D = 2:")]
+    assert shaped and all("rate 50Mbit" in line for line in shaped), res.stdout[-3000:]
     host = json.loads((out / "host_cost.json").read_text())  # fitted from every rank's instructions
     assert host["forward"]["fixed"] + host["forward"]["per_layer"] > 0 and host["p2p"]["fixed"] > 0
     assert "hdss-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

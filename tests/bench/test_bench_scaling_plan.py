@@ -9,7 +9,8 @@ import pytest
 
 from tools.bench.analysis import cpu_figures
 from tools.bench.studies import scaling
-from tools.bench.studies.scaling_plan import cluster_record, emulated_profile, global_batch, plan_record
+from tools.bench.cluster import parse_rate
+from tools.bench.studies.scaling_plan import cluster_record, emulated_profile, global_batch, plan_record, tensor_scale
 from tools.bench.studies.scaling_plan_report import cpu_section, planned_section, targets
 from tools.bench.workers.bench_worker import wait_between
 
@@ -68,14 +69,24 @@ def test_the_emulated_cluster_and_the_planned_jobs(tmp_path):
     c = cluster_record(a, 4)
     assert c["devices_per_node"] == 4 and c["device_memory"] == pytest.approx(16e6)  # 16 GB x 1e-3
     assert c["inter_node_bandwidth"] == pytest.approx(1.25e6 * 0.97)  # 10mbit: 10 Gbit/s x 1e-3
-    a.dilate = 16.0  # the ranks' bytes x 16 at the same rate: the planner's cluster is the undilated one
+    a.dilate = (
+        16.0  # the ranks' link at the rate / 16, their tensors unscaled: the planner's cluster is the undilated one
+    )
     d = cluster_record(a, 4)
     assert (
-        d["device_memory"] == pytest.approx(16 * 16e6)
-        and d["inter_node_bandwidth"] == pytest.approx(16 * 1.25e6 * 0.97)
+        d["device_memory"] == pytest.approx(16e6)
+        and d["inter_node_bandwidth"] == pytest.approx(1.25e6 * 0.97)
+        and d["intra_node_bandwidth"] == pytest.approx(16 * c["intra_node_bandwidth"])
         and d["latency"] == pytest.approx(c["latency"] / 16)
         and "host" not in d
     )
+    # a transfer between nodes takes the planner's time x D on the ranks' link (scaling.dilated)
+    ranks = scaling.dilated(a)
+    nbytes = 1e5 * tensor_scale(ranks)
+    on_the_ranks_link = nbytes / (parse_rate(ranks.rate) * a.link_efficiency)
+    assert on_the_ranks_link == pytest.approx(16 * nbytes / d["inter_node_bandwidth"], rel=1e-6)
+    assert ranks.emulate_scale == a.emulate_scale and ranks.emulate_speedup == pytest.approx(a.emulate_speedup / 16)
+    assert ranks.queue_s == pytest.approx(16 * 0.1)  # tbf's queue: the same emulated time at every D
     from hippie_ds.planner.host import HostCost, KindCost
 
     a.host_cost = str(tmp_path / "host.json")

@@ -24,7 +24,17 @@ python -m tools.bench soak and tests/distributed/launch.py (local jobs).
   it runs; :func:`core_ticks`, the busy and total clock ticks of some cores or the machine.
 """
 
-from tools.bench.cluster.network import Network, Refuse, burst_for, check_cores, parse_rate, preflight, sh
+from tools.bench.cluster.network import (
+    QUEUE_S,
+    Network,
+    Refuse,
+    burst_for,
+    check_cores,
+    parse_rate,
+    preflight,
+    rate_arg,
+    sh,
+)
 from tools.bench.cluster.noise import ForeignCpu, core_ticks, foreign_cpu_between
 from tools.bench.cluster.processes import (
     REPO,
@@ -43,6 +53,7 @@ from tools.bench.cluster.processes import (
 from tools.bench.cluster.star import StarNetwork
 
 __all__ = [
+    "QUEUE_S",
     "REPO",
     "ForeignCpu",
     "LocalJob",
@@ -64,6 +75,7 @@ __all__ = [
     "node_env",
     "parse_rate",
     "preflight",
+    "rate_arg",
     "remove_shm_segments",
     "sh",
 ]

@@ -25,6 +25,12 @@ def sh(*cmd, check=True):
     return res
 
 
+# the largest frame a veth sends (MTU 1500 + the Ethernet header): tbf's bucket must hold one
+FRAME_BYTES = 1514
+# tbf's queue, in seconds of its rate ("latency"): what it holds before it drops
+QUEUE_S = 0.1
+
+
 def parse_rate(rate: str) -> float:
     """tc rate (e.g. 1gbit, 500mbit, 100mbps) in bytes per second."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
@@ -36,17 +42,23 @@ def parse_rate(rate: str) -> float:
 
 def burst_for(rate_bytes: float, burst: str = "default") -> str:
     """tbf's burst (its token bucket) for a rate. tbf needs burst >= rate/HZ (at least rate/250 on
-    this kernel). "default": 1mb (the brief's) when that is enough, else twice the least. "min":
-    just above the least. The bucket fills while the link idles and then passes that many bytes
+    this kernel), and at least one full frame (``FRAME_BYTES``: a slow link's rate/HZ is less).
+    "default": 1mb (the brief's) when that is enough, else twice the least. "min": just above the
+    least. The bucket fills while the link idles and then passes that many bytes
     at veth speed: a 1.6 MB all-reduce after 0.2 s idle takes 0.021 s at 250mbit with 1mb, against
     0.051 s back to back (python -m tools.bench allreduce --idle-s). A real link has no such credit, so
     "min" is the more faithful; at 1gbit even the least is 0.5 MB."""
-    least = rate_bytes / 250
+    least = max(rate_bytes / 250, FRAME_BYTES)  # tbf drops a frame larger than its bucket
     if burst == "min":
         return str(int(math.ceil(1.1 * least)))
     if burst != "default":
         raise Refuse(f"--burst {burst!r}: allowed default (1mb, or twice the least) or min")
     return "1mb" if 2 * least <= 1024 * 1024 else str(int(math.ceil(2 * least)))
+
+
+def rate_arg(rate_bytes: float) -> str:
+    """A rate in bytes per second as tc's rate argument (whole bits per second). Pure."""
+    return f"{max(1, round(rate_bytes * 8))}bit"
 
 
 def preflight(what: str, tools: Iterable[str] = ("ip", "tc"), hint: str = ""):
@@ -113,8 +125,9 @@ class Namespaces:
         self.up = False
 
     @staticmethod
-    def _shape(ns: str, dev: str, rate: str | None, burst: str):
-        """tbf at ``rate`` (its bucket :func:`burst_for` ``burst``) on ``dev`` in ``ns``; nothing for None."""
+    def _shape(ns: str, dev: str, rate: str | None, burst: str, queue_s: float = QUEUE_S):
+        """tbf at ``rate`` (its bucket :func:`burst_for` ``burst``, its queue ``queue_s`` seconds of the
+        rate) on ``dev`` in ``ns``; nothing for None."""
         if rate is not None:
             sh(
                 "tc",
@@ -131,8 +144,18 @@ class Namespaces:
                 "burst",
                 burst_for(parse_rate(rate), burst),
                 "latency",
-                "100ms",
+                f"{queue_s * 1e3:.0f}ms",
             )
+
+    def shaped_ends(self) -> list[tuple[str, str]]:
+        """(namespace, device) of every shaped link end: each node's veth end."""
+        return list(zip(self.nodes, self.veths))
+
+    def reshape(self, rate: str, burst: str = "default", queue_s: float = QUEUE_S) -> dict:
+        """Shape every link end anew at ``rate`` (a time-dilated job's own rate); ``{node: its qdisc}``."""
+        for ns, dev in self.shaped_ends():
+            self._shape(ns, dev, rate, burst, queue_s)
+        return self.qdiscs()
 
     def _bring_up(self, n: int, rate: str | None, burst: str):
         """Move node ``n``'s veth end into its namespace, address it, bring it and ``lo`` up, shape it."""

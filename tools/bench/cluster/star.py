@@ -53,6 +53,10 @@ class StarNetwork(Namespaces):
             self._shape(self.switch, port, rate, burst)
         return self.qdiscs()
 
+    def shaped_ends(self) -> list[tuple[str, str]]:
+        """(namespace, device) of every shaped link end: each node's veth end and its switch port."""
+        return [*zip(self.nodes, self.veths), *((self.switch, port) for port in self.ports)]
+
     def describe(self, qdiscs: dict | None, with_veths: bool = True) -> str:
         """One line: the nodes, their addresses, the switch and the shaping (None: unshaped)."""
         ends = ", ".join(

@@ -194,8 +194,8 @@ def main(argv=None) -> int:
         per_d[f"{d:g}"] = {"rows": rows, "fixed_plan": fixed, "load_average": list(__import__("os").getloadavg())}
         for name, row in rows.items():
             steps.setdefault(name, []).append((d, row["step_s"]))
-    # the host at the first D only: bytes x D grow the tensors' CPU work with D, so a host cost holds at
-    # the D it was measured at (the scaling study's default)
+    # the host at the first D (the scaling study's default): its CPU per instruction does not depend on D
+    # (scaling.dilated keeps the tensors' size), one D's runs fit it
     d0 = own.dilation_list[0]
     host = fit_runs(
         out / f"D{d0:g}" / "runs",

@@ -47,17 +47,28 @@ import time
 from pathlib import Path
 
 from tools.bench.analysis import analyse_job, combine_rounds
-from tools.bench.cluster import Refuse, StarNetwork, WorkerJob, check_cores, cleanup_on_signals, fix_owner, parse_rate
+from tools.bench.cluster import (
+    QUEUE_S,
+    Refuse,
+    StarNetwork,
+    WorkerJob,
+    check_cores,
+    cleanup_on_signals,
+    fix_owner,
+    parse_rate,
+    rate_arg,
+)
 from tools.bench.cluster import preflight as cluster_preflight
 from tools.bench.labels import engine_label
 from tools.bench.publish import publish
 from tools.bench.runs import WORKER, worker_args
 from tools.bench.studies.provenance import machine, source_state
 from tools.bench.studies import link_calibration, row_dilation
-from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names
+from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names, tensor_scale
 from tools.bench.studies.scaling_summary import WAITED_FOR_CORE, config_name, host_cores, summarize
 
 DEFAULT_SCHEDULES = "dp,1f1b,gpipe,hippie-1f1b,planned,planned-throughput"
+DILATION_RULE = "rate / D"  # how ``dilated`` slows a transfer (results before it scaled the tensors by D)
 # Time dilation by default (tools/bench/studies/dilation.py: the step at D is within 5% of its limit
 # T_inf of T(D) = T_inf + h / D; at least ranks / cores = 8 for 4 nodes x 4 on 2 cores)
 DEFAULT_DILATION = 16.0
@@ -110,8 +121,8 @@ def parse_args(argv=None):
         type=float,
         default=DEFAULT_DILATION,
         metavar="D",
-        help="time dilation: every device time x D and every transfer D x longer (the tensors' bytes "
-        "x D at --rate), so each rank has D x cores / ranks cores of host; reports divide every "
+        help="time dilation: every device time x D and every transfer D x longer (the link shaped at "
+        "--rate / D), so each rank has D x cores / ranks cores of host; reports divide every "
         "time by its row's D (tools/bench/studies/dilation.py measures the choice)",
     )
     p.add_argument(
@@ -271,12 +282,27 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
 
 def dilated(a):
     """The options as the ranks run them at ``a.dilate`` = D: device times x D (``emulate_speedup`` / D),
-    tensors' bytes x D (``emulate_scale`` x D) on the same shaped rate, so every transfer takes D x
-    longer; time-outs x D. Pure."""
+    the link shaped at ``--rate`` / D with a queue of D x ``QUEUE_S`` (``rate``, ``queue_s``), so every
+    transfer takes D x longer; time-outs x D. The tensors keep their size (``emulate_scale``): the
+    host's work per byte (copies, the emulated layers' element-wise ops, gloo's reduction) then does
+    not grow with D, and its share of a dilated step shrinks as 1 / D, as the dilation means it to.
+    (Scaling the tensors by D on the undilated rate instead made that work grow with D: a rank that
+    waited for a core at D waited as much at 2D.) Pure."""
     d = copy.copy(a)
-    d.emulate_scale, d.emulate_speedup = a.emulate_scale * a.dilate, a.emulate_speedup / a.dilate
+    d.emulate_speedup = a.emulate_speedup / a.dilate
+    d.rate, d.queue_s = rate_arg(parse_rate(a.rate) / a.dilate), QUEUE_S * a.dilate
     d.timeout = int(a.timeout * a.dilate)
     return d
+
+
+def shape_for(a, net) -> None:
+    """Shape ``net``'s links for a job at ``a.dilate`` (``dilated``), unless they already are."""
+    d = dilated(a)
+    want = (d.rate, a.burst, d.queue_s)
+    if getattr(net, "shaping", None) != want:
+        qdiscs = net.reshape(*want)
+        net.shaping = want
+        print(f"links shaped for D = {a.dilate:g}: {next(iter(qdiscs.values()), '')}", flush=True)
 
 
 def _cleanup():
@@ -303,8 +329,9 @@ def measure(a, out: Path) -> float:
         shutil.rmtree(out / "runs", ignore_errors=True)
     start = time.monotonic()
     with cleanup_on_signals(_cleanup):
-        qdiscs = net.setup(a.rate, a.burst)
+        qdiscs = net.setup(dilated(a).rate, a.burst)
         print(f"emulated cluster: {net.describe(qdiscs, with_veths=False)}", flush=True)
+        shape_for(a, net)
         if not a.calibrate_only:
             a.planned = make_plans(a, out, reuse=a.resume)
         reruns = iter(range(a.port + 100, a.port + 10000))  # a port per rerun job
@@ -317,6 +344,7 @@ def measure(a, out: Path) -> float:
             # a row whose rank waited for a core measured the machine: rerun it alone at 2D, 4D, ...
             row_dilation.rerun_rows(a, out, job, lambda a_d, one, d: run_job(a_d, net, one, d, next(reruns), start))
         if not a.link_efficiency_given:  # an explicit --link-efficiency replaces the measured ones
+            shape_for(a, net)
             link_calibration.measure(dilated(a), out, net, run_plan(a), a.port + 50, start)
     return time.monotonic() - start
 
@@ -341,6 +369,7 @@ def run_job(a, net, job: dict, run_dir: Path, port: int, start: float) -> None:
         accelerator=a.accelerator,
         device_count=a.device_count,
     )
+    shape_for(a, net)
     load_before = list(os.getloadavg())
     _jobs.append(j)
     try:
@@ -368,7 +397,7 @@ def analyse(a, out: Path, link: dict | None) -> dict:
             if measured is not None:
                 a_run.link_efficiency = measured
             per_round = [
-                analyse_job(run_dir, one, a_run, parse_rate(a.rate), only_round=r)
+                analyse_job(run_dir, one, a_run, parse_rate(a_run.rate), only_round=r)
                 for r in range(a.rounds if job["config"] != "one_device" else 1)
             ]
             r = combine_rounds(per_round)
@@ -419,12 +448,20 @@ def main(argv=None) -> int:
         "plan_memory": a.plan_memory,
         "waited_for_core_share": WAITED_FOR_CORE,
         "dilation": a.dilate,
+        "dilation_rule": DILATION_RULE,
         "max_dilation": a.max_dilate,
         "host_cost_file": a.host_cost,
         "host_per_rank_cores": {str(n): host_cores(a, n) for n in a.node_counts},
     }
     if (a.analyze_only or a.calibrate_only) and (out / "results.json").exists():  # the measuring command stays
         old = json.loads((out / "results.json").read_text())
+        if old["config"].get("dilation") and old["config"].get("dilation_rule") != DILATION_RULE:
+            print(
+                f"bench scaling: {out / 'results.json'} was measured with the tensors' bytes x D (before "
+                f"dilation_rule {DILATION_RULE!r}): its runs cannot be re-analysed under this rule; rerun them",
+                file=sys.stderr,
+            )
+            return 2
         wall = old.get("wall_s")
         config = {**old["config"], "reanalysed_by": a.command}
     link = None if a.link_efficiency_given else link_calibration.load(out)
@@ -440,7 +477,7 @@ def main(argv=None) -> int:
         "plans": {f"{n}/{name}": rec for (n, name), rec in a.planned.items()},
     }
     results["summary"] = summarize(
-        results["runs"], a.node_counts, a.emulate_scale * a.dilate, a.planned, len(a.core_list), a.dilate
+        results["runs"], a.node_counts, tensor_scale(a), a.planned, len(a.core_list), a.dilate
     )
     results["host_cost"] = write_host_cost(a, out)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -65,15 +65,17 @@ def emulated_profile(model: str, scale: float, speedup: float = 1.0):
 
 
 def tensor_scale(a) -> float:
-    """The emulated model's bytes as its ranks build them: --emulate-scale x the dilation D."""
-    return a.emulate_scale * getattr(a, "dilate", 1.0)
+    """The emulated model's bytes as its ranks build them: --emulate-scale, at every dilation D
+    (scaling.dilated slows the link instead)."""
+    return a.emulate_scale
 
 
 def cluster_record(a, nodes: int) -> dict:
     """The emulated cluster of ``nodes`` nodes, undilated, as a ``hippie-ds plan --cluster`` file holds
-    it: the model's bytes are x D (what its ranks build, so the plan's fingerprint is theirs), so every
-    bandwidth is x D and the latency / D (each transfer takes its undilated time); the host is the
-    measured one (``--host-cost``) scaled to what a rank has of it: ranks on its core / (D x 1 core)."""
+    it: the link between nodes at ``--rate`` (the ranks run it at rate / D, D x slower, as their
+    device); inside a node, where transfers are unshaped copies that take the host's undilated time,
+    ``--p2p-bandwidth`` x D and ``--p2p-latency`` / D; the host is the measured one (``--host-cost``)
+    scaled to what a rank has of it: ranks on its core / (D x 1 core)."""
     from hippie_ds.planner.host import HostCost
     from tools.bench.cluster import parse_rate
     from tools.bench.studies.scaling_summary import host_cores
@@ -83,7 +85,7 @@ def cluster_record(a, nodes: int) -> dict:
         "nodes": nodes,
         "devices_per_node": a.stages,
         "device_memory": a.plan_memory * tensor_scale(a),
-        "inter_node_bandwidth": parse_rate(a.rate) * a.link_efficiency * d,
+        "inter_node_bandwidth": parse_rate(a.rate) * a.link_efficiency,
         "intra_node_bandwidth": a.p2p_bandwidth * d,
         "latency": a.p2p_latency / d,
     }

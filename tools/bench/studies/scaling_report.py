@@ -163,7 +163,12 @@ def dilation_line(cfg: dict) -> str:
     )
     return (
         f"**Time dilation D = {d:g}**: the ranks ran every device time x D and every transfer D x longer "
-        f"(the tensors' bytes x D at the shaped rate); every time below is divided by its row's D (throughput "
+        + (
+            "(the link shaped at the rate / D, the tensors at their size); "
+            if cfg.get("dilation_rule") == "rate / D"
+            else "(the tensors' bytes x D at the shaped rate); "
+        )
+        + f"every time below is divided by its row's D (throughput "
         f"x D), so the figures are those of the undilated cluster whose ranks each have D x cores / "
         f"ranks-on-a-core cores of host (at D = {d:g}: {host}).{rerun} "
         + (

@@ -47,8 +47,8 @@ def summarize(
     each run's CPU per step against ``cores`` (the cores its nodes were pinned to, at most one per
     node). ``dilation`` D: the job's; each run at its own D (its ``dilation``, else the job's) has
     times D x the emulated cluster's, and so is reported / D (throughput x D), ratios and scaling
-    taken between such undilated figures; ``scale`` is the tensors' at the job's D (a row's is x its
-    D / the job's). Pure."""
+    taken between such undilated figures; ``scale`` is the tensors' (scaling_plan.tensor_scale: the
+    same at every D). Pure."""
     single_run = (runs.get("one_device") or {}).get("dp") or {}
     single = undilated(single_run, dilation).get("throughput_samples_s")
     one = runs.get(config_name(1), {})
@@ -67,7 +67,7 @@ def summarize(
                 n,
                 devices,
                 single,
-                scale * d / dilation,
+                scale,
                 d,
             )
             rows[s]["dilation_tried"] = r.get("dilation_tried")
