@@ -112,6 +112,7 @@ class Namespaces:
     nodes: tuple[str, ...]
     veths: tuple[str, ...]
     addrs: tuple[str, ...]
+    shaping: tuple | None = None  # (rate, burst, queue_s) ``reshape`` last shaped the links at
 
     def _remove(self, namespaces: Sequence[str], links: Sequence[str]):
         """Delete ``namespaces`` (their veth ends go with them) and any of ``links`` left here."""
@@ -122,7 +123,7 @@ class Namespaces:
         for link in links:
             if sh("ip", "link", "show", link, check=False).returncode == 0:
                 sh("ip", "link", "del", link, check=False)
-        self.up = False
+        self.up, self.shaping = False, None
 
     @staticmethod
     def _shape(ns: str, dev: str, rate: str | None, burst: str, queue_s: float = QUEUE_S):
@@ -151,11 +152,15 @@ class Namespaces:
         """(namespace, device) of every shaped link end: each node's veth end."""
         return list(zip(self.nodes, self.veths))
 
-    def reshape(self, rate: str, burst: str = "default", queue_s: float = QUEUE_S) -> dict:
-        """Shape every link end anew at ``rate`` (a time-dilated job's own rate); ``{node: its qdisc}``."""
+    def reshape(self, rate: str, burst: str = "default", queue_s: float = QUEUE_S) -> bool:
+        """Shape every link end at ``rate`` (a time-dilated job's own rate), unless ``reshape`` already
+        did at these settings; whether it shaped them."""
+        if self.shaping == (rate, burst, queue_s):
+            return False
         for ns, dev in self.shaped_ends():
             self._shape(ns, dev, rate, burst, queue_s)
-        return self.qdiscs()
+        self.shaping = (rate, burst, queue_s)
+        return True
 
     def _bring_up(self, n: int, rate: str | None, burst: str):
         """Move node ``n``'s veth end into its namespace, address it, bring it and ``lo`` up, shape it."""

@@ -65,10 +65,9 @@ from tools.bench.runs import WORKER, worker_args
 from tools.bench.studies.provenance import machine, source_state
 from tools.bench.studies import link_calibration, row_dilation
 from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans, planned_names, tensor_scale
-from tools.bench.studies.scaling_summary import WAITED_FOR_CORE, config_name, host_cores, summarize
+from tools.bench.studies.scaling_summary import DILATION_RULE, WAITED_FOR_CORE, config_name, host_cores, summarize
 
 DEFAULT_SCHEDULES = "dp,1f1b,gpipe,hippie-1f1b,planned,planned-throughput"
-DILATION_RULE = "rate / D"  # how ``dilated`` slows a transfer (results before it scaled the tensors by D)
 # Time dilation by default (tools/bench/studies/dilation.py: the step at D is within 5% of its limit
 # T_inf of T(D) = T_inf + h / D; at least ranks / cores = 8 for 4 nodes x 4 on 2 cores)
 DEFAULT_DILATION = 16.0
@@ -298,11 +297,8 @@ def dilated(a):
 def shape_for(a, net) -> None:
     """Shape ``net``'s links for a job at ``a.dilate`` (``dilated``), unless they already are."""
     d = dilated(a)
-    want = (d.rate, a.burst, d.queue_s)
-    if getattr(net, "shaping", None) != want:
-        qdiscs = net.reshape(*want)
-        net.shaping = want
-        print(f"links shaped for D = {a.dilate:g}: {next(iter(qdiscs.values()), '')}", flush=True)
+    if net.reshape(d.rate, a.burst, d.queue_s):
+        print(f"links shaped for D = {a.dilate:g}: {next(iter(net.qdiscs().values()), '')}", flush=True)
 
 
 def _cleanup():
@@ -329,9 +325,9 @@ def measure(a, out: Path) -> float:
         shutil.rmtree(out / "runs", ignore_errors=True)
     start = time.monotonic()
     with cleanup_on_signals(_cleanup):
-        qdiscs = net.setup(dilated(a).rate, a.burst)
-        print(f"emulated cluster: {net.describe(qdiscs, with_veths=False)}", flush=True)
+        net.setup(None, a.burst)  # unshaped: shape_for shapes the links for each job's D
         shape_for(a, net)
+        print(f"emulated cluster: {net.describe(net.qdiscs(), with_veths=False)}", flush=True)
         if not a.calibrate_only:
             a.planned = make_plans(a, out, reuse=a.resume)
         reruns = iter(range(a.port + 100, a.port + 10000))  # a port per rerun job

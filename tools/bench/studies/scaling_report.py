@@ -5,6 +5,7 @@ row. Pure functions of results.json's content."""
 from __future__ import annotations
 
 from tools.bench.report import _f, spread_cell, table
+from tools.bench.studies.scaling_summary import DILATION_RULE
 from tools.bench.studies.scaling_plan_report import (
     baselines_section,
     cpu_section,
@@ -165,7 +166,7 @@ def dilation_line(cfg: dict) -> str:
         f"**Time dilation D = {d:g}**: the ranks ran every device time x D and every transfer D x longer "
         + (
             "(the link shaped at the rate / D, the tensors at their size); "
-            if cfg.get("dilation_rule") == "rate / D"
+            if cfg.get("dilation_rule") == DILATION_RULE
             else "(the tensors' bytes x D at the shaped rate); "
         )
         + f"every time below is divided by its row's D (throughput "
