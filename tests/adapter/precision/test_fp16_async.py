@@ -21,7 +21,7 @@ import torch
 
 import reference_async
 import reference_fp16
-from launch import collect, launch
+from launch import collect, train_engines
 
 from hippie_ds import schedules
 from hippie_ds.config import ConfigError, StalenessConfig
@@ -86,27 +86,17 @@ def trained(tmp_path_factory):
     outs = {}
     for (stages, dp), engines in SHAPES.items():
         out = tmp_path_factory.mktemp(f"fp16-async-{stages}x{dp}")
-        rc, log, _ = launch(
+        train_engines(
             stages * dp,
             out,
-            "--stages",
-            stages,
-            "--micro-batches",
-            MICRO_BATCHES,
-            "--steps",
-            STEPS,
-            "--optimizer",
-            "AdamW",
-            "--lr",
-            LR,
-            "--clip",
-            CLIP,
+            engines,
             "--drain",
-            "--engines",
-            ",".join(engines),
-            timeout=900,
+            stages=stages,
+            micro_batches=MICRO_BATCHES,
+            steps=STEPS,
+            lr=LR,
+            clip=CLIP,
         )
-        assert rc == 0, log[-4000:]
         outs[stages, dp] = out
     return outs
 
