@@ -43,9 +43,9 @@ def test_dilated_options_and_host_cores():
         "--nodes", "1,2,4", "--dilate", "8", "--timeout", "100", "--emulate-scale", "0.002", "--emulate-speedup", "2"
     )
     d = scaling.dilated(a)
-    # times x 8, the link at the rate / 8 with tbf's queue in seconds unchanged, the tensors' size kept
+    # times x 8, the link at the rate / 8 with 8 x the queue (the same bytes), the tensors' size kept
     assert (d.emulate_scale, d.emulate_speedup, d.timeout) == (0.002, 0.25, 800)
-    assert d.rate == "1250000bit" and a.rate == "10mbit" and d.queue_s == pytest.approx(0.1)
+    assert d.rate == "1250000bit" and a.rate == "10mbit" and d.queue_s == pytest.approx(0.8)
     assert (a.emulate_scale, a.emulate_speedup) == (0.002, 2)  # the undilated cluster, what the planner sees
     args = scaling.job_args(a, scaling.run_plan(a)[0], scaling.Path("/tmp/x"))
     assert args[args.index("--emulate-scale") + 1] == "0.002" and args[args.index("--emulate-speedup") + 1] == "0.25"

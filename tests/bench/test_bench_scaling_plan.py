@@ -86,7 +86,7 @@ def test_the_emulated_cluster_and_the_planned_jobs(tmp_path):
     on_the_ranks_link = nbytes / (parse_rate(ranks.rate) * a.link_efficiency)
     assert on_the_ranks_link == pytest.approx(16 * nbytes / d["inter_node_bandwidth"], rel=1e-6)
     assert ranks.emulate_scale == a.emulate_scale and ranks.emulate_speedup == pytest.approx(a.emulate_speedup / 16)
-    assert ranks.queue_s == pytest.approx(0.1)  # tbf's queue: its seconds, not x D (scaling.dilated)
+    assert ranks.queue_s == pytest.approx(16 * 0.1)  # tbf's queue: the undilated link's bytes
     from hippie_ds.planner.host import HostCost, KindCost
 
     a.host_cost = str(tmp_path / "host.json")

@@ -282,17 +282,18 @@ def job_args(a, job: dict, run_dir: Path) -> list[str]:
 def dilated(a):
     """The options as the ranks run them at ``a.dilate`` = D: device times x D (``emulate_speedup`` / D),
     the link shaped at ``--rate`` / D (``rate``), so every transfer takes D x longer; time-outs x D.
-    tbf's queue stays ``QUEUE_S`` seconds of the slowed rate (``queue_s``). D x that (the same
-    bytes) gave a lone ring of 4 nodes 0.65 of the rate, its repeats 11.8-16.6 s, against 0.89 and
-    11.3-11.5 s (625 kbit/s, 0.53 MB, AMD, 2026-12-02): TCP's loss recovery through a queue 1.6 s
-    deep is what a dilated link slows unfaithfully. The tensors keep their size (``emulate_scale``):
-    the host's work per byte (copies, the emulated layers' element-wise ops, gloo's reduction) then does
-    not grow with D, and its share of a dilated step shrinks as 1 / D, as the dilation means it to.
+    tbf's queue is D x ``QUEUE_S`` (``queue_s``): the undilated link's bytes. A queue of ``QUEUE_S``
+    at every D gave a lone ring of 4 nodes 0.89 of the rate (11.3-11.5 s) against 0.65 (11.8-16.6 s)
+    (625 kbit/s, 0.53 MB, AMD, 2026-12-02), but hung 8 ranks on 2 nodes in DeepSpeed's start-up
+    (gloo's broadcast, 10-12 thousand frames dropped at each node's end): many flows need the bytes.
+    The tensors keep their size (``emulate_scale``): the host's work per byte (copies, the emulated
+    layers' element-wise ops, gloo's reduction) then does not grow with D, and its share of a dilated
+    step shrinks as 1 / D, as the dilation means it to.
     (Scaling the tensors by D on the undilated rate instead made that work grow with D: a rank that
     waited for a core at D waited as much at 2D.) Pure."""
     d = copy.copy(a)
     d.emulate_speedup = a.emulate_speedup / a.dilate
-    d.rate, d.queue_s = rate_arg(parse_rate(a.rate) / a.dilate), QUEUE_S
+    d.rate, d.queue_s = rate_arg(parse_rate(a.rate) / a.dilate), QUEUE_S * a.dilate
     d.timeout = int(a.timeout * a.dilate)
     return d
 

@@ -5,14 +5,13 @@ columns' predictions beside them, the CPU verdict; every time divided back by it
 
 from __future__ import annotations
 
-from tools.bench.cluster.network import QUEUE_S
 from tools.bench.figures import round_ratios, spread_excludes
 
 NAMES = {1: "one_node", 2: "two_nodes", 4: "four_nodes", 8: "eight_nodes"}
 # a rank that waited for a core longer than this share of the step measured the machine's contention
 WAITED_FOR_CORE = 0.05
 # how scaling.dilated slows a transfer, as results.json records it (results before it scaled the tensors by D)
-DILATION_RULE = f"rate / D, tbf queue {QUEUE_S:g} s"
+DILATION_RULE = "rate / D"
 
 
 def host_cores(a, nodes: int) -> float:
