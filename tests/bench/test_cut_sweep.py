@@ -65,20 +65,34 @@ def test_every_single_boundary_cut():
     assert args.model_args == "--layers 8 --vocab 32000" and args.schedules == "zb-h1"
 
 
-def _tiny_sweep(out, rounds: int, model_args: str, *options: str) -> int:
-    """``cut-sweep`` on a tiny GPT example: ``rounds`` rounds of 2 steps (1 skipped), one profiling step."""
-    argv = ["--out", str(out), "--rounds", str(rounds), "--steps", "2", "--skip", "1", "--profile-steps", "1"]
-    launcher = os.environ.get("HIPPIE_TEST_LAUNCHER", "fork")
-    return cut_sweep.main([*argv, "--model-args", model_args, "--launcher", launcher, *options])
-
-
 @pytest.mark.distributed
 def test_every_cut_of_a_large_vocabulary_planned_with_one_schedule(tmp_path):
     """--only every-cut trains the plan and every other single-boundary cut; --vocab reaches the model;
     --schedules reaches the planner."""
     out = tmp_path / "every"
-    code = _tiny_sweep(
-        out, 1, "--dim 16 --layers 2 --seq-len 8", "--only", "every-cut", "--schedules", "1f1b", "--vocab", "512"
+    code = cut_sweep.main(
+        [
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--skip",
+            "1",
+            "--only",
+            "every-cut",
+            "--schedules",
+            "1f1b",
+            "--vocab",
+            "512",
+            "--profile-steps",
+            "1",
+            "--model-args",
+            "--dim 16 --layers 2 --seq-len 8",
+            "--launcher",
+            os.environ.get("HIPPIE_TEST_LAUNCHER", "fork"),
+        ]
     )
     assert code == 0
     plan = load_plan(out / "plan.json")
@@ -91,7 +105,28 @@ def test_every_cut_of_a_large_vocabulary_planned_with_one_schedule(tmp_path):
 @pytest.mark.distributed
 def test_a_tiny_sweep_writes_its_report_and_the_measured_best_plan(tmp_path, capsys):
     out = tmp_path / "sweep"
-    code = _tiny_sweep(out, 1, "--dim 16 --layers 3 --seq-len 8", "--top", "3", "--only", "cut")
+    code = cut_sweep.main(
+        [
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--skip",
+            "1",
+            "--top",
+            "3",
+            "--only",
+            "cut",
+            "--profile-steps",
+            "1",
+            "--model-args",
+            "--dim 16 --layers 3 --seq-len 8",
+            "--launcher",
+            os.environ.get("HIPPIE_TEST_LAUNCHER", "fork"),
+        ]
+    )
     assert code == 0
     plan = load_plan(out / "plan.json")
     assert (plan.pipeline_depth, plan.data_parallel, plan.micro_batch_size, plan.global_batch) == (2, 1, 4, 16)
@@ -115,7 +150,26 @@ def test_the_plan_against_the_job_as_it_is(tmp_path):
     """--only job trains the plan and the profiled job's own config (no plan: its stages, micro-batch,
     schedule and the example's uniform cut), with the plan's prediction of that job beside it."""
     out = tmp_path / "job"
-    code = _tiny_sweep(out, 2, "--dim 16 --layers 3 --seq-len 8", "--only", "job")
+    code = cut_sweep.main(
+        [
+            "--out",
+            str(out),
+            "--rounds",
+            "2",
+            "--steps",
+            "2",
+            "--skip",
+            "1",
+            "--only",
+            "job",
+            "--profile-steps",
+            "1",
+            "--model-args",
+            "--dim 16 --layers 3 --seq-len 8",
+            "--launcher",
+            os.environ.get("HIPPIE_TEST_LAUNCHER", "fork"),
+        ]
+    )
     assert code == 0
     plan = load_plan(out / "plan.json")
     rows = json.loads((out / "sweep.json").read_text())["candidates"]

@@ -40,20 +40,3 @@ def collect(out, engine):
         parts = [(b[s], b[s + 1]) for s in range(len(b) - 1)]
         params = d["params"]
     return layers, losses, parts, params, replicas
-
-
-def train_engines(num_ranks, out, engines, *options, stages, micro_batches, steps, lr, clip, timeout=900, tail=4000):
-    """Train ``engines`` side by side with AdamW on ``num_ranks`` ranks (``train_worker.py``:
-    ``stages`` stages, ``micro_batches`` a step, ``options`` passed on); fails with the output's
-    last ``tail`` characters unless every rank exits 0; returns ``out``."""
-    rc, log, _ = launch(
-        num_ranks,
-        out,
-        *("--stages", stages, "--micro-batches", micro_batches, "--steps", steps),
-        *("--optimizer", "AdamW", "--lr", lr, "--clip", clip),
-        *options,
-        *("--engines", ",".join(engines)),
-        timeout=timeout,
-    )
-    assert rc == 0, log[-tail:]
-    return out

@@ -21,7 +21,7 @@ import torch
 
 import reference_async
 import reference_fp16
-from launch import collect, train_engines
+from launch import collect, launch
 
 from hippie_ds import schedules
 from hippie_ds.config import ConfigError, StalenessConfig
@@ -86,17 +86,27 @@ def trained(tmp_path_factory):
     outs = {}
     for (stages, dp), engines in SHAPES.items():
         out = tmp_path_factory.mktemp(f"fp16-async-{stages}x{dp}")
-        train_engines(
+        rc, log, _ = launch(
             stages * dp,
             out,
-            engines,
+            "--stages",
+            stages,
+            "--micro-batches",
+            MICRO_BATCHES,
+            "--steps",
+            STEPS,
+            "--optimizer",
+            "AdamW",
+            "--lr",
+            LR,
+            "--clip",
+            CLIP,
             "--drain",
-            stages=stages,
-            micro_batches=MICRO_BATCHES,
-            steps=STEPS,
-            lr=LR,
-            clip=CLIP,
+            "--engines",
+            ",".join(engines),
+            timeout=900,
         )
+        assert rc == 0, log[-4000:]
         outs[stages, dp] = out
     return outs
 

@@ -22,7 +22,7 @@ import torch
 
 import reference
 import reference_fp16
-from launch import collect, launch, train_engines
+from launch import collect, launch
 
 from hippie_ds.config import StalenessConfig
 
@@ -61,20 +61,28 @@ def _sync_names(wrapper, model):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-matrix")
     engines = [n for cell in SYNC_CELLS for n in _sync_names(*cell)] + list(DELAYED)
-    train_engines(
+    rc, log, _ = launch(
         4,
         out,
-        engines,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
         "--deferred-layers",
         "default",
-        stages=2,
-        micro_batches=MICRO_BATCHES,
-        steps=STEPS,
-        lr=LR,
-        clip=CLIP,
+        "--engines",
+        ",".join(engines),
         timeout=1500,
-        tail=5000,
     )
+    assert rc == 0, log[-5000:]
     return out
 
 

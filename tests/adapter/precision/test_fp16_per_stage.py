@@ -17,7 +17,7 @@ import torch
 
 import reference
 import reference_fp16
-from launch import collect, train_engines
+from launch import collect, launch
 
 from hippie_ds.config import StalenessConfig
 
@@ -82,18 +82,28 @@ def _max_diff(a, b):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16-per-stage")
-    train_engines(
+    rc, log, _ = launch(
         4,
         out,
-        [*ENGINES, INTERLEAVED, *TIED, *ZERO],
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
         "--deferred-layers",
         "default",
-        stages=2,
-        micro_batches=MICRO_BATCHES,
-        steps=STEPS,
-        lr=LR,
-        clip=CLIP,
+        "--engines",
+        ",".join([*ENGINES, INTERLEAVED, *TIED, *ZERO]),
+        timeout=900,
     )
+    assert rc == 0, log[-4000:]
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import reference_async
-from launch import collect, train_engines
+from launch import collect, launch
 from rule_check import assert_matches_rule, assert_replicas_equal, max_diff, reference_precision
 
 from hippie_ds import schedules
@@ -128,7 +128,27 @@ ENGINES = {
 
 
 def _launch(out, dp, engines):
-    train_engines(2 * dp, out, engines, "--drain", stages=2, micro_batches=MICRO_BATCHES, steps=STEPS, lr=LR, clip=CLIP)
+    rc, log, _ = launch(
+        2 * dp,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--drain",
+        "--engines",
+        ",".join(engines),
+        timeout=900,
+    )
+    assert rc == 0, log[-4000:]
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reference_async
-from launch import collect, launch, train_engines
+from launch import collect, launch
 from rule_check import (
     BF16_TOLERANCE,
     ZERO_SCALE_GROWS,
@@ -96,7 +96,27 @@ ENGINES = {
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("error-feedback")
-    train_engines(4, out, ENGINES, "--drain", stages=2, micro_batches=MICRO_BATCHES, steps=STEPS, lr=LR, clip=CLIP)
+    rc, log, _ = launch(
+        4,
+        out,
+        "--stages",
+        2,
+        "--micro-batches",
+        MICRO_BATCHES,
+        "--steps",
+        STEPS,
+        "--optimizer",
+        "AdamW",
+        "--lr",
+        LR,
+        "--clip",
+        CLIP,
+        "--drain",
+        "--engines",
+        ",".join(ENGINES),
+        timeout=900,
+    )
+    assert rc == 0, log[-4000:]
     return out
 
 
