@@ -32,7 +32,8 @@ detached tensor that requires grad when it is floating point). Per layer:
 * ``saved_bytes``: the distinct storages autograd saves for backward during the layer's
   forward (saved-tensor hooks), attributed to the layer that produced them: the layer's
   input is the previous layer's (not counted again), parameters are not activations, and its
-  output counts when this layer or the next saves it (``output_saved``). Summed over a stage
+  output counts when this layer or the one consuming it saves it (``output_saved``; through
+  layers whose output is a view of their input, a flatten's, the first that is not). Summed over a stage
   (plus its input, and its output when no layer saves it) this is what the stage keeps per
   in-flight micro-batch (``hippie_ds.planner.recompute``);
 * ``param_bytes``: its parameters' bytes (a tied module at its first use only);

@@ -136,7 +136,7 @@ def to_plan(
         boundaries=list(lay.parts),
         checkpointed_layers=sorted(checkpointed),
         stages=stages,
-        prediction=prediction(model, est, objective),
+        prediction=prediction(model, est, objective, model.working_memory(lay, cand.b / model.b0)),
         single_device_throughput=model.single_throughput,
         baselines=baselines,
         search=search,

@@ -69,7 +69,7 @@ def plan_baselines(
             schedule_params=params,
             boundaries=list(layout.parts),
             checkpointed_layers=checkpointed,
-            prediction=prediction(model, e, objective),
+            prediction=prediction(model, e, objective, model.working_memory(layout, f)),
         )
 
     out.append(
@@ -174,7 +174,7 @@ def data_parallel(model: _Model, objective: str | None = None, micro_batch: int 
             break
     b, M, f, mem = choice
     step = dp_step(model, lay, f, M)
-    pred = prediction(model, _Estimate(step, mem, [1], []), objective)
+    pred = prediction(model, _Estimate(step, mem, [1], []), objective, model.working_memory(lay, f))
     return Baseline(
         name="dp",
         description=description,

@@ -184,7 +184,11 @@ def sim_cost(lay: _Layout, M: int, schedule: str) -> int:
     return lay.K * lay.v * M * (3 if traits.defers or traits.continuous else 1)
 
 
-def prediction(model: _Model, est: _Estimate, objective: str | None = None) -> Prediction:
+def prediction(
+    model: _Model, est: _Estimate, objective: str | None = None, working: list[float] | None = None
+) -> Prediction:
+    """The plan file's figures of ``est``; ``working``: its memory's working-memory term per stage
+    (:meth:`_Model.working_memory`)."""
     thr, scal, m, me = model.figures(est.step, est.memory)
     return Prediction(
         step_time=est.step,
@@ -194,6 +198,7 @@ def prediction(model: _Model, est: _Estimate, objective: str | None = None) -> P
         memory=m,
         memory_max=max(est.memory),
         memory_per_stage=list(est.memory),
+        memory_working_per_stage=None if working is None else list(working),
         me=me,
         fits=max(est.memory) <= model.cap,
         predicted_by=est.predicted_by,

@@ -346,6 +346,11 @@ class _Model:
             for s in range(lay.K)
         ]
 
+    def working_memory(self, lay: _Layout, f: float) -> list[float]:
+        """Per device, the working-memory term of :meth:`memory`: the largest one layer's forward+backward
+        needs above what it keeps (no saved tensor: a count of those leaves it out)."""
+        return [f * lay.working[s] for s in range(lay.K)]
+
     def least_memory(self, lay: _Layout, f: float, in_flight: Sequence[int]) -> list[float]:
         """Per device, a lower bound of :meth:`memory`: no deferral or extra weight versions, the
         re-computation with the least activation memory."""

@@ -402,7 +402,7 @@ def _job_row(model: _Model, j: JobCandidate, objective: str) -> Baseline:
             str(s): _with_parameters(model, range(lay.parts[s], lay.parts[s + 1]), c.layers)
             for s, c in j.delayed.items()
         },
-        prediction=prediction(model, j.est, objective),
+        prediction=prediction(model, j.est, objective, model.working_memory(lay, j.cand.b / model.b0)),
     )
 
 

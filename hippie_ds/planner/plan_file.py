@@ -49,6 +49,12 @@ class Prediction(_Strict):
     memory: float = Field(ge=0, description="memory the objective uses (bytes): mean or max per device")
     memory_max: float = Field(ge=0, description="largest per-device memory (bytes)")
     memory_per_stage: list[float] = Field(description="per-device memory of each stage (bytes)")
+    memory_working_per_stage: list[float] | None = Field(
+        None,
+        description="of memory_per_stage, the working memory (bytes): the largest one layer's forward+backward "
+        "needs above what it keeps; the rest (state, deferral buffers, weight versions, kept activations) "
+        "is what a count of live state and saved tensors sees",
+    )
     me: float = Field(ge=0, description="memory efficiency: scalability x throughput / memory, samples/s per GB")
     fits: bool = Field(description="every device within its memory (and the memory cap)")
     predicted_by: Literal["simulator", "analytic"]

@@ -200,7 +200,8 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
 
     host = tmp_path / "host_cost.json"  # a host the tiny plan must price: 1 ms + 0.5 ms a layer per forward
     host.write_text(HostCost(forward=KindCost(fixed=1e-3, per_layer=5e-4), source="test").model_dump_json())
-    a = scaling.parse_args([*TINY, "--out", str(tmp_path), "--host-cost", str(host)])
+    # micro-batches of 32: activations enough that the ME plan re-computes (2 layers of 8 x 8)
+    a = scaling.parse_args([*TINY, "--micro-batch-size", "32", "--out", str(tmp_path), "--host-cost", str(host)])
     a.node_counts = [2]  # the study's scaling needs one node too; this test needs one job only
     scaling.measure(a, tmp_path)
     plan = load_plan(tmp_path / "plans" / "2_nodes_planned.json")
@@ -223,7 +224,11 @@ def test_a_plan_runs_on_the_emulated_cluster_as_planned(tmp_path):
         assert {k: v for k, v in rec["schedule_params"].items() if k in plan.schedule_params} == plan.schedule_params
         assert all(s["cpu_s"] >= 0 and "runqueue_wait_s" in s for s in rec["steps"])
     run = scaling.analyse(a, tmp_path, None)["two_nodes"]["planned"]
-    assert all(s["cpu_by_instruction"].get("ForwardPass", [0])[0] >= 1 for rec in ranks for s in rec["steps"])
+    # every step's CPU is recorded by instruction (a last stage runs its forwards fused with the backward)
+    forwards = ("ForwardPass", "ForwardBackwardPass")
+    assert all(
+        sum(s["cpu_by_instruction"].get(k, [0])[0] for k in forwards) >= 1 for rec in ranks for s in rec["steps"]
+    )
     row = scaling.summarize(
         {"two_nodes": {"planned": run}},
         [2],
@@ -287,3 +292,37 @@ def test_the_planners_baseline_of_the_runs_shape_beside_it():
     assert planner_baseline_fields("dp", dp, baselines)["planner_step_error"] == pytest.approx(-0.1)
     assert planner_baseline_fields("gpipe", row, baselines) == {}
     assert planner_baseline_fields("planned", row, baselines) == {}
+
+
+def test_the_planners_memory_is_held_against_the_bench_on_the_terms_the_bench_counts(tmp_path):
+    """The plan file gives each stage's working memory (one layer's temporaries, which no count of
+    live state and saved tensors sees); the bench compares its measured memory with the rest, and
+    prints all of it beside. On the emulated VGG-16 the rest is each stage's state plus its kept
+    activations, as the module keeps them."""
+    from hippie_ds.cli import main as hippie_ds_main
+    from hippie_ds.planner import load_plan, save_profile
+    from tools.bench.studies.scaling_plan import baseline_record, counted_memory
+    from tools.bench.studies.scaling_summary import planner_baseline_fields
+
+    save_profile(emulated_profile("vgg16", 1e-3), tmp_path / "p.yaml")
+    argv = ["plan", "--profile", str(tmp_path / "p.yaml"), "--cluster", "1x4,16MB,10Gbit", "--global-batch", "256"]
+    argv += ["--job", "4,32,1f1b", "--schedules", "1f1b", "--simulate-top", "1"]
+    assert hippie_ds_main([*argv, "--out", str(tmp_path / "plan.json")]) == 0
+    plan = load_plan(tmp_path / "plan.json")
+    job = next(b for b in plan.baselines if b.name == "job:uniform" and b.schedule == "1f1b")
+    pred = job.prediction
+    assert len(pred.memory_working_per_stage) == 4 and all(w > 0 for w in pred.memory_working_per_stage)
+    counted = counted_memory(pred, 1e-3)
+    assert counted == pytest.approx(
+        sum(m - w for m, w in zip(pred.memory_per_stage, pred.memory_working_per_stage)) / 4 / 1e-3
+    )
+    assert counted < pred.memory / 1e-3
+    # stage 3 of the uniform cut: its fp32 Adam state (16 bytes a parameter) and what it keeps
+    profile = emulated_profile("vgg16", 1e-3).scaled(32)
+    last = job.boundaries[3]
+    state = 4 * sum(x.param_bytes for x in profile.layers[last:])
+    assert pred.memory_per_stage[3] - pred.memory_working_per_stage[3] > state
+    row = {"devices": 4, "parts": job.boundaries, "micro_batch_size": 32, "micro_batches": 8, "step_s": 1.0}
+    got = planner_baseline_fields("1f1b", {**row, "memory_bytes": counted / 1.25}, [baseline_record(job, 1e-3)])
+    assert got["planner_memory_error"] == pytest.approx(0.25)  # against the counted terms, not all of it
+    assert got["planner_predicted_memory_bytes"] == pytest.approx(pred.memory / 1e-3)

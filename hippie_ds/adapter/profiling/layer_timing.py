@@ -325,6 +325,7 @@ def measure_layer(
         output_extra=float(sum(v for k, v in output.items() if k not in own)),
         saves_output=bool(output.keys() & own.keys()),
         saves_input=bool(ins & packed.keys()),
+        passes_input=bool(outs) and outs <= ins,
     )
     with torch.no_grad():
         result = forward_fn(inp)
@@ -336,6 +337,7 @@ ACCOUNTING = (
     "output_extra",
     "saves_output",
     "saves_input",
+    "passes_input",
     "forward_runs",
     "backward_runs",
     "weight_is_backward",
@@ -358,15 +360,30 @@ def work_key(name: str, params: Sequence[torch.Tensor], inp: Any, tied: bool = F
 def attribute_saved(records: Sequence[dict]) -> list[dict]:
     """The layers' ``LayerProfile`` fields in model order (records of :func:`measure_layer` with
     ``name`` and any other field added): saved bytes attributed to the producer, its output
-    counted when it or the next layer saves it (the last layer's: the loss holds it)."""
+    counted when it or the layer that consumes it saves it (the last layer's: the loss holds it).
+    A layer whose output is a view of its input (a flatten, an emulated or in-place activation)
+    passes its input on: the consumer is the first layer after the run of such layers, and a
+    save anywhere along it keeps the producer's storage."""
     out = []
     for i, record in enumerate(records):
         fields = {k: v for k, v in record.items() if k not in ACCOUNTING}
-        output_saved = record["saves_output"] or i + 1 == len(records) or records[i + 1]["saves_input"]
+        output_saved = record["saves_output"] or _consumer_saves(records, i + 1)
         fields["saved_bytes"] = record["own_saved"] + (record["output_extra"] if output_saved else 0.0)
         fields["output_saved"] = bool(output_saved)
         out.append(fields)
     return out
+
+
+def _consumer_saves(records: Sequence[dict], j: int) -> bool:
+    """Whether what layer ``j`` receives is kept for backward: by ``j`` itself, or, through layers
+    that pass it on as a view, by a later one (past the last layer: the loss holds it)."""
+    while j < len(records):
+        if records[j]["saves_input"]:
+            return True
+        if not records[j].get("passes_input", False):  # records of an older profiler: no pass-through
+            return False
+        j += 1
+    return True
 
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -37,19 +37,23 @@ def planned_names(schedules) -> list[str]:
 
 def emulated_profile(model: str, scale: float, speedup: float = 1.0):
     """The :class:`hippie_ds.planner.Profile` of the emulated model ``model`` (vgg16, gnmt8, gnmt16) as
-    tools/bench/emulated.py builds it (the module docstring says how)."""
+    tools/bench/emulated.py builds it (the module docstring says how). What each layer keeps for backward
+    is the module's own (:func:`emulated_saved`), not PipeDream's default (every layer's output): the
+    emulated layers keep about half of that, as VGG-16's convolutions and ReLUs share one activation."""
     from hippie_ds.planner import LayerProfile, read_pipedream
     from tools.bench.emulated import MODELS, PROFILES, layer_class
 
     profile = read_pipedream(PROFILES / MODELS[model], model=model)
+    saved, loss = emulated_saved(model, scale)
     layers = []
-    for layer in profile.layers:
+    for layer, kept in zip(profile.layers, saved):
         d = layer.model_dump()
         d["name"] = layer_class(layer.name).__name__  # its kind, as the module names it
         d["param_bytes"] = 4.0 * int(round(layer.param_bytes / 4 * scale))  # EmulatedLayer's weight
-        for key in ("output_bytes", "saved_bytes", "input_bytes", "working_bytes"):
+        for key in ("output_bytes", "input_bytes", "working_bytes"):
             if d[key] is not None:
                 d[key] *= scale
+        d.update(kept)
         for key in ("forward", "backward", "backward_weight", "recompute"):
             if d[key] is not None:
                 d[key] /= speedup
@@ -58,10 +62,41 @@ def emulated_profile(model: str, scale: float, speedup: float = 1.0):
         update=dict(
             model=f"emulated:{model}",
             layers=layers,
+            loss=loss,
             cut_bytes=[c * scale for c in profile.cuts()],
-            source=f"{profile.source}: bytes x {scale}, times / {speedup} (tools/bench/studies/scaling_plan.py)",
+            source=f"{profile.source}: bytes x {scale}, times / {speedup}, saved bytes measured on the module "
+            "(tools/bench/studies/scaling_plan.py)",
         )
     )
+
+
+def emulated_saved(model: str, scale: float) -> tuple[list[dict], object]:
+    """([{saved_bytes, output_saved}] per layer, the loss's profile) of the emulated module at the
+    profile's batch size, measured as ``hippie-ds profile`` measures any module (saved-tensor hooks,
+    each storage once, attributed to the layer that made it). The layers are built without their waits
+    (times 0): only what autograd keeps is read; the loss's times are the host's microseconds, 0 here
+    as before."""
+    import math
+
+    import torch
+
+    from hippie_ds.profiler import profile_layers
+    from tools.bench.emulated import emulated_specs, input_elems, loss_fn, read_profile
+
+    batch = read_profile(model).batch_size
+    specs = emulated_specs(model, batch, scale, speedup=math.inf)
+    torch.manual_seed(0)
+    measured = profile_layers(
+        specs,
+        torch.randn(batch, input_elems(model, scale)),
+        repeats=1,
+        warmup=0,
+        loss_fn=loss_fn,
+        labels=torch.zeros(batch, 1),
+    )
+    kept = [{"saved_bytes": x.saved_bytes, "output_saved": x.output_saved} for x in measured.layers]
+    loss = measured.loss.model_copy(update=dict(forward=0.0, backward=0.0, backward_weight=0.0, recompute=0.0))
+    return kept, loss
 
 
 def tensor_scale(a) -> float:
@@ -210,6 +245,7 @@ def plan_record(path: Path, scale: float, command: str | None) -> dict:
             # the figure the objective ranked, as the plan file records it (ME unscaled as below)
             "objective_value": (pred.objective_value * scale if plan.objective == "me" else pred.objective_value),
             "memory_bytes": pred.memory / scale,
+            "counted_memory_bytes": counted_memory(pred, scale),
             "memory_max_bytes": pred.memory_max / scale,
             "me": pred.me * scale,
             "me_vs_dp": pred.me / dp.me if dp and dp.me else None,
@@ -236,5 +272,16 @@ def baseline_record(b, scale: float) -> dict:
         "boundaries": list(b.boundaries),
         "step_s": b.prediction.step_time,
         "memory_bytes": b.prediction.memory / scale,
+        "counted_memory_bytes": counted_memory(b.prediction, scale),
         "fits": b.prediction.fits,
     }
+
+
+def counted_memory(pred, scale: float) -> float | None:
+    """A prediction's mean memory per device on the terms the bench counts (state, deferral buffers,
+    weight versions, kept activations: live state and saved tensors; not the working memory, which no
+    count of those sees), / scale. None: a plan file without its working memory. Pure."""
+    working = pred.memory_working_per_stage
+    if working is None:
+        return None
+    return sum(m - w for m, w in zip(pred.memory_per_stage, working)) / len(working) / scale

@@ -44,6 +44,17 @@ def name_of(s: str) -> str:
     return DISPLAY_PLANNED.get(s) or DISPLAY.get(s, s)
 
 
+MEMORY_TERMS = (
+    "Memory is predicted on the terms the bench counts (state, deferral buffers, weight versions and kept "
+    "activations: live state and saved tensors); *with working memory* adds the planner's estimate of one "
+    "layer's forward+backward temporaries, which no such count sees."
+)
+
+
+def _gb(x):
+    return _f(x / 1e9 if x else None, "{:.2f}")
+
+
 def _pct(x):
     return _f(x, "{:+.1%}")
 
@@ -90,7 +101,8 @@ def planned_section(summary: dict) -> list[str]:
         "",
         "Each plan is `hippie-ds plan` for that emulated cluster (command in results.json, `plans`), run "
         "through the DeepSpeed config key `hippie.plan`. *used*: the run's stage boundaries and re-computed "
-        "layers, as every rank recorded them, are the plan's. Error = (predicted - measured) / measured.",
+        "layers, as every rank recorded them, are the plan's. Error = (predicted - measured) / measured. "
+        + MEMORY_TERMS,
         "",
     ]
     body = [[n, name_of(s), plan_cell(r["plan"]), "yes" if r.get("used_plan") else "**no**"] for n, s, r in found]
@@ -105,8 +117,9 @@ def planned_section(summary: dict) -> list[str]:
                 _f(r.get("plan_predicted_step_s")),
                 _pct(r.get("plan_step_error")),
                 _f(r["memory_bytes"] / 1e9 if r.get("memory_bytes") else None, "{:.2f}"),
-                _f(r["plan_predicted_memory_bytes"] / 1e9 if r.get("plan_predicted_memory_bytes") else None, "{:.2f}"),
+                _gb(r.get("plan_predicted_counted_memory_bytes") or r.get("plan_predicted_memory_bytes")),
                 _pct(r.get("plan_memory_error")),
+                _gb(r.get("plan_predicted_memory_bytes")),
                 _f(r.get("me"), "{:.3g}"),
                 _f(r.get("plan_predicted_me"), "{:.3g}"),
                 _pct(r.get("plan_me_error")),
@@ -125,6 +138,7 @@ def planned_section(summary: dict) -> list[str]:
             "memory/device (GB)",
             "predicted",
             "error",
+            "with working memory",
             "ME",
             "predicted",
             "error",
@@ -163,8 +177,9 @@ def baselines_section(summary: dict) -> list[str]:
                     _f(r.get("planner_predicted_step_s")),
                     _pct(r.get("planner_step_error")),
                     _f(r["memory_bytes"] / 1e9 if r.get("memory_bytes") else None, "{:.2f}"),
-                    _f(r["planner_predicted_memory_bytes"] / 1e9, "{:.2f}"),
+                    _gb(r.get("planner_predicted_counted_memory_bytes") or r["planner_predicted_memory_bytes"]),
                     _pct(r.get("planner_memory_error")),
+                    _gb(r["planner_predicted_memory_bytes"]),
                 ]
             )
     if not body:
@@ -173,12 +188,11 @@ def baselines_section(summary: dict) -> list[str]:
         "## The planner's baselines against the runs",
         "",
         "Each baseline a plan of that node count printed with the run's own shape (stages x data-parallel, "
-        "micro-batches, cut): its predicted step and memory per device beside the measured ones.",
+        "micro-batches, cut): its predicted step and memory per device beside the measured ones. " + MEMORY_TERMS,
         "",
     ]
-    lines += table(
-        ["nodes", "column", "baseline", "step (s)", "predicted", "error", "memory (GB)", "predicted", "error"], body
-    )
+    header = ["nodes", "column", "baseline", "step (s)", "predicted", "error", "memory (GB)", "predicted", "error"]
+    lines += table(header + ["with working memory"], body)
     lines += ["", f"The planner on its baselines: {sum(e <= 0.10 for e in errs)} of {len(errs)} within 10% "]
     lines[-1] += f"(worst {max(errs):.1%})." if errs else "."
     return lines + [""]

@@ -135,9 +135,17 @@ def planner_baseline_fields(column: str, row: dict, baselines: list[dict]) -> di
             "planner_predicted_step_s": b["step_s"],
             "planner_step_error": _error(b["step_s"], row.get("step_s")),
             "planner_predicted_memory_bytes": b["memory_bytes"],
-            "planner_memory_error": _error(b["memory_bytes"], row.get("memory_bytes")),
+            "planner_predicted_counted_memory_bytes": b.get("counted_memory_bytes"),
+            "planner_memory_error": _error(_counted(b), row.get("memory_bytes")),
         }
     return {}
+
+
+def _counted(predicted: dict) -> float:
+    """A prediction's memory on the bench's terms (scaling_plan.counted_memory), else all of it (an
+    older plan file: the working memory in it)."""
+    counted = predicted.get("counted_memory_bytes")
+    return predicted["memory_bytes"] if counted is None else counted
 
 
 def _error(predicted, measured):
@@ -172,7 +180,8 @@ def planned_fields(row: dict, run: dict, plan: dict) -> dict:
         "plan_predicted_step_s": p["step_s"],
         "plan_step_error": _error(p["step_s"], row.get("step_s")),
         "plan_predicted_memory_bytes": p["memory_bytes"],
-        "plan_memory_error": _error(p["memory_bytes"], row.get("memory_bytes")),
+        "plan_predicted_counted_memory_bytes": p.get("counted_memory_bytes"),
+        "plan_memory_error": _error(_counted(p), row.get("memory_bytes")),
         "plan_predicted_me": p["me"],
         "plan_me_error": _error(p["me"], row.get("me")),
         "plan_predicted_me_vs_dp": p["me_vs_dp"],
