@@ -169,6 +169,25 @@ def test_link_calibration_efficiency_is_the_fluid_ring_over_the_slowest_rank():
     assert link_calibration.efficiency(link, 4, "dp") is None and link_calibration.efficiency(None, 2, "dp") is None
 
 
+def test_link_calibration_gives_pipelines_every_stage_s_rings_at_once():
+    # 2 nodes x 2 stages, 1 MB and 3 MB at 1 MB/s: both rings cross each node's link, so the fluid
+    # time is one ring of 4 MB over 2 ranks: 4 s; the repeat lasts its slowest rank
+    records = [
+        {"stage_ranks": [1, 3], "stages": [5.0, 4.0, 8.0], "stages_bytes": [1e6, 3e6]},
+        {"stage_ranks": [1, 3], "stages": [5.0, 6.0, 5.0], "stages_bytes": [1e6, 3e6]},
+        {"stage_ranks": [1, 3], "stages": [4.0, 5.0, 5.0], "stages_bytes": [1e6, 3e6]},
+        {"stage_ranks": [1, 3], "stages": [4.0, 4.0, 5.0], "stages_bytes": [1e6, 3e6]},
+    ]
+    got = link_calibration.summarize(records, rate_bytes=1e6)["stages"]
+    assert got["repeats_s"] == [5.0, 6.0, 8.0] and got["ranks"] == 2 and got["bytes"] == 4e6
+    assert got["efficiency"] == pytest.approx(4.0 / 6.0)
+    lone = {"stage": {"efficiency": 0.5}, "all": {"efficiency": 0.9}}
+    link = {"by_nodes": {"2": {**lone, "stages": got}, "4": lone}}
+    assert link_calibration.efficiency(link, 2, "1f1b") == got["efficiency"]  # concurrent, where measured
+    assert link_calibration.efficiency(link, 4, "1f1b") == 0.5  # a calibration made before it: the lone ring
+    assert link_calibration.efficiency(link, 2, "dp") == 0.9
+
+
 def test_link_calibration_plans_the_largest_stage_and_dp_from_the_runs(tmp_path):
     a = _args("--nodes", "1,2")
     for d, label, stage, params in (
@@ -182,7 +201,17 @@ def test_link_calibration_plans_the_largest_stage_and_dp_from_the_runs(tmp_path)
         raw.mkdir(parents=True, exist_ok=True)
         (raw / f"rank{stage}.steps.json").write_text(json.dumps({"stage": stage, "params": params}))
     plan = link_calibration.plan(tmp_path, scaling.run_plan(a), a)
-    assert plan == [{"nodes": 2, "config": "two_nodes", "rpn": 4, "stage": 1, "stage_bytes": 120, "all_bytes": 160}]
+    assert plan == [
+        {
+            "nodes": 2,
+            "config": "two_nodes",
+            "rpn": 4,
+            "stage": 1,
+            "stage_bytes": 120,
+            "stages_bytes": [40, 120],
+            "all_bytes": 160,
+        }
+    ]
 
 
 def test_tied_groups_come_from_every_rank_s_record():
@@ -311,7 +340,8 @@ def test_scaling_study_end_to_end_on_two_emulated_nodes(tmp_path):
     assert "## 2 nodes" in (out / "report.md").read_text() and "## Link calibration" in (out / "report.md").read_text()
     link = json.loads((out / "link.json").read_text())["by_nodes"]["2"]
     assert link["stage"]["ranks"] == 2 and link["all"]["ranks"] == 4 and link["stage_index"] in (0, 1)
-    for shape, schedule in (("stage", "1f1b"), ("all", "dp")):  # the simulator ran at the measured efficiency
+    assert link["stages"]["ranks"] == 2 and link["stages"]["bytes"] > link["stage"]["bytes"]
+    for shape, schedule in (("stages", "1f1b"), ("all", "dp")):  # the simulator ran at the measured efficiency
         assert 0 < link[shape]["efficiency"] < 1.5 and len(link[shape]["repeats_s"]) == link_calibration.REPEATS
         comm = results["runs"]["two_nodes"][schedule]["prediction"]["costs"]["comm"]
         # the ranks' link: 100mbit / D = 2, the run's own (dilated) time

@@ -8,10 +8,16 @@ the collective's shape and size: a 0.5 MB ring of 2 ranks got 0.84-0.90 of 10mbi
 bench times (tools/bench/workers/link_worker.py), alone on the link:
 
 * ``stage``: the largest pipeline stage's gradient over its data-parallel group (one rank per node);
+* ``stages``: every stage's gradient over its data-parallel group, all at once (what a pipeline's
+  step ends with: the stages' all-reduces share each node's link);
 * ``all``: DP's whole-model gradient over every rank;
 
-and the analysis gives the simulator the pipeline runs' efficiency from ``stage``, DP's from ``all``
-(``--link-efficiency`` given: that value everywhere instead). Writes OUT/link.json."""
+and the analysis gives the simulator the pipeline runs' efficiency from ``stages`` (``stage`` in
+calibrations made before it), DP's from ``all`` (``--link-efficiency`` given: that value everywhere
+instead). Why ``stages``: a lone flow loses more of tbf's deep queue than several sharing it
+(VGG-16, 4 nodes: 0.57 against DP's 0.86), and the simulator already splits the link between
+concurrent all-reduces, so it needs the efficiency the link gets when they overlap. Writes
+OUT/link.json."""
 
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ def plan(out: Path, jobs: list[dict], a) -> list[dict]:
             elif "stage_bytes" not in entry:
                 stage = max(params, key=params.get)
                 entry.update(stage=stage, stage_bytes=int(wire_bytes(a) * params[stage]))
+                entry["stages_bytes"] = [int(wire_bytes(a) * params.get(s, 0)) for s in range(max(params) + 1)]
     return [e for e in by_nodes.values() if "stage_bytes" in e or "all_bytes" in e]
 
 
@@ -68,18 +75,23 @@ def ring_seconds(nbytes: float, ranks: int, rate_bytes: float) -> float:
 
 def summarize(records: list[dict], rate_bytes: float) -> dict:
     """{shape: {ranks, bytes, repeats_s, median_s, efficiency}} from the ranks' records: a repeat
-    lasts as long as its slowest rank; efficiency = the fluid ring time / the median. Pure."""
+    lasts as long as its slowest rank; efficiency = the fluid ring time / the median. ``stages``:
+    the rings of one rank a node share each node's link, so the fluid time is one ring of every
+    stage's bytes together over the nodes (``ranks``: the ring's, one a node). Pure."""
     out = {}
-    for shape in ("stage", "all"):
+    for shape in ("stage", "stages", "all"):
         times = [r[shape] for r in records if r.get(shape)]
         if not times:
             continue
         repeats = [max(t) for t in zip(*times)]
         nbytes = records[0][f"{shape}_bytes"]
+        ranks = len(times)
+        if shape == "stages":
+            nbytes, ranks = sum(nbytes), len(records[0]["stage_ranks"])
         median = statistics.median(repeats)
-        ideal = ring_seconds(nbytes, len(times), rate_bytes)
+        ideal = ring_seconds(nbytes, ranks, rate_bytes)
         out[shape] = {
-            "ranks": len(times),
+            "ranks": ranks,
             "bytes": nbytes,
             "repeats_s": repeats,
             "median_s": median,
@@ -111,6 +123,8 @@ def measure(a, out: Path, net, jobs: list[dict], port: int, t0: float) -> dict:
             str(entry.get("stage_bytes", 4)),
             "--all-bytes",
             str(entry.get("all_bytes", 4)),
+            "--stages-bytes",
+            ",".join(str(b) for b in entry.get("stages_bytes", [])),
             "--repeats",
             str(REPEATS),
         ]
@@ -133,6 +147,7 @@ def measure(a, out: Path, net, jobs: list[dict], port: int, t0: float) -> dict:
         shapes = summarize(records, parse_rate(a.rate))
         if "stage_bytes" not in entry:
             shapes.pop("stage", None)
+            shapes.pop("stages", None)
         if "all_bytes" not in entry:
             shapes.pop("all", None)
         result["by_nodes"][str(n)] = {"stage_index": entry.get("stage"), **shapes}
@@ -146,7 +161,11 @@ def load(out: Path) -> dict | None:
 
 
 def efficiency(link: dict | None, nodes: int, schedule: str) -> float | None:
-    """The measured efficiency for a run: DP's from ``all``, a pipeline's from ``stage``; None when
-    not measured. Pure."""
-    shape = "all" if schedule == "dp" else "stage"
-    return (((link or {}).get("by_nodes", {}).get(str(nodes)) or {}).get(shape) or {}).get("efficiency")
+    """The measured efficiency for a run: DP's from ``all``, a pipeline's from ``stages`` (``stage``
+    where a calibration has no ``stages``); None when not measured. Pure."""
+    entry = (link or {}).get("by_nodes", {}).get(str(nodes)) or {}
+    shapes = ("all",) if schedule == "dp" else ("stages", "stage")
+    for shape in shapes:
+        if (entry.get(shape) or {}).get("efficiency") is not None:
+            return entry[shape]["efficiency"]
+    return None

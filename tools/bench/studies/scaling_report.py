@@ -119,13 +119,20 @@ def paper_table(summary: dict) -> list[str]:
 
 
 def link_table(link: dict) -> list[str]:
-    """What a lone gloo all-reduce got of the shaped rate (tools/bench/studies/link_calibration.py)."""
+    """What gloo's all-reduces alone on the link got of the shaped rate
+    (tools/bench/studies/link_calibration.py)."""
+    concurrent = any("stages" in e for e in link["by_nodes"].values())
     lines = [
-        f"A lone gloo all-reduce on the same network ({link['rate']}, burst {link['burst']}), median of "
+        f"gloo all-reduces alone on the same network ({link['rate']}, burst {link['burst']}), median of "
         f"{link['repeats']}"
         + (f", measured by `{link['measured_by']}`" if link.get("measured_by") else "")
-        + "; efficiency = the fluid ring time 2(r-1)/r x bytes / rate over the median. The "
-        "simulator takes the pipelines' efficiency from their largest stage's group, DP's from all ranks.",
+        + "; efficiency = the fluid ring time 2(r-1)/r x bytes / rate over the median (every stage's "
+        "at once: their rings share each node's link, so the bytes are their sum). The simulator takes "
+        + (
+            "the pipelines' efficiency from every stage's at once, DP's from all ranks."
+            if concurrent
+            else "the pipelines' efficiency from their largest stage's group, DP's from all ranks."
+        ),
         "",
         "| nodes | collective | ranks | bytes | median (s) (min-max) | efficiency |",
         "|---|---|---|---|---|---|",
@@ -133,6 +140,7 @@ def link_table(link: dict) -> list[str]:
     for n, entry in link["by_nodes"].items():
         for shape, what in (
             ("stage", f"stage {entry.get('stage_index')}'s gradient, its data-parallel group"),
+            ("stages", "every stage's gradient at once, each over its data-parallel group"),
             ("all", "DP's gradient, every rank"),
         ):
             m = entry.get(shape)

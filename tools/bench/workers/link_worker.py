@@ -2,10 +2,11 @@
 
 NODES x RPN ranks (rank = node x RPN + local). Times, ``--repeats`` times each and alone on the
 link, a gloo all-reduce of ``--stage-bytes`` bytes over one stage's data-parallel group (local
-rank ``--stage`` of every node: what a pipeline stage all-reduces) and one of ``--all-bytes``
-bytes over every rank (what DP all-reduces), a world barrier around every repeat. Writes
-OUT/rank{R}.json with the seconds of the all-reduces it took part in. gloo on CPU tensors; NCCL on
-the rank's GPU where cluster.node_env set DS_ACCELERATOR=cuda."""
+rank ``--stage`` of every node: what a pipeline stage all-reduces), every stage's at once
+(``--stages-bytes``, local rank s all-reducing its entry s over its group: how a pipeline's step
+ends) and one of ``--all-bytes`` bytes over every rank (what DP all-reduces), a world barrier
+around every repeat. Writes OUT/rank{R}.json with the seconds of the all-reduces it took part in.
+gloo on CPU tensors; NCCL on the rank's GPU where cluster.node_env set DS_ACCELERATOR=cuda."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def parse_args():
     p.add_argument("--stage", type=int, required=True, help="the local rank whose group is timed")
     p.add_argument("--stage-bytes", type=int, required=True)
     p.add_argument("--all-bytes", type=int, required=True)
+    p.add_argument(
+        "--stages-bytes",
+        default="",
+        help="comma-separated bytes of each stage (local rank) for the concurrent shape; empty: not timed",
+    )
     p.add_argument("--repeats", type=int, default=5)
     return p.parse_args()
 
@@ -40,19 +46,25 @@ def main():
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
+    # every rank creates every group, in the same order (torch.distributed's rule)
+    groups = [dist.new_group(list(range(s, world, a.rpn))) for s in range(a.rpn)]
     stage_ranks = list(range(a.stage, world, a.rpn))
-    stage_group = dist.new_group(stage_ranks)
+    stages_bytes = [int(b) for b in a.stages_bytes.split(",") if b]
+    local = rank % a.rpn
     record = {
         "rank": rank,
         "world": world,
         "stage_ranks": stage_ranks,
         "stage_bytes": a.stage_bytes,
+        "stages_bytes": stages_bytes,
         "all_bytes": a.all_bytes,
     }
-    for name, group, member, nbytes in (
-        ("stage", stage_group, rank in stage_ranks, a.stage_bytes),
-        ("all", dist.group.WORLD, True, a.all_bytes),
-    ):
+    shapes = [("stage", groups[a.stage], rank in stage_ranks, a.stage_bytes)]
+    if stages_bytes:  # every rank runs every shape: timed's world barriers
+        member = local < len(stages_bytes)
+        shapes.append(("stages", groups[local], member, stages_bytes[local] if member else 4))
+    shapes.append(("all", dist.group.WORLD, True, a.all_bytes))
+    for name, group, member, nbytes in shapes:
         tensor = torch.ones(max(1, nbytes // 4), device=device)
         timed(group, tensor, member)  # warm-up: connections made
         times = [timed(group, tensor, member)["s"] for _ in range(a.repeats)]
