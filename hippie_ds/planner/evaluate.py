@@ -93,7 +93,8 @@ def simulate_configuration(
         else model.in_flight(schedule, lay.K, M)
     )
     d = list(compiled.params.get("deferred_stages", []))
-    mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions)
+    shares = {s: costs.stages[s].delayed_part(n).fraction for s, n in leading.items()}
+    mem = model.memory(lay, b / model.b0, p, ks, d, traits.weight_versions, shares)
     factor = 1.0
     if leading:
         from ..schedules.deferral import stale_share
@@ -130,9 +131,9 @@ def deferred_layers(
     least step. A stage that delays nothing is no longer deferred, the step is the one simulated
     with the chosen layers (what runs) and a priced objective's ``steps_factor`` prices what stays
     stale at ``staleness_price`` (None: the measured one; a free objective's is 1: one layer was
-    measured free, whatever its share of the gradient); memory keeps each deferred stage's whole gradient buffer (an
-    upper bound). Analytic estimates (too large to simulate) and layouts with virtual stages choose nothing: the
-    config's value applies."""
+    measured free, whatever its share of the gradient); memory holds each deferred stage's chosen
+    share (:meth:`.model._Model.memory`). Analytic estimates (too large to simulate) and layouts
+    with virtual stages choose nothing: the config's value applies."""
     if est.predicted_by != "simulator" or not est.deferred or lay.v > 1:
         # virtual stages: whole deferred stages (the engine's hippie.deferred_layers counts a
         # stage's leading layers as one contiguous range; a chunked stage's are not)
@@ -152,12 +153,14 @@ def deferred_layers(
         most_with_parameters=None if priced(objective) else FREE_LAYERS,
     ).choices
     kept = [s for s in est.deferred if choices[s].layers]
-    memory = (
-        est.memory
-        if kept == list(est.deferred)
-        else model.memory(
-            lay, b / model.b0, est.in_flight, ks, kept, schedule_traits(schedule, lay.K, M).weight_versions
-        )
+    memory = model.memory(
+        lay,
+        b / model.b0,
+        est.in_flight,
+        ks,
+        kept,
+        schedule_traits(schedule, lay.K, M).weight_versions,
+        {s: choices[s].delayed_share for s in kept},
     )
     first = next(iter(choices.values()))  # the step and the stale share are the pipeline's, on every choice
     return (

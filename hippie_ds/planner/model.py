@@ -16,6 +16,11 @@ from .recompute import ChunkedRecompute, StageRecompute
 from .traits import schedule_traits
 from .split_bounds import split_backward_time, split_stage_times
 
+# Copies of its delayed gradient's size a deferred stage holds (hippie_ds.adapter.gradients.stage,
+# adapter.staleness.prediction): the gradient buffer, and the default staleness correction's
+# ("extrapolate-made") delta of the delayed weights, one buffer between steps.
+DEFERRAL_COPIES = 2
+
 # ---------------------------------------------------------------------------------------------
 # Cost model
 
@@ -333,15 +338,17 @@ class _Model:
         ks: Sequence[int],
         deferred: Sequence[int],
         weight_versions: Sequence[int] | None = None,
+        delayed_share: dict[int, float] | None = None,
     ) -> list[float]:
-        """Per device (the formula, :mod:`.plan`): weights and optimizer state, the gradient
-        buffer of a deferred stage, extra weight versions (2bw, pipedream), activations held for
-        backward and the largest working memory of one layer's forward+backward."""
-        d = set(deferred)
+        """Per device (the formula, :mod:`.plan`): weights and optimizer state, what a deferred stage
+        holds for its delayed share of the gradient (``delayed_share``: {stage: share of its gradient
+        bytes}; a stage not in it delays all), extra weight versions (2bw, pipedream), activations
+        held for backward and the largest working memory of one layer's forward+backward."""
+        share = {s: 1.0 for s in deferred} | {s: x for s, x in (delayed_share or {}).items() if s in deferred}
         extra = [v - 1 for v in weight_versions] if weight_versions else [0] * lay.K
         return [
             lay.params[s] * (self.state_factor + extra[s])
-            + (lay.params[s] if s in d else 0.0)
+            + lay.params[s] * share.get(s, 0.0) * DEFERRAL_COPIES
             + f * (lay.rec[s].activations(ks[s], in_flight[s]) + lay.working[s])
             for s in range(lay.K)
         ]

@@ -43,7 +43,9 @@ Cost model (all of it in :class:`_Config.estimate`; the simulator refines the be
   from the profile's precision, :meth:`.profile.Profile.state_factor`: an fp32 profile with
   fp32 Adam: weights, gradients, two moments = 16 bytes a parameter = 4 x the profiled
   parameter bytes; bf16 with DeepSpeed's BF16_Optimizer 18 bytes a parameter = 4.5 x fp32-sized
-  parameter bytes) + W_s for the gradient buffer of a deferred stage + activations: the peak
+  parameter bytes) + 2 x D_s for a deferred stage delaying D_s of its parameter bytes (the
+  delayed gradient's buffer and the default staleness correction's delta of those weights;
+  D_s = W_s until the layers are chosen) + activations: the peak
   number of micro-batches in flight (1f1b: min(K-s, M); gpipe: M; hippie: M, the fused last
   stage 1; zb-h1: K on every stage, activations are held until W; from the simulator when it
   runs) times the bytes kept per micro-batch (the last part's include what the loss saves),

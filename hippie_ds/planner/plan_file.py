@@ -98,7 +98,7 @@ class StagePlan(_Strict):
     memory: float = Field(
         ge=0,
         description="peak memory of one device of this stage (bytes; all its chunks): "
-        "param_bytes x state factor (+ a deferred stage's gradient buffer) + "
+        "param_bytes x state factor (+ a deferred stage's gradient buffer and staleness delta) + "
         "activation_memory + working_memory",
     )
     activation_memory: float = Field(

@@ -227,3 +227,40 @@ def test_state_factor_follows_the_profile_precision(tmp_path, dtype, bytes_dtype
     assert load_plan(tmp_path / "a.json").assumptions["state_factor"] == factor
     assert main(args + ["--state-factor", "7", "--out", str(tmp_path / "b.json")]) == 0
     assert load_plan(tmp_path / "b.json").assumptions["state_factor"] == 7.0
+
+
+# ---------------------------------------------------------------------------------------------
+# A deferred stage's memory: twice its delayed share of the gradient
+
+
+def test_a_deferred_stage_holds_twice_its_delayed_gradient_not_the_whole_stage():
+    """The engine keeps a deferred stage's delayed gradient in its buffer and the default staleness
+    correction's delta of the same weights (tests/bench/test_bench_memory_count.py counts both on real
+    ranks); with one of three layers delayed that is that layer's share, not the stage's whole
+    parameter bytes (what the planner charged before)."""
+    from hippie_ds.planner import make_plan
+    from hippie_ds.planner.profile import as_profile
+
+    layer = {"forward": 1e-3, "backward": 2e-3, "output_bytes": 100.0, "saved_bytes": 100.0}
+    profile = as_profile(
+        {
+            "model": "m",
+            "batch_size": 4,
+            "layers": [{**layer, "name": f"l{i}", "param_bytes": 1e6 * (i % 3 + 1)} for i in range(6)],
+        }
+    )
+    plan = make_plan(
+        profile,
+        parse_cluster("2x2,80GB,1Gbit"),
+        32,
+        objective="throughput",
+        depths=[2],
+        micro_batch_sizes=[4],
+        schedules=["hippie-1f1b"],
+        baselines=False,
+    )
+    partial = [st for st in plan.stages if st.deferred and 0 < st.delayed_share < 1]
+    assert partial, [(st.deferred, st.delayed_share) for st in plan.stages]
+    for st in plan.stages:
+        delayed = st.param_bytes * st.delayed_share if st.deferred else 0.0
+        assert st.memory == pytest.approx(st.param_bytes * 4 + 2 * delayed + st.activation_memory + st.working_memory)
