@@ -31,18 +31,23 @@ def forward(rt, buffer_id):
 
 
 def backward(rt, buffer_id):
-    """DeepSpeed's backward of the buffer's loss, inside partial deferral's early all-reduce window."""
-    if rt.ds.is_last_stage():
+    """DeepSpeed's backward of the buffer's loss, inside partial deferral's early all-reduce window.
+    On the loss stage the buffer's output is then dropped: DeepSpeed's ``_exec_backward_pass`` returns
+    there before it frees it, so the logits of every buffer would stay until the buffer is reused (and
+    after the step)."""
+    last = rt.ds.is_last_stage()
+    if last:
         rt.ds.set_loss(rt.losses.pop(buffer_id))
     with rt.gradients.early_allreduce_window():  # partial deferral (gradients/stage.py)
         rt.ds.backward_pass(buffer_id)
+    if last:
+        rt.ds.pipe_buffers["outputs"][buffer_id] = None
 
 
 def forward_backward(rt, buffer_id):
-    """The loss stage's forward and backward back to back; its output dropped before the next micro-batch."""
+    """The loss stage's forward and backward back to back (its output dropped by the backward)."""
     forward(rt, buffer_id)
     backward(rt, buffer_id)
-    rt.ds.pipe_buffers["outputs"][buffer_id] = None
 
 
 def backward_input(rt, buffer_id):

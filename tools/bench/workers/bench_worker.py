@@ -334,13 +334,16 @@ class Steps:
     ``--memory``, the peak bytes held for backward during it), and how busy this rank's cores were
     over it (all processes and the kernel: the idle time hidden communication could use)."""
 
-    def __init__(self, tracker: ActivationMeter | None):
-        self.tracker = tracker
+    def __init__(self, memory: bool):
+        # One meter per engine: the engines share this process, and what one still holds (DeepSpeed's
+        # last stage keeps its outputs in its pipe buffers after the backward) is not another's memory.
+        self.memory = memory
+        self.trackers: dict[str, ActivationMeter] = {}
         self.engines, self.iters, self.records, self.meta = {}, {}, {}, {}
         self.cpu = InstructionCpu()  # the main thread's CPU per instruction class (host-cost samples)
 
     def run(self, label, rnd, index, warmup) -> float:
-        engine, tracker = self.engines[label], self.tracker
+        engine, tracker = self.engines[label], self.trackers.get(label)
         if tracker is not None:
             # DeepSpeed's output-hook managers sit in reference cycles with the outputs they hook:
             # collect them now (untimed) so the peak is this step's, not what the collector left.
@@ -429,18 +432,18 @@ def main():
     deepspeed.init_distributed(dist_backend=backend_name(), timeout=timedelta(seconds=a.timeout_s))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     labels = order_labels(a.schedules, measured_costs=a.costs == "measured")
-    steps = Steps(ActivationMeter() if a.memory else None)
+    steps = Steps(memory=a.memory)
     rss_baseline = proc_status_bytes("VmRSS") if a.memory else None  # after imports and init, before any model
 
     for label in labels:
         if a.costs == "measured" and label != STOCK:  # after stock's warm-up, before the first reader
             a.costs = write_auto_costs(a, steps.engines[STOCK], world, rank, world // a.stages)
         engine, module, stage, replica, parts, schedule = build_engine(a, label, world, rank)
-        if steps.tracker is not None:
-            steps.tracker.ignore(module.parameters())
-            hold_stage_io(module, steps.tracker)
+        if steps.memory:
+            tracker = steps.trackers[label] = ActivationMeter(module)  # ignores the module's parameters
+            hold_stage_io(module, tracker)
             if hasattr(engine, "count_split_state_in"):  # zero-bubble: gradients kept from I until W
-                engine.count_split_state_in(steps.tracker)
+                engine.count_split_state_in(tracker)
         steps.cpu.attach(engine)
         steps.engines[label], steps.iters[label], steps.records[label] = engine, data_iter(a, replica), []
         steps.meta[label] = engine_meta(a, engine, module, label, schedule, stage, replica, parts, world, rank)
