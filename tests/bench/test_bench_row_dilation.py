@@ -161,29 +161,27 @@ def test_max_dilate_at_the_job_s_d_reruns_nothing(tmp_path):
     )
 
 
-def test_a_planned_row_is_planned_afresh_at_its_new_d(tmp_path):
+def test_a_planned_row_is_rerun_at_its_new_d_with_the_plan_made_at_the_job_s(tmp_path):
+    """The row is its plan: rerun at 2D, it runs the same plan file (planned afresh, the planner would
+    spend the host 2D frees and the new plan wait as much)."""
     a = _args(tmp_path, "--schedules", "planned")
     plan16 = {"schedule": "hippie", "file": "p16.json", "pipeline_depth": 4, "micro_batch_size": 8, "micro_batches": 32}
     a.planned = {(2, "planned"): plan16}
     job = next(j for j in scaling.run_plan(a) if j["dir"] == "two_nodes_planned")
     assert job["labels"] == "hippie" and job["plan"] is plan16
     write_row(tmp_path / "runs" / "two_nodes_planned", "hippie", 16, 0.097)
-    asked, jobs = [], []
-
-    def plan(d, nodes, name):
-        asked.append((d, nodes, name))
-        return {**plan16, "schedule": "hippie-1f1b", "file": f"p{d:g}.json"}
+    jobs = []
 
     def run(a_d, one, run_dir):
         jobs.append(one)
         write_row(run_dir, one["labels"], a_d.dilate, 0.045)
 
-    tried = row_dilation.rerun_rows(a, tmp_path, job, run, plan=plan, log=lambda *x, **k: None)
-    assert asked == [(32, 2, "planned")] and tried["planned"][-1] == (32, pytest.approx(0.045))
-    assert jobs[0]["labels"] == "hippie-1f1b" and jobs[0]["plan"]["file"] == "p32.json"  # the plan made at D = 32
-    assert (tmp_path / "runs" / "D32" / "two_nodes_planned" / "raw" / "hippie-1f1b").is_dir()
+    tried = row_dilation.rerun_rows(a, tmp_path, job, run, log=lambda *x, **k: None)
+    assert tried["planned"] == [(16, pytest.approx(0.097)), (32, pytest.approx(0.045))]
+    assert jobs[0]["labels"] == "hippie" and jobs[0]["plan"] is plan16
+    assert (tmp_path / "runs" / "D32" / "two_nodes_planned" / "raw" / "hippie").is_dir()
     args = scaling.job_args(row_dilation.at_dilation(a, 32), jobs[0], tmp_path / "x")
-    assert args[args.index("--plan-config") + 1] == "p32.json"
+    assert args[args.index("--plan-config") + 1] == "p16.json"
 
 
 def test_a_row_at_d_32_beside_rows_at_16_reports_its_times_over_its_own_d(tmp_path, monkeypatch):
@@ -222,20 +220,18 @@ def test_a_row_at_d_32_beside_rows_at_16_reports_its_times_over_its_own_d(tmp_pa
     assert "32 (16: 9.0%) | 0.500 |" in "\n".join(nodes_table(rows, 2))
 
 
-def test_the_planned_row_s_plan_is_the_one_made_at_its_d(tmp_path, monkeypatch):
-    """results.json's plans, and the predictions set beside each planned row, are those of the D its
-    figure was taken at (a planned row host-free at the job's D keeps the job's plan)."""
+def test_the_planned_row_s_plan_is_the_job_s_with_the_d_of_its_figure(tmp_path):
+    """results.json's plans, and the predictions set beside each planned row, are the plan the row
+    ran (made at the job's D), with the D its figure was taken at."""
     a = _args(tmp_path, "--schedules", "planned,planned-throughput")
     base = {"schedule": "hippie", "file": "p16.json"}
     a.planned = {(n, name): {**base, "name": name} for n in (1, 2) for name in ("planned", "planned-throughput")}
-    at32 = {"schedule": "hippie-1f1b", "file": "p32.json"}
-    monkeypatch.setattr(row_dilation, "plan_at", lambda a, out, d, n, name, make, log=print: {**at32, "d": d})
     for job in scaling.run_plan(a):
         waited = job["nodes"] == 2 and job["schedules"] == ["planned"]
         write_row(tmp_path / "runs" / job["dir"], "hippie", 16, 0.097 if waited else 0.01, nodes=job["nodes"])
         if waited:
-            write_row(tmp_path / "runs" / "D32" / job["dir"], "hippie-1f1b", 32, 0.02, nodes=2)
+            write_row(tmp_path / "runs" / "D32" / job["dir"], "hippie", 32, 0.02, nodes=2)
     plans = row_dilation.row_plans(a, tmp_path, scaling.run_plan(a))
-    assert plans[(2, "planned")] == {**at32, "d": 32, "dilation": 32}
+    assert plans[(2, "planned")] == {**base, "name": "planned", "dilation": 32}
     assert plans[(2, "planned-throughput")] == {**base, "name": "planned-throughput", "dilation": 16}
     assert plans[(1, "planned")]["dilation"] == 16

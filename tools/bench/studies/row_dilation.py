@@ -6,13 +6,15 @@ row whose rank waited for a core more than WAITED_FOR_CORE of a step at D measur
 host it emulates (D x cores / ranks on a core) is too small for that schedule. Such a row is rerun
 alone (a job of that schedule only, the same nodes, rounds and steps) at 2D, then 4D, ... up to
 ``--max-dilate`` (D_MAX, 64), until it is host-free; its figure is the first D's at which it was, or,
-if none was up to the limit, the last D's, flagged with its wait. A planned column is planned afresh
-at its new D (the plan's fingerprint holds the ranks' bytes, x D; the planner sees each rank's
-share of the host at that D). Stock 1F1B is flat in D (tools/bench/studies/dilation.py), so rows at
-different D compare; ratios, scaling and ME take each row's times / its own D.
+if none was up to the limit, the last D's, flagged with its wait. A planned column is rerun with the
+plan made at the job's D: the row is that plan, as the others are their schedule. (Planned afresh at
+2D, the planner, which sees each rank's share of the host at that D, spent the host 2D frees on more
+micro-batches, and the new plan waited as much: GNMT-16's ME plan went 16 x 32, 32 x 16, 64 x 8 from
+D = 16 to 64, waiting 6.7%, 5.5%, 5.8%.) Stock 1F1B is flat in D (tools/bench/studies/dilation.py),
+so rows at different D compare; ratios, scaling and ME take each row's times / its own D.
 
 The runs at the job's D stay in OUT/runs/JOB/; a rerun at D lies in OUT/runs/D<D>/ROW/ (ROW: the job's
-directory, ``_SCHEDULE`` appended where the job ran several), its plans in OUT/runs/D<D>/plans/.
+directory, ``_SCHEDULE`` appended where the job ran several).
 Which D a row took is read back from those records (:func:`chosen_run`), so ``--analyze-only`` and
 ``--resume`` (a rerun that finished is not run again) come to the same D as the run did.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from tools.bench.analysis import cpu_figures, load_run
 from tools.bench.labels import engine_label
-from tools.bench.studies.scaling_plan import PLANNED, load_plans, make_plans
+from tools.bench.studies.scaling_plan import PLANNED
 from tools.bench.studies.scaling_summary import WAITED_FOR_CORE
 
 D_MAX = 64.0
@@ -55,7 +57,7 @@ def row_dir(out: Path, job: dict, schedule: str, d: float, base: float) -> Path:
 
 
 def row_job(job: dict, schedule: str, plan: dict | None) -> dict:
-    """The job that runs only ``schedule`` of ``job``, a planned column with ``plan`` (its D's). Pure."""
+    """The job that runs only ``schedule`` of ``job``, a planned column with ``plan`` (the job's). Pure."""
     one = {**job, "schedules": [schedule]}
     if schedule in PLANNED:
         return {**one, "labels": plan["schedule"] if plan else schedule, "plan": plan}
@@ -95,24 +97,12 @@ def done(run_dir: Path) -> bool:
     return (run_dir / "raw" / "done.json").exists()
 
 
-def plan_at(a, out: Path, d: float, nodes: int, name: str, make: bool, log=print) -> dict | None:
-    """The plan of the planned column ``name`` on ``nodes`` nodes at D = ``d`` (its files in
-    OUT/runs/D<d>/plans/): made by ``hippie-ds plan`` where ``make`` (kept where an earlier run of the
-    command made it, ``--resume``), else read back (None where none was made)."""
-    b = at_dilation(a, d)
-    b.node_counts, b.schedule_list = [nodes], [name]
-    plans = make_plans(b, rerun_base(out, d), log=log, reuse=a.resume) if make else load_plans(b, rerun_base(out, d))
-    return plans.get((nodes, name))
-
-
-def rerun_rows(a, out: Path, job: dict, run, plan=None, log=print) -> dict:
+def rerun_rows(a, out: Path, job: dict, run, log=print) -> dict:
     """After ``job`` ran at ``a.dilate``: every row whose rank waited for a core more than
     WAITED_FOR_CORE is rerun alone at 2D, 4D ... (``dilations`` up to ``a.max_dilate``) until it is
-    host-free. ``run(options at D, the row's job, its run directory)`` runs one job;
-    ``plan(D, nodes, name)`` makes a planned column's plan at D (default :func:`plan_at`). With
-    ``a.resume`` a rerun that finished (raw/done.json) is not run again. Returns {schedule: [(D, wait)]}
-    (every D the row ran at, in order)."""
-    plan = plan or (lambda d, n, name: plan_at(a, out, d, n, name, make=True, log=log))
+    host-free, a planned column with the job's plan. ``run(options at D, the row's job, its run
+    directory)`` runs one job. With ``a.resume`` a rerun that finished (raw/done.json) is not run
+    again. Returns {schedule: [(D, wait)]} (every D the row ran at, in order)."""
     tried = {}
     for s in job["schedules"]:
         steps = dilations(a.dilate, getattr(a, "max_dilate", D_MAX))
@@ -126,7 +116,7 @@ def rerun_rows(a, out: Path, job: dict, run, plan=None, log=print) -> dict:
                 f"{tried[s][-1][0]:g} (> {WAITED_FOR_CORE:.0%}): rerun alone at D = {d:g}",
                 flush=True,
             )
-            one = row_job(job, s, plan(d, job["nodes"], s) if s in PLANNED else None)
+            one = row_job(job, s, job.get("plan"))
             run_dir = row_dir(out, job, s, d, a.dilate)
             if a.resume and done(run_dir):
                 log(f"{run_dir.relative_to(out)}: done in an earlier run (--resume)", flush=True)
@@ -144,8 +134,8 @@ def rerun_rows(a, out: Path, job: dict, run, plan=None, log=print) -> dict:
 
 def chosen_run(a, out: Path, job: dict, schedule: str) -> tuple[float, Path, dict, list]:
     """The row's figure, read back from the records: (D, run directory, the row's job (a planned
-    column's plan at D), [(D, wait)] of every D it ran at up to that one): the first D at which it was
-    host-free, else the last D it ran at. Pure but for reading the records."""
+    column: with the job's plan), [(D, wait)] of every D it ran at up to that one): the first D at which
+    it was host-free, else the last D it ran at. Pure but for reading the records."""
     d_max = getattr(a, "max_dilate", D_MAX)
     chosen = (a.dilate, row_dir(out, job, schedule, a.dilate, a.dilate), job)
     tried = [(a.dilate, row_wait(chosen[1], row_label(job, schedule)))]
@@ -153,15 +143,15 @@ def chosen_run(a, out: Path, job: dict, schedule: str) -> tuple[float, Path, dic
         run_dir = row_dir(out, job, schedule, d, a.dilate)
         if host_free(tried[-1][1]) or not (run_dir / "raw").is_dir():
             break
-        plan = plan_at(a, out, d, job["nodes"], schedule, make=False) if schedule in PLANNED else None
-        one = row_job(job, schedule, plan)
+        one = row_job(job, schedule, job.get("plan"))
         chosen = (d, run_dir, one)
         tried.append((d, row_wait(run_dir, row_label(one, schedule))))
     return (*chosen, tried)
 
 
 def row_plans(a, out: Path, jobs: list[dict]) -> dict:
-    """{(nodes, name): the plan record} of every planned column at the D its figure was taken at."""
+    """{(nodes, name): the plan record} of every planned column (the plan made at the job's D), with
+    the D its figure was taken at."""
     plans = dict(getattr(a, "planned", {}) or {})
     for job in jobs:
         for s in job["schedules"]:

@@ -161,7 +161,7 @@ def dilation_line(cfg: dict) -> str:
     host = ", ".join(f"{n} node{'s' if n != '1' else ''}: {c:.3g}" for n, c in cores.items())
     rerun = (
         f" A row whose rank waited for a core more than {cfg.get('waited_for_core_share', 0.05):.0%} of a step "
-        f"at D was rerun alone (same nodes, rounds and steps; a planned column planned afresh at that D) at "
+        f"at D was rerun alone (same nodes, rounds and steps; a planned column with the plan made at the first D) at "
         f"2D, 4D, ... up to {cfg['max_dilation']:g} until host-free; its figure is the first D's at which it "
         "was (column D; in brackets the D it waited at before, and its wait), else the last D's, flagged. "
         "Each row's times are divided by its own D (ratios and scaling between rows at different D are of "
