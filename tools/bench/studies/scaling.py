@@ -487,7 +487,5 @@ def main(argv=None) -> int:
     publish(a.publish, ("report.md", "results.json"), base=out)
     if a.publish and (out / "plans").is_dir():  # the plans run, their inputs and hippie-ds plan's output
         publish(Path(a.publish) / "plans", sorted((out / "plans").iterdir()))
-    for plans in sorted((out / "runs").glob("D*/plans")) if a.publish else []:  # the rows' plans at their D
-        publish(Path(a.publish) / "plans" / plans.parent.name, sorted(plans.iterdir()))
     fix_owner(out)
     return 0
